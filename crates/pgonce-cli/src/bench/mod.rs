@@ -1,0 +1,50 @@
+//! `pgonce bench <suite>`: strategies side by side in one run, with ratios.
+//! Every suite takes `--quick` (same scenarios, smaller, under 30 s) for CI.
+
+mod lock;
+pub mod measure;
+
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+use crate::report::Report;
+use crate::scratch::RunDatabase;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Suite {
+    /// Cost of a transaction-level advisory lock in a short write transaction.
+    Lock,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Which suite to run.
+    pub suite: Suite,
+    /// The same scenarios, smaller: the whole suite in under 30 seconds.
+    #[arg(long)]
+    pub quick: bool,
+    /// Seconds to measure each strategy (default: 5, or 1.5 with --quick).
+    #[arg(long)]
+    pub seconds: Option<f64>,
+}
+
+impl BenchArgs {
+    /// How long to measure one strategy in one scenario.
+    pub fn phase(&self) -> Duration {
+        let default = if self.quick { 1.5 } else { 5.0 };
+        Duration::from_secs_f64(self.seconds.unwrap_or(default).max(0.1))
+    }
+}
+
+pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result<Report> {
+    let name = args.suite.to_possible_value().expect("no skipped suites");
+    let db = RunDatabase::open(database_url, "bench", 200).await?;
+    let report = match args.suite {
+        Suite::Lock => lock::run(args, &db).await,
+    };
+    db.close().await?;
+    let mut report = report?;
+    report.name = name.get_name().to_string();
+    Ok(report)
+}

@@ -1,0 +1,136 @@
+//! `pgonce`: the command-line face of pgonce. Parses arguments, sets up
+//! logging and hands over to the library; nothing here decides anything.
+
+mod bench;
+mod race;
+mod report;
+mod scratch;
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+use crate::report::Report;
+
+/// Database safeguards for at-least-once queue workers on PostgreSQL.
+///
+/// Without --database-url (or DATABASE_URL), `demo`, `race` and `bench`
+/// start a throwaway PostgreSQL cluster from the installed binaries and
+/// remove it when they finish. Logs go to stderr; RUST_LOG sets the level.
+#[derive(Debug, Parser)]
+#[command(name = "pgonce", version, about, long_about)]
+struct Cli {
+    /// PostgreSQL to use, e.g. postgres://user@host:5432/db. `race`, `bench`
+    /// and `demo` create (and drop) a scratch database on that server.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+
+    /// Print exactly one JSON object on stdout instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Apply pgonce's migrations to the --database-url database.
+    Migrate,
+    /// Replay a seed's race step by step under each strategy.
+    Race(race::RaceArgs),
+    /// Compare strategies side by side under load; prints ratios.
+    Bench(bench::BenchArgs),
+    /// The main job: run the whole system on a throwaway database and check
+    /// every invariant.
+    Demo,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new("warn,pgonce=info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            outcome = run(&cli) => outcome,
+            _ = tokio::signal::ctrl_c() => Err(Interrupted.into()),
+        }
+        // Leaving the select drops the command's future, and with it any
+        // throwaway cluster, which stops the server and removes its files.
+    });
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    match outcome {
+        Ok(Some(report)) => {
+            report.print(cli.json);
+            if report.verdict.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Ok(None) => ExitCode::SUCCESS,
+        Err(e) if e.is::<Interrupted>() => {
+            eprintln!("pgonce: interrupted; throwaway database removed");
+            ExitCode::from(130)
+        }
+        Err(e) => {
+            eprintln!("pgonce: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Ctrl-C was pressed; the run was abandoned and cleaned up.
+#[derive(Debug)]
+struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+async fn run(cli: &Cli) -> anyhow::Result<Option<Report>> {
+    let url = cli.database_url.as_deref().filter(|u| !u.is_empty());
+    match &cli.command {
+        Command::Migrate => {
+            let url =
+                url.context("migrate needs a database: pass --database-url or set DATABASE_URL")?;
+            let server = pgonce_testkit::Server::external(url).await?;
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with(server.options().clone())
+                .await?;
+            pgonce::migrate(&pool)
+                .await
+                .with_context(|| format!("migrating {}", server.address()))?;
+            eprintln!("pgonce: migrations applied to {}", server.address());
+            Ok(None)
+        }
+        Command::Race(args) => race::run(args, url).await.map(Some),
+        Command::Bench(args) => bench::run(args, url).await.map(Some),
+        Command::Demo => {
+            // Until the incident service lands, the demo is the first race.
+            tracing::info!(
+                "demo: running `race lock-wait` (the incident service is not built yet)"
+            );
+            let args = race::RaceArgs {
+                scenario: race::Scenario::LockWait,
+            };
+            let mut report = race::run(&args, url).await?;
+            report.command = "demo";
+            Ok(Some(report))
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! `pgonce race <scenario>`: a seed's interleaving replayed step by step with
+//! the harness, under each strategy, with what happened to the invariant.
+
+mod lock_wait;
+
+use clap::{Args, ValueEnum};
+use pgonce_testkit::{Step, StepEvent};
+
+use crate::report::{Report, Row};
+use crate::scratch::RunDatabase;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Scenario {
+    /// Session B waits for a transaction-level advisory lock that A holds,
+    /// and does not when A takes it outside a transaction.
+    LockWait,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RaceArgs {
+    /// Which scenario to replay.
+    pub scenario: Scenario,
+}
+
+pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<Report> {
+    let db = RunDatabase::open(database_url, "race", 20).await?;
+    let report = match args.scenario {
+        Scenario::LockWait => lock_wait::run(&db).await,
+    };
+    db.close().await?;
+    report
+}
+
+/// The timeline of one strategy's interleaving as report rows, `T00`, `T01`...
+pub fn timeline_rows(strategy: &str, steps: &[Step]) -> Vec<Row> {
+    steps
+        .iter()
+        .map(|s| {
+            let event = match &s.event {
+                StepEvent::Ran => "ran".to_string(),
+                StepEvent::Blocked { by } => format!("waits for {}", by.join(", ")),
+                StepEvent::Resumed => "proceeds".to_string(),
+                StepEvent::Note => "note".to_string(),
+            };
+            Row::new(strategy)
+                .with("t", format!("T{:02}", s.at))
+                .with("session", &s.session)
+                .with("step", &s.what)
+                .with("event", event)
+        })
+        .collect()
+}

@@ -1,0 +1,233 @@
+//! The one output format of `race`, `bench` and `demo`: a readable table, or
+//! with `--json` exactly one JSON object on stdout:
+//!
+//! ```text
+//! {"command", "name", "environment", "results": [{"strategy", ...figures}],
+//!  "ratios": {"<a>_vs_<b>": x}, "sections": {...}, "verdict": {"ok", "reasons"}}
+//! ```
+//!
+//! Figures use the shared names where they apply: `ops_per_sec`, `p50_ms`,
+//! `p99_ms`, `max_ms`, `conflicts`, `aborts`, `retries`, `violations`,
+//! `invariant_held`. The process exits 0 iff `verdict.ok`.
+
+use std::collections::BTreeMap;
+
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use sqlx::PgPool;
+
+/// Where a report was measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Environment {
+    pub postgres_version: String,
+    pub cpus: usize,
+    pub fsync: bool,
+    pub synchronous_commit: String,
+    /// `throwaway` (a cluster started for this run) or `external`.
+    pub server: &'static str,
+    pub pgonce_version: &'static str,
+}
+
+impl Environment {
+    /// Reads the server's settings through `pool`.
+    pub async fn read(pool: &PgPool, throwaway: bool) -> anyhow::Result<Environment> {
+        let (version, fsync, sync_commit): (String, String, String) = sqlx::query_as(
+            "SELECT current_setting('server_version'), current_setting('fsync'), \
+             current_setting('synchronous_commit')",
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok(Environment {
+            postgres_version: version,
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            fsync: fsync == "on",
+            synchronous_commit: sync_commit,
+            server: if throwaway { "throwaway" } else { "external" },
+            pgonce_version: env!("CARGO_PKG_VERSION"),
+        })
+    }
+}
+
+/// Whether the run showed what it set out to show, and why not.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Verdict {
+    pub ok: bool,
+    pub reasons: Vec<String>,
+}
+
+impl Verdict {
+    /// Starts as ok; each failed [`Verdict::check`] turns it false.
+    pub fn new() -> Verdict {
+        Verdict {
+            ok: true,
+            reasons: Vec::new(),
+        }
+    }
+
+    /// Records `reason`, prefixed `ok:` or `FAILED:`, and clears `ok` when
+    /// `holds` is false.
+    pub fn check(&mut self, holds: bool, reason: impl Into<String>) {
+        let reason = reason.into();
+        self.ok &= holds;
+        self.reasons
+            .push(format!("{}: {reason}", if holds { "ok" } else { "FAILED" }));
+    }
+}
+
+/// One row of results: `strategy` first, then figures in insertion order.
+#[derive(Debug, Clone, Default)]
+pub struct Row(Map<String, Value>);
+
+impl Row {
+    pub fn new(strategy: impl Into<String>) -> Row {
+        let mut map = Map::new();
+        map.insert("strategy".into(), Value::String(strategy.into()));
+        Row(map)
+    }
+
+    /// Adds a figure; anything `serde_json` can represent.
+    pub fn with(mut self, name: &str, value: impl Serialize) -> Row {
+        self.set(name, value);
+        self
+    }
+
+    pub fn set(&mut self, name: &str, value: impl Serialize) {
+        self.0.insert(
+            name.to_string(),
+            serde_json::to_value(value).unwrap_or(Value::Null),
+        );
+    }
+}
+
+/// A complete report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub command: &'static str,
+    pub name: String,
+    pub environment: Environment,
+    #[serde(serialize_with = "rows")]
+    pub results: Vec<Row>,
+    pub ratios: BTreeMap<String, f64>,
+    /// Further named tables (a timeline, a comparison table), shown after
+    /// the results.
+    #[serde(
+        skip_serializing_if = "BTreeMap::is_empty",
+        serialize_with = "sections"
+    )]
+    pub sections: BTreeMap<String, Vec<Row>>,
+    pub verdict: Verdict,
+}
+
+fn rows<S: serde::Serializer>(rows: &[Row], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(rows.iter().map(|r| &r.0))
+}
+
+fn sections<S: serde::Serializer>(
+    sections: &BTreeMap<String, Vec<Row>>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_map(
+        sections
+            .iter()
+            .map(|(k, v)| (k, v.iter().map(|r| &r.0).collect::<Vec<_>>())),
+    )
+}
+
+impl Report {
+    pub fn new(command: &'static str, name: &str, environment: Environment) -> Report {
+        Report {
+            command,
+            name: name.to_string(),
+            environment,
+            results: Vec::new(),
+            ratios: BTreeMap::new(),
+            sections: BTreeMap::new(),
+            verdict: Verdict::new(),
+        }
+    }
+
+    /// Adds `a_vs_b` = `a / b`, rounded to two decimals; skipped when `b` is 0.
+    pub fn ratio(&mut self, name: &str, a: f64, b: f64) -> Option<f64> {
+        if b == 0.0 || !a.is_finite() || !b.is_finite() {
+            return None;
+        }
+        let r = (a / b * 100.0).round() / 100.0;
+        self.ratios.insert(name.to_string(), r);
+        Some(r)
+    }
+
+    /// Prints the report: JSON on stdout, or tables.
+    pub fn print(&self, json: bool) {
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(self).expect("a report always serialises")
+            );
+            return;
+        }
+        let env = &self.environment;
+        println!("pgonce {} {}", self.command, self.name);
+        println!(
+            "PostgreSQL {} ({} server), {} CPUs, fsync {}, synchronous_commit {}",
+            env.postgres_version,
+            env.server,
+            env.cpus,
+            if env.fsync { "on" } else { "OFF" },
+            env.synchronous_commit
+        );
+        println!();
+        println!("{}", table(&self.results));
+        if !self.ratios.is_empty() {
+            println!();
+            let mut t = Table::new();
+            t.load_style(UTF8_FULL_CONDENSED)
+                .set_header(["ratio", "value"]);
+            for (k, v) in &self.ratios {
+                t.add_row([k.clone(), format!("{v:.2}")]);
+            }
+            println!("{t}");
+        }
+        for (title, rows) in &self.sections {
+            println!();
+            println!("{title}");
+            println!("{}", table(rows));
+        }
+        println!();
+        println!("verdict: {}", if self.verdict.ok { "ok" } else { "FAILED" });
+        for reason in &self.verdict.reasons {
+            println!("  - {reason}");
+        }
+    }
+}
+
+/// Renders rows as a table whose columns are every key, in first-seen order.
+fn table(rows: &[Row]) -> Table {
+    let mut columns: Vec<&str> = Vec::new();
+    for row in rows {
+        for key in row.0.keys() {
+            if !columns.contains(&key.as_str()) {
+                columns.push(key);
+            }
+        }
+    }
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED).set_header(&columns);
+    for row in rows {
+        t.add_row(columns.iter().map(|c| cell(row.0.get(*c))));
+    }
+    t
+}
+
+fn cell(value: Option<&Value>) -> String {
+    match value {
+        None | Some(Value::Null) => "-".into(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Bool(b)) => if *b { "yes" } else { "no" }.into(),
+        Some(Value::Number(n)) => match n.as_f64() {
+            Some(f) if n.is_f64() => format!("{f:.2}"),
+            _ => n.to_string(),
+        },
+        Some(other) => other.to_string(),
+    }
+}

@@ -1,0 +1,57 @@
+//! The `pgonce` binary as a user runs it.
+
+use std::time::{Duration, Instant};
+
+use assert_cmd::Command;
+
+fn pgonce() -> Command {
+    let mut cmd = Command::cargo_bin("pgonce").unwrap();
+    cmd.env_remove("DATABASE_URL").env("RUST_LOG", "warn");
+    cmd
+}
+
+#[test]
+fn migrate_against_a_closed_port_fails_fast_with_one_line_naming_the_address() {
+    let started = Instant::now();
+    let out = pgonce()
+        .env("DATABASE_URL", "postgres://127.0.0.1:1/x")
+        .arg("migrate")
+        .timeout(Duration::from_secs(20))
+        .output()
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<_> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("127.0.0.1:1/x"), "{stderr}");
+}
+
+#[test]
+fn migrate_without_a_database_says_what_to_pass() {
+    let out = pgonce().arg("migrate").output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--database-url"));
+}
+
+#[test]
+fn race_lock_wait_prints_one_json_object_with_an_ok_verdict() {
+    let out = pgonce()
+        .args(["race", "lock-wait", "--json"])
+        .timeout(Duration::from_secs(120))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["command"], "race");
+    assert_eq!(report["name"], "lock-wait");
+    assert_eq!(report["verdict"]["ok"], true);
+    assert_eq!(report["environment"]["fsync"], true);
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(results[0]["invariant_held"], true);
+    assert_eq!(results[1]["invariant_held"], false);
+}

@@ -1,0 +1,350 @@
+//! Step-by-step interleaving of several database sessions, for race tests and
+//! `pgonce race`.
+//!
+//! Each [`Session`] is a one-connection pool whose backend carries a unique
+//! `application_name`, so the harness can find it in `pg_stat_activity` even
+//! when the code under test checks the connection out itself. A step either
+//! runs to completion ([`Interleaving::step`]) or is expected to block
+//! ([`Interleaving::step_blocks`]): the harness then starts it in a task and
+//! waits until PostgreSQL reports that backend as waiting on a lock held by
+//! another (`pg_blocking_pids`), and fails loudly if that does not happen in
+//! time or the step finishes instead. No step relies on a sleep to order
+//! events; the only waiting is polling the server for a state to appear.
+//!
+//! ```no_run
+//! # async fn demo(options: sqlx::postgres::PgConnectOptions) -> Result<(), pgonce_testkit::HarnessError> {
+//! use pgonce_testkit::Interleaving;
+//! let race = Interleaving::new(options).await?;
+//! let a = race.session("A").await?;
+//! let b = race.session("B").await?;
+//! let mut tx_a = race.step(&a, "BEGIN", a.pool().begin()).await??;
+//! race.step(&a, "lock 42", sqlx::query("SELECT pg_advisory_xact_lock(42)").execute(&mut *tx_a)).await??;
+//! let pool_b = b.pool().clone();
+//! let waiting = race
+//!     .step_blocks(&b, "lock 42", async move {
+//!         let mut tx = pool_b.begin().await?;
+//!         sqlx::query("SELECT pg_advisory_xact_lock(42)").execute(&mut *tx).await?;
+//!         tx.commit().await
+//!     })
+//!     .await?;
+//! assert_eq!(waiting.blocked_by(), ["A"]);
+//! race.step(&a, "COMMIT", tx_a.commit()).await??;
+//! waiting.resume().await??;
+//! # Ok(()) }
+//! ```
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::task::JoinHandle;
+
+/// How long a step may take, and how long a step expected to block may take
+/// to be seen blocked, unless [`Interleaving::with_timeout`] says otherwise.
+pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often the server is asked whether a session is blocked yet.
+const POLL_EVERY: Duration = Duration::from_millis(2);
+
+/// What went wrong in driving an interleaving. Every variant names the
+/// session and step, so a failing race test says which step broke.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HarnessError {
+    #[error("session {session}: step `{step}` was expected to block on a lock, but it finished")]
+    DidNotBlock { session: String, step: String },
+    #[error("session {session}: step `{step}` was not seen blocked within {waited:?}")]
+    NotBlocked {
+        session: String,
+        step: String,
+        waited: Duration,
+    },
+    #[error("session {session}: step `{step}` did not finish within {waited:?}")]
+    StepTimeout {
+        session: String,
+        step: String,
+        waited: Duration,
+    },
+    #[error("session {session}: step `{step}` panicked")]
+    StepPanicked { session: String, step: String },
+    #[error("harness database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// One entry of the timeline an interleaving records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    /// 0, 1, 2, ... in the order the harness saw the events.
+    pub at: usize,
+    pub session: String,
+    pub what: String,
+    pub event: StepEvent,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StepEvent {
+    /// The step ran to completion.
+    Ran,
+    /// The step was seen waiting for a lock held by these sessions.
+    Blocked { by: Vec<String> },
+    /// A step that was blocked finished.
+    Resumed,
+    /// A remark added by the scenario (`Interleaving::note`).
+    Note,
+}
+
+/// A set of named sessions driven one step at a time.
+#[derive(Debug, Clone)]
+pub struct Interleaving {
+    observer: PgPool,
+    options: PgConnectOptions,
+    prefix: String,
+    timeout: Duration,
+    timeline: Arc<Mutex<Vec<Step>>>,
+}
+
+/// One named participant: a pool of exactly one connection whose backend is
+/// tagged with a unique `application_name`.
+#[derive(Debug, Clone)]
+pub struct Session {
+    name: String,
+    application_name: String,
+    pool: PgPool,
+}
+
+impl Session {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The session's pool (one connection). Hand it to the code under test.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+impl Interleaving {
+    /// A harness on the database `options` points to.
+    pub async fn new(options: PgConnectOptions) -> Result<Interleaving, HarnessError> {
+        let observer = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone().application_name("pgonce-observer"))
+            .await?;
+        let prefix = format!(
+            "pgonce-race-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        Ok(Interleaving {
+            observer,
+            options,
+            prefix,
+            timeout: DEFAULT_STEP_TIMEOUT,
+            timeline: Arc::default(),
+        })
+    }
+
+    /// Changes the step timeout (default [`DEFAULT_STEP_TIMEOUT`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Opens a named session. Names must be unique within the harness.
+    pub async fn session(&self, name: &str) -> Result<Session, HarnessError> {
+        let application_name = format!("{}:{name}", self.prefix);
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .acquire_timeout(self.timeout)
+            .connect_with(self.options.clone().application_name(&application_name))
+            .await?;
+        Ok(Session {
+            name: name.to_string(),
+            application_name,
+            pool,
+        })
+    }
+
+    /// Runs one step of `session` to completion and records it.
+    pub async fn step<T>(
+        &self,
+        session: &Session,
+        what: &str,
+        step: impl Future<Output = T>,
+    ) -> Result<T, HarnessError> {
+        let out = tokio::time::timeout(self.timeout, step)
+            .await
+            .map_err(|_| HarnessError::StepTimeout {
+                session: session.name.clone(),
+                step: what.to_string(),
+                waited: self.timeout,
+            })?;
+        self.record(session, what, StepEvent::Ran);
+        Ok(out)
+    }
+
+    /// Starts a step of `session` that must block on a lock, and returns once
+    /// PostgreSQL shows its backend waiting. Fails if the step finishes
+    /// first, or is not seen blocked within the timeout.
+    pub async fn step_blocks<T: Send + 'static>(
+        &self,
+        session: &Session,
+        what: &str,
+        step: impl Future<Output = T> + Send + 'static,
+    ) -> Result<Blocked<T>, HarnessError> {
+        let handle = tokio::spawn(step);
+        let started = Instant::now();
+        loop {
+            if handle.is_finished() {
+                return Err(HarnessError::DidNotBlock {
+                    session: session.name.clone(),
+                    step: what.to_string(),
+                });
+            }
+            if let Some(by) = self.blockers_of(session).await? {
+                self.record(session, what, StepEvent::Blocked { by: by.clone() });
+                return Ok(Blocked {
+                    handle,
+                    session: session.name.clone(),
+                    what: what.to_string(),
+                    blocked_by: by,
+                    timeout: self.timeout,
+                    timeline: self.clone(),
+                });
+            }
+            if started.elapsed() >= self.timeout {
+                handle.abort();
+                return Err(HarnessError::NotBlocked {
+                    session: session.name.clone(),
+                    step: what.to_string(),
+                    waited: self.timeout,
+                });
+            }
+            tokio::time::sleep(POLL_EVERY).await;
+        }
+    }
+
+    /// Waits until `session`'s backend is blocked, for a step started some
+    /// other way (for instance by a worker task). Returns who blocks it.
+    pub async fn wait_until_blocked(
+        &self,
+        session: &Session,
+        what: &str,
+    ) -> Result<Vec<String>, HarnessError> {
+        let started = Instant::now();
+        loop {
+            if let Some(by) = self.blockers_of(session).await? {
+                self.record(session, what, StepEvent::Blocked { by: by.clone() });
+                return Ok(by);
+            }
+            if started.elapsed() >= self.timeout {
+                return Err(HarnessError::NotBlocked {
+                    session: session.name.clone(),
+                    step: what.to_string(),
+                    waited: self.timeout,
+                });
+            }
+            tokio::time::sleep(POLL_EVERY).await;
+        }
+    }
+
+    /// Whether `session`'s backend is waiting on a lock right now, and on
+    /// whom: session names for our sessions, `pid N` for any other backend.
+    pub async fn blockers_of(
+        &self,
+        session: &Session,
+    ) -> Result<Option<Vec<String>>, HarnessError> {
+        let rows: Vec<(Option<String>, i32)> = sqlx::query_as(include_str!("sql/blockers.sql"))
+            .bind(&session.application_name)
+            .fetch_all(&self.observer)
+            .await?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let prefix = format!("{}:", self.prefix);
+        let mut names: Vec<String> = rows
+            .into_iter()
+            .map(
+                |(app, pid)| match app.as_deref().and_then(|a| a.strip_prefix(&prefix)) {
+                    Some(name) => name.to_string(),
+                    None => format!("pid {pid}"),
+                },
+            )
+            .collect();
+        names.sort();
+        names.dedup();
+        Ok(Some(names))
+    }
+
+    /// Adds a remark to the timeline (an outcome worth showing in a table).
+    pub fn note(&self, session: &Session, what: &str) {
+        self.record(session, what, StepEvent::Note);
+    }
+
+    /// The steps recorded so far, in order.
+    pub fn timeline(&self) -> Vec<Step> {
+        self.timeline.lock().expect("timeline lock").clone()
+    }
+
+    fn record(&self, session: &Session, what: &str, event: StepEvent) {
+        let mut timeline = self.timeline.lock().expect("timeline lock");
+        let at = timeline.len();
+        timeline.push(Step {
+            at,
+            session: session.name.clone(),
+            what: what.to_string(),
+            event,
+        });
+    }
+}
+
+/// A step seen blocked. [`Blocked::resume`] waits for it to finish once the
+/// scenario has released what it waited for.
+#[derive(Debug)]
+#[must_use = "a blocked step must be resumed, or its outcome is lost"]
+pub struct Blocked<T> {
+    handle: JoinHandle<T>,
+    session: String,
+    what: String,
+    blocked_by: Vec<String>,
+    timeout: Duration,
+    timeline: Interleaving,
+}
+
+impl<T> Blocked<T> {
+    /// The sessions (or `pid N`) the step was waiting for.
+    pub fn blocked_by(&self) -> &[String] {
+        &self.blocked_by
+    }
+
+    /// Waits for the step to finish and returns its output.
+    pub async fn resume(self) -> Result<T, HarnessError> {
+        let out = match tokio::time::timeout(self.timeout, self.handle).await {
+            Err(_) => {
+                return Err(HarnessError::StepTimeout {
+                    session: self.session,
+                    step: self.what,
+                    waited: self.timeout,
+                });
+            }
+            Ok(Err(_)) => {
+                return Err(HarnessError::StepPanicked {
+                    session: self.session,
+                    step: self.what,
+                });
+            }
+            Ok(Ok(out)) => out,
+        };
+        let mut timeline = self.timeline.timeline.lock().expect("timeline lock");
+        let at = timeline.len();
+        timeline.push(Step {
+            at,
+            session: self.session,
+            what: self.what,
+            event: StepEvent::Resumed,
+        });
+        Ok(out)
+    }
+}

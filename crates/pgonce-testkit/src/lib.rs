@@ -1,0 +1,19 @@
+//! Test and demonstration support for pgonce: PostgreSQL servers to run
+//! against, and a harness that drives several sessions step by step.
+//!
+//! # Layout
+//!
+//! * [`cluster`]: a throwaway PostgreSQL cluster from the installed
+//!   binaries, removed on drop and when the process dies.
+//! * [`server`]: the server to use (`DATABASE_URL` or a throwaway cluster)
+//!   and scratch databases on it; [`fresh_database`] for tests.
+//! * [`interleave`]: step-by-step interleavings whose blocking steps are
+//!   confirmed through `pg_blocking_pids`, never through sleeps.
+
+pub mod cluster;
+pub mod interleave;
+pub mod server;
+
+pub use cluster::{Cluster, ClusterError};
+pub use interleave::{Blocked, HarnessError, Interleaving, Session, Step, StepEvent};
+pub use server::{ScratchDatabase, Server, ServerError, fresh_database, shared_for_tests};
