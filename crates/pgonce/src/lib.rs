@@ -4,12 +4,18 @@
 //!
 //! # Layout
 //!
+//! * [`error`]: the one error type; SQLSTATEs mapped in one place.
+//! * [`lock`]: transaction-level advisory locks with 64-bit keys.
 //! * [`migrate`]: the embedded schema (`pgonce` schema).
 //!
 //! The patterns (advisory locks, guarded writes, scoped sequences, jobs,
 //! idempotency keys, the event store and the queue) each live in a module of
 //! their own, with their SQL beside them.
 
+pub mod error;
+pub mod lock;
 mod migrate;
 
+pub use error::{Error, Result};
+pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};

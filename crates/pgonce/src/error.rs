@@ -1,0 +1,78 @@
+//! The library's one error type. Outcomes that are not bugs (a conflict, an
+//! already-handled message, a lost lease, a lock wait that timed out) are
+//! named variants a caller matches on; everything else is `Database`.
+
+use std::time::Duration;
+
+use crate::lock::LockKey;
+
+/// Errors of every pgonce operation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A bounded lock wait ran out. The transaction is still usable: the wait
+    /// ran in a savepoint that was rolled back.
+    #[error("advisory lock {key} not granted within {waited:?}")]
+    LockTimeout { key: LockKey, waited: Duration },
+
+    /// PostgreSQL aborted the transaction to keep it serializable (SQLSTATE
+    /// 40001) or broke a deadlock (40P01). Retrying the whole transaction is
+    /// the remedy.
+    #[error("transaction aborted by PostgreSQL ({sqlstate}); retry it: {message}")]
+    SerializationFailure { sqlstate: String, message: String },
+
+    /// A value was rejected before reaching the database.
+    #[error("invalid {what}: {why}")]
+    Invalid { what: &'static str, why: String },
+
+    /// Any other database error.
+    #[error("database error: {0}")]
+    Database(#[source] sqlx::Error),
+}
+
+/// SQLSTATE codes pgonce maps to variants (see [`Error::from`]).
+pub mod sqlstate {
+    /// `serialization_failure`.
+    pub const SERIALIZATION_FAILURE: &str = "40001";
+    /// `deadlock_detected`.
+    pub const DEADLOCK_DETECTED: &str = "40P01";
+    /// `lock_not_available`, raised when `lock_timeout` expires.
+    pub const LOCK_NOT_AVAILABLE: &str = "55P03";
+    /// `unique_violation`.
+    pub const UNIQUE_VIOLATION: &str = "23505";
+}
+
+/// The SQLSTATE of a database error, if it is one.
+pub fn sqlstate_of(e: &sqlx::Error) -> Option<String> {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .map(|c| c.into_owned())
+}
+
+impl From<sqlx::Error> for Error {
+    /// The one place SQLSTATEs become variants.
+    fn from(e: sqlx::Error) -> Error {
+        match sqlstate_of(&e).as_deref() {
+            Some(code @ (sqlstate::SERIALIZATION_FAILURE | sqlstate::DEADLOCK_DETECTED)) => {
+                Error::SerializationFailure {
+                    sqlstate: code.to_string(),
+                    message: e
+                        .as_database_error()
+                        .map(|d| d.message().to_string())
+                        .unwrap_or_default(),
+                }
+            }
+            _ => Error::Database(e),
+        }
+    }
+}
+
+impl Error {
+    /// True for failures that retrying the whole transaction can cure.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::SerializationFailure { .. })
+    }
+}
+
+/// `Result` with pgonce's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

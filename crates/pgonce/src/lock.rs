@@ -1,0 +1,254 @@
+//! Transaction-level advisory locks with 64-bit keys.
+//!
+//! A transaction-level advisory lock (`pg_advisory_xact_lock`) is released by
+//! COMMIT or ROLLBACK and by nothing else: there is no unlock function, so a
+//! crashed or erroring worker can never leak one. Called outside a
+//! transaction, the same function takes the lock for the implicit
+//! one-statement transaction and drops it when the statement returns: it
+//! protects nothing, silently. Every function here therefore takes an open
+//! [`sqlx::Transaction`], so that mistake does not compile:
+//!
+//! ```compile_fail
+//! # async fn f(pool: sqlx::PgPool) -> pgonce::Result<()> {
+//! let key = pgonce::LockKey::new("entity", "42")?;
+//! pgonce::lock::lock(&pool, key).await?; // a pool is not a transaction
+//! # Ok(()) }
+//! ```
+//!
+//! ```compile_fail
+//! # async fn f(mut conn: sqlx::PgConnection) -> pgonce::Result<()> {
+//! let key = pgonce::LockKey::new("entity", "42")?;
+//! pgonce::lock::lock(&mut conn, key).await?; // nor is a bare connection
+//! # Ok(()) }
+//! ```
+//!
+//! ```no_run
+//! # async fn f(pool: sqlx::PgPool) -> pgonce::Result<()> {
+//! let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+//! pgonce::lock::lock(&mut tx, pgonce::LockKey::new("entity", "42")?).await?;
+//! // ... the short critical section ...
+//! tx.commit().await?; // releases the lock
+//! # Ok(()) }
+//! ```
+//!
+//! # Session-level locks, for comparison only
+//!
+//! `pg_advisory_lock` holds its lock until `pg_advisory_unlock` or the end of
+//! the session. Held across slow work, it pins a pooled connection for that
+//! whole time, so in-flight work is capped by the pool size, and a forgotten
+//! unlock leaks the lock to whoever gets the connection next. pgonce offers
+//! no API for it; `pgonce race seed000` and `pgonce bench guard` measure it
+//! as the baseline it is.
+
+use std::fmt;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::{Postgres, Transaction};
+
+use crate::error::{Error, Result, sqlstate, sqlstate_of};
+
+/// A 64-bit advisory lock key, derived from a namespace and a key by
+/// [`LockKey::new`].
+///
+/// The derivation is stable and documented so any client can compute the
+/// same number:
+///
+/// ```text
+/// key = first 8 bytes, big-endian, signed, of
+///       SHA-256( utf8(namespace) || 0x00 || utf8(key) )
+/// ```
+///
+/// In SQL (PostgreSQL 11 or newer):
+///
+/// ```sql
+/// SELECT ('x' || left(encode(sha256(
+///            convert_to($namespace, 'UTF8') || '\x00'::bytea || convert_to($key, 'UTF8')
+///        ), 'hex'), 16))::bit(64)::bigint;
+/// ```
+///
+/// The namespace may not be empty nor contain NUL, so the byte string splits
+/// one way only: keys of different namespaces never coincide except by a
+/// SHA-256 prefix collision (about 2^-64 per pair). To find the lock in
+/// `pg_locks`: `locktype = 'advisory' AND objsubid = 1 AND
+/// (classid::bigint << 32 | objid::bigint) = key`.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LockKey(i64);
+
+impl LockKey {
+    /// Derives the key of `key` in `namespace` (see the type docs).
+    pub fn new(namespace: &str, key: &str) -> Result<LockKey> {
+        if namespace.is_empty() || namespace.contains('\0') {
+            return Err(Error::Invalid {
+                what: "lock namespace",
+                why: "must be non-empty and contain no NUL character".into(),
+            });
+        }
+        let mut hash = Sha256::new();
+        hash.update(namespace.as_bytes());
+        hash.update([0u8]);
+        hash.update(key.as_bytes());
+        let digest = hash.finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        Ok(LockKey(i64::from_be_bytes(first)))
+    }
+
+    /// A key given as a number, for locks shared with code that computes its
+    /// own keys.
+    pub const fn from_raw(key: i64) -> LockKey {
+        LockKey(key)
+    }
+
+    /// The number passed to `pg_advisory_xact_lock`.
+    pub const fn as_i64(self) -> i64 {
+        self.0
+    }
+}
+
+impl fmt::Debug for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LockKey({})", self.0)
+    }
+}
+
+impl fmt::Display for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Waits as long as it takes for the lock, and holds it until `tx` ends.
+pub async fn lock(tx: &mut Transaction<'_, Postgres>, key: LockKey) -> Result<()> {
+    sqlx::query(include_str!("lock/sql/lock.sql"))
+        .bind(key.as_i64())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Takes the lock if nobody holds it; never waits. `true` when taken (held
+/// until `tx` ends).
+pub async fn try_lock(tx: &mut Transaction<'_, Postgres>, key: LockKey) -> Result<bool> {
+    let (taken,): (bool,) = sqlx::query_as(include_str!("lock/sql/try_lock.sql"))
+        .bind(key.as_i64())
+        .fetch_one(&mut **tx)
+        .await?;
+    Ok(taken)
+}
+
+/// Waits at most `timeout` for the lock; [`Error::LockTimeout`] after that.
+///
+/// The wait runs in a savepoint with a local `lock_timeout`: on timeout the
+/// savepoint is rolled back, so `tx` stays usable and keeps its earlier
+/// locks and writes; the session's own `lock_timeout` is restored either way.
+pub async fn lock_timeout(
+    tx: &mut Transaction<'_, Postgres>,
+    key: LockKey,
+    timeout: Duration,
+) -> Result<()> {
+    let millis = timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
+    let (previous,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+        .fetch_one(&mut **tx)
+        .await?;
+    let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(&millis)
+        .execute(&mut *savepoint)
+        .await?;
+    let outcome = sqlx::query(include_str!("lock/sql/lock.sql"))
+        .bind(key.as_i64())
+        .execute(&mut *savepoint)
+        .await;
+    match outcome {
+        Ok(_) => {
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(&previous)
+                .execute(&mut *savepoint)
+                .await?;
+            savepoint.commit().await?;
+            Ok(())
+        }
+        Err(e) if sqlstate_of(&e).as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE) => {
+            savepoint.rollback().await?;
+            Err(Error::LockTimeout {
+                key,
+                waited: timeout,
+            })
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Takes several locks in one statement, in ascending key order and each key
+/// once, so two callers locking overlapping sets can never deadlock on each
+/// other. Held until `tx` ends.
+pub async fn lock_many(
+    tx: &mut Transaction<'_, Postgres>,
+    keys: impl IntoIterator<Item = LockKey>,
+) -> Result<()> {
+    let keys = sorted_unique(keys);
+    if keys.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(include_str!("lock/sql/lock_many.sql"))
+        .bind(keys)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+fn sorted_unique(keys: impl IntoIterator<Item = LockKey>) -> Vec<i64> {
+    let mut keys: Vec<i64> = keys.into_iter().map(LockKey::as_i64).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derivation_is_stable() {
+        // Pinned: changing the derivation would make old and new processes
+        // take different locks for the same entity during a deploy.
+        assert_eq!(
+            LockKey::new("entity", "42").unwrap(),
+            LockKey::new("entity", "42").unwrap()
+        );
+        assert_eq!(
+            LockKey::new("entity", "42").unwrap().as_i64(),
+            PINNED_ENTITY_42
+        );
+    }
+
+    const PINNED_ENTITY_42: i64 = 1_914_804_616_194_582_404;
+
+    #[test]
+    fn namespace_and_key_do_not_run_into_each_other() {
+        assert_ne!(
+            LockKey::new("ab", "c").unwrap(),
+            LockKey::new("a", "bc").unwrap()
+        );
+        assert_ne!(
+            LockKey::new("entity", "1").unwrap(),
+            LockKey::new("org", "1").unwrap()
+        );
+    }
+
+    #[test]
+    fn empty_or_nul_namespace_is_rejected() {
+        assert!(matches!(LockKey::new("", "x"), Err(Error::Invalid { .. })));
+        assert!(matches!(
+            LockKey::new("a\0b", "x"),
+            Err(Error::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn many_keys_are_sorted_and_deduplicated() {
+        let k = |n| LockKey::from_raw(n);
+        assert_eq!(sorted_unique([k(3), k(-1), k(3), k(2)]), vec![-1, 2, 3]);
+    }
+}
