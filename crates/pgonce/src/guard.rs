@@ -284,33 +284,63 @@ impl Guard {
         W: AsyncFnOnce(&mut PgConnection) -> Result<T>,
     {
         let mut tx = self.begin(pool).await?;
+        match self.guarded(&mut tx, key, seen, reread, write).await {
+            Ok(out) => {
+                tx.commit().await?;
+                Ok(out)
+            }
+            Err(e) => {
+                // Roll back now rather than when the connection is next
+                // used, so the lock is free when this returns. A dead
+                // connection cannot roll back; its lock died with it.
+                let _ = tx.rollback().await;
+                if let Error::Conflict {
+                    expected, found, ..
+                } = &e
+                {
+                    metrics::counter!("pgonce_guard_conflicts_total", "guard" => self.name.clone())
+                        .increment(1);
+                    tracing::warn!(
+                        guard = %self.name,
+                        %key,
+                        %expected,
+                        %found,
+                        "guarded write refused: the read set changed since the decision"
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Lock, re-read, compare, write: everything but the transaction's end.
+    async fn guarded<R, W, T>(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        key: LockKey,
+        seen: &ReadSet,
+        reread: R,
+        write: W,
+    ) -> Result<T>
+    where
+        R: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
+        W: AsyncFnOnce(&mut PgConnection) -> Result<T>,
+    {
         match self.config.lock_timeout {
-            Some(t) => lock::lock_timeout(&mut tx, key, t).await?,
-            None => lock::lock(&mut tx, key).await?,
+            Some(t) => lock::lock_timeout(tx, key, t).await?,
+            None => lock::lock(tx, key).await?,
         }
         // READ COMMITTED: this statement's snapshot is taken now, after the
         // lock was granted.
-        let found = reread(&mut tx).await?;
+        let found = reread(tx).await?;
         if &found != seen {
-            tx.rollback().await?;
-            metrics::counter!("pgonce_guard_conflicts_total", "guard" => self.name.clone())
-                .increment(1);
-            tracing::warn!(
-                guard = %self.name,
-                %key,
-                expected = %seen,
-                found = %found,
-                "guarded write refused: the read set changed since the decision"
-            );
             return Err(Error::Conflict {
                 guard: self.name.clone(),
                 expected: seen.clone(),
                 found,
             });
         }
-        let out = write(&mut tx).await?;
-        tx.commit().await?;
-        Ok(out)
+        write(tx).await
     }
 
     async fn begin<'p>(&self, pool: &'p PgPool) -> Result<Transaction<'p, Postgres>> {
