@@ -64,7 +64,10 @@ async fn open(pool: &PgPool, policy: i64, entity: i64) -> i64 {
 #[tokio::test]
 async fn a_redelivered_message_creates_one_incident_for_a_singleton_policy() {
     let w = world().await;
-    let (p, e) = (policy(&w.pool, "p", "always").await, entity(&w.pool, "X", false).await);
+    let (p, e) = (
+        policy(&w.pool, "p", "always").await,
+        entity(&w.pool, "X", false).await,
+    );
     let seen_w1 = observe(&w.pool, p, e).await.unwrap();
     let seen_w2 = observe(&w.pool, p, e).await.unwrap();
     assert!(seen_w1.open.is_empty() && seen_w2.open.is_empty());
@@ -79,13 +82,19 @@ async fn a_redelivered_message_creates_one_incident_for_a_singleton_policy() {
 async fn a_policy_can_be_a_singleton_for_some_entities_only_decided_at_run_time() {
     let w = world().await;
     let p = policy(&w.pool, "per", "per_entity").await;
-    let (strict, lax) = (entity(&w.pool, "strict", true).await, entity(&w.pool, "lax", false).await);
+    let (strict, lax) = (
+        entity(&w.pool, "strict", true).await,
+        entity(&w.pool, "lax", false).await,
+    );
 
     // Singleton for `strict`: the second decision on the same state conflicts.
     let a = observe(&w.pool, p, strict).await.unwrap();
     let b = observe(&w.pool, p, strict).await.unwrap();
     create_incident(&w.pool, &a, "a").await.unwrap();
-    assert!(matches!(create_incident(&w.pool, &b, "b").await, Err(Error::Conflict { .. })));
+    assert!(matches!(
+        create_incident(&w.pool, &b, "b").await,
+        Err(Error::Conflict { .. })
+    ));
     assert_eq!(open(&w.pool, p, strict).await, 1);
 
     // Not for `lax`: both create, legitimately.
@@ -115,11 +124,17 @@ async fn a_policy_can_be_a_singleton_for_some_entities_only_decided_at_run_time(
 async fn an_unknown_policy_or_entity_is_a_typed_error_and_writes_nothing() {
     let w = world().await;
     let p = policy(&w.pool, "p", "always").await;
-    assert!(matches!(observe(&w.pool, p, 999).await, Err(Error::Invalid { .. })));
+    assert!(matches!(
+        observe(&w.pool, p, 999).await,
+        Err(Error::Invalid { .. })
+    ));
     let e = entity(&w.pool, "X", false).await;
     let mut seen = observe(&w.pool, p, e).await.unwrap();
     seen.policy_id = 999;
-    assert!(matches!(create_incident(&w.pool, &seen, "x").await, Err(Error::Invalid { .. })));
+    assert!(matches!(
+        create_incident(&w.pool, &seen, "x").await,
+        Err(Error::Invalid { .. })
+    ));
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM incidents.incidents")
         .fetch_one(&w.pool)
         .await
@@ -191,7 +206,10 @@ async fn randomized_stress_keeps_i1_in_the_database() {
         conflicts += b;
     }
     assert!(created > 0, "the stress created incidents");
-    assert!(conflicts > 0, "the stress made decisions race ({created} created)");
+    assert!(
+        conflicts > 0,
+        "the stress made decisions race ({created} created)"
+    );
     let violations = singleton_violations(&w.pool).await.unwrap();
     assert!(violations.is_empty(), "I1 broken: {violations:?}");
 }
