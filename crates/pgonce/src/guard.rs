@@ -245,19 +245,20 @@ impl Guard {
         &self.config
     }
 
-    /// The decision's read: runs `read` in a short READ COMMITTED READ ONLY
-    /// transaction and returns its owned result. The connection is back in
+    /// The decision's read: runs `read` on a connection checked out for
+    /// this call only and returns its owned result. The connection is back in
     /// the pool when this returns, so the evaluation that follows holds none.
+    ///
+    /// No transaction is opened: each statement is its own (READ COMMITTED,
+    /// autocommit), which saves two round trips. Read the set in one
+    /// statement if it must come from one snapshot; the guarded write's
+    /// re-read under the lock is what the decision is checked against.
     pub async fn read<F>(&self, pool: &PgPool, read: F) -> Result<ReadSet>
     where
         F: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
     {
-        let mut tx = pool
-            .begin_with(include_str!("guard/sql/begin_read_only.sql"))
-            .await?;
-        let seen = read(&mut tx).await?;
-        tx.commit().await?;
-        Ok(seen)
+        let mut conn = pool.acquire().await?;
+        read(&mut conn).await
     }
 
     /// The guarded write: in one short transaction at the configured
