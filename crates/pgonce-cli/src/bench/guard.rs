@@ -291,18 +291,15 @@ fn read_set(latest: Latest) -> ReadSet {
 }
 
 /// Acts on the decision: resolve the open incident, or create the next.
-async fn act(
-    conn: &mut PgConnection,
-    entity: i32,
-    seen: Latest,
-    extra: &Extra,
-) -> sqlx::Result<()> {
+/// True when it created one (counted by the caller once committed).
+async fn act(conn: &mut PgConnection, entity: i32, seen: Latest) -> sqlx::Result<bool> {
     match seen {
         Some((id, true)) => {
             sqlx::query(include_str!("sql/guard_resolve.sql"))
                 .bind(id)
                 .execute(conn)
                 .await?;
+            Ok(false)
         }
         _ => {
             sqlx::query(include_str!("sql/guard_insert.sql"))
@@ -310,10 +307,15 @@ async fn act(
                 .bind(seen.map_or(0, |(id, _)| id))
                 .execute(conn)
                 .await?;
-            extra.incidents.fetch_add(1, Ordering::Relaxed);
+            Ok(true)
         }
     }
-    Ok(())
+}
+
+fn created(extra: &Extra, created: bool) {
+    if created {
+        extra.incidents.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 async fn decide(
@@ -332,8 +334,9 @@ async fn decide(
             let mut tx = pool
                 .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
                 .await?;
-            act(&mut tx, entity, seen, extra).await?;
+            let c = act(&mut tx, entity, seen).await?;
             tx.commit().await?;
+            created(extra, c);
             Extra::record(&extra.write_tx, t);
             Ok(None)
         }
@@ -358,7 +361,7 @@ async fn decide(
                         granted = Some(Instant::now());
                         Ok(read_set(latest(c, entity).await?))
                     },
-                    async |c| Ok(act(c, entity, seen, extra).await?),
+                    async |c| Ok(act(c, entity, seen).await?),
                 )
                 .await;
             Extra::record(&extra.write_tx, t);
@@ -366,7 +369,10 @@ async fn decide(
                 Extra::record(&extra.lock_hold, g);
             }
             match outcome {
-                Ok(()) => Ok(None),
+                Ok(c) => {
+                    created(extra, c);
+                    Ok(None)
+                }
                 Err(Error::Conflict { .. }) => Ok(Some("conflicts")),
                 Err(e) => Err(e.into()),
             }
@@ -380,8 +386,9 @@ async fn decide(
                     let seen = latest(&mut tx, entity).await?;
                     tokio::time::sleep(shape.eval).await; // connection held
                     let t = Instant::now();
-                    act(&mut tx, entity, seen, extra).await?;
+                    let c = act(&mut tx, entity, seen).await?;
                     tx.commit().await?;
+                    created(extra, c);
                     Extra::record(&extra.write_tx, t);
                     Ok(())
                 }
@@ -413,8 +420,9 @@ async fn decide(
             tokio::time::sleep(shape.eval).await; // connection and lock held
             let t = Instant::now();
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            act(&mut tx, entity, seen, extra).await?;
+            let c = act(&mut tx, entity, seen).await?;
             tx.commit().await?;
+            created(extra, c);
             Extra::record(&extra.write_tx, t);
             sqlx::query("SELECT pg_advisory_unlock($1)")
                 .bind(key)
