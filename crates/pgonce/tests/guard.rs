@@ -472,3 +472,86 @@ async fn the_lock_is_released_on_commit_on_conflict_on_error_and_on_connection_d
     );
     assert!(lock_is_free(&pool, key).await);
 }
+
+/// Counts `pgonce_guard_conflicts_total` by its `guard` label.
+#[derive(Default)]
+struct ConflictCounter(
+    std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::atomic::AtomicU64>)>>,
+);
+
+impl metrics::Recorder for ConflictCounter {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() != "pgonce_guard_conflicts_total" {
+            return metrics::Counter::noop();
+        }
+        let label = key
+            .labels()
+            .find(|l| l.key() == "guard")
+            .map(|l| l.value().to_string())
+            .unwrap_or_default();
+        let cell = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        self.0.lock().unwrap().push((label, cell.clone()));
+        metrics::Counter::from_arc(cell)
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+impl ConflictCounter {
+    fn total(&self, guard: &str) -> u64 {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(g, _)| g == guard)
+            .map(|(_, c)| c.load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
+    }
+}
+
+/// The test runtime is single-threaded, so a thread-local recorder sees
+/// every increment the guard makes.
+#[tokio::test(flavor = "current_thread")]
+async fn conflicts_are_counted_by_guard_name_and_successes_are_not() {
+    let recorder = ConflictCounter::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let (_db, pool) = setup().await;
+    guarded_insert(pool.clone(), "e", "X".into(), ReadSet::new())
+        .await
+        .unwrap();
+    assert_eq!(recorder.total("things"), 0);
+    for _ in 0..2 {
+        let outcome = guarded_insert(pool.clone(), "e", "X".into(), ReadSet::new()).await;
+        assert!(matches!(outcome, Err(Error::Conflict { .. })));
+    }
+    assert_eq!(recorder.total("things"), 2);
+}
