@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use crate::guard::ReadSet;
 use crate::lock::LockKey;
 
 /// Errors of every pgonce operation.
@@ -14,6 +15,17 @@ pub enum Error {
     /// ran in a savepoint that was rolled back.
     #[error("advisory lock {key} not granted within {waited:?}")]
     LockTimeout { key: LockKey, waited: Duration },
+
+    /// A guarded write found the read set changed since the decision and
+    /// wrote nothing. Not a bug: another worker acted first; re-evaluate.
+    #[error(
+        "guard {guard}: read set changed (expected {expected}, found {found}); nothing written"
+    )]
+    Conflict {
+        guard: String,
+        expected: ReadSet,
+        found: ReadSet,
+    },
 
     /// PostgreSQL aborted the transaction to keep it serializable (SQLSTATE
     /// 40001) or broke a deadlock (40P01). Retrying the whole transaction is

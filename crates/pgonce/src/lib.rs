@@ -5,6 +5,7 @@
 //! # Layout
 //!
 //! * [`error`]: the one error type; SQLSTATEs mapped in one place.
+//! * [`guard`]: write-if-unchanged: lock, re-read, compare, write (seed 000).
 //! * [`lock`]: transaction-level advisory locks with 64-bit keys.
 //! * [`migrate`]: the embedded schema (`pgonce` schema).
 //!
@@ -13,9 +14,11 @@
 //! their own, with their SQL beside them.
 
 pub mod error;
+pub mod guard;
 pub mod lock;
 mod migrate;
 
 pub use error::{Error, Result};
+pub use guard::{Guard, GuardConfig, Isolation, ReadSet};
 pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};

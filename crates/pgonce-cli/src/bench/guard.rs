@@ -1,0 +1,435 @@
+//! `pgonce bench guard`: seed 000's worker (read, evaluate for L with no
+//! transaction, then create or resolve an incident) under each strategy, in
+//! the three scenarios of issue 3:
+//!
+//! * low contention (W=16, E=10,000): guard vs two-transactions, the same
+//!   shape without lock and re-read; goal at least 0.95;
+//! * hot entity (E = 1 to 4): guard vs serializable (read, evaluation and
+//!   write in one SERIALIZABLE transaction, retried on abort);
+//! * pool pressure (P=10, 100 in flight, L=50 ms): guard vs a session-level
+//!   lock held across the evaluation; goal at least 8x.
+//!
+//! A decision sees the entity's latest incident; if it is open it resolves
+//! it, otherwise it creates the next one. Violations are counted in the
+//! database afterwards (see `sql/guard_violations.sql`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use pgonce::{Error, Guard, GuardConfig, LockKey, ReadSet};
+use rand::Rng;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgConnection, PgPool};
+
+use super::BenchArgs;
+use super::measure::{Outcome, closed_loop, new_histogram, round2};
+use crate::report::{Report, Row};
+use crate::scratch::RunDatabase;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Strategy {
+    TwoTransactions,
+    Guard,
+    Serializable,
+    SessionLock,
+}
+
+impl Strategy {
+    fn name(self) -> &'static str {
+        match self {
+            Strategy::TwoTransactions => "two-transactions",
+            Strategy::Guard => "guard",
+            Strategy::Serializable => "serializable",
+            Strategy::SessionLock => "session-lock",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    workers: usize,
+    entities: i32,
+    eval: Duration,
+    pool: u32,
+}
+
+/// Figures a decision adds to besides the closed loop's.
+#[derive(Default)]
+struct Extra {
+    incidents: AtomicU64,
+    aborts: AtomicU64,
+    write_tx: Mutex<Option<Histogram<u64>>>,
+    lock_hold: Mutex<Option<Histogram<u64>>>,
+}
+
+impl Extra {
+    fn new() -> Extra {
+        Extra {
+            write_tx: Mutex::new(Some(new_histogram())),
+            lock_hold: Mutex::new(Some(new_histogram())),
+            ..Extra::default()
+        }
+    }
+
+    fn record(slot: &Mutex<Option<Histogram<u64>>>, since: Instant) {
+        if let Some(h) = slot.lock().expect("histogram lock").as_mut() {
+            let _ = h.record(since.elapsed().as_micros().max(1) as u64);
+        }
+    }
+
+    fn quantile_ms(slot: &Mutex<Option<Histogram<u64>>>, q: f64) -> f64 {
+        slot.lock()
+            .expect("histogram lock")
+            .as_ref()
+            .filter(|h| !h.is_empty())
+            .map_or(0.0, |h| round2(h.value_at_quantile(q) as f64 / 1000.0))
+    }
+}
+
+pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+    sqlx::raw_sql(include_str!("sql/guard_schema.sql"))
+        .execute(db.pool())
+        .await?;
+    let mut report = Report::new("bench", "guard", db.environment().await?);
+    let phase = args.phase();
+    let eval_short = Duration::from_millis(5);
+
+    // Low contention.
+    let low = Shape {
+        workers: 16,
+        entities: 10_000,
+        eval: eval_short,
+        pool: 32,
+    };
+    let base = measure(
+        db,
+        &mut report,
+        "low-contention",
+        Strategy::TwoTransactions,
+        low,
+        phase,
+    )
+    .await?;
+    let guard = measure(
+        db,
+        &mut report,
+        "low-contention",
+        Strategy::Guard,
+        low,
+        phase,
+    )
+    .await?;
+    let ratio = guard / base.max(1e-9);
+    report.ratio("low_contention_guard_vs_two_transactions", guard, base);
+
+    // Hot entity.
+    let hot_es: &[i32] = if args.quick { &[1, 4] } else { &[1, 2, 4] };
+    for &entities in hot_es {
+        let hot = Shape {
+            workers: 16,
+            entities,
+            eval: eval_short,
+            pool: 32,
+        };
+        let scenario = format!("hot-entity-e{entities}");
+        let ser = measure(
+            db,
+            &mut report,
+            &scenario,
+            Strategy::Serializable,
+            hot,
+            phase,
+        )
+        .await?;
+        let guard = measure(db, &mut report, &scenario, Strategy::Guard, hot, phase).await?;
+        report.ratio(
+            &format!("hot_e{entities}_guard_vs_serializable"),
+            guard,
+            ser,
+        );
+    }
+
+    // Pool pressure.
+    let pressure = Shape {
+        workers: 100,
+        entities: 10_000,
+        eval: Duration::from_millis(50),
+        pool: 10,
+    };
+    let session = measure(
+        db,
+        &mut report,
+        "pool-pressure",
+        Strategy::SessionLock,
+        pressure,
+        phase,
+    )
+    .await?;
+    let guard = measure(
+        db,
+        &mut report,
+        "pool-pressure",
+        Strategy::Guard,
+        pressure,
+        phase,
+    )
+    .await?;
+    let pressure_ratio = guard / session.max(1e-9);
+    report.ratio("pool_pressure_guard_vs_session_lock", guard, session);
+
+    report.sections.insert(
+        "goals (issue 3; informational, the verdict is about correctness)".into(),
+        vec![
+            Row::new("low_contention_guard_vs_two_transactions")
+                .with("goal", ">= 0.95")
+                .with("measured", round2(ratio))
+                .with("met", ratio >= 0.95),
+            Row::new("pool_pressure_guard_vs_session_lock")
+                .with("goal", ">= 8")
+                .with("measured", round2(pressure_ratio))
+                .with("met", pressure_ratio >= 8.0),
+        ],
+    );
+    Ok(report)
+}
+
+/// One strategy in one scenario: a closed loop on a pool of `shape.pool`,
+/// then violations counted in the database. Returns decisions per second.
+async fn measure(
+    db: &RunDatabase,
+    report: &mut Report,
+    scenario: &str,
+    strategy: Strategy,
+    shape: Shape,
+    phase: Duration,
+) -> anyhow::Result<f64> {
+    sqlx::query(include_str!("sql/guard_reset.sql"))
+        .execute(db.pool())
+        .await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(shape.pool)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_with(db.options())
+        .await?;
+    let extra = Arc::new(Extra::new());
+    let guard = Guard::new(format!("bench-{scenario}"), GuardConfig::default())?;
+    let label = format!("{scenario} {}", strategy.name());
+    let m = {
+        let (pool, extra) = (pool.clone(), extra.clone());
+        closed_loop(&label, shape.workers, phase, move |_, _| {
+            let (pool, extra, guard) = (pool.clone(), extra.clone(), guard.clone());
+            let entity = rand::rng().random_range(0..shape.entities);
+            async move { decide(&pool, &guard, &extra, strategy, shape, entity).await }
+        })
+        .await
+    };
+    pool.close().await;
+    let violations: i64 = sqlx::query_scalar(include_str!("sql/guard_violations.sql"))
+        .fetch_one(db.pool())
+        .await?;
+    let secs = m.elapsed.as_secs_f64().max(1e-9);
+    let incidents = extra.incidents.load(Ordering::Relaxed);
+    let aborts = extra.aborts.load(Ordering::Relaxed);
+    let mut row = m
+        .row(&format!("{scenario}: {}", strategy.name()))
+        .with("workers", shape.workers)
+        .with("entities", shape.entities)
+        .with("eval_ms", shape.eval.as_millis() as u64)
+        .with("pool", shape.pool)
+        .with("incidents_per_sec", round2(incidents as f64 / secs))
+        .with("write_p50_ms", Extra::quantile_ms(&extra.write_tx, 0.5))
+        .with("write_p99_ms", Extra::quantile_ms(&extra.write_tx, 0.99))
+        .with(
+            "lock_hold_p50_ms",
+            Extra::quantile_ms(&extra.lock_hold, 0.5),
+        )
+        .with(
+            "lock_hold_p99_ms",
+            Extra::quantile_ms(&extra.lock_hold, 0.99),
+        )
+        .with("aborts", aborts)
+        .with("violations", violations)
+        .with("invariant_held", violations == 0);
+    if !m.counters.contains_key("conflicts") {
+        row.set("conflicts", 0);
+    }
+    report.results.push(row);
+    report.verdict.check(
+        m.errors == 0,
+        format!(
+            "{label}: {} errors{}",
+            m.errors,
+            m.first_error
+                .as_ref()
+                .map(|e| format!(" (first: {e})"))
+                .unwrap_or_default()
+        ),
+    );
+    if strategy != Strategy::TwoTransactions {
+        report.verdict.check(
+            violations == 0,
+            format!("{label}: {violations} violations counted in the database"),
+        );
+    }
+    Ok(m.ops_per_sec())
+}
+
+/// What a decision saw: the latest incident (id, open), if any.
+type Latest = Option<(i64, bool)>;
+
+async fn latest(conn: &mut PgConnection, entity: i32) -> sqlx::Result<Latest> {
+    sqlx::query_as(include_str!("sql/guard_latest.sql"))
+        .bind(entity)
+        .fetch_optional(conn)
+        .await
+}
+
+fn read_set(latest: Latest) -> ReadSet {
+    ReadSet::from_versions(latest.map(|(id, open)| (id, open as i64)))
+}
+
+/// Acts on the decision: resolve the open incident, or create the next.
+/// True when it created one (counted by the caller once committed).
+async fn act(conn: &mut PgConnection, entity: i32, seen: Latest) -> sqlx::Result<bool> {
+    match seen {
+        Some((id, true)) => {
+            sqlx::query(include_str!("sql/guard_resolve.sql"))
+                .bind(id)
+                .execute(conn)
+                .await?;
+            Ok(false)
+        }
+        _ => {
+            sqlx::query(include_str!("sql/guard_insert.sql"))
+                .bind(entity)
+                .bind(seen.map_or(0, |(id, _)| id))
+                .execute(conn)
+                .await?;
+            Ok(true)
+        }
+    }
+}
+
+fn created(extra: &Extra, created: bool) {
+    if created {
+        extra.incidents.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+async fn decide(
+    pool: &PgPool,
+    guard: &Guard,
+    extra: &Extra,
+    strategy: Strategy,
+    shape: Shape,
+    entity: i32,
+) -> anyhow::Result<Outcome> {
+    match strategy {
+        Strategy::TwoTransactions => {
+            let seen = latest(&mut *pool.acquire().await?, entity).await?;
+            tokio::time::sleep(shape.eval).await;
+            let t = Instant::now();
+            let mut tx = pool
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?;
+            let c = act(&mut tx, entity, seen).await?;
+            tx.commit().await?;
+            created(extra, c);
+            Extra::record(&extra.write_tx, t);
+            Ok(None)
+        }
+        Strategy::Guard => {
+            let mut seen: Latest = None;
+            guard
+                .read(pool, async |c| {
+                    seen = latest(c, entity).await?;
+                    Ok(read_set(seen))
+                })
+                .await?;
+            tokio::time::sleep(shape.eval).await;
+            let key = LockKey::new("bench-guard/entity", &entity.to_string())?;
+            let t = Instant::now();
+            let mut granted = None;
+            let outcome = guard
+                .write(
+                    pool,
+                    key,
+                    &read_set(seen),
+                    async |c| {
+                        granted = Some(Instant::now());
+                        Ok(read_set(latest(c, entity).await?))
+                    },
+                    async |c| Ok(act(c, entity, seen).await?),
+                )
+                .await;
+            Extra::record(&extra.write_tx, t);
+            if let Some(g) = granted {
+                Extra::record(&extra.lock_hold, g);
+            }
+            match outcome {
+                Ok(c) => {
+                    created(extra, c);
+                    Ok(None)
+                }
+                Err(Error::Conflict { .. }) => Ok(Some("conflicts")),
+                Err(e) => Err(e.into()),
+            }
+        }
+        Strategy::Serializable => {
+            for _attempt in 0..50 {
+                let result: Result<(), sqlx::Error> = async {
+                    let mut tx = pool
+                        .begin_with("BEGIN ISOLATION LEVEL SERIALIZABLE")
+                        .await?;
+                    let seen = latest(&mut tx, entity).await?;
+                    tokio::time::sleep(shape.eval).await; // connection held
+                    let t = Instant::now();
+                    let c = act(&mut tx, entity, seen).await?;
+                    tx.commit().await?;
+                    created(extra, c);
+                    Extra::record(&extra.write_tx, t);
+                    Ok(())
+                }
+                .await;
+                match result {
+                    Ok(()) => return Ok(None),
+                    Err(e) => {
+                        let e = Error::from(e);
+                        if !e.is_retryable() {
+                            return Err(e.into());
+                        }
+                        extra.aborts.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            // Starved: 50 aborts in a row. Counted, not an error: it is what
+            // SERIALIZABLE does to a hot entity.
+            Ok(Some("gave_up"))
+        }
+        Strategy::SessionLock => {
+            let key = LockKey::new("bench-guard/entity", &entity.to_string())?.as_i64();
+            let mut conn = pool.acquire().await?;
+            sqlx::query("SELECT pg_advisory_lock($1)")
+                .bind(key)
+                .execute(&mut *conn)
+                .await?;
+            let granted = Instant::now();
+            let seen = latest(&mut conn, entity).await?;
+            tokio::time::sleep(shape.eval).await; // connection and lock held
+            let t = Instant::now();
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            let c = act(&mut tx, entity, seen).await?;
+            tx.commit().await?;
+            created(extra, c);
+            Extra::record(&extra.write_tx, t);
+            sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(key)
+                .execute(&mut *conn)
+                .await?;
+            Extra::record(&extra.lock_hold, granted);
+            Ok(None)
+        }
+    }
+}

@@ -1,0 +1,1 @@
+TRUNCATE bench_guard_incidents RESTART IDENTITY

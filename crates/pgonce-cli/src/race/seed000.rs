@@ -1,0 +1,509 @@
+//! `pgonce race seed000`: seed 000's T00-T10 replayed with the harness. Two
+//! workers get the same message for one entity (the second by redelivery),
+//! both read "no open incident", both evaluate, both try to create one,
+//! under each strategy. The table shows, from the database, how many
+//! incidents are open at the end: two for the unsafe strategies, one for the
+//! safe ones, and for each whether a connection was held while evaluating.
+
+use std::time::Duration;
+
+use pgonce::Error;
+use pgonce_incidents::{create_incident, observe};
+use pgonce_testkit::{HarnessError, Interleaving, Session};
+use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+
+use super::timeline_rows;
+use crate::report::{Report, Row};
+use crate::scratch::RunDatabase;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Strategy {
+    TwoTransactions,
+    RepeatableRead,
+    Serializable,
+    SessionLock,
+    UniqueIndex,
+    Guard,
+}
+
+impl Strategy {
+    const ALL: [Strategy; 6] = [
+        Strategy::TwoTransactions,
+        Strategy::RepeatableRead,
+        Strategy::Serializable,
+        Strategy::SessionLock,
+        Strategy::UniqueIndex,
+        Strategy::Guard,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Strategy::TwoTransactions => "two-transactions",
+            Strategy::RepeatableRead => "repeatable-read",
+            Strategy::Serializable => "serializable",
+            Strategy::SessionLock => "session-lock",
+            Strategy::UniqueIndex => "unique-index",
+            Strategy::Guard => "guard",
+        }
+    }
+
+    /// Whether the strategy is expected to keep I1 in this race.
+    fn safe(self) -> bool {
+        !matches!(self, Strategy::TwoTransactions | Strategy::RepeatableRead)
+    }
+}
+
+/// What one strategy's run left behind.
+#[derive(Debug, Default)]
+struct Outcome {
+    conflicts: u64,
+    aborts: u64,
+    retries: u64,
+    held_during_evaluation: bool,
+}
+
+struct Ctx {
+    race: Interleaving,
+    w1: Session,
+    w2: Session,
+    policy: i64,
+    entity: i64,
+}
+
+pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+    pgonce_incidents::migrate(db.pool()).await?;
+    sqlx::raw_sql(include_str!("sql/seed000_setup.sql"))
+        .execute(db.pool())
+        .await?;
+    let mut report = Report::new("race", "seed000", db.environment().await?);
+    for strategy in Strategy::ALL {
+        let policy: i64 = sqlx::query_scalar(include_str!("sql/seed000_policy.sql"))
+            .bind(format!("one-open-incident/{}", strategy.name()))
+            .fetch_one(db.pool())
+            .await?;
+        let entity: i64 = sqlx::query_scalar(include_str!("sql/seed000_entity.sql"))
+            .bind(policy)
+            .bind(format!("entity-{}", strategy.name()))
+            .fetch_one(db.pool())
+            .await?;
+        let race = Interleaving::new(db.options()).await?;
+        let ctx = Ctx {
+            w1: race.session("W1").await?,
+            w2: race.session("W2").await?,
+            race,
+            policy,
+            entity,
+        };
+        if strategy == Strategy::UniqueIndex {
+            // The index covers this strategy's own policy only, so earlier
+            // strategies' duplicates stay as evidence. The id is ours.
+            let sql = include_str!("sql/seed000_unique_index.sql")
+                .replace("$policy", &policy.to_string());
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(db.pool())
+                .await?;
+        }
+        let outcome = match strategy {
+            Strategy::TwoTransactions => two_transactions(&ctx, false).await?,
+            Strategy::RepeatableRead => one_transaction(&ctx, Level::RepeatableRead).await?,
+            Strategy::Serializable => one_transaction(&ctx, Level::Serializable).await?,
+            Strategy::SessionLock => session_lock(&ctx).await?,
+            Strategy::UniqueIndex => two_transactions(&ctx, true).await?,
+            Strategy::Guard => guard(&ctx).await?,
+        };
+        if strategy == Strategy::UniqueIndex {
+            sqlx::query(include_str!("sql/seed000_drop_unique_index.sql"))
+                .execute(db.pool())
+                .await?;
+        }
+        let open = count_open(db.pool(), policy, entity).await?;
+        let held = open <= 1;
+        report.results.push(
+            Row::new(strategy.name())
+                .with("open_incidents", open)
+                .with("conflicts", outcome.conflicts)
+                .with("aborts", outcome.aborts)
+                .with("retries", outcome.retries)
+                .with(
+                    "connection_held_during_evaluation",
+                    outcome.held_during_evaluation,
+                )
+                .with("invariant_held", held),
+        );
+        report.sections.insert(
+            format!("timeline: {}", strategy.name()),
+            timeline_rows(strategy.name(), &ctx.race.timeline()),
+        );
+        if strategy == Strategy::Guard {
+            report.verdict.check(
+                open == 1 && outcome.conflicts == 1 && !outcome.held_during_evaluation,
+                format!(
+                    "guard: {open} open incident(s), {} conflict(s), no connection held while evaluating: I1 kept",
+                    outcome.conflicts
+                ),
+            );
+        } else if strategy.safe() {
+            report.verdict.check(
+                open == 1,
+                format!("{}: {open} open incident(s), as expected", strategy.name()),
+            );
+        } else {
+            report.verdict.check(
+                open == 2,
+                format!(
+                    "{}: {open} open incidents, the seed's duplicate shown",
+                    strategy.name()
+                ),
+            );
+        }
+    }
+    report.sections.insert(
+        "notes".into(),
+        vec![
+            Row::new("unique-index").with(
+                "note",
+                "holds here only because this race's rule is static; it cannot express \
+                 a policy that is a singleton for some entities, decided at run time",
+            ),
+            Row::new("serializable").with(
+                "note",
+                "keeps I1 by aborting W2; the application owes the retry, and every other \
+                 transaction on these tables must be ready to retry too",
+            ),
+            Row::new("session-lock").with(
+                "note",
+                "keeps I1 by holding a pooled connection through the evaluation: in-flight \
+                 work is capped by the pool size",
+            ),
+        ],
+    );
+    Ok(report)
+}
+
+async fn count_open(pool: &PgPool, policy: i64, entity: i64) -> sqlx::Result<i64> {
+    sqlx::query_scalar(include_str!("sql/seed000_count_open.sql"))
+        .bind(policy)
+        .bind(entity)
+        .fetch_one(pool)
+        .await
+}
+
+/// Whether the worker's code holds its session's only connection right now
+/// (the pool cannot hand it out).
+async fn holds_connection(session: &Session) -> bool {
+    tokio::time::timeout(Duration::from_millis(300), session.pool().acquire())
+        .await
+        .is_err()
+}
+
+async fn evaluate(ctx: &Ctx, w: &Session, at: &str, outcome: &mut Outcome) -> anyhow::Result<()> {
+    let held = holds_connection(w).await;
+    outcome.held_during_evaluation |= held;
+    ctx.race.note(
+        w,
+        &format!(
+            "{at} evaluation (remote calls){}",
+            if held {
+                ", connection held"
+            } else {
+                ", no connection held"
+            }
+        ),
+    );
+    Ok(())
+}
+
+async fn read_open(conn: &mut sqlx::PgConnection, ctx: &Ctx) -> sqlx::Result<Vec<i64>> {
+    sqlx::query_scalar(include_str!("sql/seed000_read_open.sql"))
+        .bind(ctx.policy)
+        .bind(ctx.entity)
+        .fetch_all(conn)
+        .await
+}
+
+async fn insert(conn: &mut sqlx::PgConnection, ctx: &Ctx, who: &str) -> sqlx::Result<()> {
+    sqlx::query(include_str!("sql/seed000_insert.sql"))
+        .bind(ctx.policy)
+        .bind(ctx.entity)
+        .bind(who)
+        .execute(conn)
+        .await
+        .map(|_| ())
+}
+
+/// The seed's original code: read in one transaction, write in another.
+/// With `unique_index`, the seed's partial unique index turns W2's insert
+/// into a unique violation, counted as a conflict.
+async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Outcome> {
+    let mut outcome = Outcome::default();
+    let read = async |w: &Session| -> sqlx::Result<Vec<i64>> {
+        let mut tx = w
+            .pool()
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY")
+            .await?;
+        let ids = read_open(&mut tx, ctx).await?;
+        tx.commit().await?;
+        Ok(ids)
+    };
+    let seen1 = ctx
+        .race
+        .step(&ctx.w1, "T01 read open incidents", read(&ctx.w1))
+        .await??;
+    evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
+    let seen2 = ctx
+        .race
+        .step(&ctx.w2, "T05 read open incidents", read(&ctx.w2))
+        .await??;
+    evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
+    let write = async |w: &Session, who: &str| -> sqlx::Result<()> {
+        let mut tx = w
+            .pool()
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await?;
+        insert(&mut tx, ctx, who).await?;
+        tx.commit().await
+    };
+    for (w, seen, at) in [(&ctx.w1, &seen1, "T08"), (&ctx.w2, &seen2, "T10")] {
+        if !seen.is_empty() {
+            continue;
+        }
+        let done = ctx
+            .race
+            .step(
+                w,
+                &format!("{at} insert incident, COMMIT"),
+                write(w, w.name()),
+            )
+            .await?;
+        match done {
+            Ok(()) => {}
+            Err(e) if unique_index && is_unique_violation(&e) => {
+                outcome.conflicts += 1;
+                ctx.race.note(w, "unique violation: another worker won");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(outcome)
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    pgonce::error::sqlstate_of(e).as_deref() == Some(pgonce::error::sqlstate::UNIQUE_VIOLATION)
+}
+
+#[derive(Clone, Copy)]
+enum Level {
+    RepeatableRead,
+    Serializable,
+}
+
+/// Read, evaluate and write in one transaction at `level`; under
+/// SERIALIZABLE, an aborted worker retries the whole transaction once.
+async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Outcome> {
+    let begin = match level {
+        Level::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+        Level::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+    };
+    let mut outcome = Outcome::default();
+    let race = &ctx.race;
+    let mut tx1 = race
+        .step(&ctx.w1, begin, ctx.w1.pool().begin_with(begin))
+        .await??;
+    let seen1 = race
+        .step(&ctx.w1, "T01 read open incidents", read_open(&mut tx1, ctx))
+        .await??;
+    evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
+    let mut tx2 = race
+        .step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
+        .await??;
+    let seen2 = race
+        .step(&ctx.w2, "T05 read open incidents", read_open(&mut tx2, ctx))
+        .await??;
+    evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
+    if seen1.is_empty() {
+        race.step(&ctx.w1, "T08 insert incident", insert(&mut tx1, ctx, "W1"))
+            .await??;
+    }
+    race.step(&ctx.w1, "T08 COMMIT", tx1.commit()).await??;
+    let mut w2_result: sqlx::Result<()> = Ok(());
+    if seen2.is_empty() {
+        w2_result = race
+            .step(&ctx.w2, "T10 insert incident", insert(&mut tx2, ctx, "W2"))
+            .await?;
+    }
+    if w2_result.is_ok() {
+        w2_result = race.step(&ctx.w2, "T10 COMMIT", tx2.commit()).await?;
+    } else {
+        drop(tx2);
+    }
+    match w2_result {
+        Ok(()) => {}
+        Err(e) => {
+            let e = Error::from(e);
+            if !(matches!(level, Level::Serializable) && e.is_retryable()) {
+                return Err(e.into());
+            }
+            outcome.aborts += 1;
+            race.note(&ctx.w2, "serialization failure: W2 aborted; retrying");
+            // The retry the application owes: the whole transaction again,
+            // evaluation included.
+            outcome.retries += 1;
+            let mut tx = race
+                .step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
+                .await??;
+            let seen = race
+                .step(
+                    &ctx.w2,
+                    "retry: read open incidents",
+                    read_open(&mut tx, ctx),
+                )
+                .await??;
+            evaluate(ctx, &ctx.w2, "retry:", &mut outcome).await?;
+            if seen.is_empty() {
+                race.step(
+                    &ctx.w2,
+                    "retry: insert incident",
+                    insert(&mut tx, ctx, "W2"),
+                )
+                .await??;
+            } else {
+                race.note(
+                    &ctx.w2,
+                    "retry: an incident is open already; nothing to create",
+                );
+            }
+            race.step(&ctx.w2, "retry: COMMIT", tx.commit()).await??;
+        }
+    }
+    Ok(outcome)
+}
+
+/// A session-level advisory lock held from before the read until after the
+/// write, across the evaluation: W2 waits for W1's whole evaluation.
+async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
+    let mut outcome = Outcome::default();
+    let race = &ctx.race;
+    let key = pgonce::LockKey::new("seed000/entity", &ctx.entity.to_string())?.as_i64();
+    let mut c1 = race
+        .step(
+            &ctx.w1,
+            "T01 pg_advisory_lock(entity)",
+            session_lock_on(ctx.w1.pool().clone(), key),
+        )
+        .await??;
+    let seen1 = race
+        .step(&ctx.w1, "T01 read open incidents", read_open(&mut c1, ctx))
+        .await??;
+    evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
+    let waiting = race
+        .step_blocks(
+            &ctx.w2,
+            "T05 pg_advisory_lock(entity)",
+            session_lock_on(ctx.w2.pool().clone(), key),
+        )
+        .await;
+    let waiting = match waiting {
+        Ok(w) => w,
+        Err(HarnessError::DidNotBlock { .. }) => {
+            anyhow::bail!("W2 was not blocked by W1's session lock")
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if seen1.is_empty() {
+        race.step(
+            &ctx.w1,
+            "T08 insert incident (autocommit)",
+            insert(&mut c1, ctx, "W1"),
+        )
+        .await??;
+    }
+    race.step(
+        &ctx.w1,
+        "T08 pg_advisory_unlock(entity)",
+        sqlx::query(include_str!("sql/seed000_session_unlock.sql"))
+            .bind(key)
+            .execute(&mut *c1),
+    )
+    .await??;
+    drop(c1);
+    let mut c2 = waiting.resume().await??;
+    let seen2 = race
+        .step(&ctx.w2, "T09 read open incidents", read_open(&mut c2, ctx))
+        .await??;
+    evaluate(ctx, &ctx.w2, "T09", &mut outcome).await?;
+    if seen2.is_empty() {
+        race.step(&ctx.w2, "T10 insert incident", insert(&mut c2, ctx, "W2"))
+            .await??;
+    } else {
+        race.note(
+            &ctx.w2,
+            "T10 an incident is open already; nothing to create",
+        );
+    }
+    race.step(
+        &ctx.w2,
+        "T10 pg_advisory_unlock(entity)",
+        sqlx::query(include_str!("sql/seed000_session_unlock.sql"))
+            .bind(key)
+            .execute(&mut *c2),
+    )
+    .await??;
+    Ok(outcome)
+}
+
+/// Checks a connection out and takes the session-level lock on it; the
+/// connection stays checked out until the caller drops it.
+async fn session_lock_on(pool: PgPool, key: i64) -> sqlx::Result<PoolConnection<sqlx::Postgres>> {
+    let mut conn = pool.acquire().await?;
+    sqlx::query(include_str!("sql/seed000_session_lock.sql"))
+        .bind(key)
+        .execute(&mut *conn)
+        .await?;
+    Ok(conn)
+}
+
+/// pgonce's guard, through the incident service's store.
+async fn guard(ctx: &Ctx) -> anyhow::Result<Outcome> {
+    let mut outcome = Outcome::default();
+    let race = &ctx.race;
+    let seen1 = race
+        .step(
+            &ctx.w1,
+            "T01 observe (short read, connection released)",
+            observe(ctx.w1.pool(), ctx.policy, ctx.entity),
+        )
+        .await??;
+    evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
+    let seen2 = race
+        .step(
+            &ctx.w2,
+            "T05 observe (short read, connection released)",
+            observe(ctx.w2.pool(), ctx.policy, ctx.entity),
+        )
+        .await??;
+    evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
+    for (w, seen, at) in [(&ctx.w1, &seen1, "T08"), (&ctx.w2, &seen2, "T10")] {
+        let done = race
+            .step(
+                w,
+                &format!("{at} guarded write: lock, re-read, compare, insert, COMMIT"),
+                create_incident(w.pool(), seen, w.name()),
+            )
+            .await?;
+        match done {
+            Ok(_) => {}
+            Err(Error::Conflict {
+                expected, found, ..
+            }) => {
+                outcome.conflicts += 1;
+                race.note(
+                    w,
+                    &format!("Conflict: expected {expected}, found {found}; nothing written"),
+                );
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(outcome)
+}

@@ -1,0 +1,1 @@
+DROP INDEX IF EXISTS incidents.seed000_one_open_incident

@@ -1,0 +1,393 @@
+//! Guarded write (write-if-unchanged): act on a slow decision only if what
+//! the decision saw has not changed since.
+//!
+//! A worker reads a set of rows ([`Guard::read`], a short read-only
+//! transaction whose connection goes back to the pool before it returns),
+//! evaluates for as long as it likes with **no connection checked out**, and
+//! then calls [`Guard::write`]. The write opens its own short transaction,
+//! takes a transaction-level advisory lock on the key, re-reads the set,
+//! compares it with what the decision saw, and runs the caller's write only
+//! if the two are equal; otherwise it rolls back and returns
+//! [`Error::Conflict`] having written nothing. COMMIT or ROLLBACK releases
+//! the lock; there is no path on which it outlives the transaction.
+//!
+//! # What it guarantees, and what it needs
+//!
+//! Every writer that changes the guarded set **must go through a guard with
+//! the same lock key** (or take that key with [`crate::lock`] in its own
+//! transaction). Then, for one key, the re-read, compare and write of
+//! different callers never overlap, and a write happens only if the set is
+//! the one the decision saw: two decisions made on the same state cannot
+//! both write. The comparison is deliberately conservative: any change in the
+//! set (an id appears, disappears or changes version) is a conflict, even
+//! one that would not have changed the decision. The caller re-evaluates.
+//!
+//! # Why READ COMMITTED
+//!
+//! Under READ COMMITTED every *statement* takes a fresh snapshot when it
+//! starts. The re-read runs after the lock statement returned, so its
+//! snapshot is taken after the lock was granted and sees every write
+//! committed by the previous holder of the lock. Under REPEATABLE READ the
+//! snapshot is taken by the first statement of the transaction, which is the
+//! lock statement itself: a re-read after a wait would see the state from
+//! before the wait, miss the previous holder's insert, and let a duplicate
+//! through. The guard therefore offers READ COMMITTED (the default) and
+//! SERIALIZABLE (correct too, at the cost of aborts), never REPEATABLE READ.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use pgonce::guard::{Guard, GuardConfig, ReadSet};
+//! use pgonce::LockKey;
+//! use sqlx::PgConnection;
+//!
+//! async fn open_ids(conn: &mut PgConnection, entity: i64) -> pgonce::Result<ReadSet> {
+//!     let ids: Vec<i64> = sqlx::query_scalar(
+//!         "SELECT id FROM incidents WHERE entity_id = $1 AND state = 'OPEN'",
+//!     )
+//!     .bind(entity)
+//!     .fetch_all(conn)
+//!     .await?;
+//!     Ok(ReadSet::from_ids(ids))
+//! }
+//!
+//! # async fn slow_evaluation(_: &ReadSet) -> bool { true }
+//! # async fn f(pool: sqlx::PgPool) -> pgonce::Result<()> {
+//! let guard = Guard::new("open-incident", GuardConfig::default())?;
+//! let entity = 42;
+//! // 1. A short read; the connection is back in the pool when this returns.
+//! let seen = guard.read(&pool, async |c| open_ids(c, entity).await).await?;
+//! // 2. Seconds of remote calls, no connection held.
+//! if slow_evaluation(&seen).await {
+//!     // 3. Lock, re-read, compare, insert, commit; or Error::Conflict.
+//!     let key = LockKey::new("entity", &entity.to_string())?;
+//!     match guard
+//!         .write(&pool, key, &seen, async |c| open_ids(c, entity).await, async |c| {
+//!             sqlx::query("INSERT INTO incidents (entity_id, state) VALUES ($1, 'OPEN')")
+//!                 .bind(entity)
+//!                 .execute(c)
+//!                 .await?;
+//!             Ok(())
+//!         })
+//!         .await
+//!     {
+//!         Ok(()) => {}
+//!         Err(pgonce::Error::Conflict { .. }) => { /* someone else acted; re-evaluate later */ }
+//!         Err(e) => return Err(e),
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+
+use crate::error::{Error, Result};
+use crate::lock::{self, LockKey};
+
+/// What a decision saw: a set of ids, each optionally with a version. Owned,
+/// so it outlives the connection that read it.
+///
+/// Two read sets are equal when they hold the same ids with the same
+/// versions; order and duplicates do not matter.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct ReadSet(BTreeMap<String, Option<i64>>);
+
+impl ReadSet {
+    /// The empty set ("nothing there").
+    pub fn new() -> ReadSet {
+        ReadSet::default()
+    }
+
+    /// A set of ids without versions.
+    pub fn from_ids<I>(ids: I) -> ReadSet
+    where
+        I: IntoIterator,
+        I::Item: ToString,
+    {
+        ReadSet(ids.into_iter().map(|id| (id.to_string(), None)).collect())
+    }
+
+    /// A set of `(id, version)` pairs: a changed version is a change.
+    pub fn from_versions<I, K>(items: I) -> ReadSet
+    where
+        I: IntoIterator<Item = (K, i64)>,
+        K: ToString,
+    {
+        ReadSet(
+            items
+                .into_iter()
+                .map(|(id, v)| (id.to_string(), Some(v)))
+                .collect(),
+        )
+    }
+
+    /// Adds one id, with or without a version; returns `self` for chaining.
+    pub fn with(mut self, id: impl ToString, version: Option<i64>) -> ReadSet {
+        self.0.insert(id.to_string(), version);
+        self
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `id` is in the set.
+    pub fn contains(&self, id: &str) -> bool {
+        self.0.contains_key(id)
+    }
+
+    /// The ids, in ascending (string) order.
+    pub fn ids(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(String::as_str)
+    }
+}
+
+impl fmt::Display for ReadSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("{")?;
+        for (i, (id, version)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            match version {
+                Some(v) => write!(f, "{id}@{v}")?,
+                None => write!(f, "{id}")?,
+            }
+        }
+        f.write_str("}")
+    }
+}
+
+impl fmt::Debug for ReadSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ReadSet{self}")
+    }
+}
+
+/// The isolation level of the guarded transaction. REPEATABLE READ is not
+/// offered: its snapshot would predate the lock (see the module docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Isolation {
+    /// Each statement sees what was committed before it started, so the
+    /// re-read sees the previous lock holder's write. The default.
+    #[default]
+    ReadCommitted,
+    /// Also correct; PostgreSQL may abort with
+    /// [`Error::SerializationFailure`], which the caller retries.
+    Serializable,
+}
+
+/// Settings of a [`Guard`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuardConfig {
+    /// Isolation of the guarded write transaction. Default
+    /// [`Isolation::ReadCommitted`].
+    pub isolation: Isolation,
+    /// Longest wait for the lock before [`Error::LockTimeout`]; `None` waits
+    /// as long as it takes. Default `None`. Must be at least 1 ms if set.
+    pub lock_timeout: Option<Duration>,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        GuardConfig {
+            isolation: Isolation::ReadCommitted,
+            lock_timeout: None,
+        }
+    }
+}
+
+/// A named write-if-unchanged operation (see the module docs). Cheap to
+/// clone; the name labels its conflict counter and logs.
+#[derive(Debug, Clone)]
+pub struct Guard {
+    name: String,
+    config: GuardConfig,
+}
+
+impl Guard {
+    /// A guard called `name` (non-empty, at most 200 bytes: it becomes a
+    /// metric label).
+    pub fn new(name: impl Into<String>, config: GuardConfig) -> Result<Guard> {
+        let name = name.into();
+        if name.is_empty() || name.len() > 200 {
+            return Err(Error::Invalid {
+                what: "guard name",
+                why: "must be 1 to 200 bytes".into(),
+            });
+        }
+        if config
+            .lock_timeout
+            .is_some_and(|t| t < Duration::from_millis(1))
+        {
+            return Err(Error::Invalid {
+                what: "guard lock_timeout",
+                why: "must be at least 1 ms".into(),
+            });
+        }
+        Ok(Guard { name, config })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn config(&self) -> &GuardConfig {
+        &self.config
+    }
+
+    /// The decision's read: runs `read` on a connection checked out for
+    /// this call only and returns its owned result. The connection is back in
+    /// the pool when this returns, so the evaluation that follows holds none.
+    ///
+    /// No transaction is opened: each statement is its own (READ COMMITTED,
+    /// autocommit), which saves two round trips. Read the set in one
+    /// statement if it must come from one snapshot; the guarded write's
+    /// re-read under the lock is what the decision is checked against.
+    pub async fn read<F>(&self, pool: &PgPool, read: F) -> Result<ReadSet>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
+    {
+        let mut conn = pool.acquire().await?;
+        read(&mut conn).await
+    }
+
+    /// The guarded write: in one short transaction at the configured
+    /// isolation level, takes the advisory lock `key`, runs `reread`, and if
+    /// its result equals `seen` runs `write` and commits, returning `write`'s
+    /// value. If the sets differ it rolls back, counts
+    /// `pgonce_guard_conflicts_total{guard}`, logs at WARN and returns
+    /// [`Error::Conflict`]: nothing is written. Any error from `reread` or
+    /// `write` also rolls everything back.
+    ///
+    /// A connection is checked out from `pool` only for this transaction.
+    /// Cancel safety: dropping the future drops the transaction, which rolls
+    /// back and releases the lock.
+    pub async fn write<R, W, T>(
+        &self,
+        pool: &PgPool,
+        key: LockKey,
+        seen: &ReadSet,
+        reread: R,
+        write: W,
+    ) -> Result<T>
+    where
+        R: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
+        W: AsyncFnOnce(&mut PgConnection) -> Result<T>,
+    {
+        let mut tx = self.begin(pool).await?;
+        match self.guarded(&mut tx, key, seen, reread, write).await {
+            Ok(out) => {
+                tx.commit().await?;
+                Ok(out)
+            }
+            Err(e) => {
+                // Roll back now rather than when the connection is next
+                // used, so the lock is free when this returns. A dead
+                // connection cannot roll back; its lock died with it.
+                let _ = tx.rollback().await;
+                if let Error::Conflict {
+                    expected, found, ..
+                } = &e
+                {
+                    metrics::counter!("pgonce_guard_conflicts_total", "guard" => self.name.clone())
+                        .increment(1);
+                    tracing::warn!(
+                        guard = %self.name,
+                        %key,
+                        %expected,
+                        %found,
+                        "guarded write refused: the read set changed since the decision"
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Lock, re-read, compare, write: everything but the transaction's end.
+    async fn guarded<R, W, T>(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        key: LockKey,
+        seen: &ReadSet,
+        reread: R,
+        write: W,
+    ) -> Result<T>
+    where
+        R: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
+        W: AsyncFnOnce(&mut PgConnection) -> Result<T>,
+    {
+        match self.config.lock_timeout {
+            Some(t) => lock::lock_timeout(tx, key, t).await?,
+            None => lock::lock(tx, key).await?,
+        }
+        // READ COMMITTED: this statement's snapshot is taken now, after the
+        // lock was granted.
+        let found = reread(tx).await?;
+        if &found != seen {
+            return Err(Error::Conflict {
+                guard: self.name.clone(),
+                expected: seen.clone(),
+                found,
+            });
+        }
+        write(tx).await
+    }
+
+    async fn begin<'p>(&self, pool: &'p PgPool) -> Result<Transaction<'p, Postgres>> {
+        let begin = match self.config.isolation {
+            Isolation::ReadCommitted => include_str!("guard/sql/begin_read_committed.sql"),
+            Isolation::Serializable => include_str!("guard/sql/begin_serializable.sql"),
+        };
+        Ok(pool.begin_with(begin.trim()).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_sets_compare_as_sets_with_versions() {
+        assert_eq!(ReadSet::from_ids([3, 1, 1]), ReadSet::from_ids([1, 3]));
+        assert_ne!(ReadSet::from_ids([1]), ReadSet::from_ids([1, 2]));
+        assert_ne!(
+            ReadSet::from_versions([(1, 4)]),
+            ReadSet::from_versions([(1, 5)])
+        );
+        assert_ne!(ReadSet::from_ids([1]), ReadSet::from_versions([(1, 5)]));
+        assert_eq!(ReadSet::new(), ReadSet::from_ids(Vec::<i64>::new()));
+        assert_eq!(
+            ReadSet::from_versions([("a", 1)])
+                .with("b", None)
+                .to_string(),
+            "{a@1, b}"
+        );
+    }
+
+    #[test]
+    fn bad_config_is_rejected() {
+        assert!(matches!(
+            Guard::new("", GuardConfig::default()),
+            Err(Error::Invalid { .. })
+        ));
+        let config = GuardConfig {
+            lock_timeout: Some(Duration::ZERO),
+            ..GuardConfig::default()
+        };
+        assert!(matches!(
+            Guard::new("g", config),
+            Err(Error::Invalid { .. })
+        ));
+    }
+}

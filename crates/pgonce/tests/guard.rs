@@ -1,0 +1,557 @@
+//! The guarded write against a real PostgreSQL: seed 000's T00-T10 with and
+//! without the guard, the re-read seeing the previous lock holder's write,
+//! the conflict path writing nothing, hostile keys, and the lock's release
+//! on commit, rollback and connection death.
+
+use pgonce::guard::{Guard, GuardConfig, ReadSet};
+use pgonce::{Error, LockKey};
+use pgonce_testkit::{Interleaving, fresh_database};
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::oneshot;
+
+const SCHEMA: &str = "CREATE TABLE things (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+                      entity text NOT NULL, open boolean NOT NULL DEFAULT true)";
+
+async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
+    let db = fresh_database().await;
+    let pool = db.pool(8).await.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    sqlx::query(SCHEMA).execute(&pool).await.unwrap();
+    (db, pool)
+}
+
+fn guard() -> Guard {
+    Guard::new("things", GuardConfig::default()).unwrap()
+}
+
+async fn open_ids(conn: &mut PgConnection, entity: &str) -> pgonce::Result<ReadSet> {
+    let ids: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM things WHERE entity = $1 AND open ORDER BY id")
+            .bind(entity)
+            .fetch_all(conn)
+            .await?;
+    Ok(ReadSet::from_ids(ids))
+}
+
+async fn insert(conn: &mut PgConnection, entity: &str) -> pgonce::Result<()> {
+    sqlx::query("INSERT INTO things (entity) VALUES ($1)")
+        .bind(entity)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+async fn count_open(pool: &PgPool, entity: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM things WHERE entity = $1 AND open")
+        .bind(entity)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// One guarded insert of `entity`, as a spawnable future.
+async fn guarded_insert(
+    pool: PgPool,
+    namespace: &'static str,
+    entity: String,
+    seen: ReadSet,
+) -> pgonce::Result<()> {
+    let key = LockKey::new(namespace, &entity)?;
+    guard()
+        .write(
+            &pool,
+            key,
+            &seen,
+            async |c| open_ids(c, &entity).await,
+            async |c| insert(c, &entity).await,
+        )
+        .await
+}
+
+/// A guarded insert that, once inserted and still holding the lock, tells
+/// `inserted` and waits for `go` before committing.
+async fn paused_insert(
+    pool: PgPool,
+    namespace: &'static str,
+    entity: String,
+    seen: ReadSet,
+    inserted: oneshot::Sender<()>,
+    go: oneshot::Receiver<()>,
+) -> pgonce::Result<()> {
+    let key = LockKey::new(namespace, &entity)?;
+    guard()
+        .write(
+            &pool,
+            key,
+            &seen,
+            async |c| open_ids(c, &entity).await,
+            async |c| {
+                insert(c, &entity).await?;
+                let _ = inserted.send(());
+                let _ = go.await;
+                Ok(())
+            },
+        )
+        .await
+}
+
+#[tokio::test]
+async fn seed_t00_t10_without_a_guard_leaves_two_open() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (w1, w2) = (
+        race.session("W1").await.unwrap(),
+        race.session("W2").await.unwrap(),
+    );
+    let read = |p: PgPool| async move {
+        let mut c = p.acquire().await?;
+        open_ids(&mut c, "X").await
+    };
+    let seen1 = race
+        .step(&w1, "T01 read", read(w1.pool().clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    let seen2 = race
+        .step(&w2, "T05 read", read(w2.pool().clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(seen1.is_empty() && seen2.is_empty());
+    for (w, what) in [(&w1, "T08 insert"), (&w2, "T10 insert")] {
+        let p = w.pool().clone();
+        race.step(w, what, async move {
+            let mut c = p.acquire().await?;
+            insert(&mut c, "X").await
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    }
+    assert_eq!(count_open(&pool, "X").await, 2, "the seed's duplicate");
+}
+
+#[tokio::test]
+async fn seed_t00_t10_with_the_guard_leaves_one_open_and_a_conflict() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (w1, w2) = (
+        race.session("W1").await.unwrap(),
+        race.session("W2").await.unwrap(),
+    );
+    let g = guard();
+    let seen1 = race
+        .step(
+            &w1,
+            "T01 read",
+            g.read(w1.pool(), async |c| open_ids(c, "X").await),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let free = tokio::time::timeout(std::time::Duration::from_secs(5), w1.pool().acquire()).await;
+    assert!(free.is_ok(), "no connection held during evaluation");
+    drop(free);
+    let seen2 = race
+        .step(
+            &w2,
+            "T05 read",
+            g.read(w2.pool(), async |c| open_ids(c, "X").await),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    race.step(
+        &w1,
+        "T08 guarded insert",
+        guarded_insert(w1.pool().clone(), "e", "X".into(), seen1),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let second = race
+        .step(
+            &w2,
+            "T10 guarded insert",
+            guarded_insert(w2.pool().clone(), "e", "X".into(), seen2),
+        )
+        .await
+        .unwrap();
+    match second {
+        Err(Error::Conflict {
+            guard,
+            expected,
+            found,
+        }) => {
+            assert_eq!(guard, "things");
+            assert!(expected.is_empty());
+            assert_eq!(found.len(), 1);
+        }
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    assert_eq!(count_open(&pool, "X").await, 1, "I1 held");
+}
+
+/// The write the re-read must see is committed while the second writer
+/// waits for the lock: READ COMMITTED takes the re-read's snapshot after the
+/// lock is granted, so the second writer conflicts instead of duplicating.
+#[tokio::test]
+async fn a_writer_waiting_for_the_lock_sees_the_previous_holders_insert() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (w1, w2) = (
+        race.session("W1").await.unwrap(),
+        race.session("W2").await.unwrap(),
+    );
+    let (inserted_tx, inserted) = oneshot::channel();
+    let (go, go_rx) = oneshot::channel();
+    let first = tokio::spawn(paused_insert(
+        w1.pool().clone(),
+        "e",
+        "X".into(),
+        ReadSet::new(),
+        inserted_tx,
+        go_rx,
+    ));
+    race.step(&w1, "lock, re-read, insert (not committed)", inserted)
+        .await
+        .unwrap()
+        .unwrap();
+    let second = race
+        .step_blocks(
+            &w2,
+            "guarded insert",
+            guarded_insert(w2.pool().clone(), "e", "X".into(), ReadSet::new()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(second.blocked_by(), ["W1"]);
+    go.send(()).unwrap();
+    first.await.unwrap().unwrap();
+    let outcome = second.resume().await.unwrap();
+    assert!(
+        matches!(outcome, Err(Error::Conflict { .. })),
+        "{outcome:?}"
+    );
+    assert_eq!(count_open(&pool, "X").await, 1);
+}
+
+#[tokio::test]
+async fn the_conflict_path_writes_nothing_and_never_runs_the_write() {
+    let (_db, pool) = setup().await;
+    let mut c = pool.acquire().await.unwrap();
+    insert(&mut c, "X").await.unwrap();
+    drop(c);
+    let mut ran = false;
+    let outcome = guard()
+        .write(
+            &pool,
+            LockKey::new("e", "X").unwrap(),
+            &ReadSet::new(),
+            async |c| open_ids(c, "X").await,
+            async |c| {
+                ran = true;
+                insert(c, "X").await
+            },
+        )
+        .await;
+    assert!(matches!(outcome, Err(Error::Conflict { .. })));
+    assert!(!ran, "the write must not run on a conflict");
+    assert_eq!(count_open(&pool, "X").await, 1);
+
+    // A write that fails half-way rolls back what it did.
+    let seen = guard()
+        .read(&pool, async |c| open_ids(c, "X").await)
+        .await
+        .unwrap();
+    let outcome: pgonce::Result<()> = guard()
+        .write(
+            &pool,
+            LockKey::new("e", "X").unwrap(),
+            &seen,
+            async |c| open_ids(c, "X").await,
+            async |c| {
+                insert(c, "X").await?;
+                sqlx::query("SELECT 1/0").execute(c).await?;
+                Ok(())
+            },
+        )
+        .await;
+    assert!(matches!(outcome, Err(Error::Database(_))));
+    assert_eq!(count_open(&pool, "X").await, 1, "nothing half-written");
+}
+
+#[tokio::test]
+async fn versions_in_the_read_set_catch_an_update() {
+    let (_db, pool) = setup().await;
+    let mut c = pool.acquire().await.unwrap();
+    insert(&mut c, "X").await.unwrap();
+    drop(c);
+    let versioned = async |c: &mut PgConnection| -> pgonce::Result<ReadSet> {
+        let rows: Vec<(i64, bool)> = sqlx::query_as("SELECT id, open FROM things ORDER BY id")
+            .fetch_all(c)
+            .await?;
+        Ok(ReadSet::from_versions(
+            rows.into_iter().map(|(id, open)| (id, open as i64)),
+        ))
+    };
+    let seen = guard().read(&pool, versioned).await.unwrap();
+    sqlx::query("UPDATE things SET open = false")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let outcome = guard()
+        .write(
+            &pool,
+            LockKey::new("e", "X").unwrap(),
+            &seen,
+            versioned,
+            async |c| insert(c, "X").await,
+        )
+        .await;
+    assert!(
+        matches!(outcome, Err(Error::Conflict { .. })),
+        "{outcome:?}"
+    );
+}
+
+#[tokio::test]
+async fn hostile_keys_work_and_never_share_a_lock_with_another_namespace() {
+    let (db, pool) = setup().await;
+    let long = "k".repeat(10_000);
+    for hostile in [
+        "it's a \"quote\"; DROP TABLE things; --".to_string(),
+        "Zürich 🚨 \u{202e}ü".to_string(),
+        long,
+    ] {
+        // Works end to end: the id set holds the hostile string too.
+        guarded_insert(pool.clone(), "entity", hostile.clone(), ReadSet::new())
+            .await
+            .unwrap();
+        assert_eq!(count_open(&pool, &hostile).await, 1);
+
+        let race = Interleaving::new(db.options()).await.unwrap();
+        let (a, b, c) = (
+            race.session("A").await.unwrap(),
+            race.session("B").await.unwrap(),
+            race.session("C").await.unwrap(),
+        );
+        let (inserted_tx, inserted) = oneshot::channel();
+        let (go, go_rx) = oneshot::channel();
+        let seen = guard()
+            .read(&pool, async |c| open_ids(c, &hostile).await)
+            .await
+            .unwrap();
+        let holder = tokio::spawn(paused_insert(
+            a.pool().clone(),
+            "entity",
+            hostile.clone(),
+            seen.clone(),
+            inserted_tx,
+            go_rx,
+        ));
+        race.step(&a, "hold the lock", inserted)
+            .await
+            .unwrap()
+            .unwrap();
+        // Same key string, other namespace: does not wait.
+        race.step(
+            &b,
+            "other namespace",
+            guarded_insert(b.pool().clone(), "other", hostile.clone(), seen.clone()),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        // Same namespace and key: waits for A.
+        let waiting = race
+            .step_blocks(
+                &c,
+                "same namespace",
+                guarded_insert(c.pool().clone(), "entity", hostile.clone(), seen.clone()),
+            )
+            .await
+            .unwrap();
+        assert_eq!(waiting.blocked_by(), ["A"]);
+        go.send(()).unwrap();
+        holder.await.unwrap().unwrap();
+        assert!(matches!(
+            waiting.resume().await.unwrap(),
+            Err(Error::Conflict { .. })
+        ));
+    }
+}
+
+async fn lock_is_free(pool: &PgPool, key: LockKey) -> bool {
+    let mut tx = pool.begin().await.unwrap();
+    let free = pgonce::lock::try_lock(&mut tx, key).await.unwrap();
+    tx.rollback().await.unwrap();
+    free
+}
+
+#[tokio::test]
+async fn the_lock_is_released_on_commit_on_conflict_on_error_and_on_connection_death() {
+    let (db, pool) = setup().await;
+    let key = LockKey::new("e", "X").unwrap();
+
+    guarded_insert(pool.clone(), "e", "X".into(), ReadSet::new())
+        .await
+        .unwrap();
+    assert!(lock_is_free(&pool, key).await, "released by COMMIT");
+
+    let conflict = guarded_insert(pool.clone(), "e", "X".into(), ReadSet::new()).await;
+    assert!(matches!(conflict, Err(Error::Conflict { .. })));
+    assert!(
+        lock_is_free(&pool, key).await,
+        "released by the conflict's ROLLBACK"
+    );
+
+    let failed: pgonce::Result<()> = guard()
+        .write(
+            &pool,
+            key,
+            &ReadSet::from_ids([1]),
+            async |c| open_ids(c, "X").await,
+            async |c| {
+                sqlx::query("SELECT 1/0").execute(c).await?;
+                Ok(())
+            },
+        )
+        .await;
+    assert!(matches!(failed, Err(Error::Database(_))));
+    assert!(
+        lock_is_free(&pool, key).await,
+        "released by the error's ROLLBACK"
+    );
+
+    // A worker killed while it holds the lock: its backend dies, the lock
+    // goes with it, and the waiter proceeds.
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (w1, w2) = (
+        race.session("W1").await.unwrap(),
+        race.session("W2").await.unwrap(),
+    );
+    let (inserted_tx, inserted) = oneshot::channel();
+    let (_go, go_rx) = oneshot::channel::<()>();
+    let seen = ReadSet::from_ids([1]);
+    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+        .fetch_one(w1.pool())
+        .await
+        .unwrap();
+    let holder = tokio::spawn(paused_insert(
+        w1.pool().clone(),
+        "e",
+        "X".into(),
+        seen.clone(),
+        inserted_tx,
+        go_rx,
+    ));
+    race.step(&w1, "hold the lock", inserted)
+        .await
+        .unwrap()
+        .unwrap();
+    let waiting = race
+        .step_blocks(
+            &w2,
+            "guarded insert",
+            guarded_insert(w2.pool().clone(), "e", "X".into(), seen),
+        )
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    waiting.resume().await.unwrap().unwrap();
+    holder.abort();
+    assert_eq!(
+        count_open(&pool, "X").await,
+        2,
+        "W1's insert died with it; W2's stands"
+    );
+    assert!(lock_is_free(&pool, key).await);
+}
+
+/// Counts `pgonce_guard_conflicts_total` by its `guard` label.
+#[derive(Default)]
+struct ConflictCounter(
+    std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::atomic::AtomicU64>)>>,
+);
+
+impl metrics::Recorder for ConflictCounter {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() != "pgonce_guard_conflicts_total" {
+            return metrics::Counter::noop();
+        }
+        let label = key
+            .labels()
+            .find(|l| l.key() == "guard")
+            .map(|l| l.value().to_string())
+            .unwrap_or_default();
+        let cell = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        self.0.lock().unwrap().push((label, cell.clone()));
+        metrics::Counter::from_arc(cell)
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+impl ConflictCounter {
+    fn total(&self, guard: &str) -> u64 {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(g, _)| g == guard)
+            .map(|(_, c)| c.load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
+    }
+}
+
+/// The test runtime is single-threaded, so a thread-local recorder sees
+/// every increment the guard makes.
+#[tokio::test(flavor = "current_thread")]
+async fn conflicts_are_counted_by_guard_name_and_successes_are_not() {
+    let recorder = ConflictCounter::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let (_db, pool) = setup().await;
+    guarded_insert(pool.clone(), "e", "X".into(), ReadSet::new())
+        .await
+        .unwrap();
+    assert_eq!(recorder.total("things"), 0);
+    for _ in 0..2 {
+        let outcome = guarded_insert(pool.clone(), "e", "X".into(), ReadSet::new()).await;
+        assert!(matches!(outcome, Err(Error::Conflict { .. })));
+    }
+    assert_eq!(recorder.total("things"), 2);
+}
