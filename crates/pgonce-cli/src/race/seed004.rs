@@ -38,7 +38,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     }
     let isolation = wrong_isolation(db).await?;
     report.verdict.check(
-        isolation.iter().all(|(s, refused)| *refused == !s.accepts("repeatable read")),
+        isolation.iter().all(|(s, refused)| *refused != s.accepts("repeatable read")),
         "under REPEATABLE READ the max + 1 strategies refuse with a typed WrongIsolation error (no number, no lock); the counter row accepts",
     );
     report.sections.insert(
