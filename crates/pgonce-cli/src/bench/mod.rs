@@ -3,6 +3,7 @@
 
 mod lock;
 pub mod measure;
+mod sequence;
 
 use std::time::Duration;
 
@@ -15,6 +16,9 @@ use crate::scratch::RunDatabase;
 pub enum Suite {
     /// Cost of a transaction-level advisory lock in a short write transaction.
     Lock,
+    /// Incident declarations per scope under each sequence strategy (seed
+    /// 004): S scopes x C declarers, number taken early or late.
+    Sequence,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -42,6 +46,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
     let db = RunDatabase::open(database_url, "bench", 200).await?;
     let report = match args.suite {
         Suite::Lock => lock::run(args, &db).await,
+        Suite::Sequence => sequence::run(args, &db).await,
     };
     db.close().await?;
     let mut report = report?;
