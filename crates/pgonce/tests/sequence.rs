@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
-use pgonce_testkit::{Interleaving, fresh_database};
+use pgonce_testkit::{Interleaving, Session, fresh_database};
 use sqlx::{PgConnection, PgPool};
 
 const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
@@ -233,11 +233,16 @@ async fn under_the_table_lock_a_declarer_in_another_scope_waits_too() {
     assert_eq!(committed(&pool).await["globex"], [1]);
 }
 
-#[tokio::test]
-async fn select_for_update_lets_the_first_declarations_of_a_scope_collide_and_the_index_rejects_one()
- {
-    let (pool, db) = setup(4).await;
-    let seq = sequence(Strategy::SelectForUpdate);
+/// Session A has taken and inserted acme's first number, uncommitted;
+/// session B is ready.
+async fn a_holds_acme(
+    db: &pgonce_testkit::ScratchDatabase,
+    seq: &Sequence,
+) -> (
+    Interleaving,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    Session,
+) {
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
@@ -246,6 +251,15 @@ async fn select_for_update_lets_the_first_declarations_of_a_scope_collide_and_th
     insert_incident(&mut tx_a, "acme", taken.number)
         .await
         .unwrap();
+    (race, tx_a, b)
+}
+
+#[tokio::test]
+async fn select_for_update_lets_the_first_declarations_of_a_scope_collide_and_the_index_rejects_one()
+ {
+    let (pool, db) = setup(4).await;
+    let seq = sequence(Strategy::SelectForUpdate);
+    let (race, tx_a, b) = a_holds_acme(&db, &seq).await;
 
     // B locks no row (there is none), computes 1 as well, and its INSERT
     // waits on A's uncommitted index entry.
@@ -347,14 +361,7 @@ async fn without_the_check_repeatable_read_would_compute_a_duplicate() {
     let (_pool, db) = setup(4).await;
     let seq = sequence(Strategy::AdvisoryLock);
     let key = seq.lock_key(&"acme").unwrap().as_i64();
-    let race = Interleaving::new(db.options()).await.unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-    let mut tx_a = a.pool().begin_with(READ_COMMITTED).await.unwrap();
-    let taken = seq.next(&mut tx_a, &"acme").await.unwrap();
-    insert_incident(&mut tx_a, "acme", taken.number)
-        .await
-        .unwrap();
+    let (race, tx_a, b) = a_holds_acme(&db, &seq).await;
 
     let pool_b = b.pool().clone();
     let waiting = race
