@@ -23,6 +23,9 @@
 //!   a clear error, never a duplicate;
 //! * every row of the table inserted through this module (or under the same
 //!   lock), and numbers never deleted: a hole left by a delete stays a hole.
+//!   A transaction that takes a number and commits without inserting it
+//!   leaves a gap under [`Strategy::CounterRow`] (the counter moved on);
+//!   the max + 1 strategies hand that number out again.
 //!
 //! # The numbered table
 //!
@@ -74,7 +77,7 @@
 //! | strategy | lock | scopes independent | isolation |
 //! |---|---|---|---|
 //! | [`Strategy::AdvisoryLock`] (default) | `pg_advisory_xact_lock` per (table, scope), then max + 1 | yes | READ COMMITTED |
-//! | [`Strategy::CounterRow`] | row lock on the scope's row of `pgonce.sequence_counters` | yes | any (REPEATABLE READ / SERIALIZABLE abort with a retryable [`Error::SerializationFailure`] instead of waiting) |
+//! | [`Strategy::CounterRow`] | row lock on the scope's row of `pgonce.sequence_counters` | yes | any (under REPEATABLE READ / SERIALIZABLE a declarer that waited for the row aborts with a retryable [`Error::SerializationFailure`] when the holder commits: never a duplicate) |
 //! | [`Strategy::TableLock`] | `LOCK TABLE ... IN EXCLUSIVE MODE`, then max + 1 | no: blocks every write to the table | READ COMMITTED |
 //! | [`Strategy::SelectForUpdate`] | `SELECT ... FOR UPDATE` of the scope's rows, then max + 1 | yes | READ COMMITTED; an empty scope has no rows to lock, so its first declarations race and all but one fail with [`Error::NumberTaken`] |
 
