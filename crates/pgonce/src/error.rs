@@ -33,6 +33,27 @@ pub enum Error {
     #[error("transaction aborted by PostgreSQL ({sqlstate}); retry it: {message}")]
     SerializationFailure { sqlstate: String, message: String },
 
+    /// The transaction's isolation level cannot make the operation correct
+    /// (a scoped sequence's max + 1 under a snapshot that may predate its
+    /// lock). Nothing was locked or written; begin the transaction with
+    /// `needed` and retry.
+    #[error("{strategy} needs isolation level {needed}, the transaction runs at {found}")]
+    WrongIsolation {
+        strategy: &'static str,
+        needed: &'static str,
+        found: String,
+    },
+
+    /// A scoped number was already committed by another transaction (the
+    /// unique index on (scope, number) rejected the row). The transaction was
+    /// rolled back; nothing of it is committed.
+    #[error("number {number} of scope {scope} in {sequence} is already taken")]
+    NumberTaken {
+        sequence: String,
+        scope: String,
+        number: i64,
+    },
+
     /// A value was rejected before reaching the database.
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },

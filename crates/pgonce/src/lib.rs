@@ -8,6 +8,8 @@
 //! * [`guard`]: write-if-unchanged: lock, re-read, compare, write (seed 000).
 //! * [`lock`]: transaction-level advisory locks with 64-bit keys.
 //! * [`migrate`]: the embedded schema (`pgonce` schema).
+//! * `sequence`: per-scope gapless numbers taken inside the caller's
+//!   transaction ([`Sequence`], P2).
 //!
 //! The patterns (advisory locks, guarded writes, scoped sequences, jobs,
 //! idempotency keys, the event store and the queue) each live in a module of
@@ -17,8 +19,13 @@ pub mod error;
 pub mod guard;
 pub mod lock;
 mod migrate;
+mod sequence;
 
 pub use error::{Error, Result};
 pub use guard::{Guard, GuardConfig, Isolation, ReadSet};
 pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};
+pub use sequence::{
+    Numbered, NumberedTable, ScopeValue, Sequence, SequenceConfig, Strategy as SequenceStrategy,
+    Taken,
+};

@@ -4,6 +4,7 @@
 mod guard;
 mod lock;
 pub mod measure;
+mod sequence;
 
 use std::time::Duration;
 
@@ -19,6 +20,9 @@ pub enum Suite {
     /// Seed 000's guarded write against two-transactions, serializable and
     /// a session lock: low contention, hot entity, pool pressure.
     Guard,
+    /// Incident declarations per scope under each sequence strategy (seed
+    /// 004): S scopes x C declarers, number taken early or late.
+    Sequence,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -47,6 +51,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
     let report = match args.suite {
         Suite::Lock => lock::run(args, &db).await,
         Suite::Guard => guard::run(args, &db).await,
+        Suite::Sequence => sequence::run(args, &db).await,
     };
     db.close().await?;
     let mut report = report?;

@@ -3,6 +3,7 @@
 
 mod lock_wait;
 mod seed000;
+mod seed004;
 
 use clap::{Args, ValueEnum};
 use pgonce_testkit::{Step, StepEvent};
@@ -18,6 +19,9 @@ pub enum Scenario {
     /// Seed 000: two workers, one entity, both read "none open", both
     /// evaluate, both create; under six strategies, the guard among them.
     Seed000,
+    /// Seed 004: concurrent incident declarations in one organization and
+    /// across organizations, under each sequence strategy.
+    Seed004,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -31,6 +35,7 @@ pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<
     let report = match args.scenario {
         Scenario::LockWait => lock_wait::run(&db).await,
         Scenario::Seed000 => seed000::run(&db).await,
+        Scenario::Seed004 => seed004::run(&db).await,
     };
     db.close().await?;
     report

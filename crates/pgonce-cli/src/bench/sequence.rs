@@ -1,0 +1,351 @@
+//! `pgonce bench sequence`: incident declarations under each sequence
+//! strategy. S organizations x C concurrent declarers each; every
+//! declaration transaction also does other work (three inserts and a 5-20 ms
+//! step while it is open, as in seed 004). Two windows:
+//!
+//! * `early`: the number is taken first, as the seed's service did, so the
+//!   scope stays locked for the whole declaration;
+//! * `late`: the other work first, then `Sequence::commit_numbered`, so the
+//!   scope is locked only for number, insert and COMMIT.
+//!
+//! Per strategy: declarations/s, latency, lock wait, lock hold, conflicts,
+//! and violations of I2 counted in the database afterwards.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
+use sqlx::{PgConnection, PgPool};
+
+use super::BenchArgs;
+use super::measure::{Measured, closed_loop, new_histogram, round2};
+use crate::report::{Report, Row};
+use crate::scratch::RunDatabase;
+
+const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+const TABLE: &str = "public.bench_seq_incidents";
+/// The seed's service-level objective for a declaration.
+const SLO_MS: f64 = 3000.0;
+/// Goals of the issue: advisory vs table lock at S=8, and p99 with one
+/// scope and 50 declarers.
+const GOAL_RATIO: f64 = 6.0;
+const GOAL_P99_MS: f64 = 150.0;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Window {
+    Early,
+    Late,
+}
+
+impl Window {
+    fn name(self) -> &'static str {
+        match self {
+            Window::Early => "early",
+            Window::Late => "late",
+        }
+    }
+}
+
+/// Lock wait and lock hold of every declaration, in microseconds.
+struct LockTimes {
+    wait: Histogram<u64>,
+    hold: Histogram<u64>,
+}
+
+struct Phase {
+    pool: PgPool,
+    seq: Sequence,
+    window: Window,
+    scopes: usize,
+    times: Mutex<LockTimes>,
+}
+
+/// The figures of one phase.
+struct Figures {
+    row: Row,
+    /// `S=8 x C=4`.
+    shape: String,
+    declarations_per_sec: f64,
+    p99_ms: f64,
+    hold_p99_ms: f64,
+    violations: i64,
+    errors: u64,
+    first_error: Option<String>,
+}
+
+pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+    sqlx::raw_sql(include_str!("sql/sequence_schema.sql"))
+        .execute(db.pool())
+        .await?;
+    let mut report = Report::new("bench", "sequence", db.environment().await?);
+    let (scopes, declarers) = (8, 4);
+
+    // S=8 x C=4, every strategy, both windows.
+    let mut rate = std::collections::HashMap::new();
+    for window in [Window::Early, Window::Late] {
+        for strategy in Strategy::ALL {
+            let f = phase(args, db, strategy, window, scopes, declarers).await?;
+            rate.insert((strategy, window), f.declarations_per_sec);
+            judge(&mut report, strategy, window, &f);
+            report.results.push(f.row);
+        }
+    }
+    let s8 = |w| {
+        (
+            rate[&(Strategy::AdvisoryLock, w)],
+            rate[&(Strategy::TableLock, w)],
+        )
+    };
+    let (adv, table) = s8(Window::Early);
+    let ratio_early = report.ratio("advisory_vs_table_lock_s8_early", adv, table);
+    let (adv, table) = s8(Window::Late);
+    report.ratio("advisory_vs_table_lock_s8_late", adv, table);
+    report.verdict.check(
+        ratio_early.is_some_and(|r| r > 1.0),
+        format!(
+            "with {scopes} scopes the advisory lock declares faster than the table lock ({}x, number taken early as in the seed)",
+            ratio_early.unwrap_or(0.0)
+        ),
+    );
+
+    // One scope, 50 declarers: the default strategy, both windows.
+    let mut slo = Vec::new();
+    let mut p99 = Vec::new();
+    for window in [Window::Early, Window::Late] {
+        let f = phase(args, db, Strategy::AdvisoryLock, window, 1, 50).await?;
+        judge(&mut report, Strategy::AdvisoryLock, window, &f);
+        p99.push(f.p99_ms);
+        slo.push(
+            Row::new(format!("advisory-lock ({})", window.name()))
+                .with("declarers", 50)
+                .with("p99_ms", f.p99_ms)
+                .with("lock_hold_p99_ms", f.hold_p99_ms)
+                .with("slo_ms", SLO_MS)
+                .with("within_slo", f.p99_ms <= SLO_MS)
+                .with("goal_p99_ms", GOAL_P99_MS)
+                .with("goal_met", f.p99_ms <= GOAL_P99_MS),
+        );
+        report.results.push(f.row);
+    }
+    report.ratio("one_scope_p99_early_vs_late", p99[0], p99[1]);
+    report.sections.insert(
+        "one scope, 50 declarers, against the seed's 3 s SLO".into(),
+        slo,
+    );
+
+    let ratio = report
+        .ratios
+        .get("advisory_vs_table_lock_s8_early")
+        .copied()
+        .unwrap_or(0.0);
+    report.sections.insert(
+        "goals (not part of the verdict: they depend on the machine)".into(),
+        vec![
+            Row::new("advisory vs table lock, S=8 (early)")
+                .with("target", format!(">= {GOAL_RATIO}x"))
+                .with("measured", format!("{ratio}x"))
+                .with("met", ratio >= GOAL_RATIO),
+            Row::new("one scope, 50 declarers, p99 (late window)")
+                .with("target", format!("<= {GOAL_P99_MS} ms"))
+                .with("measured", format!("{} ms", p99[1]))
+                .with("met", p99[1] <= GOAL_P99_MS),
+        ],
+    );
+    Ok(report)
+}
+
+fn judge(report: &mut Report, strategy: Strategy, window: Window, f: &Figures) {
+    let label = format!("{strategy} ({}, {})", window.name(), f.shape);
+    report.verdict.check(
+        f.violations == 0,
+        format!("{label}: {} violations of I2 in the database", f.violations),
+    );
+    report.verdict.check(
+        f.errors == 0,
+        format!(
+            "{label}: {} errors{}",
+            f.errors,
+            f.first_error
+                .as_ref()
+                .map(|e| format!(" (first: {e})"))
+                .unwrap_or_default()
+        ),
+    );
+}
+
+async fn phase(
+    args: &BenchArgs,
+    db: &RunDatabase,
+    strategy: Strategy,
+    window: Window,
+    scopes: usize,
+    declarers: usize,
+) -> anyhow::Result<Figures> {
+    sqlx::raw_sql(
+        "TRUNCATE public.bench_seq_incidents, public.bench_seq_work; \
+         DELETE FROM pgonce.sequence_counters",
+    )
+    .execute(db.pool())
+    .await?;
+    let seq = Sequence::new(
+        NumberedTable::new(TABLE, "org", "number")?,
+        SequenceConfig { strategy },
+    )?;
+    seq.check_schema(db.pool()).await?;
+    let ctx = Arc::new(Phase {
+        pool: db.pool().clone(),
+        seq,
+        window,
+        scopes,
+        times: Mutex::new(LockTimes {
+            wait: new_histogram(),
+            hold: new_histogram(),
+        }),
+    });
+    let label = format!("{strategy} {} S={scopes}", window.name());
+    let m = {
+        let ctx = ctx.clone();
+        closed_loop(
+            &label,
+            scopes * declarers,
+            args.phase(),
+            move |worker, _| {
+                let ctx = ctx.clone();
+                async move { declare(&ctx, worker).await }
+            },
+        )
+        .await
+    };
+    let violations = violations(db.pool(), &m).await?;
+    let times = ctx.times.lock().expect("lock times");
+    Ok(figures(
+        &m, strategy, window, scopes, declarers, &times, violations,
+    ))
+}
+
+fn figures(
+    m: &Measured,
+    strategy: Strategy,
+    window: Window,
+    scopes: usize,
+    declarers: usize,
+    times: &LockTimes,
+    violations: i64,
+) -> Figures {
+    let ms = |h: &Histogram<u64>, q: f64| round2(h.value_at_quantile(q) as f64 / 1000.0);
+    let conflicts = m.counters.get("conflicts").copied().unwrap_or(0);
+    let aborts = m.counters.get("aborts").copied().unwrap_or(0);
+    let declared = m.ops - conflicts - aborts;
+    let per_sec = round2(declared as f64 / m.elapsed.as_secs_f64().max(1e-9));
+    let row = Row::new(strategy.name())
+        .with("window", window.name())
+        .with("scopes", scopes)
+        .with("declarers", declarers)
+        .with("declarations_per_sec", per_sec)
+        .with("p50_ms", round2(m.quantile_ms(0.5)))
+        .with("p99_ms", round2(m.quantile_ms(0.99)))
+        .with("max_ms", round2(m.max_ms()))
+        .with("lock_wait_p50_ms", ms(&times.wait, 0.5))
+        .with("lock_wait_p99_ms", ms(&times.wait, 0.99))
+        .with("lock_hold_p50_ms", ms(&times.hold, 0.5))
+        .with("lock_hold_p99_ms", ms(&times.hold, 0.99))
+        .with("conflicts", conflicts)
+        .with("aborts", aborts)
+        .with("errors", m.errors)
+        .with("violations", violations)
+        .with("invariant_held", violations == 0 && conflicts == 0);
+    Figures {
+        declarations_per_sec: per_sec,
+        p99_ms: round2(m.quantile_ms(0.99)),
+        hold_p99_ms: ms(&times.hold, 0.99),
+        row,
+        shape: format!("S={scopes} x C={declarers}"),
+        violations,
+        errors: m.errors,
+        first_error: m.first_error.clone(),
+    }
+}
+
+/// One declaration: the other work and the number, in the order `window`
+/// says, in one READ COMMITTED transaction.
+async fn declare(ctx: &Phase, worker: usize) -> anyhow::Result<Option<&'static str>> {
+    let org = (worker % ctx.scopes) as i64;
+    let outcome = match ctx.window {
+        Window::Early => early(ctx, org).await,
+        Window::Late => late(ctx, org).await,
+    };
+    match outcome {
+        Ok((waited, held)) => {
+            let mut times = ctx.times.lock().expect("lock times");
+            let _ = times.wait.record(waited.as_micros().max(1) as u64);
+            let _ = times.hold.record(held.as_micros().max(1) as u64);
+            Ok(None)
+        }
+        Err(Error::NumberTaken { .. }) => Ok(Some("conflicts")),
+        Err(e) if e.is_retryable() => Ok(Some("aborts")),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The seed's shape: number first, then everything else, then COMMIT.
+async fn early(ctx: &Phase, org: i64) -> pgonce::Result<(Duration, Duration)> {
+    let mut tx = ctx.pool.begin_with(READ_COMMITTED).await?;
+    let taken = ctx.seq.next(&mut tx, &org).await?;
+    if let Err(e) = insert_incident(&mut tx, org, taken.number).await {
+        return Err(ctx.seq.number_taken(e, &org, taken.number));
+    }
+    other_work(&mut tx, org).await?;
+    tx.commit().await?;
+    Ok((taken.waited, taken.granted_at.elapsed()))
+}
+
+/// The short window: everything else first, the number last.
+async fn late(ctx: &Phase, org: i64) -> pgonce::Result<(Duration, Duration)> {
+    let mut tx = ctx.pool.begin_with(READ_COMMITTED).await?;
+    other_work(&mut tx, org).await?;
+    let done = ctx
+        .seq
+        .commit_numbered(tx, &org, async |conn: &mut PgConnection, n| {
+            insert_incident(conn, org, n).await
+        })
+        .await?;
+    Ok((done.waited, done.held))
+}
+
+async fn insert_incident(conn: &mut PgConnection, org: i64, number: i64) -> pgonce::Result<()> {
+    sqlx::query(include_str!("sql/sequence_insert_incident.sql"))
+        .bind(org)
+        .bind(number)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Three inserts and a 5-20 ms step (a remote call) while the transaction
+/// is open.
+async fn other_work(conn: &mut PgConnection, org: i64) -> pgonce::Result<()> {
+    for what in ["channel", "responders", "timeline"] {
+        sqlx::query("INSERT INTO public.bench_seq_work (org, what) VALUES ($1, $2)")
+            .bind(org)
+            .bind(what)
+            .execute(&mut *conn)
+            .await?;
+    }
+    let ms: u64 = rand::random_range(5..=20);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    Ok(())
+}
+
+/// I2 checked in the database: gaps and duplicates per scope, and committed
+/// rows that differ from the declarations reported as committed.
+async fn violations(pool: &PgPool, m: &Measured) -> anyhow::Result<i64> {
+    let (gaps, duplicates, rows): (i64, i64, i64) =
+        sqlx::query_as(include_str!("sql/sequence_violations.sql"))
+            .fetch_one(pool)
+            .await?;
+    let conflicts = m.counters.get("conflicts").copied().unwrap_or(0);
+    let aborts = m.counters.get("aborts").copied().unwrap_or(0);
+    let declared = (m.ops - conflicts - aborts) as i64;
+    Ok(gaps + duplicates + (rows - declared).abs())
+}

@@ -1,0 +1,389 @@
+//! `pgonce race seed004`: concurrent incident declarations, step by step,
+//! under each sequence strategy. A takes acme's next number and holds it; B
+//! declares in acme, C in globex; A commits; then D takes a number in acme
+//! and rolls back, and declares again. The table says, per strategy, which
+//! numbers were committed, whether any was duplicated or skipped, whether
+//! the rolled-back number was handed out again, and who waited for whom.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+
+use anyhow::Context;
+use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
+use pgonce_testkit::{Blocked, HarnessError, Interleaving, Session};
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::oneshot;
+
+use super::timeline_rows;
+use crate::report::{Report, Row};
+use crate::scratch::RunDatabase;
+
+const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+    let mut report = Report::new("race", "seed004", db.environment().await?);
+    sqlx::raw_sql(include_str!("sql/seed004_schema.sql"))
+        .execute(db.pool())
+        .await?;
+    for strategy in Strategy::ALL {
+        let outcome = replay(db, strategy)
+            .await
+            .with_context(|| format!("replaying under {strategy}"))?;
+        judge(&mut report, strategy, &outcome);
+        report.results.push(outcome.row(strategy));
+        report.sections.insert(
+            format!("timeline: {strategy}"),
+            timeline_rows(strategy.name(), &outcome.timeline),
+        );
+    }
+    let isolation = wrong_isolation(db).await?;
+    report.verdict.check(
+        isolation.iter().all(|(s, refused)| *refused != s.accepts("repeatable read")),
+        "under REPEATABLE READ the max + 1 strategies refuse with a typed WrongIsolation error (no number, no lock); the counter row accepts",
+    );
+    report.sections.insert(
+        "isolation: next() under REPEATABLE READ".into(),
+        isolation
+            .iter()
+            .map(|(s, refused)| {
+                Row::new(s.name()).with(
+                    "outcome",
+                    if *refused {
+                        "Error::WrongIsolation (needs read committed)"
+                    } else {
+                        "accepted (a concurrent update aborts with 40001, never a duplicate)"
+                    },
+                )
+            })
+            .collect(),
+    );
+    Ok(report)
+}
+
+/// What one strategy's replay showed.
+struct Outcome {
+    committed: BTreeMap<String, Vec<i64>>,
+    duplicates: i64,
+    gaps: i64,
+    b: Result<i64, String>,
+    b_waited_for: Vec<String>,
+    c_waited_for: Vec<String>,
+    rolled_back: i64,
+    after_rollback: i64,
+    timeline: Vec<pgonce_testkit::Step>,
+}
+
+impl Outcome {
+    fn other_scope_waited(&self) -> bool {
+        !self.c_waited_for.is_empty()
+    }
+
+    fn failed_declarations(&self) -> usize {
+        usize::from(self.b.is_err())
+    }
+
+    /// I2: unique and gapless, every declaration got its number, and one
+    /// scope never waited for another.
+    fn invariant_held(&self) -> bool {
+        self.duplicates == 0
+            && self.gaps == 0
+            && self.failed_declarations() == 0
+            && self.after_rollback == self.rolled_back
+            && !self.other_scope_waited()
+    }
+
+    fn row(&self, strategy: Strategy) -> Row {
+        let numbers = self
+            .committed
+            .iter()
+            .map(|(org, ns)| {
+                let ns: Vec<String> = ns.iter().map(i64::to_string).collect();
+                format!("{org}: {}", ns.join(","))
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        let waited = |who: &str, by: &[String]| {
+            if by.is_empty() {
+                format!("{who}: no wait")
+            } else {
+                format!("{who} waited for {}", by.join(", "))
+            }
+        };
+        Row::new(strategy.name())
+            .with("numbers_committed", numbers)
+            .with(
+                "b_same_scope",
+                match &self.b {
+                    Ok(n) => format!("got {n}"),
+                    Err(e) => e.clone(),
+                },
+            )
+            .with("same_scope", waited("B", &self.b_waited_for))
+            .with("other_scope", waited("C", &self.c_waited_for))
+            .with("duplicates", self.duplicates)
+            .with("gaps", self.gaps)
+            .with("failed_declarations", self.failed_declarations())
+            .with(
+                "rollback_number_reused",
+                self.after_rollback == self.rolled_back,
+            )
+            .with("invariant_held", self.invariant_held())
+    }
+}
+
+/// The verdict: the default keeps I2, and each row says what its strategy
+/// is known to do.
+fn judge(report: &mut Report, strategy: Strategy, o: &Outcome) {
+    let name = strategy.name();
+    report.verdict.check(
+        o.duplicates == 0,
+        format!("{name}: no duplicate committed (the unique index backs every strategy)"),
+    );
+    report.verdict.check(
+        o.after_rollback == o.rolled_back,
+        format!(
+            "{name}: the rolled-back number {} was handed out again",
+            o.rolled_back
+        ),
+    );
+    match strategy {
+        Strategy::AdvisoryLock | Strategy::CounterRow => report.verdict.check(
+            o.invariant_held() && o.b_waited_for == ["A"],
+            format!("{name}: I2 held; B waited for A only, C did not wait"),
+        ),
+        Strategy::TableLock => report.verdict.check(
+            o.other_scope_waited() && o.gaps == 0 && o.failed_declarations() == 0,
+            format!(
+                "{name}: gapless, but C (globex) waited for {} (shown, as expected)",
+                o.c_waited_for.join(", ")
+            ),
+        ),
+        Strategy::SelectForUpdate => report.verdict.check(
+            o.failed_declarations() == 1 && !o.other_scope_waited(),
+            format!(
+                "{name}: in an empty scope B locked nothing, computed A's number, its INSERT waited on A's index entry and was rejected by the unique index (shown, as expected)"
+            ),
+        ),
+        _ => report
+            .verdict
+            .check(false, format!("{name}: no expectation written")),
+    }
+}
+
+fn sequence(strategy: Strategy) -> anyhow::Result<Sequence> {
+    let table = format!("public.seed004_{}", strategy.name().replace('-', "_"));
+    Ok(Sequence::new(
+        NumberedTable::new(&table, "org", "number")?,
+        SequenceConfig { strategy },
+    )?)
+}
+
+async fn insert(seq: &Sequence, conn: &mut PgConnection, org: &str, n: i64) -> pgonce::Result<()> {
+    // The table name is ours (see `sequence`), safe to put in the text.
+    let sql = format!(
+        "INSERT INTO {} (org, number) VALUES ($1, $2)",
+        seq.table().name()
+    );
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(org)
+        .bind(n)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// A declaration as the seed's service does it: some other work, then the
+/// number, in one transaction.
+async fn declare(seq: Sequence, pool: PgPool, org: &'static str) -> Result<i64, String> {
+    let outcome = async {
+        let mut tx = pool.begin_with(READ_COMMITTED).await?;
+        sqlx::query("INSERT INTO public.seed004_work (org, note) VALUES ($1, 'paged on-call')")
+            .bind(org)
+            .execute(&mut *tx)
+            .await?;
+        let done = seq
+            .commit_numbered(tx, &org, async |conn: &mut PgConnection, n| {
+                insert(&seq, conn, org, n).await
+            })
+            .await?;
+        Ok::<_, Error>(done.number)
+    };
+    outcome.await.map_err(|e| match e {
+        Error::NumberTaken { number, .. } => format!("NumberTaken({number})"),
+        other => other.to_string(),
+    })
+}
+
+async fn replay(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Outcome> {
+    let seq = sequence(strategy)?;
+    let race = Interleaving::new(db.options()).await?;
+    let a = race.session("A").await?;
+    let b = race.session("B").await?;
+    let c = race.session("C").await?;
+    let d = race.session("D").await?;
+
+    let mut tx_a = race
+        .step(&a, "BEGIN", a.pool().begin_with(READ_COMMITTED))
+        .await??;
+    let taken = race
+        .step(&a, "next(acme)", seq.next(&mut tx_a, &"acme"))
+        .await??;
+    race.step(
+        &a,
+        &format!("INSERT acme #{}", taken.number),
+        insert(&seq, &mut tx_a, "acme", taken.number),
+    )
+    .await??;
+
+    let b_step = maybe_blocks(
+        &race,
+        &b,
+        "declare(acme)",
+        declare(seq.clone(), b.pool().clone(), "acme"),
+    )
+    .await?;
+    let c_step = maybe_blocks(
+        &race,
+        &c,
+        "declare(globex)",
+        declare(seq.clone(), c.pool().clone(), "globex"),
+    )
+    .await?;
+    race.step(&a, "COMMIT", tx_a.commit()).await??;
+    let (b_waited_for, b_out) = (b_step.waited_for.clone(), b_step.finish().await?);
+    race.note(&b, &format!("declare(acme): {}", show(&b_out)));
+    let (c_waited_for, c_out) = (c_step.waited_for.clone(), c_step.finish().await?);
+    race.note(&c, &format!("declare(globex): {}", show(&c_out)));
+
+    // A declaration that fails late: its number must be free again.
+    let mut tx_d = race
+        .step(&d, "BEGIN", d.pool().begin_with(READ_COMMITTED))
+        .await??;
+    let rolled_back = race
+        .step(&d, "next(acme)", seq.next(&mut tx_d, &"acme"))
+        .await??
+        .number;
+    race.step(
+        &d,
+        &format!("INSERT acme #{rolled_back}"),
+        insert(&seq, &mut tx_d, "acme", rolled_back),
+    )
+    .await??;
+    race.step(&d, "ROLLBACK", tx_d.rollback()).await??;
+    let after_rollback = race
+        .step(
+            &d,
+            "declare(acme)",
+            declare(seq.clone(), d.pool().clone(), "acme"),
+        )
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    race.note(&d, &format!("declare(acme): got {after_rollback}"));
+
+    let (committed, duplicates, gaps) = check(db.pool(), &seq).await?;
+    Ok(Outcome {
+        committed,
+        duplicates,
+        gaps,
+        b: b_out,
+        b_waited_for,
+        c_waited_for,
+        rolled_back,
+        after_rollback,
+        timeline: race.timeline(),
+    })
+}
+
+fn show(out: &Result<i64, String>) -> String {
+    match out {
+        Ok(n) => format!("got {n}"),
+        Err(e) => format!("failed: {e}"),
+    }
+}
+
+/// Committed numbers per scope, duplicates and gaps, read from the table.
+async fn check(
+    pool: &PgPool,
+    seq: &Sequence,
+) -> anyhow::Result<(BTreeMap<String, Vec<i64>>, i64, i64)> {
+    let sql = format!(
+        "SELECT org, array_agg(number ORDER BY number) FROM {} GROUP BY org ORDER BY org",
+        seq.table().name()
+    );
+    let rows: Vec<(String, Vec<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .fetch_all(pool)
+        .await?;
+    let (mut duplicates, mut gaps) = (0, 0);
+    for (_, ns) in &rows {
+        let mut distinct = ns.clone();
+        distinct.dedup();
+        duplicates += (ns.len() - distinct.len()) as i64;
+        gaps += distinct.last().copied().unwrap_or(0) - distinct.len() as i64;
+    }
+    Ok((rows.into_iter().collect(), duplicates, gaps))
+}
+
+/// Each strategy's `next` in a REPEATABLE READ transaction: refused or not.
+async fn wrong_isolation(db: &RunDatabase) -> anyhow::Result<Vec<(Strategy, bool)>> {
+    let mut out = Vec::new();
+    for strategy in Strategy::ALL {
+        let seq = sequence(strategy)?;
+        let mut tx = db
+            .pool()
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .await?;
+        let refused = match seq.next(&mut tx, &"initech").await {
+            Err(Error::WrongIsolation { .. }) => true,
+            Ok(_) => false,
+            Err(e) => return Err(e.into()),
+        };
+        tx.rollback().await?;
+        out.push((strategy, refused));
+    }
+    Ok(out)
+}
+
+/// A step that may or may not wait on a lock: seen blocked (and on whom), or
+/// run to completion without waiting. Its output comes back either way.
+struct MaybeBlocked<T> {
+    blocked: Option<Blocked<()>>,
+    waited_for: Vec<String>,
+    output: oneshot::Receiver<T>,
+}
+
+impl<T> MaybeBlocked<T> {
+    async fn finish(self) -> anyhow::Result<T> {
+        if let Some(blocked) = self.blocked {
+            blocked.resume().await?;
+        }
+        Ok(self.output.await?)
+    }
+}
+
+async fn maybe_blocks<T: Send + 'static>(
+    race: &Interleaving,
+    session: &Session,
+    what: &str,
+    step: impl Future<Output = T> + Send + 'static,
+) -> anyhow::Result<MaybeBlocked<T>> {
+    let (send, output) = oneshot::channel();
+    let step = async move {
+        let _ = send.send(step.await);
+    };
+    match race.step_blocks(session, what, step).await {
+        Ok(blocked) => Ok(MaybeBlocked {
+            waited_for: blocked.blocked_by().to_vec(),
+            blocked: Some(blocked),
+            output,
+        }),
+        Err(HarnessError::DidNotBlock { .. }) => {
+            race.note(session, &format!("{what}: ran without waiting"));
+            Ok(MaybeBlocked {
+                blocked: None,
+                waited_for: Vec::new(),
+                output,
+            })
+        }
+        Err(e) => Err(e.into()),
+    }
+}

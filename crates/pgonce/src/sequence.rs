@@ -1,0 +1,583 @@
+//! Per-scope gapless numbers (P2, seed 004): incident 1, 2, 3... of each
+//! organization, taken inside the caller's transaction.
+//!
+//! # The guarantee (I2)
+//!
+//! In every scope the committed numbers are unique and gapless, `1..=n`, and
+//! a declaration in one scope never waits for a declaration in another
+//! (except under [`Strategy::TableLock`], the baseline). It needs:
+//!
+//! * a **unique index on (scope, number)** of the numbered table: it backs
+//!   every strategy, and turns any mistake into an error rather than a
+//!   duplicate ([`Sequence::check_schema`] checks that it exists);
+//! * the number taken **inside the transaction that inserts the row**
+//!   carrying it: the scope stays locked until that transaction ends, and a
+//!   rollback frees the number, so the next declaration gets it again (no
+//!   gap, unlike a PostgreSQL `SEQUENCE`, which is not transactional);
+//! * **READ COMMITTED** for the max + 1 strategies: the statement that reads
+//!   `max(number)` must take its snapshot after the lock was granted, and only
+//!   READ COMMITTED takes a snapshot per statement. Under REPEATABLE READ or
+//!   SERIALIZABLE the snapshot may predate the lock, the max is stale, and
+//!   two transactions compute the same number. pgonce checks
+//!   `transaction_isolation` first and returns [`Error::WrongIsolation`]:
+//!   a clear error, never a duplicate;
+//! * every row of the table inserted through this module (or under the same
+//!   lock), and numbers never deleted: a hole left by a delete stays a hole.
+//!   A transaction that takes a number and commits without inserting it
+//!   leaves a gap under [`Strategy::CounterRow`] (the counter moved on);
+//!   the max + 1 strategies hand that number out again.
+//!
+//! # The numbered table
+//!
+//! The caller keeps its numbers in its own table (the seed's `incidents`),
+//! named by a validated [`NumberedTable`]: table, scope column and number
+//! column, quoted as identifiers in every statement. The scope value is bound
+//! as a parameter of the column's type (`i64`, `uuid::Uuid`, `&str`...).
+//!
+//! # The short window
+//!
+//! Within one scope, gapless numbers serialize declarations for as long as
+//! the scope's lock is held, and it is held until COMMIT: a number taken at
+//! the start of a long declaration transaction (the seed) makes every other
+//! declaration of that organization wait for all of it. So the natural API,
+//! [`Sequence::commit_numbered`], takes the number as the *last* step: the
+//! caller does its other work in the open transaction, then hands the
+//! transaction over with the one write that needs the number; pgonce locks
+//! the scope, computes the number, runs that write and commits. The lock is
+//! held for three round trips (number, write, COMMIT) whatever the rest of
+//! the transaction did. [`Sequence::next`] is the low-level step for callers
+//! who must know the number earlier; it holds the scope for the rest of the
+//! transaction, which `pgonce bench sequence` measures.
+//!
+//! ```no_run
+//! # async fn f(pool: sqlx::PgPool, org: i64) -> pgonce::Result<()> {
+//! use pgonce::{NumberedTable, Sequence, SequenceConfig};
+//! let incidents = Sequence::new(
+//!     NumberedTable::new("public.incidents", "organization_id", "number")?,
+//!     SequenceConfig::default(), // advisory lock per scope + max + 1
+//! )?;
+//! let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+//! // ... the declaration's other work, in the same transaction ...
+//! let declared = incidents
+//!     .commit_numbered(tx, &org, async |conn: &mut sqlx::PgConnection, number: i64| {
+//!         sqlx::query("INSERT INTO incidents (organization_id, number) VALUES ($1, $2)")
+//!             .bind(org)
+//!             .bind(number)
+//!             .execute(conn)
+//!             .await?;
+//!         Ok(())
+//!     })
+//!     .await?;
+//! println!("incident #{} (scope locked for {:?})", declared.number, declared.held);
+//! # Ok(()) }
+//! ```
+//!
+//! # Strategies
+//!
+//! | strategy | lock | scopes independent | isolation |
+//! |---|---|---|---|
+//! | [`Strategy::AdvisoryLock`] (default) | `pg_advisory_xact_lock` per (table, scope), then max + 1 | yes | READ COMMITTED |
+//! | [`Strategy::CounterRow`] | row lock on the scope's row of `pgonce.sequence_counters` | yes | any (under REPEATABLE READ / SERIALIZABLE a declarer that waited for the row aborts with a retryable [`Error::SerializationFailure`] when the holder commits: never a duplicate) |
+//! | [`Strategy::TableLock`] | `LOCK TABLE ... IN EXCLUSIVE MODE`, then max + 1 | no: blocks every write to the table | READ COMMITTED |
+//! | [`Strategy::SelectForUpdate`] | `SELECT ... FOR UPDATE` of the scope's rows, then max + 1 | yes | READ COMMITTED; an empty scope has no rows to lock, so its first declarations race and all but one fail with [`Error::NumberTaken`] |
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sqlx::{AssertSqlSafe, Encode, PgConnection, Postgres, Transaction, Type};
+
+use crate::error::{Error, Result, sqlstate, sqlstate_of};
+use crate::lock::{self, LockKey};
+
+/// How a [`Sequence`] serializes the declarations of one scope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Strategy {
+    /// A transaction-level advisory lock per (table, scope), then
+    /// `max(number) + 1` in a statement of its own. Scopes never wait for
+    /// each other; needs READ COMMITTED. The default.
+    #[default]
+    AdvisoryLock,
+    /// An upsert that increments the scope's row in
+    /// `pgonce.sequence_counters` (created from the table's max on first
+    /// use); the row lock serializes the scope. Any isolation level.
+    CounterRow,
+    /// `LOCK TABLE ... IN EXCLUSIVE MODE`, then max + 1: what the `sequenced`
+    /// gem does. Correct, but every declaration of every scope (and every
+    /// other write to the table) waits for it. A baseline.
+    TableLock,
+    /// `SELECT ... FOR UPDATE` of the scope's existing rows, then max + 1:
+    /// the seed's first attempt. Locks nothing in an empty scope, so the
+    /// first declarations of a scope can compute the same number; the unique
+    /// index rejects the losers with [`Error::NumberTaken`]. A baseline.
+    SelectForUpdate,
+}
+
+impl Strategy {
+    /// Every strategy, the default first.
+    pub const ALL: [Strategy; 4] = [
+        Strategy::AdvisoryLock,
+        Strategy::CounterRow,
+        Strategy::TableLock,
+        Strategy::SelectForUpdate,
+    ];
+
+    /// A stable name: `advisory-lock`, `counter-row`, `table-lock`,
+    /// `select-for-update` (metrics labels, reports).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Strategy::AdvisoryLock => "advisory-lock",
+            Strategy::CounterRow => "counter-row",
+            Strategy::TableLock => "table-lock",
+            Strategy::SelectForUpdate => "select-for-update",
+        }
+    }
+
+    /// Whether the strategy is correct under `isolation` (the value of
+    /// `transaction_isolation`: `read committed`, `repeatable read`,
+    /// `serializable`).
+    pub fn accepts(self, isolation: &str) -> bool {
+        match self {
+            Strategy::CounterRow => true,
+            _ => isolation == READ_COMMITTED,
+        }
+    }
+
+    const fn needs(self) -> &'static str {
+        match self {
+            Strategy::CounterRow => "any",
+            _ => READ_COMMITTED,
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+const READ_COMMITTED: &str = "read committed";
+
+/// The caller's table that holds the numbers: `schema.table`, its scope
+/// column and its number column (a `bigint`, or an `int`).
+///
+/// Names are taken as PostgreSQL stores them (unquoted names are stored in
+/// lower case) and are always quoted, so any name is safe. A table given
+/// without a schema is in `public`: the name is part of the advisory lock key
+/// and of the counter row, so two processes must spell the same table the
+/// same way, and an explicit schema makes that so. (A role named like an
+/// existing schema, `pgonce` for instance, creates unqualified tables in
+/// that schema under the default `search_path`: one more reason to name the
+/// schema.)
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NumberedTable {
+    schema: String,
+    table: String,
+    scope_column: String,
+    number_column: String,
+}
+
+impl NumberedTable {
+    /// `table` is `name` or `schema.name` (one dot at most). Every name must
+    /// be 1 to 63 bytes with no NUL; otherwise [`Error::Invalid`].
+    pub fn new(table: &str, scope_column: &str, number_column: &str) -> Result<NumberedTable> {
+        let (schema, name) = match table.split_once('.') {
+            Some((schema, name)) => (schema, name),
+            None => ("public", table),
+        };
+        if name.contains('.') {
+            return Err(invalid("numbered table", "more than one `.` in the name"));
+        }
+        for part in [schema, name, scope_column, number_column] {
+            identifier(part)?;
+        }
+        if scope_column == number_column {
+            return Err(invalid(
+                "numbered table",
+                "scope and number must be different columns",
+            ));
+        }
+        Ok(NumberedTable {
+            schema: schema.into(),
+            table: name.into(),
+            scope_column: scope_column.into(),
+            number_column: number_column.into(),
+        })
+    }
+
+    /// `schema.table`, unquoted: the sequence's name in lock keys, counter
+    /// rows and errors.
+    pub fn name(&self) -> String {
+        format!("{}.{}", self.schema, self.table)
+    }
+
+    fn quoted(&self) -> String {
+        format!("{}.{}", quote(&self.schema), quote(&self.table))
+    }
+}
+
+fn invalid(what: &'static str, why: impl Into<String>) -> Error {
+    Error::Invalid {
+        what,
+        why: why.into(),
+    }
+}
+
+fn identifier(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > 63 || name.contains('\0') {
+        return Err(invalid(
+            "identifier",
+            format!("{name:?} must be 1 to 63 bytes with no NUL"),
+        ));
+    }
+    Ok(())
+}
+
+/// `"name"`, with `"` doubled: always a single identifier.
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Settings of a [`Sequence`].
+#[derive(Debug, Clone, Default)]
+pub struct SequenceConfig {
+    /// How a scope is serialized. Default: [`Strategy::AdvisoryLock`].
+    pub strategy: Strategy,
+}
+
+/// A value a scope column can be bound from and named by (`i64`, `&str`,
+/// `String`, `uuid::Uuid`...). Its `Display` form names the scope in lock
+/// keys and counter rows, so it must be the same for equal values.
+pub trait ScopeValue: for<'q> Encode<'q, Postgres> + Type<Postgres> + fmt::Display + Sync {}
+
+impl<T> ScopeValue for T where T: for<'q> Encode<'q, Postgres> + Type<Postgres> + fmt::Display + Sync
+{}
+
+/// Gapless numbers per scope in a caller's table. Cheap to clone; build it
+/// once and share it.
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    name: Arc<str>,
+    strategy: Strategy,
+    table: NumberedTable,
+    sql: Arc<Statements>,
+}
+
+/// The statements of one sequence, built once from the `.sql` files with the
+/// quoted names put in.
+#[derive(Debug)]
+struct Statements {
+    lock_table: String,
+    select_for_update: String,
+    max_plus_one: String,
+    counter: String,
+}
+
+/// A number taken by [`Sequence::next`], with how long its lock took.
+#[derive(Debug, Clone, Copy)]
+pub struct Taken {
+    /// The scope's next number.
+    pub number: i64,
+    /// How long the lock statement waited (and ran).
+    pub waited: Duration,
+    /// When the scope's lock was granted; it is held until the transaction
+    /// ends.
+    pub granted_at: Instant,
+}
+
+/// What [`Sequence::commit_numbered`] committed.
+#[derive(Debug, Clone)]
+pub struct Numbered<T> {
+    /// The number the write stored, now committed.
+    pub number: i64,
+    /// What the write returned.
+    pub value: T,
+    /// How long the scope's lock was waited for.
+    pub waited: Duration,
+    /// How long the scope's lock was held: from grant to COMMIT done.
+    pub held: Duration,
+}
+
+impl Sequence {
+    /// A sequence over `table`. Builds its statements; touches no database
+    /// (see [`Sequence::check_schema`]).
+    pub fn new(table: NumberedTable, config: SequenceConfig) -> Result<Sequence> {
+        let fill = |sql: &str| {
+            sql.replace("{table}", &table.quoted())
+                .replace("{scope}", &quote(&table.scope_column))
+                .replace("{number}", &quote(&table.number_column))
+        };
+        let sql = Statements {
+            lock_table: fill(include_str!("sequence/sql/lock_table.sql")),
+            select_for_update: fill(include_str!("sequence/sql/select_for_update.sql")),
+            max_plus_one: fill(include_str!("sequence/sql/max_plus_one.sql")),
+            counter: fill(include_str!("sequence/sql/counter.sql")),
+        };
+        Ok(Sequence {
+            name: table.name().into(),
+            strategy: config.strategy,
+            table,
+            sql: Arc::new(sql),
+        })
+    }
+
+    /// The strategy this sequence uses.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// The table this sequence numbers.
+    pub fn table(&self) -> &NumberedTable {
+        &self.table
+    }
+
+    /// The advisory lock key of `scope` ([`Strategy::AdvisoryLock`]):
+    /// namespace `pgonce.sequence/<schema>.<table>`, key the scope's
+    /// `Display` form (see [`LockKey`] for the derivation).
+    pub fn lock_key(&self, scope: &impl ScopeValue) -> Result<LockKey> {
+        LockKey::new(
+            &format!("pgonce.sequence/{}", self.name),
+            &scope.to_string(),
+        )
+    }
+
+    /// Checks that the table exists with a unique index on exactly
+    /// (scope, number), the index every strategy relies on to turn a mistake
+    /// into an error rather than a duplicate. [`Error::Invalid`] if not.
+    pub async fn check_schema<'c>(&self, conn: impl sqlx::PgExecutor<'c>) -> Result<()> {
+        let found: bool = sqlx::query_scalar(include_str!("sequence/sql/unique_index.sql"))
+            .bind(self.table.quoted())
+            .bind(&self.table.scope_column)
+            .bind(&self.table.number_column)
+            .fetch_one(conn)
+            .await?;
+        if found {
+            Ok(())
+        } else {
+            Err(invalid(
+                "numbered table",
+                format!(
+                    "{} has no unique index on ({}, {})",
+                    self.name, self.table.scope_column, self.table.number_column
+                ),
+            ))
+        }
+    }
+
+    /// Takes the next number of `scope` inside `tx` and returns it; the
+    /// scope stays locked until `tx` commits or rolls back.
+    ///
+    /// Insert the row carrying the number in the same transaction. Every
+    /// other declaration of the scope waits from now until `tx` ends: call
+    /// this as late as the transaction allows, or use
+    /// [`Sequence::commit_numbered`], which calls it last by construction.
+    ///
+    /// Errors: [`Error::WrongIsolation`] (before any lock is taken) when the
+    /// strategy cannot be correct at `tx`'s isolation level;
+    /// [`Error::SerializationFailure`] for a deadlock or a serialization
+    /// failure (retry the transaction).
+    ///
+    /// Cancel safety: dropping the future mid-way leaves `tx` in an unknown
+    /// state; roll it back.
+    pub async fn next(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        scope: &impl ScopeValue,
+    ) -> Result<Taken> {
+        let conn: &mut PgConnection = tx;
+        let isolation: String = sqlx::query_scalar(include_str!("sequence/sql/isolation.sql"))
+            .fetch_one(&mut *conn)
+            .await?;
+        if !self.strategy.accepts(&isolation) {
+            metrics::counter!("pgonce_sequence_wrong_isolation_total", "strategy" => self.strategy.name())
+                .increment(1);
+            return Err(Error::WrongIsolation {
+                strategy: self.strategy.name(),
+                needed: self.strategy.needs(),
+                found: isolation,
+            });
+        }
+        let started = Instant::now();
+        match self.strategy {
+            Strategy::CounterRow => {
+                // The upsert both waits for the row lock and yields the number.
+                let number = sqlx::query_scalar(AssertSqlSafe(self.sql.counter.as_str()))
+                    .bind(&*self.name)
+                    .bind(scope.to_string())
+                    .bind(scope)
+                    .fetch_one(&mut **tx)
+                    .await?;
+                return Ok(self.taken(number, started, Instant::now()));
+            }
+            Strategy::AdvisoryLock => lock::lock(tx, self.lock_key(scope)?).await?,
+            Strategy::TableLock => {
+                sqlx::query(AssertSqlSafe(self.sql.lock_table.as_str()))
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            Strategy::SelectForUpdate => {
+                sqlx::query(AssertSqlSafe(self.sql.select_for_update.as_str()))
+                    .bind(scope)
+                    .execute(&mut **tx)
+                    .await?;
+            }
+        }
+        // A statement of its own, so under READ COMMITTED its snapshot is
+        // taken now, after the lock was granted.
+        let granted_at = Instant::now();
+        let number = self.max_plus_one(tx, scope).await?;
+        Ok(self.taken(number, started, granted_at))
+    }
+
+    fn taken(&self, number: i64, started: Instant, granted_at: Instant) -> Taken {
+        let waited = granted_at - started;
+        metrics::counter!("pgonce_sequence_numbers_total", "strategy" => self.strategy.name())
+            .increment(1);
+        metrics::histogram!("pgonce_sequence_lock_wait_seconds", "strategy" => self.strategy.name())
+            .record(waited.as_secs_f64());
+        Taken {
+            number,
+            waited,
+            granted_at,
+        }
+    }
+
+    async fn max_plus_one(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        scope: &impl ScopeValue,
+    ) -> Result<i64> {
+        Ok(
+            sqlx::query_scalar(AssertSqlSafe(self.sql.max_plus_one.as_str()))
+                .bind(scope)
+                .fetch_one(&mut **tx)
+                .await?,
+        )
+    }
+
+    /// Finishes a declaration: takes the next number of `scope` as the last
+    /// step of `tx`, runs `write(conn, number)` (the statement that stores
+    /// the number), and commits. The scope is locked only for those three
+    /// steps, whatever `tx` did before.
+    ///
+    /// On any error `tx` is rolled back, so nothing of the declaration is
+    /// committed and the number is free again. A unique violation on the
+    /// numbered table raised by `write` becomes [`Error::NumberTaken`] (only
+    /// possible under [`Strategy::SelectForUpdate`], or when rows are written
+    /// without this module). Other errors as in [`Sequence::next`].
+    pub async fn commit_numbered<T>(
+        &self,
+        mut tx: Transaction<'_, Postgres>,
+        scope: &impl ScopeValue,
+        write: impl AsyncFnOnce(&mut PgConnection, i64) -> Result<T>,
+    ) -> Result<Numbered<T>> {
+        let taken = self.next(&mut tx, scope).await?;
+        let value = match write(&mut tx, taken.number).await {
+            Ok(value) => value,
+            Err(e) => return Err(self.number_taken(e, scope, taken.number)),
+        };
+        if let Err(e) = tx.commit().await {
+            return Err(self.number_taken(e.into(), scope, taken.number));
+        }
+        Ok(Numbered {
+            number: taken.number,
+            value,
+            waited: taken.waited,
+            held: taken.granted_at.elapsed(),
+        })
+    }
+
+    /// Turns a unique violation on the numbered table into
+    /// [`Error::NumberTaken`]; any other error passes through.
+    pub fn number_taken(&self, error: Error, scope: &impl ScopeValue, number: i64) -> Error {
+        let Error::Database(e) = &error else {
+            return error;
+        };
+        let on_our_table = e
+            .as_database_error()
+            .and_then(|d| d.table())
+            .is_some_and(|t| t == self.table.table);
+        if sqlstate_of(e).as_deref() == Some(sqlstate::UNIQUE_VIOLATION) && on_our_table {
+            tracing::warn!(sequence = %self.name, %scope, number, strategy = %self.strategy, "number already taken in scope");
+            metrics::counter!("pgonce_sequence_number_taken_total", "strategy" => self.strategy.name())
+                .increment(1);
+            return Error::NumberTaken {
+                sequence: self.name.to_string(),
+                scope: scope.to_string(),
+                number,
+            };
+        }
+        error
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_validated_and_quoted() {
+        let t = NumberedTable::new("incidents", "org", "number").unwrap();
+        assert_eq!(t.name(), "public.incidents");
+        assert_eq!(t.quoted(), "\"public\".\"incidents\"");
+        let t = NumberedTable::new("app.we\"ird", "org", "n").unwrap();
+        assert_eq!(t.quoted(), "\"app\".\"we\"\"ird\"");
+        for (table, scope, number) in [
+            ("", "org", "n"),
+            ("a.b.c", "org", "n"),
+            ("t", "", "n"),
+            ("t", "org", "org"),
+            ("t", "o\0rg", "n"),
+            ("t", &"x".repeat(64), "n"),
+        ] {
+            assert!(
+                matches!(
+                    NumberedTable::new(table, scope, number),
+                    Err(Error::Invalid { .. })
+                ),
+                "{table:?} {scope:?} {number:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn statements_carry_the_quoted_names() {
+        let seq = Sequence::new(
+            NumberedTable::new("app.incidents", "org id", "no").unwrap(),
+            SequenceConfig::default(),
+        )
+        .unwrap();
+        assert!(seq.sql.max_plus_one.contains(
+            "max(\"no\"), 0) + 1)::bigint FROM \"app\".\"incidents\" WHERE \"org id\" = $1"
+        ));
+        assert!(!seq.sql.counter.contains('{'));
+    }
+
+    #[test]
+    fn only_the_counter_row_accepts_snapshot_isolation() {
+        for s in Strategy::ALL {
+            assert!(s.accepts("read committed"));
+            assert_eq!(s.accepts("repeatable read"), s == Strategy::CounterRow);
+            assert_eq!(s.accepts("serializable"), s == Strategy::CounterRow);
+        }
+    }
+
+    #[test]
+    fn scopes_of_one_table_get_different_keys_and_tables_do_not_share_them() {
+        let a = Sequence::new(
+            NumberedTable::new("incidents", "org", "n").unwrap(),
+            SequenceConfig::default(),
+        )
+        .unwrap();
+        let b = Sequence::new(
+            NumberedTable::new("public.tickets", "org", "n").unwrap(),
+            SequenceConfig::default(),
+        )
+        .unwrap();
+        assert_ne!(a.lock_key(&1i64).unwrap(), a.lock_key(&2i64).unwrap());
+        assert_ne!(a.lock_key(&1i64).unwrap(), b.lock_key(&1i64).unwrap());
+        assert_eq!(a.lock_key(&"1").unwrap(), a.lock_key(&1i64).unwrap());
+    }
+}

@@ -1,0 +1,454 @@
+//! Per-scope gapless sequences (I2) against a real PostgreSQL: unique and
+//! gapless under concurrency, rollback frees the number, scopes independent
+//! (shown step by step), the declaration's other work atomic with its
+//! number, and the wrong isolation level a typed error, never a duplicate.
+
+use std::collections::BTreeMap;
+
+use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
+use pgonce_testkit::{Interleaving, Session, fresh_database};
+use sqlx::{PgConnection, PgPool};
+
+const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+// Tables go to `public` explicitly: the test role is called `pgonce`, so
+// with the default search_path ("$user", public) an unqualified CREATE
+// TABLE would land in the `pgonce` schema.
+const SCHEMA: &str = "
+CREATE TABLE public.incidents (
+    id     bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    org    text   NOT NULL,
+    number bigint NOT NULL,
+    UNIQUE (org, number)
+);
+CREATE TABLE public.declaration_work (org text NOT NULL, note text NOT NULL);
+";
+
+async fn setup(max: u32) -> (PgPool, pgonce_testkit::ScratchDatabase) {
+    let db = fresh_database().await;
+    let pool = db.pool(max).await.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    sqlx::raw_sql(SCHEMA).execute(&pool).await.unwrap();
+    (pool, db)
+}
+
+fn sequence(strategy: Strategy) -> Sequence {
+    Sequence::new(
+        NumberedTable::new("incidents", "org", "number").unwrap(),
+        SequenceConfig { strategy },
+    )
+    .unwrap()
+}
+
+async fn insert_incident(conn: &mut PgConnection, org: &str, number: i64) -> pgonce::Result<()> {
+    sqlx::query("INSERT INTO incidents (org, number) VALUES ($1, $2)")
+        .bind(org)
+        .bind(number)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// A whole declaration: other work first, the number last, one commit.
+async fn declare(seq: &Sequence, pool: &PgPool, org: &str) -> pgonce::Result<i64> {
+    let mut tx = pool.begin_with(READ_COMMITTED).await?;
+    sqlx::query("INSERT INTO declaration_work (org, note) VALUES ($1, 'paged the on-call')")
+        .bind(org)
+        .execute(&mut *tx)
+        .await?;
+    let declared = seq
+        .commit_numbered(tx, &org, async |conn: &mut PgConnection, number| {
+            insert_incident(conn, org, number).await
+        })
+        .await?;
+    Ok(declared.number)
+}
+
+/// Numbers per scope, as committed.
+async fn committed(pool: &PgPool) -> BTreeMap<String, Vec<i64>> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT org, number FROM incidents ORDER BY 1, 2")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    let mut map: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (org, n) in rows {
+        map.entry(org).or_default().push(n);
+    }
+    map
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn numbers_are_unique_and_gapless_under_concurrency_with_rollbacks() {
+    for strategy in [
+        Strategy::AdvisoryLock,
+        Strategy::CounterRow,
+        Strategy::TableLock,
+    ] {
+        let (pool, _db) = setup(20).await;
+        let seq = sequence(strategy);
+        let mut tasks = Vec::new();
+        for worker in 0..12usize {
+            let (seq, pool) = (seq.clone(), pool.clone());
+            tasks.push(tokio::spawn(async move {
+                let org = format!("org-{}", worker % 3);
+                let mut kept = 0usize;
+                for i in 0..8usize {
+                    let mut tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+                    let taken = seq.next(&mut tx, &org).await.unwrap();
+                    insert_incident(&mut tx, &org, taken.number).await.unwrap();
+                    // Every third declaration fails late and rolls back.
+                    if (worker + i) % 3 == 0 {
+                        tx.rollback().await.unwrap();
+                    } else {
+                        tx.commit().await.unwrap();
+                        kept += 1;
+                    }
+                }
+                kept
+            }));
+        }
+        let mut kept = 0;
+        for t in tasks {
+            kept += t.await.unwrap();
+        }
+        let numbers = committed(&pool).await;
+        assert_eq!(numbers.len(), 3, "{strategy}");
+        assert_eq!(numbers.values().map(Vec::len).sum::<usize>(), kept);
+        for (org, ns) in numbers {
+            let expected: Vec<i64> = (1..=ns.len() as i64).collect();
+            assert_eq!(ns, expected, "{strategy}: {org} is not 1..n");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_rolled_back_declaration_frees_its_number() {
+    for strategy in Strategy::ALL {
+        let (pool, _db) = setup(4).await;
+        let seq = sequence(strategy);
+        assert_eq!(declare(&seq, &pool, "acme").await.unwrap(), 1);
+
+        let mut tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+        let taken = seq.next(&mut tx, &"acme").await.unwrap();
+        assert_eq!(taken.number, 2);
+        insert_incident(&mut tx, "acme", 2).await.unwrap();
+        tx.rollback().await.unwrap();
+
+        assert_eq!(
+            declare(&seq, &pool, "acme").await.unwrap(),
+            2,
+            "{strategy}: the rolled-back number is handed out again"
+        );
+        assert_eq!(committed(&pool).await["acme"], [1, 2]);
+    }
+}
+
+/// Holds scope `acme` in session A, then shows that a declarer of `globex`
+/// runs to completion meanwhile, and one of `acme` waits for A.
+async fn other_scope_runs_same_scope_waits(strategy: Strategy) {
+    let (pool, db) = setup(4).await;
+    let seq = sequence(strategy);
+    // Scopes that already have rows, so select-for-update has rows to lock.
+    declare(&seq, &pool, "acme").await.unwrap();
+    declare(&seq, &pool, "globex").await.unwrap();
+
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let c = race.session("C").await.unwrap();
+
+    let mut tx_a = race
+        .step(&a, "BEGIN", a.pool().begin_with(READ_COMMITTED))
+        .await
+        .unwrap()
+        .unwrap();
+    let taken = race
+        .step(&a, "next(acme)", seq.next(&mut tx_a, &"acme"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(taken.number, 2);
+    insert_incident(&mut tx_a, "acme", 2).await.unwrap();
+
+    // Another organization: completes while A holds acme.
+    let globex = race
+        .step(&c, "declare(globex)", declare(&seq, c.pool(), "globex"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(globex, 2, "{strategy}");
+    assert!(
+        race.blockers_of(&c).await.unwrap().is_none(),
+        "{strategy}: C never waited"
+    );
+
+    // The same organization: waits for A, then gets the next number.
+    let (seq_b, pool_b) = (seq.clone(), b.pool().clone());
+    let waiting = race
+        .step_blocks(&b, "declare(acme)", async move {
+            declare(&seq_b, &pool_b, "acme").await
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{strategy}: {e}"));
+    assert_eq!(waiting.blocked_by(), ["A"], "{strategy}");
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(waiting.resume().await.unwrap().unwrap(), 3, "{strategy}");
+    assert_eq!(committed(&pool).await["acme"], [1, 2, 3]);
+}
+
+#[tokio::test]
+async fn a_declarer_in_another_scope_does_not_wait_under_the_advisory_lock() {
+    other_scope_runs_same_scope_waits(Strategy::AdvisoryLock).await;
+}
+
+#[tokio::test]
+async fn a_declarer_in_another_scope_does_not_wait_under_the_counter_row() {
+    other_scope_runs_same_scope_waits(Strategy::CounterRow).await;
+}
+
+#[tokio::test]
+async fn under_the_table_lock_a_declarer_in_another_scope_waits_too() {
+    let (pool, db) = setup(4).await;
+    let seq = sequence(Strategy::TableLock);
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let c = race.session("C").await.unwrap();
+    let mut tx_a = a.pool().begin_with(READ_COMMITTED).await.unwrap();
+    seq.next(&mut tx_a, &"acme").await.unwrap();
+
+    let (seq_c, pool_c) = (seq.clone(), c.pool().clone());
+    let waiting = race
+        .step_blocks(&c, "declare(globex)", async move {
+            declare(&seq_c, &pool_c, "globex").await
+        })
+        .await
+        .expect("the baseline blocks every scope");
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    tx_a.rollback().await.unwrap();
+    assert_eq!(waiting.resume().await.unwrap().unwrap(), 1);
+    assert_eq!(committed(&pool).await["globex"], [1]);
+}
+
+/// Session A has taken and inserted acme's first number, uncommitted;
+/// session B is ready.
+async fn a_holds_acme(
+    db: &pgonce_testkit::ScratchDatabase,
+    seq: &Sequence,
+) -> (
+    Interleaving,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    Session,
+) {
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a.pool().begin_with(READ_COMMITTED).await.unwrap();
+    let taken = seq.next(&mut tx_a, &"acme").await.unwrap();
+    insert_incident(&mut tx_a, "acme", taken.number)
+        .await
+        .unwrap();
+    (race, tx_a, b)
+}
+
+#[tokio::test]
+async fn select_for_update_lets_the_first_declarations_of_a_scope_collide_and_the_index_rejects_one()
+ {
+    let (pool, db) = setup(4).await;
+    let seq = sequence(Strategy::SelectForUpdate);
+    let (race, tx_a, b) = a_holds_acme(&db, &seq).await;
+
+    // B locks no row (there is none), computes 1 as well, and its INSERT
+    // waits on A's uncommitted index entry.
+    let (seq_b, pool_b) = (seq.clone(), b.pool().clone());
+    let waiting = race
+        .step_blocks(&b, "declare(acme)", async move {
+            declare(&seq_b, &pool_b, "acme").await
+        })
+        .await
+        .unwrap();
+    tx_a.commit().await.unwrap();
+    let err = waiting.resume().await.unwrap().unwrap_err();
+    assert!(
+        matches!(&err, Error::NumberTaken { number: 1, scope, .. } if scope == "acme"),
+        "{err}"
+    );
+    assert_eq!(committed(&pool).await["acme"], [1], "no duplicate stored");
+}
+
+#[tokio::test]
+async fn the_declarations_other_work_commits_atomically_with_its_number() {
+    let (pool, _db) = setup(4).await;
+    let seq = sequence(Strategy::AdvisoryLock);
+    let work = async |pool: &PgPool| -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM declaration_work")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+
+    // The write that stores the number fails after the other work was done:
+    // neither the work nor the number is committed.
+    let mut tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+    sqlx::query("INSERT INTO declaration_work (org, note) VALUES ('acme', 'slack channel')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let err = seq
+        .commit_numbered(tx, &"acme", async |conn: &mut PgConnection, number| {
+            insert_incident(conn, "acme", number).await?;
+            sqlx::query("SELECT 1 / 0").execute(conn).await?;
+            Ok(())
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Database(_)), "{err}");
+    assert_eq!(work(&pool).await, 0, "the other work rolled back");
+    assert!(committed(&pool).await.is_empty(), "no number committed");
+
+    // A declaration that succeeds commits both.
+    assert_eq!(declare(&seq, &pool, "acme").await.unwrap(), 1);
+    assert_eq!(work(&pool).await, 1);
+    assert_eq!(committed(&pool).await["acme"], [1]);
+}
+
+#[tokio::test]
+async fn the_wrong_isolation_level_is_a_typed_error_and_takes_no_lock() {
+    let (pool, _db) = setup(4).await;
+    for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+        for strategy in Strategy::ALL {
+            let seq = sequence(strategy);
+            let mut tx = pool
+                .begin_with(sqlx::AssertSqlSafe(format!(
+                    "BEGIN ISOLATION LEVEL {level}"
+                )))
+                .await
+                .unwrap();
+            let outcome = seq.next(&mut tx, &"acme").await;
+            if strategy == Strategy::CounterRow {
+                // A row lock plus snapshot isolation aborts instead of
+                // duplicating, so the counter row accepts every level.
+                assert_eq!(outcome.unwrap().number, 1, "{level}");
+                tx.rollback().await.unwrap();
+                continue;
+            }
+            let err = outcome.unwrap_err();
+            assert!(
+                matches!(&err, Error::WrongIsolation { needed: "read committed", found, .. }
+                    if *found == level.to_lowercase()),
+                "{strategy} {level}: {err}"
+            );
+            let locks: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() \
+                 AND (locktype = 'advisory' OR mode = 'ExclusiveLock' AND locktype = 'relation')",
+            )
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+            assert_eq!(locks, 0, "{strategy} {level}: nothing locked");
+        }
+    }
+}
+
+/// Why the check exists: under REPEATABLE READ the snapshot is taken by the
+/// transaction's first statement, here the lock statement, before the lock
+/// is granted. The max read after the wait is stale: the same number twice.
+#[tokio::test]
+async fn without_the_check_repeatable_read_would_compute_a_duplicate() {
+    let (_pool, db) = setup(4).await;
+    let seq = sequence(Strategy::AdvisoryLock);
+    let key = seq.lock_key(&"acme").unwrap().as_i64();
+    let (race, tx_a, b) = a_holds_acme(&db, &seq).await;
+
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "lock + max under RR", async move {
+            let mut tx = pool_b
+                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                .await?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(key)
+                .execute(&mut *tx)
+                .await?;
+            let n: i64 = sqlx::query_scalar(
+                "SELECT COALESCE(max(number), 0) + 1 FROM incidents WHERE org = 'acme'",
+            )
+            .fetch_one(&mut *tx)
+            .await?;
+            tx.rollback().await?;
+            Ok::<_, sqlx::Error>(n)
+        })
+        .await
+        .unwrap();
+    tx_a.commit().await.unwrap();
+    assert_eq!(
+        waiting.resume().await.unwrap().unwrap(),
+        1,
+        "stale: the number A just committed"
+    );
+}
+
+#[tokio::test]
+async fn a_table_without_the_unique_index_is_rejected() {
+    let (pool, _db) = setup(2).await;
+    sequence(Strategy::AdvisoryLock)
+        .check_schema(&pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql("CREATE TABLE public.loose (org text, number bigint)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let loose = Sequence::new(
+        NumberedTable::new("loose", "org", "number").unwrap(),
+        SequenceConfig::default(),
+    )
+    .unwrap();
+    let err = loose.check_schema(&pool).await.unwrap_err();
+    assert!(matches!(err, Error::Invalid { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn a_scope_typed_as_the_column_binds_with_its_own_type() {
+    let (pool, _db) = setup(2).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.app_tickets (org bigint NOT NULL, n int NOT NULL, PRIMARY KEY (org, n))",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for strategy in Strategy::ALL {
+        let seq = Sequence::new(
+            NumberedTable::new("public.app_tickets", "org", "n").unwrap(),
+            SequenceConfig { strategy },
+        )
+        .unwrap();
+        seq.check_schema(&pool).await.unwrap();
+        let org = 7i64;
+        let tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+        let done = seq
+            .commit_numbered(tx, &org, async |conn: &mut PgConnection, n| {
+                sqlx::query("INSERT INTO app_tickets (org, n) VALUES ($1, $2::int)")
+                    .bind(org)
+                    .bind(n)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+            .await
+            .unwrap();
+        assert!(done.held >= std::time::Duration::ZERO);
+    }
+    let ns: Vec<i32> = sqlx::query_scalar("SELECT n FROM app_tickets ORDER BY n")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        ns,
+        [1, 2, 3, 4],
+        "strategies continue one another's numbers"
+    );
+}
