@@ -36,8 +36,10 @@ use nix::unistd::{Gid, Pid, Uid, User};
 /// binaries (`initdb`, `postgres`); it overrides discovery.
 pub const BINDIR_ENV: &str = "PGONCE_PG_BINDIR";
 
-/// The superuser created by `initdb` in every throwaway cluster.
-pub const SUPERUSER: &str = "pgonce";
+/// The superuser created by `initdb` in every throwaway cluster. Not
+/// `pgonce`: the default `search_path` starts with `"$user"`, so a role named
+/// like pgonce's schema would put every unqualified table into that schema.
+pub const SUPERUSER: &str = "postgres";
 
 /// How long the server gets to accept connections after it was started.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
