@@ -50,10 +50,12 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // sqlx warns about every statement slower than a second; in races and
+    // benchmarks those are lock waits we cause on purpose.
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("warn,pgonce=info")),
+                .unwrap_or_else(|_| EnvFilter::new("warn,pgonce=info,sqlx::query=error")),
         )
         .with_writer(std::io::stderr)
         .init();
