@@ -21,6 +21,16 @@ pub enum Error {
     #[error("transaction aborted by PostgreSQL ({sqlstate}); retry it: {message}")]
     SerializationFailure { sqlstate: String, message: String },
 
+    /// An event store append whose condition failed: events matching the
+    /// condition's query exist after its `after` position (anywhere, when it
+    /// had none). Nothing was appended. `matching` holds the first positions
+    /// found (at most 16), lowest first.
+    #[error("append condition failed: events {matching:?} match the condition's query after position {after:?}")]
+    AppendConditionFailed {
+        after: Option<i64>,
+        matching: Vec<i64>,
+    },
+
     /// A value was rejected before reaching the database.
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },

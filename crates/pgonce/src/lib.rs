@@ -6,6 +6,8 @@
 //!
 //! * [`error`]: the one error type; SQLSTATEs mapped in one place.
 //! * [`lock`]: transaction-level advisory locks with 64-bit keys.
+//! * [`events`]: a DCB event store; conditional appends under three
+//!   strategies, decision reads, catch-up subscriptions (P5, I5).
 //! * [`migrate`]: the embedded schema (`pgonce` schema).
 //!
 //! The patterns (advisory locks, guarded writes, scoped sequences, jobs,
@@ -13,9 +15,14 @@
 //! their own, with their SQL beside them.
 
 pub mod error;
+pub mod events;
 pub mod lock;
 mod migrate;
 
 pub use error::{Error, Result};
+pub use events::{
+    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query, QueryItem,
+    StoredEvent,
+};
 pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};
