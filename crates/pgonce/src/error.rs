@@ -25,7 +25,9 @@ pub enum Error {
     /// condition's query exist after its `after` position (anywhere, when it
     /// had none). Nothing was appended. `matching` holds the first positions
     /// found (at most 16), lowest first.
-    #[error("append condition failed: events {matching:?} match the condition's query after position {after:?}")]
+    #[error(
+        "append condition failed: events {matching:?} match the condition's query after position {after:?}"
+    )]
     AppendConditionFailed {
         after: Option<i64>,
         matching: Vec<i64>,

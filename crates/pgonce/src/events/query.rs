@@ -37,7 +37,10 @@ impl Filter {
             }
             if !item.types.is_empty() {
                 binds.push(item.types.clone());
-                ands.push(format!("e.type = ANY(${}::text[])", first + binds.len() - 1));
+                ands.push(format!(
+                    "e.type = ANY(${}::text[])",
+                    first + binds.len() - 1
+                ));
             }
             ors.push(format!("({})", ands.join(" AND ")));
         }

@@ -73,9 +73,9 @@ pub(crate) async fn decide(pool: &PgPool, query: &Query) -> Result<Decision> {
         Option<Value>,
     );
     let rows: Vec<Row> = filter
-        .bind_as(sqlx::query_as(filter.statement(include_str!(
-            "sql/decide.sql"
-        ))))
+        .bind_as(sqlx::query_as(
+            filter.statement(include_str!("sql/decide.sql")),
+        ))
         .fetch_all(&mut *tx)
         .await?;
     tx.commit().await?;

@@ -14,28 +14,33 @@
 //! * every append assigns its transaction id (`pg_current_xact_id()`, in
 //!   `locks.sql`) before it draws a position;
 //! * a transaction holding a gap position `p < q` drew `p` before `q` was
-//!   drawn, hence got its id before `q` committed, hence before the snapshot
-//!   `S1` that first saw `q`: its id is below `xmax(S1)`;
-//! * so once a later snapshot has `xmin >= xmax(S1)`, all of them have ended,
-//!   and what that snapshot shows below `q` is all there will ever be (the
-//!   rest are rolled-back positions). With nothing running (`xmin = xmax`)
-//!   the same holds at once.
+//!   drawn, so it had its id before `q` committed, before `S` was taken;
+//! * when it first sees the gap, the reader takes a transaction id `R` of
+//!   its own, after `S`: every possible holder has an id below `R`;
+//! * once a later snapshot has `xmin >= R` (and `R` has ended), every
+//!   transaction below `R` has ended, and what that snapshot shows below `q`
+//!   is all there will ever be; the rest are rolled-back positions.
+//!
+//! (`pg_snapshot_xmax` is one past the last *completed* id, not the next id
+//! to assign, so a running transaction can sit at or above it: neither
+//! `xmax` nor `xmin = xmax` proves that nothing is running. The reader's own
+//! id is the bound that does.) An id is taken only when a new gap is seen.
 //!
 //! The events delivered are the query's matching events in `(h_old, h_new]`,
 //! read in the same snapshot. A gap costs at most the duration of the
-//! appends in flight when it was seen; rolled-back positions cost nothing
-//! more. Rows inserted into `pgonce.events` by anything other than
-//! [`crate::EventStore`] must follow the same rule (id before position).
+//! appends in flight when it was seen. Rows inserted into `pgonce.events` by
+//! anything other than [`crate::EventStore`] must follow the same rule (id
+//! before position).
 
 use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 
+use super::NOTIFY_CHANNEL;
 use super::model::{Query, StoredEvent};
 use super::query::Filter;
 use super::read::{EventRow, into_stored};
-use super::NOTIFY_CHANNEL;
 use crate::error::{Error, Result};
 
 /// Settings of a [`Subscription`].
@@ -92,11 +97,12 @@ impl SubscriptionConfig {
     }
 }
 
-/// A gap seen below `upper` in a snapshot whose xmax was `xmax`.
+/// A gap seen below `upper`; every transaction that could fill it has an id
+/// below `bound` (the reader's own id, taken when it saw the gap).
 #[derive(Debug, Clone, Copy)]
 struct Gap {
     upper: i64,
-    xmax: i64,
+    bound: i64,
 }
 
 /// What one [`Subscription::run_once`] did.
@@ -150,23 +156,22 @@ impl Subscription {
     pub async fn run_once(&mut self) -> Result<(Vec<StoredEvent>, PollCounters)> {
         let mut tx = self
             .pool
-            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
             .await?;
-        let (xmin, xmax, positions): (i64, i64, Vec<i64>) =
-            sqlx::query_as(include_str!("sql/horizon.sql"))
-                .bind(self.horizon)
-                .bind(self.config.batch)
-                .fetch_one(&mut *tx)
-                .await?;
+        let (xmin, positions): (i64, Vec<i64>) = sqlx::query_as(include_str!("sql/horizon.sql"))
+            .bind(self.horizon)
+            .bind(self.config.batch)
+            .fetch_one(&mut *tx)
+            .await?;
         let old = self.horizon;
         let mut waiting = false;
+        let mut new_gap = None;
         for p in positions {
             if p != self.horizon + 1 {
-                let settled = xmin == xmax
-                    || self.gap.is_some_and(|g| p <= g.upper && xmin >= g.xmax);
+                let settled = self.gap.is_some_and(|g| p <= g.upper && xmin >= g.bound);
                 if !settled {
                     if self.gap.is_none() {
-                        self.gap = Some(Gap { upper: p, xmax });
+                        new_gap = Some(p);
                     }
                     waiting = true;
                     break;
@@ -176,6 +181,12 @@ impl Subscription {
             if self.gap.is_some_and(|g| p >= g.upper) {
                 self.gap = None;
             }
+        }
+        if let Some(upper) = new_gap {
+            let bound: i64 = sqlx::query_scalar(include_str!("sql/own_xid.sql"))
+                .fetch_one(&mut *tx)
+                .await?;
+            self.gap = Some(Gap { upper, bound });
         }
         let events = if self.horizon > old {
             let rows: Vec<EventRow> = self
