@@ -825,3 +825,81 @@ async fn next_is_woken_by_notify() {
         .unwrap();
     assert_eq!(positions(&events), vec![1]);
 }
+
+// ------------------------------------------------------------------ indexes
+
+/// Not a check: generates a log of 1,000,000 events with `INSERT ... SELECT
+/// generate_series` and prints EXPLAIN (ANALYZE, BUFFERS) of the condition
+/// and read queries, for docs/events-indexes.md. Run with
+/// `cargo test -p pgonce --test events -- --ignored --nocapture explain`.
+#[tokio::test]
+#[ignore = "generates 1,000,000 events; run by hand for docs/events-indexes.md"]
+async fn explain_condition_queries_on_a_million_events() {
+    let (_db, pool) = db().await;
+    let started = std::time::Instant::now();
+    sqlx::raw_sql(
+        "INSERT INTO pgonce.events (type, tags, data)
+         SELECT (ARRAY['BookingPlaced','BookingCancelled','CustomerRegistered','PaymentTaken',
+                       'RoomAdded','PriceChanged','InvoiceSent','ReviewPosted','CheckIn','CheckOut'])[1 + i % 10],
+                ARRAY['booking:' || (i % 200000), 'customer:' || (i % 20000)],
+                jsonb_build_object('i', i)
+         FROM generate_series(1, 1000000) AS i;
+         ANALYZE pgonce.events;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    println!("generated 1,000,000 events in {:?}", started.elapsed());
+    let cases = [
+        (
+            "tag item (booking:4242), after 900000",
+            "SELECT position FROM pgonce.events e WHERE (e.tags @> $2::text[]) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![vec!["booking:4242".to_string()]],
+            900_000i64,
+        ),
+        (
+            "tag item, two tags (booking:4242 + customer:4242)",
+            "SELECT position FROM pgonce.events e WHERE (e.tags @> $2::text[]) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![vec![
+                "booking:4242".to_string(),
+                "customer:4242".to_string(),
+            ]],
+            0,
+        ),
+        (
+            "type + tag item (BookingCancelled, customer:77)",
+            "SELECT position FROM pgonce.events e WHERE (e.tags @> $2::text[] AND e.type = ANY($3::text[])) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![
+                vec!["customer:77".to_string()],
+                vec!["BookingCancelled".to_string()],
+            ],
+            0,
+        ),
+        (
+            "type-only item (ReviewPosted), after 999000",
+            "SELECT position FROM pgonce.events e WHERE (e.type = ANY($2::text[])) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![vec!["ReviewPosted".to_string()]],
+            999_000,
+        ),
+        (
+            "two items OR-ed (booking:4242 | customer:77)",
+            "SELECT position FROM pgonce.events e WHERE ((e.tags @> $2::text[]) OR (e.tags @> $3::text[])) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![
+                vec!["booking:4242".to_string()],
+                vec!["customer:77".to_string()],
+            ],
+            0,
+        ),
+    ];
+    for (name, sql, binds, after) in cases {
+        let mut q = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, SUMMARY ON) {sql}"
+        )))
+        .bind(after);
+        for b in binds {
+            q = q.bind(b);
+        }
+        let plan = q.fetch_all(&pool).await.unwrap();
+        println!("\n### {name}\n\n```text\n{sql}\n\n{}\n```", plan.join("\n"));
+    }
+}

@@ -1,6 +1,7 @@
 //! `pgonce bench <suite>`: strategies side by side in one run, with ratios.
 //! Every suite takes `--quick` (same scenarios, smaller, under 30 s) for CI.
 
+mod events;
 mod lock;
 pub mod measure;
 
@@ -15,6 +16,8 @@ use crate::scratch::RunDatabase;
 pub enum Suite {
     /// Cost of a transaction-level advisory lock in a short write transaction.
     Lock,
+    /// DCB appends: three strategies, disjoint to fully conflicting tags.
+    Events,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -42,6 +45,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
     let db = RunDatabase::open(database_url, "bench", 200).await?;
     let report = match args.suite {
         Suite::Lock => lock::run(args, &db).await,
+        Suite::Events => events::run(args, &db).await,
     };
     db.close().await?;
     let mut report = report?;

@@ -2,6 +2,7 @@
 //! the harness, under each strategy, with what happened to the invariant.
 
 mod lock_wait;
+mod seed001;
 
 use clap::{Args, ValueEnum};
 use pgonce_testkit::{Step, StepEvent};
@@ -14,6 +15,9 @@ pub enum Scenario {
     /// Session B waits for a transaction-level advisory lock that A holds,
     /// and does not when A takes it outside a transaction.
     LockWait,
+    /// Seed 001: three DCB writers (A and C on booking:123, B on
+    /// booking:456) under each append strategy, and out-of-order commits.
+    Seed001,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -26,6 +30,7 @@ pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<
     let db = RunDatabase::open(database_url, "race", 20).await?;
     let report = match args.scenario {
         Scenario::LockWait => lock_wait::run(&db).await,
+        Scenario::Seed001 => seed001::run(&db).await,
     };
     db.close().await?;
     report

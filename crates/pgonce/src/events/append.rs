@@ -86,11 +86,21 @@ impl AppendKeys {
     }
 
     /// Takes the keys in ascending order in one statement and assigns the
-    /// transaction id (before any position is drawn).
+    /// transaction id (before any position is drawn): for appends.
     pub async fn take(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
+        self.take_with(tx, include_str!("sql/locks.sql")).await
+    }
+
+    /// Takes the keys in ascending order without assigning a transaction id,
+    /// so a read-only transaction commits without a WAL flush: for decisions.
+    pub async fn take_for_read(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
+        self.take_with(tx, include_str!("sql/read_locks.sql")).await
+    }
+
+    async fn take_with(&self, tx: &mut Transaction<'_, Postgres>, sql: &'static str) -> Result<()> {
         let keys: Vec<i64> = self.0.keys().map(|k| k.as_i64()).collect();
         let modes: Vec<bool> = self.0.values().copied().collect();
-        sqlx::query(include_str!("sql/locks.sql"))
+        sqlx::query(sql)
             .bind(keys)
             .bind(modes)
             .execute(&mut **tx)

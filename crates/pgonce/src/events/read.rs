@@ -62,7 +62,7 @@ pub(crate) async fn decide(pool: &PgPool, query: &Query) -> Result<Decision> {
     // Waits for every in-flight append publishing an event that matches the
     // query (they hold these keys shared until they commit); appends that
     // start later draw positions above the head read next.
-    AppendKeys::condition(query)?.take(&mut tx).await?;
+    AppendKeys::condition(query)?.take_for_read(&mut tx).await?;
     let filter = Filter::new(query, 1);
     type Row = (
         Option<i64>,
