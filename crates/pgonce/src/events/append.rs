@@ -193,8 +193,11 @@ pub(crate) async fn begin(
         let filter = Filter::new(&c.fail_if_events_match, 2);
         let matching: Vec<i64> = filter
             .bind_scalar(
-                sqlx::query_scalar(filter.statement(include_str!("sql/check.sql")))
-                    .bind(c.after.unwrap_or(0)),
+                sqlx::query_scalar(filter.statement(match strategy {
+                    AppendStrategy::Serializable => include_str!("sql/check_serializable.sql"),
+                    _ => include_str!("sql/check.sql"),
+                }))
+                .bind(c.after.unwrap_or(0)),
             )
             .fetch_all(&mut *tx)
             .await?;
