@@ -55,3 +55,28 @@ fn race_lock_wait_prints_one_json_object_with_an_ok_verdict() {
     assert_eq!(results[0]["invariant_held"], true);
     assert_eq!(results[1]["invariant_held"], false);
 }
+
+#[test]
+fn race_seed001_holds_the_invariant_under_every_strategy() {
+    let out = pgonce()
+        .args(["race", "seed001", "--json"])
+        .timeout(Duration::from_secs(120))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["name"], "seed001");
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(
+        results.len(),
+        7,
+        "3 strategies, 3 decision cases, 1 catch-up"
+    );
+    for r in results {
+        assert_eq!(r["invariant_held"], true, "{r}");
+    }
+}

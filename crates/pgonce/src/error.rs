@@ -54,6 +54,18 @@ pub enum Error {
         number: i64,
     },
 
+    /// An event store append whose condition failed: events matching the
+    /// condition's query exist after its `after` position (anywhere, when it
+    /// had none). Nothing was appended. `matching` holds the first positions
+    /// found (at most 16), lowest first.
+    #[error(
+        "append condition failed: events {matching:?} match the condition's query after position {after:?}"
+    )]
+    AppendConditionFailed {
+        after: Option<i64>,
+        matching: Vec<i64>,
+    },
+
     /// A value was rejected before reaching the database.
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },

@@ -7,6 +7,8 @@
 //! * [`error`]: the one error type; SQLSTATEs mapped in one place.
 //! * [`guard`]: write-if-unchanged: lock, re-read, compare, write (seed 000).
 //! * [`lock`]: transaction-level advisory locks with 64-bit keys.
+//! * [`events`]: a DCB event store; conditional appends under three
+//!   strategies, decision reads, catch-up subscriptions (P5, I5).
 //! * [`migrate`]: the embedded schema (`pgonce` schema).
 //! * `sequence`: per-scope gapless numbers taken inside the caller's
 //!   transaction ([`Sequence`], P2).
@@ -16,12 +18,17 @@
 //! their own, with their SQL beside them.
 
 pub mod error;
+pub mod events;
 pub mod guard;
 pub mod lock;
 mod migrate;
 mod sequence;
 
 pub use error::{Error, Result};
+pub use events::{
+    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query, QueryItem,
+    StoredEvent,
+};
 pub use guard::{Guard, GuardConfig, Isolation, ReadSet};
 pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};

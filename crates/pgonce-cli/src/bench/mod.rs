@@ -1,6 +1,7 @@
 //! `pgonce bench <suite>`: strategies side by side in one run, with ratios.
 //! Every suite takes `--quick` (same scenarios, smaller, under 30 s) for CI.
 
+mod events;
 mod guard;
 mod lock;
 pub mod measure;
@@ -23,6 +24,8 @@ pub enum Suite {
     /// Incident declarations per scope under each sequence strategy (seed
     /// 004): S scopes x C declarers, number taken early or late.
     Sequence,
+    /// DCB appends: three strategies, disjoint to fully conflicting tags.
+    Events,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -52,6 +55,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
         Suite::Lock => lock::run(args, &db).await,
         Suite::Guard => guard::run(args, &db).await,
         Suite::Sequence => sequence::run(args, &db).await,
+        Suite::Events => events::run(args, &db).await,
     };
     db.close().await?;
     let mut report = report?;

@@ -3,6 +3,7 @@
 
 mod lock_wait;
 mod seed000;
+mod seed001;
 mod seed004;
 
 use clap::{Args, ValueEnum};
@@ -22,6 +23,9 @@ pub enum Scenario {
     /// Seed 004: concurrent incident declarations in one organization and
     /// across organizations, under each sequence strategy.
     Seed004,
+    /// Seed 001: three DCB writers (A and C on booking:123, B on
+    /// booking:456) under each append strategy, and out-of-order commits.
+    Seed001,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -36,6 +40,7 @@ pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<
         Scenario::LockWait => lock_wait::run(&db).await,
         Scenario::Seed000 => seed000::run(&db).await,
         Scenario::Seed004 => seed004::run(&db).await,
+        Scenario::Seed001 => seed001::run(&db).await,
     };
     db.close().await?;
     report

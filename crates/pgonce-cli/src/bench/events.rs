@@ -1,0 +1,361 @@
+//! `pgonce bench events`: DCB appends under the three strategies, W writers,
+//! tag overlap from disjoint (a tag per writer) to fully conflicting (one tag
+//! for all). Each operation is a decision read on the writer's tag and an
+//! append conditioned on it, as a DCB command handler does.
+//!
+//! Figures per strategy and overlap: appends/s, p50/p99, `conflicts` (failed
+//! conditions: correct refusals, detected before any insert under the lock
+//! strategies), `aborts` (attempts PostgreSQL rolled back after doing their
+//! work: the wasted work), `retries`, deadlocks (pg_stat_database) and the
+//! mean number of backends waiting on a lock (sampled from pg_locks).
+//! Appends run without NOTIFY (it serializes commits on one lock in
+//! PostgreSQL); one extra row measures the advisory strategy with it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use pgonce::Error;
+use pgonce::events::{AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query};
+use sqlx::PgPool;
+
+use super::BenchArgs;
+use super::measure::{Measured, closed_loop, round2};
+use crate::report::{Report, Row};
+use crate::scratch::RunDatabase;
+
+#[derive(Clone, Copy)]
+enum Overlap {
+    /// A tag per writer: no two appends conflict.
+    Disjoint,
+    /// Four writers per tag.
+    Partial,
+    /// One tag for every writer.
+    Full,
+}
+
+impl Overlap {
+    fn name(self) -> &'static str {
+        match self {
+            Overlap::Disjoint => "disjoint",
+            Overlap::Partial => "4-per-tag",
+            Overlap::Full => "one-tag",
+        }
+    }
+
+    fn tag(self, worker: usize) -> String {
+        match self {
+            Overlap::Disjoint => format!("bench:{worker}"),
+            Overlap::Partial => format!("bench:{}", worker / 4),
+            Overlap::Full => "bench:all".into(),
+        }
+    }
+}
+
+/// One measured cell.
+struct Cell {
+    m: Measured,
+    retries: u64,
+    aborts: u64,
+    deadlocks: i64,
+    waiting: f64,
+}
+
+pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+    let workers = 16;
+    let phase = if args.quick && args.seconds.is_none() {
+        Duration::from_secs_f64(1.0)
+    } else {
+        args.phase()
+    };
+    // A log big enough for the planner to use the indexes, as in production.
+    sqlx::raw_sql(
+        "INSERT INTO pgonce.events (type, tags, data)
+         SELECT 'Seeded', ARRAY['seed:' || i], 'null' FROM generate_series(1, 20000) AS i;
+         ANALYZE pgonce.events;",
+    )
+    .execute(db.pool())
+    .await?;
+    let mut report = Report::new("bench", "events", db.environment().await?);
+    let mut cells: Vec<(AppendStrategy, Overlap, Cell)> = Vec::new();
+    for overlap in [Overlap::Disjoint, Overlap::Partial, Overlap::Full] {
+        for strategy in AppendStrategy::ALL {
+            let label = format!("{}/{}", strategy.name(), overlap.name());
+            let cell = measure(db.pool(), strategy, false, overlap, workers, phase, &label).await?;
+            report
+                .results
+                .push(row(strategy.name(), overlap, workers, &cell));
+            report.verdict.check(
+                cell.m.errors == 0,
+                format!(
+                    "{label}: {} errors{}",
+                    cell.m.errors,
+                    cell.m
+                        .first_error
+                        .clone()
+                        .map(|e| format!(" (first: {e})"))
+                        .unwrap_or_default()
+                ),
+            );
+            cells.push((strategy, overlap, cell));
+        }
+    }
+    let notify = measure(
+        db.pool(),
+        AppendStrategy::AdvisoryLocks,
+        true,
+        Overlap::Disjoint,
+        workers,
+        phase,
+        "advisory-locks+notify/disjoint",
+    )
+    .await?;
+    report.results.push(row(
+        "advisory-locks+notify",
+        Overlap::Disjoint,
+        workers,
+        &notify,
+    ));
+
+    let get = |s: AppendStrategy, o: &str| {
+        cells
+            .iter()
+            .find(|(cs, co, _)| *cs == s && co.name() == o)
+            .map(|(_, _, c)| c)
+            .expect("measured")
+    };
+    let adv = get(AppendStrategy::AdvisoryLocks, "disjoint")
+        .m
+        .ops_per_sec();
+    let table = get(AppendStrategy::TableLock, "disjoint").m.ops_per_sec();
+    let ssi = get(AppendStrategy::Serializable, "disjoint")
+        .m
+        .ops_per_sec();
+    let ratio = report.ratio("advisory_vs_table_lock_disjoint_16w", adv, table);
+    report.ratio("serializable_vs_table_lock_disjoint_16w", ssi, table);
+    report.ratio(
+        "advisory_vs_table_lock_one_tag_16w",
+        get(AppendStrategy::AdvisoryLocks, "one-tag")
+            .m
+            .ops_per_sec(),
+        get(AppendStrategy::TableLock, "one-tag").m.ops_per_sec(),
+    );
+    report.ratio(
+        "advisory_notify_vs_advisory_disjoint_16w",
+        notify.m.ops_per_sec(),
+        adv,
+    );
+    report.verdict.check(
+        ratio.is_some_and(|r| r >= 4.0),
+        format!(
+            "goal: advisory vs table lock on disjoint tags at 16 writers >= 4x (measured {ratio:?})"
+        ),
+    );
+    report.verdict.check(
+        true,
+        "pgonce vs disintegrate-postgres: NOT MEASURED; disintegrate-postgres 4.0.1 depends on sqlx 0.8.6 and pgonce on sqlx 0.9 (see docs/events-indexes.md)",
+    );
+    report.sections.insert(
+        "comparison (seed 001's table, filled with what this run measured)".into(),
+        comparison(&cells),
+    );
+    Ok(report)
+}
+
+fn row(strategy: &str, overlap: Overlap, workers: usize, c: &Cell) -> Row {
+    c.m.row(strategy)
+        .with("overlap", overlap.name())
+        .with("workers", workers)
+        .with(
+            "conflicts",
+            c.m.counters.get("conflicts").copied().unwrap_or(0),
+        )
+        .with("aborts", c.aborts)
+        .with("retries", c.retries)
+        .with("wasted_attempts", c.aborts)
+        .with("deadlocks", c.deadlocks)
+        .with("avg_waiting_backends", round2(c.waiting))
+}
+
+async fn measure(
+    pool: &PgPool,
+    strategy: AppendStrategy,
+    notify: bool,
+    overlap: Overlap,
+    workers: usize,
+    phase: Duration,
+    label: &str,
+) -> anyhow::Result<Cell> {
+    let store = EventStore::new(
+        pool.clone(),
+        EventStoreConfig {
+            strategy,
+            notify,
+            max_retries: 100,
+        },
+    )?;
+    let retries = Arc::new(AtomicU64::new(0));
+    let aborts = Arc::new(AtomicU64::new(0));
+    let deadlocks_before = deadlocks(pool).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (pool, stop) = (pool.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut sum, mut n) = (0i64, 0i64);
+            while !stop.load(Ordering::Relaxed) {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(DISTINCT pid) FROM pg_locks WHERE NOT granted",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0);
+                sum += waiting;
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            sum as f64 / n.max(1) as f64
+        })
+    };
+    let (r, a) = (retries.clone(), aborts.clone());
+    let m = closed_loop(label, workers, phase, move |worker, _| {
+        let (store, r, a) = (store.clone(), r.clone(), a.clone());
+        async move {
+            let tag = overlap.tag(worker);
+            let query = Query::item(Vec::<String>::new(), [tag.as_str()])?;
+            let decision = store.decide(&query).await?;
+            let event = Event::new("Booked").tag(&tag);
+            match store
+                .append(&[event], Some(&AppendCondition::new(query, decision.after)))
+                .await
+            {
+                Ok(appended) => {
+                    r.fetch_add(appended.retries as u64, Ordering::Relaxed);
+                    a.fetch_add(appended.retries as u64, Ordering::Relaxed);
+                    Ok(None)
+                }
+                Err(Error::AppendConditionFailed { .. }) => Ok(Some("conflicts")),
+                Err(e) => {
+                    if e.is_retryable() {
+                        a.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e.into())
+                }
+            }
+        }
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let waiting = sampler.await.unwrap_or(0.0);
+    Ok(Cell {
+        m,
+        retries: retries.load(Ordering::Relaxed),
+        aborts: aborts.load(Ordering::Relaxed),
+        deadlocks: deadlocks(pool).await? - deadlocks_before,
+        waiting,
+    })
+}
+
+async fn deadlocks(pool: &PgPool) -> anyhow::Result<i64> {
+    // The statistics are flushed at transaction end; good enough for a delta.
+    Ok(sqlx::query_scalar(
+        "SELECT COALESCE(deadlocks, 0) FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+fn comparison(cells: &[(AppendStrategy, Overlap, Cell)]) -> Vec<Row> {
+    let cell = |s: AppendStrategy, o: &str| {
+        &cells
+            .iter()
+            .find(|(cs, co, _)| *cs == s && co.name() == o)
+            .expect("measured")
+            .2
+    };
+    let per = |f: &dyn Fn(AppendStrategy) -> String, aspect: &str| {
+        let mut row = Row::new(aspect);
+        for s in AppendStrategy::ALL {
+            row.set(s.name(), f(s));
+        }
+        row
+    };
+    let granularity = |s| {
+        match s {
+            AppendStrategy::Serializable => {
+                "none: predicate locks (SIREAD) on the index ranges read"
+            }
+            AppendStrategy::TableLock => "the whole table (EXCLUSIVE)",
+            AppendStrategy::AdvisoryLocks => "per tag (type-only: per type; match-all: one key)",
+        }
+        .to_string()
+    };
+    let parallelism = |s| {
+        let d = cell(s, "disjoint");
+        let o = cell(s, "one-tag");
+        format!(
+            "disjoint: {:.0} appends/s, {:.1} backends waiting; one tag: {:.0}/s",
+            d.m.ops_per_sec(),
+            d.waiting,
+            o.m.ops_per_sec()
+        )
+    };
+    let detection = |s: AppendStrategy| {
+        let o = cell(s, "one-tag");
+        let conflicts = o.m.counters.get("conflicts").copied().unwrap_or(0);
+        match s {
+            AppendStrategy::Serializable => format!(
+                "at check or commit (40001): one tag: {} aborts, {} retries, then {conflicts} failed conditions",
+                o.aborts, o.retries
+            ),
+            _ => format!(
+                "before insert, under the lock: one tag: {conflicts} failed conditions, {} aborts",
+                o.aborts
+            ),
+        }
+    };
+    let wasted = |s| {
+        let total: u64 = cells
+            .iter()
+            .filter(|(cs, _, _)| *cs == s)
+            .map(|(_, _, c)| c.aborts)
+            .sum();
+        let ops: u64 = cells
+            .iter()
+            .filter(|(cs, _, _)| *cs == s)
+            .map(|(_, _, c)| c.m.ops)
+            .sum();
+        format!("{total} attempts rolled back after their work ({ops} appends in all)")
+    };
+    let deadlock = |s| {
+        let total: i64 = cells
+            .iter()
+            .filter(|(cs, _, _)| *cs == s)
+            .map(|(_, _, c)| c.deadlocks)
+            .sum();
+        let how = match s {
+            AppendStrategy::Serializable => "no lock waits of its own",
+            AppendStrategy::TableLock => "one lock",
+            AppendStrategy::AdvisoryLocks => "keys taken in ascending order, one statement",
+        };
+        format!("{total} deadlocks observed ({how})")
+    };
+    let wait = |s| {
+        let d = cell(s, "disjoint");
+        let o = cell(s, "one-tag");
+        format!(
+            "disjoint: p99 {:.1} ms, {:.1} waiting; one tag: p99 {:.1} ms, {:.1} waiting",
+            d.m.quantile_ms(0.99),
+            d.waiting,
+            o.m.quantile_ms(0.99),
+            o.waiting
+        )
+    };
+    vec![
+        per(&granularity, "lock granularity"),
+        per(&parallelism, "writer parallelism"),
+        per(&detection, "conflict detection"),
+        per(&wasted, "wasted work"),
+        per(&deadlock, "deadlock risk"),
+        per(&wait, "lock wait"),
+    ]
+}

@@ -1,0 +1,263 @@
+//! Conditional appends under the three strategies, and the advisory keys
+//! every append publishes.
+
+use std::collections::BTreeMap;
+
+use sqlx::{PgPool, Postgres, Transaction};
+
+use super::model::{AppendCondition, Appended, Event, Query};
+use super::query::Filter;
+use super::{AppendStrategy, NOTIFY_CHANNEL};
+use crate::error::{Error, Result};
+use crate::lock::LockKey;
+
+/// Namespaces of the event store's advisory keys ([`LockKey::new`]).
+pub const TAG_NAMESPACE: &str = "pgonce.events.tag";
+pub const TYPE_NAMESPACE: &str = "pgonce.events.type";
+pub const ALL_NAMESPACE: &str = "pgonce.events.all";
+
+/// The keys an append takes, each shared (publishing an event) or exclusive
+/// (checking a condition). A key wanted in both modes is taken exclusive.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct AppendKeys(BTreeMap<LockKey, bool>);
+
+impl AppendKeys {
+    /// Shared keys for every event: each tag, the type, and the "all" key.
+    /// Any append that publishes an event matching a query holds, until it
+    /// commits, a shared key that [`AppendKeys::condition`] of that query
+    /// takes exclusive.
+    pub fn publishing(events: &[Event]) -> Result<AppendKeys> {
+        let mut keys = AppendKeys::default();
+        for e in events {
+            for t in &e.tags {
+                keys.add(LockKey::new(TAG_NAMESPACE, t)?, false);
+            }
+            keys.add(LockKey::new(TYPE_NAMESPACE, &e.event_type)?, false);
+        }
+        if !events.is_empty() {
+            keys.add(LockKey::new(ALL_NAMESPACE, "")?, false);
+        }
+        Ok(keys)
+    }
+
+    /// Exclusive keys that cover `query`: for an item with tags, its tags (an
+    /// event matching the item carries them all); for a type-only item, its
+    /// types; for [`Query::All`], the "all" key. So a type-only condition
+    /// waits for every in-flight append of those types, and a match-all
+    /// condition for every in-flight append.
+    pub fn condition(query: &Query) -> Result<AppendKeys> {
+        let mut keys = AppendKeys::default();
+        match query {
+            Query::All => keys.add(LockKey::new(ALL_NAMESPACE, "")?, true),
+            Query::Items(items) => {
+                for item in items {
+                    if item.tags.is_empty() {
+                        for t in &item.types {
+                            keys.add(LockKey::new(TYPE_NAMESPACE, t)?, true);
+                        }
+                    } else {
+                        for t in &item.tags {
+                            keys.add(LockKey::new(TAG_NAMESPACE, t)?, true);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(keys)
+    }
+
+    pub fn merge(mut self, other: AppendKeys) -> AppendKeys {
+        for (k, exclusive) in other.0 {
+            self.add(k, exclusive);
+        }
+        self
+    }
+
+    fn add(&mut self, key: LockKey, exclusive: bool) {
+        *self.0.entry(key).or_default() |= exclusive;
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Takes the keys in ascending order in one statement and assigns the
+    /// transaction id (before any position is drawn): for appends.
+    pub async fn take(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
+        self.take_with(tx, include_str!("sql/locks.sql")).await
+    }
+
+    /// Takes the keys in ascending order without assigning a transaction id,
+    /// so a read-only transaction commits without a WAL flush: for decisions.
+    pub async fn take_for_read(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
+        self.take_with(tx, include_str!("sql/read_locks.sql")).await
+    }
+
+    async fn take_with(&self, tx: &mut Transaction<'_, Postgres>, sql: &'static str) -> Result<()> {
+        let keys: Vec<i64> = self.0.keys().map(|k| k.as_i64()).collect();
+        let modes: Vec<bool> = self.0.values().copied().collect();
+        sqlx::query(sql)
+            .bind(keys)
+            .bind(modes)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// An append whose events are inserted and whose condition held, in a
+/// transaction not yet committed: [`PendingAppend::commit`] publishes it.
+/// Dropping it rolls it back. Until then it holds its strategy's locks.
+#[derive(Debug)]
+pub struct PendingAppend {
+    tx: Transaction<'static, Postgres>,
+    positions: Vec<i64>,
+    strategy: AppendStrategy,
+}
+
+impl PendingAppend {
+    /// The positions drawn for the events (not visible before commit).
+    pub fn positions(&self) -> &[i64] {
+        &self.positions
+    }
+
+    /// Commits. Under [`AppendStrategy::Serializable`] this is where a
+    /// conflicting concurrent append is detected
+    /// ([`Error::SerializationFailure`]).
+    pub async fn commit(self) -> Result<Vec<i64>> {
+        let strategy = self.strategy;
+        self.tx.commit().await.inspect_err(|e| {
+            if let Some(code) = sqlx::Error::as_database_error(e).and_then(|d| d.code())
+                && code == crate::error::sqlstate::SERIALIZATION_FAILURE
+            {
+                metrics::counter!("pgonce_events_aborts_total", "strategy" => strategy.name())
+                    .increment(1);
+            }
+        })?;
+        Ok(self.positions)
+    }
+
+    pub async fn rollback(self) -> Result<()> {
+        self.tx.rollback().await?;
+        Ok(())
+    }
+}
+
+/// One attempt: BEGIN at the strategy's isolation, take its locks, check the
+/// condition, insert. The transaction is left open.
+pub(crate) async fn begin(
+    pool: &PgPool,
+    strategy: AppendStrategy,
+    notify: bool,
+    events: &[Event],
+    condition: Option<&AppendCondition>,
+) -> Result<PendingAppend> {
+    if events.is_empty() {
+        return Err(Error::Invalid {
+            what: "append",
+            why: "at least one event is needed".into(),
+        });
+    }
+    for e in events {
+        e.validate()?;
+    }
+    if let Some(c) = condition {
+        c.fail_if_events_match.validate()?;
+    }
+    let mut keys = AppendKeys::publishing(events)?;
+    if strategy == AppendStrategy::AdvisoryLocks
+        && let Some(c) = condition
+    {
+        keys = keys.merge(AppendKeys::condition(&c.fail_if_events_match)?);
+    }
+    let begin = match strategy {
+        AppendStrategy::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        AppendStrategy::TableLock | AppendStrategy::AdvisoryLocks => {
+            "BEGIN ISOLATION LEVEL READ COMMITTED"
+        }
+    };
+    let mut tx = pool.begin_with(begin).await?;
+    keys.take(&mut tx).await?;
+    if strategy == AppendStrategy::TableLock {
+        sqlx::query(include_str!("sql/lock_table.sql"))
+            .execute(&mut *tx)
+            .await?;
+    }
+    if let Some(c) = condition {
+        // Under READ COMMITTED this statement's snapshot is taken now, after
+        // the locks were granted, so it sees every append they waited for.
+        let filter = Filter::new(&c.fail_if_events_match, 2);
+        let matching: Vec<i64> = filter
+            .bind_scalar(
+                sqlx::query_scalar(filter.statement(match strategy {
+                    AppendStrategy::Serializable => include_str!("sql/check_serializable.sql"),
+                    _ => include_str!("sql/check.sql"),
+                }))
+                .bind(c.after.unwrap_or(0)),
+            )
+            .fetch_all(&mut *tx)
+            .await?;
+        if !matching.is_empty() {
+            tracing::warn!(strategy = strategy.name(), after = ?c.after, ?matching, "append condition failed");
+            metrics::counter!("pgonce_events_conflicts_total", "strategy" => strategy.name())
+                .increment(1);
+            tx.rollback().await?;
+            return Err(Error::AppendConditionFailed {
+                after: c.after,
+                matching,
+            });
+        }
+    }
+    let json = serde_json::to_value(events).map_err(|e| Error::Invalid {
+        what: "event",
+        why: e.to_string(),
+    })?;
+    let (positions, _): (Vec<i64>, String) = sqlx::query_as(include_str!("sql/insert.sql"))
+        .bind(json)
+        .bind(notify.then_some(NOTIFY_CHANNEL))
+        .fetch_one(&mut *tx)
+        .await?;
+    Ok(PendingAppend {
+        tx,
+        positions,
+        strategy,
+    })
+}
+
+/// begin + commit, retrying serialization failures up to `max_retries`.
+pub(crate) async fn append(
+    pool: &PgPool,
+    strategy: AppendStrategy,
+    notify: bool,
+    max_retries: u32,
+    events: &[Event],
+    condition: Option<&AppendCondition>,
+) -> Result<Appended> {
+    let mut retries = 0;
+    loop {
+        let attempt = async {
+            begin(pool, strategy, notify, events, condition)
+                .await?
+                .commit()
+                .await
+        };
+        match attempt.await {
+            Ok(positions) => {
+                metrics::counter!("pgonce_events_appends_total", "strategy" => strategy.name())
+                    .increment(1);
+                return Ok(Appended { positions, retries });
+            }
+            Err(e) if e.is_retryable() && retries < max_retries => {
+                retries += 1;
+                metrics::counter!("pgonce_events_retries_total", "strategy" => strategy.name())
+                    .increment(1);
+                tracing::debug!(strategy = strategy.name(), retries, "append retried: {e}");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}

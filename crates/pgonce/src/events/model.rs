@@ -1,0 +1,215 @@
+//! The DCB model: events, stored (sequenced) events, queries, conditions.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// An event to append: a type, tags, JSON data and JSON metadata.
+///
+/// Tags are what appends and queries are narrowed by (`booking:123`); the
+/// type says what happened (`BookingPlaced`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    #[serde(rename = "type")]
+    pub event_type: String,
+    pub tags: Vec<String>,
+    pub data: Value,
+    pub metadata: Value,
+}
+
+impl Event {
+    /// An event with no tags, `null` data and `{}` metadata.
+    pub fn new(event_type: impl Into<String>) -> Event {
+        Event {
+            event_type: event_type.into(),
+            tags: Vec::new(),
+            data: Value::Null,
+            metadata: Value::Object(Default::default()),
+        }
+    }
+
+    pub fn tag(mut self, tag: impl Into<String>) -> Event {
+        self.tags.push(tag.into());
+        self
+    }
+
+    pub fn data(mut self, data: Value) -> Event {
+        self.data = data;
+        self
+    }
+
+    pub fn metadata(mut self, metadata: Value) -> Event {
+        self.metadata = metadata;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.event_type.is_empty() {
+            return Err(invalid("event", "the type must not be empty"));
+        }
+        if self.tags.iter().any(String::is_empty) {
+            return Err(invalid("event", "a tag must not be empty"));
+        }
+        Ok(())
+    }
+}
+
+/// An event as stored, with its position in the global log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredEvent {
+    /// Position in the log: drawn at insert, so positions increase with
+    /// insert order, not commit order (see the module docs on I5).
+    pub position: i64,
+    #[serde(flatten)]
+    pub event: Event,
+}
+
+/// One item of a [`Query`]: matches an event whose type is any of `types`
+/// (or any type when `types` is empty) and which carries all of `tags`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueryItem {
+    pub types: Vec<String>,
+    pub tags: Vec<String>,
+}
+
+impl QueryItem {
+    pub fn new() -> QueryItem {
+        QueryItem::default()
+    }
+
+    pub fn types<S: Into<String>>(mut self, types: impl IntoIterator<Item = S>) -> QueryItem {
+        self.types.extend(types.into_iter().map(Into::into));
+        self
+    }
+
+    pub fn tags<S: Into<String>>(mut self, tags: impl IntoIterator<Item = S>) -> QueryItem {
+        self.tags.extend(tags.into_iter().map(Into::into));
+        self
+    }
+
+    /// Whether `event` matches this item (the same rule the SQL applies).
+    pub fn matches(&self, event: &Event) -> bool {
+        (self.types.is_empty() || self.types.contains(&event.event_type))
+            && self.tags.iter().all(|t| event.tags.contains(t))
+    }
+}
+
+/// A query: the OR of its items, or every event ([`Query::all`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Query {
+    /// Matches every event.
+    All,
+    /// Matches an event that matches at least one item. Never empty.
+    Items(Vec<QueryItem>),
+}
+
+impl Query {
+    /// The query that matches every event.
+    pub fn all() -> Query {
+        Query::All
+    }
+
+    /// The OR of `items`; at least one, each naming a type or a tag.
+    pub fn items(items: impl IntoIterator<Item = QueryItem>) -> Result<Query> {
+        let query = Query::Items(items.into_iter().collect());
+        query.validate()?;
+        Ok(query)
+    }
+
+    /// One item: events of any of `types` (any type if empty) carrying all
+    /// of `tags`.
+    pub fn item<S: Into<String>, T: Into<String>>(
+        types: impl IntoIterator<Item = S>,
+        tags: impl IntoIterator<Item = T>,
+    ) -> Result<Query> {
+        Query::items([QueryItem::new().types(types).tags(tags)])
+    }
+
+    /// Whether `event` matches the query (the same rule the SQL applies).
+    pub fn matches(&self, event: &Event) -> bool {
+        match self {
+            Query::All => true,
+            Query::Items(items) => items.iter().any(|i| i.matches(event)),
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        let Query::Items(items) = self else {
+            return Ok(());
+        };
+        if items.is_empty() {
+            return Err(invalid(
+                "query",
+                "a query needs at least one item; use Query::all() to match every event",
+            ));
+        }
+        for item in items {
+            if item.types.is_empty() && item.tags.is_empty() {
+                return Err(invalid(
+                    "query item",
+                    "an item names at least one type or tag; use Query::all() to match every event",
+                ));
+            }
+            if item.types.iter().chain(&item.tags).any(String::is_empty) {
+                return Err(invalid("query item", "types and tags must not be empty"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The condition of an append: fail if an event matching `fail_if_events_match`
+/// exists after position `after` (anywhere, when `after` is `None`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppendCondition {
+    pub fail_if_events_match: Query,
+    pub after: Option<i64>,
+}
+
+impl AppendCondition {
+    pub fn new(fail_if_events_match: Query, after: Option<i64>) -> AppendCondition {
+        AppendCondition {
+            fail_if_events_match,
+            after,
+        }
+    }
+}
+
+/// Options of [`crate::EventStore::read`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadOptions {
+    /// First position to return (inclusive). Forwards: default 1; backwards:
+    /// default the head.
+    pub from: Option<i64>,
+    /// At most this many events; default all.
+    pub limit: Option<i64>,
+    /// Newest first.
+    pub backwards: bool,
+}
+
+/// What [`crate::EventStore::decide`] read: the matching events and the
+/// position to pass as [`AppendCondition::after`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub events: Vec<StoredEvent>,
+    /// The head of the log when the events were read; `None` for an empty
+    /// log. Every event matching the query at or below it is in `events`.
+    pub after: Option<i64>,
+}
+
+/// What a successful append stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Appended {
+    /// The positions of the appended events, in the order given.
+    pub positions: Vec<i64>,
+    /// Serialization failures retried before it went through (SSI only).
+    pub retries: u32,
+}
+
+fn invalid(what: &'static str, why: &str) -> Error {
+    Error::Invalid {
+        what,
+        why: why.to_string(),
+    }
+}

@@ -1,0 +1,96 @@
+//! Reads: by query, the head, and the decision read.
+
+use serde_json::Value;
+use sqlx::PgPool;
+
+use super::append::AppendKeys;
+use super::model::{Decision, Event, Query, ReadOptions, StoredEvent};
+use super::query::Filter;
+use crate::error::Result;
+
+pub(crate) type EventRow = (i64, String, Vec<String>, Value, Value);
+
+pub(crate) fn into_stored((position, event_type, tags, data, metadata): EventRow) -> StoredEvent {
+    StoredEvent {
+        position,
+        event: Event {
+            event_type,
+            tags,
+            data,
+            metadata,
+        },
+    }
+}
+
+pub(crate) async fn read(
+    pool: &PgPool,
+    query: &Query,
+    options: ReadOptions,
+) -> Result<Vec<StoredEvent>> {
+    query.validate()?;
+    let filter = Filter::new(query, 3);
+    let (template, from) = if options.backwards {
+        (
+            include_str!("sql/read_backwards.sql"),
+            options.from.unwrap_or(i64::MAX),
+        )
+    } else {
+        (include_str!("sql/read.sql"), options.from.unwrap_or(1))
+    };
+    let rows: Vec<EventRow> = filter
+        .bind_as(
+            sqlx::query_as(filter.statement(template))
+                .bind(from)
+                .bind(options.limit),
+        )
+        .fetch_all(pool)
+        .await?;
+    Ok(rows.into_iter().map(into_stored).collect())
+}
+
+pub(crate) async fn head(pool: &PgPool) -> Result<Option<i64>> {
+    Ok(sqlx::query_scalar(include_str!("sql/head.sql"))
+        .fetch_one(pool)
+        .await?)
+}
+
+pub(crate) async fn decide(pool: &PgPool, query: &Query) -> Result<Decision> {
+    query.validate()?;
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
+    // Waits for every in-flight append publishing an event that matches the
+    // query (they hold these keys shared until they commit); appends that
+    // start later draw positions above the head read next.
+    AppendKeys::condition(query)?.take_for_read(&mut tx).await?;
+    let filter = Filter::new(query, 1);
+    type Row = (
+        Option<i64>,
+        Option<i64>,
+        Option<String>,
+        Option<Vec<String>>,
+        Option<Value>,
+        Option<Value>,
+    );
+    let rows: Vec<Row> = filter
+        .bind_as(sqlx::query_as(
+            filter.statement(include_str!("sql/decide.sql")),
+        ))
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    let after = rows.first().and_then(|r| r.0);
+    let events = rows
+        .into_iter()
+        .filter_map(|(_, position, t, tags, data, metadata)| {
+            Some(into_stored((
+                position?,
+                t?,
+                tags.unwrap_or_default(),
+                data.unwrap_or(Value::Null),
+                metadata.unwrap_or(Value::Null),
+            )))
+        })
+        .collect();
+    Ok(Decision { events, after })
+}

@@ -1,0 +1,1 @@
+SELECT max(position) FROM pgonce.events

@@ -1,0 +1,257 @@
+//! Catch-up subscription: every event after a position, in position order,
+//! never skipping one that commits late with a lower position.
+//!
+//! # The horizon
+//!
+//! A position is drawn at insert and becomes visible at commit, so a reader
+//! may see 7 before 6 commits. The reader therefore keeps a *horizon* `h`:
+//! every position at or below `h` is final (committed and delivered, or never
+//! to appear). Each poll, in one REPEATABLE READ snapshot `S`, it reads the
+//! visible positions above `h` and advances over them while they are
+//! consecutive. At a gap below a visible position `q` it may only pass once
+//! no transaction that could still fill the gap is running:
+//!
+//! * every append assigns its transaction id (`pg_current_xact_id()`, in
+//!   `locks.sql`) before it draws a position;
+//! * a transaction holding a gap position `p < q` drew `p` before `q` was
+//!   drawn, so it had its id before `q` committed, before `S` was taken;
+//! * when it first sees the gap, the reader takes a transaction id `R` of
+//!   its own, after `S`: every possible holder has an id below `R`;
+//! * once a later snapshot has `xmin >= R` (and `R` has ended), every
+//!   transaction below `R` has ended, and what that snapshot shows below `q`
+//!   is all there will ever be; the rest are rolled-back positions.
+//!
+//! (`pg_snapshot_xmax` is one past the last *completed* id, not the next id
+//! to assign, so a running transaction can sit at or above it: neither
+//! `xmax` nor `xmin = xmax` proves that nothing is running. The reader's own
+//! id is the bound that does.) An id is taken only when a new gap is seen.
+//!
+//! The events delivered are the query's matching events in `(h_old, h_new]`,
+//! read in the same snapshot. A gap costs at most the duration of the
+//! appends in flight when it was seen. Rows inserted into `pgonce.events` by
+//! anything other than [`crate::EventStore`] must follow the same rule (id
+//! before position).
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+
+use super::NOTIFY_CHANNEL;
+use super::model::{Query, StoredEvent};
+use super::query::Filter;
+use super::read::{EventRow, into_stored};
+use crate::error::{Error, Result};
+
+/// Settings of a [`Subscription`].
+#[derive(Debug, Clone)]
+pub struct SubscriptionConfig {
+    /// Deliver events after this position. Default 0 (from the start).
+    pub after: i64,
+    /// Which events to deliver. Default [`Query::All`].
+    pub query: Query,
+    /// Positions examined per poll. Default 1000; at least 1.
+    pub batch: i64,
+    /// Longest wait for a NOTIFY before polling anyway (the fallback when
+    /// notifications are lost or disabled). Default 1 s; above zero.
+    pub poll_interval: Duration,
+    /// Wait before looking again while a gap is open (its appends still
+    /// running; no NOTIFY announces a rollback). Default 5 ms; above zero.
+    pub gap_recheck: Duration,
+    /// LISTEN for the store's NOTIFY. Default true.
+    pub listen: bool,
+}
+
+impl Default for SubscriptionConfig {
+    fn default() -> Self {
+        SubscriptionConfig {
+            after: 0,
+            query: Query::All,
+            batch: 1000,
+            poll_interval: Duration::from_secs(1),
+            gap_recheck: Duration::from_millis(5),
+            listen: true,
+        }
+    }
+}
+
+impl SubscriptionConfig {
+    fn validate(&self) -> Result<()> {
+        self.query.validate()?;
+        let bad = |why: &str| {
+            Err(Error::Invalid {
+                what: "subscription config",
+                why: why.into(),
+            })
+        };
+        if self.batch < 1 {
+            return bad("batch must be at least 1");
+        }
+        if self.after < 0 {
+            return bad("after must not be negative");
+        }
+        if self.poll_interval.is_zero() || self.gap_recheck.is_zero() {
+            return bad("poll_interval and gap_recheck must be above zero");
+        }
+        Ok(())
+    }
+}
+
+/// A gap seen below `upper`; every transaction that could fill it has an id
+/// below `bound` (the reader's own id, taken when it saw the gap).
+#[derive(Debug, Clone, Copy)]
+struct Gap {
+    upper: i64,
+    bound: i64,
+}
+
+/// What one [`Subscription::run_once`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PollCounters {
+    /// Events delivered (matching the query).
+    pub delivered: usize,
+    /// Positions the horizon moved over (matching or not, plus gaps).
+    pub advanced: i64,
+    /// Whether it stopped at a gap that may still fill.
+    pub waiting_on_gap: bool,
+}
+
+/// A catch-up reader (see the module docs for the ordering guarantee).
+pub struct Subscription {
+    pool: PgPool,
+    config: SubscriptionConfig,
+    filter: Filter,
+    horizon: i64,
+    gap: Option<Gap>,
+    listener: Option<PgListener>,
+}
+
+impl Subscription {
+    pub async fn new(pool: PgPool, config: SubscriptionConfig) -> Result<Subscription> {
+        config.validate()?;
+        let listener = if config.listen {
+            let mut l = PgListener::connect_with(&pool).await?;
+            l.listen(NOTIFY_CHANNEL).await?;
+            Some(l)
+        } else {
+            None
+        };
+        Ok(Subscription {
+            filter: Filter::new(&config.query, 3),
+            horizon: config.after,
+            gap: None,
+            pool,
+            config,
+            listener,
+        })
+    }
+
+    /// Every position at or below this is final and was delivered if it
+    /// matched.
+    pub fn horizon(&self) -> i64 {
+        self.horizon
+    }
+
+    /// One poll: the next events, possibly none. Never waits for a NOTIFY.
+    pub async fn run_once(&mut self) -> Result<(Vec<StoredEvent>, PollCounters)> {
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .await?;
+        let (xmin, positions): (i64, Vec<i64>) = sqlx::query_as(include_str!("sql/horizon.sql"))
+            .bind(self.horizon)
+            .bind(self.config.batch)
+            .fetch_one(&mut *tx)
+            .await?;
+        let old = self.horizon;
+        let mut waiting = false;
+        let mut new_gap = None;
+        for p in positions {
+            if p != self.horizon + 1 {
+                let settled = self.gap.is_some_and(|g| p <= g.upper && xmin >= g.bound);
+                if !settled {
+                    if self.gap.is_none() {
+                        new_gap = Some(p);
+                    }
+                    waiting = true;
+                    break;
+                }
+            }
+            self.horizon = p;
+            if self.gap.is_some_and(|g| p >= g.upper) {
+                self.gap = None;
+            }
+        }
+        if let Some(upper) = new_gap {
+            let bound: i64 = sqlx::query_scalar(include_str!("sql/own_xid.sql"))
+                .fetch_one(&mut *tx)
+                .await?;
+            self.gap = Some(Gap { upper, bound });
+        }
+        let events = if self.horizon > old {
+            let rows: Vec<EventRow> = self
+                .filter
+                .bind_as(
+                    sqlx::query_as(self.filter.statement(include_str!("sql/range.sql")))
+                        .bind(old)
+                        .bind(self.horizon),
+                )
+                .fetch_all(&mut *tx)
+                .await?;
+            rows.into_iter().map(into_stored).collect()
+        } else {
+            Vec::new()
+        };
+        tx.commit().await?;
+        let counters = PollCounters {
+            delivered: events.len(),
+            advanced: self.horizon - old,
+            waiting_on_gap: waiting,
+        };
+        Ok((events, counters))
+    }
+
+    /// Waits until at least one event can be delivered, and returns the
+    /// next batch. Woken by NOTIFY, with polling as the fallback.
+    pub async fn next(&mut self) -> Result<Vec<StoredEvent>> {
+        loop {
+            let (events, counters) = self.run_once().await?;
+            if !events.is_empty() {
+                return Ok(events);
+            }
+            if counters.advanced > 0 {
+                continue;
+            }
+            let wait = if counters.waiting_on_gap {
+                self.config.gap_recheck
+            } else {
+                self.config.poll_interval
+            };
+            match &mut self.listener {
+                Some(l) if !counters.waiting_on_gap => {
+                    // A notification or the timeout: either way, look again.
+                    let _ = tokio::time::timeout(wait, l.try_recv()).await;
+                }
+                _ => tokio::time::sleep(wait).await,
+            }
+        }
+    }
+
+    /// Delivers batches to `handle` until `shutdown` resolves.
+    pub async fn run<F>(
+        &mut self,
+        mut handle: F,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<()>
+    where
+        F: FnMut(Vec<StoredEvent>),
+    {
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                batch = self.next() => handle(batch?),
+            }
+        }
+    }
+}

@@ -1,0 +1,905 @@
+//! The DCB event store against a real PostgreSQL: the specification's
+//! semantics, seed 001's three writers under each strategy, out-of-order
+//! commits (conditions and catch-up), a randomized oracle, and catch-up under
+//! concurrent writers.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use pgonce::Error;
+use pgonce::events::{
+    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query, QueryItem,
+    ReadOptions, StoredEvent, SubscriptionConfig,
+};
+use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_database};
+use rand::Rng;
+use serde_json::json;
+use sqlx::PgPool;
+
+async fn db() -> (ScratchDatabase, PgPool) {
+    let db = fresh_database().await;
+    let pool = db.pool(24).await.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    (db, pool)
+}
+
+fn store(pool: &PgPool, strategy: AppendStrategy) -> EventStore {
+    EventStore::new(
+        pool.clone(),
+        EventStoreConfig {
+            strategy,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn booked(tag: &str) -> Event {
+    Event::new("BookingPlaced")
+        .tag(tag)
+        .data(json!({ "booking": tag }))
+}
+
+fn positions(events: &[StoredEvent]) -> Vec<i64> {
+    events.iter().map(|e| e.position).collect()
+}
+
+fn tag_query(tag: &str) -> Query {
+    Query::item(Vec::<String>::new(), [tag]).unwrap()
+}
+
+// ---------------------------------------------------------------- semantics
+
+/// Spec: an item matches when the type is any of its types and the event
+/// carries all of its tags; items are OR-ed; Query::all matches everything;
+/// read honours from, limit and direction; head is the last position.
+#[tokio::test]
+async fn queries_match_as_the_specification_says() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    assert_eq!(s.head().await.unwrap(), None);
+    let events = [
+        Event::new("A").tag("t1").tag("t2"),
+        Event::new("B").tag("t1"),
+        Event::new("C").tag("t2").tag("t3"),
+        Event::new("A"),
+    ];
+    let appended = s.append(&events, None).await.unwrap();
+    assert_eq!(appended.positions, vec![1, 2, 3, 4], "in the order given");
+    assert_eq!(s.head().await.unwrap(), Some(4));
+
+    let read = |q: Query| {
+        let s = s.clone();
+        async move { positions(&s.read(&q, ReadOptions::default()).await.unwrap()) }
+    };
+    assert_eq!(read(Query::all()).await, vec![1, 2, 3, 4]);
+    assert_eq!(
+        read(Query::item(["A"], Vec::<&str>::new()).unwrap()).await,
+        vec![1, 4]
+    );
+    assert_eq!(
+        read(Query::item(["A", "B"], Vec::<&str>::new()).unwrap()).await,
+        vec![1, 2, 4],
+        "types: any of"
+    );
+    assert_eq!(
+        read(Query::item(Vec::<&str>::new(), ["t1", "t2"]).unwrap()).await,
+        vec![1],
+        "tags: all of"
+    );
+    assert_eq!(
+        read(Query::item(["B", "C"], ["t2"]).unwrap()).await,
+        vec![3],
+        "type and tags"
+    );
+    let or = Query::items([QueryItem::new().types(["B"]), QueryItem::new().tags(["t3"])]).unwrap();
+    assert_eq!(read(or.clone()).await, vec![2, 3], "items: OR");
+    // The Rust-side matcher agrees with the SQL (the oracle below uses it).
+    let all = s.read(&Query::all(), ReadOptions::default()).await.unwrap();
+    let by_rust: Vec<i64> = all
+        .iter()
+        .filter(|e| or.matches(&e.event))
+        .map(|e| e.position)
+        .collect();
+    assert_eq!(by_rust, vec![2, 3]);
+
+    let opts = |from, limit, backwards| ReadOptions {
+        from,
+        limit,
+        backwards,
+    };
+    assert_eq!(
+        positions(
+            &s.read(&Query::all(), opts(Some(2), Some(2), false))
+                .await
+                .unwrap()
+        ),
+        vec![2, 3]
+    );
+    assert_eq!(
+        positions(
+            &s.read(&Query::all(), opts(None, Some(2), true))
+                .await
+                .unwrap()
+        ),
+        vec![4, 3]
+    );
+    assert_eq!(
+        positions(
+            &s.read(&Query::all(), opts(Some(2), None, true))
+                .await
+                .unwrap()
+        ),
+        vec![2, 1]
+    );
+    let stored = &s
+        .read(&Query::all(), opts(Some(1), Some(1), false))
+        .await
+        .unwrap()[0];
+    assert_eq!(
+        stored.event, events[0],
+        "type, tags, data and metadata round-trip"
+    );
+}
+
+/// Spec: the append fails if an event matching the condition exists after
+/// `after` (anywhere without one), with a typed error naming the matches,
+/// and writes nothing; it succeeds when the matches are all at or below.
+#[tokio::test]
+async fn a_condition_fails_only_on_matches_after_its_position() {
+    let (_db, pool) = db().await;
+    for strategy in AppendStrategy::ALL {
+        sqlx::query("TRUNCATE pgonce.events RESTART IDENTITY")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let s = store(&pool, strategy);
+        s.append(&[booked("booking:1")], None).await.unwrap();
+        s.append(&[Event::new("Other").tag("x")], None)
+            .await
+            .unwrap();
+        let q = tag_query("booking:1");
+
+        let err = s
+            .append(
+                &[booked("booking:1")],
+                Some(&AppendCondition::new(q.clone(), None)),
+            )
+            .await
+            .unwrap_err();
+        match err {
+            Error::AppendConditionFailed { after, matching } => {
+                assert_eq!((after, matching), (None, vec![1]), "{strategy:?}");
+            }
+            other => panic!("{strategy:?}: expected a failed condition, got {other}"),
+        }
+        let err = s
+            .append(
+                &[booked("booking:1")],
+                Some(&AppendCondition::new(q.clone(), Some(0))),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            Error::AppendConditionFailed { after: Some(0), .. }
+        ));
+        assert_eq!(
+            s.head().await.unwrap(),
+            Some(2),
+            "{strategy:?}: nothing written"
+        );
+
+        let ok = s
+            .append(
+                &[booked("booking:1")],
+                Some(&AppendCondition::new(q.clone(), Some(1))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            ok.positions,
+            vec![3],
+            "{strategy:?}: matches at or below `after` are fine"
+        );
+        // Type-only and match-all conditions.
+        let type_only = Query::item(["Other"], Vec::<&str>::new()).unwrap();
+        assert!(
+            s.append(
+                &[Event::new("Other")],
+                Some(&AppendCondition::new(type_only.clone(), Some(2)))
+            )
+            .await
+            .is_ok()
+        );
+        assert!(matches!(
+            s.append(
+                &[Event::new("Other")],
+                Some(&AppendCondition::new(type_only, Some(1)))
+            )
+            .await,
+            Err(Error::AppendConditionFailed { .. })
+        ));
+        let head = s.head().await.unwrap();
+        assert!(
+            s.append(
+                &[Event::new("Z")],
+                Some(&AppendCondition::new(Query::all(), head))
+            )
+            .await
+            .is_ok()
+        );
+        assert!(matches!(
+            s.append(
+                &[Event::new("Z")],
+                Some(&AppendCondition::new(Query::all(), head))
+            )
+            .await,
+            Err(Error::AppendConditionFailed { .. })
+        ));
+    }
+}
+
+/// Bad input is a typed error and nothing is half-written: an append whose
+/// second event is invalid stores neither.
+#[tokio::test]
+async fn bad_input_is_rejected_whole() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    for events in [
+        vec![booked("ok"), Event::new("")],
+        vec![booked("ok"), Event::new("T").tag("")],
+        vec![],
+    ] {
+        assert!(matches!(
+            s.append(&events, None).await,
+            Err(Error::Invalid { .. })
+        ));
+    }
+    assert!(matches!(Query::items([]), Err(Error::Invalid { .. })));
+    assert!(matches!(
+        Query::items([QueryItem::new()]),
+        Err(Error::Invalid { .. })
+    ));
+    let bad = AppendCondition::new(Query::Items(vec![]), None);
+    assert!(matches!(
+        s.append(&[booked("ok")], Some(&bad)).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert_eq!(s.head().await.unwrap(), None);
+}
+
+// ------------------------------------------------------------ seed scenario
+
+/// Seed 001: A (booking:123), B (booking:456), C (booking:123), each
+/// deciding "no booking yet" before any appends. Advisory locks: A and B in
+/// parallel, C waits for A only, then fails its condition. Table lock: B and
+/// C wait for A; C fails. SSI: nobody waits; C fails at commit and, retried,
+/// fails its condition. Under every strategy the log ends with one booking
+/// per tag.
+#[tokio::test]
+async fn seed_001_three_writers_under_each_strategy() {
+    for strategy in AppendStrategy::ALL {
+        let (db, pool) = db().await;
+        let race = Interleaving::new(db.options()).await.unwrap();
+        let [a, b, c] = [
+            race.session("A").await.unwrap(),
+            race.session("B").await.unwrap(),
+            race.session("C").await.unwrap(),
+        ];
+        let st = |s: &pgonce_testkit::Session| store(s.pool(), strategy);
+        let cond =
+            |tag: &str, d: &pgonce::events::Decision| AppendCondition::new(tag_query(tag), d.after);
+        let da = race
+            .step(
+                &a,
+                "decide booking:123",
+                st(&a).decide(&tag_query("booking:123")),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        let db_ = race
+            .step(
+                &b,
+                "decide booking:456",
+                st(&b).decide(&tag_query("booking:456")),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        let dc = race
+            .step(
+                &c,
+                "decide booking:123",
+                st(&c).decide(&tag_query("booking:123")),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        let (ca, cb, cc) = (
+            cond("booking:123", &da),
+            cond("booking:456", &db_),
+            cond("booking:123", &dc),
+        );
+
+        let pa = race
+            .step(
+                &a,
+                "append",
+                st(&a).begin_append(&[booked("booking:123")], Some(&ca)),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        match strategy {
+            AppendStrategy::AdvisoryLocks => {
+                let pb = race
+                    .step(
+                        &b,
+                        "append (other tag: runs in parallel)",
+                        st(&b).begin_append(&[booked("booking:456")], Some(&cb)),
+                    )
+                    .await
+                    .unwrap()
+                    .unwrap();
+                let sc = st(&c);
+                let waiting = race
+                    .step_blocks(&c, "append", async move {
+                        sc.begin_append(&[booked("booking:123")], Some(&cc))
+                            .await
+                            .map(|p| p.positions().to_vec())
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(waiting.blocked_by(), ["A"], "C waits for A only");
+                race.step(&b, "COMMIT", pb.commit()).await.unwrap().unwrap();
+                race.step(&a, "COMMIT", pa.commit()).await.unwrap().unwrap();
+                let outcome = waiting.resume().await.unwrap();
+                assert!(
+                    matches!(outcome, Err(Error::AppendConditionFailed { .. })),
+                    "C sees A's booking: {outcome:?}"
+                );
+            }
+            AppendStrategy::TableLock => {
+                let sb = st(&b);
+                let wb = race
+                    .step_blocks(&b, "append", async move {
+                        sb.append(&[booked("booking:456")], Some(&cb)).await
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(wb.blocked_by(), ["A"], "even a different tag waits");
+                race.step(&a, "COMMIT", pa.commit()).await.unwrap().unwrap();
+                wb.resume().await.unwrap().expect("B appends after A");
+                let outcome = race
+                    .step(
+                        &c,
+                        "append",
+                        st(&c).append(&[booked("booking:123")], Some(&cc)),
+                    )
+                    .await
+                    .unwrap();
+                assert!(
+                    matches!(outcome, Err(Error::AppendConditionFailed { .. })),
+                    "{outcome:?}"
+                );
+            }
+            AppendStrategy::Serializable => {
+                let pb = race
+                    .step(
+                        &b,
+                        "append",
+                        st(&b).begin_append(&[booked("booking:456")], Some(&cb)),
+                    )
+                    .await
+                    .unwrap()
+                    .unwrap();
+                let pc = race
+                    .step(
+                        &c,
+                        "append (nobody waits)",
+                        st(&c).begin_append(&[booked("booking:123")], Some(&cc)),
+                    )
+                    .await
+                    .unwrap()
+                    .unwrap();
+                race.step(&a, "COMMIT", pa.commit()).await.unwrap().unwrap();
+                let b_commit = race.step(&b, "COMMIT", pb.commit()).await.unwrap();
+                if let Err(e) = &b_commit {
+                    // A false positive of page-level predicate locks on a tiny
+                    // table; the retry goes through.
+                    assert!(e.is_retryable(), "{e}");
+                    st(&b)
+                        .append(&[booked("booking:456")], Some(&cb))
+                        .await
+                        .unwrap();
+                }
+                let c_commit = race.step(&c, "COMMIT", pc.commit()).await.unwrap();
+                assert!(
+                    matches!(c_commit, Err(Error::SerializationFailure { .. })),
+                    "C fails at commit: {c_commit:?}"
+                );
+                let retried = st(&c).append(&[booked("booking:123")], Some(&cc)).await;
+                assert!(
+                    matches!(retried, Err(Error::AppendConditionFailed { .. })),
+                    "retried, C sees A: {retried:?}"
+                );
+            }
+        }
+        let log = store(&pool, strategy)
+            .read(&Query::all(), ReadOptions::default())
+            .await
+            .unwrap();
+        let tags: Vec<&str> = log.iter().map(|e| e.event.tags[0].as_str()).collect();
+        let mut sorted = tags.clone();
+        sorted.sort();
+        assert_eq!(
+            sorted,
+            ["booking:123", "booking:456"],
+            "{strategy:?}: one booking per tag, log {tags:?}"
+        );
+    }
+}
+
+// --------------------------------------------------------- out-of-order (I5)
+
+/// I5 for conditions: W1 draws position 1 (booking:9) but commits after W2
+/// committed position 2. A decision read on booking:9 made in between waits
+/// for W1 (blocked on its key), so it sees event 1 and its `after` (2) is
+/// safe; a decision made from a plain read at that moment would have missed
+/// event 1 while its `after` (2) lets the condition pass: the hazard.
+#[tokio::test]
+async fn a_decision_waits_for_a_lower_position_still_in_flight() {
+    for strategy in AppendStrategy::ALL {
+        let (db, pool) = db().await;
+        let race = Interleaving::new(db.options()).await.unwrap();
+        let [w1, w2, r] = [
+            race.session("W1").await.unwrap(),
+            race.session("W2").await.unwrap(),
+            race.session("R").await.unwrap(),
+        ];
+        let p1 = race
+            .step(
+                &w1,
+                "insert booking:9 (position 1)",
+                store(w1.pool(), strategy).begin_append(&[booked("booking:9")], None),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(p1.positions(), [1]);
+        if strategy != AppendStrategy::TableLock {
+            race.step(
+                &w2,
+                "append other (position 2), commit",
+                store(w2.pool(), strategy).append(&[booked("other")], None),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        }
+        // The hazard a plain read has.
+        let plain = store(&pool, strategy)
+            .read(&tag_query("booking:9"), ReadOptions::default())
+            .await
+            .unwrap();
+        assert!(plain.is_empty(), "position 1 is not visible yet");
+
+        let sr = store(r.pool(), strategy);
+        let decision = race
+            .step_blocks(&r, "decide booking:9", async move {
+                sr.decide(&tag_query("booking:9")).await
+            })
+            .await
+            .unwrap();
+        assert_eq!(decision.blocked_by(), ["W1"]);
+        race.step(&w1, "COMMIT", p1.commit())
+            .await
+            .unwrap()
+            .unwrap();
+        let decision = decision.resume().await.unwrap().unwrap();
+        assert_eq!(
+            positions(&decision.events),
+            vec![1],
+            "{strategy:?}: the decision saw the late commit"
+        );
+        let outcome = store(&pool, strategy)
+            .append(
+                &[booked("booking:9")],
+                Some(&AppendCondition::new(tag_query("booking:9"), Some(0))),
+            )
+            .await;
+        assert!(matches!(outcome, Err(Error::AppendConditionFailed { .. })));
+        let ok = store(&pool, strategy)
+            .append(
+                &[booked("booking:9")],
+                Some(&AppendCondition::new(
+                    tag_query("booking:9"),
+                    decision.after,
+                )),
+            )
+            .await;
+        assert!(ok.is_ok(), "{strategy:?}: {ok:?}");
+    }
+}
+
+/// I5 for catch-up: position 2 commits while 1 is in flight; the reader
+/// delivers nothing until 1 commits, then 1 and 2 in order. A rolled-back
+/// position (3) stops it only until its transaction has ended.
+#[tokio::test]
+async fn catch_up_never_skips_a_lower_position_that_commits_later() {
+    let (db, pool) = db().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let [w1, w2, r] = [
+        race.session("W1").await.unwrap(),
+        race.session("W2").await.unwrap(),
+        race.session("R").await.unwrap(),
+    ];
+    let st = |s: &pgonce_testkit::Session| store(s.pool(), AppendStrategy::AdvisoryLocks);
+    let mut sub = st(&r)
+        .subscribe(SubscriptionConfig {
+            listen: false,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let p1 = race
+        .step(
+            &w1,
+            "insert position 1",
+            st(&w1).begin_append(&[booked("a")], None),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    race.step(
+        &w2,
+        "append position 2, commit",
+        st(&w2).append(&[booked("b")], None),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let (events, counters) = race
+        .step(&r, "poll", sub.run_once())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        events.is_empty() && counters.waiting_on_gap,
+        "2 is visible but 1 may still commit"
+    );
+    assert_eq!(sub.horizon(), 0);
+    race.step(&w1, "COMMIT", p1.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let (events, _) = race
+        .step(&r, "poll", sub.run_once())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(positions(&events), vec![1, 2], "in order, none skipped");
+
+    let p3 = race
+        .step(
+            &w1,
+            "insert position 3",
+            st(&w1).begin_append(&[booked("c")], None),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    race.step(
+        &w2,
+        "append position 4, commit",
+        st(&w2).append(&[booked("d")], None),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let (events, _) = race
+        .step(&r, "poll", sub.run_once())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(events.is_empty());
+    race.step(&w1, "ROLLBACK", p3.rollback())
+        .await
+        .unwrap()
+        .unwrap();
+    // Once every transaction that was running when the gap was seen has
+    // ended (other tests share the server, so that may take a few polls).
+    let events = race
+        .step(&r, "poll until the gap settles", async {
+            loop {
+                let (events, counters) = sub.run_once().await.unwrap();
+                if !counters.waiting_on_gap || !events.is_empty() {
+                    return events;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        positions(&events),
+        vec![4],
+        "the rolled-back 3 is a permanent gap"
+    );
+    drop(pool);
+}
+
+// ------------------------------------------------------------ randomized
+
+/// Randomized concurrent appends, each conditioned on a decision read of its
+/// tag; afterwards an oracle replays the log and proves that no accepted
+/// append violated its condition: every other event matching its query
+/// above its `after` sits above it and was decided after it (its own
+/// `after` is at least the accepted event's position).
+#[tokio::test]
+async fn randomized_appends_never_violate_a_condition() {
+    let (_db, pool) = db().await;
+    for strategy in AppendStrategy::ALL {
+        sqlx::query("TRUNCATE pgonce.events RESTART IDENTITY")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let s = store(&pool, strategy);
+        let mut tasks = Vec::new();
+        for worker in 0..8 {
+            let s = s.clone();
+            tasks.push(tokio::spawn(async move {
+                let (mut ok, mut failed) = (0, 0);
+                for _ in 0..25 {
+                    let (tag, extra, type_only) = {
+                        let mut rng = rand::rng();
+                        (rng.random_range(0..4), rng.random_range(0..6), rng.random_bool(0.1))
+                    };
+                    let tag = format!("t{tag}");
+                    let query = if type_only {
+                        Query::item(["Typed"], Vec::<&str>::new()).unwrap()
+                    } else {
+                        tag_query(&tag)
+                    };
+                    let decision = s.decide(&query).await.unwrap();
+                    // Each event belongs to one class (its tag, or the
+                    // untagged "Typed" type) that only its own class's query
+                    // matches, plus a noise tag no query uses: more keys to
+                    // take in order, and a symmetric oracle.
+                    let mut e = if type_only {
+                        Event::new("Typed")
+                    } else {
+                        Event::new("Booked").tag(&tag)
+                    }
+                    .metadata(json!({ "after": decision.after, "worker": worker, "type_only": type_only }));
+                    if extra < 4 {
+                        e = e.tag(format!("noise{extra}"));
+                    }
+                    match s.append(&[e], Some(&AppendCondition::new(query, decision.after))).await {
+                        Ok(_) => ok += 1,
+                        Err(Error::AppendConditionFailed { .. }) => failed += 1,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                (ok, failed)
+            }));
+        }
+        let (mut ok, mut failed) = (0, 0);
+        for t in tasks {
+            let (o, f) = t.await.unwrap();
+            ok += o;
+            failed += f;
+        }
+        let log = s.read(&Query::all(), ReadOptions::default()).await.unwrap();
+        assert_eq!(
+            log.len(),
+            ok,
+            "{strategy:?}: every accepted append is in the log"
+        );
+        // Within a class, an accepted `e` and any other `f` above `e.after`
+        // must be ordered: `f` above `e` and decided after `e` committed. A
+        // pair both decided before the other committed (write skew) or an
+        // `f` that committed before `e`'s check is a violation.
+        let mut violations = Vec::new();
+        for e in &log {
+            let after = e.event.metadata["after"].as_i64().unwrap_or(0);
+            let query = if e.event.metadata["type_only"] == json!(true) {
+                Query::item(["Typed"], Vec::<&str>::new()).unwrap()
+            } else {
+                tag_query(e.event.tags.iter().find(|t| t.starts_with('t')).unwrap())
+            };
+            for f in &log {
+                if f.position == e.position || f.position <= after || !query.matches(&f.event) {
+                    continue;
+                }
+                let f_after = f.event.metadata["after"].as_i64().unwrap_or(0);
+                if f.position < e.position || f_after < e.position {
+                    violations.push((e.position, f.position));
+                }
+            }
+        }
+        assert!(
+            violations.is_empty(),
+            "{strategy:?}: accepted appends violated their conditions: {violations:?}"
+        );
+        assert!(
+            ok > 0 && failed > 0,
+            "{strategy:?}: the run had both outcomes ({ok} ok, {failed} failed)"
+        );
+    }
+}
+
+/// Catch-up under concurrent writers that commit out of order (and roll
+/// some back): the subscription delivers every committed event exactly
+/// once, in increasing position order.
+#[tokio::test]
+async fn catch_up_under_concurrent_writers_delivers_every_event_in_order() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let mut sub = s
+        .subscribe(SubscriptionConfig {
+            batch: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut writers = Vec::new();
+    for w in 0..6 {
+        let s = s.clone();
+        writers.push(tokio::spawn(async move {
+            for i in 0..40 {
+                let (hold, rollback) = {
+                    let mut rng = rand::rng();
+                    (rng.random_range(0..3u64), rng.random_bool(0.1))
+                };
+                let p = s
+                    .begin_append(&[booked(&format!("w{w}")).data(json!(i))], None)
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(hold)).await;
+                if rollback {
+                    p.rollback().await.unwrap();
+                } else {
+                    p.commit().await.unwrap();
+                }
+            }
+        }));
+    }
+    let mut seen = Vec::new();
+    let mut done = false;
+    while !done {
+        done = writers.iter().all(|w| w.is_finished());
+        // Catch up as far as possible (after the writers finished: fully).
+        loop {
+            let (events, counters) = sub.run_once().await.unwrap();
+            seen.extend(positions(&events));
+            if counters.advanced == 0 && !counters.waiting_on_gap {
+                break;
+            }
+            if counters.advanced == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        if !done {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    let committed: Vec<i64> =
+        sqlx::query_scalar("SELECT position FROM pgonce.events ORDER BY position")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "delivered in increasing order"
+    );
+    assert_eq!(seen, committed, "every committed event, once");
+    assert!(committed.len() > 150);
+    let unique: BTreeSet<i64> = seen.iter().copied().collect();
+    assert_eq!(unique.len(), seen.len());
+}
+
+/// The subscription wakes on NOTIFY: `next` returns soon after an append
+/// even with a long poll interval.
+#[tokio::test]
+async fn next_is_woken_by_notify() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let mut sub = s
+        .subscribe(SubscriptionConfig {
+            poll_interval: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let waiter = tokio::spawn(async move { sub.next().await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.append(&[booked("x")], None).await.unwrap();
+    let events = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("woken long before the 30 s poll")
+        .unwrap()
+        .unwrap();
+    assert_eq!(positions(&events), vec![1]);
+}
+
+// ------------------------------------------------------------------ indexes
+
+/// Not a check: generates a log of 1,000,000 events with `INSERT ... SELECT
+/// generate_series` and prints EXPLAIN (ANALYZE, BUFFERS) of the condition
+/// and read queries, for docs/events-indexes.md. Run with
+/// `cargo test -p pgonce --test events -- --ignored --nocapture explain`.
+#[tokio::test]
+#[ignore = "generates 1,000,000 events; run by hand for docs/events-indexes.md"]
+async fn explain_condition_queries_on_a_million_events() {
+    let (_db, pool) = db().await;
+    let started = std::time::Instant::now();
+    sqlx::raw_sql(
+        "INSERT INTO pgonce.events (type, tags, data)
+         SELECT (ARRAY['BookingPlaced','BookingCancelled','CustomerRegistered','PaymentTaken',
+                       'RoomAdded','PriceChanged','InvoiceSent','ReviewPosted','CheckIn','CheckOut'])[1 + i % 10],
+                ARRAY['booking:' || (i % 200000), 'customer:' || (i % 20000)],
+                jsonb_build_object('i', i)
+         FROM generate_series(1, 1000000) AS i;
+         ANALYZE pgonce.events;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    println!("generated 1,000,000 events in {:?}", started.elapsed());
+    let cases = [
+        (
+            "tag item (booking:4242), after 900000",
+            "SELECT position FROM pgonce.events e WHERE (e.tags @> $2::text[]) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![vec!["booking:4242".to_string()]],
+            900_000i64,
+        ),
+        (
+            "tag item, two tags (booking:4242 + customer:4242)",
+            "SELECT position FROM pgonce.events e WHERE (e.tags @> $2::text[]) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![vec![
+                "booking:4242".to_string(),
+                "customer:4242".to_string(),
+            ]],
+            0,
+        ),
+        (
+            "type + tag item (BookingCancelled, customer:77)",
+            "SELECT position FROM pgonce.events e WHERE (e.tags @> $2::text[] AND e.type = ANY($3::text[])) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![
+                vec!["customer:77".to_string()],
+                vec!["BookingCancelled".to_string()],
+            ],
+            0,
+        ),
+        (
+            "type-only item (ReviewPosted), after 999000",
+            "SELECT position FROM pgonce.events e WHERE (e.type = ANY($2::text[])) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![vec!["ReviewPosted".to_string()]],
+            999_000,
+        ),
+        (
+            "two items OR-ed (booking:4242 | customer:77)",
+            "SELECT position FROM pgonce.events e WHERE ((e.tags @> $2::text[]) OR (e.tags @> $3::text[])) AND e.position > $1 ORDER BY e.position LIMIT 16",
+            vec![
+                vec!["booking:4242".to_string()],
+                vec!["customer:77".to_string()],
+            ],
+            0,
+        ),
+    ];
+    for (name, sql, binds, after) in cases {
+        let mut q = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, SUMMARY ON) {sql}"
+        )))
+        .bind(after);
+        for b in binds {
+            q = q.bind(b);
+        }
+        let plan = q.fetch_all(&pool).await.unwrap();
+        println!("\n### {name}\n\n```text\n{sql}\n\n{}\n```", plan.join("\n"));
+    }
+}
