@@ -268,6 +268,13 @@ pub trait Queue: Send + Sync {
     /// receipt is not the latest delivery's (nothing deleted).
     fn delete(&self, receipt: &Receipt) -> impl Future<Output = Result<()>> + Send;
 
+    /// Deletes several delivered messages at once; returns the receipts that
+    /// were stale (their messages untouched), in input order.
+    fn delete_batch(
+        &self,
+        receipts: &[Receipt],
+    ) -> impl Future<Output = Result<Vec<Receipt>>> + Send;
+
     /// Makes the delivered message invisible for `timeout` from now (zero:
     /// visible at once); [`Error::StaleReceipt`] as for delete.
     fn change_visibility(

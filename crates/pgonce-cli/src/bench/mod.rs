@@ -3,6 +3,8 @@
 
 mod lock;
 pub mod measure;
+mod peers;
+pub mod queue;
 
 use std::time::Duration;
 
@@ -15,6 +17,9 @@ use crate::scratch::RunDatabase;
 pub enum Suite {
     /// Cost of a transaction-level advisory lock in a short write transaction.
     Lock,
+    /// Send + receive + delete through pgonce's queue, the raw INSERT/DELETE
+    /// limit and a queue crate from crates.io.
+    Queue,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -42,6 +47,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
     let db = RunDatabase::open(database_url, "bench", 200).await?;
     let report = match args.suite {
         Suite::Lock => lock::run(args, &db).await,
+        Suite::Queue => queue::run(args, &db).await,
     };
     db.close().await?;
     let mut report = report?;

@@ -524,6 +524,16 @@ impl PgQueue {
             .await
     }
 
+    /// Logs and counts stale receipts; the error for the first.
+    fn count_stale(&self, receipt: &Receipt, n: u64) -> Error {
+        tracing::warn!(queue = %self.inner.name, %receipt, n, "stale receipt: the message was redelivered, moved or deleted");
+        metrics::counter!("pgonce_queue_stale_receipts_total", "queue" => self.inner.name.clone())
+            .increment(n);
+        Error::StaleReceipt {
+            receipt: receipt.0.clone(),
+        }
+    }
+
     fn receipt_parts(&self, receipt: &Receipt) -> Result<(i64, i32)> {
         let malformed = || Error::Invalid {
             what: "receipt",
@@ -627,16 +637,44 @@ impl Queue for PgQueue {
             .execute(&self.inner.pool)
             .await?;
         if done.rows_affected() == 0 {
-            tracing::warn!(queue = %self.inner.name, %receipt, "delete with a stale receipt");
-            metrics::counter!("pgonce_queue_stale_receipts_total", "queue" => self.inner.name.clone())
-                .increment(1);
-            return Err(Error::StaleReceipt {
-                receipt: receipt.0.clone(),
-            });
+            return Err(self.count_stale(receipt, 1));
         }
         metrics::counter!("pgonce_queue_deleted_total", "queue" => self.inner.name.clone())
             .increment(1);
         Ok(())
+    }
+
+    async fn delete_batch(&self, receipts: &[Receipt]) -> Result<Vec<Receipt>> {
+        if receipts.len() > MAX_BATCH {
+            return Err(Error::Invalid {
+                what: "batch",
+                why: format!("a batch holds at most {MAX_BATCH} receipts"),
+            });
+        }
+        let parts = receipts
+            .iter()
+            .map(|r| self.receipt_parts(r))
+            .collect::<Result<Vec<_>>>()?;
+        let (ids, counts): (Vec<i64>, Vec<i32>) = parts.iter().copied().unzip();
+        let deleted: Vec<(i64,)> = sqlx::query_as(include_str!("sql/delete_batch.sql"))
+            .bind(&self.inner.name)
+            .bind(&ids)
+            .bind(&counts)
+            .fetch_all(&self.inner.pool)
+            .await?;
+        let deleted: std::collections::HashSet<i64> = deleted.into_iter().map(|(id,)| id).collect();
+        let stale: Vec<Receipt> = receipts
+            .iter()
+            .zip(&ids)
+            .filter(|(_, id)| !deleted.contains(id))
+            .map(|(r, _)| r.clone())
+            .collect();
+        if !stale.is_empty() {
+            self.count_stale(&stale[0], stale.len() as u64);
+        }
+        metrics::counter!("pgonce_queue_deleted_total", "queue" => self.inner.name.clone())
+            .increment(deleted.len() as u64);
+        Ok(stale)
     }
 
     async fn change_visibility(&self, receipt: &Receipt, timeout: Duration) -> Result<()> {
@@ -655,12 +693,7 @@ impl Queue for PgQueue {
             .execute(&self.inner.pool)
             .await?;
         if done.rows_affected() == 0 {
-            tracing::warn!(queue = %self.inner.name, %receipt, "visibility change with a stale receipt");
-            metrics::counter!("pgonce_queue_stale_receipts_total", "queue" => self.inner.name.clone())
-                .increment(1);
-            return Err(Error::StaleReceipt {
-                receipt: receipt.0.clone(),
-            });
+            return Err(self.count_stale(receipt, 1));
         }
         Ok(())
     }
