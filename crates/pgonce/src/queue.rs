@@ -23,6 +23,34 @@
 //!
 //! Backends: [`PgQueue`] (this crate). The worker runtime: [`Worker`].
 //! [`conformance`] holds the test suite every backend must pass.
+//!
+//! ```no_run
+//! use pgonce::{Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes};
+//! use pgonce::{Received, SendMessage, Worker, WorkerConfig};
+//!
+//! struct Print;
+//!
+//! impl Handler for Print {
+//!     // Runs with no database connection held; may run twice per message.
+//!     async fn handle(&self, message: &Received) -> Result<(), HandlerError> {
+//!         println!("{}", message.body);
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn f(pool: sqlx::PgPool) -> pgonce::Result<()> {
+//! let attributes = QueueAttributes::default().visibility_timeout(std::time::Duration::from_secs(60));
+//! let queue = PgQueue::create(&pool, "orders", attributes, PgQueueOptions::default()).await?;
+//! queue.send(SendMessage::new(r#"{"order": 17}"#)).await?;
+//! let worker = Worker::new(queue, Print, WorkerConfig::default())?;
+//! let done = worker
+//!     .run(async {
+//!         let _ = tokio::signal::ctrl_c().await;
+//!     })
+//!     .await;
+//! println!("{done:?}");
+//! # Ok(()) }
+//! ```
 
 pub mod conformance;
 mod postgres;
