@@ -279,7 +279,10 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     if let Some(r) = raw_ratio {
         report.verdict.check(
             true,
-            format!("pgonce (batch 1) vs raw INSERT+DELETE: {r:.2}x (goal >= 0.5x)"),
+            format!(
+                "pgonce (batch 1) vs raw INSERT+DELETE: {r:.2}x (goal >= 0.5x: {})",
+                met(r >= 0.5)
+            ),
         );
     }
     if let Some((peer, rate)) = peer_rates
@@ -290,11 +293,20 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     {
         report.verdict.check(
             true,
-            format!("pgonce (best standard) vs best peer {peer}: {r:.2}x (goal >= 1.2x)"),
+            format!(
+                "pgonce (best standard) vs best peer {peer}: {r:.2}x (goal >= 1.2x: {})",
+                met(r >= 1.2)
+            ),
         );
     }
     report.ratio("pgonce_best_vs_raw", best_ours, raw.per_sec());
     Ok(report)
+}
+
+/// Goals are reported, not enforced: the verdict is about correctness, and
+/// ratios on a shared machine are noisy.
+fn met(goal: bool) -> &'static str {
+    if goal { "met" } else { "NOT met" }
 }
 
 fn check(report: &mut Report, strategy: &str, flow: &Flow) {
