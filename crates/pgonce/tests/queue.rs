@@ -334,3 +334,107 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
         Err(Error::Invalid { .. })
     ));
 }
+
+/// The dedup race, step by step: B sends with the dedup id A has claimed in
+/// its open transaction; B blocks on A's claim (seen in pg_blocking_pids).
+/// If A commits, B returns A's id as a duplicate (its first snapshot could
+/// not see A's row: the retry reads it). If A rolls back, B enqueues anew.
+#[tokio::test]
+async fn a_send_racing_an_uncommitted_dedup_claim_waits_and_then_agrees() {
+    let db = fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    PgQueue::create(&setup, "q", QueueAttributes::default(), fast_poll())
+        .await
+        .unwrap();
+    let race = pgonce_testkit::Interleaving::new(db.options())
+        .await
+        .unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let qa = PgQueue::open(a.pool(), "q", fast_poll()).await.unwrap();
+    let qb = PgQueue::open(b.pool(), "q", fast_poll()).await.unwrap();
+
+    for commit in [true, false] {
+        let key = format!("k-{commit}");
+        let mut tx = a
+            .pool()
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+            .unwrap();
+        let sent_a = race
+            .step(
+                &a,
+                "send k in tx",
+                qa.send_in(&mut tx, SendMessage::new("a").dedup(&key)),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        let (qb2, key2) = (qb.clone(), key.clone());
+        let waiting = race
+            .step_blocks(&b, "send k", async move {
+                qb2.send(SendMessage::new("b").dedup(key2)).await
+            })
+            .await
+            .unwrap();
+        assert_eq!(waiting.blocked_by(), ["A"]);
+        if commit {
+            race.step(&a, "commit", tx.commit()).await.unwrap().unwrap();
+        } else {
+            race.step(&a, "rollback", tx.rollback())
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        let sent_b = waiting.resume().await.unwrap().unwrap();
+        if commit {
+            assert!(sent_b.duplicate, "A's committed claim wins");
+            assert_eq!(sent_b.id, sent_a.id);
+        } else {
+            assert!(!sent_b.duplicate, "A rolled back: B's message is the one");
+            assert_ne!(sent_b.id, sent_a.id);
+        }
+    }
+    let got = qa.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    let bodies: Vec<_> = got.iter().map(|m| m.body.as_str()).collect();
+    assert_eq!(
+        bodies,
+        ["a", "b"],
+        "one message per dedup id, each from its winner"
+    );
+}
+
+/// Waits for all of its kind to be running at once.
+struct AllAtOnce(std::sync::Arc<tokio::sync::Barrier>);
+
+impl pgonce::Handler for AllAtOnce {
+    async fn handle(&self, _m: &pgonce::Received) -> Result<(), pgonce::HandlerError> {
+        self.0.wait().await;
+        Ok(())
+    }
+}
+
+/// Handlers run with no database connection held: eight handlers that can
+/// only finish together all run at once on a pool of two connections.
+#[tokio::test]
+async fn handlers_hold_no_database_connection() {
+    let db = fresh_database().await;
+    let pool = db.pool(2).await.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    let q = queue(&pool, "q", QueueAttributes::default()).await;
+    let batch: Vec<_> = (0..8).map(|i| SendMessage::new(format!("{i}"))).collect();
+    q.send_batch(batch).await.unwrap();
+    let config = pgonce::WorkerConfig {
+        concurrency: 8,
+        batch: 8,
+        ..pgonce::WorkerConfig::default()
+    };
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(8));
+    let worker = pgonce::Worker::new(q.clone(), AllAtOnce(barrier), config).unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(20), worker.run_once())
+        .await
+        .expect("all eight handlers ran at once on two connections")
+        .unwrap();
+    assert_eq!((done.succeeded, done.deleted), (8, 8));
+}
