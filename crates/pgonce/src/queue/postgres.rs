@@ -156,7 +156,9 @@ impl Default for PgQueueOptions {
 }
 
 /// A handle on one named queue in PostgreSQL. Cheap to clone; clones share
-/// one LISTEN connection, opened at the first long poll.
+/// one LISTEN connection, taken from the pool at the first long poll and
+/// kept until the last clone is dropped: size the pool one larger per
+/// handle family (each `create`/`open` call) that long-polls.
 ///
 /// Every statement runs on the pool in its own implicit transaction, except
 /// the `*_in` methods, which run in the caller's transaction (transactional
