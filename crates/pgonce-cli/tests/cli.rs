@@ -80,3 +80,33 @@ fn race_seed001_holds_the_invariant_under_every_strategy() {
         assert_eq!(r["invariant_held"], true, "{r}");
     }
 }
+
+#[test]
+fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
+    let out = pgonce()
+        .args(["bench", "queue", "--quick", "--seconds", "0.5", "--json"])
+        .timeout(Duration::from_secs(180))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["name"], "queue");
+    assert!(report["ratios"]["pgonce_b1_vs_raw"].is_number(), "{report}");
+    assert!(
+        report["ratios"]["pgonce_vs_best_peer"].is_number(),
+        "{report}"
+    );
+    let strategies: Vec<_> = report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap().to_string())
+        .collect();
+    assert!(strategies.iter().any(|s| s == "raw-insert-delete"));
+    assert!(strategies.iter().any(|s| s.starts_with("apalis-postgres")));
+}

@@ -70,6 +70,22 @@ pub enum Error {
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },
 
+    /// A queue receipt handle no longer names the delivery it was issued for:
+    /// the message was received again since (its visibility timeout ran
+    /// out), moved to a dead-letter queue, or deleted. Nothing was deleted
+    /// or extended. Another consumer may now own the message.
+    #[error("stale receipt {receipt}: the message was redelivered, moved or deleted since")]
+    StaleReceipt { receipt: String },
+
+    /// The named queue does not exist.
+    #[error("queue {name:?} does not exist")]
+    QueueNotFound { name: String },
+
+    /// A message body (or a batch) over the backend's size limit; nothing
+    /// was sent.
+    #[error("message of {size} bytes exceeds the limit of {max} bytes")]
+    MessageTooLarge { size: usize, max: usize },
+
     /// Any other database error.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),

@@ -12,6 +12,9 @@
 //! * [`migrate`]: the embedded schema (`pgonce` schema).
 //! * `sequence`: per-scope gapless numbers taken inside the caller's
 //!   transaction ([`Sequence`], P2).
+//! * [`queue`]: the [`Queue`] trait (SQS semantics), the PostgreSQL queue
+//!   [`PgQueue`], the worker runtime [`Worker`], and the conformance suite
+//!   every backend runs.
 //!
 //! The patterns (advisory locks, guarded writes, scoped sequences, jobs,
 //! idempotency keys, the event store and the queue) each live in a module of
@@ -22,6 +25,7 @@ pub mod events;
 pub mod guard;
 pub mod lock;
 mod migrate;
+pub mod queue;
 mod sequence;
 
 pub use error::{Error, Result};
@@ -32,6 +36,10 @@ pub use events::{
 pub use guard::{Guard, GuardConfig, Isolation, ReadSet};
 pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};
+pub use queue::{
+    AckPolicy, Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes, QueueStats,
+    Receipt, ReceiveRequest, Received, SendMessage, Sent, Worker, WorkerConfig, WorkerCounters,
+};
 pub use sequence::{
     Numbered, NumberedTable, ScopeValue, Sequence, SequenceConfig, Strategy as SequenceStrategy,
     Taken,

@@ -5,6 +5,8 @@ mod events;
 mod guard;
 mod lock;
 pub mod measure;
+mod peers;
+pub mod queue;
 mod sequence;
 
 use std::time::Duration;
@@ -26,6 +28,9 @@ pub enum Suite {
     Sequence,
     /// DCB appends: three strategies, disjoint to fully conflicting tags.
     Events,
+    /// Send + receive + delete through pgonce's queue, the raw INSERT/DELETE
+    /// limit and a queue crate from crates.io.
+    Queue,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -56,6 +61,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
         Suite::Guard => guard::run(args, &db).await,
         Suite::Sequence => sequence::run(args, &db).await,
         Suite::Events => events::run(args, &db).await,
+        Suite::Queue => queue::run(args, &db).await,
     };
     db.close().await?;
     let mut report = report?;

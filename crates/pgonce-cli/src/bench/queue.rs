@@ -1,0 +1,444 @@
+//! `pgonce bench queue`: messages through a queue, send + receive + delete,
+//! with P producers and C consumers, for pgonce's PostgreSQL queue
+//! (standard and FIFO with many groups, batch 1 and 10), the raw limit (a
+//! one-row INSERT then a one-row DELETE per message, same client count) and
+//! a queue crate from crates.io doing the same work (`peers/`).
+//!
+//! Producers stop while more than `BACKLOG` messages are unconsumed, so
+//! end-to-end latency measures the queue, not an ever-growing backlog.
+//! End-to-end latency: from just before the send to just after the delete,
+//! carried in the body as microseconds since the run started.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use pgonce::{PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest, SendMessage};
+use sqlx::PgPool;
+
+use super::BenchArgs;
+use super::measure::{new_histogram, progress_bar, round2};
+use super::peers;
+use crate::report::{Report, Row};
+use crate::scratch::RunDatabase;
+
+/// Unconsumed messages at which producers pause.
+pub const BACKLOG: i64 = 2000;
+
+/// What one scenario measured.
+pub struct Flow {
+    pub consumed: u64,
+    pub errors: u64,
+    pub first_error: Option<String>,
+    pub elapsed: Duration,
+    /// End-to-end latency, µs.
+    pub latency: Histogram<u64>,
+}
+
+impl Flow {
+    pub fn per_sec(&self) -> f64 {
+        self.consumed as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    fn row(&self, strategy: &str, shape: &Shape, batch: usize) -> Row {
+        Row::new(strategy)
+            .with("msgs_per_sec", round2(self.per_sec()))
+            .with("ops_per_sec", round2(self.per_sec()))
+            .with(
+                "p50_ms",
+                round2(self.latency.value_at_quantile(0.5) as f64 / 1000.0),
+            )
+            .with(
+                "p99_ms",
+                round2(self.latency.value_at_quantile(0.99) as f64 / 1000.0),
+            )
+            .with("max_ms", round2(self.latency.max() as f64 / 1000.0))
+            .with("producers", shape.producers)
+            .with("consumers", shape.consumers)
+            .with("batch", batch)
+            .with("errors", self.errors)
+    }
+}
+
+/// Clients of one scenario.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub producers: usize,
+    pub consumers: usize,
+    pub phase: Duration,
+}
+
+/// The shared clock and counters of one scenario.
+pub struct Meter {
+    started: Instant,
+    deadline: Instant,
+    outstanding: AtomicI64,
+    consumed: AtomicU64,
+    errors: AtomicU64,
+    first_error: std::sync::Mutex<Option<String>>,
+    latency: std::sync::Mutex<Histogram<u64>>,
+}
+
+impl Meter {
+    fn new(phase: Duration) -> Arc<Meter> {
+        let started = Instant::now();
+        Arc::new(Meter {
+            started,
+            deadline: started + phase,
+            outstanding: AtomicI64::new(0),
+            consumed: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            first_error: std::sync::Mutex::new(None),
+            latency: std::sync::Mutex::new(new_histogram()),
+        })
+    }
+
+    pub fn running(&self) -> bool {
+        Instant::now() < self.deadline
+    }
+
+    /// The body to send now: the send time.
+    pub fn stamp(&self) -> String {
+        self.started.elapsed().as_micros().to_string()
+    }
+
+    /// Waits while the backlog is full; false once the phase is over.
+    pub async fn may_send(&self, n: usize) -> bool {
+        while self.outstanding.load(Ordering::Relaxed) > BACKLOG {
+            if !self.running() {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        self.outstanding.fetch_add(n as i64, Ordering::Relaxed);
+        self.running()
+    }
+
+    /// Records a message consumed (deleted or completed) now.
+    pub fn consumed(&self, body: &str) {
+        self.outstanding.fetch_sub(1, Ordering::Relaxed);
+        if !self.running() {
+            return;
+        }
+        self.consumed.fetch_add(1, Ordering::Relaxed);
+        if let Ok(sent) = body.parse::<u128>() {
+            let now = self.started.elapsed().as_micros();
+            let _ = self
+                .latency
+                .lock()
+                .unwrap()
+                .record(now.saturating_sub(sent).max(1) as u64);
+        }
+    }
+
+    pub fn error(&self, e: impl std::fmt::Display) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        self.first_error
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| e.to_string());
+    }
+
+    fn flow(&self) -> Flow {
+        Flow {
+            consumed: self.consumed.load(Ordering::Relaxed),
+            errors: self.errors.load(Ordering::Relaxed),
+            first_error: self.first_error.lock().unwrap().clone(),
+            elapsed: self.deadline - self.started,
+            latency: self.latency.lock().unwrap().clone(),
+        }
+    }
+}
+
+/// Runs `produce(meter, producer)` and `consume(meter, consumer)` loops
+/// (each returns when the meter's phase is over) and collects the figures.
+pub async fn drive<P, PF, C, CF>(label: &str, shape: Shape, produce: P, consume: C) -> Flow
+where
+    P: Fn(Arc<Meter>, usize) -> PF,
+    PF: Future<Output = ()> + Send + 'static,
+    C: Fn(Arc<Meter>, usize) -> CF,
+    CF: Future<Output = ()> + Send + 'static,
+{
+    let meter = Meter::new(shape.phase);
+    let progress = progress_bar(label, shape.phase);
+    let mut tasks = Vec::new();
+    for c in 0..shape.consumers {
+        tasks.push(tokio::spawn(consume(meter.clone(), c)));
+    }
+    for p in 0..shape.producers {
+        tasks.push(tokio::spawn(produce(meter.clone(), p)));
+    }
+    while meter.running() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        progress.set_position(meter.started.elapsed().as_millis() as u64);
+    }
+    // Loops notice the end at their next step; a long poll may take up to
+    // its wait, so give them a bound and then drop them.
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(3), t).await;
+    }
+    progress.finish_and_clear();
+    meter.flow()
+}
+
+#[derive(Clone, Copy)]
+struct PgScenario {
+    fifo: bool,
+    batch: usize,
+    groups: usize,
+    notify: bool,
+}
+
+pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+    let shape = Shape {
+        producers: if args.quick { 2 } else { 4 },
+        consumers: if args.quick { 4 } else { 8 },
+        phase: args.phase(),
+    };
+    sqlx::raw_sql(include_str!("sql/queue_schema.sql"))
+        .execute(db.pool())
+        .await?;
+    let mut report = Report::new("bench", "queue", db.environment().await?);
+    let scenarios = [
+        (
+            "pgonce-standard-b1",
+            PgScenario {
+                fifo: false,
+                batch: 1,
+                groups: 0,
+                notify: true,
+            },
+        ),
+        (
+            "pgonce-standard-b10",
+            PgScenario {
+                fifo: false,
+                batch: 10,
+                groups: 0,
+                notify: true,
+            },
+        ),
+        (
+            "pgonce-standard-b10-no-notify",
+            PgScenario {
+                fifo: false,
+                batch: 10,
+                groups: 0,
+                notify: false,
+            },
+        ),
+        (
+            "pgonce-fifo-1000-groups-b10",
+            PgScenario {
+                fifo: true,
+                batch: 10,
+                groups: 1000,
+                notify: true,
+            },
+        ),
+    ];
+    let mut ours = Vec::new();
+    for (i, (strategy, scenario)) in scenarios.into_iter().enumerate() {
+        let flow = pg_queue(db.pool(), &format!("bench{i}"), shape, scenario).await?;
+        check(&mut report, strategy, &flow);
+        report
+            .results
+            .push(flow.row(strategy, &shape, scenario.batch));
+        ours.push((strategy, scenario, flow.per_sec()));
+    }
+
+    let raw = drive(
+        "raw-insert-delete",
+        shape,
+        raw_produce(db.pool()),
+        raw_consume(db.pool()),
+    )
+    .await;
+    check(&mut report, "raw-insert-delete", &raw);
+    report.results.push(raw.row("raw-insert-delete", &shape, 1));
+
+    let mut peer_rates = Vec::new();
+    for (strategy, batch, flow) in peers::run_all(db.pool(), shape).await? {
+        check(&mut report, &strategy, &flow);
+        report.results.push(flow.row(&strategy, &shape, batch));
+        peer_rates.push((strategy, flow.per_sec()));
+    }
+
+    // Like for like: the raw limit is one message per statement, so it is
+    // compared with pgonce at batch 1; peers are compared with pgonce's best
+    // standard configuration against their best.
+    let b1 = ours[0].2;
+    let best_ours = ours
+        .iter()
+        .filter(|(_, s, _)| !s.fifo)
+        .map(|o| o.2)
+        .fold(0.0, f64::max);
+    let raw_ratio = report.ratio("pgonce_b1_vs_raw", b1, raw.per_sec());
+    if let Some(r) = raw_ratio {
+        report.verdict.check(
+            true,
+            format!(
+                "pgonce (batch 1) vs raw INSERT+DELETE: {r:.2}x (goal >= 0.5x: {})",
+                met(r >= 0.5)
+            ),
+        );
+    }
+    if let Some((peer, rate)) = peer_rates
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .cloned()
+        && let Some(r) = report.ratio("pgonce_vs_best_peer", best_ours, rate)
+    {
+        report.verdict.check(
+            true,
+            format!(
+                "pgonce (best standard) vs best peer {peer}: {r:.2}x (goal >= 1.2x: {})",
+                met(r >= 1.2)
+            ),
+        );
+    }
+    report.ratio("pgonce_best_vs_raw", best_ours, raw.per_sec());
+    Ok(report)
+}
+
+/// Goals are reported, not enforced: the verdict is about correctness, and
+/// ratios on a shared machine are noisy.
+fn met(goal: bool) -> &'static str {
+    if goal { "met" } else { "NOT met" }
+}
+
+fn check(report: &mut Report, strategy: &str, flow: &Flow) {
+    report.verdict.check(
+        flow.errors == 0 && flow.consumed > 0,
+        format!(
+            "{strategy}: {} consumed, {} errors{}",
+            flow.consumed,
+            flow.errors,
+            flow.first_error
+                .as_ref()
+                .map(|e| format!(" (first: {e})"))
+                .unwrap_or_default()
+        ),
+    );
+}
+
+async fn pg_queue(pool: &PgPool, name: &str, shape: Shape, s: PgScenario) -> anyhow::Result<Flow> {
+    let attributes = QueueAttributes {
+        fifo: s.fifo,
+        ..QueueAttributes::default()
+    };
+    let options = PgQueueOptions {
+        notify: s.notify,
+        poll_interval: Duration::from_millis(50),
+    };
+    let q = PgQueue::create(pool, name, attributes, options).await?;
+    let label = format!("{name} b{}", s.batch);
+    let seq = Arc::new(AtomicU64::new(0));
+    let produce = {
+        let q = q.clone();
+        move |m: Arc<Meter>, _p: usize| {
+            let (q, seq) = (q.clone(), seq.clone());
+            async move {
+                while m.may_send(s.batch).await {
+                    let batch: Vec<SendMessage> = (0..s.batch)
+                        .map(|_| {
+                            let msg = SendMessage::new(m.stamp());
+                            if s.fifo {
+                                let g = seq.fetch_add(1, Ordering::Relaxed) as usize % s.groups;
+                                msg.group(format!("g{g}"))
+                            } else {
+                                msg
+                            }
+                        })
+                        .collect();
+                    let sent = if s.batch == 1 {
+                        q.send(batch.into_iter().next().unwrap()).await.map(|_| ())
+                    } else {
+                        q.send_batch(batch).await.map(|_| ())
+                    };
+                    if let Err(e) = sent {
+                        m.error(e);
+                    }
+                }
+            }
+        }
+    };
+    let consume = {
+        let q = q.clone();
+        move |m: Arc<Meter>, _c: usize| {
+            let q = q.clone();
+            async move {
+                while m.running() {
+                    let request = ReceiveRequest::up_to(s.batch).wait(Duration::from_millis(500));
+                    match q.receive(request).await {
+                        Ok(got) if got.is_empty() => {}
+                        Ok(got) => {
+                            let receipts: Vec<_> = got.iter().map(|r| r.receipt.clone()).collect();
+                            let deleted = if receipts.len() == 1 {
+                                q.delete(&receipts[0]).await.map(|()| Vec::new())
+                            } else {
+                                q.delete_batch(&receipts).await
+                            };
+                            match deleted {
+                                Ok(stale) if stale.is_empty() => {
+                                    got.iter().for_each(|r| m.consumed(&r.body))
+                                }
+                                Ok(stale) => m.error(format!("{} stale receipts", stale.len())),
+                                Err(e) => m.error(e),
+                            }
+                        }
+                        Err(e) => m.error(e),
+                    }
+                }
+            }
+        }
+    };
+    let flow = drive(&label, shape, produce, consume).await;
+    q.purge().await?;
+    Ok(flow)
+}
+
+fn raw_produce(
+    pool: &PgPool,
+) -> impl Fn(Arc<Meter>, usize) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+    let pool = pool.clone();
+    move |m, _| {
+        let pool = pool.clone();
+        Box::pin(async move {
+            while m.may_send(1).await {
+                if let Err(e) = sqlx::query(include_str!("sql/queue_raw_insert.sql"))
+                    .bind(m.stamp())
+                    .execute(&pool)
+                    .await
+                {
+                    m.error(e);
+                }
+            }
+        })
+    }
+}
+
+fn raw_consume(
+    pool: &PgPool,
+) -> impl Fn(Arc<Meter>, usize) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+    let pool = pool.clone();
+    move |m, _| {
+        let pool = pool.clone();
+        Box::pin(async move {
+            while m.running() {
+                let row: Result<Option<(String,)>, _> =
+                    sqlx::query_as(include_str!("sql/queue_raw_delete.sql"))
+                        .fetch_optional(&pool)
+                        .await;
+                match row {
+                    Ok(Some((body,))) => m.consumed(&body),
+                    // Nothing to take: back off briefly rather than spin.
+                    Ok(None) => tokio::time::sleep(Duration::from_millis(1)).await,
+                    Err(e) => m.error(e),
+                }
+            }
+        })
+    }
+}

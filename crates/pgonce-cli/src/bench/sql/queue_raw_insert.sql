@@ -1,0 +1,1 @@
+INSERT INTO bench_queue_raw (body) VALUES ($1)

@@ -1,0 +1,323 @@
+//! A queue with SQS semantics (pattern P6) and the worker runtime that
+//! consumes it.
+//!
+//! [`Queue`] is the contract the worker runtime needs; it names no
+//! PostgreSQL type, so Amazon SQS can implement it too. Bodies are strings,
+//! attributes a string map, message ids and receipt handles opaque strings.
+//!
+//! The contract (invariant I6):
+//!
+//! * **At least once.** A received message stays in the queue, invisible for
+//!   the visibility timeout; unless it is deleted by then, it becomes visible
+//!   again and is redelivered. Nothing is lost when a consumer dies.
+//! * **Fenced receipts.** Each delivery has its own [`Receipt`]. A receipt
+//!   from before a redelivery deletes or extends nothing and says so:
+//!   [`Error::StaleReceipt`](crate::Error::StaleReceipt).
+//! * **FIFO queues.** Strict order within a message group; at most one
+//!   message of a group in flight; groups independent of each other.
+//! * **Deduplication.** A send whose deduplication id was seen within the
+//!   queue's window enqueues nothing and returns the original message id.
+//! * **Dead letters.** A message received `max_receive_count` times is moved
+//!   to the dead-letter queue on its next receive, with its history;
+//!   [`Queue::redrive`] moves it back.
+//!
+//! Backends: [`PgQueue`] (this crate). The worker runtime: [`Worker`].
+//! [`conformance`] holds the test suite every backend must pass.
+//!
+//! ```no_run
+//! use pgonce::{Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes};
+//! use pgonce::{Received, SendMessage, Worker, WorkerConfig};
+//!
+//! struct Print;
+//!
+//! impl Handler for Print {
+//!     // Runs with no database connection held; may run twice per message.
+//!     async fn handle(&self, message: &Received) -> Result<(), HandlerError> {
+//!         println!("{}", message.body);
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn f(pool: sqlx::PgPool) -> pgonce::Result<()> {
+//! let attributes = QueueAttributes::default().visibility_timeout(std::time::Duration::from_secs(60));
+//! let queue = PgQueue::create(&pool, "orders", attributes, PgQueueOptions::default()).await?;
+//! queue.send(SendMessage::new(r#"{"order": 17}"#)).await?;
+//! let worker = Worker::new(queue, Print, WorkerConfig::default())?;
+//! let done = worker
+//!     .run(async {
+//!         let _ = tokio::signal::ctrl_c().await;
+//!     })
+//!     .await;
+//! println!("{done:?}");
+//! # Ok(()) }
+//! ```
+
+pub mod conformance;
+mod postgres;
+mod worker;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+pub use postgres::{PgQueue, PgQueueOptions, QueueAttributes};
+pub use worker::{AckPolicy, Handler, HandlerError, Worker, WorkerConfig, WorkerCounters};
+
+use crate::error::{Error, Result};
+
+/// The largest message body, in bytes (as in SQS: 256 KiB).
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
+
+/// A message to send.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SendMessage {
+    /// The body; 1 byte to [`MAX_BODY_BYTES`], no NUL character.
+    pub body: String,
+    /// String attributes delivered with the message.
+    pub attributes: BTreeMap<String, String>,
+    /// FIFO queues: the message group (required). Standard queues: must be
+    /// `None`.
+    pub group_id: Option<String>,
+    /// The deduplication id: a second send with the same id within the
+    /// queue's window is a no-op returning the first message's id.
+    pub dedup_id: Option<String>,
+    /// Delivery delay; `None` uses the queue's.
+    pub delay: Option<Duration>,
+}
+
+impl SendMessage {
+    /// A message with this body and nothing else.
+    pub fn new(body: impl Into<String>) -> SendMessage {
+        SendMessage {
+            body: body.into(),
+            ..SendMessage::default()
+        }
+    }
+
+    /// Sets the message group (FIFO queues).
+    pub fn group(mut self, group_id: impl Into<String>) -> SendMessage {
+        self.group_id = Some(group_id.into());
+        self
+    }
+
+    /// Sets the deduplication id.
+    pub fn dedup(mut self, dedup_id: impl Into<String>) -> SendMessage {
+        self.dedup_id = Some(dedup_id.into());
+        self
+    }
+
+    /// Sets an attribute.
+    pub fn attribute(mut self, name: impl Into<String>, value: impl Into<String>) -> SendMessage {
+        self.attributes.insert(name.into(), value.into());
+        self
+    }
+
+    /// Sets the delivery delay.
+    pub fn delay(mut self, delay: Duration) -> SendMessage {
+        self.delay = Some(delay);
+        self
+    }
+
+    /// Checks what every backend requires; `fifo` is the queue's kind.
+    pub fn validate(&self, fifo: bool) -> Result<()> {
+        let invalid = |why: &str| Error::Invalid {
+            what: "message",
+            why: why.into(),
+        };
+        if self.body.is_empty() {
+            return Err(invalid("the body is empty"));
+        }
+        if self.body.len() > MAX_BODY_BYTES {
+            return Err(Error::MessageTooLarge {
+                size: self.body.len(),
+                max: MAX_BODY_BYTES,
+            });
+        }
+        if self.body.contains('\0') {
+            return Err(invalid("the body contains a NUL character"));
+        }
+        match (&self.group_id, fifo) {
+            (None, true) => return Err(invalid("a FIFO queue needs a group id")),
+            (Some(_), false) => return Err(invalid("a standard queue takes no group id")),
+            (Some(g), true) if g.is_empty() || g.len() > 128 => {
+                return Err(invalid("the group id must be 1 to 128 characters"));
+            }
+            _ => {}
+        }
+        if let Some(d) = &self.dedup_id
+            && (d.is_empty() || d.len() > 128)
+        {
+            return Err(invalid("the deduplication id must be 1 to 128 characters"));
+        }
+        for (k, v) in &self.attributes {
+            if k.is_empty() || k.contains('\0') || v.contains('\0') {
+                return Err(invalid("attribute names must be non-empty, without NUL"));
+            }
+        }
+        if self.delay.is_some_and(|d| d > Duration::from_secs(15 * 60)) {
+            return Err(invalid("the delay is at most 15 minutes"));
+        }
+        Ok(())
+    }
+}
+
+/// What a send did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sent {
+    /// The message id; for a duplicate, the original message's.
+    pub id: String,
+    /// True when the deduplication id was seen within the window and
+    /// nothing was enqueued.
+    pub duplicate: bool,
+}
+
+/// A receive request. `Default`: 1 message, no waiting, the queue's
+/// visibility timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReceiveRequest {
+    /// At most this many messages (1 or more; backends cap it: SQS at 10).
+    pub max_messages: usize,
+    /// Long polling: with nothing to receive, wait up to this long for a
+    /// message to arrive. Zero returns at once.
+    pub wait: Duration,
+    /// Overrides the queue's visibility timeout for these deliveries.
+    pub visibility: Option<Duration>,
+}
+
+impl Default for ReceiveRequest {
+    fn default() -> Self {
+        ReceiveRequest {
+            max_messages: 1,
+            wait: Duration::ZERO,
+            visibility: None,
+        }
+    }
+}
+
+impl ReceiveRequest {
+    /// Up to `n` messages, no waiting.
+    pub fn up_to(n: usize) -> ReceiveRequest {
+        ReceiveRequest {
+            max_messages: n,
+            ..ReceiveRequest::default()
+        }
+    }
+
+    /// Waits up to `wait` for a message.
+    pub fn wait(mut self, wait: Duration) -> ReceiveRequest {
+        self.wait = wait;
+        self
+    }
+
+    /// Overrides the visibility timeout.
+    pub fn visibility(mut self, visibility: Duration) -> ReceiveRequest {
+        self.visibility = Some(visibility);
+        self
+    }
+}
+
+/// An opaque receipt handle: names one delivery of one message.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Receipt(pub String);
+
+impl fmt::Debug for Receipt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Receipt({})", self.0)
+    }
+}
+
+impl fmt::Display for Receipt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A delivered message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Received {
+    pub id: String,
+    pub body: String,
+    pub attributes: BTreeMap<String, String>,
+    pub group_id: Option<String>,
+    /// How many times this message has been delivered, this time included.
+    pub receive_count: u32,
+    /// When it was sent.
+    pub sent_at: std::time::SystemTime,
+    /// The receipt of this delivery, for delete and change_visibility.
+    pub receipt: Receipt,
+}
+
+/// A queue's figures at one moment (approximate under concurrent traffic).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Messages receivable now.
+    pub depth: u64,
+    /// Received, not deleted, visibility timeout not yet over.
+    pub in_flight: u64,
+    /// Sent with a delay that has not run out.
+    pub delayed: u64,
+    /// Age of the oldest message in the queue, any state.
+    pub oldest_age: Option<Duration>,
+    /// Messages in the dead-letter queue, when there is one.
+    pub dead_letter_depth: Option<u64>,
+}
+
+/// A queue with SQS semantics (see the module docs for the contract).
+///
+/// A value names one queue. Every method is cancel-safe in the sense that a
+/// dropped call either happened or did not; a dropped receive may have
+/// delivered messages nobody will see, which come back after their
+/// visibility timeout.
+pub trait Queue: Send + Sync {
+    /// The queue's name.
+    fn name(&self) -> &str;
+
+    /// True for a FIFO queue.
+    fn is_fifo(&self) -> bool;
+
+    /// Sends one message.
+    fn send(&self, message: SendMessage) -> impl Future<Output = Result<Sent>> + Send;
+
+    /// Sends several messages, all or none; results in input order.
+    fn send_batch(
+        &self,
+        messages: Vec<SendMessage>,
+    ) -> impl Future<Output = Result<Vec<Sent>>> + Send;
+
+    /// Receives up to `request.max_messages` messages, waiting up to
+    /// `request.wait` when there are none. May return fewer, or none.
+    fn receive(
+        &self,
+        request: ReceiveRequest,
+    ) -> impl Future<Output = Result<Vec<Received>>> + Send;
+
+    /// Deletes the delivered message; [`Error::StaleReceipt`] when the
+    /// receipt is not the latest delivery's (nothing deleted).
+    fn delete(&self, receipt: &Receipt) -> impl Future<Output = Result<()>> + Send;
+
+    /// Deletes several delivered messages at once; returns the receipts that
+    /// were stale (their messages untouched), in input order.
+    fn delete_batch(
+        &self,
+        receipts: &[Receipt],
+    ) -> impl Future<Output = Result<Vec<Receipt>>> + Send;
+
+    /// Makes the delivered message invisible for `timeout` from now (zero:
+    /// visible at once); [`Error::StaleReceipt`] as for delete.
+    fn change_visibility(
+        &self,
+        receipt: &Receipt,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Deletes every message of the queue; returns how many when known.
+    fn purge(&self) -> impl Future<Output = Result<u64>> + Send;
+
+    /// The queue's figures.
+    fn stats(&self) -> impl Future<Output = Result<QueueStats>> + Send;
+
+    /// Called on a dead-letter queue: moves its messages back to the queues
+    /// they came from; returns how many moved.
+    fn redrive(&self) -> impl Future<Output = Result<u64>> + Send;
+}

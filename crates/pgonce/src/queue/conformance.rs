@@ -1,0 +1,609 @@
+//! The conformance suite every [`Queue`] backend must pass, and with it the
+//! worker runtime on that backend. Each `conformance_*` function states the
+//! guarantee it checks and the queue attributes it needs; a backend's test
+//! file creates such queues and calls it. The functions panic on a
+//! violation (they are test code) and leave the queues empty-ish only where
+//! said.
+//!
+//! Timing: visibility timeouts are whole seconds (SQS's granularity), and
+//! the only waits are for a timeout to run out, never to "let a race
+//! happen".
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Notify, Semaphore};
+
+use super::{
+    AckPolicy, Handler, HandlerError, Queue, ReceiveRequest, Received, SendMessage, Worker,
+    WorkerConfig,
+};
+use crate::error::Error;
+
+/// Receives (long polling, up to `limit`) until `n` messages arrived.
+async fn receive_n(q: &impl Queue, n: usize, limit: Duration) -> Vec<Received> {
+    let deadline = Instant::now() + limit;
+    let mut got = Vec::new();
+    while got.len() < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "only {} of {n} messages within {limit:?}",
+            got.len()
+        );
+        let wait = left.min(Duration::from_secs(2));
+        got.extend(
+            q.receive(ReceiveRequest::up_to(10.min(n - got.len())).wait(wait))
+                .await
+                .expect("receive"),
+        );
+    }
+    got
+}
+
+/// A handler that counts starts and can be held.
+struct Recording {
+    seen: Mutex<Vec<(String, String, u32)>>,
+    started: AtomicUsize,
+    started_notify: Notify,
+}
+
+impl Recording {
+    fn new() -> Recording {
+        Recording {
+            seen: Mutex::new(Vec::new()),
+            started: AtomicUsize::new(0),
+            started_notify: Notify::new(),
+        }
+    }
+
+    fn start(&self, m: &Received) {
+        self.seen
+            .lock()
+            .unwrap()
+            .push((m.id.clone(), m.body.clone(), m.receive_count));
+        self.started.fetch_add(1, Ordering::SeqCst);
+        self.started_notify.notify_waiters();
+    }
+
+    async fn wait_started(&self, n: usize) {
+        loop {
+            let notified = self.started_notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.started.load(Ordering::SeqCst) >= n {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// Never finishes: a consumer that dies in the middle of its handler.
+struct Hangs(Arc<Recording>);
+
+impl Handler for Hangs {
+    async fn handle(&self, m: &Received) -> Result<(), HandlerError> {
+        self.0.start(m);
+        std::future::pending().await
+    }
+}
+
+/// Succeeds at once.
+struct Succeeds(Arc<Recording>);
+
+impl Handler for Succeeds {
+    async fn handle(&self, m: &Received) -> Result<(), HandlerError> {
+        self.0.start(m);
+        Ok(())
+    }
+}
+
+/// At least once: a consumer that dies mid-handler (its task is dropped,
+/// nothing acked) loses nothing; every message is redelivered after the
+/// visibility timeout and handled by the next worker, then gone.
+///
+/// Needs: an empty standard queue with a 1 s visibility timeout.
+pub async fn conformance_at_least_once_when_consumer_dies<Q: Queue + Clone + 'static>(q: &Q) {
+    let n = 6;
+    let batch: Vec<_> = (0..n)
+        .map(|i| SendMessage::new(format!("job-{i}")))
+        .collect();
+    q.send_batch(batch).await.expect("send_batch");
+    let config = WorkerConfig {
+        concurrency: n,
+        batch: n,
+        wait: Duration::from_secs(1),
+        heartbeat_interval: None,
+        ..WorkerConfig::default()
+    };
+
+    let dying = Arc::new(Recording::new());
+    let worker = Worker::new(q.clone(), Hangs(dying.clone()), config.clone()).unwrap();
+    let crashed = tokio::spawn(async move { worker.run(std::future::pending()).await });
+    tokio::time::timeout(Duration::from_secs(20), dying.wait_started(n))
+        .await
+        .expect("the first worker receives every message");
+    crashed.abort(); // the process dies: no ack, no heartbeat, no cleanup
+    let _ = crashed.await;
+
+    let next = Arc::new(Recording::new());
+    let worker = Worker::new(q.clone(), Succeeds(next.clone()), config).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = worker.run(async {
+        let _ = stop_rx.await;
+    });
+    let drive = async {
+        tokio::time::timeout(Duration::from_secs(20), next.wait_started(n))
+            .await
+            .expect("every message is redelivered after the visibility timeout");
+        let _ = stop_tx.send(());
+    };
+    let (counters, ()) = tokio::join!(run, drive);
+    let seen = next.seen.lock().unwrap().clone();
+    let ids: BTreeSet<_> = seen.iter().map(|(id, _, _)| id.clone()).collect();
+    let first_ids: BTreeSet<_> = dying
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| s.0.clone())
+        .collect();
+    assert_eq!(ids, first_ids, "the same messages, none lost");
+    assert!(seen.iter().all(|(_, _, count)| *count >= 2), "{seen:?}");
+    assert!(counters.redelivered >= n as u64);
+    assert_eq!(counters.deleted, counters.succeeded);
+    let left = q
+        .receive(ReceiveRequest::up_to(10).wait(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    assert!(left.is_empty(), "acked messages are gone: {left:?}");
+}
+
+/// FIFO: with many consumers at once, each group's messages are handled in
+/// send order, never two of one group in flight, and every message once
+/// (consumers ack everything they handle).
+///
+/// Needs: an empty FIFO queue with a visibility timeout of 30 s or more.
+pub async fn conformance_fifo_order_with_many_consumers<Q: Queue + Clone + 'static>(q: &Q) {
+    let (groups, per_group, consumers) = (8usize, 12usize, 6usize);
+    let mut all = Vec::new();
+    for seq in 0..per_group {
+        for g in 0..groups {
+            all.push(SendMessage::new(format!("{g}:{seq}")).group(format!("g{g}")));
+        }
+    }
+    for chunk in all.chunks(10) {
+        q.send_batch(chunk.to_vec()).await.expect("send_batch");
+    }
+    let total = groups * per_group;
+    let in_flight: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+    let log: Arc<Mutex<BTreeMap<String, Vec<usize>>>> = Arc::default();
+    let done = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..consumers {
+        let (q, in_flight, log, done) = (q.clone(), in_flight.clone(), log.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while done.load(Ordering::SeqCst) < total && Instant::now() < deadline {
+                let got = q
+                    .receive(ReceiveRequest::up_to(5).wait(Duration::from_millis(500)))
+                    .await
+                    .expect("receive");
+                for m in &got {
+                    let group = m.group_id.clone().expect("FIFO messages have a group");
+                    assert!(
+                        in_flight.lock().unwrap().insert(group.clone()),
+                        "two messages of {group} in flight at once"
+                    );
+                }
+                for m in got {
+                    let group = m.group_id.clone().unwrap();
+                    let seq: usize = m.body.split(':').nth(1).unwrap().parse().unwrap();
+                    log.lock()
+                        .unwrap()
+                        .entry(group.clone())
+                        .or_default()
+                        .push(seq);
+                    tokio::task::yield_now().await;
+                    in_flight.lock().unwrap().remove(&group);
+                    q.delete(&m.receipt).await.expect("delete");
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("consumer panicked");
+    }
+    let log = log.lock().unwrap();
+    assert_eq!(log.len(), groups);
+    for (group, seqs) in log.iter() {
+        assert_eq!(
+            seqs,
+            &(0..per_group).collect::<Vec<_>>(),
+            "group {group} out of order or incomplete"
+        );
+    }
+}
+
+/// FIFO: a group whose head is in flight holds back only itself; the other
+/// groups' messages are received meanwhile.
+///
+/// Needs: an empty FIFO queue with a visibility timeout of 30 s or more.
+pub async fn conformance_fifo_groups_are_independent(q: &impl Queue) {
+    q.send_batch(vec![
+        SendMessage::new("slow-1").group("slow"),
+        SendMessage::new("slow-2").group("slow"),
+        SendMessage::new("fast-1").group("fast"),
+        SendMessage::new("fast-2").group("fast"),
+    ])
+    .await
+    .unwrap();
+    let first = receive_n(q, 2, Duration::from_secs(10)).await;
+    let heads: BTreeSet<_> = first.iter().map(|m| m.body.as_str()).collect();
+    assert_eq!(
+        heads,
+        BTreeSet::from(["slow-1", "fast-1"]),
+        "one head per group"
+    );
+    let fast = first.iter().find(|m| m.body == "fast-1").unwrap();
+    q.delete(&fast.receipt).await.unwrap();
+    let next = receive_n(q, 1, Duration::from_secs(10)).await;
+    assert_eq!(
+        next[0].body, "fast-2",
+        "the fast group moves on while slow-1 is in flight"
+    );
+    let more = q
+        .receive(ReceiveRequest::up_to(10).wait(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    assert!(more.is_empty(), "slow-2 waits behind slow-1: {more:?}");
+}
+
+/// Fenced receipts: after a redelivery, the earlier receipt deletes and
+/// extends nothing and says so ([`Error::StaleReceipt`]); the current one
+/// works.
+///
+/// Needs: an empty standard queue with a 1 s visibility timeout.
+pub async fn conformance_stale_receipt(q: &impl Queue) {
+    q.send(SendMessage::new("fenced")).await.unwrap();
+    let first = receive_n(q, 1, Duration::from_secs(10)).await.remove(0);
+    // Wait out the timeout: the message is redelivered.
+    let second = receive_n(q, 1, Duration::from_secs(10)).await.remove(0);
+    assert_eq!(first.id, second.id);
+    assert!(second.receive_count > first.receive_count);
+    assert_ne!(first.receipt, second.receipt);
+    assert!(
+        matches!(
+            q.change_visibility(&first.receipt, Duration::ZERO).await,
+            Err(Error::StaleReceipt { .. })
+        ),
+        "a stale receipt extends nothing"
+    );
+    assert!(
+        matches!(
+            q.delete(&first.receipt).await,
+            Err(Error::StaleReceipt { .. })
+        ),
+        "a stale receipt deletes nothing"
+    );
+    let still = q.stats().await.unwrap();
+    assert_eq!(
+        still.in_flight, 1,
+        "the redelivered message is still there and still invisible"
+    );
+    q.delete(&second.receipt)
+        .await
+        .expect("the current receipt deletes");
+}
+
+/// Dead letters: a message received `max_receive_count` (2) times without
+/// a delete moves to the dead-letter queue on the next receive, with its
+/// body; redrive moves it back, receivable and deletable.
+///
+/// Needs: empty queues, `q` standard with dead-letter queue `dlq` and max
+/// receive count 2.
+pub async fn conformance_dead_letter_and_redrive(q: &impl Queue, dlq: &impl Queue) {
+    let sent = q.send(SendMessage::new("poison")).await.unwrap();
+    for attempt in 1..=2u32 {
+        let m = receive_n(q, 1, Duration::from_secs(10)).await.remove(0);
+        assert_eq!(
+            (m.id.as_str(), m.receive_count),
+            (sent.id.as_str(), attempt)
+        );
+        q.change_visibility(&m.receipt, Duration::ZERO)
+            .await
+            .unwrap(); // failed
+    }
+    let none = q
+        .receive(ReceiveRequest::up_to(10).wait(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    assert!(
+        none.is_empty(),
+        "the third receive moves it instead: {none:?}"
+    );
+    let stats = q.stats().await.unwrap();
+    assert_eq!((stats.depth, stats.in_flight), (0, 0));
+    assert_eq!(stats.dead_letter_depth, Some(1));
+
+    let dead = receive_n(dlq, 1, Duration::from_secs(10)).await.remove(0);
+    assert_eq!(
+        (dead.id.as_str(), dead.body.as_str()),
+        (sent.id.as_str(), "poison")
+    );
+    dlq.change_visibility(&dead.receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
+    let back = receive_n(q, 1, Duration::from_secs(10)).await.remove(0);
+    assert_eq!(
+        (back.id.as_str(), back.body.as_str()),
+        (sent.id.as_str(), "poison")
+    );
+    assert!(
+        matches!(
+            dlq.delete(&dead.receipt).await,
+            Err(Error::StaleReceipt { .. })
+        ),
+        "the dead-letter delivery's receipt is stale after the redrive"
+    );
+    q.delete(&back.receipt).await.unwrap();
+    assert_eq!(q.stats().await.unwrap().dead_letter_depth, Some(0));
+}
+
+/// Deduplication: within the window, a send with a seen deduplication id
+/// returns the original id and enqueues nothing, even after the original
+/// was deleted.
+///
+/// Needs: an empty queue (standard or FIFO) with a window of 10 s or more.
+pub async fn conformance_dedup_within_window(q: &impl Queue) {
+    let msg = |body: &str| {
+        let m = SendMessage::new(body).dedup("order-17");
+        if q.is_fifo() { m.group("g") } else { m }
+    };
+    let first = q.send(msg("first")).await.unwrap();
+    assert!(!first.duplicate);
+    let again = q.send(msg("second")).await.unwrap();
+    assert_eq!(again.id, first.id, "the original id");
+    assert!(again.duplicate);
+    let got = receive_n(q, 1, Duration::from_secs(10)).await;
+    assert_eq!(got[0].body, "first");
+    let more = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert!(more.is_empty(), "the duplicate enqueued nothing: {more:?}");
+    q.delete(&got[0].receipt).await.unwrap();
+    let after_delete = q.send(msg("third")).await.unwrap();
+    assert_eq!(after_delete.id, first.id, "still a duplicate after delete");
+}
+
+/// Deduplication: once the window is over, the same id enqueues again.
+///
+/// Needs: an empty queue whose deduplication window is `window` (short).
+pub async fn conformance_dedup_window_expires(q: &impl Queue, window: Duration) {
+    let msg = SendMessage::new("x").dedup("again");
+    let msg = if q.is_fifo() { msg.group("g") } else { msg };
+    let first = q.send(msg.clone()).await.unwrap();
+    tokio::time::sleep(window + Duration::from_millis(200)).await;
+    let second = q.send(msg).await.unwrap();
+    assert!(!second.duplicate);
+    assert_ne!(second.id, first.id);
+}
+
+/// Long polling: a receive parked on an empty queue returns as soon as a
+/// message is sent, long before its wait time. `parked` resolves once the
+/// receive is waiting (the backend knows how to tell).
+///
+/// Needs: an empty standard queue, and a backend that does not re-poll
+/// more often than every 20 s on its own.
+pub async fn conformance_long_poll_wakes_on_send(q: &impl Queue, parked: impl Future<Output = ()>) {
+    let wait = Duration::from_secs(20);
+    let started = Instant::now();
+    let receive = async {
+        let got = q
+            .receive(ReceiveRequest::up_to(1).wait(wait))
+            .await
+            .expect("receive");
+        (got, started.elapsed())
+    };
+    let send = async {
+        parked.await;
+        q.send(SendMessage::new("wake up")).await.unwrap();
+    };
+    let ((got, took), ()) = tokio::join!(receive, send);
+    assert_eq!(got.len(), 1, "the send woke the receive");
+    assert!(
+        took < wait / 4,
+        "returned after {took:?}, wait was {wait:?}"
+    );
+}
+
+/// A gate-held handler for the shutdown case.
+struct Gated {
+    rec: Arc<Recording>,
+    gate: Arc<Semaphore>,
+}
+
+impl Handler for Gated {
+    async fn handle(&self, m: &Received) -> Result<(), HandlerError> {
+        self.rec.start(m);
+        if m.body == "forever" {
+            std::future::pending::<()>().await;
+        }
+        self.gate.acquire().await.unwrap().forget();
+        Ok(())
+    }
+}
+
+/// Graceful shutdown: on shutdown the worker stops receiving (messages sent
+/// afterwards stay in the queue), lets in-flight handlers finish within the
+/// deadline (their messages are deleted), and abandons the rest, whose
+/// messages stay in the queue for redelivery.
+///
+/// Needs: an empty standard queue with a visibility timeout of 30 s or more.
+pub async fn conformance_shutdown<Q: Queue + Clone + 'static>(q: &Q) {
+    q.send_batch(vec![
+        SendMessage::new("a"),
+        SendMessage::new("b"),
+        SendMessage::new("forever"),
+    ])
+    .await
+    .unwrap();
+    let rec = Arc::new(Recording::new());
+    let gate = Arc::new(Semaphore::new(0));
+    let handler = Gated {
+        rec: rec.clone(),
+        gate: gate.clone(),
+    };
+    let config = WorkerConfig {
+        concurrency: 3,
+        batch: 3,
+        wait: Duration::from_secs(1),
+        heartbeat_interval: None,
+        shutdown_deadline: Duration::from_secs(2),
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(q.clone(), handler, config).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = worker.run(async {
+        let _ = stop_rx.await;
+    });
+    let drive = async {
+        tokio::time::timeout(Duration::from_secs(20), rec.wait_started(3))
+            .await
+            .expect("all three handlers start");
+        // Every slot is busy: the worker cannot receive these before the
+        // shutdown, and must not after it.
+        q.send_batch(vec![SendMessage::new("late-1"), SendMessage::new("late-2")])
+            .await
+            .unwrap();
+        let _ = stop_tx.send(());
+        gate.add_permits(2); // a and b finish after the shutdown began
+    };
+    let started = Instant::now();
+    let (counters, ()) = tokio::join!(run, drive);
+    assert!(started.elapsed() < Duration::from_secs(15));
+    assert_eq!(counters.received, 3, "nothing received after shutdown");
+    assert_eq!(
+        (counters.succeeded, counters.deleted),
+        (2, 2),
+        "in-flight work finished and acked"
+    );
+    assert_eq!(
+        counters.abandoned, 1,
+        "the handler past the deadline was dropped"
+    );
+    let stats = q.stats().await.unwrap();
+    assert_eq!(stats.depth, 2, "the late messages are still there");
+    assert_eq!(
+        stats.in_flight, 1,
+        "the abandoned message waits for its visibility timeout"
+    );
+}
+
+/// Parses a JSON body; malformed bodies fail.
+struct ParsesJson(Arc<Mutex<Vec<String>>>);
+
+impl Handler for ParsesJson {
+    async fn handle(&self, m: &Received) -> Result<(), HandlerError> {
+        match serde_json::from_str::<serde_json::Value>(&m.body) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                self.0.lock().unwrap().push(m.body.clone());
+                Err(Box::new(e))
+            }
+        }
+    }
+}
+
+/// Malformed bodies reach the handler's error path on each delivery, then
+/// the dead-letter queue; they never vanish. Well-formed ones are acked.
+///
+/// Needs: empty queues, `q` standard with dead-letter queue `dlq` and max
+/// receive count 2.
+pub async fn conformance_malformed_bodies_reach_dead_letters(
+    q: &(impl Queue + Clone + 'static),
+    dlq: &impl Queue,
+) {
+    q.send_batch(vec![
+        SendMessage::new(r#"{"n":1}"#),
+        SendMessage::new("{oops"),
+    ])
+    .await
+    .unwrap();
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let config = WorkerConfig {
+        concurrency: 4,
+        batch: 4,
+        heartbeat_interval: None,
+        failure_visibility: Some(Duration::ZERO),
+        ack: AckPolicy::DeleteOnSuccess,
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(q.clone(), ParsesJson(errors.clone()), config).unwrap();
+    let mut total = super::WorkerCounters::default();
+    for _ in 0..20 {
+        let c = worker.run_once().await.expect("run_once");
+        total.received += c.received;
+        total.succeeded += c.succeeded;
+        total.failed += c.failed;
+        let s = q.stats().await.unwrap();
+        if s.depth + s.in_flight == 0 {
+            break;
+        }
+    }
+    assert_eq!(total.succeeded, 1, "the well-formed message is handled");
+    assert_eq!(
+        *errors.lock().unwrap(),
+        vec!["{oops".to_string(), "{oops".to_string()],
+        "the malformed one reached the error path once per delivery"
+    );
+    let dead = receive_n(dlq, 1, Duration::from_secs(10)).await;
+    assert_eq!(dead[0].body, "{oops", "and then the dead-letter queue");
+}
+
+/// Heartbeat: while a handler runs past the visibility timeout, the worker
+/// keeps extending it, so nobody else receives the message; then it acks.
+///
+/// Needs: an empty standard queue with a 1 s visibility timeout.
+pub async fn conformance_heartbeat_keeps_message_invisible<Q: Queue + Clone + 'static>(q: &Q) {
+    q.send(SendMessage::new("slow")).await.unwrap();
+    let rec = Arc::new(Recording::new());
+    let gate = Arc::new(Semaphore::new(0));
+    let config = WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        heartbeat_interval: Some(Duration::from_millis(300)),
+        heartbeat_extension: Duration::from_secs(1),
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(
+        q.clone(),
+        Gated {
+            rec: rec.clone(),
+            gate: gate.clone(),
+        },
+        config,
+    )
+    .unwrap();
+    let check = async {
+        rec.wait_started(1).await;
+        let other = q
+            .receive(ReceiveRequest::up_to(1).wait(Duration::from_millis(2500)))
+            .await
+            .unwrap();
+        gate.add_permits(1);
+        other
+    };
+    let (counters, other) = tokio::join!(worker.run_once(), check);
+    let counters = counters.unwrap();
+    assert!(
+        other.is_empty(),
+        "received by another consumer mid-handler: {other:?}"
+    );
+    assert!(counters.heartbeats >= 2, "{counters:?}");
+    assert_eq!(counters.deleted, 1);
+}

@@ -1,0 +1,831 @@
+//! The PostgreSQL queue: [`Queue`] on the `pgonce.queue_message` table.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use sqlx::postgres::PgListener;
+use sqlx::types::Json;
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use tokio::sync::{Notify, OnceCell};
+
+use super::{
+    MAX_BODY_BYTES, Queue, QueueStats, Receipt, ReceiveRequest, Received, SendMessage, Sent,
+};
+use crate::error::{Error, Result};
+
+/// The channel every send notifies, with the queue name as payload.
+const CHANNEL: &str = "pgonce_queue";
+
+/// The most messages one send_batch or receive handles.
+pub const MAX_BATCH: usize = 1000;
+
+const RECEIVE_STANDARD: &str = concat!(
+    include_str!("sql/receive_head.sql"),
+    include_str!("sql/pick_standard.sql"),
+    include_str!("sql/receive_tail.sql")
+);
+const RECEIVE_FIFO: &str = concat!(
+    include_str!("sql/receive_head.sql"),
+    include_str!("sql/pick_fifo.sql"),
+    include_str!("sql/receive_tail.sql")
+);
+
+/// A queue's attributes, fixed per queue in `pgonce.queue` by
+/// [`PgQueue::create`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueAttributes {
+    /// FIFO (message groups, strict order per group) or standard. Default:
+    /// standard. Fixed when the queue is created.
+    pub fifo: bool,
+    /// How long a received message stays invisible. Default 30 s; at most
+    /// 12 h.
+    pub visibility_timeout: Duration,
+    /// Messages older than this are dropped at their next receive. Default
+    /// 4 days; at least 1 s.
+    pub retention: Duration,
+    /// Delivery delay of every message without one of its own. Default 0;
+    /// at most 15 min.
+    pub delay: Duration,
+    /// After this many receives (since the last redrive), the next receive
+    /// moves the message to `dead_letter_queue`. Default: none. Both or
+    /// neither must be set.
+    pub max_receive_count: Option<u32>,
+    /// The dead-letter queue's name; it must exist. Default: none.
+    pub dead_letter_queue: Option<String>,
+    /// How long a deduplication id is remembered. Default 5 min.
+    pub dedup_window: Duration,
+    /// Use the SHA-256 of the body as deduplication id when a message has
+    /// none. Default false.
+    pub content_based_dedup: bool,
+}
+
+impl Default for QueueAttributes {
+    fn default() -> Self {
+        QueueAttributes {
+            fifo: false,
+            visibility_timeout: Duration::from_secs(30),
+            retention: Duration::from_secs(4 * 24 * 3600),
+            delay: Duration::ZERO,
+            max_receive_count: None,
+            dead_letter_queue: None,
+            dedup_window: Duration::from_secs(5 * 60),
+            content_based_dedup: false,
+        }
+    }
+}
+
+impl QueueAttributes {
+    /// A FIFO queue with the default attributes.
+    pub fn fifo() -> QueueAttributes {
+        QueueAttributes {
+            fifo: true,
+            ..QueueAttributes::default()
+        }
+    }
+
+    /// Sets the visibility timeout.
+    pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
+        self.visibility_timeout = timeout;
+        self
+    }
+
+    /// Sets the dead-letter queue and the receives before moving there.
+    pub fn dead_letter(mut self, queue: impl Into<String>, max_receive_count: u32) -> Self {
+        self.dead_letter_queue = Some(queue.into());
+        self.max_receive_count = Some(max_receive_count);
+        self
+    }
+
+    /// Sets the deduplication window.
+    pub fn dedup_window(mut self, window: Duration) -> Self {
+        self.dedup_window = window;
+        self
+    }
+
+    /// Checks the invariants stated on each field.
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |why: &str| {
+            Err(Error::Invalid {
+                what: "queue attributes",
+                why: why.into(),
+            })
+        };
+        if self.visibility_timeout > Duration::from_secs(12 * 3600) {
+            return invalid("visibility timeout is at most 12 hours");
+        }
+        if self.retention < Duration::from_secs(1) {
+            return invalid("retention is at least 1 second");
+        }
+        if self.delay > Duration::from_secs(15 * 60) {
+            return invalid("delay is at most 15 minutes");
+        }
+        if self.max_receive_count.is_some() != self.dead_letter_queue.is_some() {
+            return invalid("set both max_receive_count and dead_letter_queue, or neither");
+        }
+        if self.max_receive_count == Some(0) {
+            return invalid("max_receive_count is at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// How a [`PgQueue`] handle behaves (not stored in the database).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PgQueueOptions {
+    /// Notify long-polling receivers (`pg_notify`) on each send. Default
+    /// true. Without it, long polls find new messages only at
+    /// `poll_interval`; with it, every sending transaction takes
+    /// PostgreSQL's notification lock at commit.
+    pub notify: bool,
+    /// A long poll re-checks the queue at least this often, for delayed
+    /// messages, expired visibility timeouts and missed notifications.
+    /// Default 1 s; at least 1 ms.
+    pub poll_interval: Duration,
+}
+
+impl Default for PgQueueOptions {
+    fn default() -> Self {
+        PgQueueOptions {
+            notify: true,
+            poll_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A handle on one named queue in PostgreSQL. Cheap to clone; clones share
+/// one LISTEN connection, taken from the pool at the first long poll and
+/// kept until the last clone is dropped: size the pool one larger per
+/// handle family (each `create`/`open` call) that long-polls.
+///
+/// Every statement runs on the pool in its own implicit transaction, except
+/// the `*_in` methods, which run in the caller's transaction (transactional
+/// enqueue: the message exists, and wakes receivers, only if that
+/// transaction commits).
+#[derive(Clone)]
+pub struct PgQueue {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    name: String,
+    fifo: bool,
+    content_based_dedup: bool,
+    options: PgQueueOptions,
+    waker: OnceCell<Waker>,
+    parked: AtomicUsize,
+}
+
+/// The LISTEN side: one task per handle family, turning notifications for
+/// this queue into wake-ups of parked receivers.
+struct Waker {
+    notify: Arc<Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Waker {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl std::fmt::Debug for PgQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgQueue")
+            .field("name", &self.inner.name)
+            .field("fifo", &self.inner.fifo)
+            .finish()
+    }
+}
+
+impl PgQueue {
+    /// Creates the queue, or updates the attributes of an existing one (its
+    /// kind must match: [`Error::Invalid`] otherwise), and returns a handle.
+    pub async fn create(
+        pool: &PgPool,
+        name: &str,
+        attributes: QueueAttributes,
+        options: PgQueueOptions,
+    ) -> Result<PgQueue> {
+        attributes.validate()?;
+        validate_name(name)?;
+        if let Some(dlq) = &attributes.dead_letter_queue {
+            validate_name(dlq)?;
+            if dlq == name {
+                return Err(Error::Invalid {
+                    what: "queue attributes",
+                    why: "a queue cannot be its own dead-letter queue".into(),
+                });
+            }
+        }
+        let fifo: std::result::Result<(bool,), sqlx::Error> =
+            sqlx::query_as(include_str!("sql/create_queue.sql"))
+                .bind(name)
+                .bind(attributes.fifo)
+                .bind(millis(attributes.visibility_timeout))
+                .bind(millis(attributes.retention))
+                .bind(millis(attributes.delay))
+                .bind(attributes.max_receive_count.map(|n| n as i32))
+                .bind(&attributes.dead_letter_queue)
+                .bind(millis(attributes.dedup_window))
+                .bind(attributes.content_based_dedup)
+                .fetch_one(pool)
+                .await;
+        let (fifo,) = match fifo {
+            Err(e)
+                if crate::error::sqlstate_of(&e).as_deref() == Some("23503")
+                    && attributes.dead_letter_queue.is_some() =>
+            {
+                return Err(Error::QueueNotFound {
+                    name: attributes.dead_letter_queue.clone().unwrap_or_default(),
+                });
+            }
+            other => other?,
+        };
+        if fifo != attributes.fifo {
+            return Err(Error::Invalid {
+                what: "queue attributes",
+                why: format!("queue {name:?} exists with fifo = {fifo}"),
+            });
+        }
+        PgQueue::open(pool, name, options).await
+    }
+
+    /// A handle on an existing queue; [`Error::QueueNotFound`] otherwise.
+    pub async fn open(pool: &PgPool, name: &str, options: PgQueueOptions) -> Result<PgQueue> {
+        if options.poll_interval.is_zero() {
+            return Err(Error::Invalid {
+                what: "queue options",
+                why: "poll_interval must be positive".into(),
+            });
+        }
+        let row: Option<(bool, bool, Option<String>)> =
+            sqlx::query_as(include_str!("sql/open_queue.sql"))
+                .bind(name)
+                .fetch_optional(pool)
+                .await?;
+        let Some((fifo, content_based_dedup, _dlq)) = row else {
+            return Err(Error::QueueNotFound { name: name.into() });
+        };
+        Ok(PgQueue {
+            inner: Arc::new(Inner {
+                pool: pool.clone(),
+                name: name.to_string(),
+                fifo,
+                content_based_dedup,
+                options,
+                waker: OnceCell::new(),
+                parked: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// The pool this handle runs on.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// How many receives are parked in a long poll right now (for tests and
+    /// metrics).
+    pub fn parked_receivers(&self) -> usize {
+        self.inner.parked.load(Ordering::SeqCst)
+    }
+
+    /// Sends one message inside the caller's transaction: it is enqueued,
+    /// and receivers are woken, only if `tx` commits.
+    pub async fn send_in(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        message: SendMessage,
+    ) -> Result<Sent> {
+        self.send_on(tx, message).await
+    }
+
+    /// Sends several messages inside the caller's transaction.
+    pub async fn send_batch_in(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        messages: Vec<SendMessage>,
+    ) -> Result<Vec<Sent>> {
+        self.send_batch_on(tx, messages).await
+    }
+
+    /// The queue a message is in now and its history of dead-letter moves
+    /// and redrives (a JSON array); `None` once it is deleted.
+    pub async fn history(&self, id: &str) -> Result<Option<(String, serde_json::Value)>> {
+        let id = parse_id(id)?;
+        let row: Option<(String, Json<serde_json::Value>)> =
+            sqlx::query_as(include_str!("sql/history.sql"))
+                .bind(id)
+                .fetch_optional(&self.inner.pool)
+                .await?;
+        Ok(row.map(|(q, Json(h))| (q, h)))
+    }
+
+    fn prepare(&self, mut message: SendMessage) -> Result<SendMessage> {
+        message.validate(self.inner.fifo)?;
+        if message.dedup_id.is_none() && self.inner.content_based_dedup {
+            let digest = Sha256::digest(message.body.as_bytes());
+            message.dedup_id = Some(digest.iter().map(|b| format!("{b:02x}")).collect());
+        }
+        Ok(message)
+    }
+
+    async fn send_on(&self, conn: &mut PgConnection, message: SendMessage) -> Result<Sent> {
+        let message = self.prepare(message)?;
+        // A dedup claim committed by a concurrent sender after this
+        // statement's snapshot yields no row; the second attempt sees it.
+        for _ in 0..3 {
+            let row: Option<(i64, bool)> = sqlx::query_as(include_str!("sql/send.sql"))
+                .bind(&self.inner.name)
+                .bind(&message.body)
+                .bind(Json(&message.attributes))
+                .bind(&message.group_id)
+                .bind(&message.dedup_id)
+                .bind(message.delay.map(millis))
+                .bind(self.inner.options.notify)
+                .fetch_optional(&mut *conn)
+                .await?;
+            if let Some((id, duplicate)) = row {
+                if duplicate {
+                    tracing::debug!(queue = %self.inner.name, id, "duplicate send ignored");
+                    metrics::counter!("pgonce_queue_duplicates_total", "queue" => self.inner.name.clone())
+                        .increment(1);
+                } else {
+                    metrics::counter!("pgonce_queue_sent_total", "queue" => self.inner.name.clone())
+                        .increment(1);
+                }
+                return Ok(Sent {
+                    id: id.to_string(),
+                    duplicate,
+                });
+            }
+            let exists: Option<(bool,)> = sqlx::query_as(include_str!("sql/open_queue.sql"))
+                .bind(&self.inner.name)
+                .fetch_optional(&mut *conn)
+                .await?
+                .map(|(fifo, _, _): (bool, bool, Option<String>)| (fifo,));
+            if exists.is_none() {
+                return Err(Error::QueueNotFound {
+                    name: self.inner.name.clone(),
+                });
+            }
+        }
+        Err(Error::Invalid {
+            what: "send",
+            why: "deduplication id claimed concurrently and not readable (is the transaction REPEATABLE READ?)".into(),
+        })
+    }
+
+    async fn send_batch_on(
+        &self,
+        conn: &mut PgConnection,
+        messages: Vec<SendMessage>,
+    ) -> Result<Vec<Sent>> {
+        if messages.is_empty() || messages.len() > MAX_BATCH {
+            return Err(Error::Invalid {
+                what: "batch",
+                why: format!("a batch holds 1 to {MAX_BATCH} messages"),
+            });
+        }
+        let messages = messages
+            .into_iter()
+            .map(|m| self.prepare(m))
+            .collect::<Result<Vec<_>>>()?;
+        let total: usize = messages.iter().map(|m| m.body.len()).sum();
+        if total > MAX_BODY_BYTES * 16 {
+            return Err(Error::MessageTooLarge {
+                size: total,
+                max: MAX_BODY_BYTES * 16,
+            });
+        }
+        if messages.iter().any(|m| m.dedup_id.is_some()) {
+            // Deduplicated messages go one by one, in a savepoint so the batch
+            // stays all or none.
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            let mut sent = Vec::with_capacity(messages.len());
+            for m in messages {
+                sent.push(self.send_on(&mut tx, m).await?);
+            }
+            tx.commit().await?;
+            return Ok(sent);
+        }
+        let mut bodies = Vec::with_capacity(messages.len());
+        let mut attributes = Vec::with_capacity(messages.len());
+        let mut groups = Vec::with_capacity(messages.len());
+        let mut delays = Vec::with_capacity(messages.len());
+        for m in messages {
+            bodies.push(m.body);
+            attributes.push(Json(m.attributes));
+            groups.push(m.group_id);
+            delays.push(m.delay.map(millis));
+        }
+        let n = bodies.len();
+        let ids: Vec<(i64,)> = sqlx::query_as(include_str!("sql/send_batch.sql"))
+            .bind(&self.inner.name)
+            .bind(bodies)
+            .bind(attributes)
+            .bind(groups)
+            .bind(delays)
+            .bind(self.inner.options.notify)
+            .fetch_all(&mut *conn)
+            .await?;
+        if ids.len() != n {
+            return Err(Error::QueueNotFound {
+                name: self.inner.name.clone(),
+            });
+        }
+        metrics::counter!("pgonce_queue_sent_total", "queue" => self.inner.name.clone())
+            .increment(n as u64);
+        Ok(ids
+            .into_iter()
+            .map(|(id,)| Sent {
+                id: id.to_string(),
+                duplicate: false,
+            })
+            .collect())
+    }
+
+    /// One receive statement, no waiting.
+    async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
+        type Row = (
+            String,
+            i64,
+            Option<String>,
+            Option<Json<BTreeMap<String, String>>>,
+            Option<String>,
+            Option<i32>,
+            Option<time::OffsetDateTime>,
+        );
+        let sql = if self.inner.fifo {
+            RECEIVE_FIFO
+        } else {
+            RECEIVE_STANDARD
+        };
+        let rows: Vec<Row> = sqlx::query_as(sql)
+            .bind(&self.inner.name)
+            .bind(request.max_messages as i64)
+            .bind(request.visibility.map(millis))
+            .fetch_all(&self.inner.pool)
+            .await?;
+        let mut received = Vec::with_capacity(rows.len());
+        let (mut dead, mut expired) = (0u64, 0u64);
+        for (fate, id, body, attributes, group_id, count, sent_at) in rows {
+            match fate.as_str() {
+                "delivered" => {
+                    let count = count.unwrap_or(1);
+                    received.push(Received {
+                        id: id.to_string(),
+                        body: body.unwrap_or_default(),
+                        attributes: attributes.map(|Json(a)| a).unwrap_or_default(),
+                        group_id,
+                        receive_count: count as u32,
+                        sent_at: sent_at
+                            .map(std::time::SystemTime::from)
+                            .unwrap_or(std::time::UNIX_EPOCH),
+                        receipt: Receipt(format!("{id}.{count}")),
+                    })
+                }
+                "dead_lettered" => dead += 1,
+                _ => expired += 1,
+            }
+        }
+        let name = &self.inner.name;
+        if dead > 0 {
+            tracing::warn!(queue = %name, dead, "messages moved to the dead-letter queue");
+            metrics::counter!("pgonce_queue_dead_lettered_total", "queue" => name.clone())
+                .increment(dead);
+        }
+        if expired > 0 {
+            metrics::counter!("pgonce_queue_expired_total", "queue" => name.clone())
+                .increment(expired);
+        }
+        if !received.is_empty() {
+            // SQL order is not guaranteed through UNION ALL; FIFO callers
+            // rely on id order, so restore it.
+            received.sort_by_key(|r| r.id.parse::<i64>().unwrap_or(0));
+            metrics::counter!("pgonce_queue_received_total", "queue" => name.clone())
+                .increment(received.len() as u64);
+        }
+        Ok(received)
+    }
+
+    async fn waker(&self) -> Result<&Waker> {
+        self.inner
+            .waker
+            .get_or_try_init(|| async {
+                let mut listener = PgListener::connect_with(&self.inner.pool).await?;
+                listener.listen(CHANNEL).await?;
+                let notify = Arc::new(Notify::new());
+                let task = tokio::spawn(listen(listener, self.inner.name.clone(), notify.clone()));
+                Ok::<_, Error>(Waker { notify, task })
+            })
+            .await
+    }
+
+    /// Logs and counts stale receipts; the error for the first.
+    fn count_stale(&self, receipt: &Receipt, n: u64) -> Error {
+        tracing::warn!(queue = %self.inner.name, %receipt, n, "stale receipt: the message was redelivered, moved or deleted");
+        metrics::counter!("pgonce_queue_stale_receipts_total", "queue" => self.inner.name.clone())
+            .increment(n);
+        Error::StaleReceipt {
+            receipt: receipt.0.clone(),
+        }
+    }
+
+    fn receipt_parts(&self, receipt: &Receipt) -> Result<(i64, i32)> {
+        let malformed = || Error::Invalid {
+            what: "receipt",
+            why: format!("{:?} is not a receipt of this queue", receipt.0),
+        };
+        let (id, count) = receipt.0.split_once('.').ok_or_else(malformed)?;
+        Ok((
+            id.parse().map_err(|_| malformed())?,
+            count.parse().map_err(|_| malformed())?,
+        ))
+    }
+}
+
+async fn listen(mut listener: PgListener, queue: String, notify: Arc<Notify>) {
+    loop {
+        match listener.recv().await {
+            Ok(n) if n.payload() == queue => notify.notify_waiters(),
+            Ok(_) => {}
+            Err(e) => {
+                // The listener reconnects on the next recv; notifications
+                // sent meanwhile are lost, so wake everyone to look.
+                tracing::warn!(queue = %queue, error = %e, "queue listener lost its connection");
+                notify.notify_waiters();
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+impl Queue for PgQueue {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    fn is_fifo(&self) -> bool {
+        self.inner.fifo
+    }
+
+    async fn send(&self, message: SendMessage) -> Result<Sent> {
+        let mut conn = self.inner.pool.acquire().await?;
+        self.send_on(&mut conn, message).await
+    }
+
+    async fn send_batch(&self, messages: Vec<SendMessage>) -> Result<Vec<Sent>> {
+        let mut conn = self.inner.pool.acquire().await?;
+        self.send_batch_on(&mut conn, messages).await
+    }
+
+    /// Long polling: the handle LISTENs (one connection per handle family)
+    /// and each send NOTIFYs; a parked receive wakes on a notification for
+    /// this queue, at `poll_interval`, or at the end of `wait`, whichever
+    /// comes first. No connection is held while parked.
+    async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
+        if request.max_messages == 0 || request.max_messages > MAX_BATCH {
+            return Err(Error::Invalid {
+                what: "receive request",
+                why: format!("max_messages is 1 to {MAX_BATCH}"),
+            });
+        }
+        if request
+            .visibility
+            .is_some_and(|v| v > Duration::from_secs(12 * 3600))
+        {
+            return Err(Error::Invalid {
+                what: "receive request",
+                why: "visibility is at most 12 hours".into(),
+            });
+        }
+        if request.wait.is_zero() {
+            return self.receive_once(&request).await;
+        }
+        let deadline = Instant::now() + request.wait;
+        let notify = self.waker().await?.notify.clone();
+        loop {
+            // Registered before looking, so a send committed between the
+            // look and the wait still wakes us.
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let received = self.receive_once(&request).await?;
+            let now = Instant::now();
+            if !received.is_empty() || now >= deadline {
+                return Ok(received);
+            }
+            let until = deadline.min(now + self.inner.options.poll_interval);
+            self.inner.parked.fetch_add(1, Ordering::SeqCst);
+            let _unpark = Unpark(&self.inner.parked);
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(until.into()) => {}
+            }
+        }
+    }
+
+    async fn delete(&self, receipt: &Receipt) -> Result<()> {
+        let (id, count) = self.receipt_parts(receipt)?;
+        let done = sqlx::query(include_str!("sql/delete.sql"))
+            .bind(&self.inner.name)
+            .bind(id)
+            .bind(count)
+            .execute(&self.inner.pool)
+            .await?;
+        if done.rows_affected() == 0 {
+            return Err(self.count_stale(receipt, 1));
+        }
+        metrics::counter!("pgonce_queue_deleted_total", "queue" => self.inner.name.clone())
+            .increment(1);
+        Ok(())
+    }
+
+    async fn delete_batch(&self, receipts: &[Receipt]) -> Result<Vec<Receipt>> {
+        if receipts.len() > MAX_BATCH {
+            return Err(Error::Invalid {
+                what: "batch",
+                why: format!("a batch holds at most {MAX_BATCH} receipts"),
+            });
+        }
+        let parts = receipts
+            .iter()
+            .map(|r| self.receipt_parts(r))
+            .collect::<Result<Vec<_>>>()?;
+        let (ids, counts): (Vec<i64>, Vec<i32>) = parts.iter().copied().unzip();
+        let deleted: Vec<(i64,)> = sqlx::query_as(include_str!("sql/delete_batch.sql"))
+            .bind(&self.inner.name)
+            .bind(&ids)
+            .bind(&counts)
+            .fetch_all(&self.inner.pool)
+            .await?;
+        let deleted: std::collections::HashSet<i64> = deleted.into_iter().map(|(id,)| id).collect();
+        let stale: Vec<Receipt> = receipts
+            .iter()
+            .zip(&ids)
+            .filter(|(_, id)| !deleted.contains(id))
+            .map(|(r, _)| r.clone())
+            .collect();
+        if !stale.is_empty() {
+            self.count_stale(&stale[0], stale.len() as u64);
+        }
+        metrics::counter!("pgonce_queue_deleted_total", "queue" => self.inner.name.clone())
+            .increment(deleted.len() as u64);
+        Ok(stale)
+    }
+
+    async fn change_visibility(&self, receipt: &Receipt, timeout: Duration) -> Result<()> {
+        if timeout > Duration::from_secs(12 * 3600) {
+            return Err(Error::Invalid {
+                what: "visibility timeout",
+                why: "at most 12 hours".into(),
+            });
+        }
+        let (id, count) = self.receipt_parts(receipt)?;
+        let done = sqlx::query(include_str!("sql/change_visibility.sql"))
+            .bind(&self.inner.name)
+            .bind(id)
+            .bind(count)
+            .bind(millis(timeout))
+            .execute(&self.inner.pool)
+            .await?;
+        if done.rows_affected() == 0 {
+            return Err(self.count_stale(receipt, 1));
+        }
+        Ok(())
+    }
+
+    async fn purge(&self) -> Result<u64> {
+        let done = sqlx::query(include_str!("sql/purge.sql"))
+            .bind(&self.inner.name)
+            .execute(&self.inner.pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn stats(&self) -> Result<QueueStats> {
+        let row: Option<StatsRow> = sqlx::query_as(include_str!("sql/stats.sql"))
+            .bind(&self.inner.name)
+            .fetch_optional(&self.inner.pool)
+            .await?;
+        let Some((depth, in_flight, delayed, oldest_ms, dlq_depth, dlq)) = row else {
+            return Err(Error::QueueNotFound {
+                name: self.inner.name.clone(),
+            });
+        };
+        Ok(QueueStats {
+            depth: depth as u64,
+            in_flight: in_flight as u64,
+            delayed: delayed as u64,
+            oldest_age: oldest_ms.map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            dead_letter_depth: dlq.map(|_| dlq_depth as u64),
+        })
+    }
+
+    async fn redrive(&self) -> Result<u64> {
+        let mut moved = 0u64;
+        loop {
+            let rows: Vec<(i64, String)> = sqlx::query_as(include_str!("sql/redrive.sql"))
+                .bind(&self.inner.name)
+                .bind(MAX_BATCH as i64)
+                .fetch_all(&self.inner.pool)
+                .await?;
+            moved += rows.len() as u64;
+            if rows.len() < MAX_BATCH {
+                break;
+            }
+        }
+        if moved > 0 {
+            tracing::info!(queue = %self.inner.name, moved, "redrove dead letters");
+            metrics::counter!("pgonce_queue_redriven_total", "queue" => self.inner.name.clone())
+                .increment(moved);
+        }
+        Ok(moved)
+    }
+}
+
+/// depth, in flight, delayed, oldest ms, dead-letter depth, dead-letter queue.
+type StatsRow = (i64, i64, i64, Option<i64>, i64, Option<String>);
+
+struct Unpark<'a>(&'a AtomicUsize);
+
+impl Drop for Unpark<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    d.as_millis().min(i64::MAX as u128) as i64
+}
+
+fn parse_id(id: &str) -> Result<i64> {
+    id.parse().map_err(|_| Error::Invalid {
+        what: "message id",
+        why: format!("{id:?} is not a message id of the PostgreSQL queue"),
+    })
+}
+
+fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 80
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Invalid {
+            what: "queue name",
+            why: format!("{name:?}: 1 to 80 characters of A-Z a-z 0-9 _ - ."),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attributes_are_validated() {
+        assert!(QueueAttributes::default().validate().is_ok());
+        let dlq_without_count = QueueAttributes {
+            dead_letter_queue: Some("dlq".into()),
+            ..QueueAttributes::default()
+        };
+        assert!(matches!(
+            dlq_without_count.validate(),
+            Err(Error::Invalid { .. })
+        ));
+        assert!(validate_name("orders.fifo").is_ok());
+        assert!(validate_name("a b").is_err());
+        assert!(validate_name("").is_err());
+    }
+
+    #[test]
+    fn oversized_and_malformed_messages_are_typed_errors() {
+        let big = SendMessage::new("x".repeat(MAX_BODY_BYTES + 1));
+        assert!(matches!(
+            big.validate(false),
+            Err(Error::MessageTooLarge { .. })
+        ));
+        assert!(matches!(
+            SendMessage::new("").validate(false),
+            Err(Error::Invalid { .. })
+        ));
+        assert!(matches!(
+            SendMessage::new("a\0b").validate(false),
+            Err(Error::Invalid { .. })
+        ));
+        assert!(
+            SendMessage::new("x").validate(true).is_err(),
+            "fifo needs a group"
+        );
+        assert!(SendMessage::new("x").group("g").validate(false).is_err());
+    }
+}

@@ -1,0 +1,35 @@
+-- One message. $1 queue, $2 body, $3 attributes, $4 group id, $5 dedup id,
+-- $6 delay ms (NULL: the queue's), $7 notify.
+-- With a dedup id, the id is claimed in queue_dedup first; a live claim
+-- (within the window) makes this a duplicate: nothing is inserted and the
+-- original id is returned. No row at all: the queue does not exist, or a
+-- concurrent sender's claim committed after this statement's snapshot
+-- (the caller retries once to read it).
+WITH q AS (
+    SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue WHERE name = $1
+), claim AS (
+    INSERT INTO pgonce.queue_dedup AS d (queue, dedup_id, message_id, expires_at)
+    SELECT q.name, $5, nextval('pgonce.queue_message_id_seq'),
+           now() + q.dedup_window_ms * interval '1 millisecond'
+    FROM q
+    WHERE $5::text IS NOT NULL
+    ON CONFLICT (queue, dedup_id) DO UPDATE
+    SET message_id = EXCLUDED.message_id, expires_at = EXCLUDED.expires_at
+    WHERE d.expires_at <= now()
+    RETURNING message_id
+), ins AS (
+    INSERT INTO pgonce.queue_message (id, queue, body, attributes, group_id, dedup_id, visible_at)
+    SELECT coalesce((SELECT message_id FROM claim), nextval('pgonce.queue_message_id_seq')),
+           q.name, $2, $3, $4, $5,
+           now() + coalesce($6, q.delay_ms) * interval '1 millisecond'
+    FROM q
+    WHERE $5::text IS NULL OR EXISTS (SELECT 1 FROM claim)
+    RETURNING id
+), woken AS (
+    SELECT pg_notify('pgonce_queue', $1) FROM ins WHERE $7
+)
+SELECT ins.id, false AS duplicate FROM ins WHERE (SELECT count(*) FROM woken) >= 0
+UNION ALL
+SELECT d.message_id, true
+FROM pgonce.queue_dedup d
+WHERE d.queue = $1 AND d.dedup_id = $5 AND NOT EXISTS (SELECT 1 FROM claim)

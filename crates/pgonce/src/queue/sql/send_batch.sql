@@ -1,0 +1,17 @@
+-- Many messages without dedup ids, in one statement. $1 queue, $2 bodies,
+-- $3 attributes, $4 group ids, $5 delays ms (NULL: the queue's), $6 notify.
+-- Ids are assigned in input order.
+WITH q AS (
+    SELECT name, delay_ms FROM pgonce.queue WHERE name = $1
+), ins AS (
+    INSERT INTO pgonce.queue_message (queue, body, attributes, group_id, visible_at)
+    SELECT q.name, b.body, b.attributes, b.group_id,
+           now() + coalesce(b.delay_ms, q.delay_ms) * interval '1 millisecond'
+    FROM q, unnest($2::text[], $3::jsonb[], $4::text[], $5::bigint[])
+            WITH ORDINALITY AS b(body, attributes, group_id, delay_ms, ord)
+    ORDER BY b.ord
+    RETURNING id
+), woken AS (
+    SELECT pg_notify('pgonce_queue', $1) WHERE $6 AND EXISTS (SELECT 1 FROM ins)
+)
+SELECT id FROM ins WHERE (SELECT count(*) FROM woken) >= 0 ORDER BY id

@@ -1,0 +1,418 @@
+//! The worker runtime: receives from any [`Queue`], runs a [`Handler`] per
+//! message under a concurrency limit, keeps the message invisible while
+//! the handler runs (heartbeat), acks by policy, and shuts down gracefully.
+//!
+//! The worker holds no database connection while a handler runs: it
+//! receives (one short statement), hands the message over, and uses a
+//! connection again only for each heartbeat and for the ack.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use super::{Queue, ReceiveRequest, Received};
+use crate::error::{Error, Result};
+
+/// What a handler returns when it could not process a message.
+pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Processes one message. Must be idempotent or guarded by one of pgonce's
+/// safeguards: the same message can arrive twice, or concurrently.
+pub trait Handler: Send + Sync + 'static {
+    /// Handles `message`. `Ok` acks it; `Err` leaves it for redelivery (or,
+    /// under [`AckPolicy::AlwaysDelete`], deletes it anyway).
+    fn handle(
+        &self,
+        message: &Received,
+    ) -> impl Future<Output = std::result::Result<(), HandlerError>> + Send;
+}
+
+/// When the worker deletes a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AckPolicy {
+    /// Delete on success; on failure leave it in the queue, to be received
+    /// again after `failure_visibility` (or the visibility timeout) and
+    /// dead-lettered after the queue's max receive count.
+    #[default]
+    DeleteOnSuccess,
+    /// Delete whatever the outcome: the handler records failures in the
+    /// database (a job row with an attempt count, see the job pattern),
+    /// which is then the retry ledger; the queue only carries the nudge.
+    AlwaysDelete,
+}
+
+/// The worker's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerConfig {
+    /// Handlers running at once, at most. Default 8; at least 1.
+    pub concurrency: usize,
+    /// Messages asked for per receive, at most (also capped by free
+    /// handler slots). Default 10; at least 1.
+    pub batch: usize,
+    /// Long-poll wait of each receive. Default 5 s.
+    pub wait: Duration,
+    /// Visibility timeout of each delivery; `None`: the queue's. Default
+    /// `None`.
+    pub visibility: Option<Duration>,
+    /// While a handler runs, extend the message's visibility this often.
+    /// `None`: no heartbeat. Default 10 s; must be shorter than the
+    /// visibility timeout in use.
+    pub heartbeat_interval: Option<Duration>,
+    /// Each heartbeat makes the message invisible for this long from now.
+    /// Default 30 s.
+    pub heartbeat_extension: Duration,
+    /// When to delete. Default [`AckPolicy::DeleteOnSuccess`].
+    pub ack: AckPolicy,
+    /// After a failed handler (with `DeleteOnSuccess`), make the message
+    /// visible again after this long instead of waiting out its visibility
+    /// timeout. Default `None` (wait it out).
+    pub failure_visibility: Option<Duration>,
+    /// `run` waits this long for in-flight handlers after shutdown; those
+    /// still running are dropped and their messages come back after their
+    /// visibility timeout. Default 30 s.
+    pub shutdown_deadline: Duration,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            concurrency: 8,
+            batch: 10,
+            wait: Duration::from_secs(5),
+            visibility: None,
+            heartbeat_interval: Some(Duration::from_secs(10)),
+            heartbeat_extension: Duration::from_secs(30),
+            ack: AckPolicy::DeleteOnSuccess,
+            failure_visibility: None,
+            shutdown_deadline: Duration::from_secs(30),
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// Checks the invariants stated on each field.
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |why: &str| {
+            Err(Error::Invalid {
+                what: "worker config",
+                why: why.into(),
+            })
+        };
+        if self.concurrency == 0 || self.batch == 0 {
+            return invalid("concurrency and batch are at least 1");
+        }
+        if self.heartbeat_interval.is_some_and(|h| h.is_zero()) {
+            return invalid("heartbeat_interval must be positive");
+        }
+        if let (Some(h), Some(v)) = (self.heartbeat_interval, self.visibility)
+            && h >= v
+        {
+            return invalid("heartbeat_interval must be shorter than the visibility timeout");
+        }
+        Ok(())
+    }
+}
+
+/// What a worker did (one `run_once`, or a whole `run`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerCounters {
+    /// Messages received.
+    pub received: u64,
+    /// Of those, deliveries after the first (receive count > 1).
+    pub redelivered: u64,
+    /// Handlers that returned Ok.
+    pub succeeded: u64,
+    /// Handlers that returned Err or panicked.
+    pub failed: u64,
+    /// Messages deleted.
+    pub deleted: u64,
+    /// Acks or heartbeats refused as stale: another delivery owns the
+    /// message now.
+    pub stale: u64,
+    /// Visibility extensions made while handlers ran.
+    pub heartbeats: u64,
+    /// Handlers still running at the shutdown deadline, dropped.
+    pub abandoned: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    received: AtomicU64,
+    redelivered: AtomicU64,
+    succeeded: AtomicU64,
+    failed: AtomicU64,
+    deleted: AtomicU64,
+    stale: AtomicU64,
+    heartbeats: AtomicU64,
+    abandoned: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> WorkerCounters {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        WorkerCounters {
+            received: g(&self.received),
+            redelivered: g(&self.redelivered),
+            succeeded: g(&self.succeeded),
+            failed: g(&self.failed),
+            deleted: g(&self.deleted),
+            stale: g(&self.stale),
+            heartbeats: g(&self.heartbeats),
+            abandoned: g(&self.abandoned),
+        }
+    }
+}
+
+fn bump(a: &AtomicU64) {
+    a.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Consumes a queue with a handler. See the module docs.
+pub struct Worker<Q, H> {
+    shared: Arc<Shared<Q, H>>,
+}
+
+struct Shared<Q, H> {
+    queue: Q,
+    handler: H,
+    config: WorkerConfig,
+    counters: Counters,
+}
+
+impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
+    /// A worker for `queue` and `handler`; the config is validated.
+    pub fn new(queue: Q, handler: H, config: WorkerConfig) -> Result<Worker<Q, H>> {
+        config.validate()?;
+        Ok(Worker {
+            shared: Arc::new(Shared {
+                queue,
+                handler,
+                config,
+                counters: Counters::default(),
+            }),
+        })
+    }
+
+    /// The handler (for tests that inspect it).
+    pub fn handler(&self) -> &H {
+        &self.shared.handler
+    }
+
+    /// What this worker did so far, over all calls.
+    pub fn counters(&self) -> WorkerCounters {
+        self.shared.counters.snapshot()
+    }
+
+    /// One receive (without waiting) of up to `concurrency.min(batch)`
+    /// messages, all handled concurrently and acked; returns what this call
+    /// did.
+    pub async fn run_once(&self) -> Result<WorkerCounters> {
+        let before = self.counters();
+        let max = self.shared.config.concurrency.min(self.shared.config.batch);
+        let mut request = ReceiveRequest::up_to(max);
+        request.visibility = self.shared.config.visibility;
+        let messages = self.shared.queue.receive(request).await?;
+        let mut tasks = JoinSet::new();
+        for message in messages {
+            let shared = self.shared.clone();
+            tasks.spawn(async move { shared.process(message).await });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            if joined.is_err() {
+                bump(&self.shared.counters.failed);
+            }
+        }
+        Ok(diff(self.counters(), before))
+    }
+
+    /// Runs until `shutdown` resolves: receives while a handler slot is
+    /// free, then, on shutdown, stops receiving at once (a receive in
+    /// progress is dropped: whatever it had delivered comes back after its
+    /// visibility timeout), lets in-flight handlers finish within
+    /// `shutdown_deadline`, and drops the rest (their messages come back
+    /// the same way). Returns what this call did. Receive errors are logged
+    /// and retried after a second.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) -> WorkerCounters {
+        let before = self.counters();
+        let config = &self.shared.config;
+        let slots = Arc::new(Semaphore::new(config.concurrency));
+        let mut tasks = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            while let Some(joined) = tasks.try_join_next() {
+                if joined.is_err() {
+                    bump(&self.shared.counters.failed);
+                }
+            }
+            let first = tokio::select! {
+                _ = &mut shutdown => break,
+                permit = slots.clone().acquire_owned() => permit.expect("never closed"),
+            };
+            let mut permits = vec![first];
+            while permits.len() < config.batch {
+                match slots.clone().try_acquire_owned() {
+                    Ok(p) => permits.push(p),
+                    Err(_) => break,
+                }
+            }
+            let mut request = ReceiveRequest::up_to(permits.len()).wait(config.wait);
+            request.visibility = config.visibility;
+            let received = tokio::select! {
+                _ = &mut shutdown => break,
+                r = self.shared.queue.receive(request) => r,
+            };
+            match received {
+                Ok(messages) => {
+                    for message in messages {
+                        let permit = permits.pop().expect("no more messages than permits");
+                        let shared = self.shared.clone();
+                        tasks.spawn(async move {
+                            shared.process(message).await;
+                            drop(permit);
+                        });
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(queue = self.shared.queue.name(), error = %e, "receive failed; retrying");
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+            }
+        }
+        tracing::info!(
+            queue = self.shared.queue.name(),
+            in_flight = tasks.len(),
+            "worker shutting down"
+        );
+        let drained = tokio::time::timeout(config.shutdown_deadline, async {
+            while let Some(joined) = tasks.join_next().await {
+                if joined.is_err() {
+                    bump(&self.shared.counters.failed);
+                }
+            }
+        })
+        .await;
+        if drained.is_err() {
+            let left = tasks.len() as u64;
+            tracing::warn!(
+                queue = self.shared.queue.name(),
+                left,
+                "shutdown deadline passed; in-flight messages return after their visibility timeout"
+            );
+            self.shared
+                .counters
+                .abandoned
+                .fetch_add(left, Ordering::Relaxed);
+            tasks.shutdown().await;
+        }
+        diff(self.counters(), before)
+    }
+}
+
+impl<Q: Queue, H: Handler> Shared<Q, H> {
+    async fn process(&self, message: Received) {
+        let queue = self.queue.name().to_string();
+        let c = &self.counters;
+        bump(&c.received);
+        metrics::counter!("pgonce_queue_worker_received_total", "queue" => queue.clone())
+            .increment(1);
+        if message.receive_count > 1 {
+            bump(&c.redelivered);
+            metrics::counter!("pgonce_queue_worker_redelivered_total", "queue" => queue.clone())
+                .increment(1);
+        }
+        let in_flight = metrics::gauge!("pgonce_queue_worker_in_flight", "queue" => queue.clone());
+        in_flight.increment(1.0);
+        let started = Instant::now();
+        let outcome = {
+            let handling = self.handler.handle(&message);
+            tokio::pin!(handling);
+            let mut lease_held = true;
+            loop {
+                let beat = async {
+                    match self.config.heartbeat_interval {
+                        Some(every) if lease_held => tokio::time::sleep(every).await,
+                        _ => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    outcome = &mut handling => break outcome,
+                    _ = beat => {
+                        match self
+                            .queue
+                            .change_visibility(&message.receipt, self.config.heartbeat_extension)
+                            .await
+                        {
+                            Ok(()) => bump(&c.heartbeats),
+                            Err(Error::StaleReceipt { .. }) => {
+                                bump(&c.stale);
+                                lease_held = false;
+                                tracing::warn!(queue = %queue, id = %message.id,
+                                    "heartbeat refused: the message was redelivered while its handler ran");
+                            }
+                            Err(e) => tracing::warn!(queue = %queue, id = %message.id, error = %e, "heartbeat failed"),
+                        }
+                    }
+                }
+            }
+        };
+        metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
+            .record(started.elapsed().as_secs_f64());
+        in_flight.decrement(1.0);
+        let delete = match &outcome {
+            Ok(()) => {
+                bump(&c.succeeded);
+                true
+            }
+            Err(e) => {
+                bump(&c.failed);
+                metrics::counter!("pgonce_queue_worker_failed_total", "queue" => queue.clone())
+                    .increment(1);
+                tracing::warn!(queue = %queue, id = %message.id, receive_count = message.receive_count,
+                    error = %e, "handler failed");
+                self.config.ack == AckPolicy::AlwaysDelete
+            }
+        };
+        let acked = if delete {
+            self.queue.delete(&message.receipt).await.map(|()| {
+                bump(&c.deleted);
+                metrics::counter!("pgonce_queue_worker_deleted_total", "queue" => queue.clone())
+                    .increment(1);
+            })
+        } else if let Some(after) = self.config.failure_visibility {
+            self.queue.change_visibility(&message.receipt, after).await
+        } else {
+            Ok(())
+        };
+        match acked {
+            Ok(()) => {}
+            Err(Error::StaleReceipt { .. }) => {
+                bump(&c.stale);
+                tracing::warn!(queue = %queue, id = %message.id,
+                    "ack refused: the message was redelivered while its handler ran");
+            }
+            Err(e) => {
+                tracing::warn!(queue = %queue, id = %message.id, error = %e, "ack failed; the message will be redelivered")
+            }
+        }
+    }
+}
+
+fn diff(after: WorkerCounters, before: WorkerCounters) -> WorkerCounters {
+    WorkerCounters {
+        received: after.received - before.received,
+        redelivered: after.redelivered - before.redelivered,
+        succeeded: after.succeeded - before.succeeded,
+        failed: after.failed - before.failed,
+        deleted: after.deleted - before.deleted,
+        stale: after.stale - before.stale,
+        heartbeats: after.heartbeats - before.heartbeats,
+        abandoned: after.abandoned - before.abandoned,
+    }
+}
