@@ -1,8 +1,10 @@
 //! `pgonce bench <suite>`: strategies side by side in one run, with ratios.
 //! Every suite takes `--quick` (same scenarios, smaller, under 30 s) for CI.
 
+mod jobs;
 mod lock;
 pub mod measure;
+mod peers;
 
 use std::time::Duration;
 
@@ -15,6 +17,9 @@ use crate::scratch::RunDatabase;
 pub enum Suite {
     /// Cost of a transaction-level advisory lock in a short write transaction.
     Lock,
+    /// Claim-to-complete throughput of pgonce's jobs against sqlxmq, and
+    /// duplicate side effects under forced redelivery per guard.
+    Jobs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -42,6 +47,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
     let db = RunDatabase::open(database_url, "bench", 200).await?;
     let report = match args.suite {
         Suite::Lock => lock::run(args, &db).await,
+        Suite::Jobs => jobs::run(args, &db, database_url).await,
     };
     db.close().await?;
     let mut report = report?;

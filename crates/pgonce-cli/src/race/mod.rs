@@ -2,6 +2,7 @@
 //! the harness, under each strategy, with what happened to the invariant.
 
 mod lock_wait;
+mod seed003;
 
 use clap::{Args, ValueEnum};
 use pgonce_testkit::{Step, StepEvent};
@@ -14,6 +15,9 @@ pub enum Scenario {
     /// Session B waits for a transaction-level advisory lock that A holds,
     /// and does not when A takes it outside a transaction.
     LockWait,
+    /// Seed 003: one job delivered twice under no-guard, where-status,
+    /// two-phase and dedupe-key; the crashed claimer; the late completion.
+    Seed003,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -26,6 +30,7 @@ pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<
     let db = RunDatabase::open(database_url, "race", 20).await?;
     let report = match args.scenario {
         Scenario::LockWait => lock_wait::run(&db).await,
+        Scenario::Seed003 => seed003::run(&db).await,
     };
     db.close().await?;
     report
