@@ -358,6 +358,35 @@ pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value
     Ok(())
 }
 
+/// [`complete`] for many jobs in one statement (one commit), each fenced by
+/// its own lease. Returns the ids whose lease was lost (nothing written for
+/// those); empty when every job completed.
+pub async fn complete_many<'c>(
+    db: impl PgExecutor<'c>,
+    done: &[(Lease, Value)],
+) -> Result<Vec<i64>> {
+    let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
+    let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
+    let results: Vec<Value> = done.iter().map(|(_, r)| r.clone()).collect();
+    let completed: Vec<i64> = sqlx::query_scalar(include_str!("job/sql/complete_many.sql"))
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&results)
+        .fetch_all(db)
+        .await?;
+    metrics::counter!("pgonce_job_completed_total").increment(completed.len() as u64);
+    let lost: Vec<i64> = done
+        .iter()
+        .filter(|(l, _)| !completed.contains(&l.job_id))
+        .map(|(l, _)| {
+            // Counted and logged like a single lost completion.
+            let _ = l.lost();
+            l.job_id
+        })
+        .collect();
+    Ok(lost)
+}
+
 /// How failed attempts are retried: delay = min(`max`, `base` *
 /// 2^(attempts - 1)) * (1 + `jitter` * U[0, 1)), computed in SQL.
 #[derive(Debug, Clone, Copy, PartialEq)]

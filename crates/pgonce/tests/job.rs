@@ -678,3 +678,58 @@ mod state_machine {
         drop(db);
     }
 }
+
+#[tokio::test]
+async fn complete_many_completes_each_job_only_under_its_current_lease() {
+    let (_db, pool) = setup().await;
+    for i in 0..3 {
+        job::enqueue(&pool, &NewJob::new("many", json!(i)))
+            .await
+            .unwrap();
+    }
+    let claimed = job::claim_batch(&pool, "many", 3, LEASE).await.unwrap();
+    assert_eq!(claimed.len(), 3);
+    // The first job's lease is taken over before the batch completes.
+    let taken = claimed[0].lease.job_id;
+    expire_lease(&pool, taken).await;
+    reaper(&pool).run_once().await.unwrap();
+    let new = job::claim(&pool, taken, LEASE).await.unwrap();
+    let done: Vec<_> = claimed
+        .iter()
+        .map(|c| (c.lease.clone(), json!("batch")))
+        .collect();
+    let lost = job::complete_many(&pool, &done).await.unwrap();
+    assert_eq!(lost, vec![taken]);
+    assert_eq!(status(&pool, taken).await, JobStatus::Processing);
+    for c in &claimed[1..] {
+        assert_eq!(status(&pool, c.lease.job_id).await, JobStatus::Completed);
+    }
+    job::complete(&pool, &new, &json!("new")).await.unwrap();
+}
+
+#[tokio::test]
+async fn the_reaper_service_loop_reaps_until_shutdown() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    job::claim(&pool, id, LEASE).await.unwrap();
+    expire_lease(&pool, id).await;
+    let config = ReaperConfig {
+        interval: Duration::from_millis(10),
+        ..ReaperConfig::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let service = tokio::spawn(Reaper::new(pool.clone(), config).unwrap().run(async {
+        let _ = stopped.await;
+    }));
+    // Poll the database for the outcome (no sleep decides anything).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while status(&pool, id).await != JobStatus::Pending {
+        assert!(std::time::Instant::now() < deadline, "not reaped");
+        tokio::task::yield_now().await;
+    }
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), service)
+        .await
+        .expect("run returns on shutdown")
+        .unwrap();
+}
