@@ -55,3 +55,32 @@ fn race_lock_wait_prints_one_json_object_with_an_ok_verdict() {
     assert_eq!(results[0]["invariant_held"], true);
     assert_eq!(results[1]["invariant_held"], false);
 }
+
+#[test]
+fn race_seed003_exits_0_with_exactly_one_side_effect_under_two_phase() {
+    let out = pgonce()
+        .args(["race", "seed003", "--json"])
+        .timeout(Duration::from_secs(120))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = |name: &str| {
+        report["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["strategy"] == name)
+            .unwrap_or_else(|| panic!("no row {name}"))
+            .clone()
+    };
+    assert_eq!(row("two-phase")["side_effects"], 1);
+    assert_eq!(row("two-phase")["transitions_applied"], 1);
+    assert_eq!(row("where-status")["side_effects"], 2);
+    assert_eq!(row("late-completion")["second_delivery"], "LeaseLost");
+    assert_eq!(row("crash")["final_status"], "completed");
+}
