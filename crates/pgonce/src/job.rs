@@ -16,6 +16,25 @@
 //!   overwrite the new owner's outcome.
 //! * for effects that are not transitions (a counter), [`crate::dedupe`].
 //!
+//! ```no_run
+//! # async fn worker(pool: sqlx::PgPool, id: i64) -> pgonce::Result<()> {
+//! use std::time::Duration;
+//! use pgonce::{Error, job};
+//! let lease = match job::claim(&pool, id, Duration::from_secs(60)).await {
+//!     Ok(lease) => lease,
+//!     // Another delivery has it or had it: acknowledge, do nothing.
+//!     Err(Error::AlreadyHandled { .. }) => return Ok(()),
+//!     Err(e) => return Err(e),
+//! };
+//! // ... the side effect, heartbeating if it may outlast the lease ...
+//! match job::complete(&pool, &lease, &serde_json::json!({"ok": true})).await {
+//!     // Our lease was reaped and taken over: the new owner's result stands.
+//!     Ok(()) | Err(Error::LeaseLost { .. }) => Ok(()),
+//!     Err(e) => Err(e),
+//! }
+//! # }
+//! ```
+//!
 //! # States
 //!
 //! | state | leaves by | who moves it |
