@@ -343,3 +343,43 @@ async fn a_released_key_starts_afresh_and_bad_input_is_rejected() {
     .unwrap();
     assert_eq!(n, 0);
 }
+
+#[tokio::test]
+async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_skips() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a
+        .pool()
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    race.step(&a, "mark m", dedupe::mark_processed(&mut tx_a, "c", "m"))
+        .await
+        .unwrap()
+        .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "mark m under REPEATABLE READ", async move {
+            let mut tx = pool_b
+                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                .await?;
+            let out = dedupe::mark_processed(&mut tx, "c", "m").await;
+            let _ = tx.rollback().await;
+            out
+        })
+        .await
+        .unwrap();
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let first = waiting.resume().await.unwrap();
+    assert!(matches!(&first, Err(e) if e.is_retryable()), "{first:?}");
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .unwrap();
+    assert!(!dedupe::mark_processed(&mut tx, "c", "m").await.unwrap());
+}
