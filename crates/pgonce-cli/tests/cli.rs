@@ -110,3 +110,32 @@ fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
     assert!(strategies.iter().any(|s| s == "raw-insert-delete"));
     assert!(strategies.iter().any(|s| s.starts_with("apalis-postgres")));
 }
+
+#[test]
+fn race_seed003_exits_0_with_exactly_one_side_effect_under_two_phase() {
+    let out = pgonce()
+        .args(["race", "seed003", "--json"])
+        .timeout(Duration::from_secs(120))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = |name: &str| {
+        report["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["strategy"] == name)
+            .unwrap_or_else(|| panic!("no row {name}"))
+            .clone()
+    };
+    assert_eq!(row("two-phase")["side_effects"], 1);
+    assert_eq!(row("two-phase")["transitions_applied"], 1);
+    assert_eq!(row("where-status")["side_effects"], 2);
+    assert_eq!(row("late-completion")["second_delivery"], "LeaseLost");
+    assert_eq!(row("crash")["final_status"], "completed");
+}

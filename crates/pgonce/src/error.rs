@@ -65,6 +65,27 @@ pub enum Error {
         after: Option<i64>,
         matching: Vec<i64>,
     },
+    /// A conditional transition matched no row: the job was not in the
+    /// expected state, so another delivery already handled it (or it does
+    /// not exist). Not a failure: log it at debug and acknowledge the message.
+    #[error("job {job_id} already handled (it was not {expected})")]
+    AlreadyHandled { job_id: i64, expected: &'static str },
+
+    /// A lease (a job claim, an idempotency key hold) is no longer the
+    /// current one: it expired and was reaped or taken over. Nothing was
+    /// written; the new owner's outcome stands.
+    #[error("lease lost on {resource}: it was taken over or released")]
+    LeaseLost { resource: String },
+
+    /// An idempotency key was reused for a different request (another
+    /// fingerprint). The stored request is untouched.
+    #[error("idempotency key {key:?} was used for a different request")]
+    IdempotencyMismatch { key: String },
+
+    /// An idempotency key is held by a request still in progress (its hold
+    /// has not expired). Retry after the hold expires.
+    #[error("idempotency key {key:?} is held by a request in progress")]
+    IdempotencyInProgress { key: String },
 
     /// A value was rejected before reaching the database.
     #[error("invalid {what}: {why}")]

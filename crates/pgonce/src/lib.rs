@@ -15,18 +15,24 @@
 //! * [`queue`]: the [`Queue`] trait (SQS semantics), the PostgreSQL queue
 //!   [`PgQueue`], the worker runtime [`Worker`], and the conformance suite
 //!   every backend runs.
+//! * [`job`]: conditional transitions, fenced leases, the reaper and DB-driven
+//!   retry (P3).
+//! * [`dedupe`]: processed-message keys and idempotency keys (P4).
 //!
 //! The patterns (advisory locks, guarded writes, scoped sequences, jobs,
 //! idempotency keys, the event store and the queue) each live in a module of
 //! their own, with their SQL beside them.
 
+pub mod dedupe;
 pub mod error;
 pub mod events;
 pub mod guard;
+pub mod job;
 pub mod lock;
 mod migrate;
 pub mod queue;
 mod sequence;
+mod service;
 
 pub use error::{Error, Result};
 pub use events::{

@@ -3,6 +3,7 @@
 
 mod events;
 mod guard;
+mod jobs;
 mod lock;
 pub mod measure;
 mod peers;
@@ -31,6 +32,9 @@ pub enum Suite {
     /// Send + receive + delete through pgonce's queue, the raw INSERT/DELETE
     /// limit and a queue crate from crates.io.
     Queue,
+    /// Claim-to-complete throughput of pgonce's jobs against sqlxmq, and
+    /// duplicate side effects under forced redelivery per guard.
+    Jobs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -62,6 +66,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
         Suite::Sequence => sequence::run(args, &db).await,
         Suite::Events => events::run(args, &db).await,
         Suite::Queue => queue::run(args, &db).await,
+        Suite::Jobs => jobs::run(args, &db, database_url).await,
     };
     db.close().await?;
     let mut report = report?;

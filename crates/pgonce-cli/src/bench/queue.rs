@@ -260,7 +260,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     report.results.push(raw.row("raw-insert-delete", &shape, 1));
 
     let mut peer_rates = Vec::new();
-    for (strategy, batch, flow) in peers::run_all(db.pool(), shape).await? {
+    for (strategy, batch, flow) in peers::queue_peers(db.pool(), shape).await? {
         check(&mut report, &strategy, &flow);
         report.results.push(flow.row(&strategy, &shape, batch));
         peer_rates.push((strategy, flow.per_sec()));

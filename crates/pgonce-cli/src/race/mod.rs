@@ -4,6 +4,7 @@
 mod lock_wait;
 mod seed000;
 mod seed001;
+mod seed003;
 mod seed004;
 
 use clap::{Args, ValueEnum};
@@ -26,6 +27,9 @@ pub enum Scenario {
     /// Seed 001: three DCB writers (A and C on booking:123, B on
     /// booking:456) under each append strategy, and out-of-order commits.
     Seed001,
+    /// Seed 003: one job delivered twice under no-guard, where-status,
+    /// two-phase and dedupe-key; the crashed claimer; the late completion.
+    Seed003,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -41,6 +45,7 @@ pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<
         Scenario::Seed000 => seed000::run(&db).await,
         Scenario::Seed004 => seed004::run(&db).await,
         Scenario::Seed001 => seed001::run(&db).await,
+        Scenario::Seed003 => seed003::run(&db).await,
     };
     db.close().await?;
     report

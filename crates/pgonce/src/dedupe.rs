@@ -1,0 +1,332 @@
+//! Once per key, for effects that are not state transitions (pattern P4,
+//! seed 003).
+//!
+//! `UPDATE accounts SET balance = balance + $1` moves the value on every
+//! delivery; no status column can guard it. Two tools:
+//!
+//! * **processed-message keys** ([`mark_processed`], [`apply_once`]): the
+//!   message id is inserted into `pgonce.processed_messages` in the same
+//!   transaction as the effect. A duplicate delivery inserts nothing and skips
+//!   the effect; a concurrent one waits on the key's unique index until the
+//!   first commits (then skips) or rolls back (then applies). Needs the
+//!   effect to be a write in the same database and transaction.
+//! * **idempotency keys** for requests ([`acquire`], [`finish`],
+//!   [`release`]): the first use records the request's fingerprint and holds
+//!   the key; a retry with the same key gets the stored response
+//!   ([`Acquired::Replay`]); a different request under the same key is
+//!   [`Error::IdempotencyMismatch`]; a request while the holder still works is
+//!   [`Error::IdempotencyInProgress`]; a holder that died is recovered once its
+//!   hold expires (the next identical request takes the key over, and the old
+//!   holder's [`finish`] then fails with [`Error::LeaseLost`]).
+//!
+//! [`Collector`] deletes keys older than their retention.
+//!
+//! # Isolation
+//!
+//! [`mark_processed`] runs in the caller's transaction. Under READ COMMITTED
+//! a concurrent duplicate waits and then sees the conflict (returns `false`).
+//! Under REPEATABLE READ or SERIALIZABLE the waiting duplicate gets SQLSTATE
+//! 40001 ([`Error::SerializationFailure`]): retry the transaction, and the
+//! retry returns `false`.
+
+use std::future::Future;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgExecutor, PgPool, Postgres, Transaction};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+
+fn check_key(what: &'static str, s: &str) -> Result<()> {
+    if s.is_empty() {
+        return Err(Error::Invalid {
+            what,
+            why: "must not be empty".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Records that `consumer` processed `message_id`, inside `tx`. `true` the
+/// first time: apply the effect in the same transaction and commit. `false`
+/// if it was already processed (committed by an earlier delivery): skip the
+/// effect. Rolling `tx` back forgets the mark together with the effect.
+pub async fn mark_processed(
+    tx: &mut Transaction<'_, Postgres>,
+    consumer: &str,
+    message_id: &str,
+) -> Result<bool> {
+    check_key("consumer", consumer)?;
+    check_key("message id", message_id)?;
+    let done = sqlx::query(include_str!("dedupe/sql/mark_processed.sql"))
+        .bind(consumer)
+        .bind(message_id)
+        .execute(&mut **tx)
+        .await?;
+    let first = done.rows_affected() == 1;
+    if !first {
+        metrics::counter!("pgonce_dedupe_duplicates_total").increment(1);
+        tracing::debug!(consumer, message_id, "duplicate message skipped");
+    }
+    Ok(first)
+}
+
+/// Applies `effect` once per (`consumer`, `message_id`): in one READ
+/// COMMITTED transaction, marks the message processed and, the first time
+/// only, runs `effect` on the same connection, then commits. `Ok(None)` for a
+/// duplicate. If `effect` fails, the transaction rolls back, so the message
+/// can be processed again.
+pub async fn apply_once<T>(
+    pool: &PgPool,
+    consumer: &str,
+    message_id: &str,
+    effect: impl AsyncFnOnce(&mut PgConnection) -> Result<T>,
+) -> Result<Option<T>> {
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
+    if !mark_processed(&mut tx, consumer, message_id).await? {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    let out = effect(&mut tx).await?;
+    tx.commit().await?;
+    Ok(Some(out))
+}
+
+/// The fingerprint of a request: SHA-256 of its JSON serialisation. Two
+/// requests with the same key must serialise identically to count as the
+/// same request (serialise maps with a stable key order).
+pub fn fingerprint(request: &impl Serialize) -> Result<Vec<u8>> {
+    let bytes = serde_json::to_vec(request).map_err(|e| Error::Invalid {
+        what: "request",
+        why: format!("cannot serialise for a fingerprint: {e}"),
+    })?;
+    Ok(Sha256::digest(&bytes).to_vec())
+}
+
+/// The hold on an idempotency key by the request that is processing it.
+/// Pass it to [`finish`] (store the response) or [`release`] (give up).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyHold {
+    pub scope: String,
+    pub key: String,
+    pub token: Uuid,
+    pub held_until: OffsetDateTime,
+    /// `false` when this hold recovered a key whose previous holder died.
+    pub first_use: bool,
+}
+
+impl KeyHold {
+    fn lost(&self) -> Error {
+        metrics::counter!("pgonce_dedupe_hold_lost_total").increment(1);
+        tracing::warn!(scope = %self.scope, key = %self.key, "idempotency key hold lost");
+        Error::LeaseLost {
+            resource: format!("idempotency key {}/{}", self.scope, self.key),
+        }
+    }
+}
+
+/// The outcome of [`acquire`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Acquired {
+    /// This request holds the key: process it, then [`finish`].
+    Process(KeyHold),
+    /// The same request was already processed: return this response.
+    Replay(Value),
+}
+
+/// Uses idempotency key `key` in `scope` for a request with `fingerprint`
+/// (see [`fingerprint`]), holding it for `hold_for` if it is new or its
+/// previous holder's hold expired. See the module docs for the outcomes.
+pub async fn acquire(
+    pool: &PgPool,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+    hold_for: Duration,
+) -> Result<Acquired> {
+    check_key("idempotency scope", scope)?;
+    check_key("idempotency key", key)?;
+    if hold_for.is_zero() || fingerprint.is_empty() {
+        return Err(Error::Invalid {
+            what: "idempotency hold",
+            why: "needs a positive hold and a non-empty fingerprint".into(),
+        });
+    }
+    // Two rounds at most: the row may be collected between the two statements.
+    for _ in 0..2 {
+        let held: Option<(Uuid, OffsetDateTime, bool)> =
+            sqlx::query_as(include_str!("dedupe/sql/key_acquire.sql"))
+                .bind(scope)
+                .bind(key)
+                .bind(fingerprint)
+                .bind(hold_for.as_secs_f64())
+                .fetch_optional(pool)
+                .await?;
+        if let Some((token, held_until, inserted)) = held {
+            if !inserted {
+                tracing::warn!(scope, key, "idempotency key recovered from a dead holder");
+                metrics::counter!("pgonce_dedupe_keys_recovered_total").increment(1);
+            }
+            return Ok(Acquired::Process(KeyHold {
+                scope: scope.into(),
+                key: key.into(),
+                token,
+                held_until,
+                first_use: inserted,
+            }));
+        }
+        let row: Option<(Vec<u8>, String, Option<Value>)> =
+            sqlx::query_as(include_str!("dedupe/sql/key_read.sql"))
+                .bind(scope)
+                .bind(key)
+                .fetch_optional(pool)
+                .await?;
+        let Some((stored, status, response)) = row else {
+            continue;
+        };
+        if stored != fingerprint {
+            metrics::counter!("pgonce_dedupe_mismatches_total").increment(1);
+            tracing::warn!(scope, key, "idempotency key reused for a different request");
+            return Err(Error::IdempotencyMismatch { key: key.into() });
+        }
+        if status == "done" {
+            metrics::counter!("pgonce_dedupe_replays_total").increment(1);
+            return Ok(Acquired::Replay(response.unwrap_or(Value::Null)));
+        }
+        return Err(Error::IdempotencyInProgress { key: key.into() });
+    }
+    Err(Error::IdempotencyInProgress { key: key.into() })
+}
+
+/// Stores `response` for the held key, in `db` (pass the transaction that
+/// wrote the request's effects, so both commit together). [`Error::LeaseLost`]
+/// if the hold expired and another request took the key over.
+pub async fn finish<'c>(db: impl PgExecutor<'c>, hold: &KeyHold, response: &Value) -> Result<()> {
+    let done = sqlx::query(include_str!("dedupe/sql/key_finish.sql"))
+        .bind(&hold.scope)
+        .bind(&hold.key)
+        .bind(hold.token)
+        .bind(response)
+        .execute(db)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(hold.lost());
+    }
+    Ok(())
+}
+
+/// Gives the key up (the request failed in a way worth retrying): the next
+/// use starts afresh. [`Error::LeaseLost`] if it was taken over meanwhile.
+pub async fn release<'c>(db: impl PgExecutor<'c>, hold: &KeyHold) -> Result<()> {
+    let done = sqlx::query(include_str!("dedupe/sql/key_release.sql"))
+        .bind(&hold.scope)
+        .bind(&hold.key)
+        .bind(hold.token)
+        .execute(db)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(hold.lost());
+    }
+    Ok(())
+}
+
+/// Settings of the [`Collector`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectorConfig {
+    /// Pause between passes of [`Collector::run`]. Default 60 s; non-zero.
+    pub interval: Duration,
+    /// How long processed-message keys are kept. Default 7 days. Must exceed
+    /// the longest time a message can be redelivered after (queue retention),
+    /// or a late duplicate is applied again.
+    pub processed_retention: Duration,
+    /// How long idempotency keys are kept after first use. Default 24 h (what
+    /// clients are told a retry may take). An abandoned hold is only
+    /// collected once it expired, too.
+    pub key_retention: Duration,
+    /// Rows deleted per statement. Default 1000; at least 1.
+    pub batch_size: i64,
+}
+
+impl Default for CollectorConfig {
+    fn default() -> Self {
+        CollectorConfig {
+            interval: Duration::from_secs(60),
+            processed_retention: Duration::from_secs(7 * 24 * 3600),
+            key_retention: Duration::from_secs(24 * 3600),
+            batch_size: 1000,
+        }
+    }
+}
+
+/// What one collection pass deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CollectCounts {
+    pub processed_messages: u64,
+    pub idempotency_keys: u64,
+}
+
+/// Garbage-collects processed-message keys and idempotency keys.
+#[derive(Debug, Clone)]
+pub struct Collector {
+    pool: PgPool,
+    config: CollectorConfig,
+}
+
+impl Collector {
+    /// Validates `config`.
+    pub fn new(pool: PgPool, config: CollectorConfig) -> Result<Collector> {
+        crate::service::check_config("collector config", config.interval, config.batch_size)?;
+        Ok(Collector { pool, config })
+    }
+
+    /// One pass: deletes everything past its retention, batch by batch.
+    pub async fn run_once(&self) -> Result<CollectCounts> {
+        let processed = self
+            .delete_all(
+                include_str!("dedupe/sql/collect_processed.sql"),
+                self.config.processed_retention,
+            )
+            .await?;
+        let keys = self
+            .delete_all(
+                include_str!("dedupe/sql/collect_keys.sql"),
+                self.config.key_retention,
+            )
+            .await?;
+        metrics::counter!("pgonce_dedupe_collected_total").increment(processed + keys);
+        Ok(CollectCounts {
+            processed_messages: processed,
+            idempotency_keys: keys,
+        })
+    }
+
+    async fn delete_all(&self, sql: &'static str, retention: Duration) -> Result<u64> {
+        let mut total = 0;
+        loop {
+            let n = sqlx::query(sql)
+                .bind(retention.as_secs_f64())
+                .bind(self.config.batch_size)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+            total += n;
+            if (n as i64) < self.config.batch_size {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Runs a pass every `interval` until `shutdown` completes.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        crate::service::run_every("dedupe collector", self.config.interval, shutdown, || {
+            self.run_once()
+        })
+        .await;
+    }
+}

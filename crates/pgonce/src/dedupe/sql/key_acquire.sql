@@ -1,0 +1,12 @@
+-- First use inserts and holds the key. A later use takes the hold over only
+-- when the previous holder's hold expired (it died) and the request is the
+-- same one. Otherwise no row comes back and key_read.sql says why.
+INSERT INTO pgonce.idempotency_keys AS k (scope, key, fingerprint, hold_token, held_until)
+VALUES ($1, $2, $3, gen_random_uuid(), now() + make_interval(secs => $4))
+ON CONFLICT (scope, key) DO UPDATE
+SET hold_token = gen_random_uuid(),
+    held_until = now() + make_interval(secs => $4)
+WHERE k.status = 'in_progress'
+  AND k.held_until < now()
+  AND k.fingerprint = EXCLUDED.fingerprint
+RETURNING k.hold_token, k.held_until, (k.xmax = 0) AS inserted

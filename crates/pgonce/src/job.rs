@@ -1,0 +1,626 @@
+//! Jobs whose row is their own state machine (pattern P3, seed 003).
+//!
+//! A queue delivers a job's message at least once; the `pgonce.jobs` row
+//! decides what a delivery may do. Three guards, weakest first:
+//!
+//! * [`transition`]: the conditional update `UPDATE ... WHERE id = $1 AND
+//!   status = $expected`. Two deliveries racing on one job both run their
+//!   side effect, but only one transition applies; the other gets
+//!   [`Error::AlreadyHandled`]. Enough when the side effect may run twice.
+//! * two-phase: [`claim`] (pending to processing, returning a [`Lease`])
+//!   before the side effect, then [`complete`] or [`fail`] fenced by the lease.
+//!   The side effect runs once per successful claim. A slow worker keeps its
+//!   lease with [`heartbeat`]; a crashed worker's lease expires and the
+//!   [`Reaper`] makes the job runnable again, so it is not lost. A worker whose
+//!   lease was reaped and taken over gets [`Error::LeaseLost`] and cannot
+//!   overwrite the new owner's outcome.
+//! * for effects that are not transitions (a counter), [`crate::dedupe`].
+//!
+//! ```no_run
+//! # async fn worker(pool: sqlx::PgPool, id: i64) -> pgonce::Result<()> {
+//! use std::time::Duration;
+//! use pgonce::{Error, job};
+//! let lease = match job::claim(&pool, id, Duration::from_secs(60)).await {
+//!     Ok(lease) => lease,
+//!     // Another delivery has it or had it: acknowledge, do nothing.
+//!     Err(Error::AlreadyHandled { .. }) => return Ok(()),
+//!     Err(e) => return Err(e),
+//! };
+//! // ... the side effect, heartbeating if it may outlast the lease ...
+//! match job::complete(&pool, &lease, &serde_json::json!({"ok": true})).await {
+//!     // Our lease was reaped and taken over: the new owner's result stands.
+//!     Ok(()) | Err(Error::LeaseLost { .. }) => Ok(()),
+//!     Err(e) => Err(e),
+//! }
+//! # }
+//! ```
+//!
+//! # States
+//!
+//! | state | leaves by | who moves it |
+//! |---|---|---|
+//! | `pending` | [`claim`] / [`claim_batch`] to `processing`; [`transition`] to `completed` or `dead` | workers |
+//! | `processing` | [`complete`] to `completed`; [`fail`] to `failed` or `dead`; lease expiry to `pending` or `dead` | the lease holder; the [`Reaper`] once the lease expired |
+//! | `failed` | due (`run_at` passed) to `pending` | the [`Redriver`] |
+//! | `completed` | terminal | |
+//! | `dead` | terminal (`last_error` says why) | |
+//!
+//! `attempts` counts failed attempts (errors and expired leases) and is only
+//! ever incremented in SQL (`attempts = attempts + 1`), never read, changed
+//! and written back. A job reaching `max_attempts` goes to `dead`.
+//!
+//! # Isolation
+//!
+//! Every function runs one statement on the executor it is given: a pool (the
+//! statement is its own READ COMMITTED transaction) or the caller's
+//! transaction, so the job's transition commits with the caller's writes.
+//! Under READ COMMITTED a delivery that lost a race re-reads the row after the
+//! winner commits, matches nothing and gets [`Error::AlreadyHandled`] (or
+//! [`Error::LeaseLost`]). Under REPEATABLE READ or SERIALIZABLE PostgreSQL
+//! raises SQLSTATE 40001 instead, mapped to [`Error::SerializationFailure`]:
+//! roll back and run the whole transaction again; its fresh snapshot sees the
+//! winner's state and the retry gets `AlreadyHandled` (see
+//! [`Error::is_retryable`] and the test
+//! `repeatable_read_loser_gets_40001_then_already_handled_on_retry`).
+//!
+//! # The consumer policy
+//!
+//! See [`AckPolicy`]: with `AlwaysDelete` the queue message is deleted
+//! whatever the outcome, the row is the retry ledger, and the queue's
+//! dead-letter queue only catches infrastructure failures.
+
+mod reaper;
+mod redrive;
+
+use std::fmt;
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::PgExecutor;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+
+pub use reaper::{ReapCounts, Reaper, ReaperConfig};
+pub use redrive::{RedriveCounts, Redriver, RedriverConfig};
+
+/// The state of a job; see the module docs for transitions and reapers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JobStatus {
+    /// Runnable once `run_at` has passed. Nobody needs to reap it.
+    Pending,
+    /// Claimed under a lease. Reaped by the [`Reaper`] when the lease expires.
+    Processing,
+    /// Failed, waiting for its retry; the [`Redriver`] makes it pending again.
+    Failed,
+    /// Terminal: done, with its result.
+    Completed,
+    /// Terminal: past its maximum attempts, or cancelled.
+    Dead,
+}
+
+impl JobStatus {
+    /// The name stored in `pgonce.jobs.status`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            JobStatus::Pending => "pending",
+            JobStatus::Processing => "processing",
+            JobStatus::Failed => "failed",
+            JobStatus::Completed => "completed",
+            JobStatus::Dead => "dead",
+        }
+    }
+
+    /// Parses a stored status.
+    pub fn parse(s: &str) -> Result<JobStatus> {
+        Ok(match s {
+            "pending" => JobStatus::Pending,
+            "processing" => JobStatus::Processing,
+            "failed" => JobStatus::Failed,
+            "completed" => JobStatus::Completed,
+            "dead" => JobStatus::Dead,
+            other => {
+                return Err(Error::Invalid {
+                    what: "job status",
+                    why: format!("unknown status {other:?}"),
+                });
+            }
+        })
+    }
+
+    /// `completed` and `dead` never change again.
+    pub const fn is_terminal(self) -> bool {
+        matches!(self, JobStatus::Completed | JobStatus::Dead)
+    }
+}
+
+impl fmt::Display for JobStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A new job.
+#[derive(Debug, Clone)]
+pub struct NewJob {
+    /// What kind of work; claimers ask for one kind. Non-empty.
+    pub kind: String,
+    /// The work's input.
+    pub payload: Value,
+    /// Failed attempts allowed before `dead`. Default 5; at least 1.
+    pub max_attempts: i32,
+    /// Not runnable before this time. Default: now.
+    pub run_at: Option<OffsetDateTime>,
+}
+
+impl NewJob {
+    pub fn new(kind: impl Into<String>, payload: Value) -> NewJob {
+        NewJob {
+            kind: kind.into(),
+            payload,
+            max_attempts: 5,
+            run_at: None,
+        }
+    }
+
+    pub fn max_attempts(mut self, n: i32) -> NewJob {
+        self.max_attempts = n;
+        self
+    }
+}
+
+/// Inserts a pending job and returns its id. Rejects an empty kind or
+/// `max_attempts < 1` before writing anything.
+pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
+    if job.kind.is_empty() {
+        return Err(Error::Invalid {
+            what: "job kind",
+            why: "must not be empty".into(),
+        });
+    }
+    if job.max_attempts < 1 {
+        return Err(Error::Invalid {
+            what: "max_attempts",
+            why: format!("must be at least 1, got {}", job.max_attempts),
+        });
+    }
+    let id = sqlx::query_scalar(include_str!("job/sql/enqueue.sql"))
+        .bind(&job.kind)
+        .bind(&job.payload)
+        .bind(job.max_attempts)
+        .bind(job.run_at)
+        .fetch_one(db)
+        .await?;
+    Ok(id)
+}
+
+/// The transitions [`transition`] may make (the others need a lease).
+const fn transition_allowed(from: JobStatus, to: JobStatus) -> bool {
+    matches!(
+        (from, to),
+        (
+            JobStatus::Pending | JobStatus::Failed,
+            JobStatus::Completed | JobStatus::Dead
+        )
+    )
+}
+
+/// The conditional transition: moves job `id` from `from` to `to` only if it
+/// is still in `from`, in one statement (its row lock is the whole guard).
+///
+/// Zero rows matched is [`Error::AlreadyHandled`]: another delivery got there
+/// first. Allowed: `pending`/`failed` to `completed`/`dead`; anything else
+/// is [`Error::Invalid`] (processing is entered by [`claim`] and left through
+/// the lease). `result` is stored on the row, `error` in `last_error`.
+///
+/// It guards the state, not the side effect: two racing deliveries that both
+/// ran their side effect before calling this both ran it.
+pub async fn transition<'c>(
+    db: impl PgExecutor<'c>,
+    id: i64,
+    from: JobStatus,
+    to: JobStatus,
+    result: Option<&Value>,
+    error: Option<&str>,
+) -> Result<()> {
+    if !transition_allowed(from, to) {
+        return Err(Error::Invalid {
+            what: "job transition",
+            why: format!("{from} to {to} is not a conditional transition"),
+        });
+    }
+    let done = sqlx::query(include_str!("job/sql/transition.sql"))
+        .bind(id)
+        .bind(from.as_str())
+        .bind(to.as_str())
+        .bind(result)
+        .bind(error)
+        .execute(db)
+        .await?;
+    if done.rows_affected() == 0 {
+        tracing::debug!(job_id = id, expected = %from, "job already handled");
+        metrics::counter!("pgonce_job_already_handled_total").increment(1);
+        return Err(Error::AlreadyHandled {
+            job_id: id,
+            expected: from.as_str(),
+        });
+    }
+    Ok(())
+}
+
+/// A claim on a job: the token that fences its completion, and when it
+/// expires unless [`heartbeat`] extends it. Consumed by [`complete`] and
+/// [`fail`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub job_id: i64,
+    pub token: Uuid,
+    pub expires_at: OffsetDateTime,
+}
+
+impl Lease {
+    fn lost(&self) -> Error {
+        metrics::counter!("pgonce_job_lease_lost_total").increment(1);
+        tracing::warn!(job_id = self.job_id, token = %self.token, "job lease lost");
+        Error::LeaseLost {
+            resource: format!("job {}", self.job_id),
+        }
+    }
+}
+
+fn lease_secs(lease_for: Duration) -> Result<f64> {
+    if lease_for.is_zero() {
+        return Err(Error::Invalid {
+            what: "lease duration",
+            why: "must be positive".into(),
+        });
+    }
+    Ok(lease_for.as_secs_f64())
+}
+
+/// Phase 1 of two-phase: claims pending job `id` (pending to processing)
+/// with a lease of `lease_for`. Only one delivery can win: the others get
+/// [`Error::AlreadyHandled`] and must not run the side effect.
+pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) -> Result<Lease> {
+    let secs = lease_secs(lease_for)?;
+    let row: Option<(Uuid, OffsetDateTime)> = sqlx::query_as(include_str!("job/sql/claim.sql"))
+        .bind(id)
+        .bind(secs)
+        .fetch_optional(db)
+        .await?;
+    match row {
+        Some((token, expires_at)) => {
+            metrics::counter!("pgonce_job_claimed_total").increment(1);
+            Ok(Lease {
+                job_id: id,
+                token,
+                expires_at,
+            })
+        }
+        None => {
+            metrics::counter!("pgonce_job_already_handled_total").increment(1);
+            Err(Error::AlreadyHandled {
+                job_id: id,
+                expected: "pending",
+            })
+        }
+    }
+}
+
+/// A job claimed by [`claim_batch`].
+#[derive(Debug, Clone)]
+pub struct ClaimedJob {
+    pub kind: String,
+    pub payload: Value,
+    /// Failed attempts so far.
+    pub attempts: i32,
+    pub lease: Lease,
+}
+
+/// Claims up to `limit` runnable jobs of `kind` in one statement
+/// (`FOR UPDATE SKIP LOCKED` in a CTE, then `UPDATE ... RETURNING`), so
+/// concurrent workers never claim the same job and never wait for each other.
+pub async fn claim_batch<'c>(
+    db: impl PgExecutor<'c>,
+    kind: &str,
+    limit: i64,
+    lease_for: Duration,
+) -> Result<Vec<ClaimedJob>> {
+    let secs = lease_secs(lease_for)?;
+    if limit < 1 {
+        return Err(Error::Invalid {
+            what: "claim limit",
+            why: format!("must be at least 1, got {limit}"),
+        });
+    }
+    type Row = (i64, String, Value, i32, Uuid, OffsetDateTime);
+    let rows: Vec<Row> = sqlx::query_as(include_str!("job/sql/claim_batch.sql"))
+        .bind(kind)
+        .bind(limit)
+        .bind(secs)
+        .fetch_all(db)
+        .await?;
+    metrics::counter!("pgonce_job_claimed_total").increment(rows.len() as u64);
+    Ok(rows
+        .into_iter()
+        .map(
+            |(job_id, kind, payload, attempts, token, expires_at)| ClaimedJob {
+                kind,
+                payload,
+                attempts,
+                lease: Lease {
+                    job_id,
+                    token,
+                    expires_at,
+                },
+            },
+        )
+        .collect())
+}
+
+/// Phase 2: processing to completed with `result`, only while `lease` is
+/// still the job's current lease; otherwise [`Error::LeaseLost`] and nothing
+/// is written. Run it in the transaction that writes the work's outcome so
+/// both commit together.
+pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value) -> Result<()> {
+    let done = sqlx::query(include_str!("job/sql/complete.sql"))
+        .bind(lease.job_id)
+        .bind(lease.token)
+        .bind(result)
+        .execute(db)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(lease.lost());
+    }
+    metrics::counter!("pgonce_job_completed_total").increment(1);
+    Ok(())
+}
+
+/// [`complete`] for many jobs in one statement (one commit), each fenced by
+/// its own lease. Returns the ids whose lease was lost (nothing written for
+/// those); empty when every job completed.
+pub async fn complete_many<'c>(
+    db: impl PgExecutor<'c>,
+    done: &[(Lease, Value)],
+) -> Result<Vec<i64>> {
+    let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
+    let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
+    let results: Vec<Value> = done.iter().map(|(_, r)| r.clone()).collect();
+    let completed: Vec<i64> = sqlx::query_scalar(include_str!("job/sql/complete_many.sql"))
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&results)
+        .fetch_all(db)
+        .await?;
+    metrics::counter!("pgonce_job_completed_total").increment(completed.len() as u64);
+    let lost: Vec<i64> = done
+        .iter()
+        .filter(|(l, _)| !completed.contains(&l.job_id))
+        .map(|(l, _)| {
+            // Counted and logged like a single lost completion.
+            let _ = l.lost();
+            l.job_id
+        })
+        .collect();
+    Ok(lost)
+}
+
+/// How failed attempts are retried: delay = min(`max`, `base` *
+/// 2^(attempts - 1)) * (1 + `jitter` * U[0, 1)), computed in SQL.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Delay after the first failure. Default 1 s.
+    pub base: Duration,
+    /// Upper bound before jitter. Default 10 minutes. At least `base`.
+    pub max: Duration,
+    /// Random extra fraction of the delay, in [0, 1]. Default 0.25, so
+    /// retries of jobs that failed together spread out.
+    pub jitter: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(600),
+            jitter: 0.25,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Checks the invariants above.
+    pub fn validate(&self) -> Result<()> {
+        if self.max < self.base || !(0.0..=1.0).contains(&self.jitter) {
+            return Err(Error::Invalid {
+                what: "retry policy",
+                why: format!(
+                    "need base <= max and jitter in [0, 1], got {:?} / {:?} / {}",
+                    self.base, self.max, self.jitter
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What [`fail`] did with the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailOutcome {
+    /// Scheduled for another attempt at `run_at` (the [`Redriver`] will make
+    /// it pending then).
+    Retry {
+        attempts: i32,
+        run_at: OffsetDateTime,
+    },
+    /// Past its maximum attempts.
+    Dead { attempts: i32 },
+}
+
+/// Records a failed attempt under `lease`: the error goes to `last_error`,
+/// `attempts` is incremented in SQL, and the job is scheduled for a retry by
+/// `policy` or, past `max_attempts`, marked dead. [`Error::LeaseLost`] if the
+/// lease is no longer current (nothing written).
+pub async fn fail<'c>(
+    db: impl PgExecutor<'c>,
+    lease: &Lease,
+    error: &str,
+    policy: &RetryPolicy,
+) -> Result<FailOutcome> {
+    policy.validate()?;
+    let row: Option<(String, i32, OffsetDateTime)> =
+        sqlx::query_as(include_str!("job/sql/fail.sql"))
+            .bind(lease.job_id)
+            .bind(lease.token)
+            .bind(error)
+            .bind(policy.base.as_secs_f64())
+            .bind(policy.max.as_secs_f64())
+            .bind(policy.jitter)
+            .fetch_optional(db)
+            .await?;
+    let Some((status, attempts, run_at)) = row else {
+        return Err(lease.lost());
+    };
+    if status == "dead" {
+        metrics::counter!("pgonce_job_dead_total").increment(1);
+        tracing::warn!(job_id = lease.job_id, attempts, error, "job dead");
+        Ok(FailOutcome::Dead { attempts })
+    } else {
+        metrics::counter!("pgonce_job_failed_total").increment(1);
+        Ok(FailOutcome::Retry { attempts, run_at })
+    }
+}
+
+/// Extends a live lease to `now() + extend_by` and returns the renewed lease;
+/// [`Error::LeaseLost`] if it was taken over. Call it well within the lease
+/// so slow work is not reaped and run twice merely for being slow.
+pub async fn heartbeat<'c>(
+    db: impl PgExecutor<'c>,
+    lease: &Lease,
+    extend_by: Duration,
+) -> Result<Lease> {
+    let secs = lease_secs(extend_by)?;
+    let row: Option<OffsetDateTime> = sqlx::query_scalar(include_str!("job/sql/heartbeat.sql"))
+        .bind(lease.job_id)
+        .bind(lease.token)
+        .bind(secs)
+        .fetch_optional(db)
+        .await?;
+    match row {
+        Some(expires_at) => Ok(Lease {
+            expires_at,
+            ..lease.clone()
+        }),
+        None => Err(lease.lost()),
+    }
+}
+
+/// A job row as stored.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct JobRow {
+    pub id: i64,
+    pub kind: String,
+    pub payload: Value,
+    pub status: String,
+    pub attempts: i32,
+    pub max_attempts: i32,
+    pub lease_token: Option<Uuid>,
+    pub lease_expires_at: Option<OffsetDateTime>,
+    pub run_at: OffsetDateTime,
+    pub result: Option<Value>,
+    pub last_error: Option<String>,
+}
+
+impl JobRow {
+    pub fn status(&self) -> Result<JobStatus> {
+        JobStatus::parse(&self.status)
+    }
+}
+
+/// Reads job `id`, if it exists.
+pub async fn get<'c>(db: impl PgExecutor<'c>, id: i64) -> Result<Option<JobRow>> {
+    Ok(sqlx::query_as(include_str!("job/sql/get.sql"))
+        .bind(id)
+        .fetch_optional(db)
+        .await?)
+}
+
+/// What a queue consumer does with a message once the job it triggered has
+/// been processed.
+///
+/// With a database row per job, the row is the source of truth and the queue
+/// only a trigger: "something may be ready".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AckPolicy {
+    /// Delete the message whatever happened: success, [`Error::AlreadyHandled`],
+    /// or a failure already recorded on the row by [`fail`] (whose retry the
+    /// [`Redriver`] schedules from the row, not from the queue). The queue's
+    /// receive count and dead-letter queue are then the safety net for
+    /// infrastructure failures only: a worker that died before it could
+    /// record anything never deletes, so the message comes back.
+    #[default]
+    AlwaysDelete,
+    /// Delete only on success or `AlreadyHandled`; leave the message to be
+    /// redelivered (and eventually dead-lettered) on any failure. For queues
+    /// whose retries are the only retry mechanism.
+    DeleteOnSuccess,
+}
+
+impl AckPolicy {
+    /// Whether to delete the message after processing ended with `outcome`.
+    /// A process that died never gets here, and so never deletes.
+    pub fn delete_message<T>(self, outcome: &Result<T>) -> bool {
+        match (self, outcome) {
+            (AckPolicy::AlwaysDelete, _) => true,
+            (AckPolicy::DeleteOnSuccess, Ok(_)) => true,
+            (AckPolicy::DeleteOnSuccess, Err(Error::AlreadyHandled { .. })) => true,
+            (AckPolicy::DeleteOnSuccess, Err(_)) => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_unleased_transitions_are_conditional_transitions() {
+        use JobStatus::*;
+        assert!(transition_allowed(Pending, Completed));
+        assert!(transition_allowed(Failed, Dead));
+        assert!(!transition_allowed(Pending, Processing));
+        assert!(!transition_allowed(Processing, Completed));
+        assert!(!transition_allowed(Completed, Pending));
+    }
+
+    #[test]
+    fn always_delete_deletes_failures_and_delete_on_success_keeps_them() {
+        let failed: Result<()> = Err(Error::Invalid {
+            what: "x",
+            why: "y".into(),
+        });
+        let handled: Result<()> = Err(Error::AlreadyHandled {
+            job_id: 1,
+            expected: "pending",
+        });
+        assert!(AckPolicy::AlwaysDelete.delete_message(&failed));
+        assert!(!AckPolicy::DeleteOnSuccess.delete_message(&failed));
+        assert!(AckPolicy::DeleteOnSuccess.delete_message(&handled));
+        assert!(AckPolicy::DeleteOnSuccess.delete_message(&Ok(())));
+    }
+
+    #[test]
+    fn statuses_round_trip() {
+        for s in [
+            JobStatus::Pending,
+            JobStatus::Processing,
+            JobStatus::Failed,
+            JobStatus::Completed,
+            JobStatus::Dead,
+        ] {
+            assert_eq!(JobStatus::parse(s.as_str()).unwrap(), s);
+        }
+        assert!(JobStatus::parse("bogus").is_err());
+    }
+}

@@ -1,0 +1,22 @@
+-- Claims up to $2 runnable jobs of kind $1. SKIP LOCKED lets concurrent
+-- claimers pass each other's rows instead of queueing behind them; the outer
+-- UPDATE re-checks the status, so a row claimed meanwhile is not taken twice.
+WITH runnable AS (
+    SELECT id
+    FROM pgonce.jobs
+    WHERE kind = $1
+      AND status = 'pending'
+      AND run_at <= now()
+    ORDER BY run_at, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE pgonce.jobs AS j
+SET status = 'processing',
+    lease_token = gen_random_uuid(),
+    lease_expires_at = now() + make_interval(secs => $3),
+    claimed_at = now()
+FROM runnable
+WHERE j.id = runnable.id
+  AND j.status = 'pending'
+RETURNING j.id, j.kind, j.payload, j.attempts, j.lease_token, j.lease_expires_at

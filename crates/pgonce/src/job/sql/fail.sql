@@ -1,0 +1,19 @@
+-- A failed attempt, fenced by the lease: attempts is incremented here, in
+-- SQL; past max_attempts the job is dead, otherwise it waits in `failed`
+-- until run_at = now() + min(max, base * 2^(attempts-1)) * (1 + jitter * random()).
+-- $3 error, $4 base seconds, $5 max seconds, $6 jitter fraction.
+UPDATE pgonce.jobs
+SET attempts = attempts + 1,
+    status = CASE WHEN attempts + 1 >= max_attempts THEN 'dead' ELSE 'failed' END,
+    last_error = $3,
+    run_at = CASE WHEN attempts + 1 >= max_attempts THEN run_at
+             ELSE now() + make_interval(secs =>
+                 least($5, $4 * power(2, attempts)) * (1 + $6 * random()))
+             END,
+    finished_at = CASE WHEN attempts + 1 >= max_attempts THEN now() END,
+    lease_token = NULL,
+    lease_expires_at = NULL
+WHERE id = $1
+  AND status = 'processing'
+  AND lease_token = $2
+RETURNING status, attempts, run_at

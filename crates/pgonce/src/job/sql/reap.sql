@@ -1,0 +1,26 @@
+-- Expired leases: back to pending (an attempt is counted), or dead past
+-- max_attempts. SKIP LOCKED: a job whose worker is completing it right now is
+-- left to that worker.
+WITH expired AS (
+    SELECT id
+    FROM pgonce.jobs
+    WHERE status = 'processing'
+      AND lease_expires_at < now()
+    ORDER BY lease_expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE pgonce.jobs AS j
+SET attempts = j.attempts + 1,
+    status = CASE WHEN j.attempts + 1 >= j.max_attempts THEN 'dead' ELSE 'pending' END,
+    last_error = CASE WHEN j.attempts + 1 >= j.max_attempts
+        THEN 'lease expired on the last of ' || j.max_attempts || ' attempts'
+        ELSE 'lease expired (claimed at ' || j.claimed_at || ')' END,
+    finished_at = CASE WHEN j.attempts + 1 >= j.max_attempts THEN now() END,
+    run_at = now(),
+    lease_token = NULL,
+    lease_expires_at = NULL
+FROM expired
+WHERE j.id = expired.id
+  AND j.status = 'processing'
+RETURNING j.id, j.status

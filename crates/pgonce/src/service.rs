@@ -1,0 +1,48 @@
+//! The one loop every background service (reaper, re-driver, collector)
+//! runs: a pass every interval until shutdown, a failed pass logged and the
+//! next one tried.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Checks the settings every service shares: a non-zero interval and a batch
+/// size of at least 1.
+pub(crate) fn check_config(what: &'static str, interval: Duration, batch_size: i64) -> Result<()> {
+    if interval.is_zero() || batch_size < 1 {
+        return Err(Error::Invalid {
+            what,
+            why: format!(
+                "need a non-zero interval and batch_size >= 1, got {interval:?} and {batch_size}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Runs `pass` now and then every `interval` until `shutdown` completes.
+/// Cancel-safe at the pass boundary: shutdown drops an unfinished pass, whose
+/// statements are each atomic.
+pub(crate) async fn run_every<T, Fut>(
+    name: &'static str,
+    interval: Duration,
+    shutdown: impl Future<Output = ()>,
+    mut pass: impl FnMut() -> Fut,
+) where
+    Fut: Future<Output = Result<T>>,
+{
+    tokio::pin!(shutdown);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return,
+            _ = tick.tick() => {
+                if let Err(e) = pass().await {
+                    tracing::warn!(service = name, error = %e, "background pass failed");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,385 @@
+//! Dedupe against a real PostgreSQL: a counter increment applied once per
+//! message id (also when two deliveries race), collection of old keys, and
+//! idempotency keys (replay, mismatch, in-progress, recovery after the holder
+//! died, fencing of the dead holder, collection).
+
+use std::time::Duration;
+
+use pgonce::Error;
+use pgonce::dedupe::{self, Acquired, Collector, CollectorConfig};
+use pgonce_testkit::{Interleaving, fresh_database};
+use serde_json::json;
+use sqlx::PgPool;
+
+async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
+    let db = fresh_database().await;
+    let pool = db.pool(8).await.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE counter (id int PRIMARY KEY, n int NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO counter VALUES (1, 0)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    (db, pool)
+}
+
+async fn counter(pool: &PgPool) -> i32 {
+    sqlx::query_scalar("SELECT n FROM counter WHERE id = 1")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn bump(conn: &mut sqlx::PgConnection) -> pgonce::Result<()> {
+    sqlx::query("UPDATE counter SET n = n + 1 WHERE id = 1")
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_counter_increment_is_applied_once_per_message_id() {
+    let (_db, pool) = setup().await;
+    for _ in 0..3 {
+        dedupe::apply_once(
+            &pool,
+            "billing",
+            "msg-1",
+            async |c: &mut sqlx::PgConnection| bump(c).await,
+        )
+        .await
+        .unwrap();
+    }
+    let other = dedupe::apply_once(
+        &pool,
+        "billing",
+        "msg-2",
+        async |c: &mut sqlx::PgConnection| bump(c).await,
+    )
+    .await
+    .unwrap();
+    assert_eq!(other, Some(()));
+    assert_eq!(counter(&pool).await, 2);
+}
+
+#[tokio::test]
+async fn a_failed_effect_forgets_the_key_so_the_message_can_be_processed_again() {
+    let (_db, pool) = setup().await;
+    let failed = dedupe::apply_once(
+        &pool,
+        "billing",
+        "msg-1",
+        async |c: &mut sqlx::PgConnection| {
+            bump(c).await?;
+            Err::<(), _>(Error::Invalid {
+                what: "effect",
+                why: "remote call failed".into(),
+            })
+        },
+    )
+    .await;
+    assert!(failed.is_err());
+    assert_eq!(counter(&pool).await, 0);
+    let again = dedupe::apply_once(
+        &pool,
+        "billing",
+        "msg-1",
+        async |c: &mut sqlx::PgConnection| bump(c).await,
+    )
+    .await
+    .unwrap();
+    assert_eq!(again, Some(()));
+    assert_eq!(counter(&pool).await, 1);
+}
+
+#[tokio::test]
+async fn two_concurrent_deliveries_of_one_message_bump_the_counter_once() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a
+        .pool()
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    let first = race
+        .step(
+            &a,
+            "mark msg-1",
+            dedupe::mark_processed(&mut tx_a, "c", "msg-1"),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first);
+    race.step(&a, "bump", bump(&mut tx_a))
+        .await
+        .unwrap()
+        .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "mark msg-1", async move {
+            let mut tx = pool_b
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?;
+            let first = dedupe::mark_processed(&mut tx, "c", "msg-1").await?;
+            if first {
+                bump(&mut tx).await?;
+            }
+            tx.commit().await?;
+            Ok::<bool, Error>(first)
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let b_first = waiting.resume().await.unwrap().unwrap();
+    assert!(!b_first, "B saw the key A committed");
+    assert_eq!(counter(&pool).await, 1);
+}
+
+#[tokio::test]
+async fn old_processed_keys_and_idempotency_keys_are_collected_and_recent_ones_kept() {
+    let (_db, pool) = setup().await;
+    for id in ["old", "new"] {
+        dedupe::apply_once(&pool, "c", id, async |c: &mut sqlx::PgConnection| {
+            bump(c).await
+        })
+        .await
+        .unwrap();
+    }
+    sqlx::query("UPDATE pgonce.processed_messages SET processed_at = now() - interval '8 days' WHERE message_id = 'old'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let fp = dedupe::fingerprint(&json!({"a": 1})).unwrap();
+    for key in ["k-old", "k-new", "k-old-held"] {
+        let Acquired::Process(hold) =
+            dedupe::acquire(&pool, "api", key, &fp, Duration::from_secs(60))
+                .await
+                .unwrap()
+        else {
+            panic!("new key");
+        };
+        if key != "k-old-held" {
+            dedupe::finish(&pool, &hold, &json!({"ok": key}))
+                .await
+                .unwrap();
+        }
+    }
+    sqlx::query("UPDATE pgonce.idempotency_keys SET created_at = now() - interval '2 days' WHERE key IN ('k-old', 'k-old-held')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let config = CollectorConfig {
+        batch_size: 1,
+        ..CollectorConfig::default()
+    };
+    let counts = Collector::new(pool.clone(), config)
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(counts.processed_messages, 1);
+    assert_eq!(counts.idempotency_keys, 1, "a live hold is not collected");
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT key FROM pgonce.idempotency_keys ORDER BY key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(keys, ["k-new", "k-old-held"]);
+    let ids: Vec<String> = sqlx::query_scalar("SELECT message_id FROM pgonce.processed_messages")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids, ["new"]);
+}
+
+#[tokio::test]
+async fn an_idempotency_key_replays_the_stored_response_and_rejects_another_request() {
+    let (_db, pool) = setup().await;
+    let request = json!({"amount": 10, "to": "acct-1"});
+    let fp = dedupe::fingerprint(&request).unwrap();
+    let hold = match dedupe::acquire(&pool, "payments", "key-1", &fp, Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        Acquired::Process(hold) => hold,
+        other => panic!("{other:?}"),
+    };
+    assert!(hold.first_use);
+    // While the first request is in progress, a retry is told to wait.
+    assert!(matches!(
+        dedupe::acquire(&pool, "payments", "key-1", &fp, Duration::from_secs(60)).await,
+        Err(Error::IdempotencyInProgress { .. })
+    ));
+    // The effect and the stored response commit together.
+    let mut tx = pool.begin().await.unwrap();
+    bump(&mut tx).await.unwrap();
+    dedupe::finish(&mut *tx, &hold, &json!({"charge": "ch_1"}))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let replay = dedupe::acquire(&pool, "payments", "key-1", &fp, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(replay, Acquired::Replay(json!({"charge": "ch_1"})));
+    let other = dedupe::fingerprint(&json!({"amount": 99, "to": "acct-1"})).unwrap();
+    let mismatch =
+        dedupe::acquire(&pool, "payments", "key-1", &other, Duration::from_secs(60)).await;
+    assert!(
+        matches!(mismatch, Err(Error::IdempotencyMismatch { .. })),
+        "{mismatch:?}"
+    );
+    // The same key in another scope is another key.
+    assert!(matches!(
+        dedupe::acquire(&pool, "refunds", "key-1", &other, Duration::from_secs(60)).await,
+        Ok(Acquired::Process(_))
+    ));
+    assert_eq!(counter(&pool).await, 1);
+    let stored: serde_json::Value = sqlx::query_scalar(
+        "SELECT response FROM pgonce.idempotency_keys WHERE scope = 'payments' AND key = 'key-1'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        stored,
+        json!({"charge": "ch_1"}),
+        "the mismatch wrote nothing"
+    );
+}
+
+#[tokio::test]
+async fn a_key_whose_holder_died_is_recovered_after_its_hold_expires_and_the_dead_holder_is_fenced()
+{
+    let (_db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let Acquired::Process(dead) = dedupe::acquire(&pool, "api", "k", &fp, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("new key");
+    };
+    sqlx::query("UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let other = dedupe::fingerprint(&json!("other")).unwrap();
+    assert!(
+        matches!(
+            dedupe::acquire(&pool, "api", "k", &other, Duration::from_secs(60)).await,
+            Err(Error::IdempotencyMismatch { .. })
+        ),
+        "recovery is only for the same request"
+    );
+    let Acquired::Process(new) = dedupe::acquire(&pool, "api", "k", &fp, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("recovered");
+    };
+    assert!(!new.first_use);
+    assert_ne!(new.token, dead.token);
+    assert!(matches!(
+        dedupe::finish(&pool, &dead, &json!("late")).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        dedupe::release(&pool, &dead).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    dedupe::finish(&pool, &new, &json!("fresh")).await.unwrap();
+    assert_eq!(
+        dedupe::acquire(&pool, "api", "k", &fp, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Acquired::Replay(json!("fresh"))
+    );
+}
+
+#[tokio::test]
+async fn a_released_key_starts_afresh_and_bad_input_is_rejected() {
+    let (_db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!(1)).unwrap();
+    let Acquired::Process(hold) = dedupe::acquire(&pool, "api", "k", &fp, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    dedupe::release(&pool, &hold).await.unwrap();
+    assert!(matches!(
+        dedupe::acquire(&pool, "api", "k", &fp, Duration::from_secs(60)).await,
+        Ok(Acquired::Process(h)) if h.first_use
+    ));
+    assert!(matches!(
+        dedupe::acquire(&pool, "", "k", &fp, Duration::from_secs(60)).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        dedupe::acquire(&pool, "api", "k2", &fp, Duration::ZERO).await,
+        Err(Error::Invalid { .. })
+    ));
+    let mut tx = pool.begin().await.unwrap();
+    assert!(matches!(
+        dedupe::mark_processed(&mut tx, "c", "").await,
+        Err(Error::Invalid { .. })
+    ));
+    drop(tx);
+    let (n,): (i64,) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pgonce.idempotency_keys WHERE key = 'k2') + (SELECT count(*) FROM pgonce.processed_messages)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_skips() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a
+        .pool()
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    race.step(&a, "mark m", dedupe::mark_processed(&mut tx_a, "c", "m"))
+        .await
+        .unwrap()
+        .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "mark m under REPEATABLE READ", async move {
+            let mut tx = pool_b
+                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                .await?;
+            let out = dedupe::mark_processed(&mut tx, "c", "m").await;
+            let _ = tx.rollback().await;
+            out
+        })
+        .await
+        .unwrap();
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let first = waiting.resume().await.unwrap();
+    assert!(matches!(&first, Err(e) if e.is_retryable()), "{first:?}");
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .unwrap();
+    assert!(!dedupe::mark_processed(&mut tx, "c", "m").await.unwrap());
+}

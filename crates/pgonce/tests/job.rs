@@ -1,0 +1,734 @@
+//! Jobs against a real PostgreSQL: the conditional transition, two-phase
+//! claims fenced by leases, heartbeat, the reaper, DB-driven retry, 40001
+//! under REPEATABLE READ, a connection killed mid-claim, and a property test
+//! of the state machine.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use pgonce::Error;
+use pgonce::job::{
+    self, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver, RedriverConfig,
+    RetryPolicy,
+};
+use pgonce_testkit::{Interleaving, fresh_database};
+use serde_json::json;
+use sqlx::PgPool;
+
+const LEASE: Duration = Duration::from_secs(60);
+
+async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
+    let db = fresh_database().await;
+    let pool = db.pool(16).await.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    (db, pool)
+}
+
+async fn new_job(pool: &PgPool, max_attempts: i32) -> i64 {
+    job::enqueue(
+        pool,
+        &NewJob::new("send", json!({"to": "x"})).max_attempts(max_attempts),
+    )
+    .await
+    .unwrap()
+}
+
+async fn status(pool: &PgPool, id: i64) -> JobStatus {
+    job::get(pool, id).await.unwrap().unwrap().status().unwrap()
+}
+
+/// Makes a lease look expired without waiting for it: time passing is not
+/// what these tests are about.
+async fn expire_lease(pool: &PgPool, id: i64) {
+    sqlx::query(
+        "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' \
+         WHERE id = $1 AND status = 'processing'",
+    )
+    .bind(id)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+fn reaper(pool: &PgPool) -> Reaper {
+    Reaper::new(pool.clone(), ReaperConfig::default()).unwrap()
+}
+
+#[tokio::test]
+async fn a_conditional_transition_applies_once_and_the_duplicate_is_already_handled() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(_db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+
+    let mut tx_a = a
+        .pool()
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    let r = json!({"by": "A"});
+    race.step(
+        &a,
+        "pending -> completed",
+        job::transition(
+            &mut *tx_a,
+            id,
+            JobStatus::Pending,
+            JobStatus::Completed,
+            Some(&r),
+            None,
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "pending -> completed", async move {
+            job::transition(
+                &pool_b,
+                id,
+                JobStatus::Pending,
+                JobStatus::Completed,
+                Some(&json!({"by": "B"})),
+                None,
+            )
+            .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let second = waiting.resume().await.unwrap();
+    assert!(
+        matches!(second, Err(Error::AlreadyHandled { job_id, .. }) if job_id == id),
+        "{second:?}"
+    );
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.status, "completed");
+    assert_eq!(row.result, Some(json!({"by": "A"})));
+}
+
+#[tokio::test]
+async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a.pool().begin().await.unwrap();
+    let lease = race
+        .step(&a, "claim", job::claim(&mut *tx_a, id, LEASE))
+        .await
+        .unwrap()
+        .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(
+            &b,
+            "claim",
+            async move { job::claim(&pool_b, id, LEASE).await },
+        )
+        .await
+        .unwrap();
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let b_claim = waiting.resume().await.unwrap();
+    assert!(
+        matches!(b_claim, Err(Error::AlreadyHandled { .. })),
+        "{b_claim:?}"
+    );
+    // Only the winner runs the side effect and completes.
+    job::complete(&pool, &lease, &json!({"sent": 1}))
+        .await
+        .unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+    // A later duplicate delivery cannot claim a completed job.
+    assert!(matches!(
+        job::claim(&pool, id, LEASE).await,
+        Err(Error::AlreadyHandled { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_worker_whose_lease_was_taken_over_cannot_overwrite_the_new_owners_result() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let old = job::claim(&pool, id, LEASE).await.unwrap();
+    expire_lease(&pool, id).await;
+    let reaped = reaper(&pool).run_once().await.unwrap();
+    assert_eq!(reaped.returned, 1);
+    let new = job::claim(&pool, id, LEASE).await.unwrap();
+    assert_ne!(old.token, new.token);
+
+    let late = job::complete(&pool, &old, &json!({"by": "old"})).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    let late_fail = job::fail(&pool, &old, "late", &RetryPolicy::default()).await;
+    assert!(matches!(late_fail, Err(Error::LeaseLost { .. })));
+    let late_beat = job::heartbeat(&pool, &old, LEASE).await;
+    assert!(matches!(late_beat, Err(Error::LeaseLost { .. })));
+
+    job::complete(&pool, &new, &json!({"by": "new"}))
+        .await
+        .unwrap();
+    let late = job::complete(&pool, &old, &json!({"by": "old"})).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })));
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.status, "completed");
+    assert_eq!(row.result, Some(json!({"by": "new"})));
+    assert_eq!(row.attempts, 1, "the expired lease counted as an attempt");
+}
+
+#[tokio::test]
+async fn a_heartbeat_keeps_a_slow_workers_lease_from_being_reaped() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, id, Duration::from_secs(5)).await.unwrap();
+    let renewed = job::heartbeat(&pool, &lease, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert!(renewed.expires_at > lease.expires_at + time::Duration::minutes(30));
+    assert_eq!(renewed.token, lease.token);
+    assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 0);
+    job::complete(&pool, &renewed, &json!(null)).await.unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+}
+
+#[tokio::test]
+async fn the_reaper_returns_expired_leases_and_kills_jobs_past_max_attempts() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 2).await;
+    let live = new_job(&pool, 2).await;
+    job::claim(&pool, live, LEASE).await.unwrap();
+    for round in 1..=2 {
+        job::claim(&pool, id, LEASE).await.unwrap();
+        expire_lease(&pool, id).await;
+        let counts = reaper(&pool).run_once().await.unwrap();
+        if round == 1 {
+            assert_eq!((counts.returned, counts.dead), (1, 0));
+            assert_eq!(status(&pool, id).await, JobStatus::Pending);
+        } else {
+            assert_eq!((counts.returned, counts.dead), (0, 1));
+        }
+    }
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.status, "dead");
+    assert_eq!(row.attempts, 2);
+    assert!(
+        row.last_error.unwrap().contains("lease expired"),
+        "the reason is recorded"
+    );
+    assert_eq!(
+        status(&pool, live).await,
+        JobStatus::Processing,
+        "a live lease is left alone"
+    );
+}
+
+#[tokio::test]
+async fn a_failure_is_retried_with_backoff_by_the_redriver_then_dead_at_max_attempts() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 3).await;
+    let policy = RetryPolicy {
+        base: Duration::from_secs(10),
+        max: Duration::from_secs(15),
+        jitter: 0.5,
+    };
+    let redriver = Redriver::new(pool.clone(), RedriverConfig::default()).unwrap();
+    let mut delays = Vec::new();
+    for attempt in 1..=2 {
+        let lease = job::claim(&pool, id, LEASE).await.unwrap();
+        let before = time::OffsetDateTime::now_utc();
+        let outcome = job::fail(&pool, &lease, "model timed out", &policy)
+            .await
+            .unwrap();
+        let FailOutcome::Retry { attempts, run_at } = outcome else {
+            panic!("expected a retry, got {outcome:?}");
+        };
+        assert_eq!(attempts, attempt);
+        delays.push((run_at - before).as_seconds_f64());
+        assert_eq!(status(&pool, id).await, JobStatus::Failed);
+        assert!(
+            matches!(
+                job::claim(&pool, id, LEASE).await,
+                Err(Error::AlreadyHandled { .. })
+            ),
+            "a failed job is not claimable before it is re-driven"
+        );
+        assert_eq!(
+            redriver.run_once().await.unwrap().redriven,
+            0,
+            "not due yet"
+        );
+        sqlx::query("UPDATE pgonce.jobs SET run_at = now() - interval '1 ms' WHERE id = $1")
+            .bind(id)
+            .execute(&pool)
+            .await
+            .unwrap();
+        let counts = redriver.run_once().await.unwrap();
+        assert_eq!(counts.ids, vec![id]);
+        assert_eq!(status(&pool, id).await, JobStatus::Pending);
+    }
+    // 10 s then 20 s capped at 15 s, each plus up to 50 % jitter.
+    assert!((9.0..=15.5).contains(&delays[0]), "{delays:?}");
+    assert!((14.0..=23.0).contains(&delays[1]), "{delays:?}");
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    let outcome = job::fail(&pool, &lease, "still down", &policy)
+        .await
+        .unwrap();
+    assert_eq!(outcome, FailOutcome::Dead { attempts: 3 });
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.status, "dead");
+    assert_eq!(row.last_error.as_deref(), Some("still down"));
+}
+
+#[tokio::test]
+async fn attempts_are_incremented_in_sql_so_concurrent_failures_are_not_lost() {
+    // Two jobs failing through two connections at once: each increments its
+    // own row; and the same job's fail can only apply once per lease.
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 10).await;
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    let p = RetryPolicy::default();
+    let (a, b) = tokio::join!(
+        job::fail(&pool, &lease, "a", &p),
+        job::fail(&pool, &lease, "b", &p)
+    );
+    assert_eq!(
+        a.is_ok() as u8 + b.is_ok() as u8,
+        1,
+        "one fail per lease: {a:?} {b:?}"
+    );
+    assert_eq!(job::get(&pool, id).await.unwrap().unwrap().attempts, 1);
+}
+
+#[tokio::test]
+async fn repeatable_read_loser_gets_40001_then_already_handled_on_retry() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a
+        .pool()
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    race.step(
+        &a,
+        "claim",
+        job::claim(&mut *tx_a, id, Duration::from_secs(60)),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "claim under REPEATABLE READ", async move {
+            let mut tx = pool_b
+                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                .await?;
+            let out = job::claim(&mut *tx, id, Duration::from_secs(60)).await;
+            let _ = tx.rollback().await;
+            out
+        })
+        .await
+        .unwrap();
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let first = waiting.resume().await.unwrap();
+    assert!(
+        matches!(&first, Err(e @ Error::SerializationFailure { .. }) if e.is_retryable()),
+        "{first:?}"
+    );
+    // The documented remedy: run the transaction again.
+    let mut tx = b
+        .pool()
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .unwrap();
+    let retry = job::claim(&mut *tx, id, Duration::from_secs(60)).await;
+    assert!(
+        matches!(retry, Err(Error::AlreadyHandled { .. })),
+        "{retry:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_connection_killed_in_the_middle_of_a_claim_loses_neither_the_job_nor_the_claim() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+
+    // A claims inside its transaction and dies before COMMIT.
+    let mut tx_a = a.pool().begin().await.unwrap();
+    let (a_pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx_a)
+        .await
+        .unwrap();
+    race.step(&a, "claim (uncommitted)", job::claim(&mut *tx_a, id, LEASE))
+        .await
+        .unwrap()
+        .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(
+            &b,
+            "claim",
+            async move { job::claim(&pool_b, id, LEASE).await },
+        )
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(a_pid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    race.note(&a, "connection killed");
+    let b_lease = waiting.resume().await.unwrap().expect("B claims the job");
+    drop(tx_a);
+
+    // B commits its claim and then its connection is killed too: the claim
+    // is durable, the job stays processing until the reaper returns it.
+    let (b_pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+        .fetch_one(b.pool())
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(b_pid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Processing);
+    expire_lease(&pool, id).await;
+    assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
+    let c = job::claim(&pool, id, LEASE).await.unwrap();
+    job::complete(&pool, &c, &json!("done")).await.unwrap();
+    assert!(matches!(
+        job::complete(&pool, &b_lease, &json!("late")).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+}
+
+#[tokio::test]
+async fn concurrent_batch_claims_take_every_job_exactly_once() {
+    let (_db, pool) = setup().await;
+    for i in 0..300 {
+        job::enqueue(&pool, &NewJob::new("batch", json!(i)))
+            .await
+            .unwrap();
+    }
+    let mut workers = Vec::new();
+    for _ in 0..6 {
+        let pool = pool.clone();
+        workers.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let jobs = job::claim_batch(&pool, "batch", 7, LEASE).await.unwrap();
+                if jobs.is_empty() {
+                    return mine;
+                }
+                for j in jobs {
+                    job::complete(&pool, &j.lease, &json!("ok")).await.unwrap();
+                    mine.push(j.lease.job_id);
+                }
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    let unique: HashSet<i64> = all.iter().copied().collect();
+    assert_eq!(all.len(), 300, "no job claimed twice");
+    assert_eq!(unique.len(), 300, "no job missed");
+    let (completed,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM pgonce.jobs WHERE status = 'completed'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(completed, 300);
+}
+
+#[tokio::test]
+async fn bad_input_is_a_typed_error_and_writes_nothing() {
+    let (_db, pool) = setup().await;
+    assert!(matches!(
+        job::enqueue(&pool, &NewJob::new("", json!(1))).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        job::enqueue(&pool, &NewJob::new("k", json!(1)).max_attempts(0)).await,
+        Err(Error::Invalid { .. })
+    ));
+    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM pgonce.jobs")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+    let id = new_job(&pool, 5).await;
+    assert!(matches!(
+        job::transition(
+            &pool,
+            id,
+            JobStatus::Processing,
+            JobStatus::Completed,
+            None,
+            None
+        )
+        .await,
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        job::claim(&pool, id, Duration::ZERO).await,
+        Err(Error::Invalid { .. })
+    ));
+    let bad = RetryPolicy {
+        jitter: 2.0,
+        ..RetryPolicy::default()
+    };
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    assert!(matches!(
+        job::fail(&pool, &lease, "x", &bad).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert_eq!(status(&pool, id).await, JobStatus::Processing);
+    assert!(
+        Reaper::new(
+            pool.clone(),
+            ReaperConfig {
+                batch_size: 0,
+                ..Default::default()
+            }
+        )
+        .is_err()
+    );
+}
+
+mod state_machine {
+    //! Random sequences of calls never reach an illegal state or lose a job.
+
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Claim(usize),
+        ClaimBatch,
+        Complete(usize),
+        Fail(usize),
+        Heartbeat(usize),
+        Expire(usize),
+        Reap,
+        /// The failed job's backoff passes and the re-driver runs.
+        MakeDue(usize),
+        Cancel(usize),
+    }
+
+    /// Weighted so that the long paths (claim, fail, retry, claim, fail to
+    /// dead; claim, expire, reap) come up often in few cases.
+    fn op() -> impl Strategy<Value = Op> {
+        let j = 0..3usize;
+        prop_oneof![
+            3 => j.clone().prop_map(Op::Claim),
+            1 => Just(Op::ClaimBatch),
+            2 => j.clone().prop_map(Op::Complete),
+            3 => j.clone().prop_map(Op::Fail),
+            1 => j.clone().prop_map(Op::Heartbeat),
+            2 => j.clone().prop_map(Op::Expire),
+            2 => Just(Op::Reap),
+            3 => j.clone().prop_map(Op::MakeDue),
+            1 => j.prop_map(Op::Cancel),
+        ]
+    }
+
+    /// Runs `ops` on three fresh jobs of their own kind; checks invariants
+    /// after every step. Leases are kept per job, including stale ones, so
+    /// late calls with old leases are exercised too.
+    async fn run(pool: &PgPool, case: u64, ops: Vec<Op>) -> Result<(), String> {
+        let kind = format!("prop-{case}");
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            ids.push(
+                job::enqueue(pool, &NewJob::new(&kind, json!(null)).max_attempts(2))
+                    .await
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        let mut leases: Vec<Vec<job::Lease>> = vec![Vec::new(); 3];
+        let mut completed_by: Vec<Option<uuid::Uuid>> = vec![None; 3];
+        let policy = RetryPolicy {
+            base: Duration::from_millis(1),
+            max: Duration::from_millis(2),
+            jitter: 0.0,
+        };
+        let mut prev: Vec<(JobStatus, i32)> = vec![(JobStatus::Pending, 0); 3];
+        for op in ops {
+            match op {
+                Op::Claim(j) => {
+                    if let Ok(l) = job::claim(pool, ids[j], LEASE).await {
+                        leases[j].push(l);
+                    }
+                }
+                Op::ClaimBatch => {
+                    for c in job::claim_batch(pool, &kind, 2, LEASE).await.unwrap() {
+                        let j = ids.iter().position(|&i| i == c.lease.job_id).unwrap();
+                        leases[j].push(c.lease);
+                    }
+                }
+                Op::Complete(j) => {
+                    // Try the newest lease, then the stale ones.
+                    for l in leases[j].iter().rev() {
+                        if job::complete(pool, l, &json!(l.token)).await.is_ok() {
+                            if completed_by[j].is_some() {
+                                return Err(format!("job {j} completed twice"));
+                            }
+                            completed_by[j] = Some(l.token);
+                        }
+                    }
+                }
+                Op::Fail(j) => {
+                    if let Some(l) = leases[j].last() {
+                        let _ = job::fail(pool, l, "boom", &policy).await;
+                    }
+                }
+                Op::Heartbeat(j) => {
+                    if let Some(l) = leases[j].first() {
+                        let _ = job::heartbeat(pool, l, LEASE).await;
+                    }
+                }
+                Op::Expire(j) => expire_lease(pool, ids[j]).await,
+                Op::Reap => {
+                    reaper(pool).run_once().await.unwrap();
+                }
+                Op::MakeDue(j) => {
+                    sqlx::query("UPDATE pgonce.jobs SET run_at = now() - interval '1 ms' WHERE id = $1 AND status = 'failed'")
+                        .bind(ids[j])
+                        .execute(pool)
+                        .await
+                        .unwrap();
+                    Redriver::new(pool.clone(), RedriverConfig::default())
+                        .unwrap()
+                        .run_once()
+                        .await
+                        .unwrap();
+                }
+                Op::Cancel(j) => {
+                    let _ = job::transition(
+                        pool,
+                        ids[j],
+                        JobStatus::Pending,
+                        JobStatus::Dead,
+                        None,
+                        Some("cancelled"),
+                    )
+                    .await;
+                }
+            }
+            for (j, &id) in ids.iter().enumerate() {
+                let Some(row) = job::get(pool, id).await.unwrap() else {
+                    return Err(format!("job {j} lost"));
+                };
+                let s = row.status().map_err(|e| e.to_string())?;
+                let (was, attempts_before) = prev[j];
+                if was.is_terminal() && s != was {
+                    return Err(format!("job {j} left terminal {was} for {s}"));
+                }
+                if row.attempts < attempts_before || row.attempts > row.max_attempts {
+                    return Err(format!("job {j} attempts {} out of range", row.attempts));
+                }
+                if (s == JobStatus::Processing) != row.lease_token.is_some() {
+                    return Err(format!("job {j}: lease without processing or the reverse"));
+                }
+                if s == JobStatus::Completed && row.result != completed_by[j].map(|t| json!(t)) {
+                    return Err(format!("job {j}: result not from its completing lease"));
+                }
+                if row.attempts == row.max_attempts && !s.is_terminal() {
+                    return Err(format!("job {j} at max attempts but {s}"));
+                }
+                prev[j] = (s, row.attempts);
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn no_sequence_of_calls_reaches_an_illegal_state_or_loses_a_job() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (db, pool) = rt.block_on(setup());
+        let case = std::sync::atomic::AtomicU64::new(0);
+        proptest!(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() },
+        |(ops in proptest::collection::vec(op(), 1..40))| {
+            let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let out = rt.block_on(run(&pool, n, ops));
+            prop_assert!(out.is_ok(), "{}", out.unwrap_err());
+        });
+        drop(db);
+    }
+}
+
+#[tokio::test]
+async fn complete_many_completes_each_job_only_under_its_current_lease() {
+    let (_db, pool) = setup().await;
+    for i in 0..3 {
+        job::enqueue(&pool, &NewJob::new("many", json!(i)))
+            .await
+            .unwrap();
+    }
+    let claimed = job::claim_batch(&pool, "many", 3, LEASE).await.unwrap();
+    assert_eq!(claimed.len(), 3);
+    // The first job's lease is taken over before the batch completes.
+    let taken = claimed[0].lease.job_id;
+    expire_lease(&pool, taken).await;
+    reaper(&pool).run_once().await.unwrap();
+    let new = job::claim(&pool, taken, LEASE).await.unwrap();
+    let done: Vec<_> = claimed
+        .iter()
+        .map(|c| (c.lease.clone(), json!("batch")))
+        .collect();
+    let lost = job::complete_many(&pool, &done).await.unwrap();
+    assert_eq!(lost, vec![taken]);
+    assert_eq!(status(&pool, taken).await, JobStatus::Processing);
+    for c in &claimed[1..] {
+        assert_eq!(status(&pool, c.lease.job_id).await, JobStatus::Completed);
+    }
+    job::complete(&pool, &new, &json!("new")).await.unwrap();
+}
+
+#[tokio::test]
+async fn the_reaper_service_loop_reaps_until_shutdown() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    job::claim(&pool, id, LEASE).await.unwrap();
+    expire_lease(&pool, id).await;
+    let config = ReaperConfig {
+        interval: Duration::from_millis(10),
+        ..ReaperConfig::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let service = tokio::spawn(Reaper::new(pool.clone(), config).unwrap().run(async {
+        let _ = stopped.await;
+    }));
+    // Poll the database for the outcome (no sleep decides anything).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while status(&pool, id).await != JobStatus::Pending {
+        assert!(std::time::Instant::now() < deadline, "not reaped");
+        tokio::task::yield_now().await;
+    }
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), service)
+        .await
+        .expect("run returns on shutdown")
+        .unwrap();
+}
