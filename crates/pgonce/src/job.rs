@@ -65,7 +65,7 @@
 //!
 //! # The consumer policy
 //!
-//! See [`AckPolicy`]: with `AlwaysDelete` the queue message is deleted
+//! See [`crate::queue::AckPolicy`]: with `AlwaysDelete` the queue message is deleted
 //! whatever the outcome, the row is the retry ledger, and the queue's
 //! dead-letter queue only catches infrastructure failures.
 
@@ -546,40 +546,6 @@ pub async fn get<'c>(db: impl PgExecutor<'c>, id: i64) -> Result<Option<JobRow>>
         .await?)
 }
 
-/// What a queue consumer does with a message once the job it triggered has
-/// been processed.
-///
-/// With a database row per job, the row is the source of truth and the queue
-/// only a trigger: "something may be ready".
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AckPolicy {
-    /// Delete the message whatever happened: success, [`Error::AlreadyHandled`],
-    /// or a failure already recorded on the row by [`fail`] (whose retry the
-    /// [`Redriver`] schedules from the row, not from the queue). The queue's
-    /// receive count and dead-letter queue are then the safety net for
-    /// infrastructure failures only: a worker that died before it could
-    /// record anything never deletes, so the message comes back.
-    #[default]
-    AlwaysDelete,
-    /// Delete only on success or `AlreadyHandled`; leave the message to be
-    /// redelivered (and eventually dead-lettered) on any failure. For queues
-    /// whose retries are the only retry mechanism.
-    DeleteOnSuccess,
-}
-
-impl AckPolicy {
-    /// Whether to delete the message after processing ended with `outcome`.
-    /// A process that died never gets here, and so never deletes.
-    pub fn delete_message<T>(self, outcome: &Result<T>) -> bool {
-        match (self, outcome) {
-            (AckPolicy::AlwaysDelete, _) => true,
-            (AckPolicy::DeleteOnSuccess, Ok(_)) => true,
-            (AckPolicy::DeleteOnSuccess, Err(Error::AlreadyHandled { .. })) => true,
-            (AckPolicy::DeleteOnSuccess, Err(_)) => false,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -592,22 +558,6 @@ mod tests {
         assert!(!transition_allowed(Pending, Processing));
         assert!(!transition_allowed(Processing, Completed));
         assert!(!transition_allowed(Completed, Pending));
-    }
-
-    #[test]
-    fn always_delete_deletes_failures_and_delete_on_success_keeps_them() {
-        let failed: Result<()> = Err(Error::Invalid {
-            what: "x",
-            why: "y".into(),
-        });
-        let handled: Result<()> = Err(Error::AlreadyHandled {
-            job_id: 1,
-            expected: "pending",
-        });
-        assert!(AckPolicy::AlwaysDelete.delete_message(&failed));
-        assert!(!AckPolicy::DeleteOnSuccess.delete_message(&failed));
-        assert!(AckPolicy::DeleteOnSuccess.delete_message(&handled));
-        assert!(AckPolicy::DeleteOnSuccess.delete_message(&Ok(())));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The re-driver: the DB-driven retry loop. Failed jobs whose backoff has
 //! passed (`run_at <= now()`) become `pending` again. The row, not the queue,
-//! is the retry ledger: with [`super::AckPolicy::AlwaysDelete`] the message
+//! is the retry ledger: with [`crate::queue::AckPolicy::AlwaysDelete`] the message
 //! of a failed job is gone, and the ids this returns are what a queue worker
 //! re-publishes.
 

@@ -45,6 +45,21 @@ pub enum AckPolicy {
     AlwaysDelete,
 }
 
+impl AckPolicy {
+    /// For consumers written by hand: whether to delete the message after
+    /// processing ended with `outcome`. [`Error::AlreadyHandled`] counts as
+    /// success (another delivery did the work). A process that died never
+    /// gets here, so never deletes, and the message comes back.
+    pub fn delete_message<T>(self, outcome: &crate::Result<T>) -> bool {
+        match (self, outcome) {
+            (AckPolicy::AlwaysDelete, _) => true,
+            (AckPolicy::DeleteOnSuccess, Ok(_)) => true,
+            (AckPolicy::DeleteOnSuccess, Err(crate::Error::AlreadyHandled { .. })) => true,
+            (AckPolicy::DeleteOnSuccess, Err(_)) => false,
+        }
+    }
+}
+
 /// The worker's settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {
@@ -414,5 +429,27 @@ fn diff(after: WorkerCounters, before: WorkerCounters) -> WorkerCounters {
         stale: after.stale - before.stale,
         heartbeats: after.heartbeats - before.heartbeats,
         abandoned: after.abandoned - before.abandoned,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Error, Result};
+
+    #[test]
+    fn always_delete_deletes_failures_and_delete_on_success_keeps_them() {
+        let failed: Result<()> = Err(Error::Invalid {
+            what: "x",
+            why: "y".into(),
+        });
+        let handled: Result<()> = Err(Error::AlreadyHandled {
+            job_id: 1,
+            expected: "pending",
+        });
+        assert!(AckPolicy::AlwaysDelete.delete_message(&failed));
+        assert!(!AckPolicy::DeleteOnSuccess.delete_message(&failed));
+        assert!(AckPolicy::DeleteOnSuccess.delete_message(&handled));
+        assert!(AckPolicy::DeleteOnSuccess.delete_message(&Ok(())));
     }
 }
