@@ -1,8 +1,10 @@
-//! Queue crates from crates.io doing the work of `pgonce bench queue`, one
-//! file each, so the comparison runs in the same process on the same
-//! database. Each returns `(strategy, batch, flow)` rows.
+//! Crates from crates.io doing the work of a pgonce bench, one file each, so
+//! the comparison runs in the same process on the same database: queue
+//! crates for `pgonce bench queue` (`run_all` returns `(strategy, batch,
+//! flow)` rows), disintegrate-postgres for `pgonce bench events`.
 
 mod apalis;
+pub(super) mod disintegrate;
 
 use sqlx::PgPool;
 
