@@ -139,3 +139,58 @@ fn race_seed003_exits_0_with_exactly_one_side_effect_under_two_phase() {
     assert_eq!(row("late-completion")["second_delivery"], "LeaseLost");
     assert_eq!(row("crash")["final_status"], "completed");
 }
+
+#[test]
+fn bench_events_quick_measures_the_peer_and_prints_both_goal_ratios() {
+    let out = pgonce()
+        .args(["bench", "events", "--quick", "--seconds", "0.3", "--json"])
+        .timeout(Duration::from_secs(180))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["name"], "events");
+    for ratio in [
+        "advisory_vs_table_lock_disjoint_16w",
+        "pgonce_vs_disintegrate_disjoint_16w",
+    ] {
+        assert!(report["ratios"][ratio].is_number(), "{ratio}: {report}");
+    }
+    let strategies: Vec<_> = report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap().to_string())
+        .collect();
+    for s in [
+        "serializable",
+        "table-lock",
+        "advisory-locks",
+        "disintegrate-postgres",
+    ] {
+        assert!(
+            strategies.iter().any(|x| x == s),
+            "{s} missing: {strategies:?}"
+        );
+    }
+    let goals = report["sections"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.starts_with("goals"))
+        .map(|(_, v)| v.clone())
+        .expect("a goals section");
+    let peer_goal = goals
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r.to_string().contains("pgonce_vs_disintegrate"))
+        .expect("the peer's goal row")
+        .to_string();
+    assert!(!peer_goal.contains("not measured"), "{peer_goal}");
+}

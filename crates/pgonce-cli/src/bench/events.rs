@@ -10,6 +10,11 @@
 //! mean number of backends waiting on a lock (sampled from pg_locks).
 //! Appends run without NOTIFY (it serializes commits on one lock in
 //! PostgreSQL); one extra row measures the advisory strategy with it.
+//!
+//! The peer, disintegrate-postgres (`peers/disintegrate.rs`), runs the same
+//! workload on its own sqlx 0.8 pool on the same database; the
+//! `pgonce_vs_disintegrate_*` ratios compare committed appends/s, pgonce's
+//! best strategy against it at the same overlap and writers.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,11 +26,15 @@ use sqlx::PgPool;
 
 use super::BenchArgs;
 use super::measure::{Measured, closed_loop, round2};
+use super::peers::disintegrate::{self, Peer};
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
+/// Events in the log before the run, on each side.
+const SEEDED: i64 = 20_000;
+
 #[derive(Clone, Copy)]
-enum Overlap {
+pub(super) enum Overlap {
     /// A tag per writer: no two appends conflict.
     Disjoint,
     /// Four writers per tag.
@@ -43,7 +52,7 @@ impl Overlap {
         }
     }
 
-    fn tag(self, worker: usize) -> String {
+    pub(super) fn tag(self, worker: usize) -> String {
         match self {
             Overlap::Disjoint => format!("bench:{worker}"),
             Overlap::Partial => format!("bench:{}", worker / 4),
@@ -69,13 +78,16 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         args.phase()
     };
     // A log big enough for the planner to use the indexes, as in production.
-    sqlx::raw_sql(
+    sqlx::query(
         "INSERT INTO pgonce.events (type, tags, data)
-         SELECT 'Seeded', ARRAY['seed:' || i], 'null' FROM generate_series(1, 20000) AS i;
-         ANALYZE pgonce.events;",
+         SELECT 'Seeded', ARRAY['seed:' || i], 'null' FROM generate_series(1, $1) AS i",
     )
+    .bind(SEEDED)
     .execute(db.pool())
     .await?;
+    sqlx::query("ANALYZE pgonce.events")
+        .execute(db.pool())
+        .await?;
     let mut report = Report::new("bench", "events", db.environment().await?);
     let mut cells: Vec<(AppendStrategy, Overlap, Cell)> = Vec::new();
     for overlap in [Overlap::Disjoint, Overlap::Partial, Overlap::Full] {
@@ -85,18 +97,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             report
                 .results
                 .push(row(strategy.name(), overlap, workers, &cell));
-            report.verdict.check(
-                cell.m.errors == 0,
-                format!(
-                    "{label}: {} errors{}",
-                    cell.m.errors,
-                    cell.m
-                        .first_error
-                        .clone()
-                        .map(|e| format!(" (first: {e})"))
-                        .unwrap_or_default()
-                ),
-            );
+            no_errors(&mut report, &label, &cell.m);
             cells.push((strategy, overlap, cell));
         }
     }
@@ -116,6 +117,28 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         workers,
         &notify,
     ));
+
+    // The peer on its own pool, same database, same workload, same phases.
+    let peer = Peer::open(db, workers as u32 + 4, SEEDED).await?;
+    let mut peer_cells: Vec<(Overlap, Cell)> = Vec::new();
+    for overlap in [Overlap::Disjoint, Overlap::Partial, Overlap::Full] {
+        let label = format!("{}/{}", disintegrate::NAME, overlap.name());
+        let (m, deadlocks, waiting) =
+            observed(db.pool(), peer.measure(overlap, workers, phase, &label)).await?;
+        let aborts = m.counters.get("aborts").copied().unwrap_or(0);
+        let cell = Cell {
+            m,
+            retries: 0,
+            aborts,
+            deadlocks,
+            waiting,
+        };
+        report
+            .results
+            .push(row(disintegrate::NAME, overlap, workers, &cell));
+        no_errors(&mut report, &label, &cell.m);
+        peer_cells.push((overlap, cell));
+    }
 
     let get = |s: AppendStrategy, o: &str| {
         cells
@@ -145,6 +168,36 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         notify.m.ops_per_sec(),
         adv,
     );
+    // Against the peer: committed appends/s (refusals and aborts left out),
+    // pgonce's best strategy at each overlap, 16 writers.
+    let best = |o: &str| {
+        AppendStrategy::ALL
+            .into_iter()
+            .map(|s| committed_per_sec(get(s, o)))
+            .fold(0.0, f64::max)
+    };
+    let peer_at = |o: &str| {
+        peer_cells
+            .iter()
+            .find(|(po, _)| po.name() == o)
+            .map(|(_, c)| committed_per_sec(c))
+            .expect("measured")
+    };
+    let vs_peer = report.ratio(
+        "pgonce_vs_disintegrate_disjoint_16w",
+        best("disjoint"),
+        peer_at("disjoint"),
+    );
+    report.ratio(
+        "pgonce_vs_disintegrate_4_per_tag_16w",
+        best("4-per-tag"),
+        peer_at("4-per-tag"),
+    );
+    report.ratio(
+        "pgonce_vs_disintegrate_one_tag_16w",
+        best("one-tag"),
+        peer_at("one-tag"),
+    );
     report.sections.insert(
         "goals (issue 6; informational, the verdict is about correctness)".into(),
         vec![
@@ -152,13 +205,10 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
                 .with("goal", ">= 4")
                 .with("measured", ratio)
                 .with("met", ratio.is_some_and(|r| r >= 4.0)),
-            Row::new("pgonce_vs_disintegrate_postgres")
+            Row::new("pgonce_vs_disintegrate_disjoint_16w")
                 .with("goal", ">= 1.2")
-                .with(
-                    "measured",
-                    "not measured: disintegrate-postgres 4.0.1 needs sqlx 0.8, pgonce is on 0.9",
-                )
-                .with("met", false),
+                .with("measured", vs_peer)
+                .with("met", vs_peer.is_some_and(|r| r >= 1.2)),
         ],
     );
     report.sections.insert(
@@ -166,6 +216,29 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         comparison(&cells),
     );
     Ok(report)
+}
+
+/// The verdict's line for one cell: correctness needs no errors.
+fn no_errors(report: &mut Report, label: &str, m: &Measured) {
+    report.verdict.check(
+        m.errors == 0,
+        format!(
+            "{label}: {} errors{}",
+            m.errors,
+            m.first_error
+                .clone()
+                .map(|e| format!(" (first: {e})"))
+                .unwrap_or_default()
+        ),
+    );
+}
+
+/// Appends that committed, per second: operations less refused conditions
+/// and aborted attempts that were not retried.
+fn committed_per_sec(c: &Cell) -> f64 {
+    let refused = c.m.counters.get("conflicts").copied().unwrap_or(0)
+        + c.m.counters.get("aborts").copied().unwrap_or(0);
+    c.m.ops.saturating_sub(refused) as f64 / c.m.elapsed.as_secs_f64().max(1e-9)
 }
 
 fn row(strategy: &str, overlap: Overlap, workers: usize, c: &Cell) -> Row {
@@ -181,6 +254,7 @@ fn row(strategy: &str, overlap: Overlap, workers: usize, c: &Cell) -> Row {
         .with("wasted_attempts", c.aborts)
         .with("deadlocks", c.deadlocks)
         .with("avg_waiting_backends", round2(c.waiting))
+        .with("committed_per_sec", round2(committed_per_sec(c)))
 }
 
 async fn measure(
@@ -202,6 +276,53 @@ async fn measure(
     )?;
     let retries = Arc::new(AtomicU64::new(0));
     let aborts = Arc::new(AtomicU64::new(0));
+    let (r, a) = (retries.clone(), aborts.clone());
+    let (m, deadlocks, waiting) = observed(
+        pool,
+        closed_loop(label, workers, phase, move |worker, _| {
+            let (store, r, a) = (store.clone(), r.clone(), a.clone());
+            async move {
+                let tag = overlap.tag(worker);
+                let query = Query::item(Vec::<String>::new(), [tag.as_str()])?;
+                let decision = store.decide(&query).await?;
+                let event = Event::new("Booked").tag(&tag);
+                match store
+                    .append(&[event], Some(&AppendCondition::new(query, decision.after)))
+                    .await
+                {
+                    Ok(appended) => {
+                        r.fetch_add(appended.retries as u64, Ordering::Relaxed);
+                        a.fetch_add(appended.retries as u64, Ordering::Relaxed);
+                        Ok(None)
+                    }
+                    Err(Error::AppendConditionFailed { .. }) => Ok(Some("conflicts")),
+                    Err(e) => {
+                        if e.is_retryable() {
+                            a.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e.into())
+                    }
+                }
+            }
+        }),
+    )
+    .await?;
+    Ok(Cell {
+        m,
+        retries: retries.load(Ordering::Relaxed),
+        aborts: aborts.load(Ordering::Relaxed),
+        deadlocks,
+        waiting,
+    })
+}
+
+/// Runs `load` while sampling how many backends wait on a lock (pg_locks,
+/// every 10 ms); returns its figures, the deadlocks it caused and the mean
+/// number of waiting backends.
+async fn observed(
+    pool: &PgPool,
+    load: impl Future<Output = Measured>,
+) -> anyhow::Result<(Measured, i64, f64)> {
     let deadlocks_before = deadlocks(pool).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
@@ -222,43 +343,10 @@ async fn measure(
             sum as f64 / n.max(1) as f64
         })
     };
-    let (r, a) = (retries.clone(), aborts.clone());
-    let m = closed_loop(label, workers, phase, move |worker, _| {
-        let (store, r, a) = (store.clone(), r.clone(), a.clone());
-        async move {
-            let tag = overlap.tag(worker);
-            let query = Query::item(Vec::<String>::new(), [tag.as_str()])?;
-            let decision = store.decide(&query).await?;
-            let event = Event::new("Booked").tag(&tag);
-            match store
-                .append(&[event], Some(&AppendCondition::new(query, decision.after)))
-                .await
-            {
-                Ok(appended) => {
-                    r.fetch_add(appended.retries as u64, Ordering::Relaxed);
-                    a.fetch_add(appended.retries as u64, Ordering::Relaxed);
-                    Ok(None)
-                }
-                Err(Error::AppendConditionFailed { .. }) => Ok(Some("conflicts")),
-                Err(e) => {
-                    if e.is_retryable() {
-                        a.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e.into())
-                }
-            }
-        }
-    })
-    .await;
+    let m = load.await;
     stop.store(true, Ordering::Relaxed);
     let waiting = sampler.await.unwrap_or(0.0);
-    Ok(Cell {
-        m,
-        retries: retries.load(Ordering::Relaxed),
-        aborts: aborts.load(Ordering::Relaxed),
-        deadlocks: deadlocks(pool).await? - deadlocks_before,
-        waiting,
-    })
+    Ok((m, deadlocks(pool).await? - deadlocks_before, waiting))
 }
 
 async fn deadlocks(pool: &PgPool) -> anyhow::Result<i64> {

@@ -1,8 +1,10 @@
 //! Crates from crates.io doing the same work as pgonce, one file each, so
 //! each comparison runs in the same process on the same database: sqlxmq
-//! for `pgonce bench jobs`, apalis-postgres for `pgonce bench queue`.
+//! for `pgonce bench jobs`, apalis-postgres for `pgonce bench queue`,
+//! disintegrate-postgres for `pgonce bench events`.
 
 mod apalis;
+pub(super) mod disintegrate;
 pub mod sqlxmq;
 
 use sqlx::PgPool;
