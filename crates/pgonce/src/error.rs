@@ -107,6 +107,25 @@ pub enum Error {
     #[error("message of {size} bytes exceeds the limit of {max} bytes")]
     MessageTooLarge { size: usize, max: usize },
 
+    /// A queue backend other than PostgreSQL could not be reached or did not
+    /// answer within its operation timeout (connection refused, DNS, TLS,
+    /// timeout). Whether the request took effect is unknown: a send may have
+    /// happened, so retry with a deduplication id where that matters.
+    #[error("{backend} unavailable: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+
+    /// A queue backend other than PostgreSQL answered with an error pgonce
+    /// has no variant for (`code` is the backend's own error code).
+    #[error("{backend} refused the request ({code}): {message}")]
+    Backend {
+        backend: &'static str,
+        code: String,
+        message: String,
+    },
+
     /// Any other database error.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),

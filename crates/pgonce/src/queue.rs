@@ -21,8 +21,10 @@
 //!   to the dead-letter queue on its next receive, with its history;
 //!   [`Queue::redrive`] moves it back.
 //!
-//! Backends: [`PgQueue`] (this crate). The worker runtime: [`Worker`].
-//! [`conformance`] holds the test suite every backend must pass.
+//! Backends: [`PgQueue`] (this crate) and `SqsQueue` (crate `pgonce-sqs`,
+//! Amazon SQS). The worker runtime: [`Worker`]. [`conformance`] holds the
+//! test suite every backend must pass; `conformance::Caveats` is where a
+//! backend states what its server cannot do.
 //!
 //! ```no_run
 //! use pgonce::{Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes};

@@ -1,0 +1,290 @@
+//! The SQS backend against moto's server mode (one throwaway `moto_server`
+//! per test, on a free loopback port, stopped on drop): the same
+//! conformance functions `crates/pgonce/tests/queue.rs` runs on PostgreSQL,
+//! so the worker runtime is proven on both backends; then what is SQS's own:
+//! typed errors for a closed or silent endpoint within the operation
+//! timeout, bad input rejected before any request.
+//!
+//! Where moto or SQS differs from the contract, the test says so: a
+//! `Caveats` field (a skipped assertion, with the reason), or a skip reason
+//! in a test that cannot run here.
+
+mod support;
+
+use std::future::Future;
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use pgonce::queue::conformance::*;
+use pgonce::{Error, Queue, QueueAttributes, ReceiveRequest, SendMessage};
+use pgonce_sqs::{SqsClient, SqsConfig, SqsQueue};
+use support::Moto;
+
+/// A fresh moto with one queue; keep the `Moto` alive for the test.
+async fn started(name: &str, attributes: QueueAttributes) -> (Moto, SqsQueue) {
+    let moto = Moto::start();
+    let q = moto
+        .client()
+        .await
+        .create_queue(name, attributes)
+        .await
+        .unwrap();
+    (moto, q)
+}
+
+fn one_second() -> QueueAttributes {
+    QueueAttributes::default().visibility_timeout(Duration::from_secs(1))
+}
+
+async fn with_dead_letters(sqs: &SqsClient) -> (SqsQueue, SqsQueue) {
+    let dlq = sqs
+        .create_queue("jobs-dlq", QueueAttributes::default())
+        .await
+        .unwrap();
+    let q = sqs
+        .create_queue(
+            "jobs",
+            QueueAttributes::default().dead_letter("jobs-dlq", 2),
+        )
+        .await
+        .unwrap();
+    (q, dlq)
+}
+
+/// SQS does not fence receipts (an earlier delivery's handle "succeeds, but
+/// the message might not be deleted"), and moto accepts every handle a
+/// message ever had. pgonce's database safeguards, not the queue, make a
+/// second delivery harmless.
+const SQS: Caveats = Caveats {
+    fences_receipts: false,
+    // SQS reports no "duplicate" flag on send; moto even returns a fresh
+    // MessageId for the dropped duplicate.
+    reports_duplicates: false,
+    // moto-only: moto forgets a deduplication id once its message is
+    // deleted (real SQS keeps it for the 5-minute window).
+    dedup_survives_delete: false,
+    // moto-only: moto's FIFO group lock is not atomic across concurrent
+    // ReceiveMessage requests (each takes a snapshot of the locked groups,
+    // then picks); seen here as "two messages of g0 in flight at once",
+    // gone with receives serialised. Real SQS locks the group atomically.
+    receives_atomic: false,
+};
+
+#[tokio::test]
+async fn at_least_once_when_a_consumer_dies_mid_handler() {
+    let (_moto, q) = started("q", one_second()).await;
+    conformance_at_least_once_when_consumer_dies(&q).await;
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.depth, s.in_flight), (0, 0), "every message deleted");
+}
+
+#[tokio::test]
+async fn fifo_order_holds_with_many_consumers() {
+    let (_moto, q) = started("f.fifo", QueueAttributes::fifo()).await;
+    conformance_fifo_order_with_many_consumers_with(&q, SQS).await;
+}
+
+#[tokio::test]
+async fn fifo_groups_are_independent() {
+    let (_moto, q) = started("f.fifo", QueueAttributes::fifo()).await;
+    conformance_fifo_groups_are_independent(&q).await;
+}
+
+#[tokio::test]
+#[ignore = "SQS does not fence receipts: an earlier delivery's handle is accepted \
+            (moto accepts every handle a message ever had); see Caveats::fences_receipts"]
+async fn a_stale_receipt_deletes_and_extends_nothing() {
+    let (_moto, q) = started("q", one_second()).await;
+    conformance_stale_receipt(&q).await;
+}
+
+#[tokio::test]
+async fn dead_letter_and_redrive() {
+    let moto = Moto::start();
+    let (q, dlq) = with_dead_letters(&moto.client().await).await;
+    conformance_dead_letter_and_redrive_with(&q, &dlq, SQS).await;
+}
+
+#[tokio::test]
+async fn dedup_within_the_window_enqueues_once() {
+    let (_moto, q) = started("f.fifo", QueueAttributes::fifo()).await;
+    conformance_dedup_within_window_with(&q, SQS).await;
+}
+
+#[tokio::test]
+#[ignore = "SQS's deduplication window is fixed at 5 minutes: too long for a test"]
+async fn dedup_window_expires() {
+    let (_moto, q) = started("f.fifo", QueueAttributes::fifo()).await;
+    conformance_dedup_window_expires(&q, pgonce_sqs::SQS_DEDUP_WINDOW).await;
+}
+
+#[tokio::test]
+async fn a_long_poll_wakes_on_send_not_on_its_timer() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    // Our receive call is under way (the request may not have reached moto
+    // yet; then the send comes first and the receive finds the message at
+    // once, which passes as well).
+    let parked = async {
+        while q.receives_in_flight() == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    conformance_long_poll_wakes_on_send(&q, parked).await;
+}
+
+#[tokio::test]
+async fn graceful_shutdown() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    conformance_shutdown(&q).await;
+}
+
+#[tokio::test]
+async fn malformed_bodies_reach_dead_letters() {
+    let moto = Moto::start();
+    let (q, dlq) = with_dead_letters(&moto.client().await).await;
+    conformance_malformed_bodies_reach_dead_letters(&q, &dlq).await;
+}
+
+#[tokio::test]
+async fn heartbeat_keeps_a_slow_message_invisible() {
+    let (_moto, q) = started("q", one_second()).await;
+    conformance_heartbeat_keeps_message_invisible(&q).await;
+}
+
+/// Runs `call`; asserts it fails with `Unavailable` from SQS within
+/// `timeout` (plus scheduling slack), and at least `at_least` after its start.
+async fn assert_unavailable<T: std::fmt::Debug>(
+    what: &str,
+    call: impl Future<Output = pgonce::Result<T>>,
+    timeout: Duration,
+    at_least: Duration,
+) {
+    let started = Instant::now();
+    let err = call.await.unwrap_err();
+    let took = started.elapsed();
+    assert!(
+        matches!(&err, Error::Unavailable { backend: "sqs", .. }),
+        "{what}: {err:?}"
+    );
+    assert!(
+        took >= at_least && took <= timeout + Duration::from_millis(500),
+        "{what}: took {took:?}, operation timeout {timeout:?}"
+    );
+    eprintln!("{what}: {err} (after {took:?})");
+}
+
+/// `Queue` calls against a closed endpoint (the server is gone; nothing
+/// listens on the port) fail with `Error::Unavailable` within the operation
+/// timeout, retries included.
+#[tokio::test]
+async fn a_closed_endpoint_fails_typed_within_the_timeout() {
+    let moto = Moto::start();
+    let timeout = Duration::from_secs(2);
+    let sqs = SqsClient::connect(SqsConfig::local(&moto.endpoint).operation_timeout(timeout))
+        .await
+        .unwrap();
+    let q = sqs
+        .create_queue("q", QueueAttributes::default())
+        .await
+        .unwrap();
+    drop(moto); // stopped: the port is closed
+    let send = q.send(SendMessage::new("x"));
+    assert_unavailable("send, closed endpoint", send, timeout, Duration::ZERO).await;
+    let receive = q.receive(ReceiveRequest::up_to(1));
+    assert_unavailable("receive, closed endpoint", receive, timeout, Duration::ZERO).await;
+}
+
+/// A server that accepts connections and never answers: the call is cut
+/// off by the operation timeout, not left hanging, with `Unavailable`.
+#[tokio::test]
+async fn a_silent_endpoint_fails_typed_at_the_timeout() {
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap(); // accepts, never reads
+    let timeout = Duration::from_millis(1500);
+    let config = SqsConfig::local(format!("http://{}", silent.local_addr().unwrap()))
+        .operation_timeout(timeout);
+    let sqs = SqsClient::connect(config).await.unwrap();
+    let open = sqs.open("q");
+    let at_least = timeout - Duration::from_millis(100);
+    assert_unavailable("open, silent endpoint", open, timeout, at_least).await;
+}
+
+/// Bad input is a typed error and sends nothing; a missing queue is
+/// `QueueNotFound`.
+#[tokio::test]
+async fn bad_input_is_rejected_before_any_request() {
+    let moto = Moto::start();
+    let sqs = moto.client().await;
+    let q = sqs
+        .create_queue("q", QueueAttributes::default())
+        .await
+        .unwrap();
+    for bad in [
+        SendMessage::new(""),
+        SendMessage::new("x").dedup("d"), // standard queues do not deduplicate
+        SendMessage::new("x").group("g"),
+        SendMessage::new("x").attribute("pgonce.id", "forged"),
+        SendMessage::new("x").attribute("empty", ""),
+    ] {
+        assert!(
+            matches!(q.send(bad.clone()).await, Err(Error::Invalid { .. })),
+            "{bad:?}"
+        );
+    }
+    let batch = vec![SendMessage::new("fine"), SendMessage::new("")];
+    assert!(matches!(
+        q.send_batch(batch).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        q.send(SendMessage::new("x".repeat(300 * 1024))).await,
+        Err(Error::MessageTooLarge { .. })
+    ));
+    assert_eq!(q.stats().await.unwrap().depth, 0, "nothing half-sent");
+    assert!(matches!(
+        sqs.create_queue("f", QueueAttributes::fifo()).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        sqs.open("nope").await,
+        Err(Error::QueueNotFound { name }) if name == "nope"
+    ));
+    let fifo = sqs
+        .create_queue("f.fifo", QueueAttributes::fifo())
+        .await
+        .unwrap();
+    assert!(matches!(
+        fifo.send(
+            SendMessage::new("x")
+                .group("g")
+                .delay(Duration::from_secs(1))
+        )
+        .await,
+        Err(Error::Invalid { .. })
+    ));
+}
+
+/// Batches over SQS's 10 per request go out in several requests, in order;
+/// a deleted message's receipt is refused by moto only once moto has
+/// forgotten it, so `delete_batch` reports no stale receipts here.
+#[tokio::test]
+async fn batches_larger_than_ten_round_trip() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    let sent = q
+        .send_batch((0..25).map(|i| SendMessage::new(format!("{i}"))).collect())
+        .await
+        .unwrap();
+    assert_eq!(sent.len(), 25);
+    let mut got = Vec::new();
+    while got.len() < 25 {
+        let more = q
+            .receive(ReceiveRequest::up_to(10).wait(Duration::from_secs(1)))
+            .await
+            .unwrap();
+        assert!(!more.is_empty(), "only {} of 25", got.len());
+        got.extend(more);
+    }
+    let receipts: Vec<_> = got.iter().map(|m| m.receipt.clone()).collect();
+    assert!(q.delete_batch(&receipts).await.unwrap().is_empty());
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.depth, s.in_flight), (0, 0));
+}
