@@ -10,6 +10,23 @@ fn pgonce() -> Command {
     cmd
 }
 
+/// Runs `pgonce ARGS` (which must include `--json`), asserts it exited 0,
+/// and returns the one JSON object it printed.
+fn json_report(args: &[&str]) -> serde_json::Value {
+    let out = pgonce()
+        .args(args)
+        .timeout(Duration::from_secs(180))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn migrate_against_a_closed_port_fails_fast_with_one_line_naming_the_address() {
     let started = Instant::now();
@@ -36,17 +53,7 @@ fn migrate_without_a_database_says_what_to_pass() {
 
 #[test]
 fn race_lock_wait_prints_one_json_object_with_an_ok_verdict() {
-    let out = pgonce()
-        .args(["race", "lock-wait", "--json"])
-        .timeout(Duration::from_secs(120))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = json_report(&["race", "lock-wait", "--json"]);
     assert_eq!(report["command"], "race");
     assert_eq!(report["name"], "lock-wait");
     assert_eq!(report["verdict"]["ok"], true);
@@ -58,17 +65,7 @@ fn race_lock_wait_prints_one_json_object_with_an_ok_verdict() {
 
 #[test]
 fn race_seed001_holds_the_invariant_under_every_strategy() {
-    let out = pgonce()
-        .args(["race", "seed001", "--json"])
-        .timeout(Duration::from_secs(120))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = json_report(&["race", "seed001", "--json"]);
     assert_eq!(report["name"], "seed001");
     let results = report["results"].as_array().unwrap();
     assert_eq!(
@@ -83,18 +80,7 @@ fn race_seed001_holds_the_invariant_under_every_strategy() {
 
 #[test]
 fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
-    let out = pgonce()
-        .args(["bench", "queue", "--quick", "--seconds", "0.5", "--json"])
-        .timeout(Duration::from_secs(180))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = json_report(&["bench", "queue", "--quick", "--seconds", "0.5", "--json"]);
     assert_eq!(report["name"], "queue");
     assert!(report["ratios"]["pgonce_b1_vs_raw"].is_number(), "{report}");
     assert!(
@@ -113,17 +99,7 @@ fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
 
 #[test]
 fn race_seed003_exits_0_with_exactly_one_side_effect_under_two_phase() {
-    let out = pgonce()
-        .args(["race", "seed003", "--json"])
-        .timeout(Duration::from_secs(120))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = json_report(&["race", "seed003", "--json"]);
     let row = |name: &str| {
         report["results"]
             .as_array()
@@ -142,18 +118,7 @@ fn race_seed003_exits_0_with_exactly_one_side_effect_under_two_phase() {
 
 #[test]
 fn bench_events_quick_measures_the_peer_and_prints_both_goal_ratios() {
-    let out = pgonce()
-        .args(["bench", "events", "--quick", "--seconds", "0.3", "--json"])
-        .timeout(Duration::from_secs(180))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = json_report(&["bench", "events", "--quick", "--seconds", "0.3", "--json"]);
     assert_eq!(report["name"], "events");
     for ratio in [
         "advisory_vs_table_lock_disjoint_16w",
@@ -193,4 +158,41 @@ fn bench_events_quick_measures_the_peer_and_prints_both_goal_ratios() {
         .expect("the peer's goal row")
         .to_string();
     assert!(!peer_goal.contains("not measured"), "{peer_goal}");
+}
+
+#[test]
+fn race_seed004_keeps_i2_under_the_default_and_tells_the_truth_about_the_others() {
+    let report = json_report(&["race", "seed004", "--json"]);
+    assert_eq!(report["verdict"]["ok"], true, "{report:#}");
+    let by_strategy = |name: &str| {
+        report["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["strategy"] == name)
+            .unwrap_or_else(|| panic!("no row for {name}"))
+            .clone()
+    };
+    let advisory = by_strategy("advisory-lock");
+    assert_eq!(advisory["invariant_held"], true);
+    assert_eq!(advisory["other_scope"], "C: no wait");
+    assert_eq!(advisory["rollback_number_reused"], true);
+    assert_eq!(by_strategy("table-lock")["invariant_held"], false);
+    assert_eq!(by_strategy("select-for-update")["failed_declarations"], 1);
+}
+
+#[test]
+fn bench_sequence_quick_prints_both_figures_in_one_json_object() {
+    let report = json_report(&["bench", "sequence", "--quick", "--json"]);
+    assert_eq!(report["verdict"]["ok"], true, "{report:#}");
+    assert!(report["ratios"]["advisory_vs_table_lock_s8_early"].is_number());
+    let slo = report["sections"]["one scope, 50 declarers, against the seed's 3 s SLO"]
+        .as_array()
+        .unwrap();
+    assert!(slo.iter().all(|r| r["p99_ms"].is_number()
+        && r["lock_hold_p99_ms"].is_number()
+        && r["slo_ms"] == 3000.0));
+    for row in report["results"].as_array().unwrap() {
+        assert_eq!(row["violations"], 0, "{row}");
+    }
 }
