@@ -178,6 +178,26 @@ impl EventStore {
         .await
     }
 
+    /// Appends `events`, with no condition, inside the caller's open
+    /// transaction: they commit or roll back with the caller's other writes
+    /// (an incident and its timeline event, say). Returns their positions,
+    /// visible once `tx` commits.
+    ///
+    /// Takes the same shared publishing keys as [`EventStore::append`], so
+    /// conditions and decisions over these events wait for `tx`. Under
+    /// [`AppendStrategy::Serializable`] `tx` must be SERIALIZABLE
+    /// ([`Error::WrongIsolation`] otherwise: PostgreSQL's conflict detection
+    /// ignores writes of other isolation levels); under the other strategies
+    /// any isolation will do. Takes the store's pool for nothing: `tx` may
+    /// come from any pool on the same database.
+    pub async fn append_in(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        events: &[Event],
+    ) -> Result<Vec<i64>> {
+        append::append_in(tx, self.config.strategy, self.config.notify, events).await
+    }
+
     /// Matching events by position (a plain snapshot read).
     pub async fn read(&self, query: &Query, options: ReadOptions) -> Result<Vec<StoredEvent>> {
         read::read(&self.pool, query, options).await

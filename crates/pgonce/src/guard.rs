@@ -285,7 +285,12 @@ impl Guard {
         W: AsyncFnOnce(&mut PgConnection) -> Result<T>,
     {
         let mut tx = self.begin(pool).await?;
-        match self.guarded(&mut tx, key, seen, reread, write).await {
+        let out = async {
+            tx.check(key, seen, reread).await?;
+            write(&mut tx.tx).await
+        }
+        .await;
+        match out {
             Ok(out) => {
                 tx.commit().await?;
                 Ok(out)
@@ -294,62 +299,105 @@ impl Guard {
                 // Roll back now rather than when the connection is next
                 // used, so the lock is free when this returns. A dead
                 // connection cannot roll back; its lock died with it.
-                let _ = tx.rollback().await;
-                if let Error::Conflict {
-                    expected, found, ..
-                } = &e
-                {
-                    metrics::counter!("pgonce_guard_conflicts_total", "guard" => self.name.clone())
-                        .increment(1);
-                    tracing::warn!(
-                        guard = %self.name,
-                        %key,
-                        %expected,
-                        %found,
-                        "guarded write refused: the read set changed since the decision"
-                    );
-                }
+                let _ = tx.tx.rollback().await;
                 Err(e)
             }
         }
     }
 
-    /// Lock, re-read, compare, write: everything but the transaction's end.
-    async fn guarded<R, W, T>(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        key: LockKey,
-        seen: &ReadSet,
-        reread: R,
-        write: W,
-    ) -> Result<T>
-    where
-        R: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
-        W: AsyncFnOnce(&mut PgConnection) -> Result<T>,
-    {
-        match self.config.lock_timeout {
-            Some(t) => lock::lock_timeout(tx, key, t).await?,
-            None => lock::lock(tx, key).await?,
-        }
-        // READ COMMITTED: this statement's snapshot is taken now, after the
-        // lock was granted.
-        let found = reread(tx).await?;
-        if &found != seen {
-            return Err(Error::Conflict {
-                guard: self.name.clone(),
-                expected: seen.clone(),
-                found,
-            });
-        }
-        write(tx).await
-    }
-
-    async fn begin<'p>(&self, pool: &'p PgPool) -> Result<Transaction<'p, Postgres>> {
+    /// Opens the guarded transaction at the configured isolation level, for
+    /// callers whose write is more than one closure: several guards, a
+    /// [`Sequence`](crate::Sequence) number taken last, other modules'
+    /// writes that must commit with it. Call [`GuardedTransaction::check`],
+    /// then write, then commit (or hand the transaction on with
+    /// [`GuardedTransaction::into_inner`]).
+    pub async fn begin<'p>(&self, pool: &'p PgPool) -> Result<GuardedTransaction<'p>> {
         let begin = match self.config.isolation {
             Isolation::ReadCommitted => include_str!("guard/sql/begin_read_committed.sql"),
             Isolation::Serializable => include_str!("guard/sql/begin_serializable.sql"),
         };
-        Ok(pool.begin_with(begin.trim()).await?)
+        Ok(GuardedTransaction {
+            tx: pool.begin_with(begin.trim()).await?,
+            guard: self.clone(),
+        })
+    }
+}
+
+/// A transaction opened by [`Guard::begin`], so at an isolation level under
+/// which the guard's re-read is correct (the type makes a REPEATABLE READ
+/// transaction impossible here). Dereferences to the
+/// [`Transaction`] for the caller's writes. Dropping it rolls back.
+#[derive(Debug)]
+pub struct GuardedTransaction<'p> {
+    tx: Transaction<'p, Postgres>,
+    guard: Guard,
+}
+
+impl<'p> GuardedTransaction<'p> {
+    /// Takes the advisory lock `key` (held until this transaction ends),
+    /// runs `reread`, and compares its result with `seen`. Different:
+    /// counts `pgonce_guard_conflicts_total{guard}`, logs at WARN and
+    /// returns [`Error::Conflict`]; the caller must not write (roll back, or
+    /// drop the transaction). Equal: the caller may write in this
+    /// transaction, and no other guarded writer of `key` can change the set
+    /// before it ends.
+    ///
+    /// Checking several keys in one transaction can deadlock unless every
+    /// caller checks them in the same order; PostgreSQL then aborts one with
+    /// [`Error::SerializationFailure`] (retryable).
+    pub async fn check<R>(&mut self, key: LockKey, seen: &ReadSet, reread: R) -> Result<()>
+    where
+        R: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
+    {
+        let guard = &self.guard;
+        match guard.config.lock_timeout {
+            Some(t) => lock::lock_timeout(&mut self.tx, key, t).await?,
+            None => lock::lock(&mut self.tx, key).await?,
+        }
+        // READ COMMITTED: this statement's snapshot is taken now, after the
+        // lock was granted.
+        let found = reread(&mut self.tx).await?;
+        if &found == seen {
+            return Ok(());
+        }
+        metrics::counter!("pgonce_guard_conflicts_total", "guard" => guard.name.clone())
+            .increment(1);
+        tracing::warn!(
+            guard = %guard.name,
+            %key,
+            expected = %seen,
+            %found,
+            "guarded write refused: the read set changed since the decision"
+        );
+        Err(Error::Conflict {
+            guard: guard.name.clone(),
+            expected: seen.clone(),
+            found,
+        })
+    }
+
+    /// Commits the transaction (and releases the lock).
+    pub async fn commit(self) -> Result<()> {
+        Ok(self.tx.commit().await?)
+    }
+
+    /// The transaction itself, to be committed by the caller (for instance
+    /// by [`Sequence::commit_numbered`](crate::Sequence::commit_numbered)).
+    pub fn into_inner(self) -> Transaction<'p, Postgres> {
+        self.tx
+    }
+}
+
+impl<'p> std::ops::Deref for GuardedTransaction<'p> {
+    type Target = Transaction<'p, Postgres>;
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl std::ops::DerefMut for GuardedTransaction<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.tx
     }
 }
 

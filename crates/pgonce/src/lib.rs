@@ -39,7 +39,7 @@ pub use events::{
     AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query, QueryItem,
     StoredEvent,
 };
-pub use guard::{Guard, GuardConfig, Isolation, ReadSet};
+pub use guard::{Guard, GuardConfig, GuardedTransaction, Isolation, ReadSet};
 pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};
 pub use queue::{

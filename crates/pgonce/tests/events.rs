@@ -903,3 +903,41 @@ async fn explain_condition_queries_on_a_million_events() {
         println!("\n### {name}\n\n```text\n{sql}\n\n{}\n```", plan.join("\n"));
     }
 }
+
+/// `append_in` writes inside the caller's transaction: its events commit and
+/// roll back with the caller's other writes, and the serializable strategy
+/// refuses a transaction its conflict detection cannot see.
+#[tokio::test]
+async fn an_append_in_the_callers_transaction_commits_and_rolls_back_with_it() {
+    let (_db, pool) = db().await;
+    let events = store(&pool, AppendStrategy::AdvisoryLocks);
+
+    let mut tx = pool.begin().await.unwrap();
+    events.append_in(&mut tx, &[booked("a")]).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        events.head().await.unwrap(),
+        None,
+        "rolled back with the caller"
+    );
+
+    let mut tx = pool.begin().await.unwrap();
+    let at = events.append_in(&mut tx, &[booked("b")]).await.unwrap();
+    tx.commit().await.unwrap();
+    let read = events
+        .read(&tag_query("b"), ReadOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(positions(&read), at);
+
+    let mut tx = pool.begin().await.unwrap();
+    let refused = store(&pool, AppendStrategy::Serializable)
+        .append_in(&mut tx, &[booked("c")])
+        .await;
+    assert!(
+        matches!(refused, Err(Error::WrongIsolation { .. })),
+        "{refused:?}"
+    );
+    let empty = events.append_in(&mut tx, &[]).await;
+    assert!(matches!(empty, Err(Error::Invalid { .. })), "{empty:?}");
+}

@@ -555,3 +555,42 @@ async fn conflicts_are_counted_by_guard_name_and_successes_are_not() {
     }
     assert_eq!(recorder.total("things"), 2);
 }
+
+/// A guarded transaction opened by `Guard::begin` carries the caller's other
+/// writes: after a passed check they commit together; after a failed check
+/// nothing is written, and a dropped transaction releases the lock.
+#[tokio::test]
+async fn a_guarded_transaction_commits_the_callers_writes_only_after_a_passed_check() {
+    let (_db, pool) = setup().await;
+    let key = LockKey::new("test.things", "e1").unwrap();
+    let seen = guard()
+        .read(&pool, async |c| open_ids(c, "e1").await)
+        .await
+        .unwrap();
+
+    let mut tx = guard().begin(&pool).await.unwrap();
+    tx.check(key, &seen, async |c| open_ids(c, "e1").await)
+        .await
+        .unwrap();
+    insert(&mut tx, "e1").await.unwrap();
+    insert(&mut tx, "e1-sibling").await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count_open(&pool, "e1").await, 1);
+    assert_eq!(count_open(&pool, "e1-sibling").await, 1);
+
+    // The same stale decision again: the check refuses it.
+    let mut tx = guard().begin(&pool).await.unwrap();
+    let refused = tx
+        .check(key, &seen, async |c| open_ids(c, "e1").await)
+        .await;
+    assert!(
+        matches!(refused, Err(Error::Conflict { .. })),
+        "{refused:?}"
+    );
+    drop(tx);
+    assert_eq!(count_open(&pool, "e1").await, 1);
+
+    // The dropped transaction's lock is gone: another session takes it at once.
+    let mut other = pool.begin().await.unwrap();
+    assert!(pgonce::lock::try_lock(&mut other, key).await.unwrap());
+}

@@ -212,6 +212,20 @@ pub(crate) async fn begin(
             });
         }
     }
+    let positions = insert(&mut tx, notify, events).await?;
+    Ok(PendingAppend {
+        tx,
+        positions,
+        strategy,
+    })
+}
+
+/// Inserts `events` (validated, keys taken) and returns their positions.
+async fn insert(
+    tx: &mut Transaction<'_, Postgres>,
+    notify: bool,
+    events: &[Event],
+) -> Result<Vec<i64>> {
     let json = serde_json::to_value(events).map_err(|e| Error::Invalid {
         what: "event",
         why: e.to_string(),
@@ -219,13 +233,45 @@ pub(crate) async fn begin(
     let (positions, _): (Vec<i64>, String) = sqlx::query_as(include_str!("sql/insert.sql"))
         .bind(json)
         .bind(notify.then_some(NOTIFY_CHANNEL))
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut **tx)
         .await?;
-    Ok(PendingAppend {
-        tx,
-        positions,
-        strategy,
-    })
+    Ok(positions)
+}
+
+/// An unconditional append inside the caller's transaction: publishing keys
+/// (shared), then insert. Under the serializable strategy the transaction
+/// must be SERIALIZABLE, or concurrent conditional appends could not see it.
+pub(crate) async fn append_in(
+    tx: &mut Transaction<'_, Postgres>,
+    strategy: AppendStrategy,
+    notify: bool,
+    events: &[Event],
+) -> Result<Vec<i64>> {
+    if events.is_empty() {
+        return Err(Error::Invalid {
+            what: "append",
+            why: "at least one event is needed".into(),
+        });
+    }
+    for e in events {
+        e.validate()?;
+    }
+    if strategy == AppendStrategy::Serializable {
+        let isolation: String = sqlx::query_scalar(include_str!("sql/isolation.sql"))
+            .fetch_one(&mut **tx)
+            .await?;
+        if isolation != "serializable" {
+            return Err(Error::WrongIsolation {
+                strategy: strategy.name(),
+                needed: "SERIALIZABLE",
+                found: isolation,
+            });
+        }
+    }
+    AppendKeys::publishing(events)?.take(tx).await?;
+    let positions = insert(tx, notify, events).await?;
+    metrics::counter!("pgonce_events_appends_total", "strategy" => strategy.name()).increment(1);
+    Ok(positions)
 }
 
 /// begin + commit, retrying serialization failures up to `max_retries`.
