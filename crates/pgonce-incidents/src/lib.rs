@@ -1,21 +1,46 @@
-//! The incident service built on pgonce (seed 000): policies are evaluated
-//! against entities by queue workers, which may create incidents. A worker
-//! reads what its decision depends on ([`store::observe`]), evaluates slowly
-//! with no connection held, and creates the incident through a pgonce
-//! [`Guard`](pgonce::Guard) ([`store::create_incident`]), so that a policy
-//! that allows one OPEN incident per entity never gets two (invariant I1),
-//! even when the queue delivers a message twice and two workers race.
+//! The incident service built on pgonce (seeds 000 and 004): observations
+//! of entities arrive on a queue; workers evaluate the organization's
+//! policies against them and open incidents, numbered per organization,
+//! notified once, each with a timeline.
 //!
-//! The service knows nothing of the guard's SQL; the library knows nothing
-//! of incidents.
+//! Which pgonce safeguard keeps which invariant:
+//!
+//! | invariant | safeguard | where |
+//! |---|---|---|
+//! | I1: a singleton policy never has two OPEN incidents for one entity | guarded write (entity lock, re-read, compare) | [`Service::open_from_pipeline`] |
+//! | I2: incident numbers are 1..n per organization | scoped sequence, number taken last | [`Service`] (module docs) |
+//! | I3: each incident is notified once | notification job in the creating transaction; two-phase claim; idempotency key on the webhook | [`notifier`] |
+//! | I6: no observation lost | queue: delete only after success; ledger of processed messages | [`pipeline`] |
+//!
+//! The service chooses strategies and knows nothing of their SQL; the
+//! library knows nothing of incidents.
 //!
 //! # Layout
 //!
-//! * [`migrate`]: the service's schema (`incidents` schema, versions 1001+).
-//! * [`store`]: reading and creating incidents.
+//! * [`model`]: the domain types and their validation.
+//! * [`store`]: organizations, API keys, entities, policies, settings.
+//! * [`service`]: incidents: creation (guarded or plain), declaration by
+//!   hand, lifecycle, timeline, feed.
+//! * [`pipeline`]: the queue handler and the evaluator.
+//! * [`notifier`]: sends notifications; [`webhook`]: a local receiver.
+//! * [`runtime`]: workers, notifier, reaper and re-driver, started and
+//!   stopped together.
+//! * [`invariants`]: I1, I2, I3, I6 checked in the database.
+//! * [`migrate`](migrate()): the service's schema (`incidents`, versions 1001+).
 
+pub mod error;
+pub mod invariants;
 mod migrate;
+pub mod model;
+pub mod notifier;
+pub mod pipeline;
+pub mod runtime;
+pub mod service;
 pub mod store;
+pub mod webhook;
 
+pub use error::{Error, Result};
 pub use migrate::{MIGRATOR, migrate};
-pub use store::{Observed, create_incident, incident_guard, observe, singleton_violations};
+pub use notifier::{Notifier, NotifierConfig};
+pub use pipeline::{ObservationHandler, SimulatedEvaluator, SimulatedEvaluatorConfig};
+pub use service::{Service, ServiceConfig, WritePath};

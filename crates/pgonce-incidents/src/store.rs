@@ -1,114 +1,323 @@
-//! Reading and creating incidents. Creation goes through a pgonce guard:
-//! the decision's read set is the policy's singleton-ness for the entity at
-//! decision time plus, when it is a singleton, the ids of the OPEN
-//! incidents; the write re-reads both under a per-entity lock and inserts
-//! only if neither changed.
+//! Setting up: organizations, their API keys, entities, policies, and the
+//! runtime settings. Plain single-statement reads and writes, except
+//! [`set_entity_singleton`], which takes the entity's lock because the
+//! guarded incident write reads what it changes.
 
-use pgonce::{Guard, GuardConfig, LockKey, ReadSet};
-use sqlx::{PgConnection, PgPool};
+use rand::RngCore;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use sqlx::{PgExecutor, PgPool};
+use time::OffsetDateTime;
 
-/// The lock namespace of per-entity incident writes. Key: the entity id in
-/// decimal.
-pub const ENTITY_LOCK_NAMESPACE: &str = "pgonce-incidents/entity";
+use crate::error::{Error, Result};
+use crate::model::{Entity, Organization, Policy, Rule, Singleton, check_name};
+use crate::service::entity_lock_key;
 
-/// The guard every incident creation goes through (name `create-incident`,
-/// READ COMMITTED, no lock timeout).
-pub fn incident_guard() -> Guard {
-    Guard::new("create-incident", GuardConfig::default()).expect("a valid constant config")
-}
+/// The setting that routes entities between the guarded and the plain
+/// incident write, 0 to 100 (percent of entities on the guarded path).
+pub const ROLLOUT_SETTING: &str = "guard_rollout_percent";
 
-/// What a decision about one (policy, entity) saw.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Observed {
-    pub policy_id: i64,
-    pub entity_id: i64,
-    /// Whether the policy allowed at most one OPEN incident for this entity
-    /// when read.
-    pub singleton: bool,
-    /// The OPEN incidents of this (policy, entity), ascending.
-    pub open: Vec<i64>,
-}
+type OrgRow = (i64, String, OffsetDateTime);
 
-impl Observed {
-    /// The read set the guard compares: the rule, and the open ids when the
-    /// rule is "one at a time" (otherwise any number may be open and they do
-    /// not matter to the decision).
-    pub fn read_set(&self) -> ReadSet {
-        if self.singleton {
-            ReadSet::from_ids(self.open.iter().map(|id| format!("incident:{id}")))
-                .with("rule:singleton", None)
-        } else {
-            ReadSet::new().with("rule:many", None)
-        }
+fn organization((id, name, created_at): OrgRow) -> Organization {
+    Organization {
+        id,
+        name,
+        created_at,
     }
 }
 
-async fn read(conn: &mut PgConnection, policy_id: i64, entity_id: i64) -> pgonce::Result<Observed> {
-    let row: Option<(bool, Vec<i64>)> = sqlx::query_as(include_str!("store/sql/observe.sql"))
-        .bind(policy_id)
-        .bind(entity_id)
-        .fetch_optional(conn)
+/// Creates an organization and its first API key; returns both (the key in
+/// plain text, the only time it is seen). [`Error::AlreadyExists`] if the
+/// name is taken.
+pub async fn create_organization(pool: &PgPool, name: &str) -> Result<(Organization, String)> {
+    check_name("organization name", name)?;
+    let mut tx = pool.begin().await?;
+    let row: Option<OrgRow> = sqlx::query_as(include_str!("store/sql/create_organization.sql"))
+        .bind(name)
+        .fetch_optional(&mut *tx)
         .await?;
-    let (singleton, open) = row.ok_or_else(|| pgonce::Error::Invalid {
-        what: "policy and entity",
-        why: format!("no policy {policy_id} with entity {entity_id} in its organization"),
-    })?;
-    Ok(Observed {
-        policy_id,
-        entity_id,
-        singleton,
-        open,
+    let org = organization(row.ok_or(Error::AlreadyExists {
+        what: "organization",
+    })?);
+    let key = insert_api_key(&mut *tx, org.id, "initial").await?;
+    tx.commit().await?;
+    Ok((org, key))
+}
+
+pub async fn get_organization(db: impl PgExecutor<'_>, id: i64) -> Result<Organization> {
+    let row: Option<OrgRow> = sqlx::query_as(include_str!("store/sql/get_organization.sql"))
+        .bind(id)
+        .fetch_optional(db)
+        .await?;
+    row.map(organization)
+        .ok_or_else(|| Error::not_found("organization", id))
+}
+
+pub async fn list_organizations(db: impl PgExecutor<'_>) -> Result<Vec<Organization>> {
+    let rows: Vec<OrgRow> = sqlx::query_as(include_str!("store/sql/list_organizations.sql"))
+        .fetch_all(db)
+        .await?;
+    Ok(rows.into_iter().map(organization).collect())
+}
+
+/// A new API key for `organization_id`, returned in plain text once; only
+/// its SHA-256 is stored.
+pub async fn create_api_key(pool: &PgPool, organization_id: i64, name: &str) -> Result<String> {
+    get_organization(pool, organization_id).await?;
+    if name.len() > crate::model::MAX_NAME {
+        return Err(Error::invalid("key name", "at most 200 bytes"));
+    }
+    insert_api_key(pool, organization_id, name).await
+}
+
+async fn insert_api_key(
+    db: impl PgExecutor<'_>,
+    organization_id: i64,
+    name: &str,
+) -> Result<String> {
+    let mut rng = rand::rng();
+    let mut prefix = [0u8; 6];
+    let mut secret = [0u8; 32];
+    rng.fill_bytes(&mut prefix);
+    rng.fill_bytes(&mut secret);
+    let prefix = hex::encode(prefix);
+    let key = format!("pgo_{prefix}_{}", hex::encode(secret));
+    sqlx::query(include_str!("store/sql/insert_api_key.sql"))
+        .bind(organization_id)
+        .bind(&prefix)
+        .bind(Sha256::digest(key.as_bytes()).to_vec())
+        .bind(name)
+        .execute(db)
+        .await?;
+    Ok(key)
+}
+
+/// The organization an API key belongs to; [`Error::Unauthorized`] for a
+/// malformed, unknown or revoked key (the same error for each, so a caller
+/// learns nothing about which).
+pub async fn authenticate(db: impl PgExecutor<'_>, key: &str) -> Result<i64> {
+    const REFUSED: Error = Error::Unauthorized("invalid API key");
+    let mut parts = key.splitn(3, '_');
+    let (Some("pgo"), Some(prefix), Some(secret)) = (parts.next(), parts.next(), parts.next())
+    else {
+        return Err(REFUSED);
+    };
+    if prefix.len() != 12 || secret.len() != 64 {
+        return Err(REFUSED);
+    }
+    let row: Option<(i64, Vec<u8>)> = sqlx::query_as(include_str!("store/sql/authenticate.sql"))
+        .bind(prefix)
+        .fetch_optional(db)
+        .await?;
+    match row {
+        // Digests of a 256-bit random secret: comparing them leaks nothing
+        // an attacker could use to guess the secret.
+        Some((org, digest)) if digest == Sha256::digest(key.as_bytes()).as_slice() => Ok(org),
+        _ => Err(REFUSED),
+    }
+}
+
+type EntityRow = (i64, i64, String, Value, bool);
+
+fn entity(
+    (id, organization_id, external_id, attributes, singleton_incidents): EntityRow,
+) -> Entity {
+    Entity {
+        id,
+        organization_id,
+        external_id,
+        attributes,
+        singleton_incidents,
+    }
+}
+
+/// Creates the entity `external_id` of the organization on first sight, or
+/// records `attributes` as its latest.
+pub async fn upsert_entity(
+    db: impl PgExecutor<'_>,
+    organization_id: i64,
+    external_id: &str,
+    attributes: &Value,
+) -> Result<Entity> {
+    check_name("entity", external_id)?;
+    if !attributes.is_object() {
+        return Err(Error::invalid("attributes", "must be a JSON object"));
+    }
+    let row: EntityRow = sqlx::query_as(include_str!("store/sql/upsert_entity.sql"))
+        .bind(organization_id)
+        .bind(external_id)
+        .bind(attributes)
+        .fetch_one(db)
+        .await
+        .map_err(|e| unknown_organization(e, organization_id))?;
+    Ok(entity(row))
+}
+
+/// A foreign-key violation on organization_id becomes NotFound.
+fn unknown_organization(e: sqlx::Error, organization_id: i64) -> Error {
+    let fk = e
+        .as_database_error()
+        .is_some_and(|d| d.code().as_deref() == Some("23503"));
+    if fk {
+        Error::not_found("organization", organization_id)
+    } else {
+        e.into()
+    }
+}
+
+pub async fn get_entity(db: impl PgExecutor<'_>, organization_id: i64, id: i64) -> Result<Entity> {
+    let row: Option<EntityRow> = sqlx::query_as(include_str!("store/sql/get_entity.sql"))
+        .bind(organization_id)
+        .bind(id)
+        .fetch_optional(db)
+        .await?;
+    row.map(entity)
+        .ok_or_else(|| Error::not_found("entity", id))
+}
+
+pub async fn find_entity(
+    db: impl PgExecutor<'_>,
+    organization_id: i64,
+    external_id: &str,
+) -> Result<Entity> {
+    let row: Option<EntityRow> = sqlx::query_as(include_str!("store/sql/find_entity.sql"))
+        .bind(organization_id)
+        .bind(external_id)
+        .fetch_optional(db)
+        .await?;
+    row.map(entity)
+        .ok_or_else(|| Error::not_found("entity", external_id))
+}
+
+/// Entities by id after `after_id`, at most `limit` (1..=500).
+pub async fn list_entities(
+    db: impl PgExecutor<'_>,
+    organization_id: i64,
+    after_id: i64,
+    limit: i64,
+) -> Result<Vec<Entity>> {
+    if !(1..=500).contains(&limit) {
+        return Err(Error::invalid("limit", "must be 1 to 500"));
+    }
+    let rows: Vec<EntityRow> = sqlx::query_as(include_str!("store/sql/list_entities.sql"))
+        .bind(organization_id)
+        .bind(after_id)
+        .bind(limit)
+        .fetch_all(db)
+        .await?;
+    Ok(rows.into_iter().map(entity).collect())
+}
+
+/// Sets the entity's run-time singleton state, under the entity's lock: a
+/// guarded incident write for this entity either re-reads the new value or
+/// commits before it changes (READ COMMITTED, the lock held to commit).
+pub async fn set_entity_singleton(
+    pool: &PgPool,
+    organization_id: i64,
+    entity_id: i64,
+    singleton: bool,
+) -> Result<()> {
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
+    pgonce::lock::lock(&mut tx, entity_lock_key(entity_id)?).await?;
+    let done = sqlx::query(include_str!("store/sql/set_entity_singleton.sql"))
+        .bind(organization_id)
+        .bind(entity_id)
+        .bind(singleton)
+        .execute(&mut *tx)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(Error::not_found("entity", entity_id));
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+type PolicyRow = (i64, i64, String, String, Value);
+
+fn policy((id, organization_id, name, singleton, rule): PolicyRow) -> Result<Policy> {
+    Ok(Policy {
+        id,
+        organization_id,
+        name,
+        singleton: singleton.parse()?,
+        rule: serde_json::from_value(rule)
+            .map_err(|e| Error::invalid("stored rule", e.to_string()))?,
     })
 }
 
-/// The decision's read, in a short transaction whose connection is back in
-/// the pool when this returns.
-pub async fn observe(pool: &PgPool, policy_id: i64, entity_id: i64) -> pgonce::Result<Observed> {
-    let mut out = None;
-    incident_guard()
-        .read(pool, async |conn| {
-            let observed = read(conn, policy_id, entity_id).await?;
-            let set = observed.read_set();
-            out = Some(observed);
-            Ok(set)
-        })
-        .await?;
-    Ok(out.expect("read ran"))
-}
-
-/// Creates an OPEN incident for `seen`'s (policy, entity) if what the
-/// decision saw still holds: the policy's singleton-ness for the entity is
-/// unchanged and, for a singleton, so is the set of OPEN incidents.
-/// Otherwise returns [`pgonce::Error::Conflict`] and creates nothing. Returns
-/// the new incident's id.
-pub async fn create_incident(pool: &PgPool, seen: &Observed, summary: &str) -> pgonce::Result<i64> {
-    let (policy_id, entity_id) = (seen.policy_id, seen.entity_id);
-    let key = LockKey::new(ENTITY_LOCK_NAMESPACE, &entity_id.to_string())?;
-    incident_guard()
-        .write(
-            pool,
-            key,
-            &seen.read_set(),
-            async |conn| Ok(read(conn, policy_id, entity_id).await?.read_set()),
-            async |conn| {
-                let id: i64 = sqlx::query_scalar(include_str!("store/sql/insert_incident.sql"))
-                    .bind(policy_id)
-                    .bind(entity_id)
-                    .bind(summary)
-                    .fetch_one(conn)
-                    .await?;
-                Ok(id)
-            },
-        )
+/// A new policy; [`Error::AlreadyExists`] if the organization has one of
+/// that name.
+pub async fn create_policy(
+    db: impl PgExecutor<'_>,
+    organization_id: i64,
+    name: &str,
+    singleton: Singleton,
+    rule: &Rule,
+) -> Result<Policy> {
+    check_name("policy name", name)?;
+    rule.validate()?;
+    let rule_json = serde_json::to_value(rule).expect("a rule serializes");
+    let id: Option<i64> = sqlx::query_scalar(include_str!("store/sql/create_policy.sql"))
+        .bind(organization_id)
+        .bind(name)
+        .bind(singleton.as_str())
+        .bind(rule_json)
+        .fetch_optional(db)
         .await
+        .map_err(|e| unknown_organization(e, organization_id))?;
+    let id = id.ok_or(Error::AlreadyExists { what: "policy" })?;
+    Ok(Policy {
+        id,
+        organization_id,
+        name: name.to_owned(),
+        singleton,
+        rule: rule.clone(),
+    })
 }
 
-/// I1 checked in the database: (policy, entity, open count) for every
-/// singleton pair with more than one OPEN incident. Empty when I1 holds.
-pub async fn singleton_violations(pool: &PgPool) -> pgonce::Result<Vec<(i64, i64, i64)>> {
-    Ok(
-        sqlx::query_as(include_str!("store/sql/singleton_violations.sql"))
-            .fetch_all(pool)
-            .await?,
-    )
+pub async fn list_policies(db: impl PgExecutor<'_>, organization_id: i64) -> Result<Vec<Policy>> {
+    let rows: Vec<PolicyRow> = sqlx::query_as(include_str!("store/sql/list_policies.sql"))
+        .bind(organization_id)
+        .fetch_all(db)
+        .await?;
+    rows.into_iter().map(policy).collect()
+}
+
+pub async fn get_policy(db: impl PgExecutor<'_>, organization_id: i64, id: i64) -> Result<Policy> {
+    let row: Option<PolicyRow> = sqlx::query_as(include_str!("store/sql/get_policy.sql"))
+        .bind(organization_id)
+        .bind(id)
+        .fetch_optional(db)
+        .await?;
+    policy(row.ok_or_else(|| Error::not_found("policy", id))?)
+}
+
+/// The share of entities (percent) whose incidents are written by the
+/// guarded path; the rest take the plain two-transaction path.
+pub async fn rollout_percent(db: impl PgExecutor<'_>) -> Result<u8> {
+    let value: Option<Value> = sqlx::query_scalar(include_str!("store/sql/get_setting.sql"))
+        .bind(ROLLOUT_SETTING)
+        .fetch_optional(db)
+        .await?;
+    Ok(value
+        .and_then(|v| v.as_u64())
+        .map_or(100, |p| p.min(100) as u8))
+}
+
+/// Sets the rollout (0..=100); workers read it per message, so it takes
+/// effect without a restart.
+pub async fn set_rollout_percent(db: impl PgExecutor<'_>, percent: u8) -> Result<()> {
+    if percent > 100 {
+        return Err(Error::invalid("rollout", "must be 0 to 100"));
+    }
+    sqlx::query(include_str!("store/sql/set_setting.sql"))
+        .bind(ROLLOUT_SETTING)
+        .bind(Value::from(percent))
+        .execute(db)
+        .await?;
+    tracing::info!(percent, "guard rollout changed");
+    Ok(())
 }

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use pgonce::Error;
-use pgonce_incidents::{create_incident, observe};
+use pgonce_incidents::{Service, ServiceConfig, WritePath};
 use pgonce_testkit::{HarnessError, Interleaving, Session};
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
@@ -67,6 +67,7 @@ struct Ctx {
     race: Interleaving,
     w1: Session,
     w2: Session,
+    org: i64,
     policy: i64,
     entity: i64,
 }
@@ -78,7 +79,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
         .await?;
     let mut report = Report::new("race", "seed000", db.environment().await?);
     for strategy in Strategy::ALL {
-        let policy: i64 = sqlx::query_scalar(include_str!("sql/seed000_policy.sql"))
+        let (org, policy): (i64, i64) = sqlx::query_as(include_str!("sql/seed000_policy.sql"))
             .bind(format!("one-open-incident/{}", strategy.name()))
             .fetch_one(db.pool())
             .await?;
@@ -92,6 +93,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             w1: race.session("W1").await?,
             w2: race.session("W2").await?,
             race,
+            org,
             policy,
             entity,
         };
@@ -463,15 +465,19 @@ async fn session_lock_on(pool: PgPool, key: i64) -> sqlx::Result<PoolConnection<
     Ok(conn)
 }
 
-/// pgonce's guard, through the incident service's store.
+/// pgonce's guard, through the incident service (both workers handle the
+/// same queue message, delivered twice).
 async fn guard(ctx: &Ctx) -> anyhow::Result<Outcome> {
     let mut outcome = Outcome::default();
     let race = &ctx.race;
+    let service = |w: &Session| Service::new(w.pool().clone(), ServiceConfig::default());
+    let (s1, s2) = (service(&ctx.w1)?, service(&ctx.w2)?);
+    let policy = pgonce_incidents::store::get_policy(s1.pool(), ctx.org, ctx.policy).await?;
     let seen1 = race
         .step(
             &ctx.w1,
             "T01 observe (short read, connection released)",
-            observe(ctx.w1.pool(), ctx.policy, ctx.entity),
+            s1.observe(&policy, ctx.entity, "message-1"),
         )
         .await??;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
@@ -479,23 +485,23 @@ async fn guard(ctx: &Ctx) -> anyhow::Result<Outcome> {
         .step(
             &ctx.w2,
             "T05 observe (short read, connection released)",
-            observe(ctx.w2.pool(), ctx.policy, ctx.entity),
+            s2.observe(&policy, ctx.entity, "message-1"),
         )
         .await??;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
-    for (w, seen, at) in [(&ctx.w1, &seen1, "T08"), (&ctx.w2, &seen2, "T10")] {
+    for (w, s, seen, at) in [(&ctx.w1, &s1, &seen1, "T08"), (&ctx.w2, &s2, &seen2, "T10")] {
         let done = race
             .step(
                 w,
                 &format!("{at} guarded write: lock, re-read, compare, insert, COMMIT"),
-                create_incident(w.pool(), seen, w.name()),
+                s.open_from_pipeline(ctx.org, seen, w.name(), WritePath::Guarded),
             )
             .await?;
         match done {
             Ok(_) => {}
-            Err(Error::Conflict {
+            Err(pgonce_incidents::Error::Pgonce(Error::Conflict {
                 expected, found, ..
-            }) => {
+            })) => {
                 outcome.conflicts += 1;
                 race.note(
                     w,

@@ -154,6 +154,20 @@ pub struct WorkerCounters {
     pub abandoned: u64,
 }
 
+impl std::ops::AddAssign for WorkerCounters {
+    /// Sums the counters of several workers.
+    fn add_assign(&mut self, o: WorkerCounters) {
+        self.received += o.received;
+        self.redelivered += o.redelivered;
+        self.succeeded += o.succeeded;
+        self.failed += o.failed;
+        self.deleted += o.deleted;
+        self.stale += o.stale;
+        self.heartbeats += o.heartbeats;
+        self.abandoned += o.abandoned;
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     received: AtomicU64,

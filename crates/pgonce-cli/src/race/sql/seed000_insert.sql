@@ -1,3 +1,4 @@
 -- The seed's T08/T10 write.
-INSERT INTO incidents.incidents (organization_id, policy_id, entity_id, summary)
-SELECT organization_id, id, $2, $3 FROM incidents.policies WHERE id = $1
+INSERT INTO incidents.incidents (organization_id, number, policy_id, entity_id, title, opened_by)
+SELECT organization_id, nextval('public.seed000_numbers'), id, $2, 'seed000', $3
+  FROM incidents.policies WHERE id = $1

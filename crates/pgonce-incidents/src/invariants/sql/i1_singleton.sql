@@ -1,5 +1,5 @@
 -- I1: (policy, entity) pairs whose policy is a singleton for that entity now
--- and that have more than one OPEN incident. Zero rows means I1 holds.
+-- and that have more than one OPEN incident. Zero rows: I1 holds.
 SELECT i.policy_id, i.entity_id, count(*) AS open
   FROM incidents.incidents i
   JOIN incidents.policies p ON p.id = i.policy_id
@@ -8,3 +8,4 @@ SELECT i.policy_id, i.entity_id, count(*) AS open
    AND (p.singleton = 'always' OR (p.singleton = 'per_entity' AND e.singleton_incidents))
  GROUP BY i.policy_id, i.entity_id
 HAVING count(*) > 1
+ ORDER BY 1, 2

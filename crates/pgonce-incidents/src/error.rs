@@ -1,0 +1,80 @@
+//! The service's errors: each is a case a caller (the HTTP API, the CLI,
+//! a test) handles differently, so each is a variant to match.
+
+/// What went wrong in the incident service.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No such row in the caller's organization (a row of another
+    /// organization is reported the same way: its existence is not revealed).
+    #[error("{what} {id} not found")]
+    NotFound { what: &'static str, id: String },
+
+    /// The incident is not in a state from which this transition is allowed
+    /// (acknowledging a resolved incident, resolving one twice).
+    #[error("incident {id} is {from}; cannot {action} it")]
+    InvalidTransition {
+        id: i64,
+        from: String,
+        action: &'static str,
+    },
+
+    /// Input that can never succeed (an empty name, a malformed rule, a body
+    /// that is not an observation).
+    #[error("invalid {what}: {why}")]
+    Invalid { what: &'static str, why: String },
+
+    /// A name or key that must be unique already exists.
+    #[error("{what} already exists")]
+    AlreadyExists { what: &'static str },
+
+    /// A missing, malformed or revoked API key.
+    #[error("unauthorized: {0}")]
+    Unauthorized(&'static str),
+
+    /// A pgonce safeguard refused or failed: a guarded write's conflict, a
+    /// lock timeout, a database error.
+    #[error(transparent)]
+    Pgonce(#[from] pgonce::Error),
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Error::Pgonce(e.into())
+    }
+}
+
+impl Error {
+    /// A stable, machine-readable code (the HTTP API's `error.code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::NotFound { .. } => "not_found",
+            Error::InvalidTransition { .. } => "invalid_transition",
+            Error::Invalid { .. } => "invalid",
+            Error::AlreadyExists { .. } => "already_exists",
+            Error::Unauthorized(_) => "unauthorized",
+            Error::Pgonce(pgonce::Error::Conflict { .. }) => "conflict",
+            Error::Pgonce(pgonce::Error::Invalid { .. }) => "invalid",
+            Error::Pgonce(pgonce::Error::LockTimeout { .. }) => "busy",
+            Error::Pgonce(pgonce::Error::SerializationFailure { .. }) => "busy",
+            Error::Pgonce(pgonce::Error::Unavailable { .. }) => "unavailable",
+            Error::Pgonce(_) => "internal",
+        }
+    }
+
+    pub(crate) fn invalid(what: &'static str, why: impl Into<String>) -> Error {
+        Error::Invalid {
+            what,
+            why: why.into(),
+        }
+    }
+
+    pub(crate) fn not_found(what: &'static str, id: impl ToString) -> Error {
+        Error::NotFound {
+            what,
+            id: id.to_string(),
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

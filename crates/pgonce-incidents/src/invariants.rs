@@ -1,0 +1,180 @@
+//! The service's invariants, checked in the database after the fact: what
+//! `pgonce demo` reports and the end-to-end tests assert.
+//!
+//! * I1: a singleton policy never has two OPEN incidents for one entity;
+//! * I2: each organization's numbers are exactly 1..n;
+//! * I3: each incident is notified exactly once (one `notifications` row,
+//!   one notification job, completed);
+//! * I6: every message sent to the pipeline was processed.
+//!
+//! The I3 check reads `pgonce.jobs` directly: an audit query, read-only,
+//! over the columns the library's migration documents.
+
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::error::Result;
+
+/// One singleton (policy, entity) with more than one OPEN incident.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DuplicateOpen {
+    pub policy_id: i64,
+    pub entity_id: i64,
+    pub open: i64,
+}
+
+/// One organization whose numbers are not 1..n.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NumberGap {
+    pub organization_id: i64,
+    pub count: i64,
+    pub min: i64,
+    pub max: i64,
+    pub distinct: i64,
+}
+
+/// One incident not notified exactly once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NotNotifiedOnce {
+    pub incident_id: i64,
+    pub notifications: i64,
+    pub jobs: i64,
+    pub completed_jobs: i64,
+}
+
+/// The outcome of every check. Each list is empty when its invariant holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct InvariantReport {
+    pub i1_duplicate_open: Vec<DuplicateOpen>,
+    pub i2_number_gaps: Vec<NumberGap>,
+    pub i3_not_notified_once: Vec<NotNotifiedOnce>,
+    /// Message ids sent but never processed.
+    pub i6_unprocessed: Vec<String>,
+}
+
+impl InvariantReport {
+    pub fn i1(&self) -> bool {
+        self.i1_duplicate_open.is_empty()
+    }
+    pub fn i2(&self) -> bool {
+        self.i2_number_gaps.is_empty()
+    }
+    pub fn i3(&self) -> bool {
+        self.i3_not_notified_once.is_empty()
+    }
+    pub fn i6(&self) -> bool {
+        self.i6_unprocessed.is_empty()
+    }
+    pub fn all_hold(&self) -> bool {
+        self.i1() && self.i2() && self.i3() && self.i6()
+    }
+}
+
+/// I1 over the whole database.
+pub async fn duplicate_open(pool: &PgPool) -> Result<Vec<DuplicateOpen>> {
+    let rows: Vec<(i64, i64, i64)> =
+        sqlx::query_as(include_str!("invariants/sql/i1_singleton.sql"))
+            .fetch_all(pool)
+            .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(policy_id, entity_id, open)| DuplicateOpen {
+            policy_id,
+            entity_id,
+            open,
+        })
+        .collect())
+}
+
+/// I2 over the whole database.
+pub async fn number_gaps(pool: &PgPool) -> Result<Vec<NumberGap>> {
+    let rows: Vec<(i64, i64, i64, i64, i64)> =
+        sqlx::query_as(include_str!("invariants/sql/i2_gapless.sql"))
+            .fetch_all(pool)
+            .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(organization_id, count, min, max, distinct)| NumberGap {
+            organization_id,
+            count,
+            min,
+            max,
+            distinct,
+        })
+        .collect())
+}
+
+/// I3 for the incidents of `organizations`.
+pub async fn not_notified_once(
+    pool: &PgPool,
+    organizations: &[i64],
+) -> Result<Vec<NotNotifiedOnce>> {
+    let rows: Vec<(i64, i64, i64, i64)> =
+        sqlx::query_as(include_str!("invariants/sql/i3_notified.sql"))
+            .bind(organizations)
+            .fetch_all(pool)
+            .await?;
+    Ok(rows
+        .into_iter()
+        .filter(|&(_, n, j, c)| (n, j, c) != (1, 1, 1))
+        .map(
+            |(incident_id, notifications, jobs, completed_jobs)| NotNotifiedOnce {
+                incident_id,
+                notifications,
+                jobs,
+                completed_jobs,
+            },
+        )
+        .collect())
+}
+
+/// I6: which of `sent` (queue message ids) the pipeline never finished.
+pub async fn unprocessed(pool: &PgPool, sent: &[String]) -> Result<Vec<String>> {
+    Ok(
+        sqlx::query_scalar(include_str!("invariants/sql/i6_processed.sql"))
+            .bind(sent)
+            .fetch_all(pool)
+            .await?,
+    )
+}
+
+/// Every check, for `organizations` and the messages `sent`.
+pub async fn check(
+    pool: &PgPool,
+    organizations: &[i64],
+    sent: &[String],
+) -> Result<InvariantReport> {
+    Ok(InvariantReport {
+        i1_duplicate_open: duplicate_open(pool).await?,
+        i2_number_gaps: number_gaps(pool).await?,
+        i3_not_notified_once: not_notified_once(pool, organizations).await?,
+        i6_unprocessed: unprocessed(pool, sent).await?,
+    })
+}
+
+/// Totals for a report over `organizations`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Tallies {
+    pub incidents: i64,
+    pub open: i64,
+    pub notifications: i64,
+    /// Deliveries the pipeline finished (first and repeated).
+    pub deliveries_processed: i64,
+    /// Distinct messages the pipeline finished.
+    pub messages_processed: i64,
+}
+
+pub async fn tallies(pool: &PgPool, organizations: &[i64]) -> Result<Tallies> {
+    let (incidents, open, notifications, deliveries_processed, messages_processed) =
+        sqlx::query_as(include_str!("invariants/sql/tallies.sql"))
+            .bind(organizations)
+            .fetch_one(pool)
+            .await?;
+    Ok(Tallies {
+        incidents,
+        open,
+        notifications,
+        deliveries_processed,
+        messages_processed,
+    })
+}

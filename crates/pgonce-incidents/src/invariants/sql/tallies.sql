@@ -1,0 +1,7 @@
+-- Figures for a report over organizations $1.
+SELECT (SELECT count(*) FROM incidents.incidents WHERE organization_id = ANY($1)),
+       (SELECT count(*) FROM incidents.incidents WHERE organization_id = ANY($1) AND lifecycle = 'OPEN'),
+       (SELECT count(*) FROM incidents.notifications n
+          JOIN incidents.incidents i ON i.id = n.incident_id WHERE i.organization_id = ANY($1)),
+       (SELECT coalesce(sum(deliveries), 0)::bigint FROM incidents.observations WHERE organization_id = ANY($1)),
+       (SELECT count(*) FROM incidents.observations WHERE organization_id = ANY($1))

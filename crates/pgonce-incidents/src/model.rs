@@ -1,0 +1,343 @@
+//! The domain: organizations, entities, policies and their rules,
+//! observations, incidents and their lifecycle. Plain data, validated on the
+//! way in; no SQL here.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use time::OffsetDateTime;
+
+use crate::error::{Error, Result};
+
+/// Longest name, external id or actor we accept (bytes).
+pub const MAX_NAME: usize = 200;
+/// Longest incident title (bytes).
+pub const MAX_TITLE: usize = 1000;
+
+/// Checks a short identifier-like string: 1..=[`MAX_NAME`] bytes, no NUL
+/// and no control characters (they end up in logs and headers).
+pub fn check_name(what: &'static str, s: &str) -> Result<()> {
+    if s.is_empty() || s.len() > MAX_NAME {
+        return Err(Error::invalid(
+            what,
+            format!("must be 1 to {MAX_NAME} bytes"),
+        ));
+    }
+    if s.chars().any(char::is_control) {
+        return Err(Error::invalid(what, "must not contain control characters"));
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Organization {
+    pub id: i64,
+    pub name: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entity {
+    pub id: i64,
+    pub organization_id: i64,
+    pub external_id: String,
+    /// The latest observation's attributes.
+    pub attributes: Value,
+    /// Run-time state read by [`Singleton::PerEntity`] policies.
+    pub singleton_incidents: bool,
+}
+
+/// Whether a policy allows at most one OPEN incident per entity (I1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Singleton {
+    /// Any number may be open.
+    Never,
+    /// At most one.
+    Always,
+    /// At most one iff the entity's `singleton_incidents` is true when the
+    /// incident is written: decided at run time, so no static unique index
+    /// can express it, and the guard is what keeps I1.
+    PerEntity,
+}
+
+impl Singleton {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Singleton::Never => "never",
+            Singleton::Always => "always",
+            Singleton::PerEntity => "per_entity",
+        }
+    }
+}
+
+impl FromStr for Singleton {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Singleton> {
+        match s {
+            "never" => Ok(Singleton::Never),
+            "always" => Ok(Singleton::Always),
+            "per_entity" => Ok(Singleton::PerEntity),
+            _ => Err(Error::invalid(
+                "singleton",
+                "must be never, always or per_entity",
+            )),
+        }
+    }
+}
+
+/// A comparison of an observation's numeric attribute with a threshold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Gt,
+    Gte,
+    Lt,
+    Lte,
+    Eq,
+    Ne,
+}
+
+/// A policy's rule: violated when `attribute` of the observation compares
+/// with `value` by `op`. A missing or non-numeric attribute is no violation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    pub attribute: String,
+    pub op: Op,
+    pub value: f64,
+}
+
+impl Rule {
+    pub fn validate(&self) -> Result<()> {
+        check_name("rule attribute", &self.attribute)?;
+        if !self.value.is_finite() {
+            return Err(Error::invalid("rule value", "must be a finite number"));
+        }
+        Ok(())
+    }
+
+    /// Whether `attributes` violate the rule.
+    pub fn violated_by(&self, attributes: &Value) -> bool {
+        let Some(x) = attributes.get(&self.attribute).and_then(Value::as_f64) else {
+            return false;
+        };
+        match self.op {
+            Op::Gt => x > self.value,
+            Op::Gte => x >= self.value,
+            Op::Lt => x < self.value,
+            Op::Lte => x <= self.value,
+            Op::Eq => x == self.value,
+            Op::Ne => x != self.value,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Policy {
+    pub id: i64,
+    pub organization_id: i64,
+    pub name: String,
+    pub singleton: Singleton,
+    pub rule: Rule,
+}
+
+/// An incident's lifecycle: OPEN -> ACKNOWLEDGED -> RESOLVED, or OPEN ->
+/// RESOLVED. Each change is one conditional UPDATE (`WHERE lifecycle =
+/// ANY(from)`), so two concurrent callers cannot both make it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Lifecycle {
+    Open,
+    Acknowledged,
+    Resolved,
+}
+
+impl Lifecycle {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lifecycle::Open => "OPEN",
+            Lifecycle::Acknowledged => "ACKNOWLEDGED",
+            Lifecycle::Resolved => "RESOLVED",
+        }
+    }
+}
+
+impl fmt::Display for Lifecycle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Lifecycle {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Lifecycle> {
+        match s.to_ascii_uppercase().as_str() {
+            "OPEN" => Ok(Lifecycle::Open),
+            "ACKNOWLEDGED" => Ok(Lifecycle::Acknowledged),
+            "RESOLVED" => Ok(Lifecycle::Resolved),
+            _ => Err(Error::invalid(
+                "lifecycle",
+                "must be OPEN, ACKNOWLEDGED or RESOLVED",
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Incident {
+    pub id: i64,
+    pub organization_id: i64,
+    /// The organization's number: 1, 2, 3... without gaps (I2).
+    pub number: i64,
+    pub policy_id: Option<i64>,
+    pub entity_id: Option<i64>,
+    pub lifecycle: Lifecycle,
+    pub title: String,
+    pub opened_by: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub opened_at: OffsetDateTime,
+    pub acknowledged_by: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub acknowledged_at: Option<OffsetDateTime>,
+    pub resolved_by: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub resolved_at: Option<OffsetDateTime>,
+}
+
+/// An observation of one entity, as it travels on the queue (JSON body).
+/// The message id is the queue's, not part of the body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Observation {
+    pub organization_id: i64,
+    /// The entity's external id; created on first sight.
+    pub entity: String,
+    /// Numeric attributes the policies' rules look at.
+    pub attributes: Value,
+}
+
+impl Observation {
+    /// Parses and validates a queue message body.
+    pub fn parse(body: &str) -> Result<Observation> {
+        let o: Observation =
+            serde_json::from_str(body).map_err(|e| Error::invalid("observation", e.to_string()))?;
+        o.validate()?;
+        Ok(o)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        check_name("entity", &self.entity)?;
+        if !self.attributes.is_object() {
+            return Err(Error::invalid("attributes", "must be a JSON object"));
+        }
+        Ok(())
+    }
+
+    /// The FIFO message group: one entity's observations are processed in
+    /// order, one at a time (until a visibility timeout runs out).
+    pub fn group(&self) -> String {
+        format!("{}/{}", self.organization_id, self.entity)
+    }
+}
+
+/// Filters and page of an incident listing. Pages are keyset pages, newest
+/// number first: pass the last number seen as `before`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IncidentFilter {
+    pub lifecycle: Option<Lifecycle>,
+    pub policy_id: Option<i64>,
+    pub entity_id: Option<i64>,
+    /// Only numbers below this one.
+    pub before: Option<i64>,
+    /// At most this many (1..=500, default 50).
+    pub limit: Option<i64>,
+}
+
+impl IncidentFilter {
+    pub fn limit(&self) -> Result<i64> {
+        match self.limit {
+            None => Ok(50),
+            Some(n) if (1..=500).contains(&n) => Ok(n),
+            Some(_) => Err(Error::invalid("limit", "must be 1 to 500")),
+        }
+    }
+}
+
+/// A manual declaration (seed 004's path): a person declares an incident;
+/// it gets the organization's next number like any other.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Declaration {
+    pub title: String,
+    /// Optional entity (external id) the incident is about.
+    #[serde(default)]
+    pub entity: Option<String>,
+    /// Optional idempotency key: declaring twice with one key returns the
+    /// first incident.
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+}
+
+impl Declaration {
+    pub fn validate(&self) -> Result<()> {
+        if self.title.trim().is_empty() || self.title.len() > MAX_TITLE {
+            return Err(Error::invalid(
+                "title",
+                format!("must be 1 to {MAX_TITLE} bytes"),
+            ));
+        }
+        if let Some(e) = &self.entity {
+            check_name("entity", e)?;
+        }
+        if let Some(k) = &self.idempotency_key {
+            check_name("idempotency key", k)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn rules_compare_numeric_attributes_only() {
+        let rule = Rule {
+            attribute: "cpu".into(),
+            op: Op::Gt,
+            value: 90.0,
+        };
+        assert!(rule.violated_by(&json!({"cpu": 95})));
+        assert!(!rule.violated_by(&json!({"cpu": 90})));
+        assert!(!rule.violated_by(&json!({"cpu": "95"})));
+        assert!(!rule.violated_by(&json!({})));
+    }
+
+    #[test]
+    fn malformed_observations_are_invalid() {
+        for body in [
+            "",
+            "not json",
+            "{}",
+            r#"{"organization_id": 1, "entity": "", "attributes": {}}"#,
+            r#"{"organization_id": 1, "entity": "a", "attributes": []}"#,
+            r#"{"organization_id": 1, "entity": "a\u0000", "attributes": {}}"#,
+            r#"{"organization_id": 1, "entity": "a", "attributes": {}, "extra": 1}"#,
+        ] {
+            assert!(
+                matches!(Observation::parse(body), Err(Error::Invalid { .. })),
+                "{body:?}"
+            );
+        }
+        let ok = Observation::parse(
+            r#"{"organization_id": 1, "entity": "db-1", "attributes": {"cpu": 3}}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.group(), "1/db-1");
+    }
+}

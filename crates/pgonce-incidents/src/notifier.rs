@@ -1,0 +1,264 @@
+//! Notifications (seed 003): creating an incident enqueued a notification
+//! job in the same transaction; the [`Notifier`] claims such jobs
+//! (two-phase, with a lease), POSTs a webhook carrying an `Idempotency-Key`
+//! header, and completes the job together with the `notifications` row.
+//!
+//! What it guarantees (I3): each incident's job completes once, and at most
+//! one `notifications` row exists per incident. The POST itself is at least
+//! once: a notifier that crashes (or times out) after the receiver got the
+//! request, before completing, leaves the job to be retried (by
+//! [`pgonce::job::Redriver`] after a failure, or [`pgonce::job::Reaper`]
+//! after a crash), and the retry carries the same key, which the receiver
+//! uses to drop the duplicate. A notifier whose lease was taken over cannot
+//! complete ([`pgonce::Error::LeaseLost`]): nothing written.
+
+use std::future::Future;
+use std::time::Duration;
+
+use pgonce::job::{self, ClaimedJob, FailOutcome, RetryPolicy};
+use serde_json::json;
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use crate::error::{Error, Result};
+use crate::service::{NOTIFY_JOB_KIND, Service};
+
+/// The header carrying the idempotency key of a notification.
+pub const IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
+
+/// The idempotency key of an incident's notification: the same for every
+/// attempt.
+pub fn idempotency_key(incident_id: i64) -> String {
+    format!("incident-{incident_id}")
+}
+
+/// Settings of a [`Notifier`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct NotifierConfig {
+    /// Where to POST (http only unless built with TLS). Required.
+    pub webhook_url: String,
+    /// Jobs claimed per pass. Default 16; at least 1.
+    pub batch: i64,
+    /// Lease of a claim; a notifier that has not completed by then may be
+    /// taken over. Default 30 s; must exceed `timeout`.
+    pub lease: Duration,
+    /// Timeout of one POST. Default 5 s.
+    pub timeout: Duration,
+    /// Pause of [`Notifier::run`] when there was nothing to send. Default
+    /// 100 ms.
+    pub idle: Duration,
+    /// Backoff of failed sends. Default [`RetryPolicy::default`].
+    pub retry: RetryPolicy,
+}
+
+impl NotifierConfig {
+    pub fn new(webhook_url: impl Into<String>) -> NotifierConfig {
+        NotifierConfig {
+            webhook_url: webhook_url.into(),
+            batch: 16,
+            lease: Duration::from_secs(30),
+            timeout: Duration::from_secs(5),
+            idle: Duration::from_millis(100),
+            retry: RetryPolicy::default(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let url = reqwest::Url::parse(&self.webhook_url)
+            .map_err(|e| Error::invalid("webhook_url", e.to_string()))?;
+        if url.scheme() != "http" && url.scheme() != "https" {
+            return Err(Error::invalid("webhook_url", "must be http or https"));
+        }
+        if self.batch < 1 {
+            return Err(Error::invalid("notifier batch", "at least 1"));
+        }
+        if self.lease <= self.timeout || self.idle.is_zero() {
+            return Err(Error::invalid(
+                "notifier config",
+                "lease must exceed timeout, and idle be above zero",
+            ));
+        }
+        self.retry.validate()?;
+        Ok(())
+    }
+}
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NotifyCounts {
+    /// Delivered and completed.
+    pub sent: u64,
+    /// Sends that failed (error status, timeout, refused): retried later.
+    pub failed: u64,
+    /// Jobs past their maximum attempts.
+    pub dead: u64,
+    /// Completions refused because the lease had been taken over.
+    pub lease_lost: u64,
+}
+
+impl std::ops::AddAssign for NotifyCounts {
+    fn add_assign(&mut self, o: NotifyCounts) {
+        self.sent += o.sent;
+        self.failed += o.failed;
+        self.dead += o.dead;
+        self.lease_lost += o.lease_lost;
+    }
+}
+
+/// Sends incident notifications; see the module docs.
+#[derive(Debug, Clone)]
+pub struct Notifier {
+    pool: PgPool,
+    client: reqwest::Client,
+    config: NotifierConfig,
+}
+
+type IncidentSummary = (i64, i64, String, i64, String, String, OffsetDateTime);
+
+enum Sent {
+    Delivered(u16),
+    Failed(String),
+}
+
+impl Notifier {
+    pub fn new(service: &Service, config: NotifierConfig) -> Result<Notifier> {
+        config.validate()?;
+        let client = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .build()
+            .map_err(|e| Error::invalid("http client", e.to_string()))?;
+        Ok(Notifier {
+            pool: service.pool().clone(),
+            client,
+            config,
+        })
+    }
+
+    /// One pass: claims up to `batch` jobs and sends them concurrently.
+    pub async fn run_once(&self) -> Result<NotifyCounts> {
+        let jobs = job::claim_batch(
+            &self.pool,
+            NOTIFY_JOB_KIND,
+            self.config.batch,
+            self.config.lease,
+        )
+        .await?;
+        let outcomes = futures::future::join_all(jobs.into_iter().map(|j| self.notify(j))).await;
+        let mut counts = NotifyCounts::default();
+        for outcome in outcomes {
+            counts += outcome?;
+        }
+        Ok(counts)
+    }
+
+    /// Runs passes until `shutdown` resolves; errors are logged and retried.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) -> NotifyCounts {
+        tokio::pin!(shutdown);
+        let mut total = NotifyCounts::default();
+        loop {
+            let pass = tokio::select! {
+                _ = &mut shutdown => return total,
+                r = self.run_once() => r,
+            };
+            let idle = match pass {
+                Ok(c) => {
+                    total += c;
+                    c == NotifyCounts::default()
+                }
+                Err(e) => {
+                    tracing::warn!("notifier pass failed: {e}");
+                    true
+                }
+            };
+            if idle {
+                tokio::select! {
+                    _ = &mut shutdown => return total,
+                    _ = tokio::time::sleep(self.config.idle) => {}
+                }
+            }
+        }
+    }
+
+    async fn notify(&self, claimed: ClaimedJob) -> Result<NotifyCounts> {
+        let lease = &claimed.lease;
+        let mut counts = NotifyCounts::default();
+        let sent = match Service::notified_incident(&claimed.payload) {
+            None => Sent::Failed(format!("malformed payload {}", claimed.payload)),
+            Some(id) => self.send(id).await?,
+        };
+        let key = Service::notified_incident(&claimed.payload).map(idempotency_key);
+        match sent {
+            Sent::Delivered(status) => {
+                let mut tx = self.pool.begin().await?;
+                match job::complete(&mut *tx, lease, &json!({ "status": status })).await {
+                    Ok(()) => {}
+                    Err(pgonce::Error::LeaseLost { .. }) => {
+                        counts.lease_lost += 1;
+                        return Ok(counts);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+                sqlx::query(include_str!("notifier/sql/record.sql"))
+                    .bind(Service::notified_incident(&claimed.payload))
+                    .bind(key)
+                    .bind(claimed.attempts + 1)
+                    .bind(i32::from(status))
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                counts.sent += 1;
+                metrics::counter!("pgonce_incidents_notifications_sent_total").increment(1);
+            }
+            Sent::Failed(why) => {
+                tracing::warn!(job = lease.job_id, "notification failed: {why}");
+                metrics::counter!("pgonce_incidents_notifications_failed_total").increment(1);
+                match job::fail(&self.pool, lease, &why, &self.config.retry).await {
+                    Ok(FailOutcome::Retry { .. }) => counts.failed += 1,
+                    Ok(FailOutcome::Dead { .. }) => {
+                        counts.failed += 1;
+                        counts.dead += 1;
+                    }
+                    Err(pgonce::Error::LeaseLost { .. }) => counts.lease_lost += 1,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(counts)
+    }
+
+    /// One POST; any transport error or non-2xx status is a failure to
+    /// retry.
+    async fn send(&self, incident_id: i64) -> Result<Sent> {
+        let row: Option<IncidentSummary> =
+            sqlx::query_as(include_str!("notifier/sql/incident.sql"))
+                .bind(incident_id)
+                .fetch_optional(&self.pool)
+                .await?;
+        let Some((id, org, org_name, number, title, lifecycle, opened_at)) = row else {
+            return Ok(Sent::Failed(format!(
+                "incident {incident_id} does not exist"
+            )));
+        };
+        let body = json!({
+            "incident_id": id,
+            "organization_id": org,
+            "organization": org_name,
+            "number": number,
+            "title": title,
+            "lifecycle": lifecycle,
+            "opened_at": opened_at.unix_timestamp(),
+        });
+        let response = self
+            .client
+            .post(&self.config.webhook_url)
+            .header(IDEMPOTENCY_HEADER, idempotency_key(id))
+            .json(&body)
+            .send()
+            .await;
+        Ok(match response {
+            Ok(r) if r.status().is_success() => Sent::Delivered(r.status().as_u16()),
+            Ok(r) => Sent::Failed(format!("webhook answered {}", r.status())),
+            Err(e) => Sent::Failed(format!("webhook unreachable: {e}")),
+        })
+    }
+}

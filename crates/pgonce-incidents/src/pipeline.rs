@@ -1,0 +1,305 @@
+//! The pipeline (seed 000): observations arrive on a FIFO queue grouped by
+//! entity; a [`pgonce::Worker`] runs an [`ObservationHandler`] for each.
+//!
+//! Per message: record the entity's latest attributes, read what each
+//! policy's decision depends on (short reads, connection returned), evaluate
+//! every policy with the [`Evaluator`] (slow, no connection held), and open
+//! an incident for each violation through [`Service::open_from_pipeline`],
+//! on the guarded path or, for entities outside the rollout, the plain one.
+//!
+//! The queue delivers at least once: a visibility timeout shorter than the
+//! evaluation hands the same message to a second worker while the first is
+//! still busy. On the guarded path the second decision was made on the same
+//! state as the first, so its write finds the set changed and gets a
+//! conflict: counted, logged at WARN, message acked. The entity's next
+//! observation re-evaluates from fresh state.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use pgonce::{Handler, HandlerError, Received};
+use rand::Rng;
+
+use crate::error::{Error, Result};
+use crate::model::{Entity, Observation, Policy};
+use crate::service::{Decision, Service, WritePath};
+use crate::store;
+
+/// Decides whether an observation violates a policy. Implementations may be
+/// slow (remote calls, model calls): nothing is held while they run.
+pub trait Evaluator: Send + Sync + 'static {
+    fn evaluate(
+        &self,
+        policy: &Policy,
+        entity: &Entity,
+        observation: &Observation,
+    ) -> impl Future<Output = std::result::Result<bool, HandlerError>> + Send;
+}
+
+/// Settings of the [`SimulatedEvaluator`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimulatedEvaluatorConfig {
+    /// Least time one evaluation takes. Default 200 ms.
+    pub latency: Duration,
+    /// Extra time, uniform in [0, jitter). Default 100 ms.
+    pub jitter: Duration,
+    /// Share of evaluations that fail (a remote call erroring), in [0, 1].
+    /// Default 0.
+    pub failure_rate: f64,
+}
+
+impl Default for SimulatedEvaluatorConfig {
+    fn default() -> Self {
+        SimulatedEvaluatorConfig {
+            latency: Duration::from_millis(200),
+            jitter: Duration::from_millis(100),
+            failure_rate: 0.0,
+        }
+    }
+}
+
+/// The default evaluator: applies the policy's [`Rule`](crate::model::Rule)
+/// after a simulated remote call of configurable latency and failure rate.
+#[derive(Debug, Clone)]
+pub struct SimulatedEvaluator {
+    config: SimulatedEvaluatorConfig,
+}
+
+impl SimulatedEvaluator {
+    pub fn new(config: SimulatedEvaluatorConfig) -> Result<SimulatedEvaluator> {
+        if !(0.0..=1.0).contains(&config.failure_rate) {
+            return Err(Error::invalid("failure_rate", "must be in [0, 1]"));
+        }
+        Ok(SimulatedEvaluator { config })
+    }
+}
+
+impl Evaluator for SimulatedEvaluator {
+    async fn evaluate(
+        &self,
+        policy: &Policy,
+        _entity: &Entity,
+        observation: &Observation,
+    ) -> std::result::Result<bool, HandlerError> {
+        let (extra, fail) = {
+            let mut rng = rand::rng();
+            let extra = if self.config.jitter.is_zero() {
+                Duration::ZERO
+            } else {
+                self.config.jitter.mul_f64(rng.random::<f64>())
+            };
+            (extra, rng.random::<f64>() < self.config.failure_rate)
+        };
+        tokio::time::sleep(self.config.latency + extra).await;
+        if fail {
+            return Err("simulated evaluation failure".into());
+        }
+        Ok(policy.rule.violated_by(&observation.attributes))
+    }
+}
+
+/// Whether `entity_id` takes the guarded path at `percent` rollout:
+/// deterministic per entity, so an entity does not flip between paths from
+/// one message to the next, and raising the percentage only adds entities.
+pub fn on_guarded_path(entity_id: i64, percent: u8) -> bool {
+    // Fibonacci hashing spreads consecutive ids over the 100 buckets.
+    let bucket = ((entity_id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % 100;
+    bucket < u64::from(percent)
+}
+
+/// What the pipeline did, summed over every message handled.
+#[derive(Debug, Default)]
+pub struct PipelineCounters {
+    pub messages: AtomicU64,
+    /// Deliveries after the first of a message.
+    pub redeliveries: AtomicU64,
+    pub incidents_opened: AtomicU64,
+    /// Guarded writes refused because the state changed since the decision.
+    pub conflicts: AtomicU64,
+    /// Violations with an incident already open (singleton) or already
+    /// opened by an earlier delivery of the message.
+    pub already_open: AtomicU64,
+    pub evaluation_failures: AtomicU64,
+    pub malformed: AtomicU64,
+    pub guarded_writes: AtomicU64,
+    pub plain_writes: AtomicU64,
+}
+
+/// A plain copy of [`PipelineCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PipelineSnapshot {
+    pub messages: u64,
+    pub redeliveries: u64,
+    pub incidents_opened: u64,
+    pub conflicts: u64,
+    pub already_open: u64,
+    pub evaluation_failures: u64,
+    pub malformed: u64,
+    pub guarded_writes: u64,
+    pub plain_writes: u64,
+}
+
+impl PipelineCounters {
+    pub fn snapshot(&self) -> PipelineSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        PipelineSnapshot {
+            messages: get(&self.messages),
+            redeliveries: get(&self.redeliveries),
+            incidents_opened: get(&self.incidents_opened),
+            conflicts: get(&self.conflicts),
+            already_open: get(&self.already_open),
+            evaluation_failures: get(&self.evaluation_failures),
+            malformed: get(&self.malformed),
+            guarded_writes: get(&self.guarded_writes),
+            plain_writes: get(&self.plain_writes),
+        }
+    }
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The queue handler of the pipeline. Cheap to clone (shares counters).
+#[derive(Clone)]
+pub struct ObservationHandler<E> {
+    service: Service,
+    evaluator: Arc<E>,
+    counters: Arc<PipelineCounters>,
+}
+
+impl<E: Evaluator> ObservationHandler<E> {
+    pub fn new(service: Service, evaluator: E) -> ObservationHandler<E> {
+        ObservationHandler {
+            service,
+            evaluator: Arc::new(evaluator),
+            counters: Arc::default(),
+        }
+    }
+
+    pub fn counters(&self) -> Arc<PipelineCounters> {
+        self.counters.clone()
+    }
+
+    /// Handles one delivery; see the module docs. Errors leave the message
+    /// on the queue (redelivered, dead-lettered after the queue's maximum
+    /// receive count): a malformed body or an unknown organization, an
+    /// evaluation failure, a database error.
+    pub async fn process(&self, message: &Received) -> Result<()> {
+        let c = &self.counters;
+        bump(&c.messages);
+        if message.receive_count > 1 {
+            bump(&c.redeliveries);
+            metrics::counter!("pgonce_incidents_redeliveries_total").increment(1);
+        }
+        let observation = Observation::parse(&message.body).inspect_err(|e| {
+            bump(&c.malformed);
+            tracing::warn!(message = %message.id, "malformed observation: {e}");
+        })?;
+        let pool = self.service.pool();
+        let org = observation.organization_id;
+        let entity = store::upsert_entity(pool, org, &observation.entity, &observation.attributes)
+            .await
+            .inspect_err(|e| {
+                if matches!(e, Error::NotFound { .. }) {
+                    bump(&c.malformed);
+                }
+            })?;
+        let policies = store::list_policies(pool, org).await?;
+        let path = if on_guarded_path(entity.id, store::rollout_percent(pool).await?) {
+            WritePath::Guarded
+        } else {
+            WritePath::Plain
+        };
+
+        // Short reads, one per policy; no connection kept.
+        let mut seen = Vec::with_capacity(policies.len());
+        for policy in &policies {
+            seen.push(self.service.observe(policy, entity.id, &message.id).await?);
+        }
+        // The slow part, every policy at once, holding nothing.
+        let verdicts = futures::future::join_all(
+            policies
+                .iter()
+                .map(|p| self.evaluator.evaluate(p, &entity, &observation)),
+        )
+        .await;
+
+        let (mut opened, mut conflicts) = (0, 0);
+        for ((policy, seen), verdict) in policies.iter().zip(&seen).zip(verdicts) {
+            let violated = verdict.map_err(|e| {
+                bump(&c.evaluation_failures);
+                Error::invalid("evaluation", e.to_string())
+            })?;
+            if !violated {
+                continue;
+            }
+            if seen.decide() != Decision::Open {
+                bump(&c.already_open);
+                continue;
+            }
+            let title = format!("{} violated on {}", policy.name, entity.external_id);
+            match self
+                .service
+                .open_from_pipeline(org, seen, &title, path)
+                .await
+            {
+                Ok(incident) => {
+                    opened += 1;
+                    bump(&c.incidents_opened);
+                    bump(match path {
+                        WritePath::Guarded => &c.guarded_writes,
+                        WritePath::Plain => &c.plain_writes,
+                    });
+                    tracing::debug!(number = incident.number, policy = %policy.name, entity = %entity.external_id, "incident opened");
+                }
+                // Already WARNed and counted by the guard; the next message
+                // for this entity re-evaluates.
+                Err(Error::Pgonce(pgonce::Error::Conflict { .. })) => {
+                    conflicts += 1;
+                    bump(&c.conflicts);
+                    metrics::counter!("pgonce_incidents_pipeline_conflicts_total").increment(1);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        sqlx::query(include_str!("pipeline/sql/record.sql"))
+            .bind(&message.id)
+            .bind(org)
+            .bind(entity.id)
+            .bind(opened)
+            .bind(conflicts)
+            .execute(pool)
+            .await?;
+        metrics::counter!("pgonce_incidents_observations_total").increment(1);
+        Ok(())
+    }
+}
+
+impl<E: Evaluator> Handler for ObservationHandler<E> {
+    async fn handle(&self, message: &Received) -> std::result::Result<(), HandlerError> {
+        self.process(message).await.map_err(Into::into)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rollout_is_deterministic_and_only_grows() {
+        for id in 0..1000 {
+            assert!(!on_guarded_path(id, 0));
+            assert!(on_guarded_path(id, 100));
+            for p in 0..100 {
+                if on_guarded_path(id, p) {
+                    assert!(on_guarded_path(id, p + 1));
+                }
+            }
+        }
+        let half = (0..10_000).filter(|&id| on_guarded_path(id, 50)).count();
+        assert!((4_500..5_500).contains(&half), "{half}");
+    }
+}

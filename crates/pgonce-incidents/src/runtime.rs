@@ -1,0 +1,175 @@
+//! The service's background work in one place: pipeline workers on the
+//! observations queue, the notifier, and the job reaper and re-driver that
+//! keep notifications from being lost. `pgonce serve`, `pgonce worker` and
+//! `pgonce demo` start it; [`Runtime::shutdown`] stops it gracefully.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgonce::job::{Reaper, ReaperConfig, Redriver, RedriverConfig};
+use pgonce::{
+    PgQueue, PgQueueOptions, Queue, QueueAttributes, Worker, WorkerConfig, WorkerCounters,
+};
+use sqlx::PgPool;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::error::{Error, Result};
+use crate::notifier::{Notifier, NotifierConfig, NotifyCounts};
+use crate::pipeline::{
+    ObservationHandler, PipelineCounters, SimulatedEvaluator, SimulatedEvaluatorConfig,
+};
+use crate::service::Service;
+
+/// The pipeline's FIFO queue (message group: organization/entity).
+pub const OBSERVATIONS_QUEUE: &str = "incidents-observations";
+/// Where observations go after `max_receive_count` failed deliveries.
+pub const OBSERVATIONS_DEAD_LETTERS: &str = "incidents-observations-dead";
+
+/// Creates (or updates) the observations queue and its dead-letter queue in
+/// PostgreSQL: FIFO, the given visibility timeout, dead-lettered after
+/// `max_receive_count` deliveries.
+pub async fn observations_queue(
+    pool: &PgPool,
+    visibility: Duration,
+    max_receive_count: u32,
+) -> Result<PgQueue> {
+    PgQueue::create(
+        pool,
+        OBSERVATIONS_DEAD_LETTERS,
+        QueueAttributes::fifo(),
+        PgQueueOptions::default(),
+    )
+    .await?;
+    Ok(PgQueue::create(
+        pool,
+        OBSERVATIONS_QUEUE,
+        QueueAttributes::fifo()
+            .visibility_timeout(visibility)
+            .dead_letter(OBSERVATIONS_DEAD_LETTERS, max_receive_count),
+        PgQueueOptions::default(),
+    )
+    .await?)
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Pipeline workers (each a [`Worker`] with `worker.concurrency`
+    /// handlers). Default 2; 0 runs no pipeline.
+    pub workers: usize,
+    pub worker: WorkerConfig,
+    pub evaluator: SimulatedEvaluatorConfig,
+    /// `None`: no notifier in this process.
+    pub notifier: Option<NotifierConfig>,
+    /// Run the job reaper and re-driver here. Default true.
+    pub job_maintenance: bool,
+    pub reaper: ReaperConfig,
+    pub redriver: RedriverConfig,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            workers: 2,
+            worker: WorkerConfig::default(),
+            evaluator: SimulatedEvaluatorConfig::default(),
+            notifier: None,
+            job_maintenance: true,
+            reaper: ReaperConfig::default(),
+            redriver: RedriverConfig::default(),
+        }
+    }
+}
+
+/// What a runtime did, when it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RuntimeSummary {
+    pub workers: WorkerCounters,
+    pub notifications: NotifyCounts,
+}
+
+enum Finished {
+    Worker(WorkerCounters),
+    Notifier(NotifyCounts),
+    Other,
+}
+
+/// Running background work; see the module docs.
+pub struct Runtime {
+    stop: watch::Sender<bool>,
+    tasks: JoinSet<Finished>,
+    pipeline: Arc<PipelineCounters>,
+}
+
+impl Runtime {
+    /// Starts everything `config` asks for on `queue` (any [`Queue`]: the
+    /// PostgreSQL one or Amazon SQS).
+    pub fn start<Q>(service: &Service, queue: Q, config: RuntimeConfig) -> Result<Runtime>
+    where
+        Q: Queue + Clone + 'static,
+    {
+        let (stop, stopped) = watch::channel(false);
+        let until_stopped = move || {
+            let mut rx = stopped.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let handler = ObservationHandler::new(
+            service.clone(),
+            SimulatedEvaluator::new(config.evaluator.clone())?,
+        );
+        let pipeline = handler.counters();
+        let mut tasks = JoinSet::new();
+        for _ in 0..config.workers {
+            let worker = Worker::new(queue.clone(), handler.clone(), config.worker.clone())?;
+            let shutdown = until_stopped();
+            tasks.spawn(async move { Finished::Worker(worker.run(shutdown).await) });
+        }
+        if let Some(notifier_config) = config.notifier {
+            let notifier = Notifier::new(service, notifier_config)?;
+            let shutdown = until_stopped();
+            tasks.spawn(async move { Finished::Notifier(notifier.run(shutdown).await) });
+        }
+        if config.job_maintenance {
+            let reaper = Reaper::new(service.pool().clone(), config.reaper)?;
+            let redriver = Redriver::new(service.pool().clone(), config.redriver)?;
+            let shutdown = until_stopped();
+            tasks.spawn(async move {
+                reaper.run(shutdown).await;
+                Finished::Other
+            });
+            let shutdown = until_stopped();
+            tasks.spawn(async move {
+                redriver.run(shutdown).await;
+                Finished::Other
+            });
+        }
+        Ok(Runtime {
+            stop,
+            tasks,
+            pipeline,
+        })
+    }
+
+    /// The pipeline's counters, live.
+    pub fn pipeline(&self) -> Arc<PipelineCounters> {
+        self.pipeline.clone()
+    }
+
+    /// Stops receiving, lets in-flight handlers finish (within the worker's
+    /// shutdown deadline), and returns what was done.
+    pub async fn shutdown(mut self) -> Result<RuntimeSummary> {
+        let _ = self.stop.send(true);
+        let mut summary = RuntimeSummary::default();
+        while let Some(done) = self.tasks.join_next().await {
+            match done.map_err(|e| Error::invalid("runtime task", e.to_string()))? {
+                Finished::Worker(c) => summary.workers += c,
+                Finished::Notifier(c) => summary.notifications += c,
+                Finished::Other => {}
+            }
+        }
+        Ok(summary)
+    }
+}

@@ -1,0 +1,1 @@
+SELECT id, name, created_at FROM incidents.organizations WHERE id = $1

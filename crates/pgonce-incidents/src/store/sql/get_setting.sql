@@ -1,0 +1,1 @@
+SELECT value FROM incidents.settings WHERE name = $1

@@ -1,0 +1,4 @@
+SELECT id, organization_id, external_id, attributes, singleton_incidents
+  FROM incidents.entities
+ WHERE organization_id = $1 AND id > $2
+ ORDER BY id LIMIT $3

@@ -1,0 +1,2 @@
+SELECT id, organization_id, name, singleton, rule
+  FROM incidents.policies WHERE organization_id = $1 ORDER BY id

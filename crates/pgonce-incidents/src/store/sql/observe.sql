@@ -1,9 +1,0 @@
--- What a decision about (policy $1, entity $2) depends on: whether the
--- policy is a singleton for this entity right now, and the OPEN incidents.
-SELECT (p.singleton = 'always' OR (p.singleton = 'per_entity' AND e.singleton_incidents)) AS singleton,
-       COALESCE(ARRAY(SELECT i.id FROM incidents.incidents i
-                       WHERE i.policy_id = p.id AND i.entity_id = e.id AND i.lifecycle = 'OPEN'
-                       ORDER BY i.id), '{}') AS open_ids
-  FROM incidents.policies p
-  JOIN incidents.entities e ON e.organization_id = p.organization_id
- WHERE p.id = $1 AND e.id = $2

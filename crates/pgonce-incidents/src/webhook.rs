@@ -1,0 +1,156 @@
+//! A local webhook receiver, for the demo and the tests: it deduplicates
+//! deliveries by their `Idempotency-Key` header (as a real receiver should)
+//! and can misbehave on purpose: answer 500, or accept the notification but
+//! answer too late, so the sender times out and retries with the same key.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use rand::Rng;
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Result};
+use crate::notifier::IDEMPOTENCY_HEADER;
+
+/// How the receiver misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ReceiverFaults {
+    /// Share of requests answered 500 without being accepted.
+    pub fail_rate: f64,
+    /// Share of requests accepted, then answered after `late_by`.
+    pub late_rate: f64,
+    /// How late a late answer is (make it exceed the sender's timeout).
+    pub late_by: Duration,
+}
+
+/// What the receiver saw.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ReceiverStats {
+    /// Requests received, all outcomes.
+    pub requests: u64,
+    /// Distinct idempotency keys accepted: notifications delivered.
+    pub accepted: u64,
+    /// Requests carrying a key already accepted: dropped as duplicates.
+    pub duplicates: u64,
+    /// Requests refused on purpose (500).
+    pub refused: u64,
+    /// Requests accepted but answered late on purpose.
+    pub late: u64,
+    /// Requests without a key.
+    pub without_key: u64,
+}
+
+#[derive(Default)]
+struct Seen {
+    stats: ReceiverStats,
+    keys: HashMap<String, u32>,
+}
+
+#[derive(Clone)]
+struct Shared {
+    faults: ReceiverFaults,
+    seen: Arc<Mutex<Seen>>,
+}
+
+/// A running receiver; stops when dropped.
+pub struct WebhookReceiver {
+    url: String,
+    shared: Shared,
+    _stop: oneshot::Sender<()>,
+}
+
+impl WebhookReceiver {
+    /// Listens on 127.0.0.1 at a free port.
+    pub async fn start(faults: ReceiverFaults) -> Result<WebhookReceiver> {
+        for rate in [faults.fail_rate, faults.late_rate] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(Error::invalid("receiver fault rate", "must be in [0, 1]"));
+            }
+        }
+        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .map_err(|e| Error::invalid("webhook receiver", e.to_string()))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::invalid("webhook receiver", e.to_string()))?;
+        let shared = Shared {
+            faults,
+            seen: Arc::default(),
+        };
+        let app = Router::new()
+            .route("/hook", post(receive))
+            .with_state(shared.clone());
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Ok(WebhookReceiver {
+            url: format!("http://{addr}/hook"),
+            shared,
+            _stop: stop,
+        })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn stats(&self) -> ReceiverStats {
+        self.shared.seen.lock().expect("not poisoned").stats
+    }
+
+    /// How many times each accepted key arrived (1 = no duplicate).
+    pub fn deliveries(&self) -> HashMap<String, u32> {
+        self.shared.seen.lock().expect("not poisoned").keys.clone()
+    }
+}
+
+async fn receive(State(shared): State<Shared>, headers: HeaderMap) -> StatusCode {
+    let (refuse, late) = {
+        let mut rng = rand::rng();
+        (
+            rng.random::<f64>() < shared.faults.fail_rate,
+            rng.random::<f64>() < shared.faults.late_rate,
+        )
+    };
+    let key = headers
+        .get(IDEMPOTENCY_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    {
+        let mut seen = shared.seen.lock().expect("not poisoned");
+        seen.stats.requests += 1;
+        let Some(key) = key else {
+            seen.stats.without_key += 1;
+            return StatusCode::BAD_REQUEST;
+        };
+        if refuse {
+            seen.stats.refused += 1;
+            return StatusCode::INTERNAL_SERVER_ERROR;
+        }
+        let n = seen.keys.entry(key).or_default();
+        *n += 1;
+        if *n == 1 {
+            seen.stats.accepted += 1;
+        } else {
+            seen.stats.duplicates += 1;
+        }
+        if late {
+            seen.stats.late += 1;
+        }
+    }
+    if late {
+        tokio::time::sleep(shared.faults.late_by).await;
+    }
+    StatusCode::OK
+}
