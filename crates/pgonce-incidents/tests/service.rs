@@ -1,0 +1,401 @@
+//! The incident service against a real PostgreSQL: guarded creation under
+//! redelivery, run-time singleton-ness, numbering shared by the pipeline and
+//! declarations, lifecycle transitions and their timeline, idempotent
+//! declarations, and typed errors for bad input.
+
+use std::time::Duration;
+
+use pgonce_incidents::model::{Declaration, IncidentFilter, Lifecycle, Op, Rule, Singleton};
+use pgonce_incidents::service::{Decision, Observed};
+use pgonce_incidents::{Error, Service, ServiceConfig, WritePath, invariants, store};
+use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_database};
+use serde_json::json;
+use sqlx::PgPool;
+
+struct World {
+    _db: ScratchDatabase,
+    pool: PgPool,
+    service: Service,
+    org: i64,
+}
+
+async fn world() -> World {
+    let db = fresh_database().await;
+    let pool = db.pool(16).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (org, _key) = store::create_organization(&pool, "acme").await.unwrap();
+    World {
+        _db: db,
+        pool,
+        service,
+        org: org.id,
+    }
+}
+
+fn rule() -> Rule {
+    Rule {
+        attribute: "errors".into(),
+        op: Op::Gt,
+        value: 0.0,
+    }
+}
+
+impl World {
+    async fn policy(&self, name: &str, singleton: Singleton) -> pgonce_incidents::model::Policy {
+        store::create_policy(&self.pool, self.org, name, singleton, &rule())
+            .await
+            .unwrap()
+    }
+
+    async fn entity(&self, name: &str) -> i64 {
+        store::upsert_entity(&self.pool, self.org, name, &json!({"errors": 1}))
+            .await
+            .unwrap()
+            .id
+    }
+
+    async fn open_count(&self, policy: i64, entity: i64) -> usize {
+        let filter = IncidentFilter {
+            lifecycle: Some(Lifecycle::Open),
+            policy_id: Some(policy),
+            entity_id: Some(entity),
+            ..Default::default()
+        };
+        self.service.list(self.org, &filter).await.unwrap().len()
+    }
+
+    async fn open(&self, seen: &Observed, path: WritePath) -> Result<i64, Error> {
+        self.service
+            .open_from_pipeline(self.org, seen, "test", path)
+            .await
+            .map(|i| i.number)
+    }
+}
+
+fn is_conflict(r: &Result<i64, Error>) -> bool {
+    matches!(r, Err(Error::Pgonce(pgonce::Error::Conflict { .. })))
+}
+
+/// Seed 000: one message delivered twice, both deliveries decide on the same
+/// state. Guarded: one incident, the second write a conflict. Plain (the
+/// seed's two transactions): two OPEN incidents, I1 broken.
+#[tokio::test]
+async fn a_redelivered_message_opens_one_incident_guarded_and_two_plain() {
+    let w = world().await;
+    let policy = w.policy("one-at-a-time", Singleton::Always).await;
+    for (path, entity_name, expected_open) in [
+        (WritePath::Guarded, "guarded", 1),
+        (WritePath::Plain, "plain", 2),
+    ] {
+        let entity = w.entity(entity_name).await;
+        let first = w.service.observe(&policy, entity, "m1").await.unwrap();
+        let second = w.service.observe(&policy, entity, "m1").await.unwrap();
+        assert_eq!(first.decide(), Decision::Open);
+        assert_eq!(second.decide(), Decision::Open);
+        w.open(&first, path).await.unwrap();
+        let again = w.open(&second, path).await;
+        assert_eq!(is_conflict(&again), path == WritePath::Guarded, "{again:?}");
+        assert_eq!(w.open_count(policy.id, entity).await, expected_open);
+        // A third delivery after the first finished sees what it did.
+        let late = w.service.observe(&policy, entity, "m1").await.unwrap();
+        assert_eq!(late.decide(), Decision::AlreadyOpenedByMessage);
+    }
+    let i1 = invariants::duplicate_open(&w.pool).await.unwrap();
+    assert_eq!(i1.len(), 1, "only the plain path broke I1: {i1:?}");
+    assert!(invariants::number_gaps(&w.pool).await.unwrap().is_empty());
+}
+
+/// A policy that may have many open incidents still opens one per message:
+/// a redelivery of the same message is refused by the guard.
+#[tokio::test]
+async fn a_non_singleton_policy_opens_one_incident_per_message() {
+    let w = world().await;
+    let policy = w.policy("every-time", Singleton::Never).await;
+    let entity = w.entity("e").await;
+    let a = w.service.observe(&policy, entity, "m1").await.unwrap();
+    let b = w.service.observe(&policy, entity, "m1").await.unwrap();
+    let c = w.service.observe(&policy, entity, "m2").await.unwrap();
+    w.open(&a, WritePath::Guarded).await.unwrap();
+    assert!(is_conflict(&w.open(&b, WritePath::Guarded).await));
+    w.open(&c, WritePath::Guarded).await.unwrap();
+    assert_eq!(w.open_count(policy.id, entity).await, 2);
+}
+
+/// Singleton-ness decided at run time: the entity becomes a singleton
+/// between the decision and the write; the guard's re-read sees it and
+/// refuses, though the decision saw "many allowed".
+#[tokio::test]
+async fn a_per_entity_singleton_changed_after_the_decision_is_a_conflict() {
+    let w = world().await;
+    let policy = w.policy("per-entity", Singleton::PerEntity).await;
+    let entity = w.entity("e").await;
+    let first = w.service.observe(&policy, entity, "m1").await.unwrap();
+    w.open(&first, WritePath::Guarded).await.unwrap();
+    let seen = w.service.observe(&policy, entity, "m2").await.unwrap();
+    assert!(!seen.singleton);
+    assert_eq!(seen.decide(), Decision::Open, "many allowed when decided");
+    store::set_entity_singleton(&w.pool, w.org, entity, true)
+        .await
+        .unwrap();
+    assert!(is_conflict(&w.open(&seen, WritePath::Guarded).await));
+    assert_eq!(w.open_count(policy.id, entity).await, 1);
+    assert!(invariants::duplicate_open(&w.pool).await.unwrap().is_empty());
+}
+
+/// Changing an entity's singleton flag waits for a guarded write of that
+/// entity in progress (it takes the same lock), so the write's re-read and
+/// the flag cannot interleave. Step by step: a transaction holds the
+/// entity's lock; the flag change is seen blocked by it.
+#[tokio::test]
+async fn the_singleton_flag_waits_for_the_entitys_lock() {
+    let w = world().await;
+    let entity = w.entity("e").await;
+    let race = Interleaving::new(w._db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx = a.pool().begin().await.unwrap();
+    let key = pgonce_incidents::service::entity_lock_key(entity).unwrap();
+    race.step(&a, "hold the entity lock", pgonce::lock::lock(&mut tx, key))
+        .await
+        .unwrap()
+        .unwrap();
+    let (pool_b, org) = (b.pool().clone(), w.org);
+    let waiting = race
+        .step_blocks(&b, "set singleton", async move {
+            store::set_entity_singleton(&pool_b, org, entity, true).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    race.step(&a, "COMMIT", tx.commit()).await.unwrap().unwrap();
+    waiting.resume().await.unwrap().unwrap();
+}
+
+/// Seed 004: declarations of one organization wait for the holder of its
+/// number lock and then take the next number; another organization's
+/// declaration does not wait at all.
+#[tokio::test]
+async fn declarations_wait_only_for_their_own_organization() {
+    let w = world().await;
+    let (other, _) = store::create_organization(&w.pool, "other").await.unwrap();
+    let race = Interleaving::new(w._db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let c = race.session("C").await.unwrap();
+    let mut tx = a.pool().begin().await.unwrap();
+    let key = w.service.number_lock_key(w.org).unwrap();
+    race.step(&a, "hold acme's number lock", pgonce::lock::lock(&mut tx, key))
+        .await
+        .unwrap()
+        .unwrap();
+    let declaration = Declaration {
+        title: "db down".into(),
+        entity: None,
+        idempotency_key: None,
+    };
+    let on = |s: &pgonce_testkit::Session| Service::new(s.pool().clone(), ServiceConfig::default()).unwrap();
+    let (sb, sc) = (on(&b), on(&c));
+    let (d, org) = (declaration.clone(), w.org);
+    let waiting = race
+        .step_blocks(&b, "declare in acme", async move { sb.declare(org, &d, "alice").await })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    let elsewhere = race
+        .step(&c, "declare in other", sc.declare(other.id, &declaration, "bob"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(elsewhere.number, 1);
+    race.step(&a, "ROLLBACK", tx.rollback()).await.unwrap().unwrap();
+    assert_eq!(waiting.resume().await.unwrap().unwrap().number, 1);
+}
+
+/// Pipeline creations and declarations by hand in one organization, many at
+/// once: numbers stay 1..n and every incident has its notification job.
+#[tokio::test]
+async fn concurrent_pipeline_creations_and_declarations_keep_numbers_gapless() {
+    let w = world().await;
+    let policy = w.policy("every-time", Singleton::Never).await;
+    let entity = w.entity("e").await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..40 {
+        let (service, policy, org) = (w.service.clone(), policy.clone(), w.org);
+        tasks.spawn(async move {
+            if i % 2 == 0 {
+                let seen = service.observe(&policy, entity, &format!("m{i}")).await?;
+                service.open_from_pipeline(org, &seen, "p", WritePath::Guarded).await
+            } else {
+                let d = Declaration {
+                    title: format!("declared {i}"),
+                    entity: Some("e".into()),
+                    idempotency_key: None,
+                };
+                service.declare(org, &d, "alice").await
+            }
+        });
+    }
+    let mut numbers = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        numbers.push(done.unwrap().unwrap().number);
+    }
+    numbers.sort();
+    assert_eq!(numbers, (1..=40).collect::<Vec<_>>());
+    assert!(invariants::number_gaps(&w.pool).await.unwrap().is_empty());
+    let jobs: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pgonce.jobs WHERE kind = 'incident-notification'",
+    )
+    .fetch_one(&w.pool)
+    .await
+    .unwrap();
+    assert_eq!(jobs, 40);
+}
+
+/// A declaration's idempotency key: declaring twice returns the first
+/// incident and takes no second number.
+#[tokio::test]
+async fn a_declaration_with_a_key_is_made_once() {
+    let w = world().await;
+    let d = Declaration {
+        title: "checkout failing".into(),
+        entity: None,
+        idempotency_key: Some("pager-123".into()),
+    };
+    let first = w.service.declare(w.org, &d, "alice").await.unwrap();
+    let again = w.service.declare(w.org, &d, "alice").await.unwrap();
+    assert_eq!(first.id, again.id);
+    let other = Declaration {
+        idempotency_key: Some("pager-124".into()),
+        ..d
+    };
+    assert_eq!(w.service.declare(w.org, &other, "alice").await.unwrap().number, 2);
+}
+
+/// OPEN -> ACKNOWLEDGED -> RESOLVED, each change once, each on the
+/// timeline in order; a second resolve is an invalid transition; another
+/// organization cannot see or touch the incident.
+#[tokio::test]
+async fn the_lifecycle_moves_forward_once_and_is_on_the_timeline() {
+    let w = world().await;
+    let d = Declaration {
+        title: "latency".into(),
+        entity: None,
+        idempotency_key: None,
+    };
+    let incident = w.service.declare(w.org, &d, "alice").await.unwrap();
+    let acked = w.service.acknowledge(w.org, incident.id, "bob").await.unwrap();
+    assert_eq!(acked.lifecycle, Lifecycle::Acknowledged);
+    assert_eq!(acked.acknowledged_by.as_deref(), Some("bob"));
+    assert!(matches!(
+        w.service.acknowledge(w.org, incident.id, "bob").await,
+        Err(Error::InvalidTransition { .. })
+    ));
+    let resolved = w.service.resolve(w.org, incident.id, "carol").await.unwrap();
+    assert_eq!(resolved.lifecycle, Lifecycle::Resolved);
+    assert!(matches!(
+        w.service.resolve(w.org, incident.id, "carol").await,
+        Err(Error::InvalidTransition { .. })
+    ));
+    let types: Vec<String> = w
+        .service
+        .timeline(w.org, incident.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.event.event_type)
+        .collect();
+    assert_eq!(types, ["IncidentOpened", "IncidentAcknowledged", "IncidentResolved"]);
+
+    let (other, _) = store::create_organization(&w.pool, "other").await.unwrap();
+    for r in [
+        w.service.get(other.id, incident.id).await.map(|_| ()),
+        w.service.resolve(other.id, incident.id, "x").await.map(|_| ()),
+        w.service.timeline(other.id, incident.id).await.map(|_| ()),
+    ] {
+        assert!(matches!(r, Err(Error::NotFound { .. })), "{r:?}");
+    }
+    let (feed, next) = w
+        .service
+        .feed(w.org, 0, 100, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(feed.len(), 3);
+    let (empty, _) = w
+        .service
+        .feed(other.id, 0, 100, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(empty.is_empty(), "another organization's feed is its own");
+    let (after, _) = w
+        .service
+        .feed(w.org, next, 100, Duration::from_millis(150))
+        .await
+        .unwrap();
+    assert!(after.is_empty());
+}
+
+/// Bad input is a typed error and writes nothing.
+#[tokio::test]
+async fn bad_input_is_a_typed_error_and_writes_nothing() {
+    let w = world().await;
+    let policy = w.policy("p", Singleton::Always).await;
+    let unknown = w.service.observe(&policy, 999_999, "m").await;
+    assert!(matches!(unknown, Err(Error::Pgonce(pgonce::Error::Invalid { .. }))), "{unknown:?}");
+    for title in ["", &"x".repeat(1001)] {
+        let d = Declaration {
+            title: title.into(),
+            entity: None,
+            idempotency_key: None,
+        };
+        assert!(matches!(w.service.declare(w.org, &d, "a").await, Err(Error::Invalid { .. })));
+    }
+    let d = Declaration {
+        title: "ok".into(),
+        entity: Some("no-such-entity".into()),
+        idempotency_key: None,
+    };
+    assert!(matches!(w.service.declare(w.org, &d, "a").await, Err(Error::NotFound { .. })));
+    assert!(matches!(
+        w.service.declare(424_242, &d, "a").await,
+        Err(Error::NotFound { .. })
+    ));
+    assert!(matches!(
+        store::create_organization(&w.pool, "acme").await,
+        Err(Error::AlreadyExists { .. })
+    ));
+    assert!(matches!(
+        store::upsert_entity(&w.pool, 424_242, "e", &json!({})).await,
+        Err(Error::NotFound { .. })
+    ));
+    let hostile = "'; DROP TABLE incidents.incidents; --";
+    let d = Declaration {
+        title: hostile.into(),
+        entity: None,
+        idempotency_key: None,
+    };
+    assert_eq!(w.service.declare(w.org, &d, "a").await.unwrap().title, hostile);
+    assert_eq!(
+        w.service.list(w.org, &IncidentFilter::default()).await.unwrap().len(),
+        1,
+        "only the hostile-titled incident was written"
+    );
+}
+
+/// API keys: the right key finds its organization; anything else, the
+/// same Unauthorized.
+#[tokio::test]
+async fn api_keys_authenticate_their_organization_only() {
+    let w = world().await;
+    let (org, key) = store::create_organization(&w.pool, "keys").await.unwrap();
+    assert_eq!(store::authenticate(&w.pool, &key).await.unwrap(), org.id);
+    let mut wrong = key.clone();
+    wrong.pop();
+    wrong.push(if key.ends_with('0') { '1' } else { '0' });
+    for bad in [wrong.as_str(), "", "pgo_", "Bearer x", "pgo_abc_def"] {
+        assert!(
+            matches!(store::authenticate(&w.pool, bad).await, Err(Error::Unauthorized(_))),
+            "{bad:?}"
+        );
+    }
+}
