@@ -2,6 +2,7 @@
 //! logging and hands over to the library; nothing here decides anything.
 
 mod bench;
+mod demo;
 mod race;
 mod report;
 mod scratch;
@@ -43,19 +44,25 @@ enum Command {
     Race(race::RaceArgs),
     /// Compare strategies side by side under load; prints ratios.
     Bench(bench::BenchArgs),
-    /// The main job: run the whole system on a throwaway database and check
-    /// every invariant.
-    Demo,
+    /// The main job: run the incident service end to end on a throwaway
+    /// database, under redeliveries, duplicates and a killed worker, and
+    /// check every invariant. Exit 0 iff all hold.
+    Demo(demo::DemoArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // sqlx warns about every statement slower than a second; in races and
-    // benchmarks those are lock waits we cause on purpose.
+    // benchmarks those are lock waits we cause on purpose. The demo causes
+    // conflicts, stale acks and failed sends on purpose and counts them in
+    // its report; RUST_LOG=warn shows each one.
+    let default_filter = match cli.command {
+        Command::Demo(_) => "error,pgonce_cli=info",
+        _ => "warn,pgonce=info,sqlx::query=error",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("warn,pgonce=info,sqlx::query=error")),
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -122,17 +129,6 @@ async fn run(cli: &Cli) -> anyhow::Result<Option<Report>> {
         }
         Command::Race(args) => race::run(args, url).await.map(Some),
         Command::Bench(args) => bench::run(args, url).await.map(Some),
-        Command::Demo => {
-            // Until the incident service lands, the demo is the first race.
-            tracing::info!(
-                "demo: running `race lock-wait` (the incident service is not built yet)"
-            );
-            let args = race::RaceArgs {
-                scenario: race::Scenario::LockWait,
-            };
-            let mut report = race::run(&args, url).await?;
-            report.command = "demo";
-            Ok(Some(report))
-        }
+        Command::Demo(args) => demo::run(args, url).await.map(Some),
     }
 }

@@ -48,6 +48,11 @@ pub struct SimulatedEvaluatorConfig {
     /// Share of evaluations that fail (a remote call erroring), in [0, 1].
     /// Default 0.
     pub failure_rate: f64,
+    /// Share of evaluations that hit a slow remote (the tail that outlives
+    /// a visibility timeout), in [0, 1]. Default 0.
+    pub slow_rate: f64,
+    /// How long a slow evaluation takes instead. Default 1 s.
+    pub slow_latency: Duration,
 }
 
 impl Default for SimulatedEvaluatorConfig {
@@ -56,6 +61,8 @@ impl Default for SimulatedEvaluatorConfig {
             latency: Duration::from_millis(200),
             jitter: Duration::from_millis(100),
             failure_rate: 0.0,
+            slow_rate: 0.0,
+            slow_latency: Duration::from_secs(1),
         }
     }
 }
@@ -69,8 +76,10 @@ pub struct SimulatedEvaluator {
 
 impl SimulatedEvaluator {
     pub fn new(config: SimulatedEvaluatorConfig) -> Result<SimulatedEvaluator> {
-        if !(0.0..=1.0).contains(&config.failure_rate) {
-            return Err(Error::invalid("failure_rate", "must be in [0, 1]"));
+        for rate in [config.failure_rate, config.slow_rate] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(Error::invalid("evaluator rate", "must be in [0, 1]"));
+            }
         }
         Ok(SimulatedEvaluator { config })
     }
@@ -83,16 +92,17 @@ impl Evaluator for SimulatedEvaluator {
         _entity: &Entity,
         observation: &Observation,
     ) -> std::result::Result<bool, HandlerError> {
-        let (extra, fail) = {
+        let (took, fail) = {
+            let c = &self.config;
             let mut rng = rand::rng();
-            let extra = if self.config.jitter.is_zero() {
-                Duration::ZERO
+            let took = if rng.random::<f64>() < c.slow_rate {
+                c.slow_latency
             } else {
-                self.config.jitter.mul_f64(rng.random::<f64>())
+                c.latency + c.jitter.mul_f64(rng.random::<f64>())
             };
-            (extra, rng.random::<f64>() < self.config.failure_rate)
+            (took, rng.random::<f64>() < c.failure_rate)
         };
-        tokio::time::sleep(self.config.latency + extra).await;
+        tokio::time::sleep(took).await;
         if fail {
             return Err("simulated evaluation failure".into());
         }
@@ -139,6 +149,21 @@ pub struct PipelineSnapshot {
     pub malformed: u64,
     pub guarded_writes: u64,
     pub plain_writes: u64,
+}
+
+impl std::ops::AddAssign for PipelineSnapshot {
+    /// Sums the counters of several handlers (processes).
+    fn add_assign(&mut self, o: PipelineSnapshot) {
+        self.messages += o.messages;
+        self.redeliveries += o.redeliveries;
+        self.incidents_opened += o.incidents_opened;
+        self.conflicts += o.conflicts;
+        self.already_open += o.already_open;
+        self.evaluation_failures += o.evaluation_failures;
+        self.malformed += o.malformed;
+        self.guarded_writes += o.guarded_writes;
+        self.plain_writes += o.plain_writes;
+    }
 }
 
 impl PipelineCounters {

@@ -95,7 +95,9 @@ enum Finished {
     Other,
 }
 
-/// Running background work; see the module docs.
+/// Running background work; see the module docs. Dropping it aborts every
+/// task at once, as a crash would: messages being handled come back after
+/// their visibility timeout, claimed notifications after their lease.
 pub struct Runtime {
     stop: watch::Sender<bool>,
     tasks: JoinSet<Finished>,
