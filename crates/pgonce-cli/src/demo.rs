@@ -22,7 +22,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
 use pgonce::{PgQueue, Queue, SendMessage, WorkerConfig};
-use pgonce_incidents::model::{Declaration, IncidentFilter, Lifecycle, Op, Observation, Rule, Singleton};
+use pgonce_incidents::model::{
+    Declaration, IncidentFilter, Lifecycle, Observation, Op, Rule, Singleton,
+};
 use pgonce_incidents::pipeline::{PipelineCounters, PipelineSnapshot, SimulatedEvaluatorConfig};
 use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue};
 use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
@@ -66,7 +68,13 @@ pub struct DemoArgs {
 const POLICIES: [(&str, Singleton, &str, Op, f64); 3] = [
     ("cpu-saturated", Singleton::Always, "cpu", Op::Gt, 90.0),
     ("errors-seen", Singleton::Never, "errors", Op::Gt, 2.0),
-    ("latency-high", Singleton::PerEntity, "latency_ms", Op::Gte, 900.0),
+    (
+        "latency-high",
+        Singleton::PerEntity,
+        "latency_ms",
+        Op::Gte,
+        900.0,
+    ),
 ];
 
 struct Setup {
@@ -136,7 +144,9 @@ async fn produce(queue: &PgQueue, setup: &Setup, args: &DemoArgs) -> anyhow::Res
             let o = observation(&mut rng, *org, entity);
             let body = serde_json::to_string(&o)?;
             let twice = rng.random::<f64>() < args.duplicates;
-            let m = SendMessage::new(body).group(o.group()).dedup(format!("obs-{i}"));
+            let m = SendMessage::new(body)
+                .group(o.group())
+                .dedup(format!("obs-{i}"));
             (m, twice)
         };
         batch.push(message);
@@ -177,7 +187,11 @@ async fn produce(queue: &PgQueue, setup: &Setup, args: &DemoArgs) -> anyhow::Res
 /// People at work: declare now and then, acknowledge and resolve open
 /// incidents (resolving lets singleton policies open again), and turn some
 /// entities' singleton flag off at run time.
-async fn people(service: Service, organizations: Vec<i64>, stop: tokio::sync::watch::Receiver<bool>) -> anyhow::Result<u64> {
+async fn people(
+    service: Service,
+    organizations: Vec<i64>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<u64> {
     let mut actions = 0;
     let mut tick = 0u64;
     while !*stop.borrow() {
@@ -218,7 +232,12 @@ async fn people(service: Service, organizations: Vec<i64>, stop: tokio::sync::wa
             }
         }
         if tick % 10 == 0 {
-            let entity = store::find_entity(service.pool(), org, &format!("svc-{}", (tick / 10) % 25 * 2)).await;
+            let entity = store::find_entity(
+                service.pool(),
+                org,
+                &format!("svc-{}", (tick / 10) % 25 * 2),
+            )
+            .await;
             if let Ok(entity) = entity {
                 store::set_entity_singleton(service.pool(), org, entity.id, false).await?;
             }
@@ -310,11 +329,23 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
 
     // Two worker processes; the second also runs the notifier, and is
     // killed part-way.
-    let first = Runtime::start(&service, queue.clone(), runtime_config(receiver.url(), false, visibility))?;
-    let second = Runtime::start(&service, queue.clone(), runtime_config(receiver.url(), true, visibility))?;
+    let first = Runtime::start(
+        &service,
+        queue.clone(),
+        runtime_config(receiver.url(), false, visibility),
+    )?;
+    let second = Runtime::start(
+        &service,
+        queue.clone(),
+        runtime_config(receiver.url(), true, visibility),
+    )?;
     let mut counters = vec![first.pipeline(), second.pipeline()];
     let (stop_people, people_stop) = tokio::sync::watch::channel(false);
-    let people = tokio::spawn(people(service.clone(), setup.organizations.clone(), people_stop));
+    let people = tokio::spawn(people(
+        service.clone(),
+        setup.organizations.clone(),
+        people_stop,
+    ));
 
     let produced = produce(&queue, &setup, args).await?;
     let expected = produced.sent.len() as u64;
@@ -344,14 +375,17 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
             // replacement as an orchestrator would.
             drop(second.take());
             bar.println("demo: killed worker process 2 (its messages and claimed notifications must come back)");
-            let r = Runtime::start(&service, queue.clone(), runtime_config(receiver.url(), true, visibility))?;
+            let r = Runtime::start(
+                &service,
+                queue.clone(),
+                runtime_config(receiver.url(), true, visibility),
+            )?;
             counters.push(r.pipeline());
             replacement = Some(r);
         }
         if done >= expected {
             let stats = queue.stats().await?;
-            let unnotified =
-                invariants::not_notified_once(&pool, &setup.organizations).await?;
+            let unnotified = invariants::not_notified_once(&pool, &setup.organizations).await?;
             if stats.depth == 0 && stats.in_flight == 0 && unnotified.is_empty() {
                 finished = true;
                 break;
@@ -378,7 +412,9 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
             .expect("set"),
     )?;
     while Instant::now() < settle
-        && !invariants::not_notified_once(&pool, &setup.organizations).await?.is_empty()
+        && !invariants::not_notified_once(&pool, &setup.organizations)
+            .await?
+            .is_empty()
     {
         let _ = notifier.run_once().await;
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -392,31 +428,104 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     let hook = receiver.stats();
 
     let mut report = Report::new("demo", "incident-service", db.environment().await?);
-    let figures: [(&str, &str, serde_json::Value); 24] = [
+    let figures: [(&str, &str, serde_json::Value); 25] = [
         ("pipeline", "observations sent", expected.into()),
-        ("pipeline", "duplicate sends (same dedup id)", produced.duplicate_sends.into()),
-        ("pipeline", "dropped by the queue's dedup", produced.dropped_by_dedup.into()),
+        (
+            "pipeline",
+            "duplicate sends (same dedup id)",
+            produced.duplicate_sends.into(),
+        ),
+        (
+            "pipeline",
+            "dropped by the queue's dedup",
+            produced.dropped_by_dedup.into(),
+        ),
         ("pipeline", "deliveries handled", pipeline.messages.into()),
         ("pipeline", "redeliveries", pipeline.redeliveries.into()),
-        ("pipeline", "acks refused as stale", summary.workers.stale.into()),
-        ("pipeline", "evaluation failures (retried)", pipeline.evaluation_failures.into()),
-        ("incidents", "opened by the pipeline", pipeline.incidents_opened.into()),
-        ("incidents", "guarded writes", pipeline.guarded_writes.into()),
+        (
+            "pipeline",
+            "acks refused as stale",
+            summary.workers.stale.into(),
+        ),
+        (
+            "pipeline",
+            "evaluation failures (retried)",
+            pipeline.evaluation_failures.into(),
+        ),
+        (
+            "incidents",
+            "opened by the pipeline",
+            pipeline.incidents_opened.into(),
+        ),
+        (
+            "incidents",
+            "guarded writes",
+            pipeline.guarded_writes.into(),
+        ),
         ("incidents", "plain writes", pipeline.plain_writes.into()),
-        ("incidents", "conflicts caught by the guard", pipeline.conflicts.into()),
-        ("incidents", "violations already open", pipeline.already_open.into()),
-        ("incidents", "declared/acked/resolved by people", human_actions.into()),
+        (
+            "incidents",
+            "conflicts caught by the guard",
+            pipeline.conflicts.into(),
+        ),
+        (
+            "incidents",
+            "violations already open",
+            pipeline.already_open.into(),
+        ),
+        (
+            "incidents",
+            "opened twice for one message",
+            tallies.opened_twice_for_one_message.into(),
+        ),
+        (
+            "incidents",
+            "declared/acked/resolved by people",
+            human_actions.into(),
+        ),
         ("incidents", "total", tallies.incidents.into()),
-        ("notifications", "notified (one row per incident)", tallies.notifications.into()),
+        (
+            "notifications",
+            "notified (one row per incident)",
+            tallies.notifications.into(),
+        ),
         ("notifications", "webhook requests", hook.requests.into()),
-        ("notifications", "duplicates dropped by idempotency key", hook.duplicates.into()),
-        ("notifications", "refused by the receiver (500)", hook.refused.into()),
-        ("notifications", "answered after the sender's timeout", hook.late.into()),
-        ("queue", "malformed messages sent", produced.malformed.into()),
-        ("queue", "dead-lettered", stats.dead_letter_depth.unwrap_or(0).into()),
-        ("queue", "left in the queue", (stats.depth + stats.in_flight).into()),
+        (
+            "notifications",
+            "duplicates dropped by idempotency key",
+            hook.duplicates.into(),
+        ),
+        (
+            "notifications",
+            "refused by the receiver (500)",
+            hook.refused.into(),
+        ),
+        (
+            "notifications",
+            "answered after the sender's timeout",
+            hook.late.into(),
+        ),
+        (
+            "queue",
+            "malformed messages sent",
+            produced.malformed.into(),
+        ),
+        (
+            "queue",
+            "dead-lettered",
+            stats.dead_letter_depth.unwrap_or(0).into(),
+        ),
+        (
+            "queue",
+            "left in the queue",
+            (stats.depth + stats.in_flight).into(),
+        ),
         ("run", "guard rollout (percent)", args.rollout.into()),
-        ("run", "seconds", ((started.elapsed().as_secs_f64() * 10.0).round() / 10.0).into()),
+        (
+            "run",
+            "seconds",
+            ((started.elapsed().as_secs_f64() * 10.0).round() / 10.0).into(),
+        ),
     ];
     for (area, figure, value) in figures {
         report
@@ -425,7 +534,10 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     }
     let invariant_rows = vec![
         Row::new("I1")
-            .with("invariant", "a singleton policy never has two OPEN incidents for one entity")
+            .with(
+                "invariant",
+                "a singleton policy never has two OPEN incidents for one entity",
+            )
             .with("held", checked.i1())
             .with("violations", checked.i1_duplicate_open.len()),
         Row::new("I2")
@@ -444,7 +556,10 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     report.sections.insert("invariants".into(), invariant_rows);
 
     let v = &mut report.verdict;
-    v.check(finished, format!("the pipeline drained within {} s", args.deadline_secs));
+    v.check(
+        finished,
+        format!("the pipeline drained within {} s", args.deadline_secs),
+    );
     v.check(
         checked.i1(),
         format!(
@@ -457,7 +572,13 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
             }
         ),
     );
-    v.check(checked.i2(), format!("I2: {} organizations with gaps or duplicates", checked.i2_number_gaps.len()));
+    v.check(
+        checked.i2(),
+        format!(
+            "I2: {} organizations with gaps or duplicates",
+            checked.i2_number_gaps.len()
+        ),
+    );
     v.check(
         checked.i3(),
         format!(

@@ -162,19 +162,29 @@ pub struct Tallies {
     pub deliveries_processed: i64,
     /// Distinct messages the pipeline finished.
     pub messages_processed: i64,
+    /// Incidents a policy opened more than once for one message (the
+    /// redelivery duplicates the guard prevents).
+    pub opened_twice_for_one_message: i64,
 }
 
 pub async fn tallies(pool: &PgPool, organizations: &[i64]) -> Result<Tallies> {
-    let (incidents, open, notifications, deliveries_processed, messages_processed) =
-        sqlx::query_as(include_str!("invariants/sql/tallies.sql"))
-            .bind(organizations)
-            .fetch_one(pool)
-            .await?;
+    let (
+        incidents,
+        open,
+        notifications,
+        deliveries_processed,
+        messages_processed,
+        opened_twice_for_one_message,
+    ) = sqlx::query_as(include_str!("invariants/sql/tallies.sql"))
+        .bind(organizations)
+        .fetch_one(pool)
+        .await?;
     Ok(Tallies {
         incidents,
         open,
         notifications,
         deliveries_processed,
         messages_processed,
+        opened_twice_for_one_message,
     })
 }

@@ -140,7 +140,12 @@ async fn a_per_entity_singleton_changed_after_the_decision_is_a_conflict() {
         .unwrap();
     assert!(is_conflict(&w.open(&seen, WritePath::Guarded).await));
     assert_eq!(w.open_count(policy.id, entity).await, 1);
-    assert!(invariants::duplicate_open(&w.pool).await.unwrap().is_empty());
+    assert!(
+        invariants::duplicate_open(&w.pool)
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 /// Changing an entity's singleton flag waits for a guarded write of that
@@ -185,30 +190,45 @@ async fn declarations_wait_only_for_their_own_organization() {
     let c = race.session("C").await.unwrap();
     let mut tx = a.pool().begin().await.unwrap();
     let key = w.service.number_lock_key(w.org).unwrap();
-    race.step(&a, "hold acme's number lock", pgonce::lock::lock(&mut tx, key))
-        .await
-        .unwrap()
-        .unwrap();
+    race.step(
+        &a,
+        "hold acme's number lock",
+        pgonce::lock::lock(&mut tx, key),
+    )
+    .await
+    .unwrap()
+    .unwrap();
     let declaration = Declaration {
         title: "db down".into(),
         entity: None,
         idempotency_key: None,
     };
-    let on = |s: &pgonce_testkit::Session| Service::new(s.pool().clone(), ServiceConfig::default()).unwrap();
+    let on = |s: &pgonce_testkit::Session| {
+        Service::new(s.pool().clone(), ServiceConfig::default()).unwrap()
+    };
     let (sb, sc) = (on(&b), on(&c));
     let (d, org) = (declaration.clone(), w.org);
     let waiting = race
-        .step_blocks(&b, "declare in acme", async move { sb.declare(org, &d, "alice").await })
+        .step_blocks(&b, "declare in acme", async move {
+            sb.declare(org, &d, "alice").await
+        })
         .await
         .unwrap();
     assert_eq!(waiting.blocked_by(), ["A"]);
     let elsewhere = race
-        .step(&c, "declare in other", sc.declare(other.id, &declaration, "bob"))
+        .step(
+            &c,
+            "declare in other",
+            sc.declare(other.id, &declaration, "bob"),
+        )
         .await
         .unwrap()
         .unwrap();
     assert_eq!(elsewhere.number, 1);
-    race.step(&a, "ROLLBACK", tx.rollback()).await.unwrap().unwrap();
+    race.step(&a, "ROLLBACK", tx.rollback())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(waiting.resume().await.unwrap().unwrap().number, 1);
 }
 
@@ -225,7 +245,9 @@ async fn concurrent_pipeline_creations_and_declarations_keep_numbers_gapless() {
         tasks.spawn(async move {
             if i % 2 == 0 {
                 let seen = service.observe(&policy, entity, &format!("m{i}")).await?;
-                service.open_from_pipeline(org, &seen, "p", WritePath::Guarded).await
+                service
+                    .open_from_pipeline(org, &seen, "p", WritePath::Guarded)
+                    .await
             } else {
                 let d = Declaration {
                     title: format!("declared {i}"),
@@ -243,12 +265,11 @@ async fn concurrent_pipeline_creations_and_declarations_keep_numbers_gapless() {
     numbers.sort();
     assert_eq!(numbers, (1..=40).collect::<Vec<_>>());
     assert!(invariants::number_gaps(&w.pool).await.unwrap().is_empty());
-    let jobs: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pgonce.jobs WHERE kind = 'incident-notification'",
-    )
-    .fetch_one(&w.pool)
-    .await
-    .unwrap();
+    let jobs: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs WHERE kind = 'incident-notification'")
+            .fetch_one(&w.pool)
+            .await
+            .unwrap();
     assert_eq!(jobs, 40);
 }
 
@@ -269,7 +290,14 @@ async fn a_declaration_with_a_key_is_made_once() {
         idempotency_key: Some("pager-124".into()),
         ..d
     };
-    assert_eq!(w.service.declare(w.org, &other, "alice").await.unwrap().number, 2);
+    assert_eq!(
+        w.service
+            .declare(w.org, &other, "alice")
+            .await
+            .unwrap()
+            .number,
+        2
+    );
 }
 
 /// OPEN -> ACKNOWLEDGED -> RESOLVED, each change once, each on the
@@ -284,14 +312,22 @@ async fn the_lifecycle_moves_forward_once_and_is_on_the_timeline() {
         idempotency_key: None,
     };
     let incident = w.service.declare(w.org, &d, "alice").await.unwrap();
-    let acked = w.service.acknowledge(w.org, incident.id, "bob").await.unwrap();
+    let acked = w
+        .service
+        .acknowledge(w.org, incident.id, "bob")
+        .await
+        .unwrap();
     assert_eq!(acked.lifecycle, Lifecycle::Acknowledged);
     assert_eq!(acked.acknowledged_by.as_deref(), Some("bob"));
     assert!(matches!(
         w.service.acknowledge(w.org, incident.id, "bob").await,
         Err(Error::InvalidTransition { .. })
     ));
-    let resolved = w.service.resolve(w.org, incident.id, "carol").await.unwrap();
+    let resolved = w
+        .service
+        .resolve(w.org, incident.id, "carol")
+        .await
+        .unwrap();
     assert_eq!(resolved.lifecycle, Lifecycle::Resolved);
     assert!(matches!(
         w.service.resolve(w.org, incident.id, "carol").await,
@@ -305,21 +341,23 @@ async fn the_lifecycle_moves_forward_once_and_is_on_the_timeline() {
         .into_iter()
         .map(|e| e.event.event_type)
         .collect();
-    assert_eq!(types, ["IncidentOpened", "IncidentAcknowledged", "IncidentResolved"]);
+    assert_eq!(
+        types,
+        ["IncidentOpened", "IncidentAcknowledged", "IncidentResolved"]
+    );
 
     let (other, _) = store::create_organization(&w.pool, "other").await.unwrap();
     for r in [
         w.service.get(other.id, incident.id).await.map(|_| ()),
-        w.service.resolve(other.id, incident.id, "x").await.map(|_| ()),
+        w.service
+            .resolve(other.id, incident.id, "x")
+            .await
+            .map(|_| ()),
         w.service.timeline(other.id, incident.id).await.map(|_| ()),
     ] {
         assert!(matches!(r, Err(Error::NotFound { .. })), "{r:?}");
     }
-    let (feed, next) = w
-        .service
-        .feed(w.org, 0, 100, Duration::ZERO)
-        .await
-        .unwrap();
+    let (feed, next) = w.service.feed(w.org, 0, 100, Duration::ZERO).await.unwrap();
     assert_eq!(feed.len(), 3);
     let (empty, _) = w
         .service
@@ -341,21 +379,30 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
     let w = world().await;
     let policy = w.policy("p", Singleton::Always).await;
     let unknown = w.service.observe(&policy, 999_999, "m").await;
-    assert!(matches!(unknown, Err(Error::Pgonce(pgonce::Error::Invalid { .. }))), "{unknown:?}");
+    assert!(
+        matches!(unknown, Err(Error::Pgonce(pgonce::Error::Invalid { .. }))),
+        "{unknown:?}"
+    );
     for title in ["", &"x".repeat(1001)] {
         let d = Declaration {
             title: title.into(),
             entity: None,
             idempotency_key: None,
         };
-        assert!(matches!(w.service.declare(w.org, &d, "a").await, Err(Error::Invalid { .. })));
+        assert!(matches!(
+            w.service.declare(w.org, &d, "a").await,
+            Err(Error::Invalid { .. })
+        ));
     }
     let d = Declaration {
         title: "ok".into(),
         entity: Some("no-such-entity".into()),
         idempotency_key: None,
     };
-    assert!(matches!(w.service.declare(w.org, &d, "a").await, Err(Error::NotFound { .. })));
+    assert!(matches!(
+        w.service.declare(w.org, &d, "a").await,
+        Err(Error::NotFound { .. })
+    ));
     assert!(matches!(
         w.service.declare(424_242, &d, "a").await,
         Err(Error::NotFound { .. })
@@ -374,9 +421,16 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
         entity: None,
         idempotency_key: None,
     };
-    assert_eq!(w.service.declare(w.org, &d, "a").await.unwrap().title, hostile);
     assert_eq!(
-        w.service.list(w.org, &IncidentFilter::default()).await.unwrap().len(),
+        w.service.declare(w.org, &d, "a").await.unwrap().title,
+        hostile
+    );
+    assert_eq!(
+        w.service
+            .list(w.org, &IncidentFilter::default())
+            .await
+            .unwrap()
+            .len(),
         1,
         "only the hostile-titled incident was written"
     );
@@ -394,7 +448,10 @@ async fn api_keys_authenticate_their_organization_only() {
     wrong.push(if key.ends_with('0') { '1' } else { '0' });
     for bad in [wrong.as_str(), "", "pgo_", "Bearer x", "pgo_abc_def"] {
         assert!(
-            matches!(store::authenticate(&w.pool, bad).await, Err(Error::Unauthorized(_))),
+            matches!(
+                store::authenticate(&w.pool, bad).await,
+                Err(Error::Unauthorized(_))
+            ),
             "{bad:?}"
         );
     }

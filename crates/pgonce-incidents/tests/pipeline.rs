@@ -1,0 +1,205 @@
+//! The pipeline end to end against a real PostgreSQL: observations on the
+//! FIFO queue with duplicate sends, a visibility timeout shorter than some
+//! evaluations, a webhook receiver that fails and answers late, and one
+//! worker process (with the notifier) killed mid-run. Afterwards I1, I2, I3
+//! and I6 hold in the database.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
+use pgonce::{Queue, SendMessage, WorkerConfig};
+use pgonce_incidents::model::{Observation, Op, Rule, Singleton};
+use pgonce_incidents::pipeline::SimulatedEvaluatorConfig;
+use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue};
+use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
+use pgonce_incidents::{NotifierConfig, Service, ServiceConfig, invariants, store};
+use pgonce_testkit::fresh_database;
+use serde_json::json;
+
+fn config(webhook: &str, visibility: Duration) -> RuntimeConfig {
+    let mut notifier = NotifierConfig::new(webhook);
+    notifier.timeout = Duration::from_millis(300);
+    notifier.lease = Duration::from_secs(1);
+    notifier.idle = Duration::from_millis(20);
+    notifier.retry = RetryPolicy {
+        base: Duration::from_millis(50),
+        max: Duration::from_millis(200),
+        jitter: 0.0,
+    };
+    RuntimeConfig {
+        workers: 2,
+        worker: WorkerConfig {
+            concurrency: 8,
+            wait: Duration::from_millis(200),
+            heartbeat_interval: None,
+            failure_visibility: Some(Duration::from_millis(50)),
+            shutdown_deadline: Duration::from_secs(2),
+            ..WorkerConfig::default()
+        },
+        evaluator: SimulatedEvaluatorConfig {
+            latency: Duration::from_millis(5),
+            jitter: Duration::from_millis(10),
+            failure_rate: 0.02,
+            slow_rate: 0.1,
+            slow_latency: visibility + Duration::from_millis(300),
+        },
+        notifier: Some(notifier),
+        job_maintenance: true,
+        reaper: ReaperConfig {
+            interval: Duration::from_millis(100),
+            ..ReaperConfig::default()
+        },
+        redriver: RedriverConfig {
+            interval: Duration::from_millis(50),
+            ..RedriverConfig::default()
+        },
+    }
+}
+
+/// Guarded (rollout 100): every invariant holds although messages are
+/// delivered twice, concurrently, and a worker process dies.
+#[tokio::test]
+async fn the_pipeline_keeps_every_invariant_under_redelivery_and_a_killed_worker() {
+    let db = fresh_database().await;
+    let pool = db.pool(30).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
+    let rule = Rule {
+        attribute: "cpu".into(),
+        op: Op::Gt,
+        value: 50.0,
+    };
+    store::create_policy(&pool, org.id, "one", Singleton::Always, &rule)
+        .await
+        .unwrap();
+    store::create_policy(&pool, org.id, "many", Singleton::Never, &rule)
+        .await
+        .unwrap();
+    let receiver = WebhookReceiver::start(ReceiverFaults {
+        fail_rate: 0.1,
+        late_rate: 0.1,
+        late_by: Duration::from_millis(500),
+    })
+    .await
+    .unwrap();
+    let visibility = Duration::from_millis(300);
+    let queue = observations_queue(&pool, visibility, 20).await.unwrap();
+    let survivor =
+        Runtime::start(&service, queue.clone(), config(receiver.url(), visibility)).unwrap();
+    let doomed =
+        Runtime::start(&service, queue.clone(), config(receiver.url(), visibility)).unwrap();
+
+    let mut sent = BTreeSet::new();
+    for i in 0..150 {
+        let o = Observation {
+            organization_id: org.id,
+            entity: format!("e{}", i % 6),
+            attributes: json!({ "cpu": if i % 3 == 0 { 90 } else { 10 } }),
+        };
+        let m = SendMessage::new(serde_json::to_string(&o).unwrap())
+            .group(o.group())
+            .dedup(format!("obs-{i}"));
+        sent.insert(queue.send(m.clone()).await.unwrap().id);
+        if i % 10 == 0 {
+            assert!(
+                queue.send(m).await.unwrap().duplicate,
+                "dedup drops the resend"
+            );
+        }
+    }
+    let sent: Vec<String> = sent.into_iter().collect();
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut doomed = Some(doomed);
+    loop {
+        let processed = invariants::tallies(&pool, &[org.id])
+            .await
+            .unwrap()
+            .messages_processed;
+        if doomed.is_some() && processed >= 40 {
+            drop(doomed.take()); // killed: no graceful shutdown
+        }
+        let stats = queue.stats().await.unwrap();
+        let unnotified = invariants::not_notified_once(&pool, &[org.id])
+            .await
+            .unwrap();
+        if processed as usize == sent.len()
+            && stats.depth + stats.in_flight == 0
+            && unnotified.is_empty()
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not drained: {processed} processed, {stats:?}, {} unnotified",
+            unnotified.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let summary = survivor.shutdown().await.unwrap();
+    let report = invariants::check(&pool, &[org.id], &sent).await.unwrap();
+    assert!(report.all_hold(), "{report:?}");
+    let tallies = invariants::tallies(&pool, &[org.id]).await.unwrap();
+    assert!(tallies.incidents > 0);
+    assert_eq!(tallies.notifications, tallies.incidents);
+    let deliveries = receiver.deliveries();
+    assert_eq!(
+        deliveries.len() as i64,
+        tallies.incidents,
+        "one accepted key per incident"
+    );
+    assert!(summary.workers.received > 0);
+}
+
+/// The plain path (rollout 0) is the seed's bug: the same redelivery
+/// pattern leaves a singleton policy with two OPEN incidents for an entity.
+#[tokio::test]
+async fn without_the_guard_a_redelivered_message_breaks_i1() {
+    let db = fresh_database().await;
+    let pool = db.pool(20).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    store::set_rollout_percent(&pool, 0).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
+    let rule = Rule {
+        attribute: "cpu".into(),
+        op: Op::Gt,
+        value: 50.0,
+    };
+    store::create_policy(&pool, org.id, "one", Singleton::Always, &rule)
+        .await
+        .unwrap();
+    let receiver = WebhookReceiver::start(ReceiverFaults::default())
+        .await
+        .unwrap();
+    let visibility = Duration::from_millis(200);
+    let queue = observations_queue(&pool, visibility, 20).await.unwrap();
+    let mut c = config(receiver.url(), visibility);
+    // Every evaluation outlives the visibility timeout once: the message is
+    // delivered again and both deliveries decide on "none open".
+    c.evaluator = SimulatedEvaluatorConfig {
+        latency: Duration::from_millis(5),
+        jitter: Duration::ZERO,
+        failure_rate: 0.0,
+        slow_rate: 1.0,
+        slow_latency: visibility + Duration::from_millis(100),
+    };
+    let runtime = Runtime::start(&service, queue.clone(), c).unwrap();
+    let o = Observation {
+        organization_id: org.id,
+        entity: "e".into(),
+        attributes: json!({ "cpu": 90 }),
+    };
+    queue
+        .send(SendMessage::new(serde_json::to_string(&o).unwrap()).group(o.group()))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while invariants::duplicate_open(&pool).await.unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "the plain path never duplicated");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(runtime);
+}
