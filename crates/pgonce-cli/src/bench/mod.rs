@@ -9,6 +9,7 @@ pub mod measure;
 mod peers;
 pub mod queue;
 mod sequence;
+mod service;
 
 use std::time::Duration;
 
@@ -35,6 +36,10 @@ pub enum Suite {
     /// Claim-to-complete throughput of pgonce's jobs against sqlxmq, and
     /// duplicate side effects under forced redelivery per guard.
     Jobs,
+    /// The incident service: 50 declarers in one organization while the
+    /// pipeline opens incidents there, per numbering strategy; p99 against
+    /// the seed's SLO, and pipeline observations/s.
+    Service,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -67,6 +72,7 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
         Suite::Events => events::run(args, &db).await,
         Suite::Queue => queue::run(args, &db).await,
         Suite::Jobs => jobs::run(args, &db, database_url).await,
+        Suite::Service => service::run(args, &db).await,
     };
     db.close().await?;
     let mut report = report?;

@@ -1,0 +1,243 @@
+//! `pgonce bench service`: the incident service under load (seed 004's
+//! question). 50 people declare incidents by hand in one organization while
+//! the pipeline opens incidents in the same organization; how long does a
+//! declaration take at p99, against the seed's 3-second SLO (goal: at most
+//! 150 ms)? Run once per numbering strategy, side by side, and first the
+//! pipeline alone, for its observations/s end to end.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use pgonce::{PgQueue, Queue, SendMessage, SequenceStrategy, WorkerConfig};
+use pgonce_incidents::model::{Declaration, Observation, Op, Rule, Singleton};
+use pgonce_incidents::pipeline::SimulatedEvaluatorConfig;
+use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue};
+use pgonce_incidents::{Service, ServiceConfig, invariants, store};
+use serde_json::json;
+use sqlx::PgPool;
+
+use super::BenchArgs;
+use super::measure::{closed_loop, round2};
+use crate::report::{Report, Row};
+use crate::scratch::RunDatabase;
+
+const DECLARERS: usize = 50;
+const ENTITIES: usize = 20;
+/// The seed's service-level objective for declaring an incident.
+const SLO_MS: f64 = 3000.0;
+const GOAL_P99_MS: f64 = 150.0;
+
+const STRATEGIES: [(SequenceStrategy, &str); 3] = [
+    (SequenceStrategy::AdvisoryLock, "advisory-lock"),
+    (SequenceStrategy::CounterRow, "counter-row"),
+    (SequenceStrategy::TableLock, "table-lock"),
+];
+
+fn runtime_config() -> RuntimeConfig {
+    RuntimeConfig {
+        workers: 2,
+        worker: WorkerConfig {
+            concurrency: 8,
+            wait: Duration::from_millis(200),
+            shutdown_deadline: Duration::from_secs(5),
+            ..WorkerConfig::default()
+        },
+        // A short remote call; the bench is about the database side.
+        evaluator: SimulatedEvaluatorConfig {
+            latency: Duration::from_millis(10),
+            jitter: Duration::from_millis(10),
+            ..SimulatedEvaluatorConfig::default()
+        },
+        notifier: None,
+        job_maintenance: false,
+        ..RuntimeConfig::default()
+    }
+}
+
+/// An organization whose every observation violates its policy, so each
+/// message opens an incident (a numbered write in the organization).
+async fn organization(pool: &PgPool, name: &str) -> anyhow::Result<i64> {
+    let (org, _) = store::create_organization(pool, name).await?;
+    let rule = Rule {
+        attribute: "errors".into(),
+        op: Op::Gt,
+        value: 0.0,
+    };
+    store::create_policy(pool, org.id, "errors-seen", Singleton::Never, &rule).await?;
+    Ok(org.id)
+}
+
+fn message(org: i64, i: usize) -> anyhow::Result<SendMessage> {
+    let o = Observation {
+        organization_id: org,
+        entity: format!("svc-{}", i % ENTITIES),
+        attributes: json!({ "errors": 1 }),
+    };
+    Ok(SendMessage::new(serde_json::to_string(&o)?).group(o.group()))
+}
+
+/// Keeps the queue topped up until `stop`; returns how many it sent.
+async fn feed(queue: PgQueue, org: i64, stop: Arc<AtomicBool>) -> anyhow::Result<usize> {
+    let mut sent = 0;
+    while !stop.load(Ordering::Relaxed) {
+        if queue.stats().await?.depth < 64 {
+            let batch = (sent..sent + 10)
+                .map(|i| message(org, i))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            queue.send_batch(batch).await?;
+            sent += 10;
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    Ok(sent)
+}
+
+async fn processed(pool: &PgPool, org: i64) -> anyhow::Result<i64> {
+    Ok(invariants::tallies(pool, &[org]).await?.messages_processed)
+}
+
+pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+    let pool = db.pool().clone();
+    pgonce_incidents::migrate(&pool).await?;
+    let mut report = Report::new("bench", "service", db.environment().await?);
+    let phase = args.phase();
+    let queue = observations_queue(&pool, Duration::from_secs(30), 10).await?;
+
+    // The pipeline alone: a backlog of observations, drained end to end.
+    let org = organization(&pool, "bench-pipeline").await?;
+    let service = Service::new(pool.clone(), ServiceConfig::default())?;
+    let backlog = if args.quick { 400 } else { 2000 };
+    let batch = (0..backlog)
+        .map(|i| message(org, i))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for chunk in batch.chunks(10) {
+        queue.send_batch(chunk.to_vec()).await?;
+    }
+    let started = Instant::now();
+    let runtime = Runtime::start(&service, queue.clone(), runtime_config())?;
+    let deadline = started + Duration::from_secs(120);
+    while processed(&pool, org).await? < backlog as i64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let drained = processed(&pool, org).await?;
+    let elapsed = started.elapsed();
+    runtime.shutdown().await?;
+    let pipeline_rate = drained as f64 / elapsed.as_secs_f64();
+    report.results.push(
+        Row::new("pipeline alone")
+            .with("observations_per_sec", round2(pipeline_rate))
+            .with("observations", drained)
+            .with("evaluation_ms", "10-20"),
+    );
+    report.verdict.check(
+        drained == backlog as i64,
+        format!("the pipeline drained {drained} of {backlog} observations"),
+    );
+
+    // Declarations by hand during pipeline creations, per strategy.
+    let mut p99 = Vec::new();
+    for (strategy, name) in STRATEGIES {
+        queue.purge().await?;
+        let org = organization(&pool, &format!("bench-{name}")).await?;
+        let service = Service::new(
+            pool.clone(),
+            ServiceConfig {
+                numbering: strategy,
+                ..ServiceConfig::default()
+            },
+        )?;
+        let runtime = Runtime::start(&service, queue.clone(), runtime_config())?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let feeder = tokio::spawn(feed(queue.clone(), org, stop.clone()));
+        let before = processed(&pool, org).await?;
+        let declaring = service.clone();
+        let measured = closed_loop(
+            &format!("declare ({name})"),
+            DECLARERS,
+            phase,
+            move |worker, i| {
+                let service = declaring.clone();
+                async move {
+                    let d = Declaration {
+                        title: format!("declared by person {worker}, #{i}"),
+                        entity: None,
+                        idempotency_key: None,
+                    };
+                    service.declare(org, &d, "bench").await?;
+                    Ok(None)
+                }
+            },
+        )
+        .await;
+        let during = processed(&pool, org).await? - before;
+        stop.store(true, Ordering::Relaxed);
+        feeder.await??;
+        runtime.shutdown().await?;
+        let declared = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM incidents.incidents WHERE organization_id = $1 AND policy_id IS NULL",
+        )
+        .bind(org)
+        .fetch_one(&pool)
+        .await?;
+        let opened_by_pipeline = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM incidents.incidents WHERE organization_id = $1 AND policy_id IS NOT NULL",
+        )
+        .bind(org)
+        .fetch_one(&pool)
+        .await?;
+        if let Some(e) = &measured.first_error {
+            report
+                .verdict
+                .check(false, format!("{name}: declaration failed: {e}"));
+        }
+        report.verdict.check(
+            declared as u64 == measured.ops,
+            format!(
+                "{name}: {declared} declarations committed of {} acknowledged",
+                measured.ops
+            ),
+        );
+        let row = measured
+            .row(name)
+            .with("declarers", DECLARERS)
+            .with("pipeline_incidents", opened_by_pipeline)
+            .with(
+                "pipeline_obs_per_sec",
+                round2(during as f64 / measured.elapsed.as_secs_f64()),
+            )
+            .with("within_slo", measured.quantile_ms(0.99) <= SLO_MS);
+        report.results.push(row);
+        p99.push((name, measured.quantile_ms(0.99), measured.ops_per_sec()));
+    }
+
+    let gaps = invariants::number_gaps(&pool).await?;
+    report.verdict.check(
+        gaps.is_empty(),
+        format!(
+            "I2: numbers 1..n in every organization ({} with gaps)",
+            gaps.len()
+        ),
+    );
+    let (advisory_p99, advisory_ops) = (p99[0].1, p99[0].2);
+    report.ratio("table_lock_p99_vs_advisory_p99", p99[2].1, advisory_p99);
+    report.ratio(
+        "advisory_vs_table_lock_declarations",
+        advisory_ops,
+        p99[2].2,
+    );
+    report.ratio("counter_row_p99_vs_advisory_p99", p99[1].1, advisory_p99);
+    let met = advisory_p99 <= GOAL_P99_MS;
+    report.sections.insert(
+        "goals (performance; not part of the verdict)".into(),
+        vec![
+            Row::new("declaration p99, 50 declarers + pipeline, one organization")
+                .with("measured_ms", round2(advisory_p99))
+                .with("goal_ms", GOAL_P99_MS)
+                .with("seed_slo_ms", SLO_MS)
+                .with("met", met),
+        ],
+    );
+    Ok(report)
+}
