@@ -58,6 +58,15 @@ pub struct DemoArgs {
     /// the evaluation.
     #[arg(long, default_value_t = 1000)]
     visibility_ms: u64,
+    /// Share of policy evaluations that take longer than the visibility
+    /// timeout (the message is then delivered again while still being
+    /// evaluated).
+    #[arg(long, default_value_t = 0.05)]
+    slow_rate: f64,
+    /// No people declaring, acknowledging and resolving by hand (so every
+    /// duplicate the pipeline makes stays OPEN for the check).
+    #[arg(long)]
+    no_people: bool,
     /// Give up waiting for the pipeline after this many seconds.
     #[arg(long, default_value_t = 100)]
     deadline_secs: u64,
@@ -197,7 +206,7 @@ async fn people(
     while !*stop.borrow() {
         tick += 1;
         let org = organizations[(tick as usize) % organizations.len()];
-        if tick % 4 == 0 {
+        if tick.is_multiple_of(4) {
             let d = Declaration {
                 title: format!("customer report #{tick}"),
                 entity: Some(format!("svc-{}", tick % 7)),
@@ -231,7 +240,7 @@ async fn people(
                 Err(e) => return Err(e.into()),
             }
         }
-        if tick % 10 == 0 {
+        if tick.is_multiple_of(10) {
             let entity = store::find_entity(
                 service.pool(),
                 org,
@@ -247,7 +256,8 @@ async fn people(
     Ok(actions)
 }
 
-fn runtime_config(webhook: &str, notifier: bool, visibility: Duration) -> RuntimeConfig {
+fn runtime_config(args: &DemoArgs, webhook: &str, notifier: bool) -> RuntimeConfig {
+    let visibility = Duration::from_millis(args.visibility_ms);
     let mut notify = NotifierConfig::new(webhook);
     notify.timeout = Duration::from_millis(500);
     notify.lease = Duration::from_secs(2);
@@ -276,7 +286,7 @@ fn runtime_config(webhook: &str, notifier: bool, visibility: Duration) -> Runtim
             failure_rate: 0.01,
             // The slow tail outlives the visibility timeout: delivered again
             // while its first worker is still evaluating.
-            slow_rate: 0.05,
+            slow_rate: args.slow_rate,
             slow_latency: visibility + Duration::from_millis(500),
         },
         notifier: notifier.then_some(notify),
@@ -302,8 +312,8 @@ fn snapshot_sum(counters: &[Arc<PipelineCounters>]) -> PipelineSnapshot {
 
 pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<Report> {
     anyhow::ensure!(
-        (0.0..=1.0).contains(&args.duplicates),
-        "--duplicates must be in [0, 1]"
+        (0.0..=1.0).contains(&args.duplicates) && (0.0..=1.0).contains(&args.slow_rate),
+        "--duplicates and --slow-rate must be in [0, 1]"
     );
     anyhow::ensure!(
         args.organizations >= 1 && args.entities >= 1 && args.observations >= 1,
@@ -332,15 +342,15 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     let first = Runtime::start(
         &service,
         queue.clone(),
-        runtime_config(receiver.url(), false, visibility),
+        runtime_config(args, receiver.url(), false),
     )?;
     let second = Runtime::start(
         &service,
         queue.clone(),
-        runtime_config(receiver.url(), true, visibility),
+        runtime_config(args, receiver.url(), true),
     )?;
     let mut counters = vec![first.pipeline(), second.pipeline()];
-    let (stop_people, people_stop) = tokio::sync::watch::channel(false);
+    let (stop_people, people_stop) = tokio::sync::watch::channel(args.no_people);
     let people = tokio::spawn(people(
         service.clone(),
         setup.organizations.clone(),
@@ -378,7 +388,7 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
             let r = Runtime::start(
                 &service,
                 queue.clone(),
-                runtime_config(receiver.url(), true, visibility),
+                runtime_config(args, receiver.url(), true),
             )?;
             counters.push(r.pipeline());
             replacement = Some(r);
@@ -407,7 +417,7 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     let settle = Instant::now() + Duration::from_secs(10);
     let notifier = pgonce_incidents::Notifier::new(
         &service,
-        runtime_config(receiver.url(), true, visibility)
+        runtime_config(args, receiver.url(), true)
             .notifier
             .expect("set"),
     )?;

@@ -196,3 +196,59 @@ fn bench_sequence_quick_prints_both_figures_in_one_json_object() {
         assert_eq!(row["violations"], 0, "{row}");
     }
 }
+
+#[test]
+fn demo_small_holds_every_invariant_and_rollout_0_shows_i1_broken() {
+    let small = [
+        "demo",
+        "--organizations",
+        "1",
+        "--entities",
+        "6",
+        "--observations",
+        "150",
+        "--visibility-ms",
+        "300",
+        "--json",
+    ];
+    let report = json_report(&small);
+    assert_eq!(report["command"], "demo");
+    let invariants = report["sections"]["invariants"].as_array().unwrap();
+    assert_eq!(invariants.len(), 4);
+    for row in invariants {
+        assert_eq!(row["held"], true, "{row}");
+    }
+
+    // Without the guard the same run breaks I1 and exits 1, but still
+    // prints its report.
+    let mut args = small.to_vec();
+    args.extend(["--rollout", "0", "--no-people", "--slow-rate", "0.3"]);
+    let out = pgonce().args(&args).output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let i1 = &report["sections"]["invariants"][0];
+    assert_eq!(i1["strategy"], "I1");
+    assert_eq!(i1["held"], false, "{i1}");
+}
+
+#[test]
+fn bench_service_quick_prints_the_p99_in_one_json_object() {
+    let report = json_report(&["bench", "service", "--quick", "--seconds", "0.5", "--json"]);
+    assert_eq!(report["verdict"]["ok"], true, "{report}");
+    let results = report["results"].as_array().unwrap();
+    assert!(
+        results
+            .iter()
+            .any(|r| r["strategy"] == "advisory-lock" && r["p99_ms"].as_f64().is_some())
+    );
+    assert!(
+        report["ratios"]["table_lock_p99_vs_advisory_p99"]
+            .as_f64()
+            .is_some()
+    );
+}
