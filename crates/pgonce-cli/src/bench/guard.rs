@@ -13,6 +13,7 @@
 //! it, otherwise it creates the next one. Violations are counted in the
 //! database afterwards (see `sql/guard_violations.sql`).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,7 +25,7 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
 
 use super::BenchArgs;
-use super::measure::{Outcome, closed_loop, new_histogram, round2};
+use super::measure::{Outcome, closed_loop, median, new_histogram, round2, runs_row};
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
@@ -95,90 +96,91 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let mut report = Report::new("bench", "guard", db.environment().await?);
     let phase = args.phase();
     let eval_short = Duration::from_millis(5);
-
-    // Low contention.
     let low = Shape {
         workers: 16,
         entities: 10_000,
         eval: eval_short,
         pool: 32,
     };
-    let base = measure(
-        db,
-        &mut report,
-        "low-contention",
-        Strategy::TwoTransactions,
-        low,
-        phase,
-    )
-    .await?;
-    let guard = measure(
-        db,
-        &mut report,
-        "low-contention",
-        Strategy::Guard,
-        low,
-        phase,
-    )
-    .await?;
-    let ratio = guard / base.max(1e-9);
-    report.ratio("low_contention_guard_vs_two_transactions", guard, base);
-
-    // Hot entity.
-    let hot_es: &[i32] = if args.quick { &[1, 4] } else { &[1, 2, 4] };
-    for &entities in hot_es {
-        let hot = Shape {
-            workers: 16,
-            entities,
-            eval: eval_short,
-            pool: 32,
-        };
-        let scenario = format!("hot-entity-e{entities}");
-        let ser = measure(
-            db,
-            &mut report,
-            &scenario,
-            Strategy::Serializable,
-            hot,
-            phase,
-        )
-        .await?;
-        let guard = measure(db, &mut report, &scenario, Strategy::Guard, hot, phase).await?;
-        report.ratio(
-            &format!("hot_e{entities}_guard_vs_serializable"),
-            guard,
-            ser,
-        );
-    }
-
-    // Pool pressure.
     let pressure = Shape {
         workers: 100,
         entities: 10_000,
         eval: Duration::from_millis(50),
         pool: 10,
     };
-    let session = measure(
-        db,
-        &mut report,
-        "pool-pressure",
-        Strategy::SessionLock,
-        pressure,
-        phase,
-    )
-    .await?;
-    let guard = measure(
-        db,
-        &mut report,
-        "pool-pressure",
-        Strategy::Guard,
-        pressure,
-        phase,
-    )
-    .await?;
-    let pressure_ratio = guard / session.max(1e-9);
-    report.ratio("pool_pressure_guard_vs_session_lock", guard, session);
+    let hot_es: &[i32] = if args.quick { &[1, 4] } else { &[1, 2, 4] };
 
+    // Every ratio compares two strategies measured one after the other, so
+    // a change in the machine's load between them skews it. With --repeat
+    // the pairs run again, the order flipping each run, and each ratio is
+    // the median of the runs.
+    let runs = args.repeat.max(1);
+    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for run in 1..=runs {
+        let flip = run % 2 == 0;
+        let mut pair = async |scenario: &str, a: Strategy, b: Strategy, shape: Shape| {
+            let (first, second) = if flip { (b, a) } else { (a, b) };
+            let x = measure(db, &mut report, scenario, first, shape, phase, run).await?;
+            let y = measure(db, &mut report, scenario, second, shape, phase, run).await?;
+            anyhow::Ok(if flip { (y, x) } else { (x, y) })
+        };
+        // Low contention: the guard against the same write unguarded.
+        let low_ratio = pair(
+            "low-contention",
+            Strategy::Guard,
+            Strategy::TwoTransactions,
+            low,
+        )
+        .await?;
+        // Hot entity.
+        let mut hot_ratios = Vec::new();
+        for &entities in hot_es {
+            let hot = Shape {
+                workers: 16,
+                entities,
+                eval: eval_short,
+                pool: 32,
+            };
+            let scenario = format!("hot-entity-e{entities}");
+            let r = pair(&scenario, Strategy::Guard, Strategy::Serializable, hot).await?;
+            hot_ratios.push((format!("hot_e{entities}_guard_vs_serializable"), r));
+        }
+        // Pool pressure.
+        let pressure_ratio = pair(
+            "pool-pressure",
+            Strategy::Guard,
+            Strategy::SessionLock,
+            pressure,
+        )
+        .await?;
+        for (name, (a, b)) in [
+            (
+                "low_contention_guard_vs_two_transactions".to_string(),
+                low_ratio,
+            ),
+            (
+                "pool_pressure_guard_vs_session_lock".to_string(),
+                pressure_ratio,
+            ),
+        ]
+        .into_iter()
+        .chain(hot_ratios)
+        {
+            ratios.entry(name).or_default().push(a / b.max(1e-9));
+        }
+    }
+    let mut per_run = Vec::new();
+    for (name, values) in &ratios {
+        report.ratio(name, median(values), 1.0);
+        per_run.push(runs_row(name, values));
+    }
+    report.sections.insert(
+        format!("ratios of each run ({runs} runs, order flipped each run)"),
+        per_run,
+    );
+
+    let ratio = median(&ratios["low_contention_guard_vs_two_transactions"]);
+    let pressure_ratio = median(&ratios["pool_pressure_guard_vs_session_lock"]);
     report.sections.insert(
         "goals (issue 3; informational, the verdict is about correctness)".into(),
         vec![
@@ -204,6 +206,7 @@ async fn measure(
     strategy: Strategy,
     shape: Shape,
     phase: Duration,
+    run: u32,
 ) -> anyhow::Result<f64> {
     sqlx::query(include_str!("sql/guard_reset.sql"))
         .execute(db.pool())
@@ -234,6 +237,7 @@ async fn measure(
     let aborts = extra.aborts.load(Ordering::Relaxed);
     let mut row = m
         .row(&format!("{scenario}: {}", strategy.name()))
+        .with("run", run)
         .with("workers", shape.workers)
         .with("entities", shape.entities)
         .with("eval_ms", shape.eval.as_millis() as u64)
