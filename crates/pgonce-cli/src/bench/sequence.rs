@@ -123,7 +123,14 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             .or_default()
             .push(s8(Window::Late));
 
-        // One scope, 50 declarers: the default strategy, both windows.
+        // One scope, 50 declarers: the default strategy, both windows. In
+        // one scope every declaration commits while holding the lock, so the
+        // WAL flushes are serial: 50 x one commit is a floor of the queue.
+        let commit_ms = commit_probe(db.pool()).await?;
+        per_run
+            .entry("commit_alone_p50_ms")
+            .or_default()
+            .push(commit_ms);
         let mut p99 = HashMap::new();
         for window in ordered(vec![Window::Early, Window::Late]) {
             let f = phase(args, db, Strategy::AdvisoryLock, window, 1, 50).await?;
@@ -151,6 +158,8 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
                     .with("p99_ms", f.p99_ms)
                     .with("lock_hold_p50_ms", f.hold_p50_ms)
                     .with("lock_hold_p99_ms", f.hold_p99_ms)
+                    .with("commit_alone_p50_ms", commit_ms)
+                    .with("commit_floor_p50_ms", round2(50.0 * commit_ms))
                     .with("slo_ms", SLO_MS)
                     .with("within_slo", f.p99_ms <= SLO_MS)
                     .with("goal_p99_ms", GOAL_P99_MS)
@@ -315,6 +324,25 @@ fn figures(
         errors: m.errors,
         first_error: m.first_error.clone(),
     }
+}
+
+/// The median time of the COMMIT of a one-row INSERT on an idle
+/// connection, in ms: a WAL flush and one round trip. Declarations of one
+/// scope commit one after the other (each holds the scope's lock until its
+/// COMMIT is done), so N queued declarers wait at least N times this.
+async fn commit_probe(pool: &PgPool) -> anyhow::Result<f64> {
+    let mut conn = pool.acquire().await?;
+    let mut times = Vec::new();
+    for _ in 0..30 {
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        sqlx::query("INSERT INTO public.bench_seq_work (org, what) VALUES (-1, 'commit probe')")
+            .execute(&mut *tx)
+            .await?;
+        let t = std::time::Instant::now();
+        tx.commit().await?;
+        times.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    Ok(round2(median(&times)))
 }
 
 /// One declaration: the other work and the number, in the order `window`
