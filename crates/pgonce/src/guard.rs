@@ -11,6 +11,10 @@
 //! [`Error::Conflict`] having written nothing. COMMIT or ROLLBACK releases
 //! the lock; there is no path on which it outlives the transaction.
 //!
+//! Round trips of a guarded write: BEGIN and the lock in one simple-query
+//! message ([`Guard::begin_for`]), the re-read, the write, COMMIT: one more
+//! than the same write without a guard (BEGIN, write, COMMIT).
+//!
 //! # What it guarantees, and what it needs
 //!
 //! Every writer that changes the guarded set **must go through a guard with
@@ -81,11 +85,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::LazyLock;
 use std::time::Duration;
 
-use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Transaction};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, sqlstate, sqlstate_of};
 use crate::lock::{self, LockKey};
 
 /// What a decision saw: a set of ids, each optionally with a version. Owned,
@@ -269,9 +274,11 @@ impl Guard {
     /// [`Error::Conflict`]: nothing is written. Any error from `reread` or
     /// `write` also rolls everything back.
     ///
-    /// A connection is checked out from `pool` only for this transaction.
+    /// A connection is checked out from `pool` only for this transaction,
+    /// opened by [`Guard::begin_for`] (BEGIN and lock in one round trip).
     /// Cancel safety: dropping the future drops the transaction, which rolls
-    /// back and releases the lock.
+    /// back and releases the lock (during the lock wait: see
+    /// [`Guard::begin_for`]).
     pub async fn write<R, W, T>(
         &self,
         pool: &PgPool,
@@ -284,7 +291,7 @@ impl Guard {
         R: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
         W: AsyncFnOnce(&mut PgConnection) -> Result<T>,
     {
-        let mut tx = self.begin(pool).await?;
+        let mut tx = self.begin_for(pool, key).await?;
         let out = async {
             tx.check(key, seen, reread).await?;
             write(&mut tx.tx).await
@@ -319,8 +326,84 @@ impl Guard {
         Ok(GuardedTransaction {
             tx: pool.begin_with(begin.trim()).await?,
             guard: self.clone(),
+            locked: None,
         })
     }
+
+    /// [`Guard::begin`] already holding the lock `key`: BEGIN and the lock
+    /// travel in one round trip instead of two (see
+    /// `guard/sql/begin_locked.sql`). [`GuardedTransaction::check`] with the
+    /// same key then only re-reads and compares. [`Guard::write`] uses it.
+    ///
+    /// Waits for the lock as [`GuardedTransaction::check`] would: as long as
+    /// it takes, or [`Error::LockTimeout`] after the configured
+    /// `lock_timeout` (the connection is then back in the pool outside any
+    /// transaction).
+    ///
+    /// Cancel safety: the BEGIN-and-lock round trip runs in a task of its
+    /// own. If this future is dropped while it waits, the task still waits
+    /// for the lock, then rolls back and returns the connection to the pool,
+    /// so no connection ever goes back to the pool inside a transaction.
+    /// (A dropped wait in [`GuardedTransaction::check`] behaves the same way:
+    /// the connection is returned once the lock statement has finished.)
+    pub async fn begin_for<'p>(
+        &self,
+        pool: &'p PgPool,
+        key: LockKey,
+    ) -> Result<GuardedTransaction<'p>> {
+        let isolation = match self.config.isolation {
+            Isolation::ReadCommitted => "READ COMMITTED",
+            Isolation::Serializable => "SERIALIZABLE",
+        };
+        let sql = match self.config.lock_timeout {
+            None => BEGIN_LOCKED.as_str(),
+            Some(_) => BEGIN_LOCKED_TIMEOUT.as_str(),
+        }
+        .replace("{isolation}", isolation)
+        .replace("{key}", &key.as_i64().to_string())
+        .replace(
+            "{millis}",
+            &self
+                .config
+                .lock_timeout
+                .map_or(0, |t| t.as_millis().clamp(1, i32::MAX as u128))
+                .to_string(),
+        );
+        let task = tokio::spawn({
+            let pool = pool.clone();
+            async move { pool.begin_with(AssertSqlSafe(sql)).await }
+        });
+        let tx = match task.await {
+            Ok(Ok(tx)) => tx,
+            Ok(Err(e)) if sqlstate_of(&e).as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE) => {
+                return Err(Error::LockTimeout {
+                    key,
+                    waited: self.config.lock_timeout.unwrap_or_default(),
+                });
+            }
+            Ok(Err(e)) => return Err(e.into()),
+            Err(join) => std::panic::resume_unwind(join.into_panic()),
+        };
+        Ok(GuardedTransaction {
+            tx,
+            guard: self.clone(),
+            locked: Some(key),
+        })
+    }
+}
+
+/// `guard/sql/begin_locked*.sql` without their comment lines: the text sent
+/// on every guarded write.
+static BEGIN_LOCKED: LazyLock<String> =
+    LazyLock::new(|| without_comments(include_str!("guard/sql/begin_locked.sql")));
+static BEGIN_LOCKED_TIMEOUT: LazyLock<String> =
+    LazyLock::new(|| without_comments(include_str!("guard/sql/begin_locked_timeout.sql")));
+
+fn without_comments(sql: &str) -> String {
+    sql.lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// A transaction opened by [`Guard::begin`], so at an isolation level under
@@ -331,11 +414,14 @@ impl Guard {
 pub struct GuardedTransaction<'p> {
     tx: Transaction<'p, Postgres>,
     guard: Guard,
+    /// The key taken with BEGIN by [`Guard::begin_for`], if any.
+    locked: Option<LockKey>,
 }
 
 impl<'p> GuardedTransaction<'p> {
-    /// Takes the advisory lock `key` (held until this transaction ends),
-    /// runs `reread`, and compares its result with `seen`. Different:
+    /// Takes the advisory lock `key` (held until this transaction ends;
+    /// already held if [`Guard::begin_for`] opened the transaction with this
+    /// key), runs `reread`, and compares its result with `seen`. Different:
     /// counts `pgonce_guard_conflicts_total{guard}`, logs at WARN and
     /// returns [`Error::Conflict`]; the caller must not write (roll back, or
     /// drop the transaction). Equal: the caller may write in this
@@ -350,9 +436,11 @@ impl<'p> GuardedTransaction<'p> {
         R: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
     {
         let guard = &self.guard;
-        match guard.config.lock_timeout {
-            Some(t) => lock::lock_timeout(&mut self.tx, key, t).await?,
-            None => lock::lock(&mut self.tx, key).await?,
+        if self.locked != Some(key) {
+            match guard.config.lock_timeout {
+                Some(t) => lock::lock_timeout(&mut self.tx, key, t).await?,
+                None => lock::lock(&mut self.tx, key).await?,
+            }
         }
         // READ COMMITTED: this statement's snapshot is taken now, after the
         // lock was granted.

@@ -19,8 +19,13 @@
 //!   READ COMMITTED takes a snapshot per statement. Under REPEATABLE READ or
 //!   SERIALIZABLE the snapshot may predate the lock, the max is stale, and
 //!   two transactions compute the same number. pgonce checks
-//!   `transaction_isolation` first and returns [`Error::WrongIsolation`]:
-//!   a clear error, never a duplicate;
+//!   `transaction_isolation` before it locks anything and returns
+//!   [`Error::WrongIsolation`]: a clear error, never a duplicate;
+//! * pgonce's migrations applied ([`crate::migrate`]): check, lock and
+//!   max + 1 run server-side in `pgonce.sequence_take` (migration 0060), a
+//!   `VOLATILE` function, which under READ COMMITTED takes a fresh snapshot
+//!   for each statement it runs, so the max is read after the lock was
+//!   granted without a client round trip in between;
 //! * every row of the table inserted through this module (or under the same
 //!   lock), and numbers never deleted: a hole left by a delete stays a hole.
 //!   A transaction that takes a number and commits without inserting it
@@ -44,8 +49,9 @@
 //! caller does its other work in the open transaction, then hands the
 //! transaction over with the one write that needs the number; pgonce locks
 //! the scope, computes the number, runs that write and commits. The lock is
-//! held for three round trips (number, write, COMMIT) whatever the rest of
-//! the transaction did. [`Sequence::next`] is the low-level step for callers
+//! held for the number's return, the write and the COMMIT (two round trips
+//! and a half, and the commit's WAL flush) whatever the rest of the
+//! transaction did. [`Sequence::next`] is the low-level step for callers
 //! who must know the number earlier; it holds the scope for the rest of the
 //! transaction, which `pgonce bench sequence` measures.
 //!
@@ -88,7 +94,7 @@ use std::time::{Duration, Instant};
 use sqlx::{AssertSqlSafe, Encode, PgConnection, Postgres, Transaction, Type};
 
 use crate::error::{Error, Result, sqlstate, sqlstate_of};
-use crate::lock::{self, LockKey};
+use crate::lock::LockKey;
 
 /// How a [`Sequence`] serializes the declarations of one scope.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -240,6 +246,13 @@ fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// `E'text'`, with `\` and `'` doubled: always a single string constant,
+/// whatever `standard_conforming_strings` says (an `E''` string always reads
+/// backslash escapes). Names hold no NUL (checked by [`identifier`]).
+fn literal(text: &str) -> String {
+    format!("E'{}'", text.replace('\\', "\\\\").replace('\'', "''"))
+}
+
 /// Settings of a [`Sequence`].
 #[derive(Debug, Clone, Default)]
 pub struct SequenceConfig {
@@ -269,9 +282,9 @@ pub struct Sequence {
 /// quoted names put in.
 #[derive(Debug)]
 struct Statements {
-    lock_table: String,
-    select_for_update: String,
-    max_plus_one: String,
+    /// Isolation check, lock and max + 1 in one call of
+    /// `pgonce.sequence_take` (migration 0060), for the max + 1 strategies.
+    take: String,
     counter: String,
 }
 
@@ -280,9 +293,10 @@ struct Statements {
 pub struct Taken {
     /// The scope's next number.
     pub number: i64,
-    /// How long the lock statement waited (and ran).
+    /// How long the lock statement waited (and ran), up to the grant.
     pub waited: Duration,
-    /// When the scope's lock was granted; it is held until the transaction
+    /// When the scope's lock was granted (the number's arrival less the
+    /// server-side time after the grant); it is held until the transaction
     /// ends.
     pub granted_at: Instant,
 }
@@ -310,9 +324,12 @@ impl Sequence {
                 .replace("{number}", &quote(&table.number_column))
         };
         let sql = Statements {
-            lock_table: fill(include_str!("sequence/sql/lock_table.sql")),
-            select_for_update: fill(include_str!("sequence/sql/select_for_update.sql")),
-            max_plus_one: fill(include_str!("sequence/sql/max_plus_one.sql")),
+            take: include_str!("sequence/sql/take.sql")
+                .replace("{strategy}", &literal(config.strategy.name()))
+                .replace("{schema_name}", &literal(&table.schema))
+                .replace("{table_name}", &literal(&table.table))
+                .replace("{scope_name}", &literal(&table.scope_column))
+                .replace("{number_name}", &literal(&table.number_column)),
             counter: fill(include_str!("sequence/sql/counter.sql")),
         };
         Ok(Sequence {
@@ -386,11 +403,35 @@ impl Sequence {
         tx: &mut Transaction<'_, Postgres>,
         scope: &impl ScopeValue,
     ) -> Result<Taken> {
-        let conn: &mut PgConnection = tx;
-        let isolation: String = sqlx::query_scalar(include_str!("sequence/sql/isolation.sql"))
-            .fetch_one(&mut *conn)
-            .await?;
-        if !self.strategy.accepts(&isolation) {
+        let started = Instant::now();
+        if self.strategy == Strategy::CounterRow {
+            // Correct at every isolation level, so nothing to check: the
+            // upsert both waits for the row lock and yields the number.
+            let number = sqlx::query_scalar(AssertSqlSafe(self.sql.counter.as_str()))
+                .bind(&*self.name)
+                .bind(scope.to_string())
+                .bind(scope)
+                .fetch_one(&mut **tx)
+                .await?;
+            return Ok(self.taken(number, started, Instant::now()));
+        }
+        // One round trip: isolation check, lock, then max + 1 in a statement
+        // of its own inside `pgonce.sequence_take` (a VOLATILE function, so
+        // under READ COMMITTED that statement's snapshot is taken after the
+        // lock was granted; see migrations/0060_sequence_take.sql).
+        let key = match self.strategy {
+            Strategy::AdvisoryLock => self.lock_key(scope)?.as_i64(),
+            _ => 0,
+        };
+        let (isolation, number, after_grant): (String, Option<i64>, Option<f64>) =
+            sqlx::query_as(AssertSqlSafe(self.sql.take.as_str()))
+                .bind(key)
+                .bind(scope)
+                .fetch_one(&mut **tx)
+                .await?;
+        let returned = Instant::now();
+        let Some(number) = number else {
+            // The function locked nothing: the level is wrong.
             metrics::counter!("pgonce_sequence_wrong_isolation_total", "strategy" => self.strategy.name())
                 .increment(1);
             return Err(Error::WrongIsolation {
@@ -398,37 +439,13 @@ impl Sequence {
                 needed: self.strategy.needs(),
                 found: isolation,
             });
-        }
-        let started = Instant::now();
-        match self.strategy {
-            Strategy::CounterRow => {
-                // The upsert both waits for the row lock and yields the number.
-                let number = sqlx::query_scalar(AssertSqlSafe(self.sql.counter.as_str()))
-                    .bind(&*self.name)
-                    .bind(scope.to_string())
-                    .bind(scope)
-                    .fetch_one(&mut **tx)
-                    .await?;
-                return Ok(self.taken(number, started, Instant::now()));
-            }
-            Strategy::AdvisoryLock => lock::lock(tx, self.lock_key(scope)?).await?,
-            Strategy::TableLock => {
-                sqlx::query(AssertSqlSafe(self.sql.lock_table.as_str()))
-                    .execute(&mut **tx)
-                    .await?;
-            }
-            Strategy::SelectForUpdate => {
-                sqlx::query(AssertSqlSafe(self.sql.select_for_update.as_str()))
-                    .bind(scope)
-                    .execute(&mut **tx)
-                    .await?;
-            }
-        }
-        // A statement of its own, so under READ COMMITTED its snapshot is
-        // taken now, after the lock was granted.
-        let granted_at = Instant::now();
-        let number = self.max_plus_one(tx, scope).await?;
-        Ok(self.taken(number, started, granted_at))
+        };
+        // The server's clock timed grant to return; take it off our receipt
+        // time (never before the call started).
+        let after_grant = Duration::try_from_secs_f64(after_grant.unwrap_or(0.0).max(0.0))
+            .unwrap_or_default()
+            .min(returned - started);
+        Ok(self.taken(number, started, returned - after_grant))
     }
 
     fn taken(&self, number: i64, started: Instant, granted_at: Instant) -> Taken {
@@ -444,23 +461,10 @@ impl Sequence {
         }
     }
 
-    async fn max_plus_one(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        scope: &impl ScopeValue,
-    ) -> Result<i64> {
-        Ok(
-            sqlx::query_scalar(AssertSqlSafe(self.sql.max_plus_one.as_str()))
-                .bind(scope)
-                .fetch_one(&mut **tx)
-                .await?,
-        )
-    }
-
     /// Finishes a declaration: takes the next number of `scope` as the last
     /// step of `tx`, runs `write(conn, number)` (the statement that stores
-    /// the number), and commits. The scope is locked only for those three
-    /// steps, whatever `tx` did before.
+    /// the number), and commits. The scope is locked only from the number
+    /// to the COMMIT, whatever `tx` did before.
     ///
     /// On any error `tx` is rolled back, so nothing of the declaration is
     /// committed and the number is free again. A unique violation on the
@@ -549,10 +553,11 @@ mod tests {
             SequenceConfig::default(),
         )
         .unwrap();
-        assert!(seq.sql.max_plus_one.contains(
-            "max(\"no\"), 0) + 1)::bigint FROM \"app\".\"incidents\" WHERE \"org id\" = $1"
+        assert!(seq.sql.take.contains(
+            "sequence_take(E'advisory-lock', $1, E'app', E'incidents', E'org id', E'no', $2)"
         ));
         assert!(!seq.sql.counter.contains('{'));
+        assert_eq!(literal(r"it's \x"), r"E'it''s \\x'");
     }
 
     #[test]

@@ -594,3 +594,139 @@ async fn a_guarded_transaction_commits_the_callers_writes_only_after_a_passed_ch
     let mut other = pool.begin().await.unwrap();
     assert!(pgonce::lock::try_lock(&mut other, key).await.unwrap());
 }
+
+/// Whether the one connection of `pool` is outside any transaction and
+/// holds no advisory lock: what a pooled connection must look like between
+/// uses. (`statement_timestamp() = transaction_timestamp()` only when this
+/// statement started its own transaction; a simple query, so both are the
+/// time its one message arrived.)
+async fn clean_between_uses(pool: &PgPool) -> (bool, i64) {
+    use sqlx::Row;
+    let row = sqlx::raw_sql(
+        "SELECT statement_timestamp() = transaction_timestamp(), \
+         (SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory')",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// BEGIN and the lock travel in one message (`Guard::begin_for`). A guarded
+/// write dropped while it waits for the lock must not leave its connection
+/// in the pool inside a transaction holding the lock: the next user of the
+/// connection would run in it and keep the lock.
+#[tokio::test]
+async fn a_write_dropped_while_waiting_for_the_lock_leaves_no_transaction_behind() {
+    let (db, pool) = setup().await;
+    let key = LockKey::new("e", "cancel").unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    let mut holder = h.pool().begin().await.unwrap();
+    race.step(&h, "lock", pgonce::lock::lock(&mut holder, key))
+        .await
+        .unwrap()
+        .unwrap();
+
+    let writer = tokio::spawn(guarded_insert(
+        w.pool().clone(),
+        "e",
+        "cancel".into(),
+        ReadSet::new(),
+    ));
+    race.wait_until_blocked(&w, "guarded insert").await.unwrap();
+    writer.abort();
+    assert!(writer.await.unwrap_err().is_cancelled());
+    race.note(&w, "dropped while waiting");
+    race.step(&h, "COMMIT", holder.commit())
+        .await
+        .unwrap()
+        .unwrap();
+
+    // W's only connection, once it is back in the pool.
+    assert_eq!(
+        race.step(&w, "next use", clean_between_uses(w.pool()))
+            .await
+            .unwrap(),
+        (true, 0),
+        "outside any transaction, no lock held"
+    );
+    assert_eq!(count_open(&pool, "cancel").await, 0, "nothing written");
+    assert!(lock_is_free(&pool, key).await);
+}
+
+/// With a lock timeout, BEGIN and the lock still travel together; a timeout
+/// is a typed error, leaves the connection outside any transaction with its
+/// own lock_timeout, and a later write goes through.
+#[tokio::test]
+async fn a_lock_timeout_is_typed_and_leaves_the_connection_clean() {
+    let (db, pool) = setup().await;
+    let key = LockKey::new("e", "timeout").unwrap();
+    let guard = Guard::new(
+        "things",
+        GuardConfig {
+            lock_timeout: Some(std::time::Duration::from_millis(50)),
+            ..GuardConfig::default()
+        },
+    )
+    .unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    sqlx::query("SET lock_timeout = '7s'")
+        .execute(w.pool())
+        .await
+        .unwrap();
+    let mut holder = h.pool().begin().await.unwrap();
+    pgonce::lock::lock(&mut holder, key).await.unwrap();
+
+    let write = |pool: PgPool| {
+        let guard = guard.clone();
+        async move {
+            guard
+                .write(
+                    &pool,
+                    key,
+                    &ReadSet::new(),
+                    async |c| open_ids(c, "timeout").await,
+                    async |c| insert(c, "timeout").await,
+                )
+                .await
+        }
+    };
+    let timed_out = race
+        .step(&w, "guarded insert", write(w.pool().clone()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(timed_out, Err(Error::LockTimeout { key: k, .. }) if k == key),
+        "{timed_out:?}"
+    );
+    assert_eq!(clean_between_uses(w.pool()).await, (true, 0));
+    let (setting,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+        .fetch_one(w.pool())
+        .await
+        .unwrap();
+    assert_eq!(setting, "7s", "the session's own lock_timeout");
+
+    holder.commit().await.unwrap();
+    // Inside the guarded transaction the caller's writes run with the
+    // session's lock_timeout, not the guard's.
+    let mut tx = guard.begin_for(w.pool(), key).await.unwrap();
+    let (setting,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+        .fetch_one(&mut **tx)
+        .await
+        .unwrap();
+    assert_eq!(setting, "7s");
+    tx.check(key, &ReadSet::new(), async |c| open_ids(c, "timeout").await)
+        .await
+        .unwrap();
+    insert(&mut tx, "timeout").await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count_open(&pool, "timeout").await, 1);
+}

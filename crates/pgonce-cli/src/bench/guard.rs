@@ -3,7 +3,9 @@
 //! the three scenarios of issue 3:
 //!
 //! * low contention (W=16, E=10,000): guard vs two-transactions, the same
-//!   shape without lock and re-read; goal at least 0.95;
+//!   shape without lock and re-read; goal at least 0.95. Also
+//!   `guard-begin-check`, the guard with BEGIN and lock in separate round
+//!   trips (session 1's `Guard::write`), to show what folding them saves;
 //! * hot entity (E = 1 to 4): guard vs serializable (read, evaluation and
 //!   write in one SERIALIZABLE transaction, retried on abort);
 //! * pool pressure (P=10, 100 in flight, L=50 ms): guard vs a session-level
@@ -12,7 +14,11 @@
 //! A decision sees the entity's latest incident; if it is open it resolves
 //! it, otherwise it creates the next one. Violations are counted in the
 //! database afterwards (see `sql/guard_violations.sql`).
+//!
+//! `--repeat N` runs every group N times, rotating the order, and reports
+//! each ratio as the median of the runs (every run's value in a section).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,7 +30,7 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
 
 use super::BenchArgs;
-use super::measure::{Outcome, closed_loop, new_histogram, round2};
+use super::measure::{Outcome, closed_loop, median, new_histogram, round2, runs_row};
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
@@ -32,6 +38,10 @@ use crate::scratch::RunDatabase;
 enum Strategy {
     TwoTransactions,
     Guard,
+    /// The guard as session 1 shipped it: `Guard::begin`, then
+    /// `GuardedTransaction::check` takes the lock in a round trip of its own
+    /// (the shape `Guard::write` had before `Guard::begin_for`).
+    GuardBeginCheck,
     Serializable,
     SessionLock,
 }
@@ -41,6 +51,7 @@ impl Strategy {
         match self {
             Strategy::TwoTransactions => "two-transactions",
             Strategy::Guard => "guard",
+            Strategy::GuardBeginCheck => "guard-begin-check",
             Strategy::Serializable => "serializable",
             Strategy::SessionLock => "session-lock",
         }
@@ -95,90 +106,100 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let mut report = Report::new("bench", "guard", db.environment().await?);
     let phase = args.phase();
     let eval_short = Duration::from_millis(5);
-
-    // Low contention.
     let low = Shape {
         workers: 16,
         entities: 10_000,
         eval: eval_short,
         pool: 32,
     };
-    let base = measure(
-        db,
-        &mut report,
-        "low-contention",
-        Strategy::TwoTransactions,
-        low,
-        phase,
-    )
-    .await?;
-    let guard = measure(
-        db,
-        &mut report,
-        "low-contention",
-        Strategy::Guard,
-        low,
-        phase,
-    )
-    .await?;
-    let ratio = guard / base.max(1e-9);
-    report.ratio("low_contention_guard_vs_two_transactions", guard, base);
-
-    // Hot entity.
-    let hot_es: &[i32] = if args.quick { &[1, 4] } else { &[1, 2, 4] };
-    for &entities in hot_es {
-        let hot = Shape {
-            workers: 16,
-            entities,
-            eval: eval_short,
-            pool: 32,
-        };
-        let scenario = format!("hot-entity-e{entities}");
-        let ser = measure(
-            db,
-            &mut report,
-            &scenario,
-            Strategy::Serializable,
-            hot,
-            phase,
-        )
-        .await?;
-        let guard = measure(db, &mut report, &scenario, Strategy::Guard, hot, phase).await?;
-        report.ratio(
-            &format!("hot_e{entities}_guard_vs_serializable"),
-            guard,
-            ser,
-        );
-    }
-
-    // Pool pressure.
     let pressure = Shape {
         workers: 100,
         entities: 10_000,
         eval: Duration::from_millis(50),
         pool: 10,
     };
-    let session = measure(
-        db,
-        &mut report,
-        "pool-pressure",
-        Strategy::SessionLock,
-        pressure,
-        phase,
-    )
-    .await?;
-    let guard = measure(
-        db,
-        &mut report,
-        "pool-pressure",
-        Strategy::Guard,
-        pressure,
-        phase,
-    )
-    .await?;
-    let pressure_ratio = guard / session.max(1e-9);
-    report.ratio("pool_pressure_guard_vs_session_lock", guard, session);
+    let hot_es: &[i32] = if args.quick { &[1, 4] } else { &[1, 2, 4] };
 
+    // Every ratio compares strategies measured one after the other, so a
+    // change in the machine's load between them skews it. With --repeat the
+    // groups run again, in a rotated order each run, and each ratio is the
+    // median of the runs.
+    let runs = args.repeat.max(1);
+    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for run in 1..=runs {
+        let mut group = async |scenario: &str, strategies: &[Strategy], shape: Shape| {
+            let n = strategies.len();
+            let mut rates = vec![0.0; n];
+            for i in 0..n {
+                let k = (i + run as usize - 1) % n;
+                rates[k] =
+                    measure(db, &mut report, scenario, strategies[k], shape, phase, run).await?;
+            }
+            anyhow::Ok(rates)
+        };
+        let mut found = Vec::new();
+        // Low contention: the guard against the same write unguarded, and
+        // against session 1's shape of the guard (one round trip more).
+        let low_rates = group(
+            "low-contention",
+            &[
+                Strategy::Guard,
+                Strategy::TwoTransactions,
+                Strategy::GuardBeginCheck,
+            ],
+            low,
+        )
+        .await?;
+        found.push((
+            "low_contention_guard_vs_two_transactions".to_string(),
+            low_rates[0] / low_rates[1].max(1e-9),
+        ));
+        found.push((
+            "low_contention_guard_begin_check_vs_two_transactions".to_string(),
+            low_rates[2] / low_rates[1].max(1e-9),
+        ));
+        // Hot entity.
+        for &entities in hot_es {
+            let hot = Shape {
+                workers: 16,
+                entities,
+                eval: eval_short,
+                pool: 32,
+            };
+            let scenario = format!("hot-entity-e{entities}");
+            let r = group(&scenario, &[Strategy::Guard, Strategy::Serializable], hot).await?;
+            found.push((
+                format!("hot_e{entities}_guard_vs_serializable"),
+                r[0] / r[1].max(1e-9),
+            ));
+        }
+        // Pool pressure.
+        let r = group(
+            "pool-pressure",
+            &[Strategy::Guard, Strategy::SessionLock],
+            pressure,
+        )
+        .await?;
+        found.push((
+            "pool_pressure_guard_vs_session_lock".to_string(),
+            r[0] / r[1].max(1e-9),
+        ));
+        for (name, ratio) in found {
+            ratios.entry(name).or_default().push(ratio);
+        }
+    }
+    let mut per_run = Vec::new();
+    for (name, values) in &ratios {
+        report.ratio(name, median(values), 1.0);
+        per_run.push(runs_row(name, values));
+    }
+    report.sections.insert(
+        format!("ratios of each run ({runs} runs, order rotated each run)"),
+        per_run,
+    );
+
+    let ratio = median(&ratios["low_contention_guard_vs_two_transactions"]);
+    let pressure_ratio = median(&ratios["pool_pressure_guard_vs_session_lock"]);
     report.sections.insert(
         "goals (issue 3; informational, the verdict is about correctness)".into(),
         vec![
@@ -204,6 +225,7 @@ async fn measure(
     strategy: Strategy,
     shape: Shape,
     phase: Duration,
+    run: u32,
 ) -> anyhow::Result<f64> {
     sqlx::query(include_str!("sql/guard_reset.sql"))
         .execute(db.pool())
@@ -234,6 +256,7 @@ async fn measure(
     let aborts = extra.aborts.load(Ordering::Relaxed);
     let mut row = m
         .row(&format!("{scenario}: {}", strategy.name()))
+        .with("run", run)
         .with("workers", shape.workers)
         .with("entities", shape.entities)
         .with("eval_ms", shape.eval.as_millis() as u64)
@@ -376,6 +399,44 @@ async fn decide(
                 Err(Error::Conflict { .. }) => Ok(Some("conflicts")),
                 Err(e) => Err(e.into()),
             }
+        }
+        Strategy::GuardBeginCheck => {
+            let mut seen: Latest = None;
+            guard
+                .read(pool, async |c| {
+                    seen = latest(c, entity).await?;
+                    Ok(read_set(seen))
+                })
+                .await?;
+            tokio::time::sleep(shape.eval).await;
+            let key = LockKey::new("bench-guard/entity", &entity.to_string())?;
+            let t = Instant::now();
+            let mut granted = None;
+            let mut tx = guard.begin(pool).await?;
+            let checked = tx
+                .check(key, &read_set(seen), async |c| {
+                    granted = Some(Instant::now());
+                    Ok(read_set(latest(c, entity).await?))
+                })
+                .await;
+            let outcome = match checked {
+                Ok(()) => {
+                    let c = act(&mut tx, entity, seen).await?;
+                    tx.commit().await?;
+                    created(extra, c);
+                    None
+                }
+                Err(Error::Conflict { .. }) => {
+                    tx.into_inner().rollback().await?;
+                    Some("conflicts")
+                }
+                Err(e) => return Err(e.into()),
+            };
+            Extra::record(&extra.write_tx, t);
+            if let Some(g) = granted {
+                Extra::record(&extra.lock_hold, g);
+            }
+            Ok(outcome)
         }
         Strategy::Serializable => {
             for _attempt in 0..50 {

@@ -60,6 +60,29 @@ pub fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
+/// A row naming a figure measured over several runs: each run's value and
+/// their median.
+pub fn runs_row(name: &str, values: &[f64]) -> Row {
+    Row::new(name)
+        .with(
+            "runs",
+            values.iter().map(|v| round2(*v)).collect::<Vec<_>>(),
+        )
+        .with("median", round2(median(values)))
+}
+
+/// The median of `values` (the mean of the middle two for an even count);
+/// 0 for none.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 pub fn new_histogram() -> Histogram<u64> {
     // 1 µs to 10 minutes, 3 significant digits.
     Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")

@@ -52,6 +52,11 @@ pub struct BenchArgs {
     /// Seconds to measure each strategy (default: 5, or 1.5 with --quick).
     #[arg(long)]
     pub seconds: Option<f64>,
+    /// Runs the compared strategies this many times, alternating which goes
+    /// first, and reports the median of each ratio with every run's value
+    /// (suites that support it: guard, sequence).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub repeat: u32,
 }
 
 impl BenchArgs {
