@@ -228,7 +228,7 @@ pub(crate) async fn begin(
         _ => "e.position",
     };
     let sql = include_str!("sql/insert_checked.sql").replace("{position}", position);
-    let (matching, positions, _): (Vec<i64>, Vec<i64>, Option<String>) = filter
+    let (matching, positions): (Vec<i64>, Vec<i64>) = filter
         .bind_as(
             sqlx::query_as(filter.statement(&sql))
                 .bind(c.after.unwrap_or(0))
