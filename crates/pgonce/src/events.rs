@@ -28,6 +28,17 @@
 //! other; they make a condition's exclusive keys, and [`EventStore::decide`],
 //! wait for the matching appends in flight.
 //!
+//! # Round trips
+//!
+//! A conditional append is three round trips after the pool hands out its
+//! connection: one simple-query message that takes the strategy's locks and
+//! then BEGINs (a lock that fails leaves the session idle, not in an aborted
+//! transaction); one statement that checks the condition and, only if it
+//! holds, inserts (through `pgonce.events_insert`, so the INSERT's plan is
+//! cached while the check is planned for its `after`); COMMIT. A decision
+//! read is the same locks message, the read, COMMIT. Under READ COMMITTED the
+//! check's and the read's snapshots are taken after every lock was granted.
+//!
 //! # I5 whatever the commit order
 //!
 //! Positions are drawn at insert and become visible at commit, so an append

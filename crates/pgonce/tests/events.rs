@@ -941,3 +941,36 @@ async fn an_append_in_the_callers_transaction_commits_and_rolls_back_with_it() {
     let empty = events.append_in(&mut tx, &[]).await;
     assert!(matches!(empty, Err(Error::Invalid { .. })), "{empty:?}");
 }
+
+/// An append opens its transaction and takes its locks in one message; a
+/// lock that fails there (here: `lock_timeout` while another transaction
+/// holds the tag's key exclusive) returns the error and leaves the pooled
+/// connection idle, not inside an aborted transaction: the next append on
+/// that same (only) connection succeeds and writes exactly one event.
+#[tokio::test]
+async fn a_failed_lock_leaves_the_connection_usable() {
+    let (db, pool) = db().await;
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options().options([("lock_timeout", "200ms")]))
+        .await
+        .unwrap();
+    let key = pgonce::LockKey::new(pgonce::events::TAG_NAMESPACE, "busy").unwrap();
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(key.as_i64())
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let events = store(&one, AppendStrategy::AdvisoryLocks);
+    let failed = events.append(&[booked("busy")], None).await;
+    assert!(failed.is_err(), "{failed:?}");
+    blocker.rollback().await.unwrap();
+
+    let appended = events.append(&[booked("busy")], None).await.unwrap();
+    let read = events
+        .read(&tag_query("busy"), ReadOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(positions(&read), appended.positions);
+}

@@ -85,6 +85,31 @@ impl AppendKeys {
         self.0.is_empty()
     }
 
+    /// `SELECT`'s list for begin_locked.sql: a lock call per key with the
+    /// key as an integer literal, in ascending key order, then with
+    /// `assign_xid` `pg_current_xact_id()`.
+    fn lock_calls(&self, assign_xid: bool) -> String {
+        let mut calls: Vec<String> = self
+            .0
+            .iter()
+            .map(|(key, exclusive)| {
+                let f = if *exclusive {
+                    "pg_advisory_xact_lock"
+                } else {
+                    "pg_advisory_xact_lock_shared"
+                };
+                format!("{f}('{}'::int8)", key.as_i64())
+            })
+            .collect();
+        if assign_xid {
+            calls.push("pg_current_xact_id()".into());
+        }
+        if calls.is_empty() {
+            calls.push("NULL".into());
+        }
+        calls.join(", ")
+    }
+
     /// Takes the keys in ascending order in one statement and assigns the
     /// transaction id (before any position is drawn): for appends.
     pub async fn take(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
@@ -174,33 +199,45 @@ pub(crate) async fn begin(
     {
         keys = keys.merge(AppendKeys::condition(&c.fail_if_events_match)?);
     }
-    let begin = match strategy {
-        AppendStrategy::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        AppendStrategy::TableLock | AppendStrategy::AdvisoryLocks => {
-            "BEGIN ISOLATION LEVEL READ COMMITTED"
-        }
+    let isolation = match strategy {
+        AppendStrategy::Serializable => Isolation::Serializable,
+        AppendStrategy::TableLock | AppendStrategy::AdvisoryLocks => Isolation::ReadCommitted,
     };
-    let mut tx = pool.begin_with(begin).await?;
-    keys.take(&mut tx).await?;
-    if strategy == AppendStrategy::TableLock {
-        sqlx::query(include_str!("sql/lock_table.sql"))
-            .execute(&mut *tx)
-            .await?;
-    }
-    if let Some(c) = condition {
-        // Under READ COMMITTED this statement's snapshot is taken now, after
-        // the locks were granted, so it sees every append they waited for.
-        let filter = Filter::new(&c.fail_if_events_match, 2);
-        let matching: Vec<i64> = filter
-            .bind_scalar(
-                sqlx::query_scalar(filter.statement(match strategy {
-                    AppendStrategy::Serializable => include_str!("sql/check_serializable.sql"),
-                    _ => include_str!("sql/check.sql"),
-                }))
-                .bind(c.after.unwrap_or(0)),
-            )
-            .fetch_all(&mut *tx)
-            .await?;
+    let mut tx = begin_locked(
+        pool,
+        isolation,
+        &keys,
+        true,
+        strategy == AppendStrategy::TableLock,
+    )
+    .await?;
+    let Some(c) = condition else {
+        let positions = insert(&mut tx, notify, events).await?;
+        return Ok(PendingAppend {
+            tx,
+            positions,
+            strategy,
+        });
+    };
+    // Check and insert in one statement, whose snapshot (READ COMMITTED) is
+    // taken after begin_locked granted the locks, so it sees every append
+    // they waited for.
+    let filter = Filter::new(&c.fail_if_events_match, 4);
+    let position = match strategy {
+        AppendStrategy::Serializable => "e.position + 0",
+        _ => "e.position",
+    };
+    let sql = include_str!("sql/insert_checked.sql").replace("{position}", position);
+    let (matching, positions): (Vec<i64>, Vec<i64>) = filter
+        .bind_as(
+            sqlx::query_as(filter.statement(&sql))
+                .bind(c.after.unwrap_or(0))
+                .bind(events_json(events)?)
+                .bind(notify.then_some(NOTIFY_CHANNEL)),
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+    {
         if !matching.is_empty() {
             tracing::warn!(strategy = strategy.name(), after = ?c.after, ?matching, "append condition failed");
             metrics::counter!("pgonce_events_conflicts_total", "strategy" => strategy.name())
@@ -212,12 +249,58 @@ pub(crate) async fn begin(
             });
         }
     }
-    let positions = insert(&mut tx, notify, events).await?;
     Ok(PendingAppend {
         tx,
         positions,
         strategy,
     })
+}
+
+fn events_json(events: &[Event]) -> Result<serde_json::Value> {
+    serde_json::to_value(events).map_err(|e| Error::Invalid {
+        what: "event",
+        why: e.to_string(),
+    })
+}
+
+/// The isolation level [`begin_locked`] opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    ReadCommitted,
+    Serializable,
+}
+
+/// Opens a transaction at `isolation` that holds `keys` (ascending order)
+/// and, with `table_lock`, `pgonce.events` in EXCLUSIVE mode, in one round
+/// trip (begin_locked.sql). With `assign_xid` the transaction id is
+/// assigned too, before any position is drawn. If a lock fails, the error is
+/// returned and the session is left idle (no transaction open).
+pub(crate) async fn begin_locked(
+    pool: &PgPool,
+    isolation: Isolation,
+    keys: &AppendKeys,
+    assign_xid: bool,
+    table_lock: bool,
+) -> Result<Transaction<'static, Postgres>> {
+    let sql = include_str!("sql/begin_locked.sql")
+        .replace(
+            "{isolation}",
+            match isolation {
+                Isolation::ReadCommitted => "READ COMMITTED",
+                Isolation::Serializable => "SERIALIZABLE",
+            },
+        )
+        .replace("{locks}", &keys.lock_calls(assign_xid))
+        .replace(
+            "{lock_table}",
+            if table_lock {
+                concat!(include_str!("sql/lock_table.sql"), ";")
+            } else {
+                ""
+            },
+        );
+    // Trusted parts only: our SQL and integer literals.
+    Ok(pool.begin_with(sqlx::AssertSqlSafe(sql)).await?)
 }
 
 /// Inserts `events` (validated, keys taken) and returns their positions.
@@ -226,12 +309,8 @@ async fn insert(
     notify: bool,
     events: &[Event],
 ) -> Result<Vec<i64>> {
-    let json = serde_json::to_value(events).map_err(|e| Error::Invalid {
-        what: "event",
-        why: e.to_string(),
-    })?;
     let (positions, _): (Vec<i64>, String) = sqlx::query_as(include_str!("sql/insert.sql"))
-        .bind(json)
+        .bind(events_json(events)?)
         .bind(notify.then_some(NOTIFY_CHANNEL))
         .fetch_one(&mut **tx)
         .await?;

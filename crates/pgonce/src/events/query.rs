@@ -2,7 +2,7 @@
 //! statement text depends on the query's shape, never on its values.
 
 use sqlx::postgres::PgArguments;
-use sqlx::query::{QueryAs, QueryScalar};
+use sqlx::query::QueryAs;
 use sqlx::{AssertSqlSafe, Postgres};
 
 use super::model::Query;
@@ -59,16 +59,6 @@ impl Filter {
         &self,
         mut q: QueryAs<'q, Postgres, O, PgArguments>,
     ) -> QueryAs<'q, Postgres, O, PgArguments> {
-        for b in &self.binds {
-            q = q.bind(b.clone());
-        }
-        q
-    }
-
-    pub fn bind_scalar<'q, O>(
-        &self,
-        mut q: QueryScalar<'q, Postgres, O, PgArguments>,
-    ) -> QueryScalar<'q, Postgres, O, PgArguments> {
         for b in &self.binds {
             q = q.bind(b.clone());
         }

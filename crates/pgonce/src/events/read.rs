@@ -3,7 +3,7 @@
 use serde_json::Value;
 use sqlx::PgPool;
 
-use super::append::AppendKeys;
+use super::append::{AppendKeys, Isolation, begin_locked};
 use super::model::{Decision, Event, Query, ReadOptions, StoredEvent};
 use super::query::Filter;
 use crate::error::Result;
@@ -56,13 +56,12 @@ pub(crate) async fn head(pool: &PgPool) -> Result<Option<i64>> {
 
 pub(crate) async fn decide(pool: &PgPool, query: &Query) -> Result<Decision> {
     query.validate()?;
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
     // Waits for every in-flight append publishing an event that matches the
     // query (they hold these keys shared until they commit); appends that
-    // start later draw positions above the head read next.
-    AppendKeys::condition(query)?.take_for_read(&mut tx).await?;
+    // start later draw positions above the head read next. No transaction
+    // id: a read-only transaction commits without a WAL flush.
+    let keys = AppendKeys::condition(query)?;
+    let mut tx = begin_locked(pool, Isolation::ReadCommitted, &keys, false, false).await?;
     let filter = Filter::new(query, 1);
     type Row = (
         Option<i64>,
