@@ -334,11 +334,13 @@ impl Service {
         };
         let tx = match path {
             WritePath::Guarded => {
-                let mut tx = self.guard.begin(&self.pool).await?;
                 let (policy_id, entity_id, message) =
                     (seen.policy_id, seen.entity_id, seen.message_id.as_str());
+                let key = entity_lock_key(entity_id)?;
+                // BEGIN and the entity lock in one round trip.
+                let mut tx = self.guard.begin_for(&self.pool, key).await?;
                 tx.check(
-                    entity_lock_key(entity_id)?,
+                    key,
                     &seen.read_set(),
                     async |conn| {
                         Ok(read_observed(conn, policy_id, entity_id, message)
