@@ -339,16 +339,20 @@ impl Service {
                 let key = entity_lock_key(entity_id)?;
                 // BEGIN and the entity lock in one round trip.
                 let mut tx = self.guard.begin_for(&self.pool, key).await?;
-                tx.check(
-                    key,
-                    &seen.read_set(),
-                    async |conn| {
+                let checked = tx
+                    .check(key, &seen.read_set(), async |conn| {
                         Ok(read_observed(conn, policy_id, entity_id, message)
                             .await?
                             .read_set())
-                    },
-                )
-                .await?;
+                    })
+                    .await;
+                if let Err(e) = checked {
+                    // Release the entity lock now, not when the pooled
+                    // connection is next used (sqlx sends a dropped
+                    // transaction's ROLLBACK lazily).
+                    let _ = tx.rollback().await;
+                    return Err(e.into());
+                }
                 tx.into_inner()
             }
             WritePath::Plain => self.begin().await?,
@@ -379,22 +383,16 @@ impl Service {
         };
         let mut tx = self.begin().await?;
         if let Some(key) = &declaration.idempotency_key {
-            let lock = LockKey::new(
-                DECLARATION_LOCK_NAMESPACE,
-                &format!("{organization_id}/{key}"),
-            )?;
-            pgonce::lock::lock(&mut tx, lock).await?;
-            // READ COMMITTED: this snapshot is taken after the lock, so it
-            // sees a declaration with this key committed by its holder.
-            let existing: Option<IncidentRow> =
-                sqlx::query_as(include_str!("service/sql/find_by_key.sql"))
-                    .bind(organization_id)
-                    .bind(key)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            if let Some(row) = existing {
-                tx.rollback().await?;
-                return incident(row);
+            match self.declared_before(&mut tx, organization_id, key).await {
+                Ok(None) => {}
+                Ok(Some(row)) => {
+                    tx.rollback().await?;
+                    return incident(row);
+                }
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return Err(e);
+                }
             }
         }
         let new = NewIncident {
@@ -409,6 +407,27 @@ impl Service {
         self.insert_numbered(tx, new).await
     }
 
+    /// Locks the declaration key and looks it up. READ COMMITTED: the
+    /// lookup's snapshot is taken after the lock, so it sees a declaration
+    /// with this key committed by the lock's previous holder.
+    async fn declared_before(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        organization_id: i64,
+        key: &str,
+    ) -> Result<Option<IncidentRow>> {
+        let lock = LockKey::new(
+            DECLARATION_LOCK_NAMESPACE,
+            &format!("{organization_id}/{key}"),
+        )?;
+        pgonce::lock::lock(tx, lock).await?;
+        Ok(sqlx::query_as(include_str!("service/sql/find_by_key.sql"))
+            .bind(organization_id)
+            .bind(key)
+            .fetch_optional(&mut **tx)
+            .await?)
+    }
+
     async fn begin(&self) -> Result<Transaction<'static, Postgres>> {
         Ok(self
             .pool
@@ -416,17 +435,18 @@ impl Service {
             .await?)
     }
 
-    /// Steps 2-4 of the module docs, ending with COMMIT.
-    async fn insert_numbered(
+    /// Steps 2 and 3 of the module docs: the id, the notification job, the
+    /// timeline event. Returns the id.
+    async fn prepare(
         &self,
-        mut tx: Transaction<'_, Postgres>,
-        new: NewIncident<'_>,
-    ) -> Result<Incident> {
+        tx: &mut Transaction<'_, Postgres>,
+        new: &NewIncident<'_>,
+    ) -> Result<i64> {
         let id: i64 = sqlx::query_scalar(include_str!("service/sql/next_id.sql"))
-            .fetch_one(&mut *tx)
+            .fetch_one(&mut **tx)
             .await?;
         job::enqueue(
-            &mut *tx,
+            &mut **tx,
             &NewJob::new(NOTIFY_JOB_KIND, json!({ "incident_id": id }))
                 .max_attempts(self.config.notify_max_attempts),
         )
@@ -439,7 +459,7 @@ impl Service {
         }));
         self.timeline
             .append_in(
-                &mut tx,
+                tx,
                 &[incident_tags(
                     opened,
                     new.organization_id,
@@ -448,6 +468,23 @@ impl Service {
                 )],
             )
             .await?;
+        Ok(id)
+    }
+
+    /// Steps 2-4 of the module docs, ending with COMMIT.
+    async fn insert_numbered(
+        &self,
+        mut tx: Transaction<'_, Postgres>,
+        new: NewIncident<'_>,
+    ) -> Result<Incident> {
+        let id = match self.prepare(&mut tx, &new).await {
+            Ok(id) => id,
+            Err(e) => {
+                // Release the entity lock now (see open_from_pipeline).
+                let _ = tx.rollback().await;
+                return Err(e);
+            }
+        };
         let numbered = self
             .numbers
             .commit_numbered(
@@ -525,6 +562,43 @@ impl Service {
     ) -> Result<Incident> {
         crate::model::check_name("actor", actor)?;
         let mut tx = self.begin().await?;
+        let changed = match self
+            .transition_in(&mut tx, organization_id, id, actor, from, to)
+            .await
+        {
+            Ok(Some(changed)) => changed,
+            Ok(None) => {
+                tx.rollback().await?;
+                let current = self.get(organization_id, id).await?;
+                return Err(Error::InvalidTransition {
+                    id,
+                    from: current.lifecycle.to_string(),
+                    action,
+                });
+            }
+            Err(e) => {
+                // The UPDATE's row lock goes now, not at the connection's
+                // next use.
+                let _ = tx.rollback().await;
+                return Err(e);
+            }
+        };
+        tx.commit().await?;
+        metrics::counter!("pgonce_incidents_transitions_total", "to" => to.as_str()).increment(1);
+        Ok(changed)
+    }
+
+    /// The UPDATE and the timeline event; `None` when the incident is not in
+    /// a `from` state (or not the organization's).
+    async fn transition_in(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        organization_id: i64,
+        id: i64,
+        actor: &str,
+        from: &[Lifecycle],
+        to: Lifecycle,
+    ) -> Result<Option<Incident>> {
         let from_names: Vec<&str> = from.iter().map(|l| l.as_str()).collect();
         let row: Option<IncidentRow> = sqlx::query_as(include_str!("service/sql/transition.sql"))
             .bind(organization_id)
@@ -532,16 +606,10 @@ impl Service {
             .bind(&from_names)
             .bind(to.as_str())
             .bind(actor)
-            .fetch_optional(&mut *tx)
+            .fetch_optional(&mut **tx)
             .await?;
         let Some(row) = row else {
-            tx.rollback().await?;
-            let current = self.get(organization_id, id).await?;
-            return Err(Error::InvalidTransition {
-                id,
-                from: current.lifecycle.to_string(),
-                action,
-            });
+            return Ok(None);
         };
         let changed = incident(row)?;
         let event_type = match to {
@@ -553,13 +621,11 @@ impl Service {
             Event::new(event_type).data(json!({ "actor": actor, "number": changed.number }));
         self.timeline
             .append_in(
-                &mut tx,
+                tx,
                 &[incident_tags(event, organization_id, id, changed.entity_id)],
             )
             .await?;
-        tx.commit().await?;
-        metrics::counter!("pgonce_incidents_transitions_total", "to" => to.as_str()).increment(1);
-        Ok(changed)
+        Ok(Some(changed))
     }
 
     /// One incident of the organization.

@@ -409,7 +409,8 @@ fn without_comments(sql: &str) -> String {
 /// A transaction opened by [`Guard::begin`], so at an isolation level under
 /// which the guard's re-read is correct (the type makes a REPEATABLE READ
 /// transaction impossible here). Dereferences to the
-/// [`Transaction`] for the caller's writes. Dropping it rolls back.
+/// [`Transaction`] for the caller's writes. Dropping it rolls back, but
+/// only when the connection is next used: see [`GuardedTransaction::rollback`].
 #[derive(Debug)]
 pub struct GuardedTransaction<'p> {
     tx: Transaction<'p, Postgres>,
@@ -462,6 +463,14 @@ impl<'p> GuardedTransaction<'p> {
             expected: seen.clone(),
             found,
         })
+    }
+
+    /// Rolls back now, releasing the lock before this returns. Prefer it to
+    /// dropping the transaction: sqlx sends a dropped transaction's ROLLBACK
+    /// only when the connection is next used, and until then the lock stays
+    /// held.
+    pub async fn rollback(self) -> Result<()> {
+        Ok(self.tx.rollback().await?)
     }
 
     /// Commits the transaction (and releases the lock).

@@ -477,10 +477,22 @@ impl Sequence {
         scope: &impl ScopeValue,
         write: impl AsyncFnOnce(&mut PgConnection, i64) -> Result<T>,
     ) -> Result<Numbered<T>> {
-        let taken = self.next(&mut tx, scope).await?;
+        // On error, roll back at once: a dropped sqlx transaction sends its
+        // ROLLBACK only when the connection is next used, and the scope
+        // would stay locked until then.
+        let taken = match self.next(&mut tx, scope).await {
+            Ok(taken) => taken,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(e);
+            }
+        };
         let value = match write(&mut tx, taken.number).await {
             Ok(value) => value,
-            Err(e) => return Err(self.number_taken(e, scope, taken.number)),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(self.number_taken(e, scope, taken.number));
+            }
         };
         if let Err(e) = tx.commit().await {
             return Err(self.number_taken(e.into(), scope, taken.number));

@@ -587,10 +587,10 @@ async fn a_guarded_transaction_commits_the_callers_writes_only_after_a_passed_ch
         matches!(refused, Err(Error::Conflict { .. })),
         "{refused:?}"
     );
-    drop(tx);
+    tx.rollback().await.unwrap();
     assert_eq!(count_open(&pool, "e1").await, 1);
 
-    // The dropped transaction's lock is gone: another session takes it at once.
+    // The lock is gone: another session takes it at once.
     let mut other = pool.begin().await.unwrap();
     assert!(pgonce::lock::try_lock(&mut other, key).await.unwrap());
 }
