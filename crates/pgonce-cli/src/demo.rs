@@ -199,6 +199,7 @@ async fn produce(queue: &PgQueue, setup: &Setup, args: &DemoArgs) -> anyhow::Res
 async fn people(
     service: Service,
     organizations: Vec<i64>,
+    entities: usize,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<u64> {
     let mut actions = 0;
@@ -209,7 +210,7 @@ async fn people(
         if tick.is_multiple_of(4) {
             let d = Declaration {
                 title: format!("customer report #{tick}"),
-                entity: Some(format!("svc-{}", tick % 7)),
+                entity: Some(format!("svc-{}", tick as usize % entities)),
                 idempotency_key: Some(format!("pager-{tick}")),
             };
             service.declare(org, &d, "on-call").await?;
@@ -244,7 +245,7 @@ async fn people(
             let entity = store::find_entity(
                 service.pool(),
                 org,
-                &format!("svc-{}", (tick / 10) % 25 * 2),
+                &format!("svc-{}", (tick as usize / 10) * 2 % entities),
             )
             .await;
             if let Ok(entity) = entity {
@@ -354,6 +355,7 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     let people = tokio::spawn(people(
         service.clone(),
         setup.organizations.clone(),
+        args.entities,
         people_stop,
     ));
 
