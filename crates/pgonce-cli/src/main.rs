@@ -5,6 +5,7 @@ mod bench;
 mod race;
 mod report;
 mod scratch;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -46,6 +47,14 @@ enum Command {
     /// The main job: run the whole system on a throwaway database and check
     /// every invariant.
     Demo,
+    /// Run the incident service: HTTP API and background workers, until
+    /// Ctrl-C or SIGTERM.
+    Serve(serve::ServeArgs),
+    /// Run the incident service's background workers only.
+    Worker(serve::ServeArgs),
+    /// Show, or set, the percent of entities on the guarded write path
+    /// (takes effect without a restart).
+    Rollout(serve::RolloutArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +71,10 @@ fn main() -> ExitCode {
 
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let outcome = runtime.block_on(async {
+        // Services shut down gracefully on their own signals.
+        if matches!(cli.command, Command::Serve(_) | Command::Worker(_)) {
+            return run(&cli).await;
+        }
         tokio::select! {
             outcome = run(&cli) => outcome,
             _ = tokio::signal::ctrl_c() => Err(Interrupted.into()),
@@ -122,6 +135,9 @@ async fn run(cli: &Cli) -> anyhow::Result<Option<Report>> {
         }
         Command::Race(args) => race::run(args, url).await.map(Some),
         Command::Bench(args) => bench::run(args, url).await.map(Some),
+        Command::Serve(args) => serve::run(args, url, true).await.map(|()| None),
+        Command::Worker(args) => serve::run(args, url, false).await.map(|()| None),
+        Command::Rollout(args) => serve::rollout(args, url).await.map(|()| None),
         Command::Demo => {
             // Until the incident service lands, the demo is the first race.
             tracing::info!(
