@@ -6,6 +6,7 @@ mod demo;
 mod race;
 mod report;
 mod scratch;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -48,6 +49,14 @@ enum Command {
     /// database, under redeliveries, duplicates and a killed worker, and
     /// check every invariant. Exit 0 iff all hold.
     Demo(demo::DemoArgs),
+    /// Run the incident service: HTTP API and background workers, until
+    /// Ctrl-C or SIGTERM.
+    Serve(serve::ServeArgs),
+    /// Run the incident service's background workers only.
+    Worker(serve::ServeArgs),
+    /// Show, or set, the percent of entities on the guarded write path
+    /// (takes effect without a restart).
+    Rollout(serve::RolloutArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +78,10 @@ fn main() -> ExitCode {
 
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let outcome = runtime.block_on(async {
+        // Services shut down gracefully on their own signals.
+        if matches!(cli.command, Command::Serve(_) | Command::Worker(_)) {
+            return run(&cli).await;
+        }
         tokio::select! {
             outcome = run(&cli) => outcome,
             _ = tokio::signal::ctrl_c() => Err(Interrupted.into()),
@@ -130,5 +143,8 @@ async fn run(cli: &Cli) -> anyhow::Result<Option<Report>> {
         Command::Race(args) => race::run(args, url).await.map(Some),
         Command::Bench(args) => bench::run(args, url).await.map(Some),
         Command::Demo(args) => demo::run(args, url).await.map(Some),
+        Command::Serve(args) => serve::run(args, url, true).await.map(|()| None),
+        Command::Worker(args) => serve::run(args, url, false).await.map(|()| None),
+        Command::Rollout(args) => serve::rollout(args, url).await.map(|()| None),
     }
 }

@@ -251,4 +251,107 @@ fn bench_service_quick_prints_the_p99_in_one_json_object() {
             .as_f64()
             .is_some()
     );
+/// A URL for a fresh test database (the shared test server, or the
+/// DATABASE_URL server with the database name swapped).
+fn fresh_database_url() -> (
+    tokio::runtime::Runtime,
+    pgonce_testkit::ScratchDatabase,
+    String,
+) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(pgonce_testkit::fresh_database());
+    let url = match std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()) {
+        Some(base) => {
+            let (head, query) = base.split_once('?').unwrap_or((&base, ""));
+            let head = head.rsplit_once('/').map_or(head, |(h, _)| h);
+            let query = if query.is_empty() {
+                String::new()
+            } else {
+                format!("?{query}")
+            };
+            format!("{head}/{}{query}", db.name())
+        }
+        None => {
+            let o = db.options();
+            format!(
+                "postgres://{}@{}:{}/{}",
+                o.get_username(),
+                o.get_host(),
+                o.get_port(),
+                db.name()
+            )
+        }
+    };
+    (rt, db, url)
+}
+
+#[test]
+fn serve_answers_then_drains_and_exits_0_on_sigterm() {
+    let (_rt, _db, url) = fresh_database_url();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .env("DATABASE_URL", &url)
+        .env("PGONCE_ADMIN_TOKEN", "cli-test-admin-token-000")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Ready when /readyz answers 200 (migrations done, pool up).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let ready = loop {
+        let answer = std::net::TcpStream::connect(("127.0.0.1", port))
+            .ok()
+            .and_then(|mut s| {
+                use std::io::{Read, Write};
+                s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    .ok()?;
+                let mut out = String::new();
+                s.read_to_string(&mut out).ok()?;
+                Some(out)
+            });
+        if let Some(a) = answer.filter(|a| a.starts_with("HTTP/1.1 200")) {
+            break a;
+        }
+        assert!(Instant::now() < deadline, "serve did not become ready");
+        assert!(child.try_wait().unwrap().is_none(), "serve exited early");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(ready.contains("ready"), "{ready}");
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{status:?}\n{stderr}");
+    assert!(stderr.contains("stopped"), "{stderr}");
+}
+
+#[test]
+fn serve_with_an_unknown_config_key_fails_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pgonce.toml");
+    std::fs::write(&path, "wokers = 2\n").unwrap();
+    let out = pgonce()
+        .args(["serve", "--config", path.to_str().unwrap()])
+        .timeout(Duration::from_secs(20))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("wokers"));
 }

@@ -290,6 +290,11 @@ impl Declaration {
                 format!("must be 1 to {MAX_TITLE} bytes"),
             ));
         }
+        // PostgreSQL text cannot hold NUL: refuse it here, as invalid input,
+        // rather than as a database error.
+        if self.title.contains('\0') {
+            return Err(Error::invalid("title", "must not contain NUL"));
+        }
         if let Some(e) = &self.entity {
             check_name("entity", e)?;
         }

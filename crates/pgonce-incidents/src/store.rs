@@ -76,11 +76,15 @@ async fn insert_api_key(
     organization_id: i64,
     name: &str,
 ) -> Result<String> {
-    let mut rng = rand::rng();
     let mut prefix = [0u8; 6];
     let mut secret = [0u8; 32];
-    rng.fill_bytes(&mut prefix);
-    rng.fill_bytes(&mut secret);
+    {
+        // The thread-local generator is not Send: dropped before any await,
+        // so this future (and an HTTP handler awaiting it) stays Send.
+        let mut rng = rand::rng();
+        rng.fill_bytes(&mut prefix);
+        rng.fill_bytes(&mut secret);
+    }
     let prefix = hex::encode(prefix);
     let key = format!("pgo_{prefix}_{}", hex::encode(secret));
     sqlx::query(include_str!("store/sql/insert_api_key.sql"))
@@ -91,6 +95,35 @@ async fn insert_api_key(
         .execute(db)
         .await?;
     Ok(key)
+}
+
+/// Revokes the organization's live key whose public prefix is `prefix` (the
+/// 12 hex digits after `pgo_`); from then on [`authenticate`] refuses it.
+/// [`Error::NotFound`] if the organization has no such live key.
+pub async fn revoke_api_key(
+    db: impl PgExecutor<'_>,
+    organization_id: i64,
+    prefix: &str,
+) -> Result<()> {
+    let done = sqlx::query(include_str!("store/sql/revoke_api_key.sql"))
+        .bind(organization_id)
+        .bind(prefix)
+        .execute(db)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(Error::not_found("api key", prefix));
+    }
+    Ok(())
+}
+
+/// The public prefix of a key (`pgo_<prefix>_<secret>`), to name it in
+/// [`revoke_api_key`]; `None` if `key` is not shaped like one.
+pub fn api_key_prefix(key: &str) -> Option<&str> {
+    let mut parts = key.splitn(3, '_');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some("pgo"), Some(prefix), Some(_)) if prefix.len() == 12 => Some(prefix),
+        _ => None,
+    }
 }
 
 /// The organization an API key belongs to; [`Error::Unauthorized`] for a

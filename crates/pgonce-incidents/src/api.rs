@@ -1,0 +1,674 @@
+//! The HTTP API (axum): [`router`] serves an [`ApiState`].
+//!
+//! # Authentication and scope
+//!
+//! Organization routes (`/v1/entities`, `/v1/policies`, `/v1/incidents`,
+//! `/v1/events`, `/v1/observations`) need `Authorization: Bearer pgo_...`,
+//! an API key of one organization ([`store::authenticate`]: stored as
+//! SHA-256, revocable). Every read and write of such a route is made in the
+//! key's organization: another organization's id is answered 404, exactly
+//! like an id that does not exist, so a key learns nothing of other
+//! organizations. Admin routes (`/v1/organizations`, `/v1/settings`) need
+//! the configured admin token instead ([`ApiConfig::admin_token`]).
+//!
+//! # Errors
+//!
+//! Every error is JSON, `{"error": {"code": "...", "message": "..."}}`,
+//! with a stable code ([`ApiError`]): 400 `malformed_json`, 401
+//! `unauthorized`, 404 `not_found` / `no_route`, 409 `invalid_transition`
+//! / `already_exists` / `conflict`, 413 `payload_too_large` (bodies are
+//! limited to [`ApiConfig::body_limit`]), 422 `invalid` (validation, wrong
+//! JSON types, unknown fields), 503 `busy` / `unavailable`, 500 `internal`
+//! (details only in the server's log).
+//!
+//! The document at `/openapi.json` lists every route ([`openapi::ROUTES`]).
+
+mod error;
+mod extract;
+pub mod openapi;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodRouter, delete, get, post, put};
+use axum::{Json, Router};
+use futures::future::BoxFuture;
+use metrics_exporter_prometheus::PrometheusHandle;
+use pgonce::{Queue, SendMessage, Sent};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+pub use error::ApiError;
+pub use extract::{Admin, Caller, JsonBody, OptionalJsonBody, PathParams, QueryParams};
+
+use crate::error::Error;
+use crate::model::{
+    Declaration, IncidentFilter, Lifecycle, Observation, Rule, Singleton, check_name,
+};
+use crate::service::Service;
+use crate::store;
+
+/// Settings of the API.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// The token admin routes require (`Authorization: Bearer <token>`),
+    /// at least 16 bytes. Default `None`: admin routes refuse everyone.
+    pub admin_token: Option<String>,
+    /// Largest request body in bytes; larger ones get a JSON 413. Default
+    /// 64 KiB.
+    pub body_limit: usize,
+    /// Longest long-poll wait of `GET /v1/events?wait=`; longer requests
+    /// are shortened to it. Default 30 s.
+    pub max_wait: Duration,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        ApiConfig {
+            admin_token: None,
+            body_limit: 64 * 1024,
+            max_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+impl ApiConfig {
+    pub fn validate(&self) -> crate::Result<()> {
+        if let Some(token) = &self.admin_token
+            && token.len() < 16
+        {
+            return Err(Error::Invalid {
+                what: "admin token",
+                why: "must be at least 16 bytes".into(),
+            });
+        }
+        if self.body_limit < 1024 {
+            return Err(Error::Invalid {
+                what: "body limit",
+                why: "must be at least 1024 bytes".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+type Ingest = dyn Fn(SendMessage) -> BoxFuture<'static, pgonce::Result<Sent>> + Send + Sync;
+
+/// What the handlers share: the service, the observations queue, the
+/// Prometheus handle and the configuration. Cheap to clone.
+#[derive(Clone)]
+pub struct ApiState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    service: Service,
+    ingest: Box<Ingest>,
+    fifo: bool,
+    metrics: Option<PrometheusHandle>,
+    admin_digest: Option<[u8; 32]>,
+    config: ApiConfig,
+}
+
+impl ApiState {
+    /// The state of an API on `service` whose `POST /v1/observations` sends
+    /// to `observations` (any [`Queue`]; FIFO queues get the observation's
+    /// group). `metrics`: what `/metrics` renders (404 without one).
+    pub fn new<Q>(
+        service: Service,
+        observations: Q,
+        metrics: Option<PrometheusHandle>,
+        config: ApiConfig,
+    ) -> crate::Result<ApiState>
+    where
+        Q: Queue + Clone + 'static,
+    {
+        config.validate()?;
+        let fifo = observations.is_fifo();
+        let ingest = Box::new(move |message: SendMessage| {
+            let queue = observations.clone();
+            Box::pin(async move { queue.send(message).await }) as BoxFuture<'static, _>
+        });
+        let admin_digest = config
+            .admin_token
+            .as_ref()
+            .map(|t| Sha256::digest(t.as_bytes()).into());
+        Ok(ApiState {
+            inner: Arc::new(Inner {
+                service,
+                ingest,
+                fifo,
+                metrics,
+                admin_digest,
+                config,
+            }),
+        })
+    }
+
+    pub fn service(&self) -> &Service {
+        &self.inner.service
+    }
+
+    pub fn config(&self) -> &ApiConfig {
+        &self.inner.config
+    }
+
+    fn admin_digest(&self) -> Option<&[u8; 32]> {
+        self.inner.admin_digest.as_ref()
+    }
+}
+
+/// The API's routes on `state` (see the module docs). Serve it with
+/// `axum::serve`; tests call it in-process.
+pub fn router(state: ApiState) -> Router {
+    let limit = state.config().body_limit;
+    Router::new()
+        .route(
+            "/v1/organizations",
+            post(create_organization).get(list_organizations),
+        )
+        .route("/v1/organizations/{org_id}/keys", post(create_key))
+        .route(
+            "/v1/organizations/{org_id}/keys/{prefix}",
+            delete(revoke_key),
+        )
+        .route("/v1/settings", get(get_settings).put(put_settings))
+        .route("/v1/entities", post(upsert_entity).get(list_entities))
+        .route("/v1/entities/{id}", get(get_entity))
+        .route("/v1/entities/{id}/singleton", put(set_singleton))
+        .route("/v1/policies", post(create_policy).get(list_policies))
+        .route("/v1/policies/{id}", get(get_policy))
+        .route("/v1/incidents", get(list_incidents).post(declare))
+        .route("/v1/incidents/{id}", get(get_incident))
+        .route(
+            "/v1/incidents/{id}/acknowledge",
+            change_to(Lifecycle::Acknowledged),
+        )
+        .route("/v1/incidents/{id}/resolve", change_to(Lifecycle::Resolved))
+        .route("/v1/incidents/{id}/timeline", get(timeline))
+        .route("/v1/events", get(events))
+        .route("/v1/observations", post(ingest))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/openapi.json", get(openapi_document))
+        .fallback(no_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+async fn no_route() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no_route", "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "method not allowed on this route",
+    )
+}
+
+/// A name that may also be empty (key names): same rules otherwise.
+fn check_optional_name(what: &'static str, s: &str) -> ApiResult<()> {
+    if s.is_empty() {
+        Ok(())
+    } else {
+        Ok(check_name(what, s)?)
+    }
+}
+
+// ---- admin ----
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewOrganization {
+    name: String,
+}
+
+async fn create_organization(
+    _: Admin,
+    State(state): State<ApiState>,
+    JsonBody(body): JsonBody<NewOrganization>,
+) -> ApiResult<Response> {
+    let (organization, api_key) =
+        store::create_organization(state.service().pool(), &body.name).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "organization": organization, "api_key": api_key })),
+    )
+        .into_response())
+}
+
+async fn list_organizations(_: Admin, State(state): State<ApiState>) -> ApiResult<Json<Value>> {
+    let organizations = store::list_organizations(state.service().pool()).await?;
+    Ok(Json(json!({ "organizations": organizations })))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct NewKey {
+    #[serde(default)]
+    name: String,
+}
+
+async fn create_key(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParams(org_id): PathParams<i64>,
+    OptionalJsonBody(body): OptionalJsonBody<NewKey>,
+) -> ApiResult<Response> {
+    let body = body.unwrap_or_default();
+    check_optional_name("key name", &body.name)?;
+    let api_key = store::create_api_key(state.service().pool(), org_id, &body.name).await?;
+    let prefix = store::api_key_prefix(&api_key).map(str::to_owned);
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "organization_id": org_id, "api_key": api_key, "prefix": prefix })),
+    )
+        .into_response())
+}
+
+async fn revoke_key(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParams((org_id, prefix)): PathParams<(i64, String)>,
+) -> ApiResult<StatusCode> {
+    store::revoke_api_key(state.service().pool(), org_id, &prefix).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Settings {
+    rollout_percent: u8,
+}
+
+async fn get_settings(_: Admin, State(state): State<ApiState>) -> ApiResult<Json<Value>> {
+    let percent = store::rollout_percent(state.service().pool()).await?;
+    Ok(Json(json!({ "rollout_percent": percent })))
+}
+
+async fn put_settings(
+    _: Admin,
+    State(state): State<ApiState>,
+    JsonBody(body): JsonBody<Settings>,
+) -> ApiResult<Json<Value>> {
+    store::set_rollout_percent(state.service().pool(), body.rollout_percent).await?;
+    Ok(Json(json!({ "rollout_percent": body.rollout_percent })))
+}
+
+// ---- entities ----
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewEntity {
+    external_id: String,
+    #[serde(default = "empty_object")]
+    attributes: Value,
+}
+
+fn empty_object() -> Value {
+    json!({})
+}
+
+async fn upsert_entity(
+    caller: Caller,
+    State(state): State<ApiState>,
+    JsonBody(body): JsonBody<NewEntity>,
+) -> ApiResult<Json<Value>> {
+    let entity = store::upsert_entity(
+        state.service().pool(),
+        caller.organization_id,
+        &body.external_id,
+        &body.attributes,
+    )
+    .await?;
+    Ok(Json(json!(entity)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EntityPage {
+    #[serde(default)]
+    after: i64,
+    #[serde(default = "default_page")]
+    limit: i64,
+}
+
+fn default_page() -> i64 {
+    100
+}
+
+async fn list_entities(
+    caller: Caller,
+    State(state): State<ApiState>,
+    QueryParams(page): QueryParams<EntityPage>,
+) -> ApiResult<Json<Value>> {
+    let entities = store::list_entities(
+        state.service().pool(),
+        caller.organization_id,
+        page.after,
+        page.limit,
+    )
+    .await?;
+    let next_after = (entities.len() as i64 == page.limit)
+        .then(|| entities.last().map(|e| e.id))
+        .flatten();
+    Ok(Json(
+        json!({ "entities": entities, "next_after": next_after }),
+    ))
+}
+
+async fn get_entity(
+    caller: Caller,
+    State(state): State<ApiState>,
+    PathParams(id): PathParams<i64>,
+) -> ApiResult<Json<Value>> {
+    let entity = store::get_entity(state.service().pool(), caller.organization_id, id).await?;
+    Ok(Json(json!(entity)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SingletonFlag {
+    singleton: bool,
+}
+
+async fn set_singleton(
+    caller: Caller,
+    State(state): State<ApiState>,
+    PathParams(id): PathParams<i64>,
+    JsonBody(body): JsonBody<SingletonFlag>,
+) -> ApiResult<Json<Value>> {
+    let pool = state.service().pool();
+    store::set_entity_singleton(pool, caller.organization_id, id, body.singleton).await?;
+    let entity = store::get_entity(pool, caller.organization_id, id).await?;
+    Ok(Json(json!(entity)))
+}
+
+// ---- policies ----
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewPolicy {
+    name: String,
+    singleton: Singleton,
+    rule: Rule,
+}
+
+async fn create_policy(
+    caller: Caller,
+    State(state): State<ApiState>,
+    JsonBody(body): JsonBody<NewPolicy>,
+) -> ApiResult<Response> {
+    let policy = store::create_policy(
+        state.service().pool(),
+        caller.organization_id,
+        &body.name,
+        body.singleton,
+        &body.rule,
+    )
+    .await?;
+    Ok((StatusCode::CREATED, Json(json!(policy))).into_response())
+}
+
+async fn list_policies(caller: Caller, State(state): State<ApiState>) -> ApiResult<Json<Value>> {
+    let policies = store::list_policies(state.service().pool(), caller.organization_id).await?;
+    Ok(Json(json!({ "policies": policies })))
+}
+
+async fn get_policy(
+    caller: Caller,
+    State(state): State<ApiState>,
+    PathParams(id): PathParams<i64>,
+) -> ApiResult<Json<Value>> {
+    let policy = store::get_policy(state.service().pool(), caller.organization_id, id).await?;
+    Ok(Json(json!(policy)))
+}
+
+// ---- incidents ----
+
+async fn list_incidents(
+    caller: Caller,
+    State(state): State<ApiState>,
+    QueryParams(filter): QueryParams<IncidentFilter>,
+) -> ApiResult<Json<Value>> {
+    let limit = filter.limit()?;
+    let incidents = state
+        .service()
+        .list(caller.organization_id, &filter)
+        .await?;
+    let next_before = (incidents.len() as i64 == limit)
+        .then(|| incidents.last().map(|i| i.number))
+        .flatten();
+    Ok(Json(
+        json!({ "incidents": incidents, "next_before": next_before }),
+    ))
+}
+
+/// `POST /v1/incidents`: a [`Declaration`] plus who declares it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewDeclaration {
+    title: String,
+    #[serde(default)]
+    entity: Option<String>,
+    #[serde(default)]
+    idempotency_key: Option<String>,
+    #[serde(default)]
+    actor: Option<String>,
+}
+
+const DEFAULT_ACTOR: &str = "api";
+
+fn idempotency_header(headers: &HeaderMap) -> ApiResult<Option<String>> {
+    headers
+        .get("idempotency-key")
+        .map(|v| {
+            v.to_str()
+                .map(str::to_owned)
+                .map_err(|_| ApiError::invalid("the Idempotency-Key header must be visible ASCII"))
+        })
+        .transpose()
+}
+
+async fn declare(
+    caller: Caller,
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<NewDeclaration>,
+) -> ApiResult<Response> {
+    let header_key = idempotency_header(&headers)?;
+    let idempotency_key = match (header_key, body.idempotency_key) {
+        (Some(h), Some(b)) if h != b => {
+            return Err(ApiError::invalid(
+                "the Idempotency-Key header and the body's idempotency_key differ",
+            ));
+        }
+        (h, b) => h.or(b),
+    };
+    let declaration = Declaration {
+        title: body.title,
+        entity: body.entity,
+        idempotency_key,
+    };
+    let actor = body.actor.unwrap_or_else(|| DEFAULT_ACTOR.to_owned());
+    let incident = state
+        .service()
+        .declare(caller.organization_id, &declaration, &actor)
+        .await?;
+    Ok((StatusCode::CREATED, Json(json!(incident))).into_response())
+}
+
+async fn get_incident(
+    caller: Caller,
+    State(state): State<ApiState>,
+    PathParams(id): PathParams<i64>,
+) -> ApiResult<Json<Value>> {
+    let incident = state.service().get(caller.organization_id, id).await?;
+    Ok(Json(json!(incident)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Action {
+    #[serde(default)]
+    actor: Option<String>,
+}
+
+fn actor(body: Option<Action>) -> ApiResult<String> {
+    let actor = body
+        .and_then(|a| a.actor)
+        .unwrap_or_else(|| DEFAULT_ACTOR.to_owned());
+    check_name("actor", &actor)?;
+    Ok(actor)
+}
+
+/// `POST /v1/incidents/{id}/acknowledge` and `.../resolve`: one
+/// conditional transition ([`Service::acknowledge`], [`Service::resolve`]);
+/// from a state that does not allow it, 409 `invalid_transition`.
+async fn change_lifecycle(
+    caller: Caller,
+    State(state): State<ApiState>,
+    PathParams(id): PathParams<i64>,
+    OptionalJsonBody(body): OptionalJsonBody<Action>,
+    to: Lifecycle,
+) -> ApiResult<Json<Value>> {
+    let actor = actor(body)?;
+    let service = state.service();
+    let incident = match to {
+        Lifecycle::Acknowledged => {
+            service
+                .acknowledge(caller.organization_id, id, &actor)
+                .await?
+        }
+        _ => service.resolve(caller.organization_id, id, &actor).await?,
+    };
+    Ok(Json(json!(incident)))
+}
+
+/// The route handler moving an incident to `to`.
+fn change_to(to: Lifecycle) -> MethodRouter<ApiState> {
+    post(
+        move |caller: Caller,
+              state: State<ApiState>,
+              id: PathParams<i64>,
+              body: OptionalJsonBody<Action>| {
+            change_lifecycle(caller, state, id, body, to)
+        },
+    )
+}
+
+async fn timeline(
+    caller: Caller,
+    State(state): State<ApiState>,
+    PathParams(id): PathParams<i64>,
+) -> ApiResult<Json<Value>> {
+    let events = state.service().timeline(caller.organization_id, id).await?;
+    Ok(Json(json!({ "events": events })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FeedParams {
+    #[serde(default)]
+    after: i64,
+    /// Seconds to wait for a first event (long poll).
+    #[serde(default)]
+    wait: u64,
+    #[serde(default = "default_page")]
+    limit: i64,
+}
+
+async fn events(
+    caller: Caller,
+    State(state): State<ApiState>,
+    QueryParams(params): QueryParams<FeedParams>,
+) -> ApiResult<Json<Value>> {
+    let wait = Duration::from_secs(params.wait).min(state.config().max_wait);
+    let (events, next) = state
+        .service()
+        .feed(caller.organization_id, params.after, params.limit, wait)
+        .await?;
+    Ok(Json(json!({ "events": events, "next": next })))
+}
+
+// ---- ingest ----
+
+async fn ingest(
+    caller: Caller,
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    JsonBody(observation): JsonBody<Observation>,
+) -> ApiResult<Response> {
+    observation.validate()?;
+    if observation.organization_id != caller.organization_id {
+        // Another organization's id is reported like an unknown one.
+        return Err(Error::NotFound {
+            what: "organization",
+            id: observation.organization_id.to_string(),
+        }
+        .into());
+    }
+    let body = serde_json::to_string(&observation).expect("an observation serializes");
+    let mut message = SendMessage::new(body);
+    if state.inner.fifo {
+        message = message.group(observation.group());
+    }
+    if let Some(key) = idempotency_header(&headers)? {
+        message = message.dedup(key);
+    }
+    let sent = (state.inner.ingest)(message).await.map_err(Error::from)?;
+    metrics::counter!("pgonce_incidents_api_observations_total").increment(1);
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({ "message_id": sent.id, "duplicate": sent.duplicate })),
+    )
+        .into_response())
+}
+
+// ---- operations ----
+
+async fn metrics(State(state): State<ApiState>) -> ApiResult<Response> {
+    let handle = state
+        .inner
+        .metrics
+        .as_ref()
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "no_route", "metrics are off"))?;
+    Ok((
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        handle.render(),
+    )
+        .into_response())
+}
+
+async fn healthz() -> Json<Value> {
+    Json(json!({ "status": "ok" }))
+}
+
+async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
+    sqlx::query("SELECT 1")
+        .execute(state.service().pool())
+        .await
+        .map_err(|e| {
+            tracing::warn!(error = %e, "not ready: the database does not answer");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the database does not answer",
+            )
+        })?;
+    Ok(Json(json!({ "status": "ready" })))
+}
+
+async fn openapi_document() -> Json<Value> {
+    Json(openapi::document())
+}

@@ -1,0 +1,125 @@
+//! The HTTP error: a status and a JSON body `{"error": {"code", "message"}}`
+//! with a stable code. Database detail never reaches the client: an
+//! internal error is logged here and answered with a fixed message.
+
+use axum::Json;
+use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::error::Error;
+
+/// An error answer of the API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    /// Stable, machine-readable: `not_found`, `invalid`, `malformed_json`,
+    /// `unauthorized`, `invalid_transition`, `conflict`, `already_exists`,
+    /// `payload_too_large`, `busy`, `unavailable`, `no_route`,
+    /// `method_not_allowed`, `internal`.
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn unauthorized(message: &'static str) -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+
+    pub(crate) fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", message)
+    }
+
+    pub(crate) fn too_large() -> ApiError {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            "the request body is larger than the limit",
+        )
+    }
+
+    /// A JSON body that could not be read: not JSON at all (400), or JSON
+    /// of the wrong shape: wrong types, missing or unknown fields (422).
+    pub(crate) fn from_json(e: serde_json::Error) -> ApiError {
+        use serde_json::error::Category;
+        match e.classify() {
+            Category::Data => ApiError::invalid(e.to_string()),
+            Category::Syntax | Category::Eof | Category::Io => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                format!("the body is not valid JSON: {e}"),
+            ),
+        }
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> ApiError {
+        let code = e.code();
+        let status = match code {
+            "not_found" => StatusCode::NOT_FOUND,
+            "invalid_transition" | "already_exists" | "conflict" => StatusCode::CONFLICT,
+            "invalid" => StatusCode::UNPROCESSABLE_ENTITY,
+            "unauthorized" => StatusCode::UNAUTHORIZED,
+            "busy" | "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        if status == StatusCode::INTERNAL_SERVER_ERROR {
+            tracing::error!(error = %e, "API request failed");
+            return ApiError::new(status, "internal", "internal error");
+        }
+        if status == StatusCode::CONFLICT {
+            tracing::warn!(error = %e, "API request refused");
+        }
+        ApiError::new(status, code, e.to_string())
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(r: BytesRejection) -> ApiError {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large()
+        } else {
+            ApiError::new(r.status(), "bad_request", r.body_text())
+        }
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(r: PathRejection) -> ApiError {
+        ApiError::invalid(format!("path: {}", r.body_text()))
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(r: QueryRejection) -> ApiError {
+        ApiError::invalid(format!("query: {}", r.body_text()))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (
+            self.status,
+            Json(json!({ "error": { "code": self.code, "message": self.message } })),
+        )
+            .into_response();
+        let headers = response.headers_mut();
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}

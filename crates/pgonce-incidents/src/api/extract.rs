@@ -1,0 +1,135 @@
+//! Extractors whose rejections are JSON [`ApiError`]s (axum's defaults
+//! answer in plain text): the caller's organization from its API key, the
+//! admin token, JSON bodies, paths and query strings.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
+use axum::http::header;
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use super::{ApiError, ApiState};
+use crate::store;
+
+/// The organization whose API key (`Authorization: Bearer pgo_...`) made the
+/// request. Every organization-scoped handler takes one, and passes its id
+/// to every read and write: a key never reaches another organization's rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller {
+    pub organization_id: i64,
+}
+
+fn bearer(parts: &Parts) -> Result<&str, ApiError> {
+    let value = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .ok_or(ApiError::unauthorized("missing Authorization header"))?;
+    let value = value
+        .to_str()
+        .map_err(|_| ApiError::unauthorized("malformed Authorization header"))?;
+    match value.split_once(' ') {
+        Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") && !token.is_empty() => {
+            Ok(token.trim())
+        }
+        _ => Err(ApiError::unauthorized(
+            "the Authorization header must be `Bearer <key>`",
+        )),
+    }
+}
+
+impl FromRequestParts<ApiState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Caller, ApiError> {
+        let key = bearer(parts)?;
+        let organization_id = store::authenticate(state.service().pool(), key).await?;
+        Ok(Caller { organization_id })
+    }
+}
+
+/// A request carrying the admin token of [`super::ApiConfig::admin_token`].
+/// Compared in constant time (SHA-256 digests, so the length leaks nothing
+/// either). Without a configured token every admin request is refused.
+#[derive(Debug, Clone, Copy)]
+pub struct Admin;
+
+impl FromRequestParts<ApiState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Admin, ApiError> {
+        let refused = ApiError::unauthorized("admin token required");
+        let Some(expected) = state.admin_digest() else {
+            return Err(ApiError::unauthorized("admin routes are disabled"));
+        };
+        let token = bearer(parts).map_err(|_| refused.clone())?;
+        let given: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        if bool::from(given.ct_eq(expected)) {
+            Ok(Admin)
+        } else {
+            Err(refused)
+        }
+    }
+}
+
+/// A JSON request body, read within the body limit (else 413), parsed
+/// whatever the Content-Type says.
+#[derive(Debug)]
+pub struct JsonBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<JsonBody<T>, ApiError> {
+        let bytes = Bytes::from_request(req, state).await?;
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(ApiError::from_json)
+    }
+}
+
+/// Like [`JsonBody`], but an empty body is `None` (actions whose body is
+/// optional, like acknowledging).
+#[derive(Debug)]
+pub struct OptionalJsonBody<T>(pub Option<T>);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<OptionalJsonBody<T>, ApiError> {
+        let bytes = Bytes::from_request(req, state).await?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(OptionalJsonBody(None));
+        }
+        serde_json::from_slice(&bytes)
+            .map(|t| OptionalJsonBody(Some(t)))
+            .map_err(ApiError::from_json)
+    }
+}
+
+/// Path parameters; a malformed one (`/v1/incidents/abc`) is a JSON 422.
+#[derive(Debug)]
+pub struct PathParams<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for PathParams<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Path(t) = Path::<T>::from_request_parts(parts, state).await?;
+        Ok(PathParams(t))
+    }
+}
+
+/// A query string; unknown values or wrong types are a JSON 422.
+#[derive(Debug)]
+pub struct QueryParams<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for QueryParams<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Query(t) = Query::<T>::from_request_parts(parts, state).await?;
+        Ok(QueryParams(t))
+    }
+}

@@ -1,0 +1,1058 @@
+//! The HTTP API, driven in-process (`tower::ServiceExt::oneshot`) against a
+//! fresh database per test: every route, authentication (missing, wrong,
+//! revoked, admin), cross-organization access (a foreign id is 404 and
+//! changes nothing), malformed and hostile input (JSON errors, nothing
+//! half-written), pagination and the event feed.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode, header};
+use http_body_util::BodyExt;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use pgonce::{PgQueue, Queue, ReceiveRequest};
+use pgonce_incidents::api::{ApiConfig, ApiState, openapi, router};
+use pgonce_incidents::runtime::observations_queue;
+use pgonce_incidents::{Service, ServiceConfig};
+use pgonce_testkit::ScratchDatabase;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use tower::ServiceExt;
+
+const ADMIN: &str = "test-admin-token-0123456789";
+
+struct Api {
+    router: Router,
+    pool: PgPool,
+    queue: PgQueue,
+    _db: ScratchDatabase,
+}
+
+struct Answer {
+    status: StatusCode,
+    body: Value,
+    content_type: String,
+}
+
+impl Answer {
+    fn code(&self) -> &str {
+        self.body["error"]["code"].as_str().unwrap_or("<none>")
+    }
+}
+
+async fn api_with(config: ApiConfig, metrics: bool) -> Api {
+    let db = pgonce_testkit::fresh_database().await;
+    let pool = db.pool(8).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let metrics = metrics.then(|| PrometheusBuilder::new().build_recorder().handle());
+    let state = ApiState::new(service, queue.clone(), metrics, config).unwrap();
+    Api {
+        router: router(state),
+        pool,
+        queue,
+        _db: db,
+    }
+}
+
+async fn setup() -> Api {
+    let config = ApiConfig {
+        admin_token: Some(ADMIN.into()),
+        ..ApiConfig::default()
+    };
+    api_with(config, true).await
+}
+
+impl Api {
+    async fn raw(&self, request: Request<Body>) -> Answer {
+        let response = self.router.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let content_type = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let body = if content_type.starts_with("application/json") {
+            serde_json::from_slice(&bytes).unwrap()
+        } else {
+            Value::String(String::from_utf8_lossy(&bytes).into_owned())
+        };
+        Answer {
+            status,
+            body,
+            content_type,
+        }
+    }
+
+    async fn send(&self, method: Method, uri: &str, auth: Option<&str>, body: Body) -> Answer {
+        let mut request = Request::builder().method(method).uri(uri);
+        if let Some(token) = auth {
+            request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let request = request
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .unwrap();
+        self.raw(request).await
+    }
+
+    async fn get(&self, uri: &str, auth: &str) -> Answer {
+        self.send(Method::GET, uri, Some(auth), Body::empty()).await
+    }
+
+    async fn post(&self, uri: &str, auth: &str, body: Value) -> Answer {
+        self.send(Method::POST, uri, Some(auth), Body::from(body.to_string()))
+            .await
+    }
+
+    async fn put(&self, uri: &str, auth: &str, body: Value) -> Answer {
+        self.send(Method::PUT, uri, Some(auth), Body::from(body.to_string()))
+            .await
+    }
+
+    async fn delete(&self, uri: &str, auth: &str) -> Answer {
+        self.send(Method::DELETE, uri, Some(auth), Body::empty())
+            .await
+    }
+
+    /// A request with an `Idempotency-Key` header.
+    async fn post_with_key(&self, uri: &str, auth: &str, key: &str, body: Value) -> Answer {
+        let request = Request::post(uri)
+            .header(header::AUTHORIZATION, format!("Bearer {auth}"))
+            .header("Idempotency-Key", key)
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        self.raw(request).await
+    }
+
+    /// A new organization through the admin route: (id, key).
+    async fn organization(&self, name: &str) -> (i64, String) {
+        let a = self
+            .post("/v1/organizations", ADMIN, json!({ "name": name }))
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        (
+            a.body["organization"]["id"].as_i64().unwrap(),
+            a.body["api_key"].as_str().unwrap().to_owned(),
+        )
+    }
+
+    async fn declare(&self, key: &str, title: &str) -> Value {
+        let a = self
+            .post("/v1/incidents", key, json!({ "title": title }))
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        a.body
+    }
+
+    async fn count(&self, sql: &'static str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
+    }
+}
+
+fn id(v: &Value) -> i64 {
+    v["id"].as_i64().unwrap()
+}
+
+fn numbers(a: &Answer) -> Vec<i64> {
+    a.body["incidents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["number"].as_i64().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn admin_routes_need_the_admin_token() {
+    let api = setup().await;
+    let body = || Body::from(json!({"name": "acme"}).to_string());
+    for auth in [None, Some("wrong-token"), Some("")] {
+        let a = api
+            .send(Method::POST, "/v1/organizations", auth, body())
+            .await;
+        assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{auth:?}");
+        assert_eq!(a.code(), "unauthorized");
+    }
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.organizations")
+            .await,
+        0
+    );
+
+    let (org, key) = api.organization("acme").await;
+    assert!(key.starts_with("pgo_"));
+    // An organization's key is not the admin token.
+    let a = api.get("/v1/organizations", &key).await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED);
+    let a = api.get("/v1/organizations", ADMIN).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body["organizations"][0]["id"], org);
+    // The name is unique.
+    let a = api
+        .post("/v1/organizations", ADMIN, json!({"name": "acme"}))
+        .await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::CONFLICT, "already_exists")
+    );
+
+    // More keys; an unknown organization is 404.
+    let a = api
+        .post(
+            &format!("/v1/organizations/{org}/keys"),
+            ADMIN,
+            json!({"name": "ci"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let second = a.body["api_key"].as_str().unwrap().to_owned();
+    assert_eq!(
+        api.get("/v1/policies", &second).await.status,
+        StatusCode::OK
+    );
+    let a = api
+        .post("/v1/organizations/999999/keys", ADMIN, json!({}))
+        .await;
+    assert_eq!((a.status, a.code()), (StatusCode::NOT_FOUND, "not_found"));
+
+    // Settings: the rollout, validated, changed without a restart.
+    let a = api.get("/v1/settings", ADMIN).await;
+    assert_eq!(a.body, json!({"rollout_percent": 100}));
+    let a = api
+        .put("/v1/settings", ADMIN, json!({"rollout_percent": 30}))
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    for bad in [
+        json!({"rollout_percent": 101}),
+        json!({"rollout_percent": -1}),
+        json!({"rollout_percent": "50"}),
+        json!({}),
+    ] {
+        let a = api.put("/v1/settings", ADMIN, bad.clone()).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+            "{bad}"
+        );
+    }
+    assert_eq!(
+        api.get("/v1/settings", ADMIN).await.body,
+        json!({"rollout_percent": 30})
+    );
+    let a = api
+        .put("/v1/settings", &key, json!({"rollout_percent": 0}))
+        .await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        pgonce_incidents::store::rollout_percent(&api.pool)
+            .await
+            .unwrap(),
+        30
+    );
+}
+
+#[tokio::test]
+async fn without_a_configured_admin_token_admin_routes_refuse_everyone() {
+    let api = api_with(ApiConfig::default(), false).await;
+    for token in ["", "x", ADMIN] {
+        let a = api
+            .post("/v1/organizations", token, json!({"name": "a"}))
+            .await;
+        assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{token:?}");
+    }
+    // Without a Prometheus handle, /metrics is not served.
+    assert_eq!(api.get("/metrics", "").await.status, StatusCode::NOT_FOUND);
+    // A short admin token is a configuration error.
+    let service = Service::new(api.pool.clone(), ServiceConfig::default()).unwrap();
+    let short = ApiConfig {
+        admin_token: Some("short".into()),
+        ..ApiConfig::default()
+    };
+    assert!(ApiState::new(service, api.queue.clone(), None, short).is_err());
+}
+
+#[tokio::test]
+async fn api_keys_authenticate_and_missing_wrong_or_revoked_keys_are_401() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    assert_eq!(api.get("/v1/incidents", &key).await.status, StatusCode::OK);
+
+    let a = api
+        .send(Method::GET, "/v1/incidents", None, Body::empty())
+        .await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::UNAUTHORIZED, "unauthorized")
+    );
+    let mut wrong = key.clone();
+    wrong.replace_range(wrong.len() - 4.., "0000");
+    for token in [
+        wrong.as_str(),
+        "pgo_",
+        "pgo_abc_def",
+        ADMIN,
+        "x'; DROP TABLE incidents.api_keys; --",
+    ] {
+        let a = api.get("/v1/incidents", token).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNAUTHORIZED, "unauthorized"),
+            "{token}"
+        );
+    }
+    let request = Request::get("/v1/incidents")
+        .header(header::AUTHORIZATION, format!("Basic {key}"))
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(api.raw(request).await.status, StatusCode::UNAUTHORIZED);
+
+    // Revoked: the key stops working, the organization's other key does not.
+    let second = api
+        .post(&format!("/v1/organizations/{org}/keys"), ADMIN, json!({}))
+        .await
+        .body["api_key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let prefix = pgonce_incidents::store::api_key_prefix(&key).unwrap();
+    let revoke = format!("/v1/organizations/{org}/keys/{prefix}");
+    assert_eq!(
+        api.delete(&revoke, &key).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        api.delete(&revoke, ADMIN).await.status,
+        StatusCode::NO_CONTENT
+    );
+    let a = api.get("/v1/incidents", &key).await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::UNAUTHORIZED, "unauthorized")
+    );
+    assert_eq!(
+        api.get("/v1/incidents", &second).await.status,
+        StatusCode::OK
+    );
+    // Revoking twice, or through another organization, is 404.
+    assert_eq!(
+        api.delete(&revoke, ADMIN).await.status,
+        StatusCode::NOT_FOUND
+    );
+    let (other, _) = api.organization("other").await;
+    let second_prefix = pgonce_incidents::store::api_key_prefix(&second).unwrap();
+    let a = api
+        .delete(
+            &format!("/v1/organizations/{other}/keys/{second_prefix}"),
+            ADMIN,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        api.get("/v1/incidents", &second).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn a_key_never_reaches_another_organizations_data() {
+    let api = setup().await;
+    let (_, a_key) = api.organization("a").await;
+    let (b_org, b_key) = api.organization("b").await;
+
+    let entity = api
+        .post(
+            "/v1/entities",
+            &a_key,
+            json!({"external_id": "db-1", "attributes": {"cpu": 1}}),
+        )
+        .await
+        .body;
+    let policy = api
+        .post(
+            "/v1/policies",
+            &a_key,
+            json!({"name": "cpu", "singleton": "always",
+                   "rule": {"attribute": "cpu", "op": "gt", "value": 90}}),
+        )
+        .await
+        .body;
+    let incident = api.declare(&a_key, "a's incident").await;
+    let (e, p, i) = (id(&entity), id(&policy), id(&incident));
+
+    // Every read of A's ids with B's key: 404, like an id that does not exist.
+    for uri in [
+        format!("/v1/entities/{e}"),
+        format!("/v1/policies/{p}"),
+        format!("/v1/incidents/{i}"),
+        format!("/v1/incidents/{i}/timeline"),
+    ] {
+        let a = api.get(&uri, &b_key).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::NOT_FOUND, "not_found"),
+            "{uri}"
+        );
+        assert!(!a.body.to_string().contains("a's incident"));
+    }
+    // Every write: 404, and A's rows are unchanged.
+    for uri in [
+        format!("/v1/incidents/{i}/acknowledge"),
+        format!("/v1/incidents/{i}/resolve"),
+    ] {
+        let a = api.post(&uri, &b_key, json!({})).await;
+        assert_eq!(a.status, StatusCode::NOT_FOUND, "{uri}");
+    }
+    let a = api
+        .put(
+            &format!("/v1/entities/{e}/singleton"),
+            &b_key,
+            json!({"singleton": true}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    let a = api.get(&format!("/v1/incidents/{i}"), &a_key).await;
+    assert_eq!(a.body["lifecycle"], "OPEN");
+    let a = api.get(&format!("/v1/entities/{e}"), &a_key).await;
+    assert_eq!(a.body["singleton_incidents"], false);
+
+    // Listings and the feed show only the caller's rows.
+    for uri in [
+        "/v1/entities",
+        "/v1/policies",
+        "/v1/incidents",
+        "/v1/events",
+    ] {
+        let a = api.get(uri, &b_key).await;
+        assert_eq!(a.status, StatusCode::OK, "{uri}");
+        let list = a
+            .body
+            .as_object()
+            .unwrap()
+            .values()
+            .find_map(Value::as_array)
+            .unwrap();
+        assert!(list.is_empty(), "{uri}: {}", a.body);
+    }
+    let a = api
+        .get(
+            &format!("/v1/incidents?entity_id={e}&policy_id={p}"),
+            &b_key,
+        )
+        .await;
+    assert_eq!(a.body["incidents"], json!([]));
+    // B's same external id is B's own entity; B's numbers start at 1.
+    let b_entity = api
+        .post("/v1/entities", &b_key, json!({"external_id": "db-1"}))
+        .await
+        .body;
+    assert_ne!(id(&b_entity), e);
+    assert_eq!(b_entity["organization_id"], b_org);
+    assert_eq!(api.declare(&b_key, "b's first").await["number"], 1);
+}
+
+#[tokio::test]
+async fn entities_and_policies_are_created_listed_and_fetched() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let mut ids = Vec::new();
+    for n in 0..5 {
+        let a = api
+            .post(
+                "/v1/entities",
+                &key,
+                json!({"external_id": format!("host-{n}"), "attributes": {"n": n}}),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        assert_eq!(a.body["organization_id"], org);
+        ids.push(id(&a.body));
+    }
+    // Upsert: same external id, same entity, new attributes.
+    let a = api
+        .post(
+            "/v1/entities",
+            &key,
+            json!({"external_id": "host-0", "attributes": {"n": 42}}),
+        )
+        .await;
+    assert_eq!(id(&a.body), ids[0]);
+    assert_eq!(a.body["attributes"], json!({"n": 42}));
+
+    // Keyset pages of 2 cover all five, in id order, once each.
+    let mut seen = Vec::new();
+    let mut after = 0;
+    loop {
+        let a = api
+            .get(&format!("/v1/entities?after={after}&limit=2"), &key)
+            .await;
+        seen.extend(a.body["entities"].as_array().unwrap().iter().map(id));
+        match a.body["next_after"].as_i64() {
+            Some(next) => after = next,
+            None => break,
+        }
+    }
+    assert_eq!(seen, ids);
+    for bad in ["limit=0", "limit=501", "limit=x", "after=abc", "colour=red"] {
+        let a = api.get(&format!("/v1/entities?{bad}"), &key).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+            "{bad}"
+        );
+    }
+
+    let a = api.get(&format!("/v1/entities/{}", ids[1]), &key).await;
+    assert_eq!(a.body["external_id"], "host-1");
+    let singleton = format!("/v1/entities/{}/singleton", ids[1]);
+    let a = api.put(&singleton, &key, json!({"singleton": true})).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body["singleton_incidents"], true);
+    let a = api.put(&singleton, &key, json!({"singleton": "yes"})).await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        api.get("/v1/entities/987654", &key).await.status,
+        StatusCode::NOT_FOUND
+    );
+    let a = api
+        .put(
+            "/v1/entities/987654/singleton",
+            &key,
+            json!({"singleton": true}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+
+    // Policies.
+    let rule = json!({"attribute": "cpu", "op": "gte", "value": 90.5});
+    let a = api
+        .post(
+            "/v1/policies",
+            &key,
+            json!({"name": "cpu", "singleton": "per_entity", "rule": rule}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let policy = id(&a.body);
+    let a = api.get(&format!("/v1/policies/{policy}"), &key).await;
+    assert_eq!(a.body["singleton"], "per_entity");
+    assert_eq!(a.body["rule"], rule);
+    let a = api.get("/v1/policies", &key).await;
+    assert_eq!(a.body["policies"].as_array().unwrap().len(), 1);
+    let a = api
+        .post(
+            "/v1/policies",
+            &key,
+            json!({"name": "cpu", "singleton": "never", "rule": rule}),
+        )
+        .await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::CONFLICT, "already_exists")
+    );
+    for bad in [
+        json!({"name": "p", "singleton": "sometimes", "rule": rule}),
+        json!({"name": "p", "singleton": "never",
+               "rule": {"attribute": "cpu", "op": "like", "value": 1}}),
+        json!({"name": "p", "singleton": "never",
+               "rule": {"attribute": "cpu", "op": "gt", "value": "9"}}),
+        json!({"name": "p", "singleton": "never",
+               "rule": {"attribute": "", "op": "gt", "value": 9}}),
+        json!({"name": "", "singleton": "never", "rule": rule}),
+        json!({"name": "p", "singleton": "never"}),
+        json!({"name": "p", "singleton": "never", "rule": rule, "extra": 1}),
+    ] {
+        let a = api.post("/v1/policies", &key, bad.clone()).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+            "{bad}"
+        );
+    }
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.policies").await,
+        1
+    );
+    assert_eq!(
+        api.get("/v1/policies/424242", &key).await.status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+#[tokio::test]
+async fn incidents_move_through_their_lifecycle_and_an_invalid_transition_is_409() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    api.post("/v1/entities", &key, json!({"external_id": "db-1"}))
+        .await;
+    let a = api
+        .post(
+            "/v1/incidents",
+            &key,
+            json!({"title": "db down", "entity": "db-1", "actor": "alice"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    assert_eq!(a.body["number"], 1);
+    assert_eq!(a.body["lifecycle"], "OPEN");
+    assert_eq!(a.body["opened_by"], "alice");
+    let i = id(&a.body);
+
+    let a = api
+        .post(
+            &format!("/v1/incidents/{i}/acknowledge"),
+            &key,
+            json!({"actor": "bob"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body["lifecycle"], "ACKNOWLEDGED");
+    assert_eq!(a.body["acknowledged_by"], "bob");
+    let a = api
+        .post(&format!("/v1/incidents/{i}/acknowledge"), &key, json!({}))
+        .await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::CONFLICT, "invalid_transition")
+    );
+    // An empty body is allowed for actions (the actor defaults).
+    let a = api
+        .send(
+            Method::POST,
+            &format!("/v1/incidents/{i}/resolve"),
+            Some(&key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["lifecycle"], "RESOLVED");
+    assert_eq!(a.body["resolved_by"], "api");
+    for action in ["acknowledge", "resolve"] {
+        let a = api
+            .post(&format!("/v1/incidents/{i}/{action}"), &key, json!({}))
+            .await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::CONFLICT, "invalid_transition"),
+            "{action}"
+        );
+    }
+    let a = api
+        .post(
+            &format!("/v1/incidents/{i}/resolve"),
+            &key,
+            json!({"actor": "a\u{0}b"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let a = api
+        .post("/v1/incidents/777777/resolve", &key, json!({}))
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+
+    // The timeline: each change, in order.
+    let a = api.get(&format!("/v1/incidents/{i}/timeline"), &key).await;
+    let types: Vec<&str> = a.body["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        types,
+        ["IncidentOpened", "IncidentAcknowledged", "IncidentResolved"],
+        "{}",
+        a.body
+    );
+    let a = api.get("/v1/incidents/777777/timeline", &key).await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+
+    // Idempotency: the header or the body field; one key is one incident.
+    let once = json!({"title": "once"});
+    let first = api
+        .post_with_key("/v1/incidents", &key, "k-1", once.clone())
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_eq!(first.body["number"], 2);
+    let again = api
+        .post_with_key("/v1/incidents", &key, "k-1", once.clone())
+        .await;
+    let by_body = api
+        .post(
+            "/v1/incidents",
+            &key,
+            json!({"title": "once", "idempotency_key": "k-1"}),
+        )
+        .await;
+    assert_eq!(id(&again.body), id(&first.body));
+    assert_eq!(id(&by_body.body), id(&first.body));
+    let a = api
+        .post_with_key(
+            "/v1/incidents",
+            &key,
+            "k-2",
+            json!({"title": "t", "idempotency_key": "k-3"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.incidents").await,
+        2
+    );
+}
+
+#[tokio::test]
+async fn incident_listing_pages_by_number_with_filters() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let web = api
+        .post("/v1/entities", &key, json!({"external_id": "web"}))
+        .await;
+    let e = id(&web.body);
+    for n in 1..=7 {
+        let body = if n % 2 == 0 {
+            json!({"title": format!("i{n}"), "entity": "web"})
+        } else {
+            json!({"title": format!("i{n}")})
+        };
+        let a = api.post("/v1/incidents", &key, body).await;
+        assert_eq!(a.body["number"], n);
+        if n % 3 == 0 {
+            let uri = format!("/v1/incidents/{}/resolve", id(&a.body));
+            assert_eq!(api.post(&uri, &key, json!({})).await.status, StatusCode::OK);
+        }
+    }
+    let mut seen = Vec::new();
+    let mut uri = "/v1/incidents?limit=3".to_owned();
+    loop {
+        let a = api.get(&uri, &key).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        seen.extend(numbers(&a));
+        match a.body["next_before"].as_i64() {
+            Some(before) => uri = format!("/v1/incidents?limit=3&before={before}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen, [7, 6, 5, 4, 3, 2, 1]);
+
+    let list = async |query: &str| numbers(&api.get(&format!("/v1/incidents?{query}"), &key).await);
+    assert_eq!(list("lifecycle=RESOLVED").await, [6, 3]);
+    assert_eq!(list("lifecycle=OPEN&before=5").await, [4, 2, 1]);
+    assert_eq!(list(&format!("entity_id={e}")).await, [6, 4, 2]);
+    assert_eq!(list("policy_id=1").await, Vec::<i64>::new());
+    for bad in [
+        "limit=0",
+        "limit=501",
+        "lifecycle=CLOSED",
+        "before=x",
+        "entity_id=1.5",
+    ] {
+        let a = api.get(&format!("/v1/incidents?{bad}"), &key).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+            "{bad}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_event_feed_returns_events_after_a_position_and_long_polls() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let first = api.declare(&key, "one").await;
+    let ack = format!("/v1/incidents/{}/acknowledge", id(&first));
+    api.post(&ack, &key, json!({})).await;
+
+    let a = api.get("/v1/events?after=0", &key).await;
+    let events = a.body["events"].as_array().unwrap().clone();
+    assert_eq!(events.len(), 2, "{}", a.body);
+    let next = a.body["next"].as_i64().unwrap();
+    assert_eq!(next, events[1]["position"].as_i64().unwrap());
+    // After the last position: nothing, at once.
+    let a = api.get(&format!("/v1/events?after={next}"), &key).await;
+    assert_eq!(a.body["events"], json!([]));
+    assert_eq!(a.body["next"], next);
+    // After the first position: only the second event.
+    let p1 = events[0]["position"].as_i64().unwrap();
+    let a = api.get(&format!("/v1/events?after={p1}"), &key).await;
+    assert_eq!(a.body["events"].as_array().unwrap().len(), 1);
+    assert_eq!(a.body["events"][0]["type"], "IncidentAcknowledged");
+    let a = api.get("/v1/events?after=0&limit=1", &key).await;
+    assert_eq!(a.body["events"].as_array().unwrap().len(), 1);
+
+    // Long poll: a waiting request returns the event declared meanwhile.
+    let waiting = {
+        let router = api.router.clone();
+        let request = Request::get(format!("/v1/events?after={next}&wait=20"))
+            .header(header::AUTHORIZATION, format!("Bearer {key}"))
+            .body(Body::empty())
+            .unwrap();
+        tokio::spawn(async move {
+            let response = router.oneshot(request).await.unwrap();
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            serde_json::from_slice::<Value>(&bytes).unwrap()
+        })
+    };
+    api.declare(&key, "two").await;
+    let body = tokio::time::timeout(Duration::from_secs(15), waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(body["events"][0]["type"], "IncidentOpened", "{body}");
+    assert_eq!(body["events"][0]["data"]["title"], "two");
+
+    for bad in ["after=-1", "after=x", "limit=0", "wait=-3"] {
+        let a = api.get(&format!("/v1/events?{bad}"), &key).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+            "{bad}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn observations_are_queued_in_the_entitys_group_for_the_callers_organization_only() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let (other, _) = api.organization("other").await;
+    let body = json!({"organization_id": org, "entity": "db-1", "attributes": {"cpu": 95}});
+    let a = api.post("/v1/observations", &key, body.clone()).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    let got = api.queue.receive(ReceiveRequest::default()).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        got[0].group_id.as_deref(),
+        Some(format!("{org}/db-1").as_str())
+    );
+    assert_eq!(serde_json::from_str::<Value>(&got[0].body).unwrap(), body);
+    assert_eq!(got[0].id, a.body["message_id"].as_str().unwrap());
+
+    // Another organization's id, or bad observations: refused, nothing queued.
+    let a = api
+        .post(
+            "/v1/observations",
+            &key,
+            json!({"organization_id": other, "entity": "db-1", "attributes": {}}),
+        )
+        .await;
+    assert_eq!((a.status, a.code()), (StatusCode::NOT_FOUND, "not_found"));
+    for bad in [
+        json!({"organization_id": org, "entity": "", "attributes": {}}),
+        json!({"organization_id": org, "entity": "a\u{0}", "attributes": {}}),
+        json!({"organization_id": org, "entity": "a", "attributes": [1]}),
+        json!({"organization_id": org, "entity": "a", "attributes": {}, "extra": true}),
+        json!({"organization_id": "1", "entity": "a", "attributes": {}}),
+        json!({"entity": "a", "attributes": {}}),
+    ] {
+        let a = api.post("/v1/observations", &key, bad.clone()).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+            "{bad}"
+        );
+    }
+    assert_eq!(api.queue.stats().await.unwrap().depth, 0);
+
+    // An Idempotency-Key deduplicates a resend.
+    for duplicate in [false, true] {
+        let a = api
+            .post_with_key("/v1/observations", &key, "obs-1", body.clone())
+            .await;
+        assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+        assert_eq!(a.body["duplicate"], duplicate);
+    }
+    assert_eq!(api.queue.stats().await.unwrap().depth, 1);
+}
+
+#[tokio::test]
+async fn malformed_and_hostile_input_gets_json_errors_and_writes_nothing() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let incidents = "SELECT count(*) FROM incidents.incidents";
+    // Not JSON: 400 malformed_json, as JSON.
+    for body in ["{", "not json", "", "{\"title\": \"x\",}", "\u{0}"] {
+        let a = api
+            .send(Method::POST, "/v1/incidents", Some(&key), Body::from(body))
+            .await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::BAD_REQUEST, "malformed_json"),
+            "{body:?}"
+        );
+        assert!(a.content_type.starts_with("application/json"));
+    }
+    // JSON of the wrong shape: 422.
+    for body in [
+        "[]",
+        "1",
+        "{}",
+        "{\"title\": 5}",
+        "{\"title\": \"x\", \"nope\": 1}",
+        "{\"title\": null}",
+    ] {
+        let a = api
+            .send(Method::POST, "/v1/incidents", Some(&key), Body::from(body))
+            .await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+            "{body}"
+        );
+    }
+    // Hostile strings: NUL, 10 KB names, blank titles.
+    let long = "x".repeat(10 * 1024);
+    for body in [
+        json!({"title": "a\u{0}b"}),
+        json!({"title": long}),
+        json!({"title": "   "}),
+        json!({"title": "t", "entity": long}),
+        json!({"title": "t", "idempotency_key": "k\u{0}"}),
+        json!({"title": "t", "actor": long}),
+    ] {
+        let a = api.post("/v1/incidents", &key, body).await;
+        assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
+    }
+    for body in [
+        json!({"external_id": long}),
+        json!({"external_id": "a\u{0}"}),
+        json!({"external_id": "a", "attributes": "x"}),
+    ] {
+        let a = api.post("/v1/entities", &key, body).await;
+        assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
+    }
+    for (uri, body) in [
+        ("/v1/organizations", json!({"name": long})),
+        ("/v1/organizations", json!({"name": "a\u{0}"})),
+        ("/v1/organizations/1/keys", json!({"name": "k\u{0}"})),
+    ] {
+        let a = api.post(uri, ADMIN, body).await;
+        assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
+    }
+    assert_eq!(api.count(incidents).await, 0);
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.entities").await,
+        0
+    );
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.organizations")
+            .await,
+        1
+    );
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.api_keys").await,
+        1
+    );
+
+    // SQL-ish and odd text is stored and returned verbatim.
+    let sqlish = "'); DROP TABLE incidents.incidents; -- \u{1F525} ünïcode \"q\" \\ %";
+    let entity = "Robert'); DROP TABLE incidents.entities;--";
+    api.post("/v1/entities", &key, json!({"external_id": entity}))
+        .await;
+    let a = api
+        .post(
+            "/v1/incidents",
+            &key,
+            json!({"title": sqlish, "entity": entity}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let got = api
+        .get(&format!("/v1/incidents/{}", id(&a.body)), &key)
+        .await;
+    assert_eq!(got.body["title"], sqlish);
+    assert_eq!(api.count(incidents).await, 1);
+
+    // An oversized body: 413 as JSON, nothing written.
+    let huge = json!({"title": "x".repeat(100 * 1024)}).to_string();
+    let a = api
+        .send(Method::POST, "/v1/incidents", Some(&key), Body::from(huge))
+        .await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")
+    );
+    assert_eq!(api.count(incidents).await, 1);
+
+    // Bad ids, unknown routes and methods: JSON too.
+    for uri in [
+        "/v1/incidents/abc",
+        "/v1/incidents/1.5",
+        "/v1/entities/99999999999999999999",
+    ] {
+        let a = api.get(uri, &key).await;
+        assert_eq!(
+            (a.status, a.code()),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+            "{uri}"
+        );
+    }
+    let a = api.get("/v1/incidents/9223372036854775807", &key).await;
+    assert_eq!((a.status, a.code()), (StatusCode::NOT_FOUND, "not_found"));
+    let a = api.get("/v1/nothing-here", &key).await;
+    assert_eq!((a.status, a.code()), (StatusCode::NOT_FOUND, "no_route"));
+    let a = api.delete("/v1/incidents", &key).await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
+    );
+}
+
+#[tokio::test]
+async fn health_readiness_metrics_and_the_openapi_document() {
+    let api = setup().await;
+    assert_eq!(api.get("/healthz", "").await.body, json!({"status": "ok"}));
+    assert_eq!(api.get("/readyz", "").await.status, StatusCode::OK);
+    let a = api.get("/metrics", "").await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert!(
+        a.content_type.starts_with("text/plain"),
+        "{}",
+        a.content_type
+    );
+
+    // Every documented route is in the router (not the fallback, not 405).
+    let doc = api.get("/openapi.json", "").await.body;
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().unwrap();
+    let operations: usize = paths.values().map(|p| p.as_object().unwrap().len()).sum();
+    assert_eq!(operations, openapi::ROUTES.len());
+    for route in openapi::ROUTES {
+        let method = route.method.to_ascii_lowercase();
+        assert!(
+            paths[route.path].get(&method).is_some(),
+            "{method} {}",
+            route.path
+        );
+        let uri = route
+            .path
+            .replace("{org_id}", "1")
+            .replace("{id}", "1")
+            .replace("{prefix}", "abc");
+        let method = Method::from_bytes(route.method.as_bytes()).unwrap();
+        let a = api.send(method, &uri, Some("x"), Body::from("{}")).await;
+        assert_ne!(a.code(), "no_route", "{} {}", route.method, route.path);
+        assert_ne!(
+            a.status,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "{} {}",
+            route.method,
+            route.path
+        );
+    }
+
+    // Not ready when the database does not answer; still alive.
+    api.pool.close().await;
+    let a = api.get("/readyz", "").await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+    );
+    assert_eq!(api.get("/healthz", "").await.status, StatusCode::OK);
+}
