@@ -231,6 +231,7 @@ impl ServeConfig {
                 latency: Duration::from_millis(self.evaluator_latency_ms),
                 jitter: Duration::from_millis(self.evaluator_jitter_ms),
                 failure_rate: self.evaluator_failure_rate,
+                ..SimulatedEvaluatorConfig::default()
             },
             notifier: self.webhook_url.clone().map(NotifierConfig::new),
             ..RuntimeConfig::default()
