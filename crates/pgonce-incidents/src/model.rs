@@ -239,8 +239,16 @@ impl Observation {
 
     /// The FIFO message group: one entity's observations are processed in
     /// order, one at a time (until a visibility timeout runs out).
+    /// `<org>/<entity>`, or `<org>/sha256:<hex>` when that would exceed a
+    /// FIFO group id's 128 characters (entities may have 200).
     pub fn group(&self) -> String {
-        format!("{}/{}", self.organization_id, self.entity)
+        let plain = format!("{}/{}", self.organization_id, self.entity);
+        if plain.chars().count() <= 128 {
+            return plain;
+        }
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(self.entity.as_bytes());
+        format!("{}/sha256:{}", self.organization_id, hex::encode(digest))
     }
 }
 
@@ -344,5 +352,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ok.group(), "1/db-1");
+        let long = Observation {
+            entity: "x".repeat(200),
+            ..ok
+        };
+        assert!(long.group().len() <= 128 && long.group().starts_with("1/sha256:"));
     }
 }
