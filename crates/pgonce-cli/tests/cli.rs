@@ -251,6 +251,8 @@ fn bench_service_quick_prints_the_p99_in_one_json_object() {
             .as_f64()
             .is_some()
     );
+}
+
 /// A URL for a fresh test database (the shared test server, or the
 /// DATABASE_URL server with the database name swapped).
 fn fresh_database_url() -> (
