@@ -1,7 +1,9 @@
 //! The service's invariants, checked in the database after the fact: what
 //! `pgonce demo` reports and the end-to-end tests assert.
 //!
-//! * I1: a singleton policy never has two OPEN incidents for one entity;
+//! * I1: a singleton policy never has two OPEN incidents for one entity,
+//!   checked over each incident's OPEN interval (opened until acknowledged
+//!   or resolved), so a duplicate closed before the check still counts;
 //! * I2: each organization's numbers are exactly 1..n;
 //! * I3: each incident is notified exactly once (one `notifications` row,
 //!   one notification job, completed);
@@ -15,12 +17,18 @@ use sqlx::PgPool;
 
 use crate::error::Result;
 
-/// One singleton (policy, entity) with more than one OPEN incident.
+/// An incident that opened while another of its (policy, entity) was OPEN,
+/// though the policy allowed one at a time for that entity then.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DuplicateOpen {
     pub policy_id: i64,
     pub entity_id: i64,
-    pub open: i64,
+    /// The incident that should not have opened.
+    pub incident_id: i64,
+    /// The (lowest id of the) incident that was OPEN when it did.
+    pub while_open_id: i64,
+    /// How many incidents of the pair were OPEN at that moment.
+    pub open_at_the_time: i64,
 }
 
 /// One organization whose numbers are not 1..n.
@@ -70,19 +78,24 @@ impl InvariantReport {
     }
 }
 
-/// I1 over the whole database.
+/// I1 over the whole database and its whole history: every incident that
+/// opened while another of its singleton (policy, entity) was OPEN.
 pub async fn duplicate_open(pool: &PgPool) -> Result<Vec<DuplicateOpen>> {
-    let rows: Vec<(i64, i64, i64)> =
+    let rows: Vec<(i64, i64, i64, i64, i64)> =
         sqlx::query_as(include_str!("invariants/sql/i1_singleton.sql"))
             .fetch_all(pool)
             .await?;
     Ok(rows
         .into_iter()
-        .map(|(policy_id, entity_id, open)| DuplicateOpen {
-            policy_id,
-            entity_id,
-            open,
-        })
+        .map(
+            |(policy_id, entity_id, incident_id, while_open_id, open_at_the_time)| DuplicateOpen {
+                policy_id,
+                entity_id,
+                incident_id,
+                while_open_id,
+                open_at_the_time,
+            },
+        )
         .collect())
 }
 

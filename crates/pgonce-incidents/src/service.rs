@@ -158,6 +158,9 @@ struct NewIncident<'a> {
     idempotency_key: Option<&'a str>,
     title: &'a str,
     actor: &'a str,
+    /// Whether the policy allowed one OPEN incident for the entity when the
+    /// decision was made (recorded for the I1 check; false when declared).
+    one_at_a_time: bool,
 }
 
 type IncidentRow = (
@@ -331,6 +334,7 @@ impl Service {
             idempotency_key: None,
             title,
             actor: "pipeline",
+            one_at_a_time: seen.singleton,
         };
         let tx = match path {
             WritePath::Guarded => {
@@ -403,6 +407,7 @@ impl Service {
             idempotency_key: declaration.idempotency_key.as_deref(),
             title: &declaration.title,
             actor,
+            one_at_a_time: false,
         };
         self.insert_numbered(tx, new).await
     }
@@ -501,6 +506,7 @@ impl Service {
                         .bind(new.idempotency_key)
                         .bind(new.title)
                         .bind(new.actor)
+                        .bind(new.one_at_a_time)
                         .fetch_one(conn)
                         .await?;
                     Ok(row)

@@ -106,6 +106,87 @@ async fn a_redelivered_message_opens_one_incident_guarded_and_two_plain() {
     assert!(invariants::number_gaps(&w.pool).await.unwrap().is_empty());
 }
 
+/// I1 is about the whole run, not the final state: a duplicate the plain
+/// path opened still counts after people acknowledged and resolved both
+/// (as the demo's people do while it runs).
+#[tokio::test]
+async fn a_duplicate_closed_before_the_check_still_breaks_i1() {
+    let w = world().await;
+    let policy = w.policy("one-at-a-time", Singleton::Always).await;
+    let entity = w.entity("e").await;
+    let first = w.service.observe(&policy, entity, "m1").await.unwrap();
+    let second = w.service.observe(&policy, entity, "m2").await.unwrap();
+    let a = w
+        .service
+        .open_from_pipeline(w.org, &first, "t", WritePath::Plain)
+        .await
+        .unwrap();
+    let b = w
+        .service
+        .open_from_pipeline(w.org, &second, "t", WritePath::Plain)
+        .await
+        .unwrap();
+    w.service.acknowledge(w.org, b.id, "on-call").await.unwrap();
+    w.service.resolve(w.org, a.id, "on-call").await.unwrap();
+    assert_eq!(w.open_count(policy.id, entity).await, 0, "none OPEN now");
+    let i1 = invariants::duplicate_open(&w.pool).await.unwrap();
+    assert_eq!(i1.len(), 1, "{i1:?}");
+    assert_eq!((i1[0].incident_id, i1[0].while_open_id), (b.id, a.id));
+}
+
+/// The guard lets a singleton policy open again once the open incident is
+/// acknowledged: its re-read sees nothing OPEN, and the history check agrees
+/// that the two OPEN intervals never overlapped.
+#[tokio::test]
+async fn an_incident_opened_after_the_previous_was_acknowledged_keeps_i1() {
+    let w = world().await;
+    let policy = w.policy("one-at-a-time", Singleton::Always).await;
+    let entity = w.entity("e").await;
+    let first = w.service.observe(&policy, entity, "m1").await.unwrap();
+    let a = w
+        .service
+        .open_from_pipeline(w.org, &first, "t", WritePath::Guarded)
+        .await
+        .unwrap();
+    let while_open = w.service.observe(&policy, entity, "m2").await.unwrap();
+    assert_eq!(while_open.decide(), Decision::AlreadyOpen);
+    w.service.acknowledge(w.org, a.id, "on-call").await.unwrap();
+    let after = w.service.observe(&policy, entity, "m3").await.unwrap();
+    assert_eq!(after.decide(), Decision::Open);
+    w.open(&after, WritePath::Guarded).await.unwrap();
+    assert_eq!(w.open_count(policy.id, entity).await, 1);
+    assert!(
+        invariants::duplicate_open(&w.pool)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// Singleton-ness is the rule in force when an incident opened: two opened
+/// while the entity allowed many are no violation once it allows one.
+#[tokio::test]
+async fn incidents_opened_while_many_were_allowed_keep_i1_after_the_rule_changes() {
+    let w = world().await;
+    let policy = w.policy("per-entity", Singleton::PerEntity).await;
+    let entity = w.entity("e").await;
+    for m in ["m1", "m2"] {
+        let seen = w.service.observe(&policy, entity, m).await.unwrap();
+        assert!(!seen.singleton);
+        w.open(&seen, WritePath::Guarded).await.unwrap();
+    }
+    store::set_entity_singleton(&w.pool, w.org, entity, true)
+        .await
+        .unwrap();
+    assert_eq!(w.open_count(policy.id, entity).await, 2);
+    assert!(
+        invariants::duplicate_open(&w.pool)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
 /// A policy that may have many open incidents still opens one per message:
 /// a redelivery of the same message is refused by the guard.
 #[tokio::test]
