@@ -181,6 +181,9 @@ async fn produce(queue: &PgQueue, setup: &Setup, args: &DemoArgs) -> anyhow::Res
         "not json",
         r#"{"organization_id": 1, "entity": "", "attributes": {}}"#,
         r#"{"organization_id": 999999, "entity": "ghost", "attributes": {}}"#,
+        // jsonb cannot hold \u0000: refused as malformed, never retried
+        // into the database.
+        r#"{"organization_id": 1, "entity": "nul", "attributes": {"k": "\u0000"}}"#,
     ]
     .into_iter()
     .enumerate()
@@ -575,7 +578,7 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     v.check(
         checked.i1(),
         format!(
-            "I1: {} singleton (policy, entity) pairs with two OPEN incidents{}",
+            "I1: {} incidents opened while another of their singleton (policy, entity) was OPEN{}",
             checked.i1_duplicate_open.len(),
             if args.rollout < 100 {
                 format!(" (rollout {}%: the plain path has no guard)", args.rollout)

@@ -55,6 +55,9 @@ impl Error {
             Error::Unauthorized(_) => "unauthorized",
             Error::Pgonce(pgonce::Error::Conflict { .. }) => "conflict",
             Error::Pgonce(pgonce::Error::Invalid { .. }) => "invalid",
+            // An observation over the queue's message limit (a body limit
+            // configured above it lets one through the HTTP layer).
+            Error::Pgonce(pgonce::Error::MessageTooLarge { .. }) => "payload_too_large",
             Error::Pgonce(pgonce::Error::LockTimeout { .. }) => "busy",
             Error::Pgonce(pgonce::Error::SerializationFailure { .. }) => "busy",
             Error::Pgonce(pgonce::Error::Unavailable { .. }) => "unavailable",

@@ -31,6 +31,31 @@ pub fn check_name(what: &'static str, s: &str) -> Result<()> {
     Ok(())
 }
 
+/// Checks an entity's attributes: a JSON object whose keys and strings
+/// hold no NUL (`\u0000`), which PostgreSQL's `jsonb` refuses. Refused here
+/// as invalid input, so the API answers 422 and the pipeline counts the
+/// message as malformed, instead of a database error on every delivery.
+pub fn check_attributes(attributes: &Value) -> Result<()> {
+    fn has_nul(v: &Value) -> bool {
+        match v {
+            Value::String(s) => s.contains('\0'),
+            Value::Array(items) => items.iter().any(has_nul),
+            Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+            Value::Null | Value::Bool(_) | Value::Number(_) => false,
+        }
+    }
+    if !attributes.is_object() {
+        return Err(Error::invalid("attributes", "must be a JSON object"));
+    }
+    if has_nul(attributes) {
+        return Err(Error::invalid(
+            "attributes",
+            "must not contain NUL (\\u0000)",
+        ));
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Organization {
     pub id: i64,
@@ -231,10 +256,7 @@ impl Observation {
 
     pub fn validate(&self) -> Result<()> {
         check_name("entity", &self.entity)?;
-        if !self.attributes.is_object() {
-            return Err(Error::invalid("attributes", "must be a JSON object"));
-        }
-        Ok(())
+        check_attributes(&self.attributes)
     }
 
     /// The FIFO message group: one entity's observations are processed in
@@ -254,7 +276,10 @@ impl Observation {
 
 /// Filters and page of an incident listing. Pages are keyset pages, newest
 /// number first: pass the last number seen as `before`.
+/// An unknown parameter is refused (a misspelt filter must not silently
+/// list everything).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct IncidentFilter {
     pub lifecycle: Option<Lifecycle>,
     pub policy_id: Option<i64>,

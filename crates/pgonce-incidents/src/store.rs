@@ -174,9 +174,7 @@ pub async fn upsert_entity(
     attributes: &Value,
 ) -> Result<Entity> {
     check_name("entity", external_id)?;
-    if !attributes.is_object() {
-        return Err(Error::invalid("attributes", "must be a JSON object"));
-    }
+    crate::model::check_attributes(attributes)?;
     let row: EntityRow = sqlx::query_as(include_str!("store/sql/upsert_entity.sql"))
         .bind(organization_id)
         .bind(external_id)

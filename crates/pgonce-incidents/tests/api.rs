@@ -847,6 +847,9 @@ async fn observations_are_queued_in_the_entitys_group_for_the_callers_organizati
         json!({"organization_id": org, "entity": "", "attributes": {}}),
         json!({"organization_id": org, "entity": "a\u{0}", "attributes": {}}),
         json!({"organization_id": org, "entity": "a", "attributes": [1]}),
+        // jsonb refuses \u0000: refused at the door, not queued to fail on
+        // every delivery until it is dead-lettered.
+        json!({"organization_id": org, "entity": "a", "attributes": {"k": "v\u{0}"}}),
         json!({"organization_id": org, "entity": "a", "attributes": {}, "extra": true}),
         json!({"organization_id": "1", "entity": "a", "attributes": {}}),
         json!({"entity": "a", "attributes": {}}),
@@ -923,10 +926,18 @@ async fn malformed_and_hostile_input_gets_json_errors_and_writes_nothing() {
         json!({"external_id": long}),
         json!({"external_id": "a\u{0}"}),
         json!({"external_id": "a", "attributes": "x"}),
+        // jsonb refuses \u0000: refused as input, not a 500.
+        json!({"external_id": "a", "attributes": {"k": "v\u{0}"}}),
+        json!({"external_id": "a", "attributes": {"k\u{0}": 1}}),
+        json!({"external_id": "a", "attributes": {"k": [{"deep": "\u{0}"}]}}),
     ] {
         let a = api.post("/v1/entities", &key, body).await;
         assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
     }
+    // A misspelt filter is refused, not ignored (which would list everything).
+    let a = api.get("/v1/incidents?lifecyle=OPEN", &key).await;
+    assert!(a.status.is_client_error(), "{}", a.status);
+    assert_eq!(a.code(), "invalid", "{}", a.body);
     for (uri, body) in [
         ("/v1/organizations", json!({"name": long})),
         ("/v1/organizations", json!({"name": "a\u{0}"})),
@@ -1036,8 +1047,26 @@ async fn health_readiness_metrics_and_the_openapi_document() {
             .replace("{id}", "1")
             .replace("{prefix}", "abc");
         let method = Method::from_bytes(route.method.as_bytes()).unwrap();
-        let a = api.send(method, &uri, Some("x"), Body::from("{}")).await;
+        let a = api
+            .send(method.clone(), &uri, Some("x"), Body::from("{}"))
+            .await;
         assert_ne!(a.code(), "no_route", "{} {}", route.method, route.path);
+        // Every route that needs credentials refuses none and wrong ones,
+        // before it looks at the body or the ids.
+        if route.auth != openapi::Auth::None {
+            for token in [None, Some("x"), Some("pgo_abc_def")] {
+                let a = api
+                    .send(method.clone(), &uri, token, Body::from("{}"))
+                    .await;
+                assert_eq!(
+                    (a.status, a.code()),
+                    (StatusCode::UNAUTHORIZED, "unauthorized"),
+                    "{} {} with {token:?}",
+                    route.method,
+                    route.path
+                );
+            }
+        }
         assert_ne!(
             a.status,
             StatusCode::METHOD_NOT_ALLOWED,

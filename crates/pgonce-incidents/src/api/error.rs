@@ -69,6 +69,7 @@ impl From<Error> for ApiError {
             "not_found" => StatusCode::NOT_FOUND,
             "invalid_transition" | "already_exists" | "conflict" => StatusCode::CONFLICT,
             "invalid" => StatusCode::UNPROCESSABLE_ENTITY,
+            "payload_too_large" => StatusCode::PAYLOAD_TOO_LARGE,
             "unauthorized" => StatusCode::UNAUTHORIZED,
             "busy" | "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
