@@ -255,7 +255,7 @@ async fn people(
                 store::set_entity_singleton(service.pool(), org, entity.id, false).await?;
             }
         }
-        tokio::time::sleep(Duration::from_millis(40)).await;
+        tokio::time::sleep(Duration::from_millis(120)).await;
     }
     Ok(actions)
 }
