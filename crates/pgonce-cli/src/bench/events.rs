@@ -277,12 +277,16 @@ async fn measure(
     let retries = Arc::new(AtomicU64::new(0));
     let aborts = Arc::new(AtomicU64::new(0));
     let (r, a) = (retries.clone(), aborts.clone());
+    // Tags of this cell only: every strategy starts from tags with no
+    // history. (With tags shared across cells, the strategy measured later
+    // read the earlier cells' events in every decision and paid for them.)
+    let cell = Arc::new(label.to_owned());
     let (m, deadlocks, waiting) = observed(
         pool,
         closed_loop(label, workers, phase, move |worker, _| {
-            let (store, r, a) = (store.clone(), r.clone(), a.clone());
+            let (store, r, a, cell) = (store.clone(), r.clone(), a.clone(), cell.clone());
             async move {
-                let tag = overlap.tag(worker);
+                let tag = format!("{cell}/{}", overlap.tag(worker));
                 let query = Query::item(Vec::<String>::new(), [tag.as_str()])?;
                 let decision = store.decide(&query).await?;
                 let event = Event::new("Booked").tag(&tag);
