@@ -187,12 +187,23 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-/// The queue handler of the pipeline. Cheap to clone (shares counters).
-#[derive(Clone)]
+/// The queue handler of the pipeline. Cheap to clone (shares counters and
+/// the evaluator, which need not be `Clone` itself).
 pub struct ObservationHandler<E> {
     service: Service,
     evaluator: Arc<E>,
     counters: Arc<PipelineCounters>,
+}
+
+// By hand: a derive would ask `E: Clone`, though only the Arc is cloned.
+impl<E> Clone for ObservationHandler<E> {
+    fn clone(&self) -> Self {
+        ObservationHandler {
+            service: self.service.clone(),
+            evaluator: self.evaluator.clone(),
+            counters: self.counters.clone(),
+        }
+    }
 }
 
 impl<E: Evaluator> ObservationHandler<E> {

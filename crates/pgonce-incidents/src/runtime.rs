@@ -17,7 +17,7 @@ use tokio::task::JoinSet;
 use crate::error::{Error, Result};
 use crate::notifier::{Notifier, NotifierConfig, NotifyCounts};
 use crate::pipeline::{
-    ObservationHandler, PipelineCounters, SimulatedEvaluator, SimulatedEvaluatorConfig,
+    Evaluator, ObservationHandler, PipelineCounters, SimulatedEvaluator, SimulatedEvaluatorConfig,
 };
 use crate::service::Service;
 
@@ -106,10 +106,30 @@ pub struct Runtime {
 
 impl Runtime {
     /// Starts everything `config` asks for on `queue` (any [`Queue`]: the
-    /// PostgreSQL one or Amazon SQS).
+    /// PostgreSQL one or Amazon SQS), evaluating policies with the
+    /// [`SimulatedEvaluator`] that `config.evaluator` describes.
     pub fn start<Q>(service: &Service, queue: Q, config: RuntimeConfig) -> Result<Runtime>
     where
         Q: Queue + Clone + 'static,
+    {
+        let evaluator = SimulatedEvaluator::new(config.evaluator.clone())?;
+        Runtime::start_with(service, queue, config, evaluator)
+    }
+
+    /// [`Runtime::start`] with your own [`Evaluator`] (real remote calls, a
+    /// model, a rules engine); `config.evaluator` is then unused. The
+    /// evaluator runs with no database connection held, however long it
+    /// takes: the guarded write checks afterwards that what it decided on
+    /// still holds.
+    pub fn start_with<Q, E>(
+        service: &Service,
+        queue: Q,
+        config: RuntimeConfig,
+        evaluator: E,
+    ) -> Result<Runtime>
+    where
+        Q: Queue + Clone + 'static,
+        E: Evaluator,
     {
         let (stop, stopped) = watch::channel(false);
         let until_stopped = move || {
@@ -118,10 +138,7 @@ impl Runtime {
                 let _ = rx.wait_for(|s| *s).await;
             }
         };
-        let handler = ObservationHandler::new(
-            service.clone(),
-            SimulatedEvaluator::new(config.evaluator.clone())?,
-        );
+        let handler = ObservationHandler::new(service.clone(), evaluator);
         let pipeline = handler.counters();
         let mut tasks = JoinSet::new();
         for _ in 0..config.workers {

@@ -203,3 +203,74 @@ async fn without_the_guard_a_redelivered_message_breaks_i1() {
     }
     drop(runtime);
 }
+
+/// An evaluator of one's own (here: a rule that reads the entity name)
+/// plugged into the runtime: it decides, the pipeline opens the incident.
+#[tokio::test]
+async fn the_runtime_runs_a_pluggable_evaluator() {
+    use pgonce_incidents::model::{Entity, Policy};
+    use pgonce_incidents::pipeline::Evaluator;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// Violated for entities whose name starts with "bad-"; counts calls.
+    struct ByName(Arc<AtomicU64>);
+    impl Evaluator for ByName {
+        async fn evaluate(
+            &self,
+            _policy: &Policy,
+            entity: &Entity,
+            _observation: &Observation,
+        ) -> Result<bool, pgonce::HandlerError> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(entity.external_id.starts_with("bad-"))
+        }
+    }
+
+    let db = fresh_database().await;
+    let pool = db.pool(10).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
+    // The stored rule would never fire: only the evaluator decides.
+    let never = Rule {
+        attribute: "absent".into(),
+        op: Op::Gt,
+        value: 0.0,
+    };
+    store::create_policy(&pool, org.id, "named", Singleton::Always, &never)
+        .await
+        .unwrap();
+    let queue = observations_queue(&pool, Duration::from_secs(5), 5)
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut c = config("http://127.0.0.1:9/unused", Duration::from_secs(5));
+    c.notifier = None;
+    let runtime = Runtime::start_with(&service, queue.clone(), c, ByName(calls.clone())).unwrap();
+    for entity in ["bad-1", "good-1"] {
+        let o = Observation {
+            organization_id: org.id,
+            entity: entity.into(),
+            attributes: json!({}),
+        };
+        queue
+            .send(SendMessage::new(serde_json::to_string(&o).unwrap()).group(o.group()))
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while invariants::tallies(&pool, &[org.id])
+        .await
+        .unwrap()
+        .messages_processed
+        < 2
+    {
+        assert!(Instant::now() < deadline, "the pipeline never finished");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    runtime.shutdown().await.unwrap();
+    assert_eq!(calls.load(Ordering::Relaxed), 2);
+    let tallies = invariants::tallies(&pool, &[org.id]).await.unwrap();
+    assert_eq!(tallies.incidents, 1, "only bad-1 violates");
+}
