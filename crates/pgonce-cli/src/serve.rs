@@ -311,12 +311,17 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
         config.max_receive_count,
     )
     .await?;
+    // Bind before any worker starts: a port in use stops `serve` with one
+    // line and nothing received, rather than aborting workers mid-message.
+    let listener = if api {
+        let bound = tokio::net::TcpListener::bind(config.listen).await;
+        Some(bound.with_context(|| format!("listening on {}", config.listen))?)
+    } else {
+        None
+    };
     let runtime = Runtime::start(&service, queue.clone(), config.runtime_config())?;
-    let served = if api {
+    let served = if let Some(listener) = listener {
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .with_context(|| format!("listening on {}", config.listen))?;
         tracing::info!(listen = %config.listen, "pgonce serve: API and runtime started");
         eprintln!("pgonce: serving on http://{}", listener.local_addr()?);
         axum::serve(listener, api::router(state))
