@@ -65,6 +65,11 @@ impl World {
         self.service.list(self.org, &filter).await.unwrap().len()
     }
 
+    /// I1's violations over the run so far.
+    async fn i1(&self) -> Vec<invariants::DuplicateOpen> {
+        invariants::duplicate_open(&self.pool).await.unwrap()
+    }
+
     async fn open(&self, seen: &Observed, path: WritePath) -> Result<i64, Error> {
         self.service
             .open_from_pipeline(self.org, seen, "test", path)
@@ -101,7 +106,7 @@ async fn a_redelivered_message_opens_one_incident_guarded_and_two_plain() {
         let late = w.service.observe(&policy, entity, "m1").await.unwrap();
         assert_eq!(late.decide(), Decision::AlreadyOpenedByMessage);
     }
-    let i1 = invariants::duplicate_open(&w.pool).await.unwrap();
+    let i1 = w.i1().await;
     assert_eq!(i1.len(), 1, "only the plain path broke I1: {i1:?}");
     assert!(invariants::number_gaps(&w.pool).await.unwrap().is_empty());
 }
@@ -129,7 +134,7 @@ async fn a_duplicate_closed_before_the_check_still_breaks_i1() {
     w.service.acknowledge(w.org, b.id, "on-call").await.unwrap();
     w.service.resolve(w.org, a.id, "on-call").await.unwrap();
     assert_eq!(w.open_count(policy.id, entity).await, 0, "none OPEN now");
-    let i1 = invariants::duplicate_open(&w.pool).await.unwrap();
+    let i1 = w.i1().await;
     assert_eq!(i1.len(), 1, "{i1:?}");
     assert_eq!((i1[0].incident_id, i1[0].while_open_id), (b.id, a.id));
 }
@@ -155,12 +160,7 @@ async fn an_incident_opened_after_the_previous_was_acknowledged_keeps_i1() {
     assert_eq!(after.decide(), Decision::Open);
     w.open(&after, WritePath::Guarded).await.unwrap();
     assert_eq!(w.open_count(policy.id, entity).await, 1);
-    assert!(
-        invariants::duplicate_open(&w.pool)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert!(w.i1().await.is_empty());
 }
 
 /// Singleton-ness is the rule in force when an incident opened: two opened
@@ -179,12 +179,7 @@ async fn incidents_opened_while_many_were_allowed_keep_i1_after_the_rule_changes
         .await
         .unwrap();
     assert_eq!(w.open_count(policy.id, entity).await, 2);
-    assert!(
-        invariants::duplicate_open(&w.pool)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert!(w.i1().await.is_empty());
 }
 
 /// A policy that may have many open incidents still opens one per message:
@@ -221,12 +216,7 @@ async fn a_per_entity_singleton_changed_after_the_decision_is_a_conflict() {
         .unwrap();
     assert!(is_conflict(&w.open(&seen, WritePath::Guarded).await));
     assert_eq!(w.open_count(policy.id, entity).await, 1);
-    assert!(
-        invariants::duplicate_open(&w.pool)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert!(w.i1().await.is_empty());
 }
 
 /// Changing an entity's singleton flag waits for a guarded write of that
