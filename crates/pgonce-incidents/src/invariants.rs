@@ -27,7 +27,7 @@ pub struct DuplicateOpen {
     pub incident_id: i64,
     /// The (lowest id of the) incident that was OPEN when it did.
     pub while_open_id: i64,
-    /// How many incidents of the pair were OPEN at that moment.
+    /// How many other incidents of the pair were OPEN at that moment.
     pub open_at_the_time: i64,
 }
 

@@ -276,6 +276,7 @@ impl Observation {
 
 /// Filters and page of an incident listing. Pages are keyset pages, newest
 /// number first: pass the last number seen as `before`.
+///
 /// An unknown parameter is refused (a misspelt filter must not silently
 /// list everything).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
