@@ -178,6 +178,8 @@ pub struct Tallies {
     /// Incidents a policy opened more than once for one message (the
     /// redelivery duplicates the guard prevents).
     pub opened_twice_for_one_message: i64,
+    /// Incidents declared by hand (no policy).
+    pub declared: i64,
 }
 
 pub async fn tallies(pool: &PgPool, organizations: &[i64]) -> Result<Tallies> {
@@ -188,6 +190,7 @@ pub async fn tallies(pool: &PgPool, organizations: &[i64]) -> Result<Tallies> {
         deliveries_processed,
         messages_processed,
         opened_twice_for_one_message,
+        declared,
     ) = sqlx::query_as(include_str!("invariants/sql/tallies.sql"))
         .bind(organizations)
         .fetch_one(pool)
@@ -199,5 +202,6 @@ pub async fn tallies(pool: &PgPool, organizations: &[i64]) -> Result<Tallies> {
         deliveries_processed,
         messages_processed,
         opened_twice_for_one_message,
+        declared,
     })
 }

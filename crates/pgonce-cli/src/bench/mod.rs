@@ -54,7 +54,7 @@ pub struct BenchArgs {
     pub seconds: Option<f64>,
     /// Runs the compared strategies this many times, alternating which goes
     /// first, and reports the median of each ratio with every run's value
-    /// (suites that support it: guard, sequence).
+    /// (suites that support it: guard, sequence, service).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub repeat: u32,
 }

@@ -8,4 +8,5 @@ SELECT (SELECT count(*) FROM incidents.incidents WHERE organization_id = ANY($1)
        (SELECT coalesce(sum(n - 1), 0)::bigint FROM (
           SELECT count(*) AS n FROM incidents.incidents
            WHERE organization_id = ANY($1) AND source_message_id IS NOT NULL
-           GROUP BY policy_id, source_message_id HAVING count(*) > 1) d)
+           GROUP BY policy_id, source_message_id HAVING count(*) > 1) d),
+       (SELECT count(*) FROM incidents.incidents WHERE organization_id = ANY($1) AND policy_id IS NULL)
