@@ -24,6 +24,12 @@ pub enum Error {
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },
 
+    /// A policy's evaluation failed (its evaluator returned an error: a
+    /// remote call refused or timed out). Transient: the pipeline leaves the
+    /// message on the queue, and its redelivery evaluates again.
+    #[error("evaluating policy {policy:?} failed: {why}")]
+    Evaluation { policy: String, why: String },
+
     /// A name or key that must be unique already exists.
     #[error("{what} already exists")]
     AlreadyExists { what: &'static str },
@@ -51,6 +57,7 @@ impl Error {
             Error::NotFound { .. } => "not_found",
             Error::InvalidTransition { .. } => "invalid_transition",
             Error::Invalid { .. } => "invalid",
+            Error::Evaluation { .. } => "evaluation_failed",
             Error::AlreadyExists { .. } => "already_exists",
             Error::Unauthorized(_) => "unauthorized",
             Error::Pgonce(pgonce::Error::Conflict { .. }) => "conflict",

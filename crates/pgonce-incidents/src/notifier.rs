@@ -94,6 +94,10 @@ pub struct NotifyCounts {
     pub dead: u64,
     /// Completions refused because the lease had been taken over.
     pub lease_lost: u64,
+    /// Jobs whose handling hit a database error (logged). Each stays
+    /// claimed until its lease runs out; the reaper then offers it again,
+    /// and the retry carries the same idempotency key.
+    pub errors: u64,
 }
 
 impl std::ops::AddAssign for NotifyCounts {
@@ -102,6 +106,7 @@ impl std::ops::AddAssign for NotifyCounts {
         self.failed += o.failed;
         self.dead += o.dead;
         self.lease_lost += o.lease_lost;
+        self.errors += o.errors;
     }
 }
 
@@ -135,6 +140,9 @@ impl Notifier {
     }
 
     /// One pass: claims up to `batch` jobs and sends them concurrently.
+    /// An error is returned only when nothing could be claimed; a job that
+    /// fails on its own is counted in [`NotifyCounts::errors`], and the
+    /// others of the pass are still sent and counted.
     pub async fn run_once(&self) -> Result<NotifyCounts> {
         let jobs = job::claim_batch(
             &self.pool,
@@ -143,10 +151,24 @@ impl Notifier {
             self.config.lease,
         )
         .await?;
-        let outcomes = futures::future::join_all(jobs.into_iter().map(|j| self.notify(j))).await;
+        let outcomes = futures::future::join_all(jobs.into_iter().map(|j| async move {
+            let job_id = j.lease.job_id;
+            self.notify(j).await.unwrap_or_else(|e| {
+                tracing::warn!(
+                    job = job_id,
+                    "notification job failed; the reaper retries it after its lease: {e}"
+                );
+                metrics::counter!("pgonce_incidents_notification_errors_total").increment(1);
+                NotifyCounts {
+                    errors: 1,
+                    ..NotifyCounts::default()
+                }
+            })
+        }))
+        .await;
         let mut counts = NotifyCounts::default();
         for outcome in outcomes {
-            counts += outcome?;
+            counts += outcome;
         }
         Ok(counts)
     }

@@ -267,7 +267,10 @@ impl<E: Evaluator> ObservationHandler<E> {
         for ((policy, seen), verdict) in policies.iter().zip(&seen).zip(verdicts) {
             let violated = verdict.map_err(|e| {
                 bump(&c.evaluation_failures);
-                Error::invalid("evaluation", e.to_string())
+                Error::Evaluation {
+                    policy: policy.name.clone(),
+                    why: e.to_string(),
+                }
             })?;
             if !violated {
                 continue;

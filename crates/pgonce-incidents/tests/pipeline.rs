@@ -153,24 +153,63 @@ async fn the_pipeline_keeps_every_invariant_under_redelivery_and_a_killed_worker
     assert!(summary.workers.received > 0);
 }
 
+/// A migrated database with organization `acme` and one singleton policy.
+struct Acme {
+    _db: pgonce_testkit::ScratchDatabase,
+    pool: sqlx::PgPool,
+    service: Service,
+    org: i64,
+}
+
+fn cpu_over_50() -> Rule {
+    Rule {
+        attribute: "cpu".into(),
+        op: Op::Gt,
+        value: 50.0,
+    }
+}
+
+/// Sends an observation of `entity` in its entity's group.
+async fn send(queue: &pgonce::PgQueue, org: i64, entity: &str, attributes: serde_json::Value) {
+    let o = Observation {
+        organization_id: org,
+        entity: entity.into(),
+        attributes,
+    };
+    queue
+        .send(SendMessage::new(serde_json::to_string(&o).unwrap()).group(o.group()))
+        .await
+        .unwrap();
+}
+
+async fn acme_with_policy(name: &str, rule: &Rule) -> Acme {
+    let db = fresh_database().await;
+    let pool = db.pool(20).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
+    store::create_policy(&pool, org.id, name, Singleton::Always, rule)
+        .await
+        .unwrap();
+    Acme {
+        _db: db,
+        pool,
+        service,
+        org: org.id,
+    }
+}
+
 /// The plain path (rollout 0) is the seed's bug: the same redelivery
 /// pattern leaves a singleton policy with two OPEN incidents for an entity.
 #[tokio::test]
 async fn without_the_guard_a_redelivered_message_breaks_i1() {
-    let db = fresh_database().await;
-    let pool = db.pool(20).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
+    let Acme {
+        _db,
+        pool,
+        service,
+        org,
+    } = acme_with_policy("one", &cpu_over_50()).await;
     store::set_rollout_percent(&pool, 0).await.unwrap();
-    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
-    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
-    let rule = Rule {
-        attribute: "cpu".into(),
-        op: Op::Gt,
-        value: 50.0,
-    };
-    store::create_policy(&pool, org.id, "one", Singleton::Always, &rule)
-        .await
-        .unwrap();
     let receiver = WebhookReceiver::start(ReceiverFaults::default())
         .await
         .unwrap();
@@ -187,15 +226,7 @@ async fn without_the_guard_a_redelivered_message_breaks_i1() {
         slow_latency: visibility + Duration::from_millis(100),
     };
     let runtime = Runtime::start(&service, queue.clone(), c).unwrap();
-    let o = Observation {
-        organization_id: org.id,
-        entity: "e".into(),
-        attributes: json!({ "cpu": 90 }),
-    };
-    queue
-        .send(SendMessage::new(serde_json::to_string(&o).unwrap()).group(o.group()))
-        .await
-        .unwrap();
+    send(&queue, org, "e", json!({ "cpu": 90 })).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     while invariants::duplicate_open(&pool).await.unwrap().is_empty() {
         assert!(Instant::now() < deadline, "the plain path never duplicated");
@@ -227,20 +258,18 @@ async fn the_runtime_runs_a_pluggable_evaluator() {
         }
     }
 
-    let db = fresh_database().await;
-    let pool = db.pool(10).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
-    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
-    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
     // The stored rule would never fire: only the evaluator decides.
     let never = Rule {
         attribute: "absent".into(),
         op: Op::Gt,
         value: 0.0,
     };
-    store::create_policy(&pool, org.id, "named", Singleton::Always, &never)
-        .await
-        .unwrap();
+    let Acme {
+        _db,
+        pool,
+        service,
+        org,
+    } = acme_with_policy("named", &never).await;
     let queue = observations_queue(&pool, Duration::from_secs(5), 5)
         .await
         .unwrap();
@@ -249,18 +278,10 @@ async fn the_runtime_runs_a_pluggable_evaluator() {
     c.notifier = None;
     let runtime = Runtime::start_with(&service, queue.clone(), c, ByName(calls.clone())).unwrap();
     for entity in ["bad-1", "good-1"] {
-        let o = Observation {
-            organization_id: org.id,
-            entity: entity.into(),
-            attributes: json!({}),
-        };
-        queue
-            .send(SendMessage::new(serde_json::to_string(&o).unwrap()).group(o.group()))
-            .await
-            .unwrap();
+        send(&queue, org, entity, json!({})).await;
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    while invariants::tallies(&pool, &[org.id])
+    while invariants::tallies(&pool, &[org])
         .await
         .unwrap()
         .messages_processed
@@ -271,6 +292,74 @@ async fn the_runtime_runs_a_pluggable_evaluator() {
     }
     runtime.shutdown().await.unwrap();
     assert_eq!(calls.load(Ordering::Relaxed), 2);
-    let tallies = invariants::tallies(&pool, &[org.id]).await.unwrap();
+    let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
     assert_eq!(tallies.incidents, 1, "only bad-1 violates");
+}
+
+/// An evaluator that fails (a remote call refused) is a typed, transient
+/// error: the message is not recorded as processed and nothing is opened;
+/// its redelivery evaluates again and opens the incident once.
+#[tokio::test]
+async fn a_failed_evaluation_leaves_the_message_for_its_redelivery() {
+    use pgonce::ReceiveRequest;
+    use pgonce_incidents::model::{Entity, Policy};
+    use pgonce_incidents::pipeline::{Evaluator, ObservationHandler};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// Fails its first call, then finds every observation in violation.
+    struct FailsOnce(Arc<AtomicU64>);
+    impl Evaluator for FailsOnce {
+        async fn evaluate(
+            &self,
+            _policy: &Policy,
+            _entity: &Entity,
+            _observation: &Observation,
+        ) -> Result<bool, pgonce::HandlerError> {
+            match self.0.fetch_add(1, Ordering::Relaxed) {
+                0 => Err("remote policy engine refused the connection".into()),
+                _ => Ok(true),
+            }
+        }
+    }
+
+    let Acme {
+        _db,
+        pool,
+        service,
+        org,
+    } = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let queue = observations_queue(&pool, Duration::from_millis(100), 5)
+        .await
+        .unwrap();
+    send(&queue, org, "e", json!({ "cpu": 90 })).await;
+    let handler = ObservationHandler::new(service, FailsOnce(Arc::new(AtomicU64::new(0))));
+    let receive = async || {
+        let wait = ReceiveRequest {
+            wait: Duration::from_secs(5),
+            ..ReceiveRequest::up_to(1)
+        };
+        queue.receive(wait).await.unwrap().remove(0)
+    };
+
+    let first = receive().await;
+    let err = handler.process(&first).await.unwrap_err();
+    assert!(
+        matches!(&err, pgonce_incidents::Error::Evaluation { policy, .. } if policy == "cpu-high"),
+        "{err}"
+    );
+    assert_eq!(err.code(), "evaluation_failed");
+    let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
+    assert_eq!((tallies.messages_processed, tallies.incidents), (0, 0));
+
+    // The visibility timeout runs out; the redelivery succeeds.
+    let again = receive().await;
+    assert_eq!(
+        (again.id.as_str(), again.receive_count),
+        (first.id.as_str(), 2)
+    );
+    handler.process(&again).await.unwrap();
+    let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
+    assert_eq!((tallies.messages_processed, tallies.incidents), (1, 1));
+    assert_eq!(handler.counters().snapshot().evaluation_failures, 1);
 }

@@ -71,7 +71,7 @@ impl From<Error> for ApiError {
             "invalid" => StatusCode::UNPROCESSABLE_ENTITY,
             "payload_too_large" => StatusCode::PAYLOAD_TOO_LARGE,
             "unauthorized" => StatusCode::UNAUTHORIZED,
-            "busy" | "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+            "busy" | "unavailable" | "evaluation_failed" => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {

@@ -1,0 +1,58 @@
+//! The notifier's pass against a real PostgreSQL and a local webhook
+//! receiver: a job that fails on its own does not cost the others of the
+//! pass their sending or their count.
+
+use pgonce::job::{self, NewJob};
+use pgonce_incidents::model::Declaration;
+use pgonce_incidents::service::NOTIFY_JOB_KIND;
+use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
+use pgonce_incidents::{Notifier, NotifierConfig, Service, ServiceConfig, store};
+use pgonce_testkit::fresh_database;
+use serde_json::json;
+
+#[tokio::test]
+async fn a_job_that_fails_is_counted_and_the_rest_of_the_pass_is_sent() {
+    let db = fresh_database().await;
+    let pool = db.pool(10).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
+    let mut incidents = Vec::new();
+    for title in ["db down", "queue stuck"] {
+        let d = Declaration {
+            title: title.into(),
+            entity: None,
+            idempotency_key: None,
+        };
+        incidents.push(service.declare(org.id, &d, "alice").await.unwrap());
+    }
+    // A second job for the first incident (a bug elsewhere): whichever of
+    // the two records its notification second violates the primary key of
+    // incidents.notifications, a database error inside that job only.
+    job::enqueue(
+        &pool,
+        &NewJob::new(NOTIFY_JOB_KIND, json!({ "incident_id": incidents[0].id })),
+    )
+    .await
+    .unwrap();
+
+    let receiver = WebhookReceiver::start(ReceiverFaults::default())
+        .await
+        .unwrap();
+    let notifier = Notifier::new(&service, NotifierConfig::new(receiver.url())).unwrap();
+    let counts = notifier.run_once().await.unwrap();
+    assert_eq!((counts.sent, counts.errors), (2, 1), "{counts:?}");
+
+    let notified: Vec<i64> =
+        sqlx::query_scalar("SELECT incident_id FROM incidents.notifications ORDER BY 1")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(notified, [incidents[0].id, incidents[1].id], "one row each");
+    let still_claimed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs WHERE status = 'processing'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(still_claimed, 1, "the failed job waits for the reaper");
+}
