@@ -246,11 +246,16 @@ fn bench_service_quick_prints_the_p99_in_one_json_object() {
             .iter()
             .any(|r| r["strategy"] == "advisory-lock" && r["p99_ms"].as_f64().is_some())
     );
-    assert!(
-        report["ratios"]["table_lock_p99_vs_advisory_p99"]
-            .as_f64()
-            .is_some()
-    );
+    for ratio in [
+        "table_lock_p99_vs_advisory_p99",
+        "counter_row_p99_vs_advisory_p99",
+        "advisory_vs_table_lock_declarations",
+    ] {
+        assert!(report["ratios"][ratio].as_f64().is_some(), "{ratio}");
+    }
+    let goal = &report["sections"]["goals (performance; not part of the verdict)"][0];
+    assert!(goal["measured_ms"].as_f64().is_some(), "{goal}");
+    assert_eq!(goal["goal_ms"], 150.0);
 }
 
 /// A URL for a fresh test database (the shared test server, or the
