@@ -624,7 +624,7 @@ async fn ingest(
         message = message.group(observation.group());
     }
     if let Some(key) = idempotency_header(&headers)? {
-        message = message.dedup(key);
+        message = message.dedup(observation.dedup_id(&key));
     }
     let sent = (state.inner.ingest)(message).await.map_err(Error::from)?;
     metrics::counter!("pgonce_incidents_api_observations_total").increment(1);

@@ -264,14 +264,28 @@ impl Observation {
     /// `<org>/<entity>`, or `<org>/sha256:<hex>` when that would exceed a
     /// FIFO group id's 128 characters (entities may have 200).
     pub fn group(&self) -> String {
-        let plain = format!("{}/{}", self.organization_id, self.entity);
-        if plain.chars().count() <= 128 {
-            return plain;
-        }
-        use sha2::{Digest, Sha256};
-        let digest = Sha256::digest(self.entity.as_bytes());
-        format!("{}/sha256:{}", self.organization_id, hex::encode(digest))
+        scoped_id(self.organization_id, &self.entity)
     }
+
+    /// The queue's deduplication id for a client's idempotency key, scoped
+    /// to the organization: the queue deduplicates across all of them, and
+    /// one organization's key must never drop another's observation. Same
+    /// form as [`Observation::group`].
+    pub fn dedup_id(&self, idempotency_key: &str) -> String {
+        scoped_id(self.organization_id, idempotency_key)
+    }
+}
+
+/// `<org>/<text>`, or `<org>/sha256:<hex>` when that would exceed the 128
+/// characters of a FIFO group or deduplication id.
+fn scoped_id(organization_id: i64, text: &str) -> String {
+    let plain = format!("{organization_id}/{text}");
+    if plain.chars().count() <= 128 {
+        return plain;
+    }
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(text.as_bytes());
+    format!("{organization_id}/sha256:{}", hex::encode(digest))
 }
 
 /// Filters and page of an incident listing. Pages are keyset pages, newest

@@ -872,6 +872,20 @@ async fn observations_are_queued_in_the_entitys_group_for_the_callers_organizati
         assert_eq!(a.body["duplicate"], duplicate);
     }
     assert_eq!(api.queue.stats().await.unwrap().depth, 1);
+
+    // The same key from another organization is that organization's own:
+    // queued, not taken for acme's resend. A key too long for a queue's
+    // deduplication id is accepted too.
+    let (globex, other_key) = api.organization("globex").await;
+    let theirs = json!({"organization_id": globex, "entity": "db-1", "attributes": {"cpu": 95}});
+    for key in ["obs-1", &"k".repeat(300)] {
+        let a = api
+            .post_with_key("/v1/observations", &other_key, key, theirs.clone())
+            .await;
+        assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+        assert_eq!(a.body["duplicate"], false, "{key}");
+    }
+    assert_eq!(api.queue.stats().await.unwrap().depth, 3);
 }
 
 #[tokio::test]
