@@ -43,6 +43,11 @@ use crate::store;
 pub const ENTITY_LOCK_NAMESPACE: &str = "pgonce-incidents/entity";
 /// The lock namespace of idempotent declarations (key: `<org>/<key>`).
 pub const DECLARATION_LOCK_NAMESPACE: &str = "pgonce-incidents/declaration";
+/// Longest a feed page keeps settling a gap or scanning past other
+/// organizations' positions when the caller asked for a shorter wait.
+pub const FEED_GAP_WAIT: Duration = Duration::from_secs(1);
+/// How often a feed page looks at a gap again.
+const FEED_GAP_RECHECK: Duration = Duration::from_millis(5);
 /// The job kind of incident notifications (payload `{"incident_id": n}`).
 pub const NOTIFY_JOB_KIND: &str = "incident-notification";
 
@@ -674,6 +679,15 @@ impl Service {
     /// catch-up [`pgonce::Subscription`]. Waits up to `wait` for the first
     /// event (long poll), polling every 100 ms. Returns the events (at most
     /// `limit`) and the position to pass as `after` next.
+    ///
+    /// Positions are shared by every organization, so a page examines
+    /// `limit` positions at a time and moves on at once over other
+    /// organizations' events. A gap (a position whose append is still
+    /// running, or was rolled back) is looked at again every few
+    /// milliseconds, even with `wait` zero, for up to [`FEED_GAP_WAIT`]:
+    /// a rolled-back position is passed on the second look, so it never
+    /// stalls a client that does not wait. Without an event, the page is
+    /// empty and `next` the horizon reached.
     pub async fn feed(
         &self,
         organization_id: i64,
@@ -698,13 +712,31 @@ impl Service {
                 ..Default::default()
             })
             .await?;
-        let deadline = tokio::time::Instant::now() + wait;
+        let started = tokio::time::Instant::now();
+        let deadline = started + wait;
+        // Scanning other organizations' positions and settling gaps may
+        // run past a short `wait`, up to this.
+        let busy_deadline = deadline.max(started + FEED_GAP_WAIT);
         loop {
-            let (events, _) = subscription.run_once().await?;
-            if !events.is_empty() || tokio::time::Instant::now() >= deadline {
+            let (events, polled) = subscription.run_once().await?;
+            let now = tokio::time::Instant::now();
+            if !events.is_empty() {
                 return Ok((events, subscription.horizon()));
             }
-            tokio::time::sleep(Duration::from_millis(100).min(wait)).await;
+            let pause = if polled.advanced > 0 {
+                // Moved over other organizations' events: look further now.
+                Duration::ZERO
+            } else if polled.waiting_on_gap {
+                FEED_GAP_RECHECK
+            } else if now < deadline {
+                Duration::from_millis(100).min(wait)
+            } else {
+                return Ok((events, subscription.horizon()));
+            };
+            if now >= busy_deadline {
+                return Ok((events, subscription.horizon()));
+            }
+            tokio::time::sleep(pause).await;
         }
     }
 

@@ -444,6 +444,56 @@ async fn the_lifecycle_moves_forward_once_and_is_on_the_timeline() {
     assert!(after.is_empty());
 }
 
+/// A feed page gets past a rolled-back position and past other
+/// organizations' events without the caller waiting (wait zero), even one
+/// position at a time (limit one).
+#[tokio::test]
+async fn the_feed_passes_a_rolled_back_position_and_other_organizations_events_at_once() {
+    use pgonce::events::Event;
+    let w = world().await;
+    let (other, _) = store::create_organization(&w.pool, "other").await.unwrap();
+    // A position drawn and rolled back: a hole that will never fill.
+    let events = pgonce::EventStore::new(w.pool.clone(), Default::default()).unwrap();
+    let mut tx = w.pool.begin().await.unwrap();
+    events
+        .append_in(
+            &mut tx,
+            &[Event::new("Abandoned").tag(format!("org:{}", w.org))],
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let declaration = |title: &str| Declaration {
+        title: title.into(),
+        entity: None,
+        idempotency_key: None,
+    };
+    for i in 0..3 {
+        w.service
+            .declare(other.id, &declaration(&format!("theirs {i}")), "bob")
+            .await
+            .unwrap();
+    }
+    let ours = w
+        .service
+        .declare(w.org, &declaration("ours"), "alice")
+        .await
+        .unwrap();
+    let (page, next) = w.service.feed(w.org, 0, 1, Duration::ZERO).await.unwrap();
+    assert_eq!(page.len(), 1, "{page:?}");
+    assert_eq!(page[0].event.event_type, "IncidentOpened");
+    assert_eq!(page[0].event.data["title"], "ours");
+    assert_eq!(next, page[0].position);
+    let (rest, last) = w
+        .service
+        .feed(w.org, next, 1, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(rest.is_empty());
+    assert_eq!(last, next, "nothing after it");
+    assert_eq!(w.service.get(w.org, ours.id).await.unwrap().number, 1);
+}
+
 /// Bad input is a typed error and writes nothing.
 #[tokio::test]
 async fn bad_input_is_a_typed_error_and_writes_nothing() {
