@@ -35,7 +35,8 @@ pub fn idempotency_key(incident_id: i64) -> String {
 /// Settings of a [`Notifier`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct NotifierConfig {
-    /// Where to POST (http only unless built with TLS). Required.
+    /// Where to POST: an `http` or `https` URL (TLS by rustls, with the
+    /// bundled Mozilla roots). Required.
     pub webhook_url: String,
     /// Jobs claimed per pass. Default 16; at least 1.
     pub batch: i64,

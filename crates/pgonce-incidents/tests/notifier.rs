@@ -56,3 +56,42 @@ async fn a_job_that_fails_is_counted_and_the_rest_of_the_pass_is_sent() {
             .unwrap();
     assert_eq!(still_claimed, 1, "the failed job waits for the reaper");
 }
+
+/// The webhook client speaks TLS to an `https` URL: the receiver's first
+/// bytes are a TLS handshake record (a ClientHello). This listener answers
+/// nothing, so the send fails and is retried like any unreachable webhook.
+#[tokio::test]
+async fn an_https_webhook_gets_a_tls_handshake() {
+    use tokio::io::AsyncReadExt;
+    let db = fresh_database().await;
+    let pool = db.pool(4).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
+    let d = Declaration {
+        title: "db down".into(),
+        entity: None,
+        idempotency_key: None,
+    };
+    service.declare(org.id, &d, "alice").await.unwrap();
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let first_bytes = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut head = [0u8; 3];
+        socket.read_exact(&mut head).await.unwrap();
+        head
+    });
+    let mut config = NotifierConfig::new(format!("https://127.0.0.1:{port}/hook"));
+    config.timeout = std::time::Duration::from_secs(2);
+    let notifier = Notifier::new(&service, config).unwrap();
+    let counts = notifier.run_once().await.unwrap();
+    assert_eq!((counts.sent, counts.failed), (0, 1), "{counts:?}");
+    // 0x16: handshake record; 0x03: TLS major version.
+    let head = tokio::time::timeout(std::time::Duration::from_secs(5), first_bytes)
+        .await
+        .expect("the client never connected")
+        .unwrap();
+    assert_eq!(&head[..2], &[0x16, 0x03], "{head:?}");
+}
