@@ -3,29 +3,37 @@
 //! pass their sending or their count.
 
 use pgonce::job::{self, NewJob};
-use pgonce_incidents::model::Declaration;
+use pgonce_incidents::model::{Declaration, Incident};
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
 use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_incidents::{Notifier, NotifierConfig, Service, ServiceConfig, store};
-use pgonce_testkit::fresh_database;
+use pgonce_testkit::{ScratchDatabase, fresh_database};
 use serde_json::json;
+use sqlx::PgPool;
 
-#[tokio::test]
-async fn a_job_that_fails_is_counted_and_the_rest_of_the_pass_is_sent() {
+/// A migrated database where alice declared one incident per title in
+/// organization `acme` (each with its notification job).
+async fn declared(titles: &[&str]) -> (ScratchDatabase, PgPool, Service, Vec<Incident>) {
     let db = fresh_database().await;
     let pool = db.pool(10).await.unwrap();
     pgonce_incidents::migrate(&pool).await.unwrap();
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
     let mut incidents = Vec::new();
-    for title in ["db down", "queue stuck"] {
+    for title in titles {
         let d = Declaration {
-            title: title.into(),
+            title: (*title).into(),
             entity: None,
             idempotency_key: None,
         };
         incidents.push(service.declare(org.id, &d, "alice").await.unwrap());
     }
+    (db, pool, service, incidents)
+}
+
+#[tokio::test]
+async fn a_job_that_fails_is_counted_and_the_rest_of_the_pass_is_sent() {
+    let (_db, pool, service, incidents) = declared(&["db down", "queue stuck"]).await;
     // A second job for the first incident (a bug elsewhere): whichever of
     // the two records its notification second violates the primary key of
     // incidents.notifications, a database error inside that job only.
@@ -63,17 +71,7 @@ async fn a_job_that_fails_is_counted_and_the_rest_of_the_pass_is_sent() {
 #[tokio::test]
 async fn an_https_webhook_gets_a_tls_handshake() {
     use tokio::io::AsyncReadExt;
-    let db = fresh_database().await;
-    let pool = db.pool(4).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
-    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
-    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
-    let d = Declaration {
-        title: "db down".into(),
-        entity: None,
-        idempotency_key: None,
-    };
-    service.declare(org.id, &d, "alice").await.unwrap();
+    let (_db, _pool, service, _) = declared(&["db down"]).await;
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
