@@ -68,6 +68,13 @@ impl Error {
             Error::Pgonce(pgonce::Error::LockTimeout { .. }) => "busy",
             Error::Pgonce(pgonce::Error::SerializationFailure { .. }) => "busy",
             Error::Pgonce(pgonce::Error::Unavailable { .. }) => "unavailable",
+            // Every pooled connection in use past the pool's acquire timeout:
+            // load, not a bug; the client may retry.
+            Error::Pgonce(pgonce::Error::Database(sqlx::Error::PoolTimedOut)) => "busy",
+            // The database cannot be reached (refused, reset, shut down).
+            Error::Pgonce(pgonce::Error::Database(
+                sqlx::Error::Io(_) | sqlx::Error::PoolClosed,
+            )) => "unavailable",
             Error::Pgonce(_) => "internal",
         }
     }
@@ -88,3 +95,18 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exhausted_pool_is_busy_and_an_unreachable_database_unavailable() {
+        let code = |e: sqlx::Error| Error::from(e).code();
+        assert_eq!(code(sqlx::Error::PoolTimedOut), "busy");
+        assert_eq!(code(sqlx::Error::PoolClosed), "unavailable");
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(code(sqlx::Error::Io(refused)), "unavailable");
+        assert_eq!(code(sqlx::Error::RowNotFound), "internal");
+    }
+}

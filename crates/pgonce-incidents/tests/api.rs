@@ -1090,7 +1090,9 @@ async fn health_readiness_metrics_and_the_openapi_document() {
         );
     }
 
-    // Not ready when the database does not answer; still alive.
+    // Not ready when the database does not answer; still alive. A request
+    // that needs the database is a 503 too, not an internal error.
+    let (_, key) = api.organization("acme").await;
     api.pool.close().await;
     let a = api.get("/readyz", "").await;
     assert_eq!(
@@ -1098,4 +1100,11 @@ async fn health_readiness_metrics_and_the_openapi_document() {
         (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
     );
     assert_eq!(api.get("/healthz", "").await.status, StatusCode::OK);
+    let a = api.get("/v1/incidents", &key).await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+        "{}",
+        a.body
+    );
 }
