@@ -9,8 +9,8 @@
 //! timeout shorter than the slow tail of the evaluation, so the slow
 //! messages are delivered again while their first worker is still busy;
 //! people declaring, acknowledging and resolving incidents by hand; and,
-//! part-way, one worker process killed (its messages and claimed
-//! notifications must come back). The report counts what happened and
+//! part-way, one worker runtime killed (its tasks aborted mid-message; its
+//! messages and claimed notifications must come back). The report counts what happened and
 //! checks I1, I2, I3 and I6; the exit code is 0 iff all hold.
 
 use std::collections::BTreeSet;
@@ -341,8 +341,10 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     let visibility = Duration::from_millis(args.visibility_ms);
     let queue = observations_queue(&pool, visibility, 10).await?;
 
-    // Two worker processes; the second also runs the notifier, and is
-    // killed part-way.
+    // Two worker runtimes (each what one `pgonce worker` process runs, in
+    // this process); the second also runs the notifier, and is killed
+    // part-way: dropping a Runtime aborts its tasks where they stand, with
+    // no ack, heartbeat or completion, as a killed process would.
     let first = Runtime::start(
         &service,
         queue.clone(),
@@ -386,10 +388,10 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
             tallies.incidents, seen.redeliveries, seen.conflicts
         ));
         if second.is_some() && done * 5 >= expected * 2 {
-            // Kill a worker process mid-flight, notifier included; start a
+            // Kill a worker runtime mid-flight, notifier included; start a
             // replacement as an orchestrator would.
             drop(second.take());
-            bar.println("demo: killed worker process 2 (its messages and claimed notifications must come back)");
+            bar.println("demo: killed worker runtime 2 (its messages and claimed notifications must come back)");
             let r = Runtime::start(
                 &service,
                 queue.clone(),

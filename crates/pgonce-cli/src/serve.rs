@@ -145,6 +145,7 @@ impl ServeConfig {
         };
         env_override(&env, "PGONCE_LISTEN", &mut config.listen)?;
         env_override_option(&env, "DATABASE_URL", &mut config.database_url);
+        env_override_option(&env, "PGONCE_DATABASE_URL", &mut config.database_url);
         env_override(&env, "PGONCE_MAX_CONNECTIONS", &mut config.max_connections)?;
         env_override_option(&env, "PGONCE_ADMIN_TOKEN", &mut config.admin_token);
         env_override(&env, "PGONCE_BODY_LIMIT", &mut config.body_limit)?;
@@ -212,6 +213,10 @@ impl ServeConfig {
         Ok(())
     }
 
+    fn visibility(&self) -> Duration {
+        Duration::from_secs(self.visibility_timeout_secs)
+    }
+
     fn api_config(&self) -> ApiConfig {
         ApiConfig {
             admin_token: self.admin_token.clone(),
@@ -223,8 +228,15 @@ impl ServeConfig {
     fn runtime_config(&self) -> RuntimeConfig {
         RuntimeConfig {
             workers: self.workers,
+            // A message still being handled keeps its visibility: the
+            // heartbeat extends it by a whole timeout every third of one
+            // (a fixed 10 s heartbeat would let a shorter timeout run out
+            // mid-evaluation and hand the message to a second worker).
             worker: WorkerConfig {
                 concurrency: self.concurrency,
+                visibility: Some(self.visibility()),
+                heartbeat_interval: Some(self.visibility() / 3),
+                heartbeat_extension: self.visibility(),
                 ..WorkerConfig::default()
             },
             evaluator: SimulatedEvaluatorConfig {
@@ -305,12 +317,7 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
     let url = config.database_url.as_deref().expect("validated");
     let pool = connect(url, config.max_connections).await?;
     let service = Service::new(pool.clone(), ServiceConfig::default())?;
-    let queue = observations_queue(
-        &pool,
-        Duration::from_secs(config.visibility_timeout_secs),
-        config.max_receive_count,
-    )
-    .await?;
+    let queue = observations_queue(&pool, config.visibility(), config.max_receive_count).await?;
     // Bind before any worker starts: a port in use stops `serve` with one
     // line and nothing received, rather than aborting workers mid-message.
     let listener = if api {
@@ -408,6 +415,31 @@ mod tests {
         assert_eq!(both.listen.to_string(), "0.0.0.0:9000");
         assert_eq!(both.database_url.as_deref(), Some("postgres://env/db"));
         both.validate().unwrap();
+
+        // PGONCE_DATABASE_URL, like every other key, and over DATABASE_URL.
+        let vars = env(&[
+            ("DATABASE_URL", "postgres://env/db"),
+            ("PGONCE_DATABASE_URL", "postgres://pgonce/db"),
+        ]);
+        let url = ServeConfig::load(None, vars).unwrap().database_url;
+        assert_eq!(url.as_deref(), Some("postgres://pgonce/db"));
+    }
+
+    #[test]
+    fn a_short_visibility_timeout_gets_a_heartbeat_inside_it() {
+        for secs in [1, 3, 30] {
+            let config = ServeConfig {
+                database_url: Some("postgres://x/y".into()),
+                visibility_timeout_secs: secs,
+                ..ServeConfig::default()
+            };
+            config.validate().unwrap();
+            let worker = config.runtime_config().worker;
+            worker.validate().unwrap();
+            let visibility = Duration::from_secs(secs);
+            assert!(worker.heartbeat_interval.unwrap() < visibility, "{secs} s");
+            assert_eq!(worker.heartbeat_extension, visibility);
+        }
     }
 
     #[test]
