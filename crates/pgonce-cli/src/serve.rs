@@ -7,7 +7,9 @@
 //! `DATABASE_URL`), then command-line flags. Validated before anything
 //! starts. Both commands migrate on start, install the Prometheus recorder,
 //! and stop gracefully on Ctrl-C or SIGTERM: stop accepting, finish
-//! in-flight requests, then [`Runtime::shutdown`].
+//! in-flight requests, then [`Runtime::shutdown`]. `serve` has `/metrics`,
+//! `/healthz` and `/readyz` beside the API; `worker` serves them alone on
+//! `metrics_listen` when it is set.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -73,6 +75,9 @@ pub struct ServeConfig {
     pub max_receive_count: u32,
     /// Webhook the notifier POSTs to; no notifier without one. Default none.
     pub webhook_url: Option<String>,
+    /// `pgonce worker` only: where to serve `/metrics`, `/healthz` and
+    /// `/readyz` (`serve` has them on `listen`). Default none.
+    pub metrics_listen: Option<SocketAddr>,
     /// The simulated evaluator: least latency (ms, default 200), extra
     /// jitter (ms, default 100), failure rate in [0, 1] (default 0).
     pub evaluator_latency_ms: u64,
@@ -94,6 +99,7 @@ impl Default for ServeConfig {
             visibility_timeout_secs: 30,
             max_receive_count: 5,
             webhook_url: None,
+            metrics_listen: None,
             evaluator_latency_ms: 200,
             evaluator_jitter_ms: 100,
             evaluator_failure_rate: 0.0,
@@ -118,14 +124,22 @@ where
     Ok(())
 }
 
-fn env_override_option(
+/// Sets an optional `slot` from `name`, if set and not empty.
+fn env_override_option<T: FromStr>(
     env: &impl Fn(&str) -> Option<String>,
     name: &str,
-    slot: &mut Option<String>,
-) {
+    slot: &mut Option<T>,
+) -> anyhow::Result<()>
+where
+    T::Err: std::fmt::Display,
+{
     if let Some(value) = env(name).filter(|v| !v.is_empty()) {
-        *slot = Some(value);
+        let parsed = value
+            .parse()
+            .map_err(|e| anyhow::anyhow!("environment variable {name}={value:?}: {e}"))?;
+        *slot = Some(parsed);
     }
+    Ok(())
 }
 
 impl ServeConfig {
@@ -144,10 +158,10 @@ impl ServeConfig {
             None => ServeConfig::default(),
         };
         env_override(&env, "PGONCE_LISTEN", &mut config.listen)?;
-        env_override_option(&env, "DATABASE_URL", &mut config.database_url);
-        env_override_option(&env, "PGONCE_DATABASE_URL", &mut config.database_url);
+        env_override_option(&env, "DATABASE_URL", &mut config.database_url)?;
+        env_override_option(&env, "PGONCE_DATABASE_URL", &mut config.database_url)?;
         env_override(&env, "PGONCE_MAX_CONNECTIONS", &mut config.max_connections)?;
-        env_override_option(&env, "PGONCE_ADMIN_TOKEN", &mut config.admin_token);
+        env_override_option(&env, "PGONCE_ADMIN_TOKEN", &mut config.admin_token)?;
         env_override(&env, "PGONCE_BODY_LIMIT", &mut config.body_limit)?;
         env_override(&env, "PGONCE_MAX_WAIT_SECS", &mut config.max_wait_secs)?;
         env_override(&env, "PGONCE_WORKERS", &mut config.workers)?;
@@ -162,7 +176,8 @@ impl ServeConfig {
             "PGONCE_MAX_RECEIVE_COUNT",
             &mut config.max_receive_count,
         )?;
-        env_override_option(&env, "PGONCE_WEBHOOK_URL", &mut config.webhook_url);
+        env_override_option(&env, "PGONCE_WEBHOOK_URL", &mut config.webhook_url)?;
+        env_override_option(&env, "PGONCE_METRICS_LISTEN", &mut config.metrics_listen)?;
         env_override(
             &env,
             "PGONCE_EVALUATOR_LATENCY_MS",
@@ -320,11 +335,14 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
     let queue = observations_queue(&pool, config.visibility(), config.max_receive_count).await?;
     // Bind before any worker starts: a port in use stops `serve` with one
     // line and nothing received, rather than aborting workers mid-message.
-    let listener = if api {
-        let bound = tokio::net::TcpListener::bind(config.listen).await;
-        Some(bound.with_context(|| format!("listening on {}", config.listen))?)
-    } else {
-        None
+    let bind = async |address: SocketAddr| {
+        let bound = tokio::net::TcpListener::bind(address).await;
+        bound.with_context(|| format!("listening on {address}"))
+    };
+    let (listener, operations) = match (api, config.metrics_listen) {
+        (true, _) => (Some(bind(config.listen).await?), None),
+        (false, Some(address)) => (None, Some(bind(address).await?)),
+        (false, None) => (None, None),
     };
     let runtime = Runtime::start(&service, queue.clone(), config.runtime_config())?;
     let served = if let Some(listener) = listener {
@@ -335,6 +353,17 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
             .with_graceful_shutdown(shutdown_signal())
             .await
             .context("serving HTTP")
+    } else if let Some(listener) = operations {
+        let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
+        tracing::info!("pgonce worker: runtime started");
+        eprintln!(
+            "pgonce: metrics on http://{}/metrics",
+            listener.local_addr()?
+        );
+        axum::serve(listener, api::operations_router(state))
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .context("serving metrics")
     } else {
         // The runtime holds its own handles; this one would keep the queue's
         // listener alive past shutdown.

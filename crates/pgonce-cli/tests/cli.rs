@@ -292,44 +292,45 @@ fn fresh_database_url() -> (
     (rt, db, url)
 }
 
-#[test]
-fn serve_answers_then_drains_and_exits_0_on_sigterm() {
-    let (_rt, _db, url) = fresh_database_url();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+/// A free local port (bound, then released for the child to take).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .env("DATABASE_URL", &url)
-        .env("PGONCE_ADMIN_TOKEN", "cli-test-admin-token-000")
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Ready when /readyz answers 200 (migrations done, pool up).
+        .port()
+}
+
+/// `GET path` on the local port, the whole HTTP/1.1 answer, if any.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// Waits until `GET path` on `port` answers 200 (migrations done, pool
+/// up) and returns the answer; the child must not exit meanwhile.
+fn wait_for_200(child: &mut std::process::Child, port: u16, path: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
-    let ready = loop {
-        let answer = std::net::TcpStream::connect(("127.0.0.1", port))
-            .ok()
-            .and_then(|mut s| {
-                use std::io::{Read, Write};
-                s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                    .ok()?;
-                let mut out = String::new();
-                s.read_to_string(&mut out).ok()?;
-                Some(out)
-            });
-        if let Some(a) = answer.filter(|a| a.starts_with("HTTP/1.1 200")) {
-            break a;
+    loop {
+        if let Some(a) = http_get(port, path).filter(|a| a.starts_with("HTTP/1.1 200")) {
+            return a;
         }
-        assert!(Instant::now() < deadline, "serve did not become ready");
-        assert!(child.try_wait().unwrap().is_none(), "serve exited early");
+        assert!(Instant::now() < deadline, "{path} never answered 200");
+        assert!(child.try_wait().unwrap().is_none(), "exited early");
         std::thread::sleep(Duration::from_millis(200));
-    };
-    assert!(ready.contains("ready"), "{ready}");
+    }
+}
+
+/// Sends SIGTERM and expects exit 0 within 30 s, having said it stopped.
+fn sigterm_then_exit_0(mut child: std::process::Child) {
     let killed = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -340,13 +341,75 @@ fn serve_answers_then_drains_and_exits_0_on_sigterm() {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
+        assert!(Instant::now() < deadline, "did not stop on SIGTERM");
         std::thread::sleep(Duration::from_millis(100));
     };
     let mut stderr = String::new();
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert!(status.success(), "{status:?}\n{stderr}");
     assert!(stderr.contains("stopped"), "{stderr}");
+}
+
+#[test]
+fn serve_answers_then_drains_and_exits_0_on_sigterm() {
+    let (_rt, _db, url) = fresh_database_url();
+    let port = free_port();
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .env("DATABASE_URL", &url)
+        .env("PGONCE_ADMIN_TOKEN", "cli-test-admin-token-000")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = wait_for_200(&mut child, port, "/readyz");
+    assert!(ready.contains("ready"), "{ready}");
+    sigterm_then_exit_0(child);
+}
+
+/// `pgonce worker` has no API, but its metrics can be scraped and its
+/// readiness probed on `metrics_listen`.
+#[test]
+fn worker_serves_metrics_and_readiness_on_metrics_listen() {
+    let (rt, db, url) = fresh_database_url();
+    let port = free_port();
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+        .arg("worker")
+        .env("DATABASE_URL", &url)
+        .env("PGONCE_METRICS_LISTEN", format!("127.0.0.1:{port}"))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_200(&mut child, port, "/readyz");
+    // One message for the worker to receive (malformed: it fails, and is
+    // retried, which is all this needs), then its counter in the scrape.
+    rt.block_on(async {
+        use pgonce::Queue;
+        let pool = db.pool(2).await.unwrap();
+        let queue =
+            pgonce_incidents::runtime::observations_queue(&pool, Duration::from_secs(30), 5)
+                .await
+                .unwrap();
+        queue
+            .send(pgonce::SendMessage::new("not an observation").group("cli-test"))
+            .await
+            .unwrap();
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = wait_for_200(&mut child, port, "/metrics");
+        if metrics.contains("pgonce_queue_worker_received_total") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no worker metric: {metrics}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let api = http_get(port, "/v1/incidents").unwrap_or_default();
+    assert!(api.starts_with("HTTP/1.1 404"), "no API here: {api}");
+    sigterm_then_exit_0(child);
 }
 
 #[test]

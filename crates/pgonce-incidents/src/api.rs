@@ -192,14 +192,29 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/incidents/{id}/timeline", get(timeline))
         .route("/v1/events", get(events))
         .route("/v1/observations", post(ingest))
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
         .route("/openapi.json", get(openapi_document))
+        .merge(operations())
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// Only `/metrics`, `/healthz` and `/readyz`: what a process without the
+/// API (`pgonce worker`) serves, so its pipeline and notifier metrics can
+/// be scraped and its readiness probed.
+pub fn operations_router(state: ApiState) -> Router {
+    operations()
+        .fallback(no_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+fn operations() -> Router<ApiState> {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
 }
 
 type ApiResult<T> = Result<T, ApiError>;
