@@ -38,6 +38,7 @@ use axum::{Json, Router};
 use futures::future::BoxFuture;
 use metrics_exporter_prometheus::PrometheusHandle;
 use pgonce::{Queue, SendMessage, Sent};
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -242,7 +243,7 @@ fn check_optional_name(what: &'static str, s: &str) -> ApiResult<()> {
 
 // ---- admin ----
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewOrganization {
     name: String,
@@ -267,7 +268,7 @@ async fn list_organizations(_: Admin, State(state): State<ApiState>) -> ApiResul
     Ok(Json(json!({ "organizations": organizations })))
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewKey {
     #[serde(default)]
@@ -300,7 +301,7 @@ async fn revoke_key(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Settings {
     rollout_percent: u8,
@@ -322,7 +323,7 @@ async fn put_settings(
 
 // ---- entities ----
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewEntity {
     external_id: String,
@@ -391,7 +392,7 @@ async fn get_entity(
     Ok(Json(json!(entity)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct SingletonFlag {
     singleton: bool,
@@ -411,7 +412,7 @@ async fn set_singleton(
 
 // ---- policies ----
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewPolicy {
     name: String,
@@ -470,7 +471,7 @@ async fn list_incidents(
 }
 
 /// `POST /v1/incidents`: a [`Declaration`] plus who declares it.
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewDeclaration {
     title: String,
@@ -532,7 +533,7 @@ async fn get_incident(
     Ok(Json(json!(incident)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Action {
     #[serde(default)]

@@ -5,6 +5,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use time::OffsetDateTime;
@@ -56,15 +57,16 @@ pub fn check_attributes(attributes: &Value) -> Result<()> {
     Ok(())
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Organization {
     pub id: i64,
     pub name: String,
     #[serde(with = "time::serde::rfc3339")]
+    #[schemars(with = "String")]
     pub created_at: OffsetDateTime,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Entity {
     pub id: i64,
     pub organization_id: i64,
@@ -76,7 +78,7 @@ pub struct Entity {
 }
 
 /// Whether a policy allows at most one OPEN incident per entity (I1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Singleton {
     /// Any number may be open.
@@ -115,7 +117,7 @@ impl FromStr for Singleton {
 }
 
 /// A comparison of an observation's numeric attribute with a threshold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Op {
     Gt,
@@ -128,7 +130,7 @@ pub enum Op {
 
 /// A policy's rule: violated when `attribute` of the observation compares
 /// with `value` by `op`. A missing or non-numeric attribute is no violation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Rule {
     pub attribute: String,
@@ -161,7 +163,7 @@ impl Rule {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Policy {
     pub id: i64,
     pub organization_id: i64,
@@ -173,7 +175,7 @@ pub struct Policy {
 /// An incident's lifecycle: OPEN -> ACKNOWLEDGED -> RESOLVED, or OPEN ->
 /// RESOLVED. Each change is one conditional UPDATE (`WHERE lifecycle =
 /// ANY(from)`), so two concurrent callers cannot both make it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Lifecycle {
     Open,
@@ -212,7 +214,7 @@ impl FromStr for Lifecycle {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Incident {
     pub id: i64,
     pub organization_id: i64,
@@ -224,18 +226,21 @@ pub struct Incident {
     pub title: String,
     pub opened_by: String,
     #[serde(with = "time::serde::rfc3339")]
+    #[schemars(with = "String")]
     pub opened_at: OffsetDateTime,
     pub acknowledged_by: Option<String>,
     #[serde(with = "time::serde::rfc3339::option")]
+    #[schemars(with = "Option<String>")]
     pub acknowledged_at: Option<OffsetDateTime>,
     pub resolved_by: Option<String>,
     #[serde(with = "time::serde::rfc3339::option")]
+    #[schemars(with = "Option<String>")]
     pub resolved_at: Option<OffsetDateTime>,
 }
 
 /// An observation of one entity, as it travels on the queue (JSON body).
 /// The message id is the queue's, not part of the body.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Observation {
     pub organization_id: i64,

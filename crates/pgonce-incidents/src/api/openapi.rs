@@ -1,8 +1,20 @@
-//! The OpenAPI 3.1 document served at `/openapi.json`, written by hand from
+//! The OpenAPI 3.1 document served at `/openapi.json`, built from
 //! [`ROUTES`] (a test sends a request to every entry and checks the router
-//! has it). Kept small: paths, parameters, security and the error shape.
+//! has it): paths, typed parameters, security, and the JSON Schema of every
+//! request body and success response. Bodies and domain objects are
+//! derived from the Rust types the handlers use (`schemars`, JSON Schema
+//! 2020-12, the dialect OpenAPI 3.1 uses), so the document cannot drift
+//! from what the API accepts; the envelopes around them (`{"incidents":
+//! [...], "next_before": n}`) are written here, beside the routes.
 
+use schemars::generate::SchemaSettings;
+use schemars::{JsonSchema, SchemaGenerator};
 use serde_json::{Map, Value, json};
+
+use super::{
+    Action, NewDeclaration, NewEntity, NewKey, NewOrganization, NewPolicy, Settings, SingletonFlag,
+};
+use crate::model::{Entity, Incident, Observation, Organization, Policy};
 
 /// Who may call a route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,9 +37,23 @@ pub struct Route {
     /// The success status.
     pub status: u16,
     pub summary: &'static str,
-    /// Query parameters (all optional).
+    /// Query parameters (all optional; typed by [`query_parameter`]).
     pub query: &'static [&'static str],
+    /// The request body's schema, and whether it may be left out.
+    pub body: Option<(SchemaFn, Need)>,
+    /// The success response's JSON schema (none: no JSON body).
+    pub response: Option<SchemaFn>,
 }
+
+/// Whether a request body is required.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    Required,
+    Optional,
+}
+
+/// Writes a schema, registering the named ones it refers to.
+pub type SchemaFn = fn(&mut SchemaGenerator) -> Value;
 
 const fn route(
     method: &'static str,
@@ -43,45 +69,239 @@ const fn route(
         status,
         summary,
         query: &[],
+        body: None,
+        response: None,
+    }
+}
+
+/// The schema of `T`: a `$ref` to `#/components/schemas/T` for named types.
+fn of<T: JsonSchema>(g: &mut SchemaGenerator) -> Value {
+    g.subschema_for::<T>().to_value()
+}
+
+/// An object with these required properties.
+fn object(properties: Vec<(&str, Value)>) -> Value {
+    let required: Vec<&str> = properties.iter().map(|(name, _)| *name).collect();
+    let properties: Map<String, Value> = properties
+        .into_iter()
+        .map(|(name, schema)| (name.to_owned(), schema))
+        .collect();
+    json!({"type": "object", "required": required, "properties": properties})
+}
+
+fn array(items: Value) -> Value {
+    json!({"type": "array", "items": items})
+}
+
+fn integer() -> Value {
+    json!({"type": "integer", "format": "int64"})
+}
+
+/// A stored event, as the timeline and the feed return it.
+fn event(_: &mut SchemaGenerator) -> Value {
+    object(vec![
+        ("position", integer()),
+        ("type", json!({"type": "string"})),
+        ("tags", array(json!({"type": "string"}))),
+        ("data", json!({})),
+        ("metadata", json!({})),
+    ])
+}
+
+fn created_organization(g: &mut SchemaGenerator) -> Value {
+    object(vec![
+        ("organization", of::<Organization>(g)),
+        (
+            "api_key",
+            json!({"type": "string", "description": "shown once; stored hashed"}),
+        ),
+    ])
+}
+
+fn organizations(g: &mut SchemaGenerator) -> Value {
+    object(vec![("organizations", array(of::<Organization>(g)))])
+}
+
+fn created_key(_: &mut SchemaGenerator) -> Value {
+    object(vec![
+        ("organization_id", integer()),
+        ("api_key", json!({"type": "string"})),
+        ("prefix", json!({"type": "string"})),
+    ])
+}
+
+fn settings(_: &mut SchemaGenerator) -> Value {
+    object(vec![(
+        "rollout_percent",
+        json!({"type": "integer", "minimum": 0, "maximum": 100}),
+    )])
+}
+
+fn entity_page(g: &mut SchemaGenerator) -> Value {
+    object(vec![
+        ("entities", array(of::<Entity>(g))),
+        (
+            "next_after",
+            json!({"type": ["integer", "null"], "format": "int64"}),
+        ),
+    ])
+}
+
+fn policies(g: &mut SchemaGenerator) -> Value {
+    object(vec![("policies", array(of::<Policy>(g)))])
+}
+
+fn incident_page(g: &mut SchemaGenerator) -> Value {
+    object(vec![
+        ("incidents", array(of::<Incident>(g))),
+        (
+            "next_before",
+            json!({"type": ["integer", "null"], "format": "int64"}),
+        ),
+    ])
+}
+
+fn timeline(g: &mut SchemaGenerator) -> Value {
+    object(vec![("events", array(event(g)))])
+}
+
+fn feed_page(g: &mut SchemaGenerator) -> Value {
+    object(vec![
+        ("events", array(event(g))),
+        (
+            "next",
+            json!({"type": "integer", "format": "int64", "description": "pass as `after` next"}),
+        ),
+    ])
+}
+
+fn queued(_: &mut SchemaGenerator) -> Value {
+    object(vec![
+        ("message_id", json!({"type": "string"})),
+        ("duplicate", json!({"type": "boolean"})),
+    ])
+}
+
+fn status(_: &mut SchemaGenerator) -> Value {
+    object(vec![("status", json!({"type": "string"}))])
+}
+
+/// A query parameter's schema, by name.
+fn query_parameter(name: &str) -> Value {
+    match name {
+        "lifecycle" => json!({"type": "string", "enum": ["OPEN", "ACKNOWLEDGED", "RESOLVED"]}),
+        "limit" => json!({"type": "integer", "minimum": 1}),
+        "wait" => json!({"type": "integer", "minimum": 0, "description": "seconds"}),
+        _ => json!({"type": "integer", "format": "int64", "minimum": 0}),
     }
 }
 
 /// Every route of [`super::router`].
 #[rustfmt::skip]
 pub const ROUTES: &[Route] = &[
-    route("POST", "/v1/organizations", Auth::Admin, 201, "Create an organization; returns its first API key"),
-    route("GET", "/v1/organizations", Auth::Admin, 200, "List organizations"),
-    route("POST", "/v1/organizations/{org_id}/keys", Auth::Admin, 201, "Create another API key for an organization"),
+    Route {
+        body: Some((of::<NewOrganization>, Need::Required)),
+        response: Some(created_organization),
+        ..route("POST", "/v1/organizations", Auth::Admin, 201, "Create an organization; returns its first API key")
+    },
+    Route {
+        response: Some(organizations),
+        ..route("GET", "/v1/organizations", Auth::Admin, 200, "List organizations")
+    },
+    Route {
+        body: Some((of::<NewKey>, Need::Optional)),
+        response: Some(created_key),
+        ..route("POST", "/v1/organizations/{org_id}/keys", Auth::Admin, 201, "Create another API key for an organization")
+    },
     route("DELETE", "/v1/organizations/{org_id}/keys/{prefix}", Auth::Admin, 204, "Revoke an API key by its prefix"),
-    route("GET", "/v1/settings", Auth::Admin, 200, "Read the guard rollout percent"),
-    route("PUT", "/v1/settings", Auth::Admin, 200, "Set the guard rollout percent (0-100), effective without restart"),
-    route("POST", "/v1/entities", Auth::ApiKey, 200, "Create an entity or update its attributes"),
+    Route {
+        response: Some(settings),
+        ..route("GET", "/v1/settings", Auth::Admin, 200, "Read the guard rollout percent")
+    },
+    Route {
+        body: Some((of::<Settings>, Need::Required)),
+        response: Some(settings),
+        ..route("PUT", "/v1/settings", Auth::Admin, 200, "Set the guard rollout percent (0-100), effective without restart")
+    },
+    Route {
+        body: Some((of::<NewEntity>, Need::Required)),
+        response: Some(of::<Entity>),
+        ..route("POST", "/v1/entities", Auth::ApiKey, 200, "Create an entity or update its attributes")
+    },
     Route {
         query: &["after", "limit"],
+        response: Some(entity_page),
         ..route("GET", "/v1/entities", Auth::ApiKey, 200, "List entities by id (keyset: after)")
     },
-    route("GET", "/v1/entities/{id}", Auth::ApiKey, 200, "Get an entity"),
-    route("PUT", "/v1/entities/{id}/singleton", Auth::ApiKey, 200, "Set the entity's run-time singleton flag"),
-    route("POST", "/v1/policies", Auth::ApiKey, 201, "Create a policy"),
-    route("GET", "/v1/policies", Auth::ApiKey, 200, "List policies"),
-    route("GET", "/v1/policies/{id}", Auth::ApiKey, 200, "Get a policy"),
+    Route {
+        response: Some(of::<Entity>),
+        ..route("GET", "/v1/entities/{id}", Auth::ApiKey, 200, "Get an entity")
+    },
+    Route {
+        body: Some((of::<SingletonFlag>, Need::Required)),
+        response: Some(of::<Entity>),
+        ..route("PUT", "/v1/entities/{id}/singleton", Auth::ApiKey, 200, "Set the entity's run-time singleton flag")
+    },
+    Route {
+        body: Some((of::<NewPolicy>, Need::Required)),
+        response: Some(of::<Policy>),
+        ..route("POST", "/v1/policies", Auth::ApiKey, 201, "Create a policy")
+    },
+    Route {
+        response: Some(policies),
+        ..route("GET", "/v1/policies", Auth::ApiKey, 200, "List policies")
+    },
+    Route {
+        response: Some(of::<Policy>),
+        ..route("GET", "/v1/policies/{id}", Auth::ApiKey, 200, "Get a policy")
+    },
     Route {
         query: &["lifecycle", "policy_id", "entity_id", "before", "limit"],
+        response: Some(incident_page),
         ..route("GET", "/v1/incidents", Auth::ApiKey, 200, "List incidents, newest number first (keyset: before)")
     },
-    route("POST", "/v1/incidents", Auth::ApiKey, 201, "Declare an incident by hand (Idempotency-Key header or body field)"),
-    route("GET", "/v1/incidents/{id}", Auth::ApiKey, 200, "Get an incident"),
-    route("POST", "/v1/incidents/{id}/acknowledge", Auth::ApiKey, 200, "Acknowledge an OPEN incident (409 otherwise)"),
-    route("POST", "/v1/incidents/{id}/resolve", Auth::ApiKey, 200, "Resolve an OPEN or ACKNOWLEDGED incident (409 otherwise)"),
-    route("GET", "/v1/incidents/{id}/timeline", Auth::ApiKey, 200, "An incident's events in order"),
+    Route {
+        body: Some((of::<NewDeclaration>, Need::Required)),
+        response: Some(of::<Incident>),
+        ..route("POST", "/v1/incidents", Auth::ApiKey, 201, "Declare an incident by hand (Idempotency-Key header or body field)")
+    },
+    Route {
+        response: Some(of::<Incident>),
+        ..route("GET", "/v1/incidents/{id}", Auth::ApiKey, 200, "Get an incident")
+    },
+    Route {
+        body: Some((of::<Action>, Need::Optional)),
+        response: Some(of::<Incident>),
+        ..route("POST", "/v1/incidents/{id}/acknowledge", Auth::ApiKey, 200, "Acknowledge an OPEN incident (409 otherwise)")
+    },
+    Route {
+        body: Some((of::<Action>, Need::Optional)),
+        response: Some(of::<Incident>),
+        ..route("POST", "/v1/incidents/{id}/resolve", Auth::ApiKey, 200, "Resolve an OPEN or ACKNOWLEDGED incident (409 otherwise)")
+    },
+    Route {
+        response: Some(timeline),
+        ..route("GET", "/v1/incidents/{id}/timeline", Auth::ApiKey, 200, "An incident's events in order")
+    },
     Route {
         query: &["after", "wait", "limit"],
+        response: Some(feed_page),
         ..route("GET", "/v1/events", Auth::ApiKey, 200, "The organization's events after a position (long poll: wait seconds)")
     },
-    route("POST", "/v1/observations", Auth::ApiKey, 202, "Send an observation to the pipeline's queue"),
-    route("GET", "/metrics", Auth::None, 200, "Prometheus metrics"),
-    route("GET", "/healthz", Auth::None, 200, "The process is up"),
-    route("GET", "/readyz", Auth::None, 200, "The database answers"),
+    Route {
+        body: Some((of::<Observation>, Need::Required)),
+        response: Some(queued),
+        ..route("POST", "/v1/observations", Auth::ApiKey, 202, "Send an observation to the pipeline's queue (Idempotency-Key header: deduplicated within the queue's window)")
+    },
+    route("GET", "/metrics", Auth::None, 200, "Prometheus metrics (text)"),
+    Route {
+        response: Some(status),
+        ..route("GET", "/healthz", Auth::None, 200, "The process is up")
+    },
+    Route {
+        response: Some(status),
+        ..route("GET", "/readyz", Auth::None, 200, "The database answers")
+    },
     route("GET", "/openapi.json", Auth::None, 200, "This document"),
 ];
 
@@ -101,11 +321,15 @@ fn path_parameters(path: &str) -> Vec<Value> {
 
 /// The document.
 pub fn document() -> Value {
+    // Named types land in components/schemas, where the $refs point.
+    let mut generator = SchemaSettings::draft2020_12()
+        .with(|s| s.definitions_path = "/components/schemas".into())
+        .into_generator();
     let mut paths = Map::new();
     for r in ROUTES {
         let mut parameters = path_parameters(r.path);
         parameters.extend(r.query.iter().map(
-            |q| json!({"name": q, "in": "query", "required": false, "schema": {"type": "string"}}),
+            |q| json!({"name": q, "in": "query", "required": false, "schema": query_parameter(q)}),
         ));
         let security = match r.auth {
             Auth::None => json!([]),
@@ -113,10 +337,12 @@ pub fn document() -> Value {
             Auth::Admin => json!([{ "adminToken": [] }]),
         };
         let mut responses = Map::new();
-        responses.insert(
-            r.status.to_string(),
-            json!({"description": "success", "content": {"application/json": {}}}),
-        );
+        let success = match r.response {
+            Some(schema) => json!({"description": "success", "content": {
+                "application/json": {"schema": schema(&mut generator)}}}),
+            None => json!({"description": "success"}),
+        };
+        responses.insert(r.status.to_string(), success);
         responses.insert(
             "default".into(),
             json!({"description": "error", "content": {"application/json": {
@@ -128,10 +354,10 @@ pub fn document() -> Value {
             "security": security,
             "responses": responses,
         });
-        if matches!(r.method, "POST" | "PUT") {
+        if let Some((schema, need)) = r.body {
             operation["requestBody"] = json!({
-                "required": false,
-                "content": {"application/json": {"schema": {"type": "object"}}}
+                "required": need == Need::Required,
+                "content": {"application/json": {"schema": schema(&mut generator)}}
             });
         }
         let entry = paths
@@ -139,6 +365,19 @@ pub fn document() -> Value {
             .or_insert_with(|| Value::Object(Map::new()));
         entry[r.method.to_ascii_lowercase()] = operation;
     }
+    let mut schemas = generator.take_definitions(true);
+    schemas.insert(
+        "Error".into(),
+        json!({
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {
+                "type": "object",
+                "required": ["code", "message"],
+                "properties": {"code": {"type": "string"}, "message": {"type": "string"}}
+            }}
+        }),
+    );
     json!({
         "openapi": "3.1.0",
         "info": {
@@ -152,17 +391,51 @@ pub fn document() -> Value {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "An organization's API key, pgo_..."},
                 "adminToken": {"type": "http", "scheme": "bearer", "description": "The server's admin token"}
             },
-            "schemas": {
-                "Error": {
-                    "type": "object",
-                    "required": ["error"],
-                    "properties": {"error": {
-                        "type": "object",
-                        "required": ["code", "message"],
-                        "properties": {"code": {"type": "string"}, "message": {"type": "string"}}
-                    }}
-                }
-            }
+            "schemas": schemas
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `$ref` of the document names a schema it has.
+    #[test]
+    fn every_reference_resolves_in_the_components() {
+        fn refs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+            match v {
+                Value::Object(m) => {
+                    if let Some(Value::String(r)) = m.get("$ref") {
+                        out.push(r);
+                    }
+                    m.values().for_each(|x| refs(x, out));
+                }
+                Value::Array(a) => a.iter().for_each(|x| refs(x, out)),
+                _ => {}
+            }
+        }
+        let doc = document();
+        let mut found = Vec::new();
+        refs(&doc, &mut found);
+        assert!(found.len() > 10, "{found:?}");
+        for r in found {
+            let name = r
+                .strip_prefix("#/components/schemas/")
+                .unwrap_or_else(|| panic!("{r} points outside the components"));
+            assert!(doc["components"]["schemas"][name].is_object(), "{r}");
+        }
+        let declare = &doc["paths"]["/v1/incidents"]["post"]["requestBody"];
+        assert_eq!(declare["required"], true);
+        let incident = &doc["components"]["schemas"]["Incident"];
+        assert!(incident["properties"]["number"].is_object(), "{incident}");
+        let limit = &doc["paths"]["/v1/incidents"]["get"]["parameters"];
+        assert!(
+            limit
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["name"] == "limit" && p["schema"]["type"] == "integer")
+        );
+    }
 }
