@@ -140,6 +140,7 @@ fn observation(rng: &mut impl Rng, org: i64, entity: &str) -> Observation {
             "errors": rng.random_range(0..5),
             "latency_ms": rng.random_range(100..1000),
         }),
+        message_id: None,
     }
 }
 

@@ -639,7 +639,10 @@ async fn ingest(
     if state.inner.fifo {
         message = message.group(observation.group());
     }
-    if let Some(key) = idempotency_header(&headers)? {
+    // The header, else the producer's own message id, deduplicates resends
+    // within the queue's window (the pipeline catches later ones by id).
+    let key = idempotency_header(&headers)?.or_else(|| observation.message_id.clone());
+    if let Some(key) = key {
         message = message.dedup(observation.dedup_id(&key));
     }
     let sent = (state.inner.ingest)(message).await.map_err(Error::from)?;

@@ -239,7 +239,6 @@ pub struct Incident {
 }
 
 /// An observation of one entity, as it travels on the queue (JSON body).
-/// The message id is the queue's, not part of the body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Observation {
@@ -248,6 +247,13 @@ pub struct Observation {
     pub entity: String,
     /// Numeric attributes the policies' rules look at.
     pub attributes: Value,
+    /// The producer's id of this observation (1 to 200 bytes). Sent again,
+    /// however late and under whatever queue message id, it is the same
+    /// observation: the pipeline opens nothing twice for it, and its ledger
+    /// row counts every delivery. Without one, the queue's message id is
+    /// used, which a resend does not share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<String>,
 }
 
 impl Observation {
@@ -261,7 +267,16 @@ impl Observation {
 
     pub fn validate(&self) -> Result<()> {
         check_name("entity", &self.entity)?;
+        if let Some(id) = &self.message_id {
+            check_name("message_id", id)?;
+        }
         check_attributes(&self.attributes)
+    }
+
+    /// The id the pipeline records this observation under: the producer's
+    /// [`Observation::message_id`], else the queue's id of the delivery.
+    pub fn id_or<'a>(&'a self, queue_message_id: &'a str) -> &'a str {
+        self.message_id.as_deref().unwrap_or(queue_message_id)
     }
 
     /// The FIFO message group: one entity's observations are processed in

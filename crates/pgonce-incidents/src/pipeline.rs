@@ -234,6 +234,7 @@ impl<E: Evaluator> ObservationHandler<E> {
             bump(&c.malformed);
             tracing::warn!(message = %message.id, "malformed observation: {e}");
         })?;
+        let message_id = observation.id_or(&message.id);
         let pool = self.service.pool();
         let org = observation.organization_id;
         let entity = store::upsert_entity(pool, org, &observation.entity, &observation.attributes)
@@ -253,7 +254,7 @@ impl<E: Evaluator> ObservationHandler<E> {
         // Short reads, one per policy; no connection kept.
         let mut seen = Vec::with_capacity(policies.len());
         for policy in &policies {
-            seen.push(self.service.observe(policy, entity.id, &message.id).await?);
+            seen.push(self.service.observe(policy, entity.id, message_id).await?);
         }
         // The slow part, every policy at once, holding nothing.
         let verdicts = futures::future::join_all(
@@ -305,7 +306,7 @@ impl<E: Evaluator> ObservationHandler<E> {
             }
         }
         sqlx::query(include_str!("pipeline/sql/record.sql"))
-            .bind(&message.id)
+            .bind(message_id)
             .bind(org)
             .bind(entity.id)
             .bind(opened)

@@ -852,6 +852,7 @@ async fn observations_are_queued_in_the_entitys_group_for_the_callers_organizati
         // every delivery until it is dead-lettered.
         json!({"organization_id": org, "entity": "a", "attributes": {"k": "v\u{0}"}}),
         json!({"organization_id": org, "entity": "a", "attributes": {}, "extra": true}),
+        json!({"organization_id": org, "entity": "a", "attributes": {}, "message_id": ""}),
         json!({"organization_id": "1", "entity": "a", "attributes": {}}),
         json!({"entity": "a", "attributes": {}}),
     ] {
@@ -887,6 +888,15 @@ async fn observations_are_queued_in_the_entitys_group_for_the_callers_organizati
         assert_eq!(a.body["duplicate"], false, "{key}");
     }
     assert_eq!(api.queue.stats().await.unwrap().depth, 3);
+
+    // The producer's own message id, without the header, deduplicates too.
+    let with_id = json!({"organization_id": org, "entity": "db-2", "attributes": {}, "message_id": "sensor-7/1"});
+    for duplicate in [false, true] {
+        let a = api.post("/v1/observations", &key, with_id.clone()).await;
+        assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+        assert_eq!(a.body["duplicate"], duplicate);
+    }
+    assert_eq!(api.queue.stats().await.unwrap().depth, 4);
 }
 
 #[tokio::test]

@@ -97,6 +97,7 @@ async fn the_pipeline_keeps_every_invariant_under_redelivery_and_a_killed_worker
             organization_id: org.id,
             entity: format!("e{}", i % 6),
             attributes: json!({ "cpu": if i % 3 == 0 { 90 } else { 10 } }),
+            message_id: None,
         };
         let m = SendMessage::new(serde_json::to_string(&o).unwrap())
             .group(o.group())
@@ -171,15 +172,35 @@ fn cpu_over_50() -> Rule {
 
 /// Sends an observation of `entity` in its entity's group.
 async fn send(queue: &pgonce::PgQueue, org: i64, entity: &str, attributes: serde_json::Value) {
+    send_with_id(queue, org, entity, attributes, None).await
+}
+
+async fn send_with_id(
+    queue: &pgonce::PgQueue,
+    org: i64,
+    entity: &str,
+    attributes: serde_json::Value,
+    message_id: Option<&str>,
+) {
     let o = Observation {
         organization_id: org,
         entity: entity.into(),
         attributes,
+        message_id: message_id.map(str::to_owned),
     };
     queue
         .send(SendMessage::new(serde_json::to_string(&o).unwrap()).group(o.group()))
         .await
         .unwrap();
+}
+
+/// The next delivery of `queue`, waiting up to 5 s for one.
+async fn receive_one(queue: &pgonce::PgQueue) -> pgonce::Received {
+    let wait = pgonce::ReceiveRequest {
+        wait: Duration::from_secs(5),
+        ..pgonce::ReceiveRequest::up_to(1)
+    };
+    queue.receive(wait).await.unwrap().remove(0)
 }
 
 async fn acme_with_policy(name: &str, rule: &Rule) -> Acme {
@@ -301,7 +322,6 @@ async fn the_runtime_runs_a_pluggable_evaluator() {
 /// its redelivery evaluates again and opens the incident once.
 #[tokio::test]
 async fn a_failed_evaluation_leaves_the_message_for_its_redelivery() {
-    use pgonce::ReceiveRequest;
     use pgonce_incidents::model::{Entity, Policy};
     use pgonce_incidents::pipeline::{Evaluator, ObservationHandler};
     use std::sync::Arc;
@@ -334,13 +354,7 @@ async fn a_failed_evaluation_leaves_the_message_for_its_redelivery() {
         .unwrap();
     send(&queue, org, "e", json!({ "cpu": 90 })).await;
     let handler = ObservationHandler::new(service, FailsOnce(Arc::new(AtomicU64::new(0))));
-    let receive = async || {
-        let wait = ReceiveRequest {
-            wait: Duration::from_secs(5),
-            ..ReceiveRequest::up_to(1)
-        };
-        queue.receive(wait).await.unwrap().remove(0)
-    };
+    let receive = async || receive_one(&queue).await;
 
     let first = receive().await;
     let err = handler.process(&first).await.unwrap_err();
@@ -362,4 +376,51 @@ async fn a_failed_evaluation_leaves_the_message_for_its_redelivery() {
     let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
     assert_eq!((tallies.messages_processed, tallies.incidents), (1, 1));
     assert_eq!(handler.counters().snapshot().evaluation_failures, 1);
+}
+
+/// A producer that resends an observation under its own message id, after
+/// the queue's deduplication window (here: as a new queue message), gets
+/// one incident from a policy that allows many at once: the pipeline knows
+/// the message by the producer's id.
+#[tokio::test]
+async fn a_late_resend_with_the_producers_message_id_opens_nothing_twice() {
+    use pgonce_incidents::SimulatedEvaluator;
+    use pgonce_incidents::pipeline::ObservationHandler;
+
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let (pool, org) = (acme.pool.clone(), acme.org);
+    store::create_policy(&pool, org, "cpu-any", Singleton::Never, &cpu_over_50())
+        .await
+        .unwrap();
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let evaluator = SimulatedEvaluator::new(SimulatedEvaluatorConfig {
+        latency: Duration::ZERO,
+        jitter: Duration::ZERO,
+        failure_rate: 0.0,
+        slow_rate: 0.0,
+        slow_latency: Duration::ZERO,
+    })
+    .unwrap();
+    let handler = ObservationHandler::new(acme.service.clone(), evaluator);
+    for _ in 0..2 {
+        send_with_id(
+            &queue,
+            org,
+            "e",
+            json!({ "cpu": 90 }),
+            Some("sensor-7/0042"),
+        )
+        .await;
+        let delivery = receive_one(&queue).await;
+        handler.process(&delivery).await.unwrap();
+        queue.delete(&delivery.receipt).await.unwrap();
+    }
+    let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
+    assert_eq!(tallies.incidents, 2, "one per policy, not one per send");
+    assert_eq!(
+        (tallies.messages_processed, tallies.deliveries_processed),
+        (1, 2)
+    );
 }

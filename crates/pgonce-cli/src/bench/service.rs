@@ -75,6 +75,7 @@ fn message(org: i64, i: usize) -> anyhow::Result<SendMessage> {
         organization_id: org,
         entity: format!("svc-{}", i % ENTITIES),
         attributes: json!({ "errors": 1 }),
+        message_id: None,
     };
     Ok(SendMessage::new(serde_json::to_string(&o)?).group(o.group()))
 }
