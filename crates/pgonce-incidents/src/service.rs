@@ -688,6 +688,12 @@ impl Service {
     /// a rolled-back position is passed on the second look, so it never
     /// stalls a client that does not wait. Without an event, the page is
     /// empty and `next` the horizon reached.
+    ///
+    /// Because positions are global, a creation in flight in any
+    /// organization holds every feed below its event's position until it
+    /// commits or rolls back: one creation transaction, whose event is
+    /// appended before it waits for its organization's number lock (so
+    /// that wait, not the append, is what the number lock serializes).
     pub async fn feed(
         &self,
         organization_id: i64,
