@@ -319,6 +319,21 @@ impl<T> Blocked<T> {
         &self.blocked_by
     }
 
+    /// Gives the step up, as a caller whose client went away would: its
+    /// future is dropped where it waits. What its session's connection is
+    /// left with is for the scenario to check.
+    pub fn cancel(self) {
+        self.handle.abort();
+        let mut timeline = self.timeline.timeline.lock().expect("timeline lock");
+        let at = timeline.len();
+        timeline.push(Step {
+            at,
+            session: self.session,
+            what: format!("{} (cancelled)", self.what),
+            event: StepEvent::Note,
+        });
+    }
+
     /// Waits for the step to finish and returns its output.
     pub async fn resume(self) -> Result<T, HarnessError> {
         let out = match tokio::time::timeout(self.timeout, self.handle).await {

@@ -974,3 +974,55 @@ async fn a_failed_lock_leaves_the_connection_usable() {
         .unwrap();
     assert_eq!(positions(&read), appended.positions);
 }
+
+/// An append given up while it waits for its locks (its caller's client
+/// went away) leaves nothing behind: once the holder commits, the waiting
+/// statement finishes on the server, and its connection goes back to the
+/// pool outside any transaction, holding no lock. Before, sqlx did not yet
+/// count the transaction as open and the connection came back inside it.
+#[tokio::test]
+async fn an_append_dropped_while_it_waits_leaves_no_transaction_open() {
+    let (db, _pool) = db().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let st = |s: &pgonce_testkit::Session| store(s.pool(), AppendStrategy::AdvisoryLocks);
+    let condition = AppendCondition::new(tag_query("booking:1"), None);
+    let held = race
+        .step(
+            &a,
+            "begin_append",
+            st(&a).begin_append(&[booked("booking:1")], Some(&condition)),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let (sb, cb) = (st(&b), condition.clone());
+    let waiting = race
+        .step_blocks(&b, "append", async move {
+            sb.append(&[booked("booking:1")], Some(&cb)).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    waiting.cancel();
+    held.commit().await.unwrap();
+
+    // B's one connection, once it is back in its pool.
+    let mut conn = b.pool().acquire().await.unwrap();
+    let (in_transaction, advisory_locks): (bool, i64) = sqlx::query_as(
+        "SELECT pg_current_xact_id_if_assigned() IS NOT NULL, \
+                (SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory')",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    assert!(
+        !in_transaction,
+        "the connection came back inside B's transaction"
+    );
+    assert_eq!(advisory_locks, 0);
+    // And the key is free: another append on the tag commits at once.
+    drop(conn);
+    st(&b).append(&[booked("booking:1")], None).await.unwrap();
+}
