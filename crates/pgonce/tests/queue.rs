@@ -335,25 +335,45 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
     ));
 }
 
+/// Queue `q` with `attributes`, and a step-by-step harness with one session
+/// per name, each with its own handle on `q`.
+async fn raced(
+    attributes: QueueAttributes,
+    names: &[&str],
+) -> (
+    pgonce_testkit::ScratchDatabase,
+    pgonce_testkit::Interleaving,
+    Vec<(pgonce_testkit::Session, PgQueue)>,
+) {
+    let db = fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    PgQueue::create(&setup, "q", attributes, fast_poll())
+        .await
+        .unwrap();
+    let race = pgonce_testkit::Interleaving::new(db.options())
+        .await
+        .unwrap();
+    let mut sessions = Vec::new();
+    for name in names {
+        let session = race.session(name).await.unwrap();
+        let queue = PgQueue::open(session.pool(), "q", fast_poll())
+            .await
+            .unwrap();
+        sessions.push((session, queue));
+    }
+    (db, race, sessions)
+}
+
 /// The dedup race, step by step: B sends with the dedup id A has claimed in
 /// its open transaction; B blocks on A's claim (seen in pg_blocking_pids).
 /// If A commits, B returns A's id as a duplicate (its first snapshot could
 /// not see A's row: the retry reads it). If A rolls back, B enqueues anew.
 #[tokio::test]
 async fn a_send_racing_an_uncommitted_dedup_claim_waits_and_then_agrees() {
-    let db = fresh_database().await;
-    let setup = db.pool(2).await.unwrap();
-    pgonce::migrate(&setup).await.unwrap();
-    PgQueue::create(&setup, "q", QueueAttributes::default(), fast_poll())
-        .await
-        .unwrap();
-    let race = pgonce_testkit::Interleaving::new(db.options())
-        .await
-        .unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-    let qa = PgQueue::open(a.pool(), "q", fast_poll()).await.unwrap();
-    let qb = PgQueue::open(b.pool(), "q", fast_poll()).await.unwrap();
+    let (_db, race, mut sessions) = raced(QueueAttributes::default(), &["A", "B"]).await;
+    let (b, qb) = sessions.pop().unwrap();
+    let (a, qa) = sessions.pop().unwrap();
 
     for commit in [true, false] {
         let key = format!("k-{commit}");
@@ -402,6 +422,64 @@ async fn a_send_racing_an_uncommitted_dedup_claim_waits_and_then_agrees() {
         bodies,
         ["a", "b"],
         "one message per dedup id, each from its winner"
+    );
+}
+
+/// FIFO order when sends commit out of id order, step by step: A sends
+/// "a" to group g in an open transaction (its id drawn first); B's send of
+/// "b" to g waits for A (seen in pg_blocking_pids), while a send to another
+/// group does not. Without that wait "b" committed first, a receive took it
+/// as g's head, and once A committed "a" went to a second consumer while
+/// "b" was still in flight.
+#[tokio::test]
+async fn a_fifo_group_keeps_commit_order_and_one_in_flight_when_a_send_commits_late() {
+    let (_db, race, mut sessions) = raced(QueueAttributes::fifo(), &["A", "B", "C"]).await;
+    let (c, qc) = sessions.pop().unwrap();
+    let (b, qb) = sessions.pop().unwrap();
+    let (a, qa) = sessions.pop().unwrap();
+
+    let mut tx = a.pool().begin().await.unwrap();
+    race.step(
+        &a,
+        "send a to g in tx",
+        qa.send_in(&mut tx, SendMessage::new("a").group("g")),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    race.step(&c, "send x to h", qc.send(SendMessage::new("x").group("h")))
+        .await
+        .unwrap()
+        .unwrap();
+    let qb2 = qb.clone();
+    let waiting = race
+        .step_blocks(&b, "send b to g", async move {
+            qb2.send(SendMessage::new("b").group("g")).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    race.step(&a, "commit", tx.commit()).await.unwrap().unwrap();
+    waiting.resume().await.unwrap().unwrap();
+
+    // Two consumers: each group's head once, "a" before "b".
+    let first = qc.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    let mut bodies: Vec<_> = first.iter().map(|m| m.body.as_str()).collect();
+    bodies.sort();
+    assert_eq!(bodies, ["a", "x"]);
+    assert!(
+        qb.receive(ReceiveRequest::up_to(10))
+            .await
+            .unwrap()
+            .is_empty(),
+        "b waits for a"
+    );
+    let a_msg = first.iter().find(|m| m.body == "a").unwrap();
+    qc.delete(&a_msg.receipt).await.unwrap();
+    let next = qb.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(
+        next.iter().map(|m| m.body.as_str()).collect::<Vec<_>>(),
+        ["b"]
     );
 }
 

@@ -15,6 +15,7 @@ use super::{
     MAX_BODY_BYTES, Queue, QueueStats, Receipt, ReceiveRequest, Received, SendMessage, Sent,
 };
 use crate::error::{Error, Result};
+use crate::lock::LockKey;
 
 /// The channel every send notifies, with the queue name as payload.
 const CHANNEL: &str = "pgonce_queue";
@@ -296,6 +297,14 @@ impl PgQueue {
 
     /// Sends one message inside the caller's transaction: it is enqueued,
     /// and receivers are woken, only if `tx` commits.
+    ///
+    /// On a FIFO queue the message's group stays locked until `tx` ends:
+    /// other sends to that group wait, so the group's order is its commit
+    /// order and a receive never passes over a message still being sent.
+    /// Keep such a transaction short, and send to several groups in one
+    /// order everywhere (or in one [`PgQueue::send_batch_in`], which locks
+    /// them in a fixed order), or two transactions can deadlock
+    /// ([`Error::SerializationFailure`], retryable).
     pub async fn send_in(
         &self,
         tx: &mut Transaction<'_, Postgres>,
@@ -334,8 +343,25 @@ impl PgQueue {
         Ok(message)
     }
 
+    /// The advisory lock keys of these FIFO groups, ascending, once each:
+    /// namespace `pgonce.queue/<queue>`, key the group id.
+    fn group_lock_keys<'a>(
+        &self,
+        groups: impl Iterator<Item = Option<&'a str>>,
+    ) -> Result<Vec<i64>> {
+        let namespace = format!("pgonce.queue/{}", self.inner.name);
+        let mut keys = groups
+            .flatten()
+            .map(|g| Ok(LockKey::new(&namespace, g)?.as_i64()))
+            .collect::<Result<Vec<i64>>>()?;
+        keys.sort_unstable();
+        keys.dedup();
+        Ok(keys)
+    }
+
     async fn send_on(&self, conn: &mut PgConnection, message: SendMessage) -> Result<Sent> {
         let message = self.prepare(message)?;
+        let group_lock = self.group_lock_keys(std::iter::once(message.group_id.as_deref()))?;
         // A dedup claim committed by a concurrent sender after this
         // statement's snapshot yields no row; the second attempt sees it.
         for _ in 0..3 {
@@ -347,6 +373,7 @@ impl PgQueue {
                 .bind(&message.dedup_id)
                 .bind(message.delay.map(millis))
                 .bind(self.inner.options.notify)
+                .bind(&group_lock)
                 .fetch_optional(&mut *conn)
                 .await?;
             if let Some((id, duplicate)) = row {
@@ -406,6 +433,13 @@ impl PgQueue {
             // Deduplicated messages go one by one, in a savepoint so the batch
             // stays all or none.
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            let keys = self.group_lock_keys(messages.iter().map(|m| m.group_id.as_deref()))?;
+            if !keys.is_empty() {
+                sqlx::query(include_str!("sql/lock_groups.sql"))
+                    .bind(&keys)
+                    .execute(&mut *tx)
+                    .await?;
+            }
             let mut sent = Vec::with_capacity(messages.len());
             for m in messages {
                 sent.push(self.send_on(&mut tx, m).await?);
@@ -413,6 +447,7 @@ impl PgQueue {
             tx.commit().await?;
             return Ok(sent);
         }
+        let group_locks = self.group_lock_keys(messages.iter().map(|m| m.group_id.as_deref()))?;
         let mut bodies = Vec::with_capacity(messages.len());
         let mut attributes = Vec::with_capacity(messages.len());
         let mut groups = Vec::with_capacity(messages.len());
@@ -431,6 +466,7 @@ impl PgQueue {
             .bind(groups)
             .bind(delays)
             .bind(self.inner.options.notify)
+            .bind(&group_locks)
             .fetch_all(&mut *conn)
             .await?;
         if ids.len() != n {

@@ -1,12 +1,19 @@
 -- One message. $1 queue, $2 body, $3 attributes, $4 group id, $5 dedup id,
--- $6 delay ms (NULL: the queue's), $7 notify.
+-- $6 delay ms (NULL: the queue's), $7 notify, $8 the FIFO group's lock key
+-- (none without a group).
+-- The group's lock is taken before the id is drawn and held until the
+-- sending transaction ends: within a group, ids are drawn in commit order,
+-- so a receive never takes a message as its group's head while an earlier
+-- one is still uncommitted (pick_fifo.sql).
 -- With a dedup id, the id is claimed in queue_dedup first; a live claim
 -- (within the window) makes this a duplicate: nothing is inserted and the
 -- original id is returned. No row at all: the queue does not exist, or a
 -- concurrent sender's claim committed after this statement's snapshot
 -- (the caller retries once to read it).
 WITH q AS (
-    SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue WHERE name = $1
+    SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue
+    WHERE name = $1
+      AND (SELECT count(pg_advisory_xact_lock(k)) FROM unnest($8::bigint[]) AS k) >= 0
 ), claim AS (
     INSERT INTO pgonce.queue_dedup AS d (queue, dedup_id, message_id, expires_at)
     SELECT q.name, $5, nextval('pgonce.queue_message_id_seq'),

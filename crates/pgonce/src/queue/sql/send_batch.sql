@@ -1,8 +1,13 @@
 -- Many messages without dedup ids, in one statement. $1 queue, $2 bodies,
--- $3 attributes, $4 group ids, $5 delays ms (NULL: the queue's), $6 notify.
+-- $3 attributes, $4 group ids, $5 delays ms (NULL: the queue's), $6 notify,
+-- $7 the lock keys of the batch's FIFO groups, ascending (see send.sql:
+-- taken before any id is drawn, held until the transaction ends; ascending,
+-- so two batches sharing groups cannot deadlock).
 -- Ids are assigned in input order.
 WITH q AS (
-    SELECT name, delay_ms FROM pgonce.queue WHERE name = $1
+    SELECT name, delay_ms FROM pgonce.queue
+    WHERE name = $1
+      AND (SELECT count(pg_advisory_xact_lock(k)) FROM unnest($7::bigint[]) AS k) >= 0
 ), ins AS (
     INSERT INTO pgonce.queue_message (queue, body, attributes, group_id, visible_at)
     SELECT q.name, b.body, b.attributes, b.group_id,
