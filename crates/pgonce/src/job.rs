@@ -412,7 +412,8 @@ pub async fn complete_many<'c>(
 pub struct RetryPolicy {
     /// Delay after the first failure. Default 1 s.
     pub base: Duration,
-    /// Upper bound before jitter. Default 10 minutes. At least `base`.
+    /// Upper bound before jitter. Default 10 minutes. At least `base`, at
+    /// most [`RetryPolicy::LONGEST`].
     pub max: Duration,
     /// Random extra fraction of the delay, in [0, 1]. Default 0.25, so
     /// retries of jobs that failed together spread out.
@@ -430,13 +431,20 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The longest `max`: a year. (PostgreSQL's intervals hold far more, but
+    /// not `Duration::MAX`, and a retry later than a year is a dead job.)
+    pub const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
+
     /// Checks the invariants above.
     pub fn validate(&self) -> Result<()> {
-        if self.max < self.base || !(0.0..=1.0).contains(&self.jitter) {
+        if self.max < self.base
+            || self.max > RetryPolicy::LONGEST
+            || !(0.0..=1.0).contains(&self.jitter)
+        {
             return Err(Error::Invalid {
                 what: "retry policy",
                 why: format!(
-                    "need base <= max and jitter in [0, 1], got {:?} / {:?} / {}",
+                    "need base <= max <= 365 days and jitter in [0, 1], got {:?} / {:?} / {}",
                     self.base, self.max, self.jitter
                 ),
             });

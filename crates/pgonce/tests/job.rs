@@ -288,6 +288,44 @@ async fn a_failure_is_retried_with_backoff_by_the_redriver_then_dead_at_max_atte
     assert_eq!(row.last_error.as_deref(), Some("still down"));
 }
 
+/// A job allowed thousands of attempts keeps failing cleanly: the backoff's
+/// exponent stops growing long before float8 overflows (it used to raise
+/// "value out of range" from attempt ~1,024 on, leaving the job claimed and
+/// its error unrecorded). A policy whose max no interval can hold is refused.
+#[tokio::test]
+async fn the_backoff_never_overflows_and_an_absurd_max_is_refused() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5000).await;
+    sqlx::query("UPDATE pgonce.jobs SET attempts = 2000 WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    let policy = RetryPolicy::default();
+    let before = time::OffsetDateTime::now_utc();
+    let outcome = job::fail(&pool, &lease, "down again", &policy)
+        .await
+        .unwrap();
+    let FailOutcome::Retry { attempts, run_at } = outcome else {
+        panic!("expected a retry, got {outcome:?}");
+    };
+    assert_eq!(attempts, 2001);
+    let delay = (run_at - before).as_seconds_f64();
+    assert!(
+        (599.0..=751.0).contains(&delay),
+        "capped at max + jitter: {delay}"
+    );
+
+    for max in [Duration::MAX, RetryPolicy::LONGEST + Duration::from_secs(1)] {
+        let absurd = RetryPolicy { max, ..policy };
+        assert!(
+            matches!(absurd.validate(), Err(Error::Invalid { .. })),
+            "{max:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn attempts_are_incremented_in_sql_so_concurrent_failures_are_not_lost() {
     // Two jobs failing through two connections at once: each increments its

@@ -2,13 +2,15 @@
 -- SQL; past max_attempts the job is dead, otherwise it waits in `failed`
 -- until run_at = now() + min(max, base * 2^(attempts-1)) * (1 + jitter * random()).
 -- $3 error, $4 base seconds, $5 max seconds, $6 jitter fraction.
+-- The exponent stops at 60: float8 overflows near 2^1024 (after ~1,000
+-- attempts, which max_attempts allows), and 2^60 x any base is past any max.
 UPDATE pgonce.jobs
 SET attempts = attempts + 1,
     status = CASE WHEN attempts + 1 >= max_attempts THEN 'dead' ELSE 'failed' END,
     last_error = $3,
     run_at = CASE WHEN attempts + 1 >= max_attempts THEN run_at
              ELSE now() + make_interval(secs =>
-                 least($5, $4 * power(2, attempts)) * (1 + $6 * random()))
+                 least($5, $4 * power(2, least(attempts, 60))) * (1 + $6 * random()))
              END,
     finished_at = CASE WHEN attempts + 1 >= max_attempts THEN now() END,
     lease_token = NULL,
