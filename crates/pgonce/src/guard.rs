@@ -36,7 +36,17 @@
 //! lock statement itself: a re-read after a wait would see the state from
 //! before the wait, miss the previous holder's insert, and let a duplicate
 //! through. The guard therefore offers READ COMMITTED (the default) and
-//! SERIALIZABLE (correct too, at the cost of aborts), never REPEATABLE READ.
+//! SERIALIZABLE, never REPEATABLE READ.
+//!
+//! SERIALIZABLE takes its snapshot at the lock statement too, so there the
+//! re-read may also be stale; it is correct only because PostgreSQL aborts
+//! one of two SERIALIZABLE transactions whose reads and writes conflict,
+//! and that detection sees SERIALIZABLE transactions only. With
+//! [`Isolation::Serializable`], every writer of the guarded set must run
+//! SERIALIZABLE as well: a READ COMMITTED writer holding the same key (a
+//! guard configured differently, or [`crate::lock`] in a READ COMMITTED
+//! transaction) commits unseen, and the stale re-read lets a duplicate
+//! through. Under READ COMMITTED, the default, the lock alone suffices.
 //!
 //! # Example
 //!
@@ -186,7 +196,8 @@ pub enum Isolation {
     /// re-read sees the previous lock holder's write. The default.
     #[default]
     ReadCommitted,
-    /// Also correct; PostgreSQL may abort with
+    /// Correct only if every writer of the guarded set runs SERIALIZABLE
+    /// too (see the module docs); PostgreSQL may abort with
     /// [`Error::SerializationFailure`], which the caller retries.
     Serializable,
 }

@@ -78,7 +78,8 @@ pub struct WorkerConfig {
     /// visibility timeout in use.
     pub heartbeat_interval: Option<Duration>,
     /// Each heartbeat makes the message invisible for this long from now.
-    /// Default 30 s.
+    /// Default 30 s; longer than `heartbeat_interval` (or the message would
+    /// turn visible between two beats), at most 12 h (SQS's limit).
     pub heartbeat_extension: Duration,
     /// When to delete. Default [`AckPolicy::DeleteOnSuccess`].
     pub ack: AckPolicy,
@@ -127,6 +128,16 @@ impl WorkerConfig {
             && h >= v
         {
             return invalid("heartbeat_interval must be shorter than the visibility timeout");
+        }
+        if let Some(h) = self.heartbeat_interval
+            && self.heartbeat_extension <= h
+        {
+            return invalid(
+                "heartbeat_extension must be longer than heartbeat_interval: each beat must outlast the wait for the next",
+            );
+        }
+        if self.heartbeat_extension > Duration::from_secs(12 * 3600) {
+            return invalid("heartbeat_extension must be at most 12 h");
         }
         Ok(())
     }
@@ -465,5 +476,28 @@ mod tests {
         assert!(!AckPolicy::DeleteOnSuccess.delete_message(&failed));
         assert!(AckPolicy::DeleteOnSuccess.delete_message(&handled));
         assert!(AckPolicy::DeleteOnSuccess.delete_message(&Ok(())));
+    }
+
+    #[test]
+    fn a_heartbeat_must_outlast_the_wait_for_the_next_one() {
+        let ok = WorkerConfig::default();
+        ok.validate().unwrap();
+        for extension in [
+            Duration::ZERO,
+            Duration::from_secs(10),
+            Duration::from_secs(13 * 3600),
+        ] {
+            let bad = WorkerConfig {
+                heartbeat_extension: extension,
+                ..ok.clone()
+            };
+            assert!(bad.validate().is_err(), "{extension:?}");
+        }
+        let no_heartbeat = WorkerConfig {
+            heartbeat_interval: None,
+            heartbeat_extension: Duration::ZERO,
+            ..ok
+        };
+        no_heartbeat.validate().unwrap();
     }
 }
