@@ -253,6 +253,33 @@ fn literal(text: &str) -> String {
     format!("E'{}'", text.replace('\\', "\\\\").replace('\'', "''"))
 }
 
+/// `template` with each placeholder replaced by its value, in one pass:
+/// text put in is never scanned again, so a name that looks like a
+/// placeholder (`{table_name}`) stays a name. (Chained `str::replace` would
+/// substitute inside names already put in, and a crafted name could close
+/// its literal and run SQL.) No crate does this single-pass substitution
+/// for SQL text we own; a template engine would be far more than it needs.
+fn fill(template: &str, values: &[(&str, String)]) -> String {
+    let mut out = String::with_capacity(template.len() + 64);
+    let mut rest = template;
+    while let Some(at) = rest.find('{') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        match values.iter().find(|(key, _)| rest.starts_with(key)) {
+            Some((key, value)) => {
+                out.push_str(value);
+                rest = &rest[key.len()..];
+            }
+            None => {
+                out.push('{');
+                rest = &rest[1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// Settings of a [`Sequence`].
 #[derive(Debug, Clone, Default)]
 pub struct SequenceConfig {
@@ -318,19 +345,25 @@ impl Sequence {
     /// A sequence over `table`. Builds its statements; touches no database
     /// (see [`Sequence::check_schema`]).
     pub fn new(table: NumberedTable, config: SequenceConfig) -> Result<Sequence> {
-        let fill = |sql: &str| {
-            sql.replace("{table}", &table.quoted())
-                .replace("{scope}", &quote(&table.scope_column))
-                .replace("{number}", &quote(&table.number_column))
-        };
         let sql = Statements {
-            take: include_str!("sequence/sql/take.sql")
-                .replace("{strategy}", &literal(config.strategy.name()))
-                .replace("{schema_name}", &literal(&table.schema))
-                .replace("{table_name}", &literal(&table.table))
-                .replace("{scope_name}", &literal(&table.scope_column))
-                .replace("{number_name}", &literal(&table.number_column)),
-            counter: fill(include_str!("sequence/sql/counter.sql")),
+            take: fill(
+                include_str!("sequence/sql/take.sql"),
+                &[
+                    ("{strategy}", literal(config.strategy.name())),
+                    ("{schema_name}", literal(&table.schema)),
+                    ("{table_name}", literal(&table.table)),
+                    ("{scope_name}", literal(&table.scope_column)),
+                    ("{number_name}", literal(&table.number_column)),
+                ],
+            ),
+            counter: fill(
+                include_str!("sequence/sql/counter.sql"),
+                &[
+                    ("{table}", table.quoted()),
+                    ("{scope}", quote(&table.scope_column)),
+                    ("{number}", quote(&table.number_column)),
+                ],
+            ),
         };
         Ok(Sequence {
             name: table.name().into(),
@@ -570,6 +603,35 @@ mod tests {
         ));
         assert!(!seq.sql.counter.contains('{'));
         assert_eq!(literal(r"it's \x"), r"E'it''s \\x'");
+    }
+
+    #[test]
+    fn names_that_look_like_placeholders_stay_names() {
+        let seq = Sequence::new(
+            NumberedTable::new(
+                "{table_name}.||(select pg_sleep(5))::text||",
+                "{scope}",
+                "{number}",
+            )
+            .unwrap(),
+            SequenceConfig::default(),
+        )
+        .unwrap();
+        assert!(
+            seq.sql.take.contains(
+                "sequence_take(E'advisory-lock', $1, E'{table_name}', E'||(select pg_sleep(5))::text||', E'{scope}', E'{number}', $2)"
+            ),
+            "{}",
+            seq.sql.take
+        );
+        assert!(
+            seq.sql.counter.contains(
+                "FROM \"{table_name}\".\"||(select pg_sleep(5))::text||\" WHERE \"{scope}\" = $3"
+            ),
+            "{}",
+            seq.sql.counter
+        );
+        assert_eq!(fill("a {x} {y} {", &[("{x}", "{y}".into())]), "a {y} {y} {");
     }
 
     #[test]
