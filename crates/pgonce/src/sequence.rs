@@ -538,17 +538,46 @@ impl Sequence {
         })
     }
 
-    /// Turns a unique violation on the numbered table into
-    /// [`Error::NumberTaken`]; any other error passes through.
+    /// Whether a unique violation's detail, `Key (a, b)=(...) already
+    /// exists.`, names exactly the (scope, number) key: a violation of
+    /// another unique index of the table is not a taken number.
+    fn is_scope_number_key(&self, detail: &str) -> bool {
+        let Some(columns) = detail
+            .strip_prefix("Key (")
+            .and_then(|d| d.split_once(")=("))
+            .map(|(columns, _)| columns)
+        else {
+            return false;
+        };
+        let mut names: Vec<String> = columns
+            .split(", ")
+            .map(|c| c.trim_matches('"').replace("\"\"", "\""))
+            .collect();
+        names.sort();
+        let mut ours = vec![
+            self.table.scope_column.clone(),
+            self.table.number_column.clone(),
+        ];
+        ours.sort();
+        names == ours
+    }
+
+    /// Turns a unique violation of the numbered table's (scope, number)
+    /// index into [`Error::NumberTaken`]; any other error (another unique
+    /// index of the same table included) passes through.
     pub fn number_taken(&self, error: Error, scope: &impl ScopeValue, number: i64) -> Error {
         let Error::Database(e) = &error else {
             return error;
         };
-        let on_our_table = e
+        let on_our_index = e
             .as_database_error()
-            .and_then(|d| d.table())
-            .is_some_and(|t| t == self.table.table);
-        if sqlstate_of(e).as_deref() == Some(sqlstate::UNIQUE_VIOLATION) && on_our_table {
+            .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+            .is_some_and(|d| {
+                d.schema() == Some(self.table.schema.as_str())
+                    && d.table() == Some(self.table.table.as_str())
+                    && d.detail().is_some_and(|k| self.is_scope_number_key(k))
+            });
+        if sqlstate_of(e).as_deref() == Some(sqlstate::UNIQUE_VIOLATION) && on_our_index {
             tracing::warn!(sequence = %self.name, %scope, number, strategy = %self.strategy, "number already taken in scope");
             metrics::counter!("pgonce_sequence_number_taken_total", "strategy" => self.strategy.name())
                 .increment(1);

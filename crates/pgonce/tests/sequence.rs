@@ -452,3 +452,36 @@ async fn a_scope_typed_as_the_column_binds_with_its_own_type() {
         "strategies continue one another's numbers"
     );
 }
+
+/// Only the (scope, number) index's violation is a taken number: the write
+/// breaking another unique index of the same table is the caller's error,
+/// not NumberTaken (retrying would take the same number and fail again).
+#[tokio::test]
+async fn another_unique_index_of_the_table_is_not_a_taken_number() {
+    let (pool, _db) = setup(2).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.tickets (org text NOT NULL, number bigint NOT NULL, \
+         ref text UNIQUE, UNIQUE (org, number)); \
+         INSERT INTO public.tickets VALUES ('acme', 1, 'r-1')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let seq = Sequence::new(
+        NumberedTable::new("public.tickets", "org", "number").unwrap(),
+        SequenceConfig::default(),
+    )
+    .unwrap();
+    let tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+    let err = seq
+        .commit_numbered(tx, &"acme", async |conn: &mut PgConnection, n| {
+            sqlx::query("INSERT INTO public.tickets VALUES ('acme', $1, 'r-1')")
+                .bind(n)
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Database(_)), "{err}");
+}
