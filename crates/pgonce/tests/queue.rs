@@ -131,6 +131,16 @@ async fn a_dead_lettered_message_keeps_its_history() {
             .is_empty()
     );
     assert_eq!(q.stats().await.unwrap().dead_letter_depth, Some(1));
+
+    // One being handled from the dead-letter queue stays there: a redrive
+    // would hand it to a second consumer at once.
+    let inspected = dlq.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(inspected.len(), 1);
+    assert_eq!(dlq.redrive().await.unwrap(), 0, "in flight: not redriven");
+    dlq.change_visibility(&inspected[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
 }
 
 #[tokio::test]

@@ -4,7 +4,9 @@
 -- move stay stale.
 WITH picked AS (
     SELECT id FROM pgonce.queue_message
-    WHERE queue = $1 AND dead_lettered_from IS NOT NULL
+    -- Not one a consumer of the dead-letter queue has in flight: it would
+    -- be handled twice at once.
+    WHERE queue = $1 AND dead_lettered_from IS NOT NULL AND visible_at <= now()
     ORDER BY id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
