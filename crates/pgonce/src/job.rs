@@ -22,7 +22,10 @@
 //! use pgonce::{Error, job};
 //! let lease = match job::claim(&pool, id, Duration::from_secs(60)).await {
 //!     Ok(lease) => lease,
-//!     // Another delivery has it or had it: acknowledge, do nothing.
+//!     // Another delivery has it or had it: acknowledge, do nothing. (If
+//!     // that delivery crashed, the Reaper puts its job back to pending
+//!     // with no message left to drive it: run a claim_batch poller too,
+//!     // as the incident service's notifier does, so reaped jobs run.)
 //!     Err(Error::AlreadyHandled { .. }) => return Ok(()),
 //!     Err(e) => return Err(e),
 //! };
