@@ -676,7 +676,7 @@ impl Service {
 
     /// The organization's events after position `after`, in order, never
     /// skipping one that commits late with a lower position: read through a
-    /// catch-up [`pgonce::Subscription`]. Waits up to `wait` for the first
+    /// catch-up [`pgonce::events::Subscription`]. Waits up to `wait` for the first
     /// event (long poll), polling every 100 ms. Returns the events (at most
     /// `limit`) and the position to pass as `after` next.
     ///

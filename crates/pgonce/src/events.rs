@@ -7,7 +7,7 @@
 //! * A [`Query`] is the OR of [`QueryItem`]s (an item: the type is any of its
 //!   types, and the event carries all of its tags), or [`Query::all`].
 //! * [`EventStore::append`] stores events atomically, failing with
-//!   [`Error::AppendConditionFailed`](crate::Error::AppendConditionFailed)
+//!   [`crate::Error::AppendConditionFailed`]
 //!   (nothing written) when an event matching the condition's query exists
 //!   after its `after` position (anywhere, without one).
 //! * [`EventStore::decide`] returns the matching events and the `after` to

@@ -12,7 +12,7 @@
 //!   again and is redelivered. Nothing is lost when a consumer dies.
 //! * **Fenced receipts.** Each delivery has its own [`Receipt`]. A receipt
 //!   from before a redelivery deletes or extends nothing and says so:
-//!   [`Error::StaleReceipt`](crate::Error::StaleReceipt).
+//!   [`crate::Error::StaleReceipt`].
 //! * **FIFO queues.** Strict order within a message group; at most one
 //!   message of a group in flight; groups independent of each other.
 //! * **Deduplication.** A send whose deduplication id was seen within the

@@ -37,7 +37,7 @@ pub struct Route {
     /// The success status.
     pub status: u16,
     pub summary: &'static str,
-    /// Query parameters (all optional; typed by [`query_parameter`]).
+    /// Query parameters (all optional; their types are set by name).
     pub query: &'static [&'static str],
     /// The request body's schema, and whether it may be left out.
     pub body: Option<(SchemaFn, Need)>,
