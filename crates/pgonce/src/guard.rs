@@ -98,7 +98,7 @@ use std::fmt;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use crate::error::{Error, Result, sqlstate, sqlstate_of};
 use crate::lock::{self, LockKey};
@@ -380,20 +380,15 @@ impl Guard {
                 .map_or(0, |t| t.as_millis().clamp(1, i32::MAX as u128))
                 .to_string(),
         );
-        let task = tokio::spawn({
-            let pool = pool.clone();
-            async move { pool.begin_with(AssertSqlSafe(sql)).await }
-        });
-        let tx = match task.await {
-            Ok(Ok(tx)) => tx,
-            Ok(Err(e)) if sqlstate_of(&e).as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE) => {
+        let tx = match crate::lock::begin_detached(pool, sql).await {
+            Ok(tx) => tx,
+            Err(e) if sqlstate_of(&e).as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE) => {
                 return Err(Error::LockTimeout {
                     key,
                     waited: self.config.lock_timeout.unwrap_or_default(),
                 });
             }
-            Ok(Err(e)) => return Err(e.into()),
-            Err(join) => std::panic::resume_unwind(join.into_panic()),
+            Err(e) => return Err(e.into()),
         };
         Ok(GuardedTransaction {
             tx,

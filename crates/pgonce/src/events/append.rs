@@ -275,13 +275,7 @@ pub(crate) enum Isolation {
 /// trip (begin_locked.sql). With `assign_xid` the transaction id is
 /// assigned too, before any position is drawn. If a lock fails, the error is
 /// returned and the session is left idle (no transaction open).
-///
-/// Cancel safety: the round trip runs in a task of its own. sqlx counts a
-/// transaction as open only once its BEGIN statement has returned, so a
-/// future dropped while it waited for a lock would otherwise leave the
-/// connection to go back to the pool inside the transaction, locks held,
-/// once the statement finished. The task instead receives the transaction
-/// and drops it, which rolls it back before the connection is reused.
+/// Cancel safe ([`crate::lock::begin_detached`]).
 pub(crate) async fn begin_locked(
     pool: &PgPool,
     isolation: Isolation,
@@ -307,13 +301,7 @@ pub(crate) async fn begin_locked(
             },
         );
     // Trusted parts only: our SQL and integer literals.
-    let pool = pool.clone();
-    let task = tokio::spawn(async move { pool.begin_with(sqlx::AssertSqlSafe(sql)).await });
-    match task.await {
-        Ok(begun) => Ok(begun?),
-        // The task only panics if sqlx does; carry the panic on.
-        Err(join) => std::panic::resume_unwind(join.into_panic()),
-    }
+    Ok(crate::lock::begin_detached(pool, sql).await?)
 }
 
 /// Inserts `events` (validated, keys taken) and returns their positions.
