@@ -1,11 +1,13 @@
 //! `pgonce`: the command-line face of pgonce. Parses arguments, sets up
 //! logging and hands over to the library; nothing here decides anything.
+//!
+//! The product's commands (`migrate`, `serve`, `worker`, `rollout`) are
+//! always here. The lab's (`demo`, `race`, `bench`) come with the `lab`
+//! feature, from the `pgonce-lab` crate: one command for users, and a
+//! deployed server that links no benchmark peer, no second sqlx and no
+//! test kit.
 
-mod bench;
-mod demo;
-mod race;
-mod report;
-mod scratch;
+mod database;
 mod serve;
 
 use std::process::ExitCode;
@@ -14,7 +16,15 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
-use crate::report::Report;
+#[cfg(feature = "lab")]
+use pgonce_lab::{bench, demo, race, report::Report};
+
+use crate::database::Database;
+
+/// What a command leaves to print: the lab's reports; the product's
+/// commands print nothing on stdout.
+#[cfg(not(feature = "lab"))]
+enum Report {}
 
 /// Database safeguards for at-least-once queue workers on PostgreSQL.
 ///
@@ -30,6 +40,7 @@ struct Cli {
     database_url: Option<String>,
 
     /// Print exactly one JSON object on stdout instead of tables.
+    #[cfg(feature = "lab")]
     #[arg(long, global = true)]
     json: bool,
 
@@ -41,10 +52,13 @@ struct Cli {
 enum Command {
     /// Apply pgonce's migrations to the --database-url database.
     Migrate,
+    #[cfg(feature = "lab")]
     /// Replay a seed's race step by step under each strategy.
     Race(race::RaceArgs),
+    #[cfg(feature = "lab")]
     /// Compare strategies side by side under load; prints ratios.
     Bench(bench::BenchArgs),
+    #[cfg(feature = "lab")]
     /// The main job: run the incident service end to end on a throwaway
     /// database, under redeliveries, duplicates and a killed worker, and
     /// check every invariant. Exit 0 iff all hold.
@@ -66,7 +80,8 @@ fn main() -> ExitCode {
     // conflicts, stale acks and failed sends on purpose and counts them in
     // its report; RUST_LOG=warn shows each one.
     let default_filter = match cli.command {
-        Command::Demo(_) => "error,pgonce_cli=info",
+        #[cfg(feature = "lab")]
+        Command::Demo(_) => "error,pgonce_lab=info",
         _ => "warn,pgonce=info,sqlx::query=error",
     };
     tracing_subscriber::fmt()
@@ -91,6 +106,7 @@ fn main() -> ExitCode {
     });
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     match outcome {
+        #[cfg(feature = "lab")]
         Ok(Some(report)) => {
             report.print(cli.json);
             if report.verdict.ok {
@@ -99,6 +115,8 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
+        #[cfg(not(feature = "lab"))]
+        Ok(Some(never)) => match never {},
         Ok(None) => ExitCode::SUCCESS,
         Err(e) if e.is::<Interrupted>() => {
             eprintln!("pgonce: interrupted; throwaway database removed");
@@ -129,19 +147,19 @@ async fn run(cli: &Cli) -> anyhow::Result<Option<Report>> {
         Command::Migrate => {
             let url =
                 url.context("migrate needs a database: pass --database-url or set DATABASE_URL")?;
-            let server = pgonce_testkit::Server::external(url).await?;
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(1)
-                .connect_with(server.options().clone())
-                .await?;
+            let database = Database::open(url).await?;
+            let pool = database.pool(1).await?;
             pgonce::migrate(&pool)
                 .await
-                .with_context(|| format!("migrating {}", server.address()))?;
-            eprintln!("pgonce: migrations applied to {}", server.address());
+                .with_context(|| format!("migrating {}", database.address()))?;
+            eprintln!("pgonce: migrations applied to {}", database.address());
             Ok(None)
         }
+        #[cfg(feature = "lab")]
         Command::Race(args) => race::run(args, url).await.map(Some),
+        #[cfg(feature = "lab")]
         Command::Bench(args) => bench::run(args, url).await.map(Some),
+        #[cfg(feature = "lab")]
         Command::Demo(args) => demo::run(args, url).await.map(Some),
         Command::Serve(args) => serve::run(args, url, true).await.map(|()| None),
         Command::Worker(args) => serve::run(args, url, false).await.map(|()| None),

@@ -25,6 +25,8 @@ use pgonce_incidents::{NotifierConfig, Service, ServiceConfig, SimulatedEvaluato
 use serde::Deserialize;
 use sqlx::PgPool;
 
+use crate::database::Database;
+
 /// `pgonce serve` / `pgonce worker` flags.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -280,15 +282,11 @@ fn configure(args: &ServeArgs, database_url: Option<&str>) -> anyhow::Result<Ser
 }
 
 async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
-    let server = pgonce_testkit::Server::external(url).await?;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(max_connections)
-        .connect_with(server.options().clone())
-        .await
-        .with_context(|| format!("connecting to {}", server.address()))?;
+    let database = Database::open(url).await?;
+    let pool = database.pool(max_connections).await?;
     pgonce_incidents::migrate(&pool)
         .await
-        .with_context(|| format!("migrating {}", server.address()))?;
+        .with_context(|| format!("migrating {}", database.address()))?;
     Ok(pool)
 }
 

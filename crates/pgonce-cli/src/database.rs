@@ -1,0 +1,62 @@
+//! How the product's commands (`migrate`, `serve`, `worker`, `rollout`)
+//! reach the database a user names. Unlike the lab, they never start a
+//! cluster or create a database: a deployment's database exists already.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::Context;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgPool};
+
+/// How long the first connection may take before the command gives up
+/// with an error naming the address: a wrong host or a closed port is a
+/// configuration error, and an operator should hear of it at once.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The database `url` names, checked reachable.
+#[derive(Debug, Clone)]
+pub struct Database {
+    options: PgConnectOptions,
+}
+
+impl Database {
+    /// Parses `url` and opens (and closes) one connection within
+    /// [`CONNECT_TIMEOUT`], so that a bad URL or an unreachable server fails
+    /// with one line that names the address.
+    pub async fn open(url: &str) -> anyhow::Result<Database> {
+        let options = PgConnectOptions::from_str(url)
+            .context("the database URL is not a valid PostgreSQL URL")?;
+        let database = Database { options };
+        let address = database.address();
+        let connection = tokio::time::timeout(CONNECT_TIMEOUT, database.options.connect())
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "cannot connect to PostgreSQL at {address}: no answer within {CONNECT_TIMEOUT:?}"
+                )
+            })?
+            .map_err(|e| anyhow::anyhow!("cannot connect to PostgreSQL at {address}: {e}"))?;
+        let _ = connection.close().await;
+        Ok(database)
+    }
+
+    /// Where the database is, for messages: `host:port/database`.
+    pub fn address(&self) -> String {
+        format!(
+            "{}:{}/{}",
+            self.options.get_host(),
+            self.options.get_port(),
+            self.options.get_database().unwrap_or("")
+        )
+    }
+
+    /// A pool of at most `max_connections` on this database.
+    pub async fn pool(&self, max_connections: u32) -> anyhow::Result<PgPool> {
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .connect_with(self.options.clone())
+            .await
+            .with_context(|| format!("connecting to {}", self.address()))
+    }
+}

@@ -1,0 +1,236 @@
+//! The lab's commands (`race`, `bench`, `demo`) of the `pgonce` binary as a
+//! user runs them: built with the `lab` feature.
+
+use std::time::Duration;
+
+use assert_cmd::Command;
+
+fn pgonce() -> Command {
+    let mut cmd = Command::cargo_bin("pgonce").unwrap();
+    cmd.env_remove("DATABASE_URL").env("RUST_LOG", "warn");
+    cmd
+}
+
+/// Runs `pgonce ARGS` (which must include `--json`), asserts it exited 0,
+/// and returns the one JSON object it printed.
+fn json_report(args: &[&str]) -> serde_json::Value {
+    let out = pgonce()
+        .args(args)
+        .timeout(Duration::from_secs(180))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn race_lock_wait_prints_one_json_object_with_an_ok_verdict() {
+    let report = json_report(&["race", "lock-wait", "--json"]);
+    assert_eq!(report["command"], "race");
+    assert_eq!(report["name"], "lock-wait");
+    assert_eq!(report["verdict"]["ok"], true);
+    assert_eq!(report["environment"]["fsync"], true);
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(results[0]["invariant_held"], true);
+    assert_eq!(results[1]["invariant_held"], false);
+}
+
+#[test]
+fn race_seed001_holds_the_invariant_under_every_strategy() {
+    let report = json_report(&["race", "seed001", "--json"]);
+    assert_eq!(report["name"], "seed001");
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(
+        results.len(),
+        7,
+        "3 strategies, 3 decision cases, 1 catch-up"
+    );
+    for r in results {
+        assert_eq!(r["invariant_held"], true, "{r}");
+    }
+}
+
+#[test]
+fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
+    let report = json_report(&["bench", "queue", "--quick", "--seconds", "0.5", "--json"]);
+    assert_eq!(report["name"], "queue");
+    assert!(report["ratios"]["pgonce_b1_vs_raw"].is_number(), "{report}");
+    assert!(
+        report["ratios"]["pgonce_vs_best_peer"].is_number(),
+        "{report}"
+    );
+    let strategies: Vec<_> = report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap().to_string())
+        .collect();
+    assert!(strategies.iter().any(|s| s == "raw-insert-delete"));
+    assert!(strategies.iter().any(|s| s.starts_with("apalis-postgres")));
+}
+
+#[test]
+fn race_seed003_exits_0_with_exactly_one_side_effect_under_two_phase() {
+    let report = json_report(&["race", "seed003", "--json"]);
+    let row = |name: &str| {
+        report["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["strategy"] == name)
+            .unwrap_or_else(|| panic!("no row {name}"))
+            .clone()
+    };
+    assert_eq!(row("two-phase")["side_effects"], 1);
+    assert_eq!(row("two-phase")["transitions_applied"], 1);
+    assert_eq!(row("where-status")["side_effects"], 2);
+    assert_eq!(row("late-completion")["second_delivery"], "LeaseLost");
+    assert_eq!(row("crash")["final_status"], "completed");
+}
+
+#[test]
+fn bench_events_quick_measures_the_peer_and_prints_both_goal_ratios() {
+    let report = json_report(&["bench", "events", "--quick", "--seconds", "0.3", "--json"]);
+    assert_eq!(report["name"], "events");
+    for ratio in [
+        "advisory_vs_table_lock_disjoint_16w",
+        "pgonce_vs_disintegrate_disjoint_16w",
+    ] {
+        assert!(report["ratios"][ratio].is_number(), "{ratio}: {report}");
+    }
+    let strategies: Vec<_> = report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap().to_string())
+        .collect();
+    for s in [
+        "serializable",
+        "table-lock",
+        "advisory-locks",
+        "disintegrate-postgres",
+    ] {
+        assert!(
+            strategies.iter().any(|x| x == s),
+            "{s} missing: {strategies:?}"
+        );
+    }
+    let goals = report["sections"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.starts_with("goals"))
+        .map(|(_, v)| v.clone())
+        .expect("a goals section");
+    let peer_goal = goals
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r.to_string().contains("pgonce_vs_disintegrate"))
+        .expect("the peer's goal row")
+        .to_string();
+    assert!(!peer_goal.contains("not measured"), "{peer_goal}");
+}
+
+#[test]
+fn race_seed004_keeps_i2_under_the_default_and_tells_the_truth_about_the_others() {
+    let report = json_report(&["race", "seed004", "--json"]);
+    assert_eq!(report["verdict"]["ok"], true, "{report:#}");
+    let by_strategy = |name: &str| {
+        report["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["strategy"] == name)
+            .unwrap_or_else(|| panic!("no row for {name}"))
+            .clone()
+    };
+    let advisory = by_strategy("advisory-lock");
+    assert_eq!(advisory["invariant_held"], true);
+    assert_eq!(advisory["other_scope"], "C: no wait");
+    assert_eq!(advisory["rollback_number_reused"], true);
+    assert_eq!(by_strategy("table-lock")["invariant_held"], false);
+    assert_eq!(by_strategy("select-for-update")["failed_declarations"], 1);
+}
+
+#[test]
+fn bench_sequence_quick_prints_both_figures_in_one_json_object() {
+    let report = json_report(&["bench", "sequence", "--quick", "--json"]);
+    assert_eq!(report["verdict"]["ok"], true, "{report:#}");
+    assert!(report["ratios"]["advisory_vs_table_lock_s8_early"].is_number());
+    let slo = report["sections"]["one scope, 50 declarers, against the seed's 3 s SLO"]
+        .as_array()
+        .unwrap();
+    assert!(slo.iter().all(|r| r["p99_ms"].is_number()
+        && r["lock_hold_p99_ms"].is_number()
+        && r["slo_ms"] == 3000.0));
+    for row in report["results"].as_array().unwrap() {
+        assert_eq!(row["violations"], 0, "{row}");
+    }
+}
+
+#[test]
+fn demo_small_holds_every_invariant_and_rollout_0_shows_i1_broken() {
+    let small = [
+        "demo",
+        "--organizations",
+        "1",
+        "--entities",
+        "6",
+        "--observations",
+        "150",
+        "--visibility-ms",
+        "300",
+        "--json",
+    ];
+    let report = json_report(&small);
+    assert_eq!(report["command"], "demo");
+    let invariants = report["sections"]["invariants"].as_array().unwrap();
+    assert_eq!(invariants.len(), 4);
+    for row in invariants {
+        assert_eq!(row["held"], true, "{row}");
+    }
+
+    // Without the guard the same run breaks I1 and exits 1, but still
+    // prints its report.
+    let mut args = small.to_vec();
+    args.extend(["--rollout", "0", "--no-people", "--slow-rate", "0.3"]);
+    let out = pgonce().args(&args).output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let i1 = &report["sections"]["invariants"][0];
+    assert_eq!(i1["strategy"], "I1");
+    assert_eq!(i1["held"], false, "{i1}");
+}
+
+#[test]
+fn bench_service_quick_prints_the_p99_in_one_json_object() {
+    let report = json_report(&["bench", "service", "--quick", "--seconds", "0.5", "--json"]);
+    assert_eq!(report["verdict"]["ok"], true, "{report}");
+    let results = report["results"].as_array().unwrap();
+    assert!(
+        results
+            .iter()
+            .any(|r| r["strategy"] == "advisory-lock" && r["p99_ms"].as_f64().is_some())
+    );
+    for ratio in [
+        "table_lock_p99_vs_advisory_p99",
+        "counter_row_p99_vs_advisory_p99",
+        "advisory_vs_table_lock_declarations",
+    ] {
+        assert!(report["ratios"][ratio].as_f64().is_some(), "{ratio}");
+    }
+    let goal = &report["sections"]["goals (performance; not part of the verdict)"][0];
+    assert!(goal["measured_ms"].as_f64().is_some(), "{goal}");
+    assert_eq!(goal["goal_ms"], 150.0);
+}

@@ -1,0 +1,21 @@
+//! pgonce's lab: what proves the safeguards hold and measures what they
+//! cost, kept apart from the product so that a deployed `pgonce serve`
+//! links none of it.
+//!
+//! - [`race`] replays a race step by step under each strategy, driving
+//!   several connections and waiting until one is seen blocked before the
+//!   next step;
+//! - [`bench`] compares strategies, and peer libraries, side by side in one
+//!   run and prints ratios;
+//! - [`demo`] runs the incident service end to end under redeliveries,
+//!   duplicates and killed workers, and checks every invariant.
+//!
+//! Every run works in a scratch database (see `scratch`) and ends in a
+//! [`report::Report`]: tables for people, one JSON object for machines.
+//! The `pgonce` command exposes all three when built with its `lab` feature.
+
+pub mod bench;
+pub mod demo;
+pub mod race;
+pub mod report;
+mod scratch;
