@@ -199,7 +199,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         peer_at("one-tag"),
     );
     report.sections.insert(
-        "goals (issue 6; informational, the verdict is about correctness)".into(),
+        "goals (informational, the verdict is about correctness)".into(),
         vec![
             Row::new("advisory_vs_table_lock_disjoint_16w")
                 .with("goal", ">= 4")

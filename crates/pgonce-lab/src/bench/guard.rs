@@ -1,6 +1,6 @@
 //! `pgonce bench guard`: seed 000's worker (read, evaluate for L with no
 //! transaction, then create or resolve an incident) under each strategy, in
-//! the three scenarios of issue 3:
+//! three scenarios:
 //!
 //! * low contention (W=16, E=10,000): guard vs two-transactions, the same
 //!   shape without lock and re-read; goal at least 0.95. Measured twice:
@@ -9,7 +9,7 @@
 //!   16 workers keep both cores busy and the ratio shows what the guard's
 //!   extra round trip costs in CPU (5 messages per decision against 4). The
 //!   5 ms run also has `guard-begin-check`, the guard with BEGIN and lock in
-//!   separate round trips (session 1's `Guard::write`);
+//!   separate round trips (the first version of `Guard::write`);
 //! * hot entity (E = 1 to 4): guard vs serializable (read, evaluation and
 //!   write in one SERIALIZABLE transaction, retried on abort);
 //! * pool pressure (P=10, 100 in flight, L=50 ms): guard vs a session-level
@@ -42,7 +42,7 @@ use crate::scratch::RunDatabase;
 enum Strategy {
     TwoTransactions,
     Guard,
-    /// The guard as session 1 shipped it: `Guard::begin`, then
+    /// The guard as first shipped: `Guard::begin`, then
     /// `GuardedTransaction::check` takes the lock in a round trip of its own
     /// (the shape `Guard::write` had before `Guard::begin_for`).
     GuardBeginCheck,
@@ -159,7 +159,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             low_rates[0] / low_rates[1].max(1e-9),
         ));
         // ...and with a 5 ms one, CPU-bound on this machine, also against
-        // session 1's shape of the guard (one round trip more).
+        // the first shape of the guard (one round trip more).
         let low_rates = group(
             "low-contention-l5",
             &[
@@ -221,7 +221,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let ratio = median(&ratios["low_contention_guard_vs_two_transactions"]);
     let pressure_ratio = median(&ratios["pool_pressure_guard_vs_session_lock"]);
     report.sections.insert(
-        "goals (issue 3; informational, the verdict is about correctness)".into(),
+        "goals (informational, the verdict is about correctness)".into(),
         vec![
             Row::new("low_contention_guard_vs_two_transactions (L=50 ms)")
                 .with("goal", ">= 0.95")
