@@ -7,11 +7,11 @@ use sqlx::migrate::Migrator;
 /// kept in the same `_sqlx_migrations` table as pgonce's.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
-/// Applies pgonce's migrations and then the service's. Both migrators ignore
-/// the other's versions. Safe to run from several processes at once.
+/// Applies pgonce's migrations and then the service's, with
+/// [`pgonce::migrate::run`]: each in its own transaction under a
+/// transaction-level lock, so it is safe from several processes at once and
+/// through a transaction-mode pooler.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     pgonce::migrate(pool).await?;
-    let mut migrator = Migrator::with_migrations(MIGRATOR.migrations.to_vec());
-    migrator.set_ignore_missing(true);
-    migrator.run(pool).await
+    pgonce::migrate::run(pool, &MIGRATOR).await
 }

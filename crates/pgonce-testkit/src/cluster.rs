@@ -147,12 +147,12 @@ fn debian_bindirs() -> Vec<PathBuf> {
 /// The account the server processes run as: ourselves, or `postgres` when we
 /// are root.
 #[derive(Debug, Clone, Copy)]
-struct RunAs {
+pub(crate) struct RunAs {
     ids: Option<(Uid, Gid)>,
 }
 
 impl RunAs {
-    fn detect() -> Result<RunAs, ClusterError> {
+    pub(crate) fn detect() -> Result<RunAs, ClusterError> {
         if !Uid::effective().is_root() {
             return Ok(RunAs { ids: None });
         }
@@ -172,7 +172,12 @@ impl RunAs {
         }
     }
 
-    fn chown(&self, path: &Path) -> Result<(), ClusterError> {
+    /// True when the server processes run as another user than ours.
+    pub(crate) fn is_other_user(&self) -> bool {
+        self.ids.is_some()
+    }
+
+    pub(crate) fn chown(&self, path: &Path) -> Result<(), ClusterError> {
         if let Some((uid, gid)) = self.ids {
             std::os::unix::fs::chown(path, Some(uid.as_raw()), Some(gid.as_raw()))
                 .map_err(io("handing the cluster directory to the postgres user"))?;
@@ -285,25 +290,30 @@ impl Cluster {
             let _ = watchdog.kill();
             let _ = watchdog.wait();
         }
-        if let Some(mut server) = self.server.take() {
-            let pid = Pid::from_raw(server.id() as i32);
-            let _ = kill(pid, Signal::SIGINT);
-            let deadline = Instant::now() + STOP_TIMEOUT;
-            loop {
-                match server.try_wait() {
-                    Ok(Some(_)) | Err(_) => break,
-                    Ok(None) if Instant::now() >= deadline => {
-                        let _ = server.kill();
-                        let _ = server.wait();
-                        break;
-                    }
-                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
+        if let Some(server) = self.server.take() {
+            stop_process(server, Signal::SIGINT, STOP_TIMEOUT);
             tracing::info!(port = self.port, "stopped throwaway PostgreSQL");
         }
         if let Some(dir) = self.dir.take() {
             let _ = dir.close();
+        }
+    }
+}
+
+/// Sends `signal` to `process` and waits for it to exit; kills it once
+/// `timeout` has passed.
+pub(crate) fn stop_process(mut process: Child, signal: Signal, timeout: Duration) {
+    let _ = kill(Pid::from_raw(process.id() as i32), signal);
+    let deadline = Instant::now() + timeout;
+    loop {
+        match process.try_wait() {
+            Ok(Some(_)) | Err(_) => break,
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = process.kill();
+                let _ = process.wait();
+                break;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
 }
@@ -314,7 +324,7 @@ impl Drop for Cluster {
     }
 }
 
-fn free_port() -> Result<u16, ClusterError> {
+pub(crate) fn free_port() -> Result<u16, ClusterError> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(io("finding a free port"))?;
     Ok(listener
         .local_addr()
@@ -383,7 +393,7 @@ fn start_server(
     }
 }
 
-fn read_log(path: &Path) -> String {
+pub(crate) fn read_log(path: &Path) -> String {
     let mut s = String::new();
     if let Ok(mut f) = File::open(path) {
         let _ = f.read_to_string(&mut s);
@@ -393,7 +403,7 @@ fn read_log(path: &Path) -> String {
 
 /// Starts the watchdog described in the module docs. It waits for EOF on its
 /// stdin, then stops the server and removes the directory.
-fn spawn_watchdog(server_pid: u32, dir: &Path) -> Result<Child, ClusterError> {
+pub(crate) fn spawn_watchdog(server_pid: u32, dir: &Path) -> Result<Child, ClusterError> {
     const SCRIPT: &str = r#"
 read -r _ignored
 kill -INT "$1" 2>/dev/null

@@ -7,13 +7,19 @@
 //!   binaries, removed on drop and when the process dies.
 //! * [`server`]: the server to use (`DATABASE_URL` or a throwaway cluster)
 //!   and scratch databases on it; [`fresh_database`] for tests.
+//! * [`pooler`]: PgBouncer in transaction mode in front of a server.
 //! * [`interleave`]: step-by-step interleavings whose blocking steps are
 //!   confirmed through `pg_blocking_pids`, never through sleeps.
 
 pub mod cluster;
 pub mod interleave;
+pub mod pooler;
 pub mod server;
 
 pub use cluster::{Cluster, ClusterError};
 pub use interleave::{Blocked, HarnessError, Interleaving, Session, Step, StepEvent};
-pub use server::{ScratchDatabase, Server, ServerError, fresh_database, shared_for_tests};
+pub use pooler::Pooler;
+pub use server::{
+    ScratchDatabase, Server, ServerError, fresh_database, fresh_database_behind_pooler,
+    shared_for_tests, shared_pooler_for_tests,
+};

@@ -10,6 +10,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 use crate::cluster::{Cluster, ClusterError};
+use crate::pooler::Pooler;
 
 /// How long a first connection may take before the server counts as
 /// unreachable. Short, so a wrong address fails fast and says so.
@@ -245,4 +246,29 @@ pub async fn fresh_database() -> ScratchDatabase {
         .create_database("pgonce_test")
         .await
         .unwrap_or_else(|e| panic!("cannot create a test database: {e}"))
+}
+
+/// PgBouncer in transaction mode in front of the shared test server
+/// ([`shared_for_tests`]), started on first use and stopped by its watchdog
+/// when the test process exits.
+pub fn shared_pooler_for_tests() -> Result<&'static Pooler, String> {
+    static POOLER: OnceLock<Result<Pooler, String>> = OnceLock::new();
+    POOLER
+        .get_or_init(|| {
+            let server = shared_for_tests()?;
+            Pooler::start(server.options()).map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// A fresh, empty database on the shared test server, and the options that
+/// reach it through the shared pooler. Migrate over the database's own
+/// options (a direct connection), run the code under test over the pooler's.
+pub async fn fresh_database_behind_pooler() -> (ScratchDatabase, PgConnectOptions) {
+    let database = fresh_database().await;
+    let pooler =
+        shared_pooler_for_tests().unwrap_or_else(|e| panic!("no PgBouncer for tests: {e}"));
+    let options = pooler.options(database.name());
+    (database, options)
 }

@@ -29,7 +29,7 @@ pub mod events;
 pub mod guard;
 pub mod job;
 pub mod lock;
-mod migrate;
+pub mod migrate;
 pub mod queue;
 mod sequence;
 mod service;

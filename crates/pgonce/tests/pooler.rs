@@ -1,0 +1,147 @@
+//! The safeguards behind PgBouncer in `pool_mode = transaction`, where each
+//! transaction may run on another server connection: nothing may depend on
+//! session state. Migrations run over a direct connection (they take a
+//! session-level lock); everything else goes through the pooler.
+
+use pgonce::guard::{Guard, GuardConfig, ReadSet};
+use pgonce::{LockKey, NumberedTable, Sequence, SequenceConfig};
+use pgonce_testkit::{ScratchDatabase, fresh_database_behind_pooler};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgConnection, PgPool};
+
+const SCHEMA: &str = "
+CREATE TABLE public.things (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                            entity text NOT NULL, open boolean NOT NULL DEFAULT true);
+CREATE TABLE public.tickets (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                             org text NOT NULL, number bigint NOT NULL, UNIQUE (org, number));
+";
+
+/// A migrated scratch database, and a pool of `max` connections to it
+/// through the pooler.
+async fn setup(max: u32) -> (ScratchDatabase, PgPool) {
+    let (db, through_pooler) = fresh_database_behind_pooler().await;
+    let direct = db.pool(1).await.unwrap();
+    pgonce::migrate(&direct).await.unwrap();
+    sqlx::raw_sql(SCHEMA).execute(&direct).await.unwrap();
+    direct.close().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(max)
+        .connect_with(through_pooler)
+        .await
+        .unwrap();
+    (db, pool)
+}
+
+async fn open_things(conn: &mut PgConnection, entity: &str) -> pgonce::Result<ReadSet> {
+    let ids: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM things WHERE entity = $1 AND open ORDER BY id")
+            .bind(entity)
+            .fetch_all(conn)
+            .await?;
+    Ok(ReadSet::from_ids(ids))
+}
+
+#[tokio::test]
+async fn guarded_writes_through_the_pooler_open_one_row_per_entity() {
+    let (_db, pool) = setup(10).await;
+    let guard = Guard::new("things", GuardConfig::default()).unwrap();
+    let mut writers = Vec::new();
+    for _ in 0..20 {
+        let (pool, guard) = (pool.clone(), guard.clone());
+        writers.push(tokio::spawn(async move {
+            let key = LockKey::new("things", "entity-1")?;
+            let mut conn = pool.acquire().await?;
+            let seen = open_things(&mut conn, "entity-1").await?;
+            drop(conn);
+            if seen != ReadSet::default() {
+                // The decision: an entity with an open thing needs no other.
+                return Ok(());
+            }
+            guard
+                .write(
+                    &pool,
+                    key,
+                    &seen,
+                    async |conn| open_things(conn, "entity-1").await,
+                    async |conn| {
+                        sqlx::query("INSERT INTO things (entity) VALUES ('entity-1')")
+                            .execute(conn)
+                            .await?;
+                        Ok(())
+                    },
+                )
+                .await
+        }));
+    }
+    for w in writers {
+        let _ = w.await.unwrap();
+    }
+    let open: i64 = sqlx::query_scalar("SELECT count(*) FROM things WHERE open")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(open, 1);
+}
+
+#[tokio::test]
+async fn numbers_taken_through_the_pooler_are_1_to_n() {
+    let (_db, pool) = setup(10).await;
+    let seq = Sequence::new(
+        NumberedTable::new("public.tickets", "org", "number").unwrap(),
+        SequenceConfig::default(),
+    )
+    .unwrap();
+    let mut declarers = Vec::new();
+    for _ in 0..40 {
+        let (pool, seq) = (pool.clone(), seq.clone());
+        declarers.push(tokio::spawn(async move {
+            let tx = pool
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?;
+            seq.commit_numbered(tx, &"acme", async |conn: &mut PgConnection, n| {
+                sqlx::query("INSERT INTO public.tickets (org, number) VALUES ('acme', $1)")
+                    .bind(n)
+                    .execute(conn)
+                    .await?;
+                Ok(n)
+            })
+            .await
+        }));
+    }
+    for d in declarers {
+        d.await.unwrap().unwrap();
+    }
+    let numbers: Vec<i64> = sqlx::query_scalar("SELECT number FROM public.tickets ORDER BY number")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(numbers, (1..=40).collect::<Vec<_>>());
+}
+
+/// Two runners at once through the pooler: one applies each migration, the
+/// other waits for it and then finds it applied; a third run is a no-op.
+#[tokio::test]
+async fn migrations_run_through_the_pooler_from_two_processes_at_once() {
+    let (db, through_pooler) = fresh_database_behind_pooler().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(through_pooler)
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(pgonce::migrate(&pool), pgonce::migrate(&pool));
+    a.unwrap();
+    b.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(applied as usize, pgonce::MIGRATOR.iter().count());
+    // No advisory lock is left behind on any server connection.
+    let direct = db.pool(1).await.unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+        .fetch_one(&direct)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+}
