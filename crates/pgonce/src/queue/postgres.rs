@@ -161,6 +161,9 @@ impl Default for PgQueueOptions {
 /// kept until the last clone is dropped: size the pool one larger per
 /// handle family (each `create`/`open` call) that long-polls.
 ///
+/// Receipts read `<queue>:<id>:<generation>` and act only on that
+/// generation of that message while it is in that queue (module docs).
+///
 /// Every statement runs on the pool in its own implicit transaction, except
 /// the `*_in` methods, which run in the caller's transaction (transactional
 /// enqueue: the message exists, and wakes receivers, only if that
@@ -558,7 +561,7 @@ impl PgQueue {
 
     /// Logs and counts stale receipts; the error for the first.
     fn count_stale(&self, receipt: &Receipt, n: u64) -> Error {
-        tracing::warn!(queue = %self.inner.name, %receipt, n, "stale receipt: the message was redelivered, moved or deleted");
+        tracing::warn!(queue = %self.inner.name, %receipt, n, "stale receipt: redelivered, moved or deleted since, or not issued by this queue");
         metrics::counter!("pgonce_queue_stale_receipts_total", "queue" => self.inner.name.clone())
             .increment(n);
         Error::StaleReceipt {
