@@ -2,6 +2,9 @@
 -- queue: `<queue>:<id>:<generation>`. receive_count cannot fence them: a
 -- dead-letter move and a redrive leave it unchanged, so a receipt from
 -- before either still matched the message in its new queue.
+-- Receipts handed out before this migration (`<id>.<count>`) are refused as
+-- stale afterwards: their messages come back when their visibility timeout
+-- runs out, as after any lost receipt.
 ALTER TABLE pgonce.queue_message ADD COLUMN generation bigint NOT NULL DEFAULT 0;
 
 COMMENT ON COLUMN pgonce.queue_message.generation IS
