@@ -760,6 +760,8 @@ mod model {
         /// The message's visibility timeout runs out (counted from the
         /// newest message).
         Expire(usize),
+        /// Every visibility timeout runs out.
+        TimePasses,
         /// Receipts are counted from the newest issued.
         Delete(usize, Target),
         ChangeVisibility(usize, Target, bool),
@@ -776,18 +778,23 @@ mod model {
         prop_oneof![3 => Just(Target::Issuer), 1 => (0..3usize).prop_map(Target::Queue)]
     }
 
+    /// Weighted so that the long paths (receive, release, receive again,
+    /// dead-letter, redrive, present an old receipt) come up often, and a
+    /// purge rarely empties a queue.
     fn op() -> impl Strategy<Value = Op> {
+        let source_mostly = || prop_oneof![3 => 0..2usize, 1 => Just(DLQ)];
         prop_oneof![
-            3 => (0..3usize).prop_map(Op::Send),
-            4 => (0..3usize).prop_map(Op::Receive),
-            2 => (0..4usize).prop_map(Op::Expire),
-            3 => (receipt_index(), target()).prop_map(|(r, t)| Op::Delete(r, t)),
-            3 => (receipt_index(), target(), any::<bool>())
+            6 => source_mostly().prop_map(Op::Send),
+            8 => (0..3usize).prop_map(Op::Receive),
+            3 => (0..4usize).prop_map(Op::Expire),
+            2 => Just(Op::TimePasses),
+            4 => (receipt_index(), target()).prop_map(|(r, t)| Op::Delete(r, t)),
+            6 => (receipt_index(), target(), any::<bool>())
                 .prop_map(|(r, t, zero)| Op::ChangeVisibility(r, t, zero)),
-            1 => (proptest::collection::vec(receipt_index(), 1..4), target())
+            2 => (proptest::collection::vec(receipt_index(), 1..4), target())
                 .prop_map(|(rs, t)| Op::DeleteBatch(rs, t)),
-            2 => Just(Op::Redrive),
-            1 => (0..3usize).prop_map(Op::Purge),
+            4 => Just(Op::Redrive),
+            1 => source_mostly().prop_map(Op::Purge),
         ]
     }
 
@@ -821,6 +828,26 @@ mod model {
         ids: Vec<String>,
         receipts: Vec<Issued>,
         deliveries: u64,
+    }
+
+    /// How often the paths under test came up, to show the run reached them.
+    #[derive(Debug, Default, Clone, Copy)]
+    struct Tally {
+        dead_lettered: u64,
+        redriven: u64,
+        purged: u64,
+        accepted: u64,
+        refused: u64,
+    }
+
+    impl Tally {
+        fn judged(&mut self, valid: bool) {
+            if valid {
+                self.accepted += 1;
+            } else {
+                self.refused += 1;
+            }
+        }
     }
 
     impl Model {
@@ -869,6 +896,7 @@ mod model {
         queues: &[PgQueue; 3],
         model: &mut Model,
         op: &Op,
+        tally: &mut Tally,
     ) -> Result<(), String> {
         let needs_receipt = matches!(
             op,
@@ -909,6 +937,7 @@ mod model {
                     if *q != DLQ && m.receive_count - m.base >= MAX_RECEIVES[*q] {
                         m.queue = DLQ;
                         m.from = Some(*q);
+                        tally.dead_lettered += 1;
                         m.delivery = None;
                     } else {
                         model.deliveries += 1;
@@ -955,11 +984,29 @@ mod model {
                     m.visible = true;
                 }
             }
+            Op::TimePasses => {
+                sqlx::query(
+                    "UPDATE pgonce.queue_message \
+                     SET visible_at = least(visible_at, now() - interval '1 ms') \
+                     WHERE queue = ANY($1)",
+                )
+                .bind(
+                    queues
+                        .iter()
+                        .map(|q| q.name().to_string())
+                        .collect::<Vec<_>>(),
+                )
+                .execute(pool)
+                .await
+                .map_err(|e| format!("time passes: {e}"))?;
+                model.messages.values_mut().for_each(|m| m.visible = true);
+            }
             Op::Delete(r, t) => {
                 let issued = model.receipt(*r);
                 let q = model.presented_to(&issued, *t);
                 let valid = model.valid(&issued, q);
                 let got = queues[q].delete(&issued.receipt).await;
+                tally.judged(valid);
                 let want = if valid { "ok" } else { "stale" };
                 if outcome(&got) != want {
                     return Err(format!("delete {issued:?} in {q}: {got:?}, model {want}"));
@@ -974,6 +1021,7 @@ mod model {
                 let valid = model.valid(&issued, q);
                 let timeout = if *zero { Duration::ZERO } else { LONG };
                 let got = queues[q].change_visibility(&issued.receipt, timeout).await;
+                tally.judged(valid);
                 let want = if valid { "ok" } else { "stale" };
                 if outcome(&got) != want {
                     return Err(format!(
@@ -988,6 +1036,7 @@ mod model {
                 let batch: Vec<Issued> = rs.iter().map(|r| model.receipt(*r)).collect();
                 let q = model.presented_to(&batch[0], *t);
                 let valid: Vec<bool> = batch.iter().map(|i| model.valid(i, q)).collect();
+                valid.iter().for_each(|v| tally.judged(*v));
                 let receipts: Vec<Receipt> = batch.iter().map(|i| i.receipt.clone()).collect();
                 let stale = queues[q]
                     .delete_batch(&receipts)
@@ -1027,6 +1076,7 @@ mod model {
                 if moved != want {
                     return Err(format!("redrove {moved}, model {want}"));
                 }
+                tally.redriven += want;
             }
             Op::Purge(q) => {
                 let purged = queues[*q]
@@ -1039,6 +1089,7 @@ mod model {
                 if purged != want {
                     return Err(format!("purged {purged}, model {want}"));
                 }
+                tally.purged += want;
             }
         }
         Ok(())
@@ -1079,7 +1130,7 @@ mod model {
         Ok(())
     }
 
-    async fn run(pool: &PgPool, case: u64, ops: &[Op]) -> Result<(), String> {
+    async fn run(pool: &PgPool, case: u64, ops: &[Op], tally: &mut Tally) -> Result<(), String> {
         let names = [
             format!("m{case}-a"),
             format!("m{case}-b"),
@@ -1119,7 +1170,7 @@ mod model {
             });
         }
         for (i, op) in ops.iter().enumerate() {
-            step(pool, &queues, &mut model, op)
+            step(pool, &queues, &mut model, op, tally)
                 .await
                 .map_err(|e| format!("step {i} {op:?}: {e}"))?;
             compare(pool, &names, &model)
@@ -1144,19 +1195,21 @@ mod model {
         });
         let case = AtomicU64::new(0);
         let steps = AtomicU64::new(0);
+        let tally = std::sync::Mutex::new(Tally::default());
         let started = std::time::Instant::now();
         proptest!(ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() },
         |(ops in proptest::collection::vec(op(), 1..80))| {
             let n = case.fetch_add(1, Ordering::Relaxed);
             steps.fetch_add(ops.len() as u64, Ordering::Relaxed);
-            let out = rt.block_on(run(&pool, n, &ops));
+            let out = rt.block_on(run(&pool, n, &ops, &mut tally.lock().unwrap()));
             prop_assert!(out.is_ok(), "{}", out.unwrap_err());
         });
         eprintln!(
-            "{} cases, {} steps, zero divergence, in {:?}",
+            "{} cases, {} steps, zero divergence, in {:?}; {:?}",
             case.load(Ordering::Relaxed),
             steps.load(Ordering::Relaxed),
-            started.elapsed()
+            started.elapsed(),
+            tally.lock().unwrap()
         );
         drop(db);
     }
