@@ -898,6 +898,31 @@ mod tests {
     }
 
     #[test]
+    fn a_receipt_parses_only_in_the_exact_form_issued() {
+        let parts = ReceiptParts {
+            queue: "orders.fifo",
+            id: 17,
+            generation: 3,
+        };
+        let receipt = parts.receipt();
+        assert_eq!(receipt.0, "orders.fifo:17:3");
+        assert_eq!(ReceiptParts::parse(&receipt.0), Some(parts));
+        for text in [
+            "",
+            "17.3",
+            "orders.fifo:17",
+            "orders.fifo:17:3:1",
+            ":17:3",
+            "a b:17:3",
+            "orders.fifo:+17:3",
+            "orders.fifo:017:3",
+            "orders.fifo:17:x",
+        ] {
+            assert_eq!(ReceiptParts::parse(text), None, "{text:?}");
+        }
+    }
+
+    #[test]
     fn oversized_and_malformed_messages_are_typed_errors() {
         let big = SendMessage::new("x".repeat(MAX_BODY_BYTES + 1));
         assert!(matches!(
