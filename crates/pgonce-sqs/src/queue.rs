@@ -158,12 +158,17 @@ impl SqsClient {
 /// Differences from the contract in `pgonce::queue`, because SQS cannot do
 /// otherwise (the tests state each):
 ///
-/// * **Receipts are not fenced by pgonce.** SQS accepts an earlier
-///   delivery's receipt handle ("the request succeeds, but the message might
-///   not be deleted"), and so does moto. [`Error::StaleReceipt`] is
-///   returned only when the server refuses a handle. Handlers must be
-///   idempotent anyway (at least once); pgonce's database safeguards, not the
-///   queue, keep invariants true.
+/// * **Receipts are not fenced by pgonce.** SQS issues an opaque handle per
+///   delivery, and a handle names a message of the queue that issued it
+///   (its delete or visibility change goes to that queue's URL), but SQS
+///   accepts an earlier delivery's handle ("the request succeeds, but the
+///   message might not be deleted"), and so does moto: a handle from before
+///   a redelivery, or from before a redrive, may still delete or hide the
+///   message. [`Error::StaleReceipt`] is returned only when the server
+///   refuses a handle. The PostgreSQL queue refuses every receipt but the
+///   current delivery's in its own queue. Handlers must be idempotent anyway
+///   (at least once); pgonce's database safeguards, not the queue, keep
+///   invariants true.
 /// * **Deduplication** exists on FIFO queues only (a standard queue rejects
 ///   a `dedup_id` with [`Error::Invalid`]), with SQS's fixed 5-minute window.
 ///   SQS does not say whether a send was a duplicate: [`Sent::duplicate`] is

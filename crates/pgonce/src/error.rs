@@ -93,8 +93,9 @@ pub enum Error {
 
     /// A queue receipt handle no longer names the delivery it was issued for:
     /// the message was received again since (its visibility timeout ran
-    /// out), moved to a dead-letter queue, or deleted. Nothing was deleted
-    /// or extended. Another consumer may now own the message.
+    /// out), moved to a dead-letter queue, redriven, purged or deleted. Also
+    /// for a receipt another queue issued, or a malformed one. Nothing was
+    /// deleted or extended. Another consumer may now own the message.
     #[error("stale receipt {receipt}: the message was redelivered, moved or deleted since")]
     StaleReceipt { receipt: String },
 

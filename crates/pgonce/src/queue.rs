@@ -10,9 +10,15 @@
 //! * **At least once.** A received message stays in the queue, invisible for
 //!   the visibility timeout; unless it is deleted by then, it becomes visible
 //!   again and is redelivered. Nothing is lost when a consumer dies.
-//! * **Fenced receipts.** Each delivery has its own [`Receipt`]. A receipt
-//!   from before a redelivery deletes or extends nothing and says so:
-//!   [`crate::Error::StaleReceipt`].
+//! * **Fenced receipts.** A [`Receipt`] is good for exactly one delivery of
+//!   one message in one queue. Every redelivery, dead-letter move, redrive
+//!   and purge ends that delivery: from then on its receipt deletes and
+//!   hides nothing and says so, [`crate::Error::StaleReceipt`]. A receipt
+//!   presented to a queue that did not issue it, and a string that is no
+//!   receipt at all, get the same refusal and touch nothing. In a
+//!   [`Queue::delete_batch`] each receipt is judged on its own: an earlier
+//!   delivery's receipt next to the current one of the same message is
+//!   reported stale.
 //! * **FIFO queues.** Strict order within a message group; at most one
 //!   message of a group in flight; groups independent of each other.
 //! * **Deduplication.** A send whose deduplication id was seen within the
@@ -20,6 +26,17 @@
 //! * **Dead letters.** A message received `max_receive_count` times is moved
 //!   to the dead-letter queue on its next receive, with its history;
 //!   [`Queue::redrive`] moves it back.
+//!
+//! Receipts are opaque to callers. The PostgreSQL queue's read
+//! `<queue>:<id>:<generation>`: each message has a generation that every
+//! receive, dead-letter move and redrive bumps, and a delete or visibility
+//! change acts only when the queue, the id and the generation all match
+//! (a purge deletes the rows, and ids are never reused). Amazon SQS issues
+//! an opaque handle per delivery too, but does not refuse an earlier
+//! delivery's handle ("the request succeeds, but the message might not be
+//! deleted"), so on SQS the fence above does not hold and a late consumer
+//! may still delete or hide a redelivered message: `SqsQueue` documents
+//! this, and `conformance::Caveats::fences_receipts` skips those checks.
 //!
 //! Backends: [`PgQueue`] (this crate) and `SqsQueue` (crate `pgonce-sqs`,
 //! Amazon SQS). The worker runtime: [`Worker`]. [`conformance`] holds the
@@ -219,7 +236,8 @@ impl ReceiveRequest {
     }
 }
 
-/// An opaque receipt handle: names one delivery of one message.
+/// An opaque receipt handle: names one delivery of one message in one
+/// queue (see the module docs).
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Receipt(pub String);
 
@@ -295,11 +313,15 @@ pub trait Queue: Send + Sync {
     ) -> impl Future<Output = Result<Vec<Received>>> + Send;
 
     /// Deletes the delivered message; [`Error::StaleReceipt`] when the
-    /// receipt is not the latest delivery's (nothing deleted).
+    /// receipt does not name the message's current delivery in this queue
+    /// (redelivered, moved, redriven, purged or deleted since; issued by
+    /// another queue; malformed): nothing deleted.
     fn delete(&self, receipt: &Receipt) -> impl Future<Output = Result<()>> + Send;
 
     /// Deletes several delivered messages at once; returns the receipts that
-    /// were stale (their messages untouched), in input order.
+    /// were stale, as [`Queue::delete`] means it (their messages untouched),
+    /// in input order. Each receipt is checked against its own delivery:
+    /// with two receipts of one message, only the current one deletes.
     fn delete_batch(
         &self,
         receipts: &[Receipt],

@@ -312,7 +312,7 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
     ));
     assert!(matches!(
         q.delete(&Receipt("not-a-receipt".into())).await,
-        Err(Error::Invalid { .. })
+        Err(Error::StaleReceipt { .. })
     ));
     assert!(matches!(
         q.receive(ReceiveRequest::up_to(0)).await,
@@ -525,4 +525,692 @@ async fn handlers_hold_no_database_connection() {
         .expect("all eight handlers ran at once on two connections")
         .unwrap();
     assert_eq!((done.succeeded, done.deleted), (8, 8));
+}
+
+/// Receipts: each names one delivery of one message in one queue. Every
+/// case below presents a receipt that once named a real delivery, or never
+/// did, and checks it is refused as stale with the message untouched.
+mod receipts {
+    use super::*;
+
+    fn is_stale<T: std::fmt::Debug>(r: pgonce::Result<T>) -> bool {
+        matches!(r, Err(Error::StaleReceipt { .. }))
+    }
+
+    /// Receives the one message of `q`, failing if there is none.
+    async fn receive_one(q: &PgQueue) -> pgonce::Received {
+        let mut got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+        assert_eq!(got.len(), 1, "one message receivable in {}", q.name());
+        got.remove(0)
+    }
+
+    /// Receives and releases the message of `q` twice (the dead-letter
+    /// budget of `with_dead_letters`); returns the second delivery.
+    async fn exhaust(q: &PgQueue) -> pgonce::Received {
+        let mut last = None;
+        for _ in 0..2 {
+            let m = receive_one(q).await;
+            q.change_visibility(&m.receipt, Duration::ZERO)
+                .await
+                .unwrap();
+            last = Some(m);
+        }
+        last.unwrap()
+    }
+
+    /// Moves the message of `q` to the dead-letter queue: exhausts its
+    /// budget, then the next receive moves it. Returns the last delivery.
+    async fn dead_letter(q: &PgQueue) -> pgonce::Received {
+        let last = exhaust(q).await;
+        assert!(
+            q.receive(ReceiveRequest::up_to(10))
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        last
+    }
+
+    /// A source queue and its dead-letter queue, with one message moved
+    /// there; the message's last delivery in the source queue.
+    async fn poisoned() -> (PgQueue, PgQueue, pgonce::Received) {
+        let (q, dlq) = with_dead_letters(&pool().await).await;
+        q.send(SendMessage::new("poison")).await.unwrap();
+        let last = dead_letter(&q).await;
+        (q, dlq, last)
+    }
+
+    /// `receipt` presented to `q` hides nothing (12 h), deletes nothing,
+    /// and a batch of it reports it stale.
+    async fn refused(q: &PgQueue, receipt: &Receipt, when: &str) {
+        let long = Duration::from_secs(12 * 3600);
+        let name = q.name();
+        assert!(
+            is_stale(q.change_visibility(receipt, long).await),
+            "hide in {name} {when}"
+        );
+        assert!(is_stale(q.delete(receipt).await), "delete in {name} {when}");
+        let one = std::slice::from_ref(receipt);
+        assert_eq!(
+            q.delete_batch(one).await.unwrap(),
+            one,
+            "delete_batch in {name} {when}"
+        );
+    }
+
+    /// The last delivery in the source queue, moved to the dead-letter
+    /// queue: its receipt neither deletes nor hides it there (nor in the
+    /// source queue, where it no longer is).
+    #[tokio::test]
+    async fn a_receipt_from_before_a_dead_letter_move_is_refused_in_the_dead_letter_queue() {
+        let (q, dlq, last) = poisoned().await;
+        refused(&dlq, &last.receipt, "after the move").await;
+        refused(&q, &last.receipt, "after the move").await;
+        let dead = receive_one(&dlq).await;
+        assert_eq!(dead.id, last.id, "still there, and visible");
+    }
+
+    /// The last delivery in the source queue, dead-lettered then redriven
+    /// back: its receipt neither deletes nor hides the redriven message.
+    #[tokio::test]
+    async fn a_receipt_from_before_a_redrive_is_refused_in_the_source_queue() {
+        let (q, dlq, last) = poisoned().await;
+        assert_eq!(dlq.redrive().await.unwrap(), 1);
+        refused(&q, &last.receipt, "after the redrive").await;
+        let back = receive_one(&q).await;
+        assert_eq!(back.id, last.id, "still there, and visible");
+        q.delete(&back.receipt).await.unwrap();
+    }
+
+    /// A delivery from the dead-letter queue, released and redriven: its
+    /// receipt does not act on the message back in the source queue.
+    #[tokio::test]
+    async fn a_dead_letter_delivery_receipt_is_refused_after_the_redrive() {
+        let (q, dlq, _) = poisoned().await;
+        let dead = receive_one(&dlq).await;
+        dlq.change_visibility(&dead.receipt, Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(dlq.redrive().await.unwrap(), 1);
+        refused(&q, &dead.receipt, "after the redrive").await;
+        refused(&dlq, &dead.receipt, "after the redrive").await;
+        let back = receive_one(&q).await;
+        assert_eq!(back.id, dead.id, "still there, and visible");
+    }
+
+    /// One batch holding an earlier and the current delivery of one message:
+    /// the current one deletes it, the earlier one is reported stale.
+    #[tokio::test]
+    async fn delete_batch_checks_each_delivery_not_each_message() {
+        let pool = pool().await;
+        let q = queue(&pool, "q", QueueAttributes::default()).await;
+        q.send(SendMessage::new("m")).await.unwrap();
+        let first = receive_one(&q).await;
+        q.change_visibility(&first.receipt, Duration::ZERO)
+            .await
+            .unwrap();
+        let second = receive_one(&q).await;
+        let stale = q
+            .delete_batch(&[first.receipt.clone(), second.receipt.clone()])
+            .await
+            .unwrap();
+        assert_eq!(stale, std::slice::from_ref(&first.receipt));
+        assert_eq!(q.stats().await.unwrap().in_flight, 0, "deleted");
+    }
+
+    /// A receipt of one queue presented to another, and receipts that were
+    /// never issued: the same refusal as a stale one, nothing touched; a
+    /// batch reports them stale and still deletes the good ones.
+    #[tokio::test]
+    async fn foreign_and_malformed_receipts_are_refused_as_stale() {
+        let pool = pool().await;
+        let a = queue(&pool, "a", QueueAttributes::default()).await;
+        let b = queue(&pool, "b", QueueAttributes::default()).await;
+        a.send(SendMessage::new("in a")).await.unwrap();
+        let m = receive_one(&a).await;
+        let mut refused = vec![m.receipt.clone()];
+        for text in [
+            "",
+            "not-a-receipt",
+            "a",
+            "a:",
+            "a:x:1",
+            "a:1:x",
+            "a:1:2:3",
+            "1.1",
+            "a:99999:1",
+        ] {
+            refused.push(Receipt(text.into()));
+        }
+        for r in &refused {
+            assert!(is_stale(b.delete(r).await), "delete {r:?} in b");
+            assert!(
+                is_stale(b.change_visibility(r, Duration::ZERO).await),
+                "change_visibility {r:?} in b"
+            );
+        }
+        for r in &refused[1..] {
+            assert!(is_stale(a.delete(r).await), "delete {r:?} in a");
+            assert!(
+                is_stale(a.change_visibility(r, Duration::ZERO).await),
+                "change_visibility {r:?} in a"
+            );
+        }
+        assert_eq!(b.delete_batch(&refused).await.unwrap(), refused);
+        let mut batch = refused[1..].to_vec();
+        batch.push(m.receipt.clone());
+        assert_eq!(a.delete_batch(&batch).await.unwrap(), refused[1..]);
+        assert_eq!(
+            a.stats().await.unwrap().in_flight,
+            0,
+            "the good one deleted"
+        );
+    }
+
+    /// Purge deletes the message; its receipt deletes nothing after, not
+    /// even a message sent since.
+    #[tokio::test]
+    async fn a_receipt_from_before_a_purge_is_refused() {
+        let pool = pool().await;
+        let q = queue(&pool, "q", QueueAttributes::default()).await;
+        q.send(SendMessage::new("m")).await.unwrap();
+        let m = receive_one(&q).await;
+        assert_eq!(q.purge().await.unwrap(), 1);
+        q.send(SendMessage::new("next")).await.unwrap();
+        assert!(is_stale(q.delete(&m.receipt).await));
+        assert!(is_stale(
+            q.change_visibility(&m.receipt, Duration::ZERO).await
+        ));
+        assert_eq!(receive_one(&q).await.body, "next");
+    }
+}
+
+/// Random sequences of send, receive, expiry, delete, change_visibility,
+/// delete_batch, dead-letter moves, redrive and purge over two source
+/// queues sharing one dead-letter queue, against an in-memory model of the
+/// contract: same deliveries, same refusals, same rows after every step.
+/// Receipts of every delivery are kept, and presented late, to the wrong
+/// queue, and mixed in batches; a few never-issued receipts too.
+///
+/// `PGONCE_PROPTEST_CASES` sets the number of cases (default 128).
+mod model {
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Queues 0 and 1 are sources, dead-lettering to queue 2 after this
+    /// many receives (each).
+    const MAX_RECEIVES: [u32; 2] = [1, 2];
+    const DLQ: usize = 2;
+    const LONG: Duration = Duration::from_secs(3600);
+
+    /// Where a receipt is presented: the queue that issued it, or another.
+    #[derive(Debug, Clone, Copy)]
+    enum Target {
+        Issuer,
+        Queue(usize),
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Send(usize),
+        Receive(usize),
+        /// The message's visibility timeout runs out (counted from the
+        /// newest message).
+        Expire(usize),
+        /// Every visibility timeout runs out.
+        TimePasses,
+        /// Receipts are counted from the newest issued.
+        Delete(usize, Target),
+        ChangeVisibility(usize, Target, bool),
+        DeleteBatch(Vec<usize>, Target),
+        Redrive,
+        Purge(usize),
+    }
+
+    fn receipt_index() -> impl Strategy<Value = usize> {
+        prop_oneof![3 => 0..3usize, 1 => 0..64usize]
+    }
+
+    fn target() -> impl Strategy<Value = Target> {
+        prop_oneof![3 => Just(Target::Issuer), 1 => (0..3usize).prop_map(Target::Queue)]
+    }
+
+    /// Weighted so that the long paths (receive, release, receive again,
+    /// dead-letter, redrive, present an old receipt) come up often, and a
+    /// purge rarely empties a queue.
+    fn op() -> impl Strategy<Value = Op> {
+        let source_mostly = || prop_oneof![3 => 0..2usize, 1 => Just(DLQ)];
+        prop_oneof![
+            6 => source_mostly().prop_map(Op::Send),
+            8 => (0..3usize).prop_map(Op::Receive),
+            3 => (0..4usize).prop_map(Op::Expire),
+            2 => Just(Op::TimePasses),
+            4 => (receipt_index(), target()).prop_map(|(r, t)| Op::Delete(r, t)),
+            6 => (receipt_index(), target(), any::<bool>())
+                .prop_map(|(r, t, zero)| Op::ChangeVisibility(r, t, zero)),
+            2 => (proptest::collection::vec(receipt_index(), 1..4), target())
+                .prop_map(|(rs, t)| Op::DeleteBatch(rs, t)),
+            4 => Just(Op::Redrive),
+            1 => source_mostly().prop_map(Op::Purge),
+        ]
+    }
+
+    /// A message as the contract says it is.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    struct Message {
+        queue: usize,
+        visible: bool,
+        receive_count: u32,
+        /// receive_count at the last redrive.
+        base: u32,
+        /// The source queue of a dead-lettered message.
+        from: Option<usize>,
+        /// The delivery a receipt must name to act on it; none after a
+        /// move.
+        delivery: Option<u64>,
+    }
+
+    /// A receipt handed out, or made up (no queue, no delivery).
+    #[derive(Debug, Clone)]
+    struct Issued {
+        receipt: Receipt,
+        queue: Option<usize>,
+        id: String,
+        delivery: u64,
+    }
+
+    #[derive(Debug, Default)]
+    struct Model {
+        messages: BTreeMap<String, Message>,
+        ids: Vec<String>,
+        receipts: Vec<Issued>,
+        deliveries: u64,
+    }
+
+    /// How often the paths under test came up, to show the run reached them.
+    #[derive(Debug, Default, Clone, Copy)]
+    struct Tally {
+        dead_lettered: u64,
+        redriven: u64,
+        purged: u64,
+        accepted: u64,
+        refused: u64,
+    }
+
+    impl Tally {
+        fn judged(&mut self, valid: bool) {
+            if valid {
+                self.accepted += 1;
+            } else {
+                self.refused += 1;
+            }
+        }
+    }
+
+    impl Model {
+        fn receipt(&self, from_newest: usize) -> Issued {
+            let n = self.receipts.len();
+            self.receipts[n - 1 - from_newest % n].clone()
+        }
+
+        fn presented_to(&self, issued: &Issued, target: Target) -> usize {
+            match target {
+                Target::Issuer => issued.queue.unwrap_or(0),
+                Target::Queue(q) => q,
+            }
+        }
+
+        /// True when `issued` names the current delivery of its message,
+        /// in the queue it is presented to.
+        fn valid(&self, issued: &Issued, queue: usize) -> bool {
+            issued.queue == Some(queue)
+                && self
+                    .messages
+                    .get(&issued.id)
+                    .is_some_and(|m| m.queue == queue && m.delivery == Some(issued.delivery))
+        }
+    }
+
+    /// A row of the queues under test, as the database has it.
+    #[derive(Debug, sqlx::FromRow)]
+    struct Row {
+        id: i64,
+        queue: String,
+        visible: bool,
+        receive_count: i32,
+    }
+
+    fn outcome<T>(r: &pgonce::Result<T>) -> &'static str {
+        match r {
+            Ok(_) => "ok",
+            Err(Error::StaleReceipt { .. }) => "stale",
+            Err(_) => "other error",
+        }
+    }
+
+    async fn step(
+        pool: &PgPool,
+        queues: &[PgQueue; 3],
+        model: &mut Model,
+        op: &Op,
+        tally: &mut Tally,
+    ) -> Result<(), String> {
+        let needs_receipt = matches!(
+            op,
+            Op::Delete(..) | Op::ChangeVisibility(..) | Op::DeleteBatch(..)
+        );
+        if needs_receipt && model.receipts.is_empty() {
+            return Ok(());
+        }
+        match op {
+            Op::Send(q) => {
+                let sent = queues[*q]
+                    .send(SendMessage::new("m"))
+                    .await
+                    .map_err(|e| format!("send: {e}"))?;
+                model.ids.push(sent.id.clone());
+                model.messages.insert(
+                    sent.id,
+                    Message {
+                        queue: *q,
+                        visible: true,
+                        receive_count: 0,
+                        base: 0,
+                        from: None,
+                        delivery: None,
+                    },
+                );
+            }
+            Op::Receive(q) => {
+                let got = queues[*q]
+                    .receive(ReceiveRequest::up_to(100))
+                    .await
+                    .map_err(|e| format!("receive: {e}"))?;
+                let mut expected = BTreeMap::new();
+                for (id, m) in model.messages.iter_mut() {
+                    if m.queue != *q || !m.visible {
+                        continue;
+                    }
+                    if *q != DLQ && m.receive_count - m.base >= MAX_RECEIVES[*q] {
+                        m.queue = DLQ;
+                        m.from = Some(*q);
+                        tally.dead_lettered += 1;
+                        m.delivery = None;
+                    } else {
+                        model.deliveries += 1;
+                        m.receive_count += 1;
+                        m.visible = false;
+                        m.delivery = Some(model.deliveries);
+                        expected.insert(id.clone(), (m.receive_count, model.deliveries));
+                    }
+                }
+                let delivered: BTreeMap<String, u32> = got
+                    .iter()
+                    .map(|r| (r.id.clone(), r.receive_count))
+                    .collect();
+                let want: BTreeMap<String, u32> = expected
+                    .iter()
+                    .map(|(id, (c, _))| (id.clone(), *c))
+                    .collect();
+                if delivered != want {
+                    return Err(format!("delivered {delivered:?}, model {want:?}"));
+                }
+                for r in got {
+                    model.receipts.push(Issued {
+                        receipt: r.receipt,
+                        queue: Some(*q),
+                        delivery: expected[&r.id].1,
+                        id: r.id,
+                    });
+                }
+            }
+            Op::Expire(k) => {
+                if model.ids.is_empty() {
+                    return Ok(());
+                }
+                let id = &model.ids[model.ids.len() - 1 - k % model.ids.len()];
+                sqlx::query(
+                    "UPDATE pgonce.queue_message \
+                     SET visible_at = least(visible_at, now() - interval '1 ms') WHERE id = $1",
+                )
+                .bind(id.parse::<i64>().unwrap())
+                .execute(pool)
+                .await
+                .map_err(|e| format!("expire: {e}"))?;
+                if let Some(m) = model.messages.get_mut(id) {
+                    m.visible = true;
+                }
+            }
+            Op::TimePasses => {
+                sqlx::query(
+                    "UPDATE pgonce.queue_message \
+                     SET visible_at = least(visible_at, now() - interval '1 ms') \
+                     WHERE queue = ANY($1)",
+                )
+                .bind(
+                    queues
+                        .iter()
+                        .map(|q| q.name().to_string())
+                        .collect::<Vec<_>>(),
+                )
+                .execute(pool)
+                .await
+                .map_err(|e| format!("time passes: {e}"))?;
+                model.messages.values_mut().for_each(|m| m.visible = true);
+            }
+            Op::Delete(r, t) => {
+                let issued = model.receipt(*r);
+                let q = model.presented_to(&issued, *t);
+                let valid = model.valid(&issued, q);
+                let got = queues[q].delete(&issued.receipt).await;
+                tally.judged(valid);
+                let want = if valid { "ok" } else { "stale" };
+                if outcome(&got) != want {
+                    return Err(format!("delete {issued:?} in {q}: {got:?}, model {want}"));
+                }
+                if valid {
+                    model.messages.remove(&issued.id);
+                }
+            }
+            Op::ChangeVisibility(r, t, zero) => {
+                let issued = model.receipt(*r);
+                let q = model.presented_to(&issued, *t);
+                let valid = model.valid(&issued, q);
+                let timeout = if *zero { Duration::ZERO } else { LONG };
+                let got = queues[q].change_visibility(&issued.receipt, timeout).await;
+                tally.judged(valid);
+                let want = if valid { "ok" } else { "stale" };
+                if outcome(&got) != want {
+                    return Err(format!(
+                        "change_visibility {issued:?} in {q}: {got:?}, model {want}"
+                    ));
+                }
+                if valid {
+                    model.messages.get_mut(&issued.id).unwrap().visible = *zero;
+                }
+            }
+            Op::DeleteBatch(rs, t) => {
+                let batch: Vec<Issued> = rs.iter().map(|r| model.receipt(*r)).collect();
+                let q = model.presented_to(&batch[0], *t);
+                let valid: Vec<bool> = batch.iter().map(|i| model.valid(i, q)).collect();
+                valid.iter().for_each(|v| tally.judged(*v));
+                let receipts: Vec<Receipt> = batch.iter().map(|i| i.receipt.clone()).collect();
+                let stale = queues[q]
+                    .delete_batch(&receipts)
+                    .await
+                    .map_err(|e| format!("delete_batch {batch:?} in {q}: {e}"))?;
+                let want: Vec<Receipt> = batch
+                    .iter()
+                    .zip(&valid)
+                    .filter(|(_, v)| !**v)
+                    .map(|(i, _)| i.receipt.clone())
+                    .collect();
+                if stale != want {
+                    return Err(format!(
+                        "delete_batch {batch:?} in {q}: stale {stale:?}, model {want:?}"
+                    ));
+                }
+                for (i, v) in batch.iter().zip(valid) {
+                    if v {
+                        model.messages.remove(&i.id);
+                    }
+                }
+            }
+            Op::Redrive => {
+                let moved = queues[DLQ]
+                    .redrive()
+                    .await
+                    .map_err(|e| format!("redrive: {e}"))?;
+                let mut want = 0;
+                for m in model.messages.values_mut() {
+                    if m.queue == DLQ && m.visible && m.from.is_some() {
+                        m.queue = m.from.take().unwrap();
+                        m.base = m.receive_count;
+                        m.delivery = None;
+                        want += 1;
+                    }
+                }
+                if moved != want {
+                    return Err(format!("redrove {moved}, model {want}"));
+                }
+                tally.redriven += want;
+            }
+            Op::Purge(q) => {
+                let purged = queues[*q]
+                    .purge()
+                    .await
+                    .map_err(|e| format!("purge: {e}"))?;
+                let before = model.messages.len();
+                model.messages.retain(|_, m| m.queue != *q);
+                let want = (before - model.messages.len()) as u64;
+                if purged != want {
+                    return Err(format!("purged {purged}, model {want}"));
+                }
+                tally.purged += want;
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows of the queues under test against the model's messages.
+    async fn compare(pool: &PgPool, names: &[String; 3], model: &Model) -> Result<(), String> {
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT id, queue, visible_at <= now() AS visible, receive_count \
+             FROM pgonce.queue_message WHERE queue = ANY($1) ORDER BY id",
+        )
+        .bind(names.to_vec())
+        .fetch_all(pool)
+        .await
+        .map_err(|e| format!("read rows: {e}"))?;
+        let have: BTreeMap<String, (String, bool, u32)> = rows
+            .into_iter()
+            .map(|r| {
+                (
+                    r.id.to_string(),
+                    (r.queue, r.visible, r.receive_count as u32),
+                )
+            })
+            .collect();
+        let want: BTreeMap<String, (String, bool, u32)> = model
+            .messages
+            .iter()
+            .map(|(id, m)| {
+                (
+                    id.clone(),
+                    (names[m.queue].clone(), m.visible, m.receive_count),
+                )
+            })
+            .collect();
+        if have != want {
+            return Err(format!("rows {have:?}, model {want:?}"));
+        }
+        Ok(())
+    }
+
+    async fn run(pool: &PgPool, case: u64, ops: &[Op], tally: &mut Tally) -> Result<(), String> {
+        let names = [
+            format!("m{case}-a"),
+            format!("m{case}-b"),
+            format!("m{case}-dlq"),
+        ];
+        let dlq = queue(
+            pool,
+            &names[2],
+            QueueAttributes::default().visibility_timeout(LONG),
+        )
+        .await;
+        let source = |max| {
+            QueueAttributes::default()
+                .visibility_timeout(LONG)
+                .dead_letter(names[2].clone(), max)
+        };
+        let queues = [
+            queue(pool, &names[0], source(MAX_RECEIVES[0])).await,
+            queue(pool, &names[1], source(MAX_RECEIVES[1])).await,
+            dlq,
+        ];
+        let mut model = Model::default();
+        for text in ["", "junk", "1.1", "1:1"]
+            .into_iter()
+            .map(String::from)
+            .chain([
+                format!("{}:x:1", names[0]),
+                format!("{}:1:2:3", names[0]),
+                format!("{}:999999999:1", names[0]),
+            ])
+        {
+            model.receipts.push(Issued {
+                receipt: Receipt(text),
+                queue: None,
+                id: String::new(),
+                delivery: 0,
+            });
+        }
+        for (i, op) in ops.iter().enumerate() {
+            step(pool, &queues, &mut model, op, tally)
+                .await
+                .map_err(|e| format!("step {i} {op:?}: {e}"))?;
+            compare(pool, &names, &model)
+                .await
+                .map_err(|e| format!("after step {i} {op:?}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn receipts_act_only_on_their_own_delivery_in_their_own_queue() {
+        let cases: u32 = std::env::var("PGONCE_PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(128);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let db = rt.block_on(fresh_database());
+        let pool = rt.block_on(async {
+            let pool = db.pool(4).await.unwrap();
+            pgonce::migrate(&pool).await.unwrap();
+            pool
+        });
+        let case = AtomicU64::new(0);
+        let steps = AtomicU64::new(0);
+        let tally = std::sync::Mutex::new(Tally::default());
+        let started = std::time::Instant::now();
+        proptest!(ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() },
+        |(ops in proptest::collection::vec(op(), 1..80))| {
+            let n = case.fetch_add(1, Ordering::Relaxed);
+            steps.fetch_add(ops.len() as u64, Ordering::Relaxed);
+            let out = rt.block_on(run(&pool, n, &ops, &mut tally.lock().unwrap()));
+            prop_assert!(out.is_ok(), "{}", out.unwrap_err());
+        });
+        eprintln!(
+            "{} cases, {} steps, zero divergence, in {:?}; {:?}",
+            case.load(Ordering::Relaxed),
+            steps.load(Ordering::Relaxed),
+            started.elapsed(),
+            tally.lock().unwrap()
+        );
+        drop(db);
+    }
 }

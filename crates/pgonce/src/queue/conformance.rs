@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, Semaphore};
 
 use super::{
-    AckPolicy, Handler, HandlerError, Queue, ReceiveRequest, Received, SendMessage, Worker,
-    WorkerConfig,
+    AckPolicy, Handler, HandlerError, Queue, Receipt, ReceiveRequest, Received, SendMessage,
+    Worker, WorkerConfig,
 };
 use crate::error::Error;
 
@@ -348,9 +348,39 @@ pub async fn conformance_stale_receipt(q: &impl Queue) {
         .expect("the current receipt deletes");
 }
 
+/// `receipt`, presented to `q`, hides nothing, deletes nothing, and a batch
+/// of it reports it stale: each refusal is [`Error::StaleReceipt`].
+async fn refused(q: &impl Queue, receipt: &Receipt, when: &str) {
+    let name = q.name();
+    assert!(
+        matches!(
+            q.change_visibility(receipt, Duration::from_secs(12 * 3600))
+                .await,
+            Err(Error::StaleReceipt { .. })
+        ),
+        "{receipt} hides nothing in {name} {when}"
+    );
+    assert!(
+        matches!(q.delete(receipt).await, Err(Error::StaleReceipt { .. })),
+        "{receipt} deletes nothing in {name} {when}"
+    );
+    let one = std::slice::from_ref(receipt);
+    assert_eq!(
+        q.delete_batch(one).await.expect("delete_batch"),
+        one,
+        "{receipt} is stale in a batch in {name} {when}"
+    );
+}
+
 /// Dead letters: a message received `max_receive_count` (2) times without
 /// a delete moves to the dead-letter queue on the next receive, with its
 /// body; redrive moves it back, receivable and deletable.
+///
+/// Receipts across the moves: a receipt is good for one delivery in one
+/// queue, so the last source delivery's receipt neither deletes nor hides
+/// the message in the dead-letter queue, nor after the redrive, and the
+/// dead-letter delivery's receipt does not act on it back in the source
+/// queue.
 ///
 /// Needs: empty queues, `q` standard with dead-letter queue `dlq` and max
 /// receive count 2.
@@ -365,6 +395,7 @@ pub async fn conformance_dead_letter_and_redrive_with(
     caveats: Caveats,
 ) {
     let sent = q.send(SendMessage::new("poison")).await.unwrap();
+    let mut last = None;
     for attempt in 1..=2u32 {
         let m = receive_n(q, 1, Duration::from_secs(10)).await.remove(0);
         assert_eq!(
@@ -374,7 +405,9 @@ pub async fn conformance_dead_letter_and_redrive_with(
         q.change_visibility(&m.receipt, Duration::ZERO)
             .await
             .unwrap(); // failed
+        last = Some(m.receipt);
     }
+    let last = last.unwrap();
     let none = q
         .receive(ReceiveRequest::up_to(10).wait(Duration::from_secs(1)))
         .await
@@ -386,6 +419,10 @@ pub async fn conformance_dead_letter_and_redrive_with(
     let stats = q.stats().await.unwrap();
     assert_eq!((stats.depth, stats.in_flight), (0, 0));
     assert_eq!(stats.dead_letter_depth, Some(1));
+    if caveats.fences_receipts {
+        refused(q, &last, "after the move").await;
+        refused(dlq, &last, "after the move").await;
+    }
 
     let dead = receive_n(dlq, 1, Duration::from_secs(10)).await.remove(0);
     assert_eq!(
@@ -396,6 +433,12 @@ pub async fn conformance_dead_letter_and_redrive_with(
         .await
         .unwrap();
     assert_eq!(dlq.redrive().await.unwrap(), 1);
+    if caveats.fences_receipts {
+        for receipt in [&last, &dead.receipt] {
+            refused(q, receipt, "after the redrive").await;
+            refused(dlq, receipt, "after the redrive").await;
+        }
+    }
     let back = receive_n(q, 1, Duration::from_secs(10)).await.remove(0);
     assert_eq!(
         (back.id.as_str(), back.body.as_str()),

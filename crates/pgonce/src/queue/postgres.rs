@@ -161,6 +161,9 @@ impl Default for PgQueueOptions {
 /// kept until the last clone is dropped: size the pool one larger per
 /// handle family (each `create`/`open` call) that long-polls.
 ///
+/// Receipts read `<queue>:<id>:<generation>` and act only on that
+/// generation of that message while it is in that queue (module docs).
+///
 /// Every statement runs on the pool in its own implicit transaction, except
 /// the `*_in` methods, which run in the caller's transaction (transactional
 /// enqueue: the message exists, and wakes receivers, only if that
@@ -487,21 +490,12 @@ impl PgQueue {
 
     /// One receive statement, no waiting.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
-        type Row = (
-            String,
-            i64,
-            Option<String>,
-            Option<Json<BTreeMap<String, String>>>,
-            Option<String>,
-            Option<i32>,
-            Option<time::OffsetDateTime>,
-        );
         let sql = if self.inner.fifo {
             RECEIVE_FIFO
         } else {
             RECEIVE_STANDARD
         };
-        let rows: Vec<Row> = sqlx::query_as(sql)
+        let rows: Vec<ReceiveRow> = sqlx::query_as(sql)
             .bind(&self.inner.name)
             .bind(request.max_messages as i64)
             .bind(request.visibility.map(millis))
@@ -509,22 +503,25 @@ impl PgQueue {
             .await?;
         let mut received = Vec::with_capacity(rows.len());
         let (mut dead, mut expired) = (0u64, 0u64);
-        for (fate, id, body, attributes, group_id, count, sent_at) in rows {
-            match fate.as_str() {
-                "delivered" => {
-                    let count = count.unwrap_or(1);
-                    received.push(Received {
-                        id: id.to_string(),
-                        body: body.unwrap_or_default(),
-                        attributes: attributes.map(|Json(a)| a).unwrap_or_default(),
-                        group_id,
-                        receive_count: count as u32,
-                        sent_at: sent_at
-                            .map(std::time::SystemTime::from)
-                            .unwrap_or(std::time::UNIX_EPOCH),
-                        receipt: Receipt(format!("{id}.{count}")),
-                    })
-                }
+        for row in rows {
+            match row.fate.as_str() {
+                "delivered" => received.push(Received {
+                    id: row.id.to_string(),
+                    receipt: ReceiptParts {
+                        queue: &self.inner.name,
+                        id: row.id,
+                        generation: row.generation.unwrap_or(0),
+                    }
+                    .receipt(),
+                    body: row.body.unwrap_or_default(),
+                    attributes: row.attributes.map(|Json(a)| a).unwrap_or_default(),
+                    group_id: row.group_id,
+                    receive_count: row.receive_count.unwrap_or(1) as u32,
+                    sent_at: row
+                        .sent_at
+                        .map(std::time::SystemTime::from)
+                        .unwrap_or(std::time::UNIX_EPOCH),
+                }),
                 "dead_lettered" => dead += 1,
                 _ => expired += 1,
             }
@@ -564,7 +561,7 @@ impl PgQueue {
 
     /// Logs and counts stale receipts; the error for the first.
     fn count_stale(&self, receipt: &Receipt, n: u64) -> Error {
-        tracing::warn!(queue = %self.inner.name, %receipt, n, "stale receipt: the message was redelivered, moved or deleted");
+        tracing::warn!(queue = %self.inner.name, %receipt, n, "stale receipt: redelivered, moved or deleted since, or not issued by this queue");
         metrics::counter!("pgonce_queue_stale_receipts_total", "queue" => self.inner.name.clone())
             .increment(n);
         Error::StaleReceipt {
@@ -572,16 +569,11 @@ impl PgQueue {
         }
     }
 
-    fn receipt_parts(&self, receipt: &Receipt) -> Result<(i64, i32)> {
-        let malformed = || Error::Invalid {
-            what: "receipt",
-            why: format!("{:?} is not a receipt of this queue", receipt.0),
-        };
-        let (id, count) = receipt.0.split_once('.').ok_or_else(malformed)?;
-        Ok((
-            id.parse().map_err(|_| malformed())?,
-            count.parse().map_err(|_| malformed())?,
-        ))
+    /// The delivery `receipt` names, when it is a receipt this queue
+    /// issued; `None` (refused as stale) for another queue's or a
+    /// malformed one.
+    fn receipt_parts<'a>(&self, receipt: &'a Receipt) -> Option<ReceiptParts<'a>> {
+        ReceiptParts::parse(&receipt.0).filter(|p| p.queue == self.inner.name)
     }
 }
 
@@ -667,11 +659,13 @@ impl Queue for PgQueue {
     }
 
     async fn delete(&self, receipt: &Receipt) -> Result<()> {
-        let (id, count) = self.receipt_parts(receipt)?;
+        let Some(parts) = self.receipt_parts(receipt) else {
+            return Err(self.count_stale(receipt, 1));
+        };
         let done = sqlx::query(include_str!("sql/delete.sql"))
             .bind(&self.inner.name)
-            .bind(id)
-            .bind(count)
+            .bind(parts.id)
+            .bind(parts.generation)
             .execute(&self.inner.pool)
             .await?;
         if done.rows_affected() == 0 {
@@ -689,22 +683,28 @@ impl Queue for PgQueue {
                 why: format!("a batch holds at most {MAX_BATCH} receipts"),
             });
         }
-        let parts = receipts
+        // Foreign and malformed receipts are stale without a look.
+        let parts: Vec<Option<(i64, i64)>> = receipts
             .iter()
-            .map(|r| self.receipt_parts(r))
-            .collect::<Result<Vec<_>>>()?;
-        let (ids, counts): (Vec<i64>, Vec<i32>) = parts.iter().copied().unzip();
-        let deleted: Vec<(i64,)> = sqlx::query_as(include_str!("sql/delete_batch.sql"))
-            .bind(&self.inner.name)
-            .bind(&ids)
-            .bind(&counts)
-            .fetch_all(&self.inner.pool)
-            .await?;
-        let deleted: std::collections::HashSet<i64> = deleted.into_iter().map(|(id,)| id).collect();
+            .map(|r| self.receipt_parts(r).map(|p| (p.id, p.generation)))
+            .collect();
+        let (ids, generations): (Vec<i64>, Vec<i64>) = parts.iter().flatten().copied().unzip();
+        let deleted: Vec<DeletedRow> = if ids.is_empty() {
+            Vec::new()
+        } else {
+            sqlx::query_as(include_str!("sql/delete_batch.sql"))
+                .bind(&self.inner.name)
+                .bind(&ids)
+                .bind(&generations)
+                .fetch_all(&self.inner.pool)
+                .await?
+        };
+        let deleted: std::collections::HashSet<(i64, i64)> =
+            deleted.iter().map(|d| (d.id, d.generation)).collect();
         let stale: Vec<Receipt> = receipts
             .iter()
-            .zip(&ids)
-            .filter(|(_, id)| !deleted.contains(id))
+            .zip(&parts)
+            .filter(|(_, p)| !matches!(p, Some(key) if deleted.contains(key)))
             .map(|(r, _)| r.clone())
             .collect();
         if !stale.is_empty() {
@@ -722,11 +722,13 @@ impl Queue for PgQueue {
                 why: "at most 12 hours".into(),
             });
         }
-        let (id, count) = self.receipt_parts(receipt)?;
+        let Some(parts) = self.receipt_parts(receipt) else {
+            return Err(self.count_stale(receipt, 1));
+        };
         let done = sqlx::query(include_str!("sql/change_visibility.sql"))
             .bind(&self.inner.name)
-            .bind(id)
-            .bind(count)
+            .bind(parts.id)
+            .bind(parts.generation)
             .bind(millis(timeout))
             .execute(&self.inner.pool)
             .await?;
@@ -782,6 +784,58 @@ impl Queue for PgQueue {
                 .increment(moved);
         }
         Ok(moved)
+    }
+}
+
+/// One row of a receive statement: a delivery, a dead-letter move or an
+/// expiry (the last two with only `fate` and `id`).
+#[derive(sqlx::FromRow)]
+struct ReceiveRow {
+    fate: String,
+    id: i64,
+    body: Option<String>,
+    attributes: Option<Json<BTreeMap<String, String>>>,
+    group_id: Option<String>,
+    receive_count: Option<i32>,
+    generation: Option<i64>,
+    sent_at: Option<time::OffsetDateTime>,
+}
+
+/// One delivery deleted by `delete_batch`.
+#[derive(sqlx::FromRow)]
+struct DeletedRow {
+    id: i64,
+    generation: i64,
+}
+
+/// What a receipt of the PostgreSQL queue names: one delivery (the
+/// message's generation when it was issued) of one message in one queue.
+/// Text form `<queue>:<id>:<generation>`; queue names hold no `:`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ReceiptParts<'a> {
+    queue: &'a str,
+    id: i64,
+    generation: i64,
+}
+
+impl<'a> ReceiptParts<'a> {
+    fn parse(text: &'a str) -> Option<ReceiptParts<'a>> {
+        let mut parts = text.split(':');
+        let (queue, id, generation) = (parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() || validate_name(queue).is_err() {
+            return None;
+        }
+        let parts = ReceiptParts {
+            queue,
+            id: id.parse().ok()?,
+            generation: generation.parse().ok()?,
+        };
+        // Only the exact text issued: no sign, no leading zeros.
+        (parts.receipt().0 == text).then_some(parts)
+    }
+
+    fn receipt(&self) -> Receipt {
+        Receipt(format!("{}:{}:{}", self.queue, self.id, self.generation))
     }
 }
 
@@ -841,6 +895,31 @@ mod tests {
         assert!(validate_name("orders.fifo").is_ok());
         assert!(validate_name("a b").is_err());
         assert!(validate_name("").is_err());
+    }
+
+    #[test]
+    fn a_receipt_parses_only_in_the_exact_form_issued() {
+        let parts = ReceiptParts {
+            queue: "orders.fifo",
+            id: 17,
+            generation: 3,
+        };
+        let receipt = parts.receipt();
+        assert_eq!(receipt.0, "orders.fifo:17:3");
+        assert_eq!(ReceiptParts::parse(&receipt.0), Some(parts));
+        for text in [
+            "",
+            "17.3",
+            "orders.fifo:17",
+            "orders.fifo:17:3:1",
+            ":17:3",
+            "a b:17:3",
+            "orders.fifo:+17:3",
+            "orders.fifo:017:3",
+            "orders.fifo:17:x",
+        ] {
+            assert_eq!(ReceiptParts::parse(text), None, "{text:?}");
+        }
     }
 
     #[test]

@@ -3,7 +3,8 @@
 -- then per picked message exactly one of: delete it (past retention), move
 -- it to the dead-letter queue (received max_receive_count times since its
 -- last redrive), or deliver it (receive_count + 1, invisible for $3 ms or
--- the queue's visibility timeout).
+-- the queue's visibility timeout). A move and a delivery both bump the
+-- generation: every earlier receipt of the message goes stale.
 WITH q AS (
     SELECT name, visibility_timeout_ms, retention_ms, max_receive_count, dead_letter_queue
     FROM pgonce.queue WHERE name = $1

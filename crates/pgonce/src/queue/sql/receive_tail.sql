@@ -13,6 +13,7 @@
     UPDATE pgonce.queue_message m
     SET queue = q.dead_letter_queue,
         dead_lettered_from = m.queue,
+        generation = m.generation + 1,
         visible_at = now(),
         history = m.history || jsonb_build_array(jsonb_build_object(
             'event', 'dead_lettered', 'from', m.queue, 'to', q.dead_letter_queue,
@@ -24,14 +25,15 @@
 ), delivered AS (
     UPDATE pgonce.queue_message m
     SET receive_count = m.receive_count + 1,
+        generation = m.generation + 1,
         visible_at = now() + coalesce($3, q.visibility_timeout_ms) * interval '1 millisecond',
         first_received_at = coalesce(m.first_received_at, now())
     FROM fate, q
     WHERE m.id = fate.id AND fate.fate = 'delivered'
-    RETURNING m.id, m.body, m.attributes, m.group_id, m.receive_count, m.sent_at
+    RETURNING m.id, m.body, m.attributes, m.group_id, m.receive_count, m.generation, m.sent_at
 )
-SELECT 'delivered' AS fate, id, body, attributes, group_id, receive_count, sent_at FROM delivered
+SELECT 'delivered' AS fate, id, body, attributes, group_id, receive_count, generation, sent_at FROM delivered
 UNION ALL
-SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL FROM moved
+SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL, NULL FROM moved
 UNION ALL
-SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL FROM expired
+SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL, NULL FROM expired
