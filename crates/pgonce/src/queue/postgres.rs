@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::types::Json;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{Notify, OnceCell};
@@ -133,8 +133,28 @@ impl QueueAttributes {
     }
 }
 
+/// Where a long poll listens for the notification of a send.
+///
+/// LISTEN is session state: behind a transaction-mode pooler (PgBouncer
+/// with `pool_mode = transaction`, RDS Proxy, Supavisor) it lands on a
+/// pooled server connection, and the notifications then reach whichever
+/// client gets that connection next. There, listen over a direct
+/// connection, or not at all.
+#[derive(Debug, Clone, Default)]
+pub enum Listen {
+    /// A connection opened with the pool's own connect options. Right when
+    /// the pool reaches PostgreSQL directly or through a session-mode pooler.
+    #[default]
+    Pool,
+    /// A connection opened with these options: a direct connection to the
+    /// server, bypassing the transaction-mode pooler the pool goes through.
+    Direct(PgConnectOptions),
+    /// No listening: a long poll re-checks the queue every `poll_interval`.
+    Off,
+}
+
 /// How a [`PgQueue`] handle behaves (not stored in the database).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct PgQueueOptions {
     /// Notify long-polling receivers (`pg_notify`) on each send. Default
     /// true. Without it, long polls find new messages only at
@@ -145,6 +165,9 @@ pub struct PgQueueOptions {
     /// messages, expired visibility timeouts and missed notifications.
     /// Default 1 s; at least 1 ms.
     pub poll_interval: Duration,
+    /// Where long polls listen for sends (see [`Listen`]). Default: a
+    /// connection like the pool's.
+    pub listen: Listen,
 }
 
 impl Default for PgQueueOptions {
@@ -152,6 +175,7 @@ impl Default for PgQueueOptions {
         PgQueueOptions {
             notify: true,
             poll_interval: Duration::from_secs(1),
+            listen: Listen::Pool,
         }
     }
 }
@@ -187,12 +211,15 @@ struct Inner {
 /// this queue into wake-ups of parked receivers.
 struct Waker {
     notify: Arc<Notify>,
-    task: tokio::task::JoinHandle<()>,
+    /// The task relaying notifications; none with [`Listen::Off`].
+    task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Waker {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(task) = &self.task {
+            task.abort();
+        }
     }
 }
 
@@ -550,11 +577,25 @@ impl PgQueue {
         self.inner
             .waker
             .get_or_try_init(|| async {
-                let mut listener = PgListener::connect_with(&self.inner.pool).await?;
-                listener.listen(CHANNEL).await?;
                 let notify = Arc::new(Notify::new());
+                let mut listener = match &self.inner.options.listen {
+                    Listen::Off => return Ok::<_, Error>(Waker { notify, task: None }),
+                    Listen::Pool => PgListener::connect_with(&self.inner.pool).await?,
+                    Listen::Direct(options) => {
+                        // A pool of its own, used for this one connection:
+                        // PgListener reconnects through it after an error.
+                        let direct = PgPoolOptions::new()
+                            .max_connections(1)
+                            .connect_lazy_with(options.clone());
+                        PgListener::connect_with(&direct).await?
+                    }
+                };
+                listener.listen(CHANNEL).await?;
                 let task = tokio::spawn(listen(listener, self.inner.name.clone(), notify.clone()));
-                Ok::<_, Error>(Waker { notify, task })
+                Ok(Waker {
+                    notify,
+                    task: Some(task),
+                })
             })
             .await
     }
