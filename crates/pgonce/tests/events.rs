@@ -1026,3 +1026,290 @@ async fn an_append_dropped_while_it_waits_leaves_no_transaction_open() {
     drop(conn);
     st(&b).append(&[booked("booking:1")], None).await.unwrap();
 }
+
+// ------------------------------------------- late lower unconditional writer
+
+/// How the lower writer A of [`late_lower_writer`] appends its event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LowerWriter {
+    /// `begin_append` without a condition, committed later.
+    BeginAppend,
+    /// `append_in` inside the caller's SERIALIZABLE transaction.
+    AppendInSerializable,
+    /// `append_in` inside the caller's READ COMMITTED transaction.
+    AppendInReadCommitted,
+}
+
+impl LowerWriter {
+    const ALL: [LowerWriter; 3] = [
+        LowerWriter::BeginAppend,
+        LowerWriter::AppendInSerializable,
+        LowerWriter::AppendInReadCommitted,
+    ];
+}
+
+/// Why an append in a race did not commit, as a race table shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Refused {
+    /// `AppendConditionFailed`: a matching event after `after`.
+    Condition,
+    /// `SerializationFailure` (40001), at the check or at COMMIT.
+    Serialization,
+    /// `WrongIsolation`: the strategy refuses the caller's transaction.
+    WrongIsolation,
+    Other(String),
+}
+
+impl From<&Error> for Refused {
+    fn from(e: &Error) -> Refused {
+        match e {
+            Error::AppendConditionFailed { .. } => Refused::Condition,
+            Error::SerializationFailure { .. } => Refused::Serialization,
+            Error::WrongIsolation { .. } => Refused::WrongIsolation,
+            e => Refused::Other(e.to_string()),
+        }
+    }
+}
+
+/// What happened in one run of [`late_lower_writer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LateLowerWriter {
+    /// A's event committed.
+    a_committed: bool,
+    /// Why A's append or its commit failed, if it did.
+    a_error: Option<Refused>,
+    /// Who C's append waited for (empty: it did not wait).
+    c_blocked_by: Vec<String>,
+    /// C's conditional append committed.
+    c_committed: bool,
+    /// Why C's append or its commit failed, if it did.
+    c_error: Option<Refused>,
+    /// Committed conditional appends with a matching committed event below
+    /// them and above their `after`: (the append's position, the event's).
+    violations: Vec<(i64, i64)>,
+}
+
+fn course(tag: &str) -> Event {
+    Event::new("CourseDefined").tag(tag)
+}
+
+/// Position 1 holds a committed `course:1` event; C decides on `course:1`
+/// (`after` = 1). A appends a `course:1` event at position 2 with no
+/// condition (`writer` says how) and does not commit; B commits position 3
+/// (`course:2`); C appends `course:1` under "no `course:1` after 1" and
+/// commits; then A commits. Under a blocking strategy C is seen waiting
+/// for A (pg_locks) before A commits, and then fails its condition.
+async fn late_lower_writer(strategy: AppendStrategy, writer: LowerWriter) -> LateLowerWriter {
+    let (db, pool) = db().await;
+    store(&pool, strategy)
+        .append(&[course("course:1")], None)
+        .await
+        .unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let [a, b, c] = [
+        race.session("A").await.unwrap(),
+        race.session("B").await.unwrap(),
+        race.session("C").await.unwrap(),
+    ];
+    let st = |s: &pgonce_testkit::Session| store(s.pool(), strategy);
+    let decision = race
+        .step(&c, "decide course:1", st(&c).decide(&tag_query("course:1")))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(decision.after, Some(1));
+
+    // A: position 2, in flight.
+    enum Held {
+        Pending(pgonce::events::PendingAppend),
+        Caller(sqlx::Transaction<'static, sqlx::Postgres>),
+        Nothing,
+    }
+    let mut a_error = None;
+    let held = match writer {
+        LowerWriter::BeginAppend => {
+            match race
+                .step(
+                    &a,
+                    "append course:1 (no condition)",
+                    st(&a).begin_append(&[course("course:1")], None),
+                )
+                .await
+                .unwrap()
+            {
+                Ok(p) => Held::Pending(p),
+                Err(e) => {
+                    a_error = Some(Refused::from(&e));
+                    Held::Nothing
+                }
+            }
+        }
+        LowerWriter::AppendInSerializable | LowerWriter::AppendInReadCommitted => {
+            let begin = if writer == LowerWriter::AppendInSerializable {
+                "BEGIN ISOLATION LEVEL SERIALIZABLE"
+            } else {
+                "BEGIN ISOLATION LEVEL READ COMMITTED"
+            };
+            let mut tx = race
+                .step(&a, begin, a.pool().begin_with(begin))
+                .await
+                .unwrap()
+                .unwrap();
+            let sa = st(&a);
+            match race
+                .step(
+                    &a,
+                    "append_in course:1",
+                    sa.append_in(&mut tx, &[course("course:1")]),
+                )
+                .await
+                .unwrap()
+            {
+                Ok(_) => Held::Caller(tx),
+                Err(e) => {
+                    a_error = Some(Refused::from(&e));
+                    tx.rollback().await.unwrap();
+                    Held::Nothing
+                }
+            }
+        }
+    };
+    // B: position 3, committed (under the table lock it waits for A).
+    let b_waiting = if strategy == AppendStrategy::TableLock && !matches!(held, Held::Nothing) {
+        let sb = st(&b);
+        let waiting = race
+            .step_blocks(&b, "append course:2", async move {
+                sb.append(&[course("course:2")], None).await
+            })
+            .await
+            .unwrap();
+        Some(waiting)
+    } else {
+        race.step(
+            &b,
+            "append course:2",
+            st(&b).append(&[course("course:2")], None),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        None
+    };
+
+    // C: checks "no course:1 after 1" and commits, or waits for A.
+    let condition = AppendCondition::new(tag_query("course:1"), decision.after);
+    let sc = st(&c);
+    let c_append = async move {
+        sc.begin_append(&[course("course:1")], Some(&condition))
+            .await?
+            .commit()
+            .await
+    };
+    let blocks = strategy != AppendStrategy::Serializable && !matches!(held, Held::Nothing);
+    let (c_blocked_by, waiting, c_outcome) = if blocks {
+        let waiting = race
+            .step_blocks(&c, "append course:1 if none after 1, COMMIT", c_append)
+            .await
+            .unwrap();
+        (waiting.blocked_by().to_vec(), Some(waiting), None)
+    } else {
+        let outcome = race
+            .step(&c, "append course:1 if none after 1, COMMIT", c_append)
+            .await
+            .unwrap();
+        (Vec::new(), None, Some(outcome))
+    };
+    let a_commit = match held {
+        Held::Pending(p) => Some(
+            race.step(&a, "COMMIT", p.commit())
+                .await
+                .unwrap()
+                .map(|_| ()),
+        ),
+        Held::Caller(tx) => Some(
+            race.step(&a, "COMMIT", tx.commit())
+                .await
+                .unwrap()
+                .map_err(pgonce::Error::from),
+        ),
+        Held::Nothing => None,
+    };
+    if let Some(b) = b_waiting {
+        b.resume().await.unwrap().unwrap();
+    }
+    let c_outcome = match waiting {
+        Some(w) => w.resume().await.unwrap(),
+        None => c_outcome.unwrap(),
+    };
+    let a_committed = matches!(a_commit, Some(Ok(())));
+    if let Some(Err(e)) = a_commit {
+        a_error = Some(Refused::from(&e));
+    }
+    let log = store(&pool, strategy)
+        .read(&Query::all(), ReadOptions::default())
+        .await
+        .unwrap();
+    let mut violations = Vec::new();
+    if let Ok(at) = &c_outcome {
+        for e in &log {
+            if e.position > 1 && e.position < at[0] && tag_query("course:1").matches(&e.event) {
+                violations.push((at[0], e.position));
+            }
+        }
+    }
+    LateLowerWriter {
+        a_committed,
+        a_error,
+        c_blocked_by,
+        c_committed: c_outcome.is_ok(),
+        c_error: c_outcome.as_ref().err().map(Refused::from),
+        violations,
+    }
+}
+
+/// The case above, for each strategy and each kind of lower writer: no run
+/// ends with both A and C committed (C's condition broken by A's event at
+/// position 2). The blocking strategies make C wait for A and then fail its
+/// condition; the serializable one lets C commit and aborts A at its commit
+/// (SERIALIZABLE sees the cycle: C missed A's row, and A read the
+/// conditional appends above position 2); `append_in` at READ COMMITTED is
+/// refused under the serializable strategy, so only C commits.
+#[tokio::test]
+async fn a_lower_unconditional_write_committing_late_never_breaks_a_condition() {
+    let mut runs = Vec::new();
+    for strategy in AppendStrategy::ALL {
+        for writer in LowerWriter::ALL {
+            let run = late_lower_writer(strategy, writer).await;
+            println!("{strategy:?}, {writer:?}: {run:?}");
+            runs.push((strategy, writer, run));
+        }
+    }
+    for (strategy, writer, run) in runs {
+        {
+            let what = format!("{strategy:?}, {writer:?}: {run:?}");
+            assert!(run.violations.is_empty(), "{what}");
+            assert!(!(run.a_committed && run.c_committed), "{what}");
+            match (strategy, writer) {
+                (AppendStrategy::Serializable, LowerWriter::AppendInReadCommitted) => {
+                    assert!(!run.a_committed && run.c_committed, "{what}");
+                    assert_eq!(run.a_error, Some(Refused::WrongIsolation), "{what}");
+                }
+                (AppendStrategy::Serializable, _) => {
+                    assert!(run.c_blocked_by.is_empty(), "{what}");
+                    assert!(run.c_committed || run.a_committed, "{what}");
+                    let refused = if run.c_committed {
+                        &run.a_error
+                    } else {
+                        &run.c_error
+                    };
+                    assert_eq!(refused, &Some(Refused::Serialization), "{what}");
+                }
+                _ => {
+                    assert!(run.c_blocked_by.contains(&"A".to_string()), "{what}");
+                    assert!(run.a_committed && !run.c_committed, "{what}");
+                    assert_eq!(run.c_error, Some(Refused::Condition), "{what}");
+                }
+            }
+        }
+    }
+}
