@@ -1313,3 +1313,296 @@ async fn a_lower_unconditional_write_committing_late_never_breaks_a_condition() 
         }
     }
 }
+
+// ------------------------------------------------- randomized mixed writers
+
+/// The writers of a mixed round. Every event carries the round's tag `x`;
+/// the conditions are on `x` (the query under test) or on `y`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MixedKind {
+    /// Decides on `x`, appends an `x` event under "no `x` after".
+    ConditionSame,
+    /// Decides on `y`, appends an event tagged `x` and `y` under "no `y`
+    /// after": a condition on other tags whose event matches `x`.
+    ConditionOther,
+    /// `begin_append` of an `x` event without a condition.
+    Unconditional,
+    /// `append_in` of an `x` event in the caller's transaction, begun at
+    /// this isolation level.
+    AppendIn(&'static str),
+}
+
+/// One transaction of a mixed round and what became of it.
+#[derive(Debug, Clone)]
+struct MixedTx {
+    kind: MixedKind,
+    /// Ends with ROLLBACK instead of COMMIT.
+    rollback: bool,
+    /// The condition's tag and `after`, for conditional kinds.
+    condition: Option<(String, Option<i64>)>,
+    positions: Vec<i64>,
+    committed: bool,
+    refused: Option<Refused>,
+}
+
+fn mixed_plan(rng: &mut impl Rng, strategy: AppendStrategy) -> MixedTx {
+    let kind = match rng.random_range(0..8) {
+        0..=2 => MixedKind::ConditionSame,
+        3 => MixedKind::ConditionOther,
+        4 | 5 => MixedKind::Unconditional,
+        _ => MixedKind::AppendIn(match (strategy, rng.random_range(0..4)) {
+            (AppendStrategy::Serializable, 0) => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            (AppendStrategy::Serializable, _) | (_, 0) => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+            (_, 1) => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            _ => "BEGIN ISOLATION LEVEL READ COMMITTED",
+        }),
+    };
+    MixedTx {
+        kind,
+        rollback: rng.random_bool(0.15),
+        condition: None,
+        positions: Vec::new(),
+        committed: false,
+        refused: None,
+    }
+}
+
+/// Runs `plan` one step per `go` (decide, append, end), reporting each step
+/// on `done` with whether the transaction is over.
+async fn mixed_tx(
+    index: usize,
+    store: EventStore,
+    mut plan: MixedTx,
+    [x, y]: [String; 2],
+    mut go: tokio::sync::mpsc::UnboundedReceiver<()>,
+    done: tokio::sync::mpsc::UnboundedSender<(usize, bool)>,
+) -> MixedTx {
+    enum Held {
+        Pending(pgonce::events::PendingAppend),
+        Caller(sqlx::Transaction<'static, sqlx::Postgres>),
+    }
+    let condition_tag = match plan.kind {
+        MixedKind::ConditionSame => Some(x.clone()),
+        MixedKind::ConditionOther => Some(y.clone()),
+        _ => None,
+    };
+    let mut event = course(&x);
+    if plan.kind == MixedKind::ConditionOther {
+        event = event.tag(&y);
+    }
+    let mut condition = None;
+    if let Some(tag) = condition_tag {
+        go.recv().await.unwrap();
+        let decision = store.decide(&tag_query(&tag)).await.unwrap();
+        plan.condition = Some((tag.clone(), decision.after));
+        condition = Some(AppendCondition::new(tag_query(&tag), decision.after));
+        done.send((index, false)).unwrap();
+    }
+    go.recv().await.unwrap();
+    let held = match plan.kind {
+        MixedKind::AppendIn(begin) => {
+            let mut tx = store.pool().begin_with(begin).await.unwrap();
+            match store.append_in(&mut tx, &[event]).await {
+                Ok(p) => {
+                    plan.positions = p;
+                    Ok(Held::Caller(tx))
+                }
+                Err(e) => Err(e),
+            }
+        }
+        _ => store
+            .begin_append(&[event], condition.as_ref())
+            .await
+            .map(|p| {
+                plan.positions = p.positions().to_vec();
+                Held::Pending(p)
+            }),
+    };
+    let held = match held {
+        Ok(h) => h,
+        Err(e) => {
+            plan.refused = Some(Refused::from(&e));
+            done.send((index, true)).unwrap();
+            return plan;
+        }
+    };
+    done.send((index, false)).unwrap();
+    go.recv().await.unwrap();
+    let ended = match (held, plan.rollback) {
+        (Held::Pending(p), true) => p.rollback().await,
+        (Held::Pending(p), false) => p.commit().await.map(|_| ()),
+        (Held::Caller(tx), true) => tx.rollback().await.map_err(Error::from),
+        (Held::Caller(tx), false) => tx.commit().await.map_err(Error::from),
+    };
+    match ended {
+        Ok(()) => plan.committed = !plan.rollback,
+        Err(e) => plan.refused = Some(Refused::from(&e)),
+    }
+    done.send((index, true)).unwrap();
+    plan
+}
+
+/// One random interleaving of `plans` on `sessions` (one each): repeatedly
+/// a random transaction that is not running takes its next step; the
+/// driver waits until that step reports or its backend is seen waiting on
+/// a lock (then others go on, and it reports once released).
+async fn mixed_round(
+    race: &Interleaving,
+    sessions: &[pgonce_testkit::Session],
+    strategy: AppendStrategy,
+    round: usize,
+    plans: Vec<MixedTx>,
+    rng: &mut impl Rng,
+) -> Vec<MixedTx> {
+    let tags = [format!("r{round}:x"), format!("r{round}:y")];
+    let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+    let mut go = Vec::new();
+    let mut tasks = Vec::new();
+    for (i, plan) in plans.into_iter().enumerate() {
+        let (g, rx) = tokio::sync::mpsc::unbounded_channel();
+        go.push(g);
+        tasks.push(tokio::spawn(mixed_tx(
+            i,
+            store(sessions[i].pool(), strategy),
+            plan,
+            tags.clone(),
+            rx,
+            done_tx.clone(),
+        )));
+    }
+    // Per transaction: Some(true) running, Some(false) ready, None over.
+    let mut running: Vec<Option<bool>> = vec![Some(false); tasks.len()];
+    let record = |running: &mut Vec<Option<bool>>, (i, over): (usize, bool)| {
+        running[i] = if over { None } else { Some(false) };
+    };
+    loop {
+        let ready: Vec<usize> = (0..running.len())
+            .filter(|&i| running[i] == Some(false))
+            .collect();
+        if ready.is_empty() {
+            if running.iter().all(Option::is_none) {
+                break;
+            }
+            let m = done.recv().await.unwrap();
+            record(&mut running, m);
+            continue;
+        }
+        let i = ready[rng.random_range(0..ready.len())];
+        running[i] = Some(true);
+        go[i].send(()).unwrap();
+        while running[i] == Some(true) {
+            tokio::select! {
+                m = done.recv() => record(&mut running, m.unwrap()),
+                _ = tokio::time::sleep(Duration::from_millis(1)) => {
+                    if race.blockers_of(&sessions[i]).await.unwrap().is_some() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// The oracle: once every transaction ended, no committed conditional
+/// append has a committed event matching its condition at a lower
+/// position above its `after`. Also: exactly the committed appends are in
+/// `log`. Returns the violations as (append's position, event's position).
+fn mixed_violations(log: &[StoredEvent], txs: &[MixedTx]) -> Vec<(i64, i64)> {
+    let committed: BTreeSet<i64> = txs
+        .iter()
+        .filter(|t| t.committed)
+        .flat_map(|t| t.positions.iter().copied())
+        .collect();
+    let logged: BTreeSet<i64> = log.iter().map(|e| e.position).collect();
+    assert_eq!(committed, logged, "exactly the committed appends: {txs:?}");
+    let mut violations = Vec::new();
+    for t in txs.iter().filter(|t| t.committed) {
+        let Some((tag, after)) = &t.condition else {
+            continue;
+        };
+        let lowest = t.positions[0];
+        for e in log {
+            if e.position > after.unwrap_or(0)
+                && e.position < lowest
+                && tag_query(tag).matches(&e.event)
+            {
+                violations.push((lowest, e.position));
+            }
+        }
+    }
+    violations
+}
+
+/// Randomized mixed writers, each strategy: rounds of three or four
+/// transactions (conditional on the query under test, conditional on
+/// another tag with a matching event, unconditional, `append_in` in a
+/// caller's transaction at a random accepted isolation level, some rolled
+/// back), interleaved step by step in a random order. The oracle above
+/// holds after every round.
+#[tokio::test]
+async fn randomized_mixed_writers_never_break_a_condition() {
+    const ROUNDS: usize = 2000;
+    const GROUPS: usize = 6;
+    let (db, pool) = db().await;
+    for strategy in AppendStrategy::ALL {
+        sqlx::query("TRUNCATE pgonce.events RESTART IDENTITY")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let mut groups = Vec::new();
+        for g in 0..GROUPS {
+            let race = Interleaving::new(db.options()).await.unwrap();
+            let mut sessions = Vec::new();
+            for s in 0..4 {
+                sessions.push(race.session(&format!("g{g}s{s}")).await.unwrap());
+            }
+            let pool = pool.clone();
+            let seed: u64 = rand::random();
+            groups.push(tokio::spawn(async move {
+                let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+                let (mut violations, mut committed, mut refused) = (Vec::new(), 0, 0);
+                for r in (g..ROUNDS).step_by(GROUPS) {
+                    let n = rng.random_range(3..=4);
+                    let plans = (0..n).map(|_| mixed_plan(&mut rng, strategy)).collect();
+                    let txs = mixed_round(&race, &sessions, strategy, r, plans, &mut rng).await;
+                    let log = store(&pool, strategy)
+                        .read(&tag_query(&format!("r{r}:x")), ReadOptions::default())
+                        .await
+                        .unwrap();
+                    committed += txs.iter().filter(|t| t.committed).count();
+                    refused += txs.iter().filter(|t| t.refused.is_some()).count();
+                    for v in mixed_violations(&log, &txs) {
+                        violations.push((seed, r, v, txs.clone()));
+                    }
+                }
+                (violations, committed, refused)
+            }));
+        }
+        let (mut violations, mut committed, mut refused) = (Vec::new(), 0, 0);
+        for g in groups {
+            let (v, c, r) = g.await.unwrap();
+            violations.extend(v);
+            committed += c;
+            refused += r;
+        }
+        println!(
+            "{strategy:?}: {ROUNDS} rounds in {:?}, {committed} appends committed, \
+             {refused} refused, {} violations",
+            started.elapsed(),
+            violations.len()
+        );
+        assert!(
+            violations.is_empty(),
+            "{strategy:?}: {} violations, first: {:?}",
+            violations.len(),
+            violations.first()
+        );
+        assert!(committed > ROUNDS && refused > 0, "{strategy:?}");
+    }
+}
