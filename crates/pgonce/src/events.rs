@@ -70,6 +70,8 @@ pub use model::{
     AppendCondition, Appended, Decision, Event, Query, QueryItem, ReadOptions, StoredEvent,
 };
 pub use subscription::{PollCounters, Subscription, SubscriptionConfig};
+#[doc(hidden)]
+pub use subscription::{PollHook, PollPoint};
 
 use crate::error::{Error, Result};
 

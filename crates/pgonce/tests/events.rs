@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce::events::{
-    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query, QueryItem,
-    ReadOptions, StoredEvent, SubscriptionConfig,
+    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, PollHook, PollPoint,
+    Query, QueryItem, ReadOptions, StoredEvent, SubscriptionConfig,
 };
 use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_database};
 use rand::Rng;
@@ -732,6 +732,39 @@ async fn randomized_appends_never_violate_a_condition() {
     }
 }
 
+/// `writers` tasks, each appending `appends` events of its own tag one at a
+/// time, holding each append open 0 to 2 ms (so commits come out of
+/// position order) and rolling back one in ten.
+fn spawn_writers(
+    s: &EventStore,
+    writers: usize,
+    appends: usize,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..writers)
+        .map(|w| {
+            let s = s.clone();
+            tokio::spawn(async move {
+                for i in 0..appends {
+                    let (hold, rollback) = {
+                        let mut rng = rand::rng();
+                        (rng.random_range(0..3u64), rng.random_bool(0.1))
+                    };
+                    let p = s
+                        .begin_append(&[booked(&format!("w{w}")).data(json!(i))], None)
+                        .await
+                        .unwrap();
+                    tokio::time::sleep(Duration::from_millis(hold)).await;
+                    if rollback {
+                        p.rollback().await.unwrap();
+                    } else {
+                        p.commit().await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
 /// Catch-up under concurrent writers that commit out of order (and roll
 /// some back): the subscription delivers every committed event exactly
 /// once, in increasing position order.
@@ -746,28 +779,7 @@ async fn catch_up_under_concurrent_writers_delivers_every_event_in_order() {
         })
         .await
         .unwrap();
-    let mut writers = Vec::new();
-    for w in 0..6 {
-        let s = s.clone();
-        writers.push(tokio::spawn(async move {
-            for i in 0..40 {
-                let (hold, rollback) = {
-                    let mut rng = rand::rng();
-                    (rng.random_range(0..3u64), rng.random_bool(0.1))
-                };
-                let p = s
-                    .begin_append(&[booked(&format!("w{w}")).data(json!(i))], None)
-                    .await
-                    .unwrap();
-                tokio::time::sleep(Duration::from_millis(hold)).await;
-                if rollback {
-                    p.rollback().await.unwrap();
-                } else {
-                    p.commit().await.unwrap();
-                }
-            }
-        }));
-    }
+    let writers = spawn_writers(&s, 6, 40);
     let mut seen = Vec::new();
     let mut done = false;
     while !done {
@@ -787,19 +799,24 @@ async fn catch_up_under_concurrent_writers_delivers_every_event_in_order() {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
+    let committed = assert_every_committed_event_once_in_order(&pool, &seen).await;
+    assert!(committed > 150);
+}
+
+/// `seen` is every committed position, in increasing order (so each once).
+/// Returns how many there are.
+async fn assert_every_committed_event_once_in_order(pool: &PgPool, seen: &[i64]) -> usize {
     let committed: Vec<i64> =
         sqlx::query_scalar("SELECT position FROM pgonce.events ORDER BY position")
-            .fetch_all(&pool)
+            .fetch_all(pool)
             .await
             .unwrap();
     assert!(
         seen.windows(2).all(|w| w[0] < w[1]),
-        "delivered in increasing order"
+        "delivered in increasing order, each once"
     );
-    assert_eq!(seen, committed, "every committed event, once");
-    assert!(committed.len() > 150);
-    let unique: BTreeSet<i64> = seen.iter().copied().collect();
-    assert_eq!(unique.len(), seen.len());
+    assert_eq!(seen, committed, "every committed event");
+    committed.len()
 }
 
 /// The subscription wakes on NOTIFY: `next` returns soon after an append
@@ -1605,4 +1622,213 @@ async fn randomized_mixed_writers_never_break_a_condition() {
         );
         assert!(committed > ROUNDS && refused > 0, "{strategy:?}");
     }
+}
+
+// ------------------------------------------------ catch-up under failures
+
+/// A fault injected into one poll of a subscription.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// The poll's backend is terminated (`pg_terminate_backend`, waiting
+    /// until it is gone): what a cut connection or a restart does to it.
+    Cut,
+    /// The poll stalls there and the caller drops its future.
+    Drop,
+}
+
+/// The faults planned for the next poll, shared with the poll hook.
+#[derive(Clone, Default)]
+struct Faults {
+    plan: std::sync::Arc<std::sync::Mutex<Option<(PollPoint, Fault)>>>,
+    stalled: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl Faults {
+    /// The hook that carries out the plan; `killer` terminates backends.
+    fn hook(&self, killer: PgPool) -> PollHook {
+        let faults = self.clone();
+        Box::new(move |point, pid| {
+            let fault = {
+                let mut plan = faults.plan.lock().unwrap();
+                match *plan {
+                    Some((at, fault)) if at == point => {
+                        *plan = None;
+                        Some(fault)
+                    }
+                    _ => None,
+                }
+            };
+            let (killer, stalled) = (killer.clone(), faults.stalled.clone());
+            Box::pin(async move {
+                match fault {
+                    Some(Fault::Cut) => {
+                        let gone: bool =
+                            sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
+                                .bind(pid)
+                                .fetch_one(&killer)
+                                .await
+                                .unwrap();
+                        assert!(gone);
+                    }
+                    Some(Fault::Drop) => {
+                        stalled.notify_one();
+                        std::future::pending::<()>().await;
+                    }
+                    None => {}
+                }
+            })
+        })
+    }
+
+    /// One poll with `fault`: `None` when the poll was dropped.
+    async fn poll(
+        &self,
+        sub: &mut pgonce::events::Subscription,
+        fault: Option<(PollPoint, Fault)>,
+    ) -> Option<pgonce::Result<Vec<StoredEvent>>> {
+        *self.plan.lock().unwrap() = fault;
+        let stalled = self.stalled.clone();
+        let out = tokio::select! {
+            biased;
+            r = sub.run_once() => Some(r.map(|(events, _)| events)),
+            _ = stalled.notified() => None,
+        };
+        *self.plan.lock().unwrap() = None;
+        out
+    }
+}
+
+/// Polls until a poll advances nothing and waits on no gap.
+async fn drain(sub: &mut pgonce::events::Subscription) -> Vec<i64> {
+    let mut seen = Vec::new();
+    loop {
+        let (events, counters) = sub.run_once().await.unwrap();
+        seen.extend(positions(&events));
+        if counters.advanced == 0 && !counters.waiting_on_gap {
+            return seen;
+        }
+    }
+}
+
+/// A poll cut off after its snapshot, or after it read the batch and
+/// before it committed, or dropped by its caller at either point, hands
+/// nothing out and leaves `horizon()` where it was: the same subscription
+/// polling again, and a new one resumed from `horizon()`, both receive
+/// events 1 to 3, once, in order.
+#[tokio::test]
+async fn a_poll_cut_or_dropped_midway_loses_no_event() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    for i in 0..3 {
+        s.append(&[booked(&format!("b{i}"))], None).await.unwrap();
+    }
+    for point in [PollPoint::AfterSnapshot, PollPoint::BeforeCommit] {
+        for fault in [Fault::Cut, Fault::Drop] {
+            let what = format!("{fault:?} at {point:?}");
+            let faults = Faults::default();
+            let mut sub = s
+                .subscribe(SubscriptionConfig {
+                    listen: false,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            sub.set_poll_hook(Some(faults.hook(pool.clone())));
+            let out = faults.poll(&mut sub, Some((point, fault))).await;
+            match fault {
+                Fault::Cut => assert!(matches!(out, Some(Err(_))), "{what}: {out:?}"),
+                Fault::Drop => assert!(out.is_none(), "{what}: {out:?}"),
+            }
+            assert_eq!(
+                sub.horizon(),
+                0,
+                "{what}: the horizon moved past undelivered events"
+            );
+            let mut resumed = s
+                .subscribe(SubscriptionConfig {
+                    after: sub.horizon(),
+                    listen: false,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            assert_eq!(drain(&mut sub).await, [1, 2, 3], "{what}: the same reader");
+            assert_eq!(
+                drain(&mut resumed).await,
+                [1, 2, 3],
+                "{what}: resumed from horizon()"
+            );
+        }
+    }
+}
+
+/// Catch-up under concurrent writers (out-of-order commits, rollbacks)
+/// while polls are cut or dropped at random points; after a failed poll
+/// the reader either polls again or resumes a new subscription from
+/// `horizon()`. It receives every committed event exactly once, in order.
+#[tokio::test]
+async fn catch_up_under_cut_and_dropped_polls_delivers_every_event_once_in_order() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let config = SubscriptionConfig {
+        batch: 3,
+        listen: false,
+        ..Default::default()
+    };
+    let faults = Faults::default();
+    let mut sub = s.subscribe(config.clone()).await.unwrap();
+    sub.set_poll_hook(Some(faults.hook(pool.clone())));
+    let writers = spawn_writers(&s, 4, 50);
+    let (mut seen, mut failed) = (Vec::new(), 0);
+    loop {
+        let done = writers.iter().all(|w| w.is_finished());
+        let (fault, resume) = {
+            let mut rng = rand::rng();
+            let point = if rng.random_bool(0.5) {
+                PollPoint::AfterSnapshot
+            } else {
+                PollPoint::BeforeCommit
+            };
+            let fault = match rng.random_range(0..5) {
+                0 => Some((point, Fault::Cut)),
+                1 => Some((point, Fault::Drop)),
+                _ => None,
+            };
+            (fault, rng.random_bool(0.5))
+        };
+        match faults.poll(&mut sub, fault).await {
+            Some(Ok(events)) => {
+                assert!(fault.is_none(), "{fault:?} did not fail the poll");
+                seen.extend(positions(&events));
+                if events.is_empty() {
+                    if done {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+            Some(Err(_)) | None => {
+                assert!(fault.is_some());
+                failed += 1;
+                if resume {
+                    let after = sub.horizon();
+                    sub = s
+                        .subscribe(SubscriptionConfig {
+                            after,
+                            ..config.clone()
+                        })
+                        .await
+                        .unwrap();
+                    sub.set_poll_hook(Some(faults.hook(pool.clone())));
+                }
+            }
+        }
+    }
+    seen.extend(drain(&mut sub).await);
+    let committed = assert_every_committed_event_once_in_order(&pool, &seen).await;
+    println!("{committed} events delivered once in order through {failed} failed polls");
+    assert!(
+        committed > 150 && failed >= 5,
+        "{committed} events, {failed} failed polls"
+    );
 }
