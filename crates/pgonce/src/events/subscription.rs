@@ -31,6 +31,22 @@
 //! appends in flight when it was seen. Rows inserted into `pgonce.events` by
 //! anything other than [`crate::EventStore`] must follow the same rule (id
 //! before position).
+//!
+//! # Failures in the middle of a poll
+//!
+//! A poll works out the new horizon (and any new gap) on copies, reads the
+//! batch, commits, and only then stores the copies and returns the events,
+//! with no await in between. So whatever stops a poll after its snapshot (a
+//! cut connection, a server restart, a dropped future), the subscription
+//! and [`Subscription::horizon`] still stand where the last returned batch
+//! left them: the next poll, or a subscription created with `after` set to
+//! `horizon()`, reads the same positions again. Nothing is lost and, since
+//! the horizon only moves together with the events handed out, nothing is
+//! handed out twice. Reading again is safe because positions at or below
+//! the old horizon were final before and everything above it is judged
+//! afresh in the new snapshot; a gap's bound taken by a failed poll is
+//! dropped with it (the next poll that sees the gap takes a new id, which
+//! is only later, so still a bound).
 
 use std::time::Duration;
 
@@ -197,7 +213,9 @@ impl Subscription {
     }
 
     /// Every position at or below this is final and was delivered if it
-    /// matched.
+    /// matched (returned by a poll that completed: a failed or dropped poll
+    /// leaves it unchanged). A subscription created with `after` set to it
+    /// goes on with the next event, missing none.
     pub fn horizon(&self) -> i64 {
         self.horizon
     }
