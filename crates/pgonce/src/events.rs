@@ -18,7 +18,7 @@
 //!
 //! | strategy | the check runs | concurrent conflicting appends | a type-only or match-all condition |
 //! |---|---|---|---|
-//! | `Serializable` | in a SERIALIZABLE transaction; PostgreSQL's predicate locks (GIN on tags, B-tree on type) find the read/write conflict | all run; one fails at commit (or earlier) with 40001 and is retried up to `max_retries` times, re-checking the condition | works unchanged; the predicate lock covers the index range or, for match-all, the table, so it conflicts with every concurrent append |
+//! | `Serializable` | in a SERIALIZABLE transaction; PostgreSQL's predicate locks (GIN on tags, B-tree on type) find the read/write conflict; every append, with a condition or not, also reads the conditional appends above its own positions (below) | all run; one fails at commit (or earlier) with 40001 and is retried up to `max_retries` times, re-checking the condition | works unchanged; the predicate lock covers the index range or, for match-all, the table, so it conflicts with every concurrent append |
 //! | `TableLock` | after `LOCK TABLE pgonce.events IN EXCLUSIVE MODE` | one writer at a time, whatever the tags | works unchanged; every writer already waits for every other |
 //! | `AdvisoryLocks` | after exclusive advisory keys covering the condition (one per tag of each tagged item) | only appends sharing a key wait, in ascending key order | a type-only item locks its types' keys, a match-all query the "all" key: it waits for, and blocks, every append of those types (or every append) |
 //!
@@ -27,6 +27,79 @@
 //! positions, and holds them until commit. Shared keys never wait for each
 //! other; they make a condition's exclusive keys, and [`EventStore::decide`],
 //! wait for the matching appends in flight.
+//!
+//! # Why every append reads the conditional appends above it (Serializable)
+//!
+//! The rule every strategy keeps: once the transactions involved have ended,
+//! no committed conditional append `C` (condition `Q`, `after` = `a`, lowest
+//! position `c`) has a committed event matching `Q` at a position in
+//! `(a, c)`. The locking strategies keep it by waiting: every append holds,
+//! from before it draws a position until it ends, the shared key of each of
+//! its tags and types and a ROW EXCLUSIVE lock on the table (its INSERT); a
+//! condition's exclusive keys, or the table lock, wait for all of them, and
+//! the check's snapshot is taken after.
+//!
+//! The serializable strategy waits for nobody, so it has to make such a pair
+//! non-serializable, and leave PostgreSQL to abort one of the two
+//! (PostgreSQL's serializable level guarantees that concurrent serializable
+//! transactions that all commit have the effect of some serial order of
+//! them). Take `W`, the append of a matching event at `w` in `(a, c)`, both
+//! SERIALIZABLE, both committed:
+//!
+//! * `C`'s check read `Q` above `a` and did not see `W`'s event (else the
+//!   condition fails). So in a serial order `C` comes before `W`. (The check
+//!   is a predicate read on the GIN or type index, or the table for a
+//!   match-all query; PostgreSQL tracks it whether `W` inserted before the
+//!   read or after.)
+//! * `W` read the rows marked `conditional` above its lowest position
+//!   (`pgonce.events_insert`, migration 0090), and `C`'s row, at `c > w`, is
+//!   one of them. `W`'s snapshot was taken at its first statement, before it
+//!   drew `w`; `c` was drawn after `w`, so `C` had not committed when that
+//!   snapshot was taken, and `W` did not see `C`'s row. So `W` comes before
+//!   `C`.
+//!
+//! No serial order has both, so PostgreSQL cannot commit both: one of them
+//! fails with 40001 (at the latest at its commit), and a retried
+//! [`EventStore::append`] checks again. Without `W`'s read only the first
+//! dependency existed, a serial order (`C`, then `W`) did exist, and both
+//! committed with `W`'s event below `C`'s: a SERIALIZABLE append that checks
+//! no condition reads nothing, and no check can be written into its
+//! statement after the fact. `W`'s read scans a partial index holding only
+//! conditional rows, from `w` to its right edge (nothing there is visible to
+//! `W` but its own rows, so the scan never stops early); its predicate lock
+//! therefore covers every conditional append drawn after `w`, and is kept
+//! after `W` commits for as long as a transaction that overlapped it runs.
+//!
+//! The cost: `W` now conflicts with every concurrent conditional append
+//! drawn after it, whatever its tags. That is one dependency, not a cycle,
+//! and aborts nothing by itself; it can complete a cycle through a third
+//! transaction, so the serializable strategy retries somewhat more.
+//!
+//! Writers the argument does not cover are refused:
+//! [`EventStore::append_in`] under the serializable strategy needs a
+//! SERIALIZABLE transaction ([`Error::WrongIsolation`] otherwise), since
+//! PostgreSQL detects no conflict with a write made at another isolation
+//! level.
+//!
+//! # Mixing strategies
+//!
+//! The strategy is a property of the [`EventStore`] value, not of the
+//! database, and nothing stops two stores on one database from using
+//! different ones. What holds then:
+//!
+//! * A condition checked under `TableLock` or `AdvisoryLocks` holds against
+//!   writers of every strategy: they all take the shared publishing keys and
+//!   insert under ROW EXCLUSIVE, which is what those conditions wait for.
+//! * A condition checked under `Serializable` holds only against writers
+//!   that also use `Serializable` (SERIALIZABLE, with the read above): an
+//!   append made by a `TableLock` or `AdvisoryLocks` store runs at READ
+//!   COMMITTED, invisible to PostgreSQL's conflict detection, and can commit
+//!   a matching event below the conditional one.
+//!
+//! So a database whose conditions are checked under `Serializable` must
+//! have all its writers use `Serializable`; switching strategies means
+//! switching every writer, or moving to a locking strategy first (safe
+//! against writers of both kinds while they are mixed).
 //!
 //! # Round trips
 //!
@@ -70,6 +143,8 @@ pub use model::{
     AppendCondition, Appended, Decision, Event, Query, QueryItem, ReadOptions, StoredEvent,
 };
 pub use subscription::{PollCounters, Subscription, SubscriptionConfig};
+#[doc(hidden)]
+pub use subscription::{PollHook, PollPoint};
 
 use crate::error::{Error, Result};
 
@@ -197,9 +272,11 @@ impl EventStore {
     /// Takes the same shared publishing keys as [`EventStore::append`], so
     /// conditions and decisions over these events wait for `tx`. Under
     /// [`AppendStrategy::Serializable`] `tx` must be SERIALIZABLE
-    /// ([`Error::WrongIsolation`] otherwise: PostgreSQL's conflict detection
-    /// ignores writes of other isolation levels); under the other strategies
-    /// any isolation will do. Takes the store's pool for nothing: `tx` may
+    /// ([`Error::WrongIsolation`] otherwise, nothing written: PostgreSQL's
+    /// conflict detection ignores writes of other isolation levels), and the
+    /// insert reads the conditional appends above it (module docs), so `tx`
+    /// may fail with a serialization failure at its commit: retry the whole
+    /// transaction. Under the other strategies any isolation will do. Takes the store's pool for nothing: `tx` may
     /// come from any pool on the same database.
     pub async fn append_in(
         &self,

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce::events::{
-    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query, QueryItem,
-    ReadOptions, StoredEvent, SubscriptionConfig,
+    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, PollHook, PollPoint,
+    Query, QueryItem, ReadOptions, StoredEvent, SubscriptionConfig,
 };
 use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_database};
 use rand::Rng;
@@ -732,6 +732,39 @@ async fn randomized_appends_never_violate_a_condition() {
     }
 }
 
+/// `writers` tasks, each appending `appends` events of its own tag one at a
+/// time, holding each append open 0 to 2 ms (so commits come out of
+/// position order) and rolling back one in ten.
+fn spawn_writers(
+    s: &EventStore,
+    writers: usize,
+    appends: usize,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..writers)
+        .map(|w| {
+            let s = s.clone();
+            tokio::spawn(async move {
+                for i in 0..appends {
+                    let (hold, rollback) = {
+                        let mut rng = rand::rng();
+                        (rng.random_range(0..3u64), rng.random_bool(0.1))
+                    };
+                    let p = s
+                        .begin_append(&[booked(&format!("w{w}")).data(json!(i))], None)
+                        .await
+                        .unwrap();
+                    tokio::time::sleep(Duration::from_millis(hold)).await;
+                    if rollback {
+                        p.rollback().await.unwrap();
+                    } else {
+                        p.commit().await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
 /// Catch-up under concurrent writers that commit out of order (and roll
 /// some back): the subscription delivers every committed event exactly
 /// once, in increasing position order.
@@ -746,28 +779,7 @@ async fn catch_up_under_concurrent_writers_delivers_every_event_in_order() {
         })
         .await
         .unwrap();
-    let mut writers = Vec::new();
-    for w in 0..6 {
-        let s = s.clone();
-        writers.push(tokio::spawn(async move {
-            for i in 0..40 {
-                let (hold, rollback) = {
-                    let mut rng = rand::rng();
-                    (rng.random_range(0..3u64), rng.random_bool(0.1))
-                };
-                let p = s
-                    .begin_append(&[booked(&format!("w{w}")).data(json!(i))], None)
-                    .await
-                    .unwrap();
-                tokio::time::sleep(Duration::from_millis(hold)).await;
-                if rollback {
-                    p.rollback().await.unwrap();
-                } else {
-                    p.commit().await.unwrap();
-                }
-            }
-        }));
-    }
+    let writers = spawn_writers(&s, 6, 40);
     let mut seen = Vec::new();
     let mut done = false;
     while !done {
@@ -787,19 +799,24 @@ async fn catch_up_under_concurrent_writers_delivers_every_event_in_order() {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
+    let committed = assert_every_committed_event_once_in_order(&pool, &seen).await;
+    assert!(committed > 150);
+}
+
+/// `seen` is every committed position, in increasing order (so each once).
+/// Returns how many there are.
+async fn assert_every_committed_event_once_in_order(pool: &PgPool, seen: &[i64]) -> usize {
     let committed: Vec<i64> =
         sqlx::query_scalar("SELECT position FROM pgonce.events ORDER BY position")
-            .fetch_all(&pool)
+            .fetch_all(pool)
             .await
             .unwrap();
     assert!(
         seen.windows(2).all(|w| w[0] < w[1]),
-        "delivered in increasing order"
+        "delivered in increasing order, each once"
     );
-    assert_eq!(seen, committed, "every committed event, once");
-    assert!(committed.len() > 150);
-    let unique: BTreeSet<i64> = seen.iter().copied().collect();
-    assert_eq!(unique.len(), seen.len());
+    assert_eq!(seen, committed, "every committed event");
+    committed.len()
 }
 
 /// The subscription wakes on NOTIFY: `next` returns soon after an append
@@ -1025,4 +1042,895 @@ async fn an_append_dropped_while_it_waits_leaves_no_transaction_open() {
     // And the key is free: another append on the tag commits at once.
     drop(conn);
     st(&b).append(&[booked("booking:1")], None).await.unwrap();
+}
+
+// ------------------------------------------- late lower unconditional writer
+
+/// How the lower writer A of [`late_lower_writer`] appends its event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LowerWriter {
+    /// `begin_append` without a condition, committed later.
+    BeginAppend,
+    /// `append_in` inside the caller's SERIALIZABLE transaction.
+    AppendInSerializable,
+    /// `append_in` inside the caller's READ COMMITTED transaction.
+    AppendInReadCommitted,
+}
+
+impl LowerWriter {
+    const ALL: [LowerWriter; 3] = [
+        LowerWriter::BeginAppend,
+        LowerWriter::AppendInSerializable,
+        LowerWriter::AppendInReadCommitted,
+    ];
+}
+
+/// Why an append in a race did not commit, as a race table shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Refused {
+    /// `AppendConditionFailed`: a matching event after `after`.
+    Condition,
+    /// `SerializationFailure` (40001), at the check or at COMMIT.
+    Serialization,
+    /// `WrongIsolation`: the strategy refuses the caller's transaction.
+    WrongIsolation,
+    Other(String),
+}
+
+impl From<&Error> for Refused {
+    fn from(e: &Error) -> Refused {
+        match e {
+            Error::AppendConditionFailed { .. } => Refused::Condition,
+            Error::SerializationFailure { .. } => Refused::Serialization,
+            Error::WrongIsolation { .. } => Refused::WrongIsolation,
+            e => Refused::Other(e.to_string()),
+        }
+    }
+}
+
+/// What happened in one run of [`late_lower_writer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LateLowerWriter {
+    /// A's event committed.
+    a_committed: bool,
+    /// Why A's append or its commit failed, if it did.
+    a_error: Option<Refused>,
+    /// Who C's append waited for (empty: it did not wait).
+    c_blocked_by: Vec<String>,
+    /// C's conditional append committed.
+    c_committed: bool,
+    /// Why C's append or its commit failed, if it did.
+    c_error: Option<Refused>,
+    /// Committed conditional appends with a matching committed event below
+    /// them and above their `after`: (the append's position, the event's).
+    violations: Vec<(i64, i64)>,
+}
+
+fn course(tag: &str) -> Event {
+    Event::new("CourseDefined").tag(tag)
+}
+
+/// Position 1 holds a committed `course:1` event; C decides on `course:1`
+/// (`after` = 1). A appends a `course:1` event at position 2 with no
+/// condition (`writer` says how) and does not commit; B commits position 3
+/// (`course:2`); C appends `course:1` under "no `course:1` after 1" and
+/// commits; then A commits. Under a blocking strategy C is seen waiting
+/// for A (pg_locks) before A commits, and then fails its condition.
+async fn late_lower_writer(strategy: AppendStrategy, writer: LowerWriter) -> LateLowerWriter {
+    let (db, pool) = db().await;
+    store(&pool, strategy)
+        .append(&[course("course:1")], None)
+        .await
+        .unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let [a, b, c] = [
+        race.session("A").await.unwrap(),
+        race.session("B").await.unwrap(),
+        race.session("C").await.unwrap(),
+    ];
+    let st = |s: &pgonce_testkit::Session| store(s.pool(), strategy);
+    let decision = race
+        .step(&c, "decide course:1", st(&c).decide(&tag_query("course:1")))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(decision.after, Some(1));
+
+    // A: position 2, in flight.
+    enum Held {
+        Pending(pgonce::events::PendingAppend),
+        Caller(sqlx::Transaction<'static, sqlx::Postgres>),
+        Nothing,
+    }
+    let mut a_error = None;
+    let held = match writer {
+        LowerWriter::BeginAppend => {
+            match race
+                .step(
+                    &a,
+                    "append course:1 (no condition)",
+                    st(&a).begin_append(&[course("course:1")], None),
+                )
+                .await
+                .unwrap()
+            {
+                Ok(p) => Held::Pending(p),
+                Err(e) => {
+                    a_error = Some(Refused::from(&e));
+                    Held::Nothing
+                }
+            }
+        }
+        LowerWriter::AppendInSerializable | LowerWriter::AppendInReadCommitted => {
+            let begin = if writer == LowerWriter::AppendInSerializable {
+                "BEGIN ISOLATION LEVEL SERIALIZABLE"
+            } else {
+                "BEGIN ISOLATION LEVEL READ COMMITTED"
+            };
+            let mut tx = race
+                .step(&a, begin, a.pool().begin_with(begin))
+                .await
+                .unwrap()
+                .unwrap();
+            let sa = st(&a);
+            match race
+                .step(
+                    &a,
+                    "append_in course:1",
+                    sa.append_in(&mut tx, &[course("course:1")]),
+                )
+                .await
+                .unwrap()
+            {
+                Ok(_) => Held::Caller(tx),
+                Err(e) => {
+                    a_error = Some(Refused::from(&e));
+                    tx.rollback().await.unwrap();
+                    Held::Nothing
+                }
+            }
+        }
+    };
+    // B: position 3, committed (under the table lock it waits for A).
+    let b_waiting = if strategy == AppendStrategy::TableLock && !matches!(held, Held::Nothing) {
+        let sb = st(&b);
+        let waiting = race
+            .step_blocks(&b, "append course:2", async move {
+                sb.append(&[course("course:2")], None).await
+            })
+            .await
+            .unwrap();
+        Some(waiting)
+    } else {
+        race.step(
+            &b,
+            "append course:2",
+            st(&b).append(&[course("course:2")], None),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        None
+    };
+
+    // C: checks "no course:1 after 1" and commits, or waits for A.
+    let condition = AppendCondition::new(tag_query("course:1"), decision.after);
+    let sc = st(&c);
+    let c_append = async move {
+        sc.begin_append(&[course("course:1")], Some(&condition))
+            .await?
+            .commit()
+            .await
+    };
+    let blocks = strategy != AppendStrategy::Serializable && !matches!(held, Held::Nothing);
+    let (c_blocked_by, waiting, c_outcome) = if blocks {
+        let waiting = race
+            .step_blocks(&c, "append course:1 if none after 1, COMMIT", c_append)
+            .await
+            .unwrap();
+        (waiting.blocked_by().to_vec(), Some(waiting), None)
+    } else {
+        let outcome = race
+            .step(&c, "append course:1 if none after 1, COMMIT", c_append)
+            .await
+            .unwrap();
+        (Vec::new(), None, Some(outcome))
+    };
+    let a_commit = match held {
+        Held::Pending(p) => Some(
+            race.step(&a, "COMMIT", p.commit())
+                .await
+                .unwrap()
+                .map(|_| ()),
+        ),
+        Held::Caller(tx) => Some(
+            race.step(&a, "COMMIT", tx.commit())
+                .await
+                .unwrap()
+                .map_err(pgonce::Error::from),
+        ),
+        Held::Nothing => None,
+    };
+    if let Some(b) = b_waiting {
+        b.resume().await.unwrap().unwrap();
+    }
+    let c_outcome = match waiting {
+        Some(w) => w.resume().await.unwrap(),
+        None => c_outcome.unwrap(),
+    };
+    let a_committed = matches!(a_commit, Some(Ok(())));
+    if let Some(Err(e)) = a_commit {
+        a_error = Some(Refused::from(&e));
+    }
+    let log = store(&pool, strategy)
+        .read(&Query::all(), ReadOptions::default())
+        .await
+        .unwrap();
+    let mut violations = Vec::new();
+    if let Ok(at) = &c_outcome {
+        for e in &log {
+            if e.position > 1 && e.position < at[0] && tag_query("course:1").matches(&e.event) {
+                violations.push((at[0], e.position));
+            }
+        }
+    }
+    LateLowerWriter {
+        a_committed,
+        a_error,
+        c_blocked_by,
+        c_committed: c_outcome.is_ok(),
+        c_error: c_outcome.as_ref().err().map(Refused::from),
+        violations,
+    }
+}
+
+/// The case above, for each strategy and each kind of lower writer: no run
+/// ends with both A and C committed (C's condition broken by A's event at
+/// position 2). The blocking strategies make C wait for A and then fail its
+/// condition; the serializable one lets C commit and aborts A at its commit
+/// (SERIALIZABLE sees the cycle: C missed A's row, and A read the
+/// conditional appends above position 2); `append_in` at READ COMMITTED is
+/// refused under the serializable strategy, so only C commits.
+#[tokio::test]
+async fn a_lower_unconditional_write_committing_late_never_breaks_a_condition() {
+    let mut runs = Vec::new();
+    for strategy in AppendStrategy::ALL {
+        for writer in LowerWriter::ALL {
+            let run = late_lower_writer(strategy, writer).await;
+            println!("{strategy:?}, {writer:?}: {run:?}");
+            runs.push((strategy, writer, run));
+        }
+    }
+    for (strategy, writer, run) in runs {
+        {
+            let what = format!("{strategy:?}, {writer:?}: {run:?}");
+            assert!(run.violations.is_empty(), "{what}");
+            assert!(!(run.a_committed && run.c_committed), "{what}");
+            match (strategy, writer) {
+                (AppendStrategy::Serializable, LowerWriter::AppendInReadCommitted) => {
+                    assert!(!run.a_committed && run.c_committed, "{what}");
+                    assert_eq!(run.a_error, Some(Refused::WrongIsolation), "{what}");
+                }
+                (AppendStrategy::Serializable, _) => {
+                    assert!(run.c_blocked_by.is_empty(), "{what}");
+                    assert!(run.c_committed || run.a_committed, "{what}");
+                    let refused = if run.c_committed {
+                        &run.a_error
+                    } else {
+                        &run.c_error
+                    };
+                    assert_eq!(refused, &Some(Refused::Serialization), "{what}");
+                }
+                _ => {
+                    assert!(run.c_blocked_by.contains(&"A".to_string()), "{what}");
+                    assert!(run.a_committed && !run.c_committed, "{what}");
+                    assert_eq!(run.c_error, Some(Refused::Condition), "{what}");
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------- randomized mixed writers
+
+/// The writers of a mixed round. Every event carries the round's tag `x`;
+/// the conditions are on `x` (the query under test) or on `y`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MixedKind {
+    /// Decides on `x`, appends an `x` event under "no `x` after".
+    ConditionSame,
+    /// Decides on `y`, appends an event tagged `x` and `y` under "no `y`
+    /// after": a condition on other tags whose event matches `x`.
+    ConditionOther,
+    /// `begin_append` of an `x` event without a condition.
+    Unconditional,
+    /// `append_in` of an `x` event in the caller's transaction, begun at
+    /// this isolation level.
+    AppendIn(&'static str),
+}
+
+/// One transaction of a mixed round and what became of it.
+#[derive(Debug, Clone)]
+struct MixedTx {
+    kind: MixedKind,
+    /// Ends with ROLLBACK instead of COMMIT.
+    rollback: bool,
+    /// The condition's tag and `after`, for conditional kinds.
+    condition: Option<(String, Option<i64>)>,
+    positions: Vec<i64>,
+    committed: bool,
+    refused: Option<Refused>,
+}
+
+fn mixed_plan(rng: &mut impl Rng, strategy: AppendStrategy) -> MixedTx {
+    let kind = match rng.random_range(0..8) {
+        0..=2 => MixedKind::ConditionSame,
+        3 => MixedKind::ConditionOther,
+        4 | 5 => MixedKind::Unconditional,
+        _ => MixedKind::AppendIn(match (strategy, rng.random_range(0..4)) {
+            (AppendStrategy::Serializable, 0) => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            (AppendStrategy::Serializable, _) | (_, 0) => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+            (_, 1) => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            _ => "BEGIN ISOLATION LEVEL READ COMMITTED",
+        }),
+    };
+    MixedTx {
+        kind,
+        rollback: rng.random_bool(0.15),
+        condition: None,
+        positions: Vec::new(),
+        committed: false,
+        refused: None,
+    }
+}
+
+/// Runs `plan` one step per `go` (decide, append, end), reporting each step
+/// on `done` with whether the transaction is over.
+async fn mixed_tx(
+    index: usize,
+    store: EventStore,
+    mut plan: MixedTx,
+    [x, y]: [String; 2],
+    mut go: tokio::sync::mpsc::UnboundedReceiver<()>,
+    done: tokio::sync::mpsc::UnboundedSender<(usize, bool)>,
+) -> MixedTx {
+    enum Held {
+        Pending(pgonce::events::PendingAppend),
+        Caller(sqlx::Transaction<'static, sqlx::Postgres>),
+    }
+    let condition_tag = match plan.kind {
+        MixedKind::ConditionSame => Some(x.clone()),
+        MixedKind::ConditionOther => Some(y.clone()),
+        _ => None,
+    };
+    let mut event = course(&x);
+    if plan.kind == MixedKind::ConditionOther {
+        event = event.tag(&y);
+    }
+    let mut condition = None;
+    if let Some(tag) = condition_tag {
+        go.recv().await.unwrap();
+        let decision = store.decide(&tag_query(&tag)).await.unwrap();
+        plan.condition = Some((tag.clone(), decision.after));
+        condition = Some(AppendCondition::new(tag_query(&tag), decision.after));
+        done.send((index, false)).unwrap();
+    }
+    go.recv().await.unwrap();
+    let held = match plan.kind {
+        MixedKind::AppendIn(begin) => {
+            let mut tx = store.pool().begin_with(begin).await.unwrap();
+            match store.append_in(&mut tx, &[event]).await {
+                Ok(p) => {
+                    plan.positions = p;
+                    Ok(Held::Caller(tx))
+                }
+                Err(e) => Err(e),
+            }
+        }
+        _ => store
+            .begin_append(&[event], condition.as_ref())
+            .await
+            .map(|p| {
+                plan.positions = p.positions().to_vec();
+                Held::Pending(p)
+            }),
+    };
+    let held = match held {
+        Ok(h) => h,
+        Err(e) => {
+            plan.refused = Some(Refused::from(&e));
+            done.send((index, true)).unwrap();
+            return plan;
+        }
+    };
+    done.send((index, false)).unwrap();
+    go.recv().await.unwrap();
+    let ended = match (held, plan.rollback) {
+        (Held::Pending(p), true) => p.rollback().await,
+        (Held::Pending(p), false) => p.commit().await.map(|_| ()),
+        (Held::Caller(tx), true) => tx.rollback().await.map_err(Error::from),
+        (Held::Caller(tx), false) => tx.commit().await.map_err(Error::from),
+    };
+    match ended {
+        Ok(()) => plan.committed = !plan.rollback,
+        Err(e) => plan.refused = Some(Refused::from(&e)),
+    }
+    done.send((index, true)).unwrap();
+    plan
+}
+
+/// One random interleaving of `plans` on `sessions` (one each): repeatedly
+/// a random transaction that is not running takes its next step; the
+/// driver waits until that step reports or its backend is seen waiting on
+/// a lock (then others go on, and it reports once released).
+async fn mixed_round(
+    race: &Interleaving,
+    sessions: &[pgonce_testkit::Session],
+    strategy: AppendStrategy,
+    round: usize,
+    plans: Vec<MixedTx>,
+    rng: &mut impl Rng,
+) -> Vec<MixedTx> {
+    let tags = [format!("r{round}:x"), format!("r{round}:y")];
+    let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+    let mut go = Vec::new();
+    let mut tasks = Vec::new();
+    // Steps left per transaction; its last one (COMMIT or ROLLBACK) waits on
+    // no lock another transaction of the round holds.
+    let mut left: Vec<usize> = plans
+        .iter()
+        .map(|p| match p.kind {
+            MixedKind::ConditionSame | MixedKind::ConditionOther => 3,
+            _ => 2,
+        })
+        .collect();
+    for (i, plan) in plans.into_iter().enumerate() {
+        let (g, rx) = tokio::sync::mpsc::unbounded_channel();
+        go.push(g);
+        tasks.push(tokio::spawn(mixed_tx(
+            i,
+            EventStore::new(
+                sessions[i].pool().clone(),
+                EventStoreConfig {
+                    strategy,
+                    notify: false,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+            plan,
+            tags.clone(),
+            rx,
+            done_tx.clone(),
+        )));
+    }
+    // Per transaction: Some(true) running, Some(false) ready, None over.
+    let mut running: Vec<Option<bool>> = vec![Some(false); tasks.len()];
+    let record = |running: &mut Vec<Option<bool>>, (i, over): (usize, bool)| {
+        running[i] = if over { None } else { Some(false) };
+    };
+    loop {
+        let ready: Vec<usize> = (0..running.len())
+            .filter(|&i| running[i] == Some(false))
+            .collect();
+        if ready.is_empty() {
+            if running.iter().all(Option::is_none) {
+                break;
+            }
+            let m = done.recv().await.unwrap();
+            record(&mut running, m);
+            continue;
+        }
+        let i = ready[rng.random_range(0..ready.len())];
+        running[i] = Some(true);
+        left[i] -= 1;
+        go[i].send(()).unwrap();
+        while running[i] == Some(true) {
+            if left[i] == 0 {
+                let m = done.recv().await.unwrap();
+                record(&mut running, m);
+                continue;
+            }
+            tokio::select! {
+                m = done.recv() => record(&mut running, m.unwrap()),
+                _ = tokio::time::sleep(Duration::from_millis(2)) => {
+                    if race.blockers_of(&sessions[i]).await.unwrap().is_some() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// The oracle: once every transaction ended, no committed conditional
+/// append has a committed event matching its condition at a lower
+/// position above its `after`. Also: exactly the committed appends are in
+/// `log`. Returns the violations as (append's position, event's position).
+fn mixed_violations(log: &[StoredEvent], txs: &[MixedTx]) -> Vec<(i64, i64)> {
+    let committed: BTreeSet<i64> = txs
+        .iter()
+        .filter(|t| t.committed)
+        .flat_map(|t| t.positions.iter().copied())
+        .collect();
+    let logged: BTreeSet<i64> = log.iter().map(|e| e.position).collect();
+    assert_eq!(committed, logged, "exactly the committed appends: {txs:?}");
+    let mut violations = Vec::new();
+    for t in txs.iter().filter(|t| t.committed) {
+        let Some((tag, after)) = &t.condition else {
+            continue;
+        };
+        let lowest = t.positions[0];
+        for e in log {
+            if e.position > after.unwrap_or(0)
+                && e.position < lowest
+                && tag_query(tag).matches(&e.event)
+            {
+                violations.push((lowest, e.position));
+            }
+        }
+    }
+    violations
+}
+
+/// Randomized mixed writers, each strategy: rounds of three or four
+/// transactions (conditional on the query under test, conditional on
+/// another tag with a matching event, unconditional, `append_in` in a
+/// caller's transaction at a random accepted isolation level, some rolled
+/// back), interleaved step by step in a random order. The oracle above
+/// holds after every round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_mixed_writers_never_break_a_condition() {
+    // The strategies run at once, each on its own database.
+    let runs: Vec<_> = AppendStrategy::ALL
+        .into_iter()
+        .map(|strategy| tokio::spawn(mixed_rounds(strategy)))
+        .collect();
+    for run in runs {
+        let (strategy, violations, committed, refused) = run.await.unwrap();
+        assert!(
+            violations.is_empty(),
+            "{strategy:?}: {} violations, first: {:?}",
+            violations.len(),
+            violations.first()
+        );
+        assert!(committed > MIXED_ROUNDS && refused > 0, "{strategy:?}");
+    }
+}
+
+const MIXED_ROUNDS: usize = 2000;
+
+/// A violation found by [`mixed_rounds`]: the group's seed, the round, the
+/// (append, event) positions, and the round's transactions.
+type MixedViolation = (u64, usize, (i64, i64), Vec<MixedTx>);
+
+/// [`MIXED_ROUNDS`] rounds of `strategy` on a fresh database, in groups of
+/// sessions running side by side (different tags). Returns the violations
+/// and how many appends committed and were refused.
+async fn mixed_rounds(
+    strategy: AppendStrategy,
+) -> (AppendStrategy, Vec<MixedViolation>, usize, usize) {
+    const GROUPS: usize = 4;
+    let (db, pool) = db().await;
+    let started = std::time::Instant::now();
+    let mut groups = Vec::new();
+    for g in 0..GROUPS {
+        // Commits without waiting for the WAL flush: faster rounds, and
+        // nothing the oracle looks at depends on durability.
+        let options = db.options().options([("synchronous_commit", "off")]);
+        let race = Interleaving::new(options).await.unwrap();
+        let mut sessions = Vec::new();
+        for s in 0..4 {
+            sessions.push(race.session(&format!("g{g}s{s}")).await.unwrap());
+        }
+        let pool = pool.clone();
+        let seed: u64 = rand::random();
+        groups.push(tokio::spawn(async move {
+            let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+            let (mut violations, mut committed, mut refused) = (Vec::new(), 0, 0);
+            for r in (g..MIXED_ROUNDS).step_by(GROUPS) {
+                let n = rng.random_range(3..=4);
+                let plans = (0..n).map(|_| mixed_plan(&mut rng, strategy)).collect();
+                let txs = mixed_round(&race, &sessions, strategy, r, plans, &mut rng).await;
+                let log = store(&pool, strategy)
+                    .read(&tag_query(&format!("r{r}:x")), ReadOptions::default())
+                    .await
+                    .unwrap();
+                committed += txs.iter().filter(|t| t.committed).count();
+                refused += txs.iter().filter(|t| t.refused.is_some()).count();
+                for v in mixed_violations(&log, &txs) {
+                    violations.push((seed, r, v, txs.clone()));
+                }
+            }
+            (violations, committed, refused)
+        }));
+    }
+    let (mut violations, mut committed, mut refused) = (Vec::new(), 0, 0);
+    for g in groups {
+        let (v, c, r) = g.await.unwrap();
+        violations.extend(v);
+        committed += c;
+        refused += r;
+    }
+    println!(
+        "{strategy:?}: {MIXED_ROUNDS} rounds in {:?}, {committed} appends committed, \
+         {refused} refused, {} violations",
+        started.elapsed(),
+        violations.len()
+    );
+    (strategy, violations, committed, refused)
+}
+
+// ------------------------------------------------ catch-up under failures
+
+/// A fault injected into one poll of a subscription.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// The poll's backend is terminated (`pg_terminate_backend`, waiting
+    /// until it is gone): what a cut connection or a restart does to it.
+    Cut,
+    /// The poll stalls there and the caller drops its future.
+    Drop,
+}
+
+/// The faults planned for the next poll, shared with the poll hook.
+#[derive(Clone, Default)]
+struct Faults {
+    plan: std::sync::Arc<std::sync::Mutex<Option<(PollPoint, Fault)>>>,
+    stalled: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl Faults {
+    /// The hook that carries out the plan; `killer` terminates backends.
+    fn hook(&self, killer: PgPool) -> PollHook {
+        let faults = self.clone();
+        Box::new(move |point, pid| {
+            let fault = {
+                let mut plan = faults.plan.lock().unwrap();
+                match *plan {
+                    Some((at, fault)) if at == point => {
+                        *plan = None;
+                        Some(fault)
+                    }
+                    _ => None,
+                }
+            };
+            let (killer, stalled) = (killer.clone(), faults.stalled.clone());
+            Box::pin(async move {
+                match fault {
+                    Some(Fault::Cut) => {
+                        let gone: bool =
+                            sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
+                                .bind(pid)
+                                .fetch_one(&killer)
+                                .await
+                                .unwrap();
+                        assert!(gone);
+                    }
+                    Some(Fault::Drop) => {
+                        stalled.notify_one();
+                        std::future::pending::<()>().await;
+                    }
+                    None => {}
+                }
+            })
+        })
+    }
+
+    /// One poll with `fault`: `None` when the poll was dropped.
+    async fn poll(
+        &self,
+        sub: &mut pgonce::events::Subscription,
+        fault: Option<(PollPoint, Fault)>,
+    ) -> Option<pgonce::Result<Vec<StoredEvent>>> {
+        *self.plan.lock().unwrap() = fault;
+        let stalled = self.stalled.clone();
+        let out = tokio::select! {
+            biased;
+            r = sub.run_once() => Some(r.map(|(events, _)| events)),
+            _ = stalled.notified() => None,
+        };
+        *self.plan.lock().unwrap() = None;
+        out
+    }
+}
+
+/// Polls until a poll advances nothing and waits on no gap.
+async fn drain(sub: &mut pgonce::events::Subscription) -> Vec<i64> {
+    let mut seen = Vec::new();
+    loop {
+        let (events, counters) = sub.run_once().await.unwrap();
+        seen.extend(positions(&events));
+        if counters.advanced == 0 && !counters.waiting_on_gap {
+            return seen;
+        }
+    }
+}
+
+/// A poll cut off after its snapshot, or after it read the batch and
+/// before it committed, or dropped by its caller at either point, hands
+/// nothing out and leaves `horizon()` where it was: the same subscription
+/// calling `next()` again, and a new one resumed from `horizon()`, both
+/// receive events 1 to 3, once, in order.
+#[tokio::test]
+async fn a_poll_cut_or_dropped_midway_loses_no_event() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    for i in 0..3 {
+        s.append(&[booked(&format!("b{i}"))], None).await.unwrap();
+    }
+    for point in [PollPoint::AfterSnapshot, PollPoint::BeforeCommit] {
+        for fault in [Fault::Cut, Fault::Drop] {
+            let what = format!("{fault:?} at {point:?}");
+            let faults = Faults::default();
+            let mut sub = s
+                .subscribe(SubscriptionConfig {
+                    listen: false,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            sub.set_poll_hook(Some(faults.hook(pool.clone())));
+            let out = faults.poll(&mut sub, Some((point, fault))).await;
+            match fault {
+                Fault::Cut => assert!(matches!(out, Some(Err(_))), "{what}: {out:?}"),
+                Fault::Drop => assert!(out.is_none(), "{what}: {out:?}"),
+            }
+            assert_eq!(
+                sub.horizon(),
+                0,
+                "{what}: the horizon moved past undelivered events"
+            );
+            let mut resumed = s
+                .subscribe(SubscriptionConfig {
+                    after: sub.horizon(),
+                    listen: false,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            let again = sub.next().await.unwrap();
+            assert_eq!(positions(&again), [1, 2, 3], "{what}: the same reader");
+            assert_eq!(drain(&mut sub).await, Vec::<i64>::new(), "{what}: once");
+            assert_eq!(
+                drain(&mut resumed).await,
+                [1, 2, 3],
+                "{what}: resumed from horizon()"
+            );
+        }
+    }
+}
+
+/// Catch-up under concurrent writers (out-of-order commits, rollbacks)
+/// while polls are cut or dropped at random points; after a failed poll
+/// the reader either polls again or resumes a new subscription from
+/// `horizon()`. It receives every committed event exactly once, in order.
+#[tokio::test]
+async fn catch_up_under_cut_and_dropped_polls_delivers_every_event_once_in_order() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let config = SubscriptionConfig {
+        batch: 3,
+        listen: false,
+        ..Default::default()
+    };
+    let faults = Faults::default();
+    let mut sub = s.subscribe(config.clone()).await.unwrap();
+    sub.set_poll_hook(Some(faults.hook(pool.clone())));
+    let writers = spawn_writers(&s, 4, 50);
+    let (mut seen, mut failed) = (Vec::new(), 0);
+    loop {
+        let done = writers.iter().all(|w| w.is_finished());
+        let (fault, resume) = {
+            let mut rng = rand::rng();
+            let point = if rng.random_bool(0.5) {
+                PollPoint::AfterSnapshot
+            } else {
+                PollPoint::BeforeCommit
+            };
+            let fault = match rng.random_range(0..5) {
+                0 => Some((point, Fault::Cut)),
+                1 => Some((point, Fault::Drop)),
+                _ => None,
+            };
+            (fault, rng.random_bool(0.5))
+        };
+        match faults.poll(&mut sub, fault).await {
+            Some(Ok(events)) => {
+                assert!(fault.is_none(), "{fault:?} did not fail the poll");
+                seen.extend(positions(&events));
+                if events.is_empty() {
+                    if done {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+            Some(Err(_)) | None => {
+                assert!(fault.is_some());
+                failed += 1;
+                if resume {
+                    let after = sub.horizon();
+                    sub = s
+                        .subscribe(SubscriptionConfig {
+                            after,
+                            ..config.clone()
+                        })
+                        .await
+                        .unwrap();
+                    sub.set_poll_hook(Some(faults.hook(pool.clone())));
+                }
+            }
+        }
+    }
+    seen.extend(drain(&mut sub).await);
+    let committed = assert_every_committed_event_once_in_order(&pool, &seen).await;
+    println!("{committed} events delivered once in order through {failed} failed polls");
+    assert!(
+        committed > 150 && failed >= 5,
+        "{committed} events, {failed} failed polls"
+    );
+}
+
+/// A SIREAD lock an append holds (pg_locks).
+#[derive(Debug, sqlx::FromRow)]
+struct SireadLock {
+    relation: String,
+    locktype: String,
+}
+
+/// Under the serializable strategy an unconditional append's read of the
+/// conditional appends above it goes through the partial index: it holds
+/// SIREAD locks on that index and none on the whole table (which would make
+/// it conflict with every concurrent append, whatever its tags).
+#[tokio::test]
+async fn the_read_above_an_append_locks_the_conditional_index_not_the_table() {
+    let (db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::Serializable);
+    for i in 0..20 {
+        let condition = AppendCondition::new(tag_query(&format!("c{i}")), None);
+        s.append(&[booked(&format!("c{i}"))], Some(&condition))
+            .await
+            .unwrap();
+        s.append(&[booked(&format!("u{i}"))], None).await.unwrap();
+    }
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options())
+        .await
+        .unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&one)
+        .await
+        .unwrap();
+    let pending = store(&one, AppendStrategy::Serializable)
+        .begin_append(&[booked("u-new")], None)
+        .await
+        .unwrap();
+    let locks: Vec<SireadLock> = sqlx::query_as(
+        "SELECT relation::regclass::text AS relation, locktype FROM pg_locks \
+         WHERE pid = $1 AND mode = 'SIReadLock' AND relation IS NOT NULL",
+    )
+    .bind(pid)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(
+        locks
+            .iter()
+            .any(|l| l.relation == "pgonce.events_conditional"),
+        "{locks:?}"
+    );
+    assert!(
+        !locks
+            .iter()
+            .any(|l| l.relation == "pgonce.events" && l.locktype == "relation"),
+        "{locks:?}"
+    );
+    pending.commit().await.unwrap();
 }

@@ -211,8 +211,9 @@ pub(crate) async fn begin(
         strategy == AppendStrategy::TableLock,
     )
     .await?;
+    let read_later = strategy == AppendStrategy::Serializable;
     let Some(c) = condition else {
-        let positions = insert(&mut tx, notify, events).await?;
+        let positions = insert(&mut tx, notify, read_later, events).await?;
         return Ok(PendingAppend {
             tx,
             positions,
@@ -222,18 +223,22 @@ pub(crate) async fn begin(
     // Check and insert in one statement, whose snapshot (READ COMMITTED) is
     // taken after begin_locked granted the locks, so it sees every append
     // they waited for.
-    let filter = Filter::new(&c.fail_if_events_match, 4);
+    let filter = Filter::new(&c.fail_if_events_match, 5);
     let position = match strategy {
         AppendStrategy::Serializable => "e.position + 0",
         _ => "e.position",
     };
     let sql = include_str!("sql/insert_checked.sql").replace("{position}", position);
-    let (matching, positions): (Vec<i64>, Vec<i64>) = filter
+    let CheckedInsert {
+        matching,
+        positions,
+    } = filter
         .bind_as(
             sqlx::query_as(filter.statement(&sql))
                 .bind(c.after.unwrap_or(0))
                 .bind(events_json(events)?)
-                .bind(notify.then_some(NOTIFY_CHANNEL)),
+                .bind(notify.then_some(NOTIFY_CHANNEL))
+                .bind(read_later),
         )
         .fetch_one(&mut *tx)
         .await?;
@@ -254,6 +259,14 @@ pub(crate) async fn begin(
         positions,
         strategy,
     })
+}
+
+/// What insert_checked.sql returns: the first positions matching the
+/// condition (empty when it held) and the positions drawn (empty when not).
+#[derive(Debug, sqlx::FromRow)]
+struct CheckedInsert {
+    matching: Vec<i64>,
+    positions: Vec<i64>,
 }
 
 fn events_json(events: &[Event]) -> Result<serde_json::Value> {
@@ -304,15 +317,20 @@ pub(crate) async fn begin_locked(
     Ok(crate::lock::begin_detached(pool, sql).await?)
 }
 
-/// Inserts `events` (validated, keys taken) and returns their positions.
+/// Inserts `events` (validated, keys taken) without a condition and returns
+/// their positions. With `read_later` (the serializable strategy) the insert
+/// also reads the conditional appends above its lowest position (module
+/// docs, "Why every append reads the conditional appends above it").
 async fn insert(
     tx: &mut Transaction<'_, Postgres>,
     notify: bool,
+    read_later: bool,
     events: &[Event],
 ) -> Result<Vec<i64>> {
-    let (positions, _): (Vec<i64>, String) = sqlx::query_as(include_str!("sql/insert.sql"))
+    let positions: Vec<i64> = sqlx::query_scalar(include_str!("sql/insert.sql"))
         .bind(events_json(events)?)
         .bind(notify.then_some(NOTIFY_CHANNEL))
+        .bind(read_later)
         .fetch_one(&mut **tx)
         .await?;
     Ok(positions)
@@ -349,7 +367,8 @@ pub(crate) async fn append_in(
         }
     }
     AppendKeys::publishing(events)?.take(tx).await?;
-    let positions = insert(tx, notify, events).await?;
+    let read_later = strategy == AppendStrategy::Serializable;
+    let positions = insert(tx, notify, read_later, events).await?;
     metrics::counter!("pgonce_events_appends_total", "strategy" => strategy.name()).increment(1);
     Ok(positions)
 }

@@ -8,18 +8,42 @@ use super::model::{Decision, Event, Query, ReadOptions, StoredEvent};
 use super::query::Filter;
 use crate::error::Result;
 
-pub(crate) type EventRow = (i64, String, Vec<String>, Value, Value);
+/// An event as the reads select it.
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct EventRow {
+    position: i64,
+    #[sqlx(rename = "type")]
+    event_type: String,
+    tags: Vec<String>,
+    data: Value,
+    metadata: Value,
+}
 
-pub(crate) fn into_stored((position, event_type, tags, data, metadata): EventRow) -> StoredEvent {
-    StoredEvent {
-        position,
-        event: Event {
-            event_type,
-            tags,
-            data,
-            metadata,
-        },
+impl From<EventRow> for StoredEvent {
+    fn from(row: EventRow) -> StoredEvent {
+        StoredEvent {
+            position: row.position,
+            event: Event {
+                event_type: row.event_type,
+                tags: row.tags,
+                data: row.data,
+                metadata: row.metadata,
+            },
+        }
     }
+}
+
+/// A row of decide.sql: the head, and one matching event (all NULL when
+/// none matches: the LEFT JOIN's one row).
+#[derive(Debug, sqlx::FromRow)]
+struct DecideRow {
+    head: Option<i64>,
+    position: Option<i64>,
+    #[sqlx(rename = "type")]
+    event_type: Option<String>,
+    tags: Option<Vec<String>>,
+    data: Option<Value>,
+    metadata: Option<Value>,
 }
 
 pub(crate) async fn read(
@@ -45,7 +69,7 @@ pub(crate) async fn read(
         )
         .fetch_all(pool)
         .await?;
-    Ok(rows.into_iter().map(into_stored).collect())
+    Ok(rows.into_iter().map(StoredEvent::from).collect())
 }
 
 pub(crate) async fn head(pool: &PgPool) -> Result<Option<i64>> {
@@ -63,32 +87,26 @@ pub(crate) async fn decide(pool: &PgPool, query: &Query) -> Result<Decision> {
     let keys = AppendKeys::condition(query)?;
     let mut tx = begin_locked(pool, Isolation::ReadCommitted, &keys, false, false).await?;
     let filter = Filter::new(query, 1);
-    type Row = (
-        Option<i64>,
-        Option<i64>,
-        Option<String>,
-        Option<Vec<String>>,
-        Option<Value>,
-        Option<Value>,
-    );
-    let rows: Vec<Row> = filter
+    let rows: Vec<DecideRow> = filter
         .bind_as(sqlx::query_as(
             filter.statement(include_str!("sql/decide.sql")),
         ))
         .fetch_all(&mut *tx)
         .await?;
     tx.commit().await?;
-    let after = rows.first().and_then(|r| r.0);
+    let after = rows.first().and_then(|r| r.head);
     let events = rows
         .into_iter()
-        .filter_map(|(_, position, t, tags, data, metadata)| {
-            Some(into_stored((
-                position?,
-                t?,
-                tags.unwrap_or_default(),
-                data.unwrap_or(Value::Null),
-                metadata.unwrap_or(Value::Null),
-            )))
+        .filter_map(|r| {
+            Some(StoredEvent {
+                position: r.position?,
+                event: Event {
+                    event_type: r.event_type?,
+                    tags: r.tags.unwrap_or_default(),
+                    data: r.data.unwrap_or(Value::Null),
+                    metadata: r.metadata.unwrap_or(Value::Null),
+                },
+            })
         })
         .collect();
     Ok(Decision { events, after })

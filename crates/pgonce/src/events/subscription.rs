@@ -31,6 +31,22 @@
 //! appends in flight when it was seen. Rows inserted into `pgonce.events` by
 //! anything other than [`crate::EventStore`] must follow the same rule (id
 //! before position).
+//!
+//! # Failures in the middle of a poll
+//!
+//! A poll works out the new horizon (and any new gap) on copies, reads the
+//! batch, commits, and only then stores the copies and returns the events,
+//! with no await in between. So whatever stops a poll after its snapshot (a
+//! cut connection, a server restart, a dropped future), the subscription
+//! and [`Subscription::horizon`] still stand where the last returned batch
+//! left them: the next poll, or a subscription created with `after` set to
+//! `horizon()`, reads the same positions again. Nothing is lost and, since
+//! the horizon only moves together with the events handed out, nothing is
+//! handed out twice. Reading again is safe because positions at or below
+//! the old horizon were final before and everything above it is judged
+//! afresh in the new snapshot; a gap's bound taken by a failed poll is
+//! dropped with it (the next poll that sees the gap takes a new id, which
+//! is only later, so still a bound).
 
 use std::time::Duration;
 
@@ -40,7 +56,7 @@ use sqlx::postgres::PgListener;
 use super::NOTIFY_CHANNEL;
 use super::model::{Query, StoredEvent};
 use super::query::Filter;
-use super::read::{EventRow, into_stored};
+use super::read::EventRow;
 use crate::error::{Error, Result};
 
 /// Settings of a [`Subscription`].
@@ -105,6 +121,33 @@ struct Gap {
     bound: i64,
 }
 
+/// A point inside [`Subscription::run_once`] where a test hook runs
+/// ([`Subscription::set_poll_hook`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PollPoint {
+    /// The snapshot was taken (the horizon query ran); nothing read yet.
+    AfterSnapshot,
+    /// The batch was read; the transaction is about to commit.
+    BeforeCommit,
+}
+
+/// A test hook: called with the point and the poll's backend pid, and
+/// awaited before the poll goes on (to cut the connection there, or to
+/// stall so the caller drops the poll).
+#[doc(hidden)]
+pub type PollHook = Box<
+    dyn FnMut(PollPoint, i32) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
+
+/// What horizon.sql returns.
+#[derive(Debug, sqlx::FromRow)]
+struct HorizonRow {
+    xmin: i64,
+    positions: Vec<i64>,
+}
+
 /// What one [`Subscription::run_once`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PollCounters {
@@ -124,6 +167,7 @@ pub struct Subscription {
     horizon: i64,
     gap: Option<Gap>,
     listener: Option<PgListener>,
+    hook: Option<PollHook>,
 }
 
 impl Subscription {
@@ -143,69 +187,108 @@ impl Subscription {
             pool,
             config,
             listener,
+            hook: None,
         })
     }
 
+    /// Installs (or, with `None`, removes) a hook run at each
+    /// [`PollPoint`] of every poll. For fault-injection tests only.
+    #[doc(hidden)]
+    pub fn set_poll_hook(&mut self, hook: Option<PollHook>) {
+        self.hook = hook;
+    }
+
+    async fn run_hook(
+        &mut self,
+        point: PollPoint,
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    ) -> Result<()> {
+        if let Some(hook) = &mut self.hook {
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut **tx)
+                .await?;
+            hook(point, pid).await;
+        }
+        Ok(())
+    }
+
     /// Every position at or below this is final and was delivered if it
-    /// matched.
+    /// matched (returned by a poll that completed: a failed or dropped poll
+    /// leaves it unchanged). A subscription created with `after` set to it
+    /// goes on with the next event, missing none.
     pub fn horizon(&self) -> i64 {
         self.horizon
     }
 
     /// One poll: the next events, possibly none. Never waits for a NOTIFY.
+    ///
+    /// The horizon and the open gap move only once the batch is read and
+    /// its transaction committed, right before the events are returned: a
+    /// poll that fails (the connection cut, the server restarted) or is
+    /// dropped at any await leaves them where they were, so the next poll,
+    /// or a subscription resumed from [`Subscription::horizon`], reads the
+    /// same positions again and no event is lost.
     pub async fn run_once(&mut self) -> Result<(Vec<StoredEvent>, PollCounters)> {
         let mut tx = self
             .pool
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
             .await?;
-        let (xmin, positions): (i64, Vec<i64>) = sqlx::query_as(include_str!("sql/horizon.sql"))
+        let HorizonRow { xmin, positions } = sqlx::query_as(include_str!("sql/horizon.sql"))
             .bind(self.horizon)
             .bind(self.config.batch)
             .fetch_one(&mut *tx)
             .await?;
+        self.run_hook(PollPoint::AfterSnapshot, &mut tx).await?;
+        // Worked out on copies; stored only after the commit below.
         let old = self.horizon;
+        let mut horizon = self.horizon;
+        let mut gap = self.gap;
         let mut waiting = false;
         let mut new_gap = None;
         for p in positions {
-            if p != self.horizon + 1 {
-                let settled = self.gap.is_some_and(|g| p <= g.upper && xmin >= g.bound);
+            if p != horizon + 1 {
+                let settled = gap.is_some_and(|g| p <= g.upper && xmin >= g.bound);
                 if !settled {
-                    if self.gap.is_none() {
+                    if gap.is_none() {
                         new_gap = Some(p);
                     }
                     waiting = true;
                     break;
                 }
             }
-            self.horizon = p;
-            if self.gap.is_some_and(|g| p >= g.upper) {
-                self.gap = None;
+            horizon = p;
+            if gap.is_some_and(|g| p >= g.upper) {
+                gap = None;
             }
         }
         if let Some(upper) = new_gap {
             let bound: i64 = sqlx::query_scalar(include_str!("sql/own_xid.sql"))
                 .fetch_one(&mut *tx)
                 .await?;
-            self.gap = Some(Gap { upper, bound });
+            gap = Some(Gap { upper, bound });
         }
-        let events = if self.horizon > old {
+        let events = if horizon > old {
             let rows: Vec<EventRow> = self
                 .filter
                 .bind_as(
                     sqlx::query_as(self.filter.statement(include_str!("sql/range.sql")))
                         .bind(old)
-                        .bind(self.horizon),
+                        .bind(horizon),
                 )
                 .fetch_all(&mut *tx)
                 .await?;
-            rows.into_iter().map(into_stored).collect()
+            rows.into_iter().map(StoredEvent::from).collect()
         } else {
             Vec::new()
         };
+        self.run_hook(PollPoint::BeforeCommit, &mut tx).await?;
         tx.commit().await?;
+        // No await from here on: the state moves with the events returned.
+        self.horizon = horizon;
+        self.gap = gap;
         let counters = PollCounters {
             delivered: events.len(),
-            advanced: self.horizon - old,
+            advanced: horizon - old,
             waiting_on_gap: waiting,
         };
         Ok((events, counters))
