@@ -50,6 +50,19 @@ async fn expire_lease(pool: &PgPool, id: i64) {
     .unwrap();
 }
 
+/// Terminates the backend of `session`'s connection, as a crash would.
+async fn kill_session(pool: &PgPool, session: &pgonce_testkit::Session) {
+    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+        .fetch_one(session.pool())
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 fn reaper(pool: &PgPool) -> Reaper {
     Reaper::new(pool.clone(), ReaperConfig::default()).unwrap()
 }
@@ -113,11 +126,17 @@ async fn a_conditional_transition_applies_once_and_the_duplicate_is_already_hand
     assert_eq!(row.result, Some(json!({"by": "A"})));
 }
 
-#[tokio::test]
-async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
-    let (db, pool) = setup().await;
-    let id = new_job(&pool, 5).await;
-    let race = Interleaving::new(db.options()).await.unwrap();
+/// Two deliveries claim job `id`: A claims in a transaction, B's claim is
+/// seen waiting for A's row lock, A commits, B's claim returns. Gives A's
+/// session and lease and B's outcome.
+async fn claim_race(
+    race: &Interleaving,
+    id: i64,
+) -> (
+    pgonce_testkit::Session,
+    job::Lease,
+    pgonce::Result<job::Lease>,
+) {
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
     let mut tx_a = a.pool().begin().await.unwrap();
@@ -135,13 +154,29 @@ async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
         )
         .await
         .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
     race.step(&a, "COMMIT", tx_a.commit())
         .await
         .unwrap()
         .unwrap();
     let b_claim = waiting.resume().await.unwrap();
+    (a, lease, b_claim)
+}
+
+#[tokio::test]
+async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (_a, lease, b_claim) = claim_race(&race, id).await;
     assert!(
-        matches!(b_claim, Err(Error::AlreadyHandled { .. })),
+        matches!(
+            b_claim,
+            Err(Error::JobBusy {
+                status: JobStatus::Processing,
+                ..
+            })
+        ),
         "{b_claim:?}"
     );
     // Only the winner runs the side effect and completes.
@@ -154,6 +189,155 @@ async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
         job::claim(&pool, id, LEASE).await,
         Err(Error::AlreadyHandled { .. })
     ));
+}
+
+/// A duplicate delivery that loses the claim to a delivery still at work
+/// must keep its message: acknowledging it (as `AlreadyHandled` used to tell
+/// it to) leaves nothing to drive the job once the claimer crashes and the
+/// reaper returns the job to pending.
+#[tokio::test]
+async fn a_claim_loser_sees_busy_keeps_its_message_and_drives_the_reaped_job_once() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (a, a_lease, b_claim) = claim_race(&race, id).await;
+
+    // B sees the job busy, not handled: under either policy it keeps the
+    // message, and learns when the job can come back at the earliest.
+    match &b_claim {
+        Err(Error::JobBusy {
+            job_id,
+            status: JobStatus::Processing,
+            not_before,
+        }) => {
+            assert_eq!(*job_id, id);
+            assert_eq!(*not_before, a_lease.expires_at);
+        }
+        other => panic!("the loser must see the job busy, got {other:?}"),
+    }
+    assert!(!pgonce::AckPolicy::DeleteOnSuccess.delete_message(&b_claim));
+    assert!(!pgonce::AckPolicy::AlwaysDelete.delete_message(&b_claim));
+
+    // A dies before its side effect; its lease runs out; the reaper
+    // returns the job.
+    kill_session(&pool, &a).await;
+    race.note(&a, "dies holding the claim");
+    expire_lease(&pool, id).await;
+    assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
+
+    // B's kept message comes back and drives the job, once.
+    let mut side_effects = 0;
+    let lease = job::claim(&pool, id, LEASE)
+        .await
+        .expect("the redelivered message claims the reaped job");
+    side_effects += 1;
+    job::complete(&pool, &lease, &json!({"by": "B"}))
+        .await
+        .unwrap();
+    // Any further copy of the message finds the job done and acknowledges.
+    let again = job::claim(&pool, id, LEASE).await;
+    assert!(
+        matches!(again, Err(Error::AlreadyHandled { .. })),
+        "{again:?}"
+    );
+    assert!(pgonce::AckPolicy::DeleteOnSuccess.delete_message(&again));
+    assert_eq!(side_effects, 1);
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.status, "completed");
+    assert_eq!(row.result, Some(json!({"by": "B"})));
+    assert_eq!(row.attempts, 1, "the dead claimer's lease counted");
+}
+
+/// Claims the job named by the message, runs the side effect (a counter),
+/// completes it. `AlreadyHandled` is success; anything else (`JobBusy`
+/// included) is returned to the worker.
+struct ClaimingHandler {
+    pool: PgPool,
+    side_effects: std::sync::atomic::AtomicU32,
+}
+
+impl pgonce::Handler for ClaimingHandler {
+    async fn handle(&self, m: &pgonce::Received) -> Result<(), pgonce::HandlerError> {
+        let id: i64 = m.body.parse()?;
+        let lease = match job::claim(&self.pool, id, LEASE).await {
+            Ok(lease) => lease,
+            Err(Error::AlreadyHandled { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        self.side_effects
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        job::complete(&self.pool, &lease, &json!("done")).await?;
+        Ok(())
+    }
+}
+
+/// The worker runtime keeps the message of a busy job even under
+/// `AlwaysDelete`, and that message completes the job once its claimer
+/// crashed and the reaper returned it.
+#[tokio::test]
+async fn the_worker_keeps_a_busy_jobs_message_which_completes_the_reaped_job() {
+    use pgonce::{PgQueue, PgQueueOptions, Queue, QueueAttributes, SendMessage};
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let q = PgQueue::create(
+        &pool,
+        "jobs",
+        QueueAttributes::default(),
+        PgQueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    q.send(SendMessage::new(id.to_string())).await.unwrap();
+    // Another delivery claimed the job and then crashed (never completes).
+    job::claim(&pool, id, LEASE).await.unwrap();
+
+    let config = pgonce::WorkerConfig {
+        ack: pgonce::AckPolicy::AlwaysDelete,
+        heartbeat_interval: None,
+        ..pgonce::WorkerConfig::default()
+    };
+    let handler = ClaimingHandler {
+        pool: pool.clone(),
+        side_effects: Default::default(),
+    };
+    let worker = pgonce::Worker::new(q.clone(), handler, config).unwrap();
+    let first = worker.run_once().await.unwrap();
+    assert_eq!((first.received, first.deleted), (1, 0), "{first:?}");
+    let (kept, visible_at): (i64, Option<time::OffsetDateTime>) = sqlx::query_as(
+        "SELECT count(*), max(visible_at) FROM pgonce.queue_message WHERE queue = 'jobs'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kept, 1, "the busy job's message is kept");
+    let lease_end = job::get(&pool, id)
+        .await
+        .unwrap()
+        .unwrap()
+        .lease_expires_at
+        .unwrap();
+    assert!(
+        visible_at.unwrap() >= lease_end - time::Duration::seconds(2),
+        "hidden until the lease can have expired: {visible_at:?} vs {lease_end}"
+    );
+
+    expire_lease(&pool, id).await;
+    assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
+    // The message's hiding time passes.
+    sqlx::query("UPDATE pgonce.queue_message SET visible_at = now() WHERE queue = 'jobs'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let second = worker.run_once().await.unwrap();
+    assert_eq!((second.succeeded, second.deleted), (1, 1), "{second:?}");
+    assert_eq!(
+        worker
+            .handler()
+            .side_effects
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
 }
 
 #[tokio::test]
@@ -257,9 +441,10 @@ async fn a_failure_is_retried_with_backoff_by_the_redriver_then_dead_at_max_atte
         assert!(
             matches!(
                 job::claim(&pool, id, LEASE).await,
-                Err(Error::AlreadyHandled { .. })
+                Err(Error::JobBusy { status: JobStatus::Failed, not_before, .. })
+                    if not_before == run_at
             ),
-            "a failed job is not claimable before it is re-driven"
+            "a failed job is not claimable before it is re-driven, and not done"
         );
         assert_eq!(
             redriver.run_once().await.unwrap().redriven,
@@ -347,7 +532,7 @@ async fn attempts_are_incremented_in_sql_so_concurrent_failures_are_not_lost() {
 }
 
 #[tokio::test]
-async fn repeatable_read_loser_gets_40001_then_already_handled_on_retry() {
+async fn repeatable_read_loser_gets_40001_then_job_busy_on_retry() {
     let (db, pool) = setup().await;
     let id = new_job(&pool, 5).await;
     let race = Interleaving::new(db.options()).await.unwrap();
@@ -395,7 +580,13 @@ async fn repeatable_read_loser_gets_40001_then_already_handled_on_retry() {
         .unwrap();
     let retry = job::claim(&mut *tx, id, Duration::from_secs(60)).await;
     assert!(
-        matches!(retry, Err(Error::AlreadyHandled { .. })),
+        matches!(
+            retry,
+            Err(Error::JobBusy {
+                status: JobStatus::Processing,
+                ..
+            })
+        ),
         "{retry:?}"
     );
 }
@@ -438,15 +629,7 @@ async fn a_connection_killed_in_the_middle_of_a_claim_loses_neither_the_job_nor_
 
     // B commits its claim and then its connection is killed too: the claim
     // is durable, the job stays processing until the reaper returns it.
-    let (b_pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
-        .fetch_one(b.pool())
-        .await
-        .unwrap();
-    sqlx::query("SELECT pg_terminate_backend($1)")
-        .bind(b_pid)
-        .execute(&pool)
-        .await
-        .unwrap();
+    kill_session(&pool, &b).await;
     assert_eq!(status(&pool, id).await, JobStatus::Processing);
     expire_lease(&pool, id).await;
     assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
