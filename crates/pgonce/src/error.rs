@@ -45,6 +45,17 @@ pub enum Error {
         found: String,
     },
 
+    /// An operation that must end the transaction was handed a nested one (a
+    /// savepoint, `depth` > 1): releasing a savepoint commits nothing, so the
+    /// operation could not keep its promise. Nothing was locked or written;
+    /// the savepoint was rolled back and the outer transaction is untouched.
+    /// Call it with the top-level transaction.
+    #[error("{operation} needs the top-level transaction, got a savepoint at depth {depth}")]
+    NestedTransaction {
+        operation: &'static str,
+        depth: usize,
+    },
+
     /// A scoped number was already committed by another transaction (the
     /// unique index on (scope, number) rejected the row). The transaction was
     /// rolled back; nothing of it is committed.
