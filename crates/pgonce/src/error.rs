@@ -100,6 +100,15 @@ pub enum Error {
         not_before: time::OffsetDateTime,
     },
 
+    /// An operator retry of a job that is not dead (`status`), or that does
+    /// not exist (`status: None`). Nothing was written. A concurrent retrier
+    /// that got there first leaves the job `pending` (or further along).
+    #[error("job {job_id} is not dead ({status:?}); nothing retried")]
+    JobNotDead {
+        job_id: i64,
+        status: Option<JobStatus>,
+    },
+
     /// A lease (a job claim, an idempotency key hold) is no longer the
     /// current one: it expired and was reaped or taken over. Nothing was
     /// written; the new owner's outcome stands.

@@ -50,7 +50,7 @@
 //! | `processing` | [`complete`] to `completed`; [`fail`] to `failed` or `dead`; lease expiry to `pending` or `dead` | the lease holder; the [`Reaper`] once the lease expired |
 //! | `failed` | due (`run_at` passed) to `pending` | the [`Redriver`] |
 //! | `completed` | terminal | |
-//! | `dead` | terminal (`last_error` says why) | |
+//! | `dead` | terminal for workers (`last_error` says why); an operator's [`retry_dead`] / [`retry_dead_jobs`] to `pending`, audited | an operator |
 //!
 //! `attempts` counts failed attempts (errors and expired leases) and is only
 //! ever incremented in SQL (`attempts = attempts + 1`), never read, changed
@@ -78,6 +78,7 @@
 
 mod reaper;
 mod redrive;
+mod retry;
 
 use std::fmt;
 use std::time::Duration;
@@ -91,6 +92,7 @@ use crate::error::{Error, Result};
 
 pub use reaper::{ReapCounts, Reaper, ReaperConfig};
 pub use redrive::{RedriveCounts, Redriver, RedriverConfig};
+pub use retry::{DeadJobFilter, JobRetry, RetryBy, retries, retry_dead, retry_dead_jobs};
 
 /// The state of a job; see the module docs for transitions and reapers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -103,7 +105,8 @@ pub enum JobStatus {
     Failed,
     /// Terminal: done, with its result.
     Completed,
-    /// Terminal: past its maximum attempts, or cancelled.
+    /// Terminal for workers: past its maximum attempts, or cancelled. Only
+    /// an operator brings it back ([`retry_dead`]).
     Dead,
 }
 

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce::job::{
-    self, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver, RedriverConfig,
-    RetryPolicy,
+    self, DeadJobFilter, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver,
+    RedriverConfig, RetryPolicy,
 };
 use pgonce_testkit::{Interleaving, fresh_database};
 use serde_json::json;
@@ -63,6 +63,22 @@ async fn kill_session(pool: &PgPool, session: &pgonce_testkit::Session) {
         .unwrap();
 }
 
+/// B's step waits for a row A's transaction holds: checks that A is the
+/// blocker, commits A, and returns B's outcome.
+async fn commit_a_then_resume<T: Send + 'static>(
+    race: &Interleaving,
+    a: &pgonce_testkit::Session,
+    tx_a: sqlx::Transaction<'static, sqlx::Postgres>,
+    waiting: pgonce_testkit::Blocked<T>,
+) -> T {
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    race.step(a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    waiting.resume().await.unwrap()
+}
+
 fn reaper(pool: &PgPool) -> Reaper {
     Reaper::new(pool.clone(), ReaperConfig::default()).unwrap()
 }
@@ -111,12 +127,7 @@ async fn a_conditional_transition_applies_once_and_the_duplicate_is_already_hand
         })
         .await
         .unwrap();
-    assert_eq!(waiting.blocked_by(), ["A"]);
-    race.step(&a, "COMMIT", tx_a.commit())
-        .await
-        .unwrap()
-        .unwrap();
-    let second = waiting.resume().await.unwrap();
+    let second = commit_a_then_resume(&race, &a, tx_a, waiting).await;
     assert!(
         matches!(second, Err(Error::AlreadyHandled { job_id, .. }) if job_id == id),
         "{second:?}"
@@ -154,12 +165,7 @@ async fn claim_race(
         )
         .await
         .unwrap();
-    assert_eq!(waiting.blocked_by(), ["A"]);
-    race.step(&a, "COMMIT", tx_a.commit())
-        .await
-        .unwrap()
-        .unwrap();
-    let b_claim = waiting.resume().await.unwrap();
+    let b_claim = commit_a_then_resume(race, &a, tx_a, waiting).await;
     (a, lease, b_claim)
 }
 
@@ -952,4 +958,202 @@ async fn the_reaper_service_loop_reaps_until_shutdown() {
         .await
         .expect("run returns on shutdown")
         .unwrap();
+}
+
+/// A job failed to death on its only attempt.
+async fn dead_job(pool: &PgPool, kind: &str) -> i64 {
+    let id = job::enqueue(pool, &NewJob::new(kind, json!(null)).max_attempts(1))
+        .await
+        .unwrap();
+    let lease = job::claim(pool, id, LEASE).await.unwrap();
+    let out = job::fail(pool, &lease, "credential revoked", &RetryPolicy::default())
+        .await
+        .unwrap();
+    assert_eq!(out, FailOutcome::Dead { attempts: 1 });
+    id
+}
+
+const ALICE: job::RetryBy<'static> = job::RetryBy {
+    who: "alice",
+    reason: Some("credential rotated"),
+};
+
+/// Once its cause is fixed, a dead job is retried by an operator. Two
+/// operators retrying it at once: one retries (one audit row), the other is
+/// refused as the job is no longer dead. Two workers then race for it: it
+/// runs exactly once.
+#[tokio::test]
+async fn a_retried_dead_job_runs_exactly_once_under_concurrent_retriers_and_workers() {
+    let (db, pool) = setup().await;
+    let id = dead_job(&pool, "send").await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+
+    let mut tx_a = a.pool().begin().await.unwrap();
+    race.step(&a, "retry dead job", job::retry_dead(&mut tx_a, id, ALICE))
+        .await
+        .unwrap()
+        .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "retry dead job", async move {
+            let mut conn = pool_b.acquire().await?;
+            let by = job::RetryBy {
+                who: "bob",
+                reason: None,
+            };
+            job::retry_dead(&mut conn, id, by).await
+        })
+        .await
+        .unwrap();
+    let second = commit_a_then_resume(&race, &a, tx_a, waiting).await;
+    assert!(
+        matches!(
+            second,
+            Err(Error::JobNotDead {
+                job_id,
+                status: Some(JobStatus::Pending)
+            }) if job_id == id
+        ),
+        "{second:?}"
+    );
+
+    let mut conn = pool.acquire().await.unwrap();
+    let audit = job::retries(&mut conn, id).await.unwrap();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].retried_by, "alice");
+    assert_eq!(audit[0].reason.as_deref(), Some("credential rotated"));
+    assert_eq!(audit[0].previous_attempts, 1);
+    assert_eq!(
+        audit[0].previous_error.as_deref(),
+        Some("credential revoked")
+    );
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!((row.status.as_str(), row.attempts), ("pending", 0));
+
+    // Two workers poll at once; the job runs once.
+    let (w1, w2) = tokio::join!(
+        job::claim_batch(&pool, "send", 10, LEASE),
+        job::claim_batch(&pool, "send", 10, LEASE)
+    );
+    let claimed: Vec<_> = w1.unwrap().into_iter().chain(w2.unwrap()).collect();
+    assert_eq!(claimed.len(), 1, "claimed once: {claimed:?}");
+    job::complete(&pool, &claimed[0].lease, &json!("sent"))
+        .await
+        .unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+    assert!(
+        job::claim_batch(&pool, "send", 10, LEASE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(job::retries(&mut conn, id).await.unwrap().len(), 1);
+}
+
+/// Retrying one job that is not dead is a typed refusal that writes
+/// nothing; a filtered retry only ever selects dead jobs (of its kind and
+/// death time); bad input is refused before anything is written.
+#[tokio::test]
+async fn retrying_a_job_that_is_not_dead_is_refused_and_a_filter_takes_only_dead_jobs() {
+    let (_db, pool) = setup().await;
+    let pending = new_job(&pool, 5).await;
+    let processing = new_job(&pool, 5).await;
+    job::claim(&pool, processing, LEASE).await.unwrap();
+    let failed = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, failed, LEASE).await.unwrap();
+    job::fail(&pool, &lease, "flaky", &RetryPolicy::default())
+        .await
+        .unwrap();
+    let completed = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, completed, LEASE).await.unwrap();
+    job::complete(&pool, &lease, &json!(1)).await.unwrap();
+    let before: Vec<_> = {
+        let mut rows = Vec::new();
+        for id in [pending, processing, failed, completed] {
+            rows.push(format!("{:?}", job::get(&pool, id).await.unwrap()));
+        }
+        rows
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    for (id, expected) in [
+        (pending, Some(JobStatus::Pending)),
+        (processing, Some(JobStatus::Processing)),
+        (failed, Some(JobStatus::Failed)),
+        (completed, Some(JobStatus::Completed)),
+        (9_999, None),
+    ] {
+        let out = job::retry_dead(&mut conn, id, ALICE).await;
+        assert!(
+            matches!(&out, Err(Error::JobNotDead { job_id, status }) if *job_id == id && *status == expected),
+            "{id}: {out:?}"
+        );
+    }
+    for (i, id) in [pending, processing, failed, completed].iter().enumerate() {
+        assert_eq!(
+            format!("{:?}", job::get(&pool, *id).await.unwrap()),
+            before[i],
+            "job {id} untouched"
+        );
+    }
+    let audits: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.job_retries")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(audits, 0);
+
+    // Filters: kind and death time; only dead jobs.
+    let old_send = dead_job(&pool, "send").await;
+    sqlx::query("UPDATE pgonce.jobs SET finished_at = now() - interval '2 days' WHERE id = $1")
+        .bind(old_send)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let new_send = dead_job(&pool, "send").await;
+    let other_kind = dead_job(&pool, "bill").await;
+    let since_yesterday = DeadJobFilter {
+        kind: Some("send".into()),
+        dead_since: Some(time::OffsetDateTime::now_utc() - time::Duration::days(1)),
+        ..DeadJobFilter::default()
+    };
+    let retried = job::retry_dead_jobs(&mut conn, &since_yesterday, ALICE)
+        .await
+        .unwrap();
+    assert_eq!(retried, vec![new_send]);
+    assert_eq!(status(&pool, old_send).await, JobStatus::Dead);
+    assert_eq!(status(&pool, other_kind).await, JobStatus::Dead);
+    assert!(
+        job::retry_dead_jobs(&mut conn, &since_yesterday, ALICE)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a second pass finds nothing dead"
+    );
+    let everything = job::retry_dead_jobs(&mut conn, &DeadJobFilter::default(), ALICE)
+        .await
+        .unwrap();
+    assert_eq!(everything, vec![old_send, other_kind]);
+    assert_eq!(status(&pool, pending).await, JobStatus::Pending);
+    assert_eq!(status(&pool, completed).await, JobStatus::Completed);
+
+    // Bad input: nothing written.
+    let nobody = job::RetryBy {
+        who: "",
+        reason: None,
+    };
+    let d = dead_job(&pool, "send").await;
+    assert!(matches!(
+        job::retry_dead(&mut conn, d, nobody).await,
+        Err(Error::Invalid { .. })
+    ));
+    let no_limit = DeadJobFilter {
+        limit: 0,
+        ..DeadJobFilter::default()
+    };
+    assert!(matches!(
+        job::retry_dead_jobs(&mut conn, &no_limit, ALICE).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert_eq!(status(&pool, d).await, JobStatus::Dead);
 }
