@@ -761,6 +761,8 @@ mod state_machine {
         /// The failed job's backoff passes and the re-driver runs.
         MakeDue(usize),
         Cancel(usize),
+        /// An operator retries the job (refused unless it is dead).
+        RetryDead(usize),
     }
 
     /// Weighted so that the long paths (claim, fail, retry, claim, fail to
@@ -776,7 +778,8 @@ mod state_machine {
             2 => j.clone().prop_map(Op::Expire),
             2 => Just(Op::Reap),
             3 => j.clone().prop_map(Op::MakeDue),
-            1 => j.prop_map(Op::Cancel),
+            1 => j.clone().prop_map(Op::Cancel),
+            1 => j.prop_map(Op::RetryDead),
         ]
     }
 
@@ -802,6 +805,7 @@ mod state_machine {
         };
         let mut prev: Vec<(JobStatus, i32)> = vec![(JobStatus::Pending, 0); 3];
         for op in ops {
+            let mut revived = None;
             match op {
                 Op::Claim(j) => {
                     if let Ok(l) = job::claim(pool, ids[j], LEASE).await {
@@ -862,6 +866,20 @@ mod state_machine {
                     )
                     .await;
                 }
+                Op::RetryDead(j) => {
+                    let mut conn = pool.acquire().await.unwrap();
+                    let by = job::RetryBy {
+                        who: "prop",
+                        reason: None,
+                    };
+                    match job::retry_dead(&mut conn, ids[j], by).await {
+                        Ok(()) if prev[j].0 == JobStatus::Dead => revived = Some(j),
+                        Err(Error::JobNotDead {
+                            status: Some(s), ..
+                        }) if s == prev[j].0 => {}
+                        other => return Err(format!("job {j} was {}: retry {other:?}", prev[j].0)),
+                    }
+                }
             }
             for (j, &id) in ids.iter().enumerate() {
                 let Some(row) = job::get(pool, id).await.unwrap() else {
@@ -869,6 +887,13 @@ mod state_machine {
                 };
                 let s = row.status().map_err(|e| e.to_string())?;
                 let (was, attempts_before) = prev[j];
+                if revived == Some(j) {
+                    if s != JobStatus::Pending || row.attempts != 0 {
+                        return Err(format!("job {j} retried to {s}, {} attempts", row.attempts));
+                    }
+                    prev[j] = (s, 0);
+                    continue;
+                }
                 if was.is_terminal() && s != was {
                     return Err(format!("job {j} left terminal {was} for {s}"));
                 }
@@ -901,6 +926,12 @@ mod state_machine {
             let out = rt.block_on(run(&pool, n, ops));
             prop_assert!(out.is_ok(), "{}", out.unwrap_err());
         });
+        let retried: i64 = rt
+            .block_on(
+                sqlx::query_scalar("SELECT count(*) FROM pgonce.job_retries").fetch_one(&pool),
+            )
+            .unwrap();
+        assert!(retried > 0, "the cases revived some dead job");
         drop(db);
     }
 }
