@@ -301,7 +301,11 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
 ///   acknowledge. The message must come back: if the holder crashes, the
 ///   [`Reaper`] returns the job to `pending` and this redelivered message is
 ///   what claims it again. `not_before` says when that can be at the
-///   earliest (the lease's expiry, or `run_at`).
+///   earliest (the lease's expiry, or `run_at`): hide the message until
+///   then (the worker runtime does). Each return of the message counts as
+///   a receive, so a job held through many heartbeats can send its
+///   duplicate message to the dead-letter queue; the job itself is then
+///   driven by its holder, and by a `claim_batch` poller if you run one.
 ///
 /// The claim and, when it loses, the read of the job's state run in one
 /// call of `pgonce.job_claim`, whose second statement sees the winner's
