@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use crate::guard::ReadSet;
+use crate::job::JobStatus;
 use crate::lock::LockKey;
 
 /// Errors of every pgonce operation.
@@ -44,6 +45,17 @@ pub enum Error {
         found: String,
     },
 
+    /// An operation that must end the transaction was handed a nested one (a
+    /// savepoint, `depth` > 1): releasing a savepoint commits nothing, so the
+    /// operation could not keep its promise. Nothing was locked or written;
+    /// the savepoint was rolled back and the outer transaction is untouched.
+    /// Call it with the top-level transaction.
+    #[error("{operation} needs the top-level transaction, got a savepoint at depth {depth}")]
+    NestedTransaction {
+        operation: &'static str,
+        depth: usize,
+    },
+
     /// A scoped number was already committed by another transaction (the
     /// unique index on (scope, number) rejected the row). The transaction was
     /// rolled back; nothing of it is committed.
@@ -68,8 +80,34 @@ pub enum Error {
     /// A conditional transition matched no row: the job was not in the
     /// expected state, so another delivery already handled it (or it does
     /// not exist). Not a failure: log it at debug and acknowledge the message.
+    /// From [`crate::job::claim`] it means the job is terminal (`completed` or
+    /// `dead`) or does not exist; a job merely in someone else's hands is
+    /// [`Error::JobBusy`] instead.
     #[error("job {job_id} already handled (it was not {expected})")]
     AlreadyHandled { job_id: i64, expected: &'static str },
+
+    /// A claim found the job not terminal but not claimable either: another
+    /// delivery holds it (`processing`), it waits for a retry (`failed`), or
+    /// it is not due yet (`pending` with a later `run_at`). Unlike
+    /// [`Error::AlreadyHandled`] the work is not done: do not acknowledge the
+    /// message. Leave it to come back (at `not_before` at the earliest, when
+    /// the lease expires or the retry is due), so that if the current holder
+    /// crashes the reaped job still has a message to drive it.
+    #[error("job {job_id} is {status}, not claimable before {not_before}; keep the message")]
+    JobBusy {
+        job_id: i64,
+        status: JobStatus,
+        not_before: time::OffsetDateTime,
+    },
+
+    /// An operator retry of a job that is not dead (`status`), or that does
+    /// not exist (`status: None`). Nothing was written. A concurrent retrier
+    /// that got there first leaves the job `pending` (or further along).
+    #[error("job {job_id} is not dead ({status:?}); nothing retried")]
+    JobNotDead {
+        job_id: i64,
+        status: Option<JobStatus>,
+    },
 
     /// A lease (a job claim, an idempotency key hold) is no longer the
     /// current one: it expired and was reaped or taken over. Nothing was

@@ -9,7 +9,10 @@
 //!   [`Error::AlreadyHandled`]. Enough when the side effect may run twice.
 //! * two-phase: [`claim`] (pending to processing, returning a [`Lease`])
 //!   before the side effect, then [`complete`] or [`fail`] fenced by the lease.
-//!   The side effect runs once per successful claim. A slow worker keeps its
+//!   The side effect runs once per successful claim. A losing delivery gets
+//!   [`Error::AlreadyHandled`] only when the job is terminal; while it is
+//!   not, [`Error::JobBusy`], and keeps its message, so a job whose claimer
+//!   crashes still has a message to drive it once reaped. A slow worker keeps its
 //!   lease with [`heartbeat`]; a crashed worker's lease expires and the
 //!   [`Reaper`] makes the job runnable again, so it is not lost. A worker whose
 //!   lease was reaped and taken over gets [`Error::LeaseLost`] and cannot
@@ -22,11 +25,12 @@
 //! use pgonce::{Error, job};
 //! let lease = match job::claim(&pool, id, Duration::from_secs(60)).await {
 //!     Ok(lease) => lease,
-//!     // Another delivery has it or had it: acknowledge, do nothing. (If
-//!     // that delivery crashed, the Reaper puts its job back to pending
-//!     // with no message left to drive it: run a claim_batch poller too,
-//!     // as the incident service's notifier does, so reaped jobs run.)
+//!     // Done (completed or dead): acknowledge, do nothing.
 //!     Err(Error::AlreadyHandled { .. }) => return Ok(()),
+//!     // In another delivery's hands (or waiting for its retry): do not
+//!     // acknowledge. The message comes back; if that delivery crashed, the
+//!     // Reaper has returned the job to pending and this message claims it.
+//!     Err(e @ Error::JobBusy { .. }) => return Err(e),
 //!     Err(e) => return Err(e),
 //! };
 //! // ... the side effect, heartbeating if it may outlast the lease ...
@@ -46,7 +50,7 @@
 //! | `processing` | [`complete`] to `completed`; [`fail`] to `failed` or `dead`; lease expiry to `pending` or `dead` | the lease holder; the [`Reaper`] once the lease expired |
 //! | `failed` | due (`run_at` passed) to `pending` | the [`Redriver`] |
 //! | `completed` | terminal | |
-//! | `dead` | terminal (`last_error` says why) | |
+//! | `dead` | terminal for workers (`last_error` says why); an operator's [`retry_dead`] / [`retry_dead_jobs`] to `pending`, audited | an operator |
 //!
 //! `attempts` counts failed attempts (errors and expired leases) and is only
 //! ever incremented in SQL (`attempts = attempts + 1`), never read, changed
@@ -59,12 +63,12 @@
 //! transaction, so the job's transition commits with the caller's writes.
 //! Under READ COMMITTED a delivery that lost a race re-reads the row after the
 //! winner commits, matches nothing and gets [`Error::AlreadyHandled`] (or
-//! [`Error::LeaseLost`]). Under REPEATABLE READ or SERIALIZABLE PostgreSQL
+//! [`Error::JobBusy`] from [`claim`], or [`Error::LeaseLost`]). Under REPEATABLE READ or SERIALIZABLE PostgreSQL
 //! raises SQLSTATE 40001 instead, mapped to [`Error::SerializationFailure`]:
 //! roll back and run the whole transaction again; its fresh snapshot sees the
-//! winner's state and the retry gets `AlreadyHandled` (see
-//! [`Error::is_retryable`] and the test
-//! `repeatable_read_loser_gets_40001_then_already_handled_on_retry`).
+//! winner's state and the retry gets `JobBusy` while the winner holds the
+//! job, `AlreadyHandled` once it is done (see [`Error::is_retryable`] and the
+//! test `repeatable_read_loser_gets_40001_then_job_busy_on_retry`).
 //!
 //! # The consumer policy
 //!
@@ -74,6 +78,7 @@
 
 mod reaper;
 mod redrive;
+mod retry;
 
 use std::fmt;
 use std::time::Duration;
@@ -87,6 +92,7 @@ use crate::error::{Error, Result};
 
 pub use reaper::{ReapCounts, Reaper, ReaperConfig};
 pub use redrive::{RedriveCounts, Redriver, RedriverConfig};
+pub use retry::{DeadJobFilter, JobRetry, RetryBy, retries, retry_dead, retry_dead_jobs};
 
 /// The state of a job; see the module docs for transitions and reapers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -99,7 +105,8 @@ pub enum JobStatus {
     Failed,
     /// Terminal: done, with its result.
     Completed,
-    /// Terminal: past its maximum attempts, or cancelled.
+    /// Terminal for workers: past its maximum attempts, or cancelled. Only
+    /// an operator brings it back ([`retry_dead`]).
     Dead,
 }
 
@@ -283,22 +290,71 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
 }
 
 /// Phase 1 of two-phase: claims pending job `id` (pending to processing)
-/// with a lease of `lease_for`. Only one delivery can win: the others get
-/// [`Error::AlreadyHandled`] and must not run the side effect.
+/// with a lease of `lease_for`. Only one delivery can win; the others must
+/// not run the side effect, and get:
+///
+/// * [`Error::AlreadyHandled`] when the job is terminal (`completed`,
+///   `dead`) or does not exist: acknowledge the message, the work is done;
+/// * [`Error::JobBusy`] when it is not terminal (`processing` under someone
+///   else's lease, `failed` waiting for its retry, `pending` but not due, or
+///   `pending` again because a lease was reaped in between): do **not**
+///   acknowledge. The message must come back: if the holder crashes, the
+///   [`Reaper`] returns the job to `pending` and this redelivered message is
+///   what claims it again. `not_before` says when that can be at the
+///   earliest (the lease's expiry, or `run_at`): hide the message until
+///   then (the worker runtime does). Each return of the message counts as
+///   a receive, so a job held through many heartbeats can send its
+///   duplicate message to the dead-letter queue; the job itself is then
+///   driven by its holder, and by a `claim_batch` poller if you run one.
+///
+/// The claim and, when it loses, the read of the job's state run in one
+/// call of `pgonce.job_claim`, whose second statement sees the winner's
+/// committed state under READ COMMITTED. Under REPEATABLE READ or
+/// SERIALIZABLE a claim racing a concurrent one fails with
+/// [`Error::SerializationFailure`] first (see the module docs).
 pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) -> Result<Lease> {
     let secs = lease_secs(lease_for)?;
-    let row: Option<(Uuid, OffsetDateTime)> = sqlx::query_as(include_str!("job/sql/claim.sql"))
+    let row: Option<ClaimRow> = sqlx::query_as(include_str!("job/sql/claim.sql"))
         .bind(id)
         .bind(secs)
         .fetch_optional(db)
         .await?;
-    match row {
-        Some((token, expires_at)) => {
+    let busy = match row {
+        Some(ClaimRow {
+            claimed_token: Some(token),
+            claimed_until: Some(expires_at),
+            ..
+        }) => {
             metrics::counter!("pgonce_job_claimed_total").increment(1);
-            Ok(Lease {
+            return Ok(Lease {
                 job_id: id,
                 token,
                 expires_at,
+            });
+        }
+        Some(ClaimRow {
+            found_status: Some(status),
+            found_run_at: Some(run_at),
+            found_lease_until,
+            ..
+        }) => {
+            let status = JobStatus::parse(&status)?;
+            let not_before = match status {
+                JobStatus::Processing => found_lease_until.unwrap_or(run_at),
+                _ => run_at,
+            };
+            (!status.is_terminal()).then_some((status, not_before))
+        }
+        _ => None,
+    };
+    match busy {
+        Some((status, not_before)) => {
+            metrics::counter!("pgonce_job_busy_total").increment(1);
+            tracing::debug!(job_id = id, %status, %not_before, "job busy: message kept");
+            Err(Error::JobBusy {
+                job_id: id,
+                status,
+                not_before,
             })
         }
         None => {
@@ -309,6 +365,17 @@ pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) ->
             })
         }
     }
+}
+
+/// A row of `pgonce.job_claim`: the lease when the claim won, the job's
+/// state when it lost.
+#[derive(sqlx::FromRow)]
+struct ClaimRow {
+    claimed_token: Option<Uuid>,
+    claimed_until: Option<OffsetDateTime>,
+    found_status: Option<String>,
+    found_run_at: Option<OffsetDateTime>,
+    found_lease_until: Option<OffsetDateTime>,
 }
 
 /// A job claimed by [`claim_batch`].

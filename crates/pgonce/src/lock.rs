@@ -71,6 +71,11 @@ pub(crate) async fn begin_detached(
     }
 }
 
+/// The documented SQL derivation of [`LockKey::new`]: one row, one `bigint`
+/// column `key`, for namespace `$1` and key `$2` (both `text`). Lets any
+/// client, a migration or a `psql` session compute the same key.
+pub const DERIVE_KEY_SQL: &str = include_str!("lock/sql/derive_key.sql");
+
 /// A 64-bit advisory lock key, derived from a namespace and a key by
 /// [`LockKey::new`].
 ///
@@ -82,17 +87,21 @@ pub(crate) async fn begin_detached(
 ///       SHA-256( utf8(namespace) || 0x00 || utf8(key) )
 /// ```
 ///
-/// In SQL (PostgreSQL 11 or newer):
+/// In SQL (PostgreSQL 11 or newer), [`DERIVE_KEY_SQL`], with the namespace
+/// as `$1` and the key as `$2`:
 ///
 /// ```sql
 /// SELECT ('x' || left(encode(sha256(
-///            convert_to($namespace, 'UTF8') || '\x00'::bytea || convert_to($key, 'UTF8')
-///        ), 'hex'), 16))::bit(64)::bigint;
+///            convert_to($1, 'UTF8') || '\x00'::bytea || convert_to($2, 'UTF8')
+///        ), 'hex'), 16))::bit(64)::bigint AS key
 /// ```
 ///
-/// The namespace may not be empty nor contain NUL, so the byte string splits
-/// one way only: keys of different namespaces never coincide except by a
-/// SHA-256 prefix collision (about 2^-64 per pair). To find the lock in
+/// Neither the namespace nor the key may contain NUL (PostgreSQL's `text`
+/// cannot hold it, so no SQL client could compute such a key), and the
+/// namespace may not be empty. So every key [`LockKey::new`] accepts is one
+/// any client can compute, and the byte string splits one way only: keys of
+/// different namespaces never coincide except by a SHA-256 prefix collision
+/// (about 2^-64 per pair). To find the lock in
 /// `pg_locks`: `locktype = 'advisory' AND objsubid = 1 AND
 /// (classid::bigint << 32 | objid::bigint) = key`.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -105,6 +114,12 @@ impl LockKey {
             return Err(Error::Invalid {
                 what: "lock namespace",
                 why: "must be non-empty and contain no NUL character".into(),
+            });
+        }
+        if key.contains('\0') {
+            return Err(Error::Invalid {
+                what: "lock key",
+                why: "must contain no NUL character (SQL text cannot hold it)".into(),
             });
         }
         let mut hash = Sha256::new();
@@ -261,12 +276,20 @@ mod tests {
     }
 
     #[test]
-    fn empty_or_nul_namespace_is_rejected() {
+    fn empty_or_nul_namespace_and_nul_key_are_rejected() {
         assert!(matches!(LockKey::new("", "x"), Err(Error::Invalid { .. })));
         assert!(matches!(
             LockKey::new("a\0b", "x"),
             Err(Error::Invalid { .. })
         ));
+        assert!(matches!(
+            LockKey::new("a", "x\0"),
+            Err(Error::Invalid {
+                what: "lock key",
+                ..
+            })
+        ));
+        assert!(LockKey::new("a", "").is_ok(), "an empty key is computable");
     }
 
     #[test]

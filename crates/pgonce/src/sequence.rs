@@ -91,7 +91,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sqlx::postgres::PgTransactionManager;
 use sqlx::{AssertSqlSafe, Encode, PgConnection, Postgres, Transaction, Type};
+use sqlx_core::transaction::TransactionManager;
 
 use crate::error::{Error, Result, sqlstate, sqlstate_of};
 use crate::lock::LockKey;
@@ -504,12 +506,28 @@ impl Sequence {
     /// numbered table raised by `write` becomes [`Error::NumberTaken`] (only
     /// possible under [`Strategy::SelectForUpdate`], or when rows are written
     /// without this module). Other errors as in [`Sequence::next`].
+    ///
+    /// `tx` must be a top-level transaction: a savepoint (a transaction
+    /// begun inside an open one, `sqlx::Acquire::begin(&mut tx)`) is refused with [`Error::NestedTransaction`] before
+    /// anything is locked, and rolled back. Its "commit" only releases the
+    /// savepoint: the number would not be committed, and the scope would
+    /// stay locked until the outer transaction ends. (sqlx tracks the depth
+    /// of the transactions it began; a `SAVEPOINT` run by hand is not seen.)
     pub async fn commit_numbered<T>(
         &self,
         mut tx: Transaction<'_, Postgres>,
         scope: &impl ScopeValue,
         write: impl AsyncFnOnce(&mut PgConnection, i64) -> Result<T>,
     ) -> Result<Numbered<T>> {
+        // 1 in a top-level transaction, 2 and more in savepoints.
+        let depth = PgTransactionManager::get_transaction_depth(&tx);
+        if depth > 1 {
+            let _ = tx.rollback().await;
+            return Err(Error::NestedTransaction {
+                operation: "commit_numbered",
+                depth,
+            });
+        }
         // On error, roll back at once: a dropped sqlx transaction sends its
         // ROLLBACK only when the connection is next used, and the scope
         // would stay locked until then.

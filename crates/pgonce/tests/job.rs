@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce::job::{
-    self, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver, RedriverConfig,
-    RetryPolicy,
+    self, DeadJobFilter, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver,
+    RedriverConfig, RetryPolicy,
 };
 use pgonce_testkit::{Interleaving, fresh_database};
 use serde_json::json;
@@ -48,6 +48,35 @@ async fn expire_lease(pool: &PgPool, id: i64) {
     .execute(pool)
     .await
     .unwrap();
+}
+
+/// Terminates the backend of `session`'s connection, as a crash would.
+async fn kill_session(pool: &PgPool, session: &pgonce_testkit::Session) {
+    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+        .fetch_one(session.pool())
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// B's step waits for a row A's transaction holds: checks that A is the
+/// blocker, commits A, and returns B's outcome.
+async fn commit_a_then_resume<T: Send + 'static>(
+    race: &Interleaving,
+    a: &pgonce_testkit::Session,
+    tx_a: sqlx::Transaction<'static, sqlx::Postgres>,
+    waiting: pgonce_testkit::Blocked<T>,
+) -> T {
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    race.step(a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    waiting.resume().await.unwrap()
 }
 
 fn reaper(pool: &PgPool) -> Reaper {
@@ -98,12 +127,7 @@ async fn a_conditional_transition_applies_once_and_the_duplicate_is_already_hand
         })
         .await
         .unwrap();
-    assert_eq!(waiting.blocked_by(), ["A"]);
-    race.step(&a, "COMMIT", tx_a.commit())
-        .await
-        .unwrap()
-        .unwrap();
-    let second = waiting.resume().await.unwrap();
+    let second = commit_a_then_resume(&race, &a, tx_a, waiting).await;
     assert!(
         matches!(second, Err(Error::AlreadyHandled { job_id, .. }) if job_id == id),
         "{second:?}"
@@ -113,11 +137,17 @@ async fn a_conditional_transition_applies_once_and_the_duplicate_is_already_hand
     assert_eq!(row.result, Some(json!({"by": "A"})));
 }
 
-#[tokio::test]
-async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
-    let (db, pool) = setup().await;
-    let id = new_job(&pool, 5).await;
-    let race = Interleaving::new(db.options()).await.unwrap();
+/// Two deliveries claim job `id`: A claims in a transaction, B's claim is
+/// seen waiting for A's row lock, A commits, B's claim returns. Gives A's
+/// session and lease and B's outcome.
+async fn claim_race(
+    race: &Interleaving,
+    id: i64,
+) -> (
+    pgonce_testkit::Session,
+    job::Lease,
+    pgonce::Result<job::Lease>,
+) {
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
     let mut tx_a = a.pool().begin().await.unwrap();
@@ -135,13 +165,24 @@ async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
         )
         .await
         .unwrap();
-    race.step(&a, "COMMIT", tx_a.commit())
-        .await
-        .unwrap()
-        .unwrap();
-    let b_claim = waiting.resume().await.unwrap();
+    let b_claim = commit_a_then_resume(race, &a, tx_a, waiting).await;
+    (a, lease, b_claim)
+}
+
+#[tokio::test]
+async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (_a, lease, b_claim) = claim_race(&race, id).await;
     assert!(
-        matches!(b_claim, Err(Error::AlreadyHandled { .. })),
+        matches!(
+            b_claim,
+            Err(Error::JobBusy {
+                status: JobStatus::Processing,
+                ..
+            })
+        ),
         "{b_claim:?}"
     );
     // Only the winner runs the side effect and completes.
@@ -154,6 +195,155 @@ async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
         job::claim(&pool, id, LEASE).await,
         Err(Error::AlreadyHandled { .. })
     ));
+}
+
+/// A duplicate delivery that loses the claim to a delivery still at work
+/// must keep its message: acknowledging it (as `AlreadyHandled` used to tell
+/// it to) leaves nothing to drive the job once the claimer crashes and the
+/// reaper returns the job to pending.
+#[tokio::test]
+async fn a_claim_loser_sees_busy_keeps_its_message_and_drives_the_reaped_job_once() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (a, a_lease, b_claim) = claim_race(&race, id).await;
+
+    // B sees the job busy, not handled: under either policy it keeps the
+    // message, and learns when the job can come back at the earliest.
+    match &b_claim {
+        Err(Error::JobBusy {
+            job_id,
+            status: JobStatus::Processing,
+            not_before,
+        }) => {
+            assert_eq!(*job_id, id);
+            assert_eq!(*not_before, a_lease.expires_at);
+        }
+        other => panic!("the loser must see the job busy, got {other:?}"),
+    }
+    assert!(!pgonce::AckPolicy::DeleteOnSuccess.delete_message(&b_claim));
+    assert!(!pgonce::AckPolicy::AlwaysDelete.delete_message(&b_claim));
+
+    // A dies before its side effect; its lease runs out; the reaper
+    // returns the job.
+    kill_session(&pool, &a).await;
+    race.note(&a, "dies holding the claim");
+    expire_lease(&pool, id).await;
+    assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
+
+    // B's kept message comes back and drives the job, once.
+    let mut side_effects = 0;
+    let lease = job::claim(&pool, id, LEASE)
+        .await
+        .expect("the redelivered message claims the reaped job");
+    side_effects += 1;
+    job::complete(&pool, &lease, &json!({"by": "B"}))
+        .await
+        .unwrap();
+    // Any further copy of the message finds the job done and acknowledges.
+    let again = job::claim(&pool, id, LEASE).await;
+    assert!(
+        matches!(again, Err(Error::AlreadyHandled { .. })),
+        "{again:?}"
+    );
+    assert!(pgonce::AckPolicy::DeleteOnSuccess.delete_message(&again));
+    assert_eq!(side_effects, 1);
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.status, "completed");
+    assert_eq!(row.result, Some(json!({"by": "B"})));
+    assert_eq!(row.attempts, 1, "the dead claimer's lease counted");
+}
+
+/// Claims the job named by the message, runs the side effect (a counter),
+/// completes it. `AlreadyHandled` is success; anything else (`JobBusy`
+/// included) is returned to the worker.
+struct ClaimingHandler {
+    pool: PgPool,
+    side_effects: std::sync::atomic::AtomicU32,
+}
+
+impl pgonce::Handler for ClaimingHandler {
+    async fn handle(&self, m: &pgonce::Received) -> Result<(), pgonce::HandlerError> {
+        let id: i64 = m.body.parse()?;
+        let lease = match job::claim(&self.pool, id, LEASE).await {
+            Ok(lease) => lease,
+            Err(Error::AlreadyHandled { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        self.side_effects
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        job::complete(&self.pool, &lease, &json!("done")).await?;
+        Ok(())
+    }
+}
+
+/// The worker runtime keeps the message of a busy job even under
+/// `AlwaysDelete`, and that message completes the job once its claimer
+/// crashed and the reaper returned it.
+#[tokio::test]
+async fn the_worker_keeps_a_busy_jobs_message_which_completes_the_reaped_job() {
+    use pgonce::{PgQueue, PgQueueOptions, Queue, QueueAttributes, SendMessage};
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let q = PgQueue::create(
+        &pool,
+        "jobs",
+        QueueAttributes::default(),
+        PgQueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    q.send(SendMessage::new(id.to_string())).await.unwrap();
+    // Another delivery claimed the job and then crashed (never completes).
+    job::claim(&pool, id, LEASE).await.unwrap();
+
+    let config = pgonce::WorkerConfig {
+        ack: pgonce::AckPolicy::AlwaysDelete,
+        heartbeat_interval: None,
+        ..pgonce::WorkerConfig::default()
+    };
+    let handler = ClaimingHandler {
+        pool: pool.clone(),
+        side_effects: Default::default(),
+    };
+    let worker = pgonce::Worker::new(q.clone(), handler, config).unwrap();
+    let first = worker.run_once().await.unwrap();
+    assert_eq!((first.received, first.deleted), (1, 0), "{first:?}");
+    let (kept, visible_at): (i64, Option<time::OffsetDateTime>) = sqlx::query_as(
+        "SELECT count(*), max(visible_at) FROM pgonce.queue_message WHERE queue = 'jobs'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kept, 1, "the busy job's message is kept");
+    let lease_end = job::get(&pool, id)
+        .await
+        .unwrap()
+        .unwrap()
+        .lease_expires_at
+        .unwrap();
+    assert!(
+        visible_at.unwrap() >= lease_end - time::Duration::seconds(2),
+        "hidden until the lease can have expired: {visible_at:?} vs {lease_end}"
+    );
+
+    expire_lease(&pool, id).await;
+    assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
+    // The message's hiding time passes.
+    sqlx::query("UPDATE pgonce.queue_message SET visible_at = now() WHERE queue = 'jobs'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let second = worker.run_once().await.unwrap();
+    assert_eq!((second.succeeded, second.deleted), (1, 1), "{second:?}");
+    assert_eq!(
+        worker
+            .handler()
+            .side_effects
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
 }
 
 #[tokio::test]
@@ -257,9 +447,10 @@ async fn a_failure_is_retried_with_backoff_by_the_redriver_then_dead_at_max_atte
         assert!(
             matches!(
                 job::claim(&pool, id, LEASE).await,
-                Err(Error::AlreadyHandled { .. })
+                Err(Error::JobBusy { status: JobStatus::Failed, not_before, .. })
+                    if not_before == run_at
             ),
-            "a failed job is not claimable before it is re-driven"
+            "a failed job is not claimable before it is re-driven, and not done"
         );
         assert_eq!(
             redriver.run_once().await.unwrap().redriven,
@@ -347,7 +538,7 @@ async fn attempts_are_incremented_in_sql_so_concurrent_failures_are_not_lost() {
 }
 
 #[tokio::test]
-async fn repeatable_read_loser_gets_40001_then_already_handled_on_retry() {
+async fn repeatable_read_loser_gets_40001_then_job_busy_on_retry() {
     let (db, pool) = setup().await;
     let id = new_job(&pool, 5).await;
     let race = Interleaving::new(db.options()).await.unwrap();
@@ -395,7 +586,13 @@ async fn repeatable_read_loser_gets_40001_then_already_handled_on_retry() {
         .unwrap();
     let retry = job::claim(&mut *tx, id, Duration::from_secs(60)).await;
     assert!(
-        matches!(retry, Err(Error::AlreadyHandled { .. })),
+        matches!(
+            retry,
+            Err(Error::JobBusy {
+                status: JobStatus::Processing,
+                ..
+            })
+        ),
         "{retry:?}"
     );
 }
@@ -438,15 +635,7 @@ async fn a_connection_killed_in_the_middle_of_a_claim_loses_neither_the_job_nor_
 
     // B commits its claim and then its connection is killed too: the claim
     // is durable, the job stays processing until the reaper returns it.
-    let (b_pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
-        .fetch_one(b.pool())
-        .await
-        .unwrap();
-    sqlx::query("SELECT pg_terminate_backend($1)")
-        .bind(b_pid)
-        .execute(&pool)
-        .await
-        .unwrap();
+    kill_session(&pool, &b).await;
     assert_eq!(status(&pool, id).await, JobStatus::Processing);
     expire_lease(&pool, id).await;
     assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
@@ -572,6 +761,8 @@ mod state_machine {
         /// The failed job's backoff passes and the re-driver runs.
         MakeDue(usize),
         Cancel(usize),
+        /// An operator retries the job (refused unless it is dead).
+        RetryDead(usize),
     }
 
     /// Weighted so that the long paths (claim, fail, retry, claim, fail to
@@ -587,7 +778,8 @@ mod state_machine {
             2 => j.clone().prop_map(Op::Expire),
             2 => Just(Op::Reap),
             3 => j.clone().prop_map(Op::MakeDue),
-            1 => j.prop_map(Op::Cancel),
+            1 => j.clone().prop_map(Op::Cancel),
+            1 => j.prop_map(Op::RetryDead),
         ]
     }
 
@@ -613,6 +805,7 @@ mod state_machine {
         };
         let mut prev: Vec<(JobStatus, i32)> = vec![(JobStatus::Pending, 0); 3];
         for op in ops {
+            let mut revived = None;
             match op {
                 Op::Claim(j) => {
                     if let Ok(l) = job::claim(pool, ids[j], LEASE).await {
@@ -673,6 +866,20 @@ mod state_machine {
                     )
                     .await;
                 }
+                Op::RetryDead(j) => {
+                    let mut conn = pool.acquire().await.unwrap();
+                    let by = job::RetryBy {
+                        who: "prop",
+                        reason: None,
+                    };
+                    match job::retry_dead(&mut conn, ids[j], by).await {
+                        Ok(()) if prev[j].0 == JobStatus::Dead => revived = Some(j),
+                        Err(Error::JobNotDead {
+                            status: Some(s), ..
+                        }) if s == prev[j].0 => {}
+                        other => return Err(format!("job {j} was {}: retry {other:?}", prev[j].0)),
+                    }
+                }
             }
             for (j, &id) in ids.iter().enumerate() {
                 let Some(row) = job::get(pool, id).await.unwrap() else {
@@ -680,6 +887,13 @@ mod state_machine {
                 };
                 let s = row.status().map_err(|e| e.to_string())?;
                 let (was, attempts_before) = prev[j];
+                if revived == Some(j) {
+                    if s != JobStatus::Pending || row.attempts != 0 {
+                        return Err(format!("job {j} retried to {s}, {} attempts", row.attempts));
+                    }
+                    prev[j] = (s, 0);
+                    continue;
+                }
                 if was.is_terminal() && s != was {
                     return Err(format!("job {j} left terminal {was} for {s}"));
                 }
@@ -712,6 +926,12 @@ mod state_machine {
             let out = rt.block_on(run(&pool, n, ops));
             prop_assert!(out.is_ok(), "{}", out.unwrap_err());
         });
+        let retried: i64 = rt
+            .block_on(
+                sqlx::query_scalar("SELECT count(*) FROM pgonce.job_retries").fetch_one(&pool),
+            )
+            .unwrap();
+        assert!(retried > 0, "the cases revived some dead job");
         drop(db);
     }
 }
@@ -769,4 +989,202 @@ async fn the_reaper_service_loop_reaps_until_shutdown() {
         .await
         .expect("run returns on shutdown")
         .unwrap();
+}
+
+/// A job failed to death on its only attempt.
+async fn dead_job(pool: &PgPool, kind: &str) -> i64 {
+    let id = job::enqueue(pool, &NewJob::new(kind, json!(null)).max_attempts(1))
+        .await
+        .unwrap();
+    let lease = job::claim(pool, id, LEASE).await.unwrap();
+    let out = job::fail(pool, &lease, "credential revoked", &RetryPolicy::default())
+        .await
+        .unwrap();
+    assert_eq!(out, FailOutcome::Dead { attempts: 1 });
+    id
+}
+
+const ALICE: job::RetryBy<'static> = job::RetryBy {
+    who: "alice",
+    reason: Some("credential rotated"),
+};
+
+/// Once its cause is fixed, a dead job is retried by an operator. Two
+/// operators retrying it at once: one retries (one audit row), the other is
+/// refused as the job is no longer dead. Two workers then race for it: it
+/// runs exactly once.
+#[tokio::test]
+async fn a_retried_dead_job_runs_exactly_once_under_concurrent_retriers_and_workers() {
+    let (db, pool) = setup().await;
+    let id = dead_job(&pool, "send").await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+
+    let mut tx_a = a.pool().begin().await.unwrap();
+    race.step(&a, "retry dead job", job::retry_dead(&mut tx_a, id, ALICE))
+        .await
+        .unwrap()
+        .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "retry dead job", async move {
+            let mut conn = pool_b.acquire().await?;
+            let by = job::RetryBy {
+                who: "bob",
+                reason: None,
+            };
+            job::retry_dead(&mut conn, id, by).await
+        })
+        .await
+        .unwrap();
+    let second = commit_a_then_resume(&race, &a, tx_a, waiting).await;
+    assert!(
+        matches!(
+            second,
+            Err(Error::JobNotDead {
+                job_id,
+                status: Some(JobStatus::Pending)
+            }) if job_id == id
+        ),
+        "{second:?}"
+    );
+
+    let mut conn = pool.acquire().await.unwrap();
+    let audit = job::retries(&mut conn, id).await.unwrap();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].retried_by, "alice");
+    assert_eq!(audit[0].reason.as_deref(), Some("credential rotated"));
+    assert_eq!(audit[0].previous_attempts, 1);
+    assert_eq!(
+        audit[0].previous_error.as_deref(),
+        Some("credential revoked")
+    );
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!((row.status.as_str(), row.attempts), ("pending", 0));
+
+    // Two workers poll at once; the job runs once.
+    let (w1, w2) = tokio::join!(
+        job::claim_batch(&pool, "send", 10, LEASE),
+        job::claim_batch(&pool, "send", 10, LEASE)
+    );
+    let claimed: Vec<_> = w1.unwrap().into_iter().chain(w2.unwrap()).collect();
+    assert_eq!(claimed.len(), 1, "claimed once: {claimed:?}");
+    job::complete(&pool, &claimed[0].lease, &json!("sent"))
+        .await
+        .unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+    assert!(
+        job::claim_batch(&pool, "send", 10, LEASE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(job::retries(&mut conn, id).await.unwrap().len(), 1);
+}
+
+/// Retrying one job that is not dead is a typed refusal that writes
+/// nothing; a filtered retry only ever selects dead jobs (of its kind and
+/// death time); bad input is refused before anything is written.
+#[tokio::test]
+async fn retrying_a_job_that_is_not_dead_is_refused_and_a_filter_takes_only_dead_jobs() {
+    let (_db, pool) = setup().await;
+    let pending = new_job(&pool, 5).await;
+    let processing = new_job(&pool, 5).await;
+    job::claim(&pool, processing, LEASE).await.unwrap();
+    let failed = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, failed, LEASE).await.unwrap();
+    job::fail(&pool, &lease, "flaky", &RetryPolicy::default())
+        .await
+        .unwrap();
+    let completed = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, completed, LEASE).await.unwrap();
+    job::complete(&pool, &lease, &json!(1)).await.unwrap();
+    let before: Vec<_> = {
+        let mut rows = Vec::new();
+        for id in [pending, processing, failed, completed] {
+            rows.push(format!("{:?}", job::get(&pool, id).await.unwrap()));
+        }
+        rows
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    for (id, expected) in [
+        (pending, Some(JobStatus::Pending)),
+        (processing, Some(JobStatus::Processing)),
+        (failed, Some(JobStatus::Failed)),
+        (completed, Some(JobStatus::Completed)),
+        (9_999, None),
+    ] {
+        let out = job::retry_dead(&mut conn, id, ALICE).await;
+        assert!(
+            matches!(&out, Err(Error::JobNotDead { job_id, status }) if *job_id == id && *status == expected),
+            "{id}: {out:?}"
+        );
+    }
+    for (i, id) in [pending, processing, failed, completed].iter().enumerate() {
+        assert_eq!(
+            format!("{:?}", job::get(&pool, *id).await.unwrap()),
+            before[i],
+            "job {id} untouched"
+        );
+    }
+    let audits: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.job_retries")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(audits, 0);
+
+    // Filters: kind and death time; only dead jobs.
+    let old_send = dead_job(&pool, "send").await;
+    sqlx::query("UPDATE pgonce.jobs SET finished_at = now() - interval '2 days' WHERE id = $1")
+        .bind(old_send)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let new_send = dead_job(&pool, "send").await;
+    let other_kind = dead_job(&pool, "bill").await;
+    let since_yesterday = DeadJobFilter {
+        kind: Some("send".into()),
+        dead_since: Some(time::OffsetDateTime::now_utc() - time::Duration::days(1)),
+        ..DeadJobFilter::default()
+    };
+    let retried = job::retry_dead_jobs(&mut conn, &since_yesterday, ALICE)
+        .await
+        .unwrap();
+    assert_eq!(retried, vec![new_send]);
+    assert_eq!(status(&pool, old_send).await, JobStatus::Dead);
+    assert_eq!(status(&pool, other_kind).await, JobStatus::Dead);
+    assert!(
+        job::retry_dead_jobs(&mut conn, &since_yesterday, ALICE)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a second pass finds nothing dead"
+    );
+    let everything = job::retry_dead_jobs(&mut conn, &DeadJobFilter::default(), ALICE)
+        .await
+        .unwrap();
+    assert_eq!(everything, vec![old_send, other_kind]);
+    assert_eq!(status(&pool, pending).await, JobStatus::Pending);
+    assert_eq!(status(&pool, completed).await, JobStatus::Completed);
+
+    // Bad input: nothing written.
+    let nobody = job::RetryBy {
+        who: "",
+        reason: None,
+    };
+    let d = dead_job(&pool, "send").await;
+    assert!(matches!(
+        job::retry_dead(&mut conn, d, nobody).await,
+        Err(Error::Invalid { .. })
+    ));
+    let no_limit = DeadJobFilter {
+        limit: 0,
+        ..DeadJobFilter::default()
+    };
+    assert!(matches!(
+        job::retry_dead_jobs(&mut conn, &no_limit, ALICE).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert_eq!(status(&pool, d).await, JobStatus::Dead);
 }

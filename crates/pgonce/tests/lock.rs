@@ -9,42 +9,83 @@ use pgonce::lock::{self, LockKey};
 use pgonce_testkit::{Interleaving, fresh_database};
 use sqlx::PgPool;
 
-const SQL_DERIVATION: &str = "SELECT ('x' || left(encode(sha256(convert_to($1, 'UTF8') || '\\x00'::bytea || convert_to($2, 'UTF8')), 'hex'), 16))::bit(64)::bigint";
-
 async fn pool() -> PgPool {
     fresh_database().await.pool(8).await.unwrap()
+}
+
+async fn derived_in_sql(pool: &PgPool, namespace: &str, key: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar(lock::DERIVE_KEY_SQL)
+        .bind(namespace)
+        .bind(key)
+        .fetch_one(pool)
+        .await
 }
 
 #[tokio::test]
 async fn the_documented_sql_computes_the_same_key_for_hostile_strings() {
     let pool = pool().await;
     let long = "x".repeat(10_000);
-    let cases = [
+    let long_unicode = "ü🚨\u{0301}".repeat(3_000);
+    let mut cases: Vec<(String, String)> = [
         ("entity", "42"),
         ("entity", "it's a \"quote\"; DROP TABLE x; --"),
         ("organisation", "Zürich 🚨 ü"),
         ("ns", ""),
         ("ns", long.as_str()),
+        (long.as_str(), "k"),
+        (long_unicode.as_str(), long_unicode.as_str()),
         ("a:b", "c"),
         ("a", "b:c"),
-    ];
-    for (namespace, key) in cases {
-        let (from_sql,): (i64,) = sqlx::query_as(SQL_DERIVATION)
-            .bind(namespace)
-            .bind(key)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+        ("日本語", "キー"),
+        ("e\u{0301}", "\u{00e9}"),
+        ("\u{feff}bom", "\u{10ffff}"),
+        ("tab\there", "new\nline\r\n"),
+        ("back\\slash", "\\x00"),
+        (" ", "\u{7f}\u{1}"),
+    ]
+    .iter()
+    .map(|(n, k)| (n.to_string(), k.to_string()))
+    .collect();
+    // A range of lengths around the hash's block sizes, over a mixed alphabet.
+    let alphabet: Vec<char> = "aZ9 ü€🚨\u{0301}'\\".chars().collect();
+    for len in 0..=130usize {
+        let key: String = (0..len)
+            .map(|i| alphabet[(i * 7 + len) % alphabet.len()])
+            .collect();
+        cases.push((format!("len-{len}"), key));
+    }
+    for (namespace, key) in &cases {
+        let from_sql = derived_in_sql(&pool, namespace, key).await.unwrap();
         assert_eq!(
             LockKey::new(namespace, key).unwrap().as_i64(),
             from_sql,
-            "{namespace}/{key:.20}"
+            "{namespace:.20}/{key:.20}"
         );
     }
     assert_ne!(
         LockKey::new("a:b", "c").unwrap(),
         LockKey::new("a", "b:c").unwrap()
     );
+}
+
+/// A NUL byte cannot reach the SQL derivation (PostgreSQL's text refuses
+/// it), so a key containing one is one no other client could compute:
+/// `LockKey::new` refuses it in the key as in the namespace.
+#[tokio::test]
+async fn a_nul_in_namespace_or_key_is_refused_as_sql_cannot_derive_it() {
+    let pool = pool().await;
+    for (namespace, key) in [("ns", "a\0b"), ("ns", "\0"), ("n\0s", "k")] {
+        assert!(
+            derived_in_sql(&pool, namespace, key).await.is_err(),
+            "PostgreSQL text takes no NUL: {namespace:?}/{key:?}"
+        );
+        match LockKey::new(namespace, key) {
+            Err(Error::Invalid { what, .. }) => {
+                assert!(what.starts_with("lock "), "{what}")
+            }
+            other => panic!("{namespace:?}/{key:?}: expected Invalid, got {other:?}"),
+        }
+    }
 }
 
 async fn held_by_anyone(pool: &PgPool, key: LockKey) -> bool {

@@ -64,6 +64,18 @@ async fn declare(seq: &Sequence, pool: &PgPool, org: &str) -> pgonce::Result<i64
     Ok(declared.number)
 }
 
+/// Locks a strategy takes on a scope (advisory, or a table in EXCLUSIVE
+/// mode) that `conn`'s own backend holds.
+async fn scope_locks_held(conn: &mut PgConnection) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() \
+         AND (locktype = 'advisory' OR mode = 'ExclusiveLock' AND locktype = 'relation')",
+    )
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
 /// Numbers per scope, as committed.
 async fn committed(pool: &PgPool) -> BTreeMap<String, Vec<i64>> {
     let rows: Vec<(String, i64)> =
@@ -341,14 +353,11 @@ async fn the_wrong_isolation_level_is_a_typed_error_and_takes_no_lock() {
                     if *found == level.to_lowercase()),
                 "{strategy} {level}: {err}"
             );
-            let locks: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() \
-                 AND (locktype = 'advisory' OR mode = 'ExclusiveLock' AND locktype = 'relation')",
-            )
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
-            assert_eq!(locks, 0, "{strategy} {level}: nothing locked");
+            assert_eq!(
+                scope_locks_held(&mut tx).await,
+                0,
+                "{strategy} {level}: nothing locked"
+            );
         }
     }
 }
@@ -484,4 +493,58 @@ async fn another_unique_index_of_the_table_is_not_a_taken_number() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Database(_)), "{err}");
+}
+
+/// A savepoint's "commit" is a RELEASE SAVEPOINT: it commits nothing, and
+/// the outer transaction may still roll the number back. So
+/// `commit_numbered` refuses a nested transaction before it locks or writes
+/// anything (it used to report the number as committed), rolls the
+/// savepoint back, and leaves the outer transaction usable.
+#[tokio::test]
+async fn commit_numbered_refuses_a_savepoint_as_its_release_commits_nothing() {
+    let (pool, _db) = setup(4).await;
+    for strategy in Strategy::ALL {
+        let seq = sequence(strategy);
+        let mut outer = pool.begin_with(READ_COMMITTED).await.unwrap();
+        sqlx::query("INSERT INTO declaration_work (org, note) VALUES ('acme', 'outer')")
+            .execute(&mut *outer)
+            .await
+            .unwrap();
+        let savepoint = sqlx::Acquire::begin(&mut outer).await.unwrap();
+        let mut wrote = false;
+        let outcome = seq
+            .commit_numbered(savepoint, &"acme", async |conn: &mut PgConnection, n| {
+                wrote = true;
+                insert_incident(conn, "acme", n).await
+            })
+            .await;
+        assert!(
+            matches!(
+                outcome,
+                Err(Error::NestedTransaction {
+                    operation: "commit_numbered",
+                    depth: 2
+                })
+            ),
+            "{strategy}: {outcome:?}"
+        );
+        assert!(!wrote, "{strategy}: the write never ran");
+        assert_eq!(
+            scope_locks_held(&mut outer).await,
+            0,
+            "{strategy}: nothing locked"
+        );
+        // The outer transaction is untouched and still usable; rolled back,
+        // it leaves no number behind.
+        let work: i64 = sqlx::query_scalar("SELECT count(*) FROM declaration_work")
+            .fetch_one(&mut *outer)
+            .await
+            .unwrap();
+        assert_eq!(work, 1, "{strategy}: the outer work is still there");
+        outer.rollback().await.unwrap();
+        assert!(committed(&pool).await.is_empty(), "{strategy}");
+    }
+    // The top-level transaction still works.
+    let seq = sequence(Strategy::AdvisoryLock);
+    assert_eq!(declare(&seq, &pool, "acme").await.unwrap(), 1);
 }

@@ -12,7 +12,10 @@
 //! * **forced redelivery**: every job's message is delivered twice, the two
 //!   deliveries back to back on different workers, under no-guard,
 //!   where-status, two-phase and dedupe-key. Figure: `duplicate_side_effects`
-//!   (side effects beyond one per job), and jobs/s.
+//!   (side effects beyond one per job), and jobs/s. Under two-phase a
+//!   delivery that finds the job claimed but not done gets `JobBusy` and
+//!   keeps its message, which is delivered again until the job is done
+//!   (`busy_redelivered` counts those extra deliveries).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -256,7 +259,7 @@ async fn redeliver(
         tasks.push(tokio::spawn(async move {
             let mut latency = new_histogram();
             let (mut ops, mut errors, mut first_error) = (0u64, 0u64, None);
-            let mut handled = 0u64;
+            let (mut handled, mut busy) = (0u64, 0u64);
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= 2 * n {
@@ -265,10 +268,18 @@ async fn redeliver(
                 let slot = i / 2;
                 let id = first + slot as i64;
                 let t = Instant::now();
-                match deliver(&pool, guard, id, &effects[slot]).await {
-                    Ok(already) => {
+                // A delivery that finds the job busy keeps its message: it
+                // comes back (here at once) until the job is done.
+                let mut delivered = deliver(&pool, guard, id, &effects[slot]).await;
+                while let Ok(Delivery::Busy) = delivered {
+                    busy += 1;
+                    tokio::task::yield_now().await;
+                    delivered = deliver(&pool, guard, id, &effects[slot]).await;
+                }
+                match delivered {
+                    Ok(d) => {
                         ops += 1;
-                        handled += already as u64;
+                        handled += (d == Delivery::AlreadyHandled) as u64;
                         let _ = latency.record(t.elapsed().as_micros().max(1) as u64);
                     }
                     Err(e) => {
@@ -277,7 +288,7 @@ async fn redeliver(
                     }
                 }
             }
-            (latency, ops, errors, first_error, handled)
+            (latency, ops, errors, first_error, handled, busy)
         }));
     }
     let mut measured = Measured {
@@ -288,19 +299,21 @@ async fn redeliver(
         latency: new_histogram(),
         counters: Default::default(),
     };
-    let mut handled = 0;
+    let (mut handled, mut busy) = (0, 0);
     for t in tasks {
-        let (latency, ops, errors, first_error, h) = t.await?;
+        let (latency, ops, errors, first_error, h, b) = t.await?;
         measured.latency.add(&latency).expect("same bounds");
         measured.ops += ops;
         measured.errors += errors;
         handled += h;
+        busy += b;
         if measured.first_error.is_none() {
             measured.first_error = first_error;
         }
     }
     measured.elapsed = started.elapsed();
     measured.counters.insert("already_handled", handled);
+    measured.counters.insert("busy_redelivered", busy);
     let duplicates = effects
         .iter()
         .map(|c| c.load(Ordering::Relaxed).saturating_sub(1) as u64)
@@ -312,8 +325,25 @@ async fn redeliver(
     })
 }
 
-/// One delivery of job `id`; `true` when it found the job already handled.
-async fn deliver(pool: &PgPool, guard: Guard, id: i64, effect: &AtomicU32) -> anyhow::Result<bool> {
+/// What one delivery did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Delivery {
+    /// Ran the side effect and the transition.
+    Applied,
+    /// Found the job done: the message is acknowledged.
+    AlreadyHandled,
+    /// Found the job claimed by the other delivery, not done: the message
+    /// is kept and delivered again.
+    Busy,
+}
+
+/// One delivery of job `id`.
+async fn deliver(
+    pool: &PgPool,
+    guard: Guard,
+    id: i64,
+    effect: &AtomicU32,
+) -> anyhow::Result<Delivery> {
     let done = json!({"done": true});
     match guard {
         Guard::Unguarded => {
@@ -325,7 +355,7 @@ async fn deliver(pool: &PgPool, guard: Guard, id: i64, effect: &AtomicU32) -> an
             .bind(&done)
             .execute(pool)
             .await?;
-            Ok(false)
+            Ok(Delivery::Applied)
         }
         Guard::WhereStatus => {
             effect.fetch_add(1, Ordering::Relaxed);
@@ -339,8 +369,8 @@ async fn deliver(pool: &PgPool, guard: Guard, id: i64, effect: &AtomicU32) -> an
             )
             .await
             {
-                Ok(()) => Ok(false),
-                Err(Error::AlreadyHandled { .. }) => Ok(true),
+                Ok(()) => Ok(Delivery::Applied),
+                Err(Error::AlreadyHandled { .. }) => Ok(Delivery::AlreadyHandled),
                 Err(e) => Err(e.into()),
             }
         }
@@ -348,9 +378,10 @@ async fn deliver(pool: &PgPool, guard: Guard, id: i64, effect: &AtomicU32) -> an
             Ok(lease) => {
                 effect.fetch_add(1, Ordering::Relaxed);
                 job::complete(pool, &lease, &done).await?;
-                Ok(false)
+                Ok(Delivery::Applied)
             }
-            Err(Error::AlreadyHandled { .. }) => Ok(true),
+            Err(Error::AlreadyHandled { .. }) => Ok(Delivery::AlreadyHandled),
+            Err(Error::JobBusy { .. }) => Ok(Delivery::Busy),
             Err(e) => Err(e.into()),
         },
         Guard::DedupeKey => {
@@ -359,7 +390,7 @@ async fn deliver(pool: &PgPool, guard: Guard, id: i64, effect: &AtomicU32) -> an
                 .await?;
             if !pgonce::dedupe::mark_processed(&mut tx, "bench-jobs", &id.to_string()).await? {
                 tx.rollback().await?;
-                return Ok(true);
+                return Ok(Delivery::AlreadyHandled);
             }
             job::transition(
                 &mut *tx,
@@ -373,7 +404,7 @@ async fn deliver(pool: &PgPool, guard: Guard, id: i64, effect: &AtomicU32) -> an
             tx.commit().await?;
             // The effect runs once the key is durably recorded.
             effect.fetch_add(1, Ordering::Relaxed);
-            Ok(false)
+            Ok(Delivery::Applied)
         }
     }
 }

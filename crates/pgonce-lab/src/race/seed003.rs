@@ -13,11 +13,14 @@
 //! * `where-status`: the single conditional UPDATE. One transition, but both
 //!   deliveries ran the side effect before it (the seed's caveat).
 //! * `two-phase`: claim first; the loser of the claim never runs the side
-//!   effect. Exactly one of each.
+//!   effect. Exactly one of each. The loser sees `JobBusy` (the job is
+//!   claimed, not done) and keeps its message.
 //! * `dedupe-key`: the message id is marked processed in the transaction of
 //!   an effect that is a database write; the duplicate skips it.
-//! * `crash`: the claimer dies; its lease expires; the reaper returns the job;
-//!   the next delivery runs it. Nothing lost.
+//! * `crash`: the claimer dies; the redelivery finds the job `processing`
+//!   and gets `JobBusy`, so it keeps its message; the lease expires; the
+//!   reaper returns the job; that message's next delivery runs it. Nothing
+//!   lost.
 //! * `late-completion`: the claimer is slow, its lease expires and is taken
 //!   over; its late completion is rejected (`LeaseLost`), the new owner's
 //!   result stands. `late-completion-heartbeat`: the same worker heartbeats,
@@ -74,11 +77,12 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             )
         }),
         ("two-phase", |o| {
-            let held = o.transitions == 1 && o.side_effects == 1;
+            let held =
+                o.transitions == 1 && o.side_effects == 1 && o.second == "JobBusy (processing)";
             (
                 held,
                 held,
-                "two-phase: exactly one transition and exactly one side effect",
+                "two-phase: exactly one transition and exactly one side effect; the loser sees JobBusy and keeps its message",
             )
         }),
         ("dedupe-key", |o| {
@@ -90,11 +94,15 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             )
         }),
         ("crash", |o| {
-            let held = o.final_status == "completed" && o.side_effects == 1;
+            let held = o.final_status == "completed"
+                && o.side_effects == 1
+                && o.extra
+                    .iter()
+                    .any(|(k, v)| *k == "redelivery_while_stuck" && v == "JobBusy (processing)");
             (
                 held,
                 held,
-                "crash: the reaper returned the dead claimer's job and the next delivery completed it",
+                "crash: the redelivery seeing JobBusy kept its message; after the reaper returned the dead claimer's job, that message completed it",
             )
         }),
         ("late-completion", |o| {
@@ -188,6 +196,7 @@ fn describe<T>(r: &pgonce::Result<T>) -> String {
     match r {
         Ok(_) => "applied".into(),
         Err(Error::AlreadyHandled { .. }) => "AlreadyHandled".into(),
+        Err(Error::JobBusy { status, .. }) => format!("JobBusy ({status})"),
         Err(Error::LeaseLost { .. }) => "LeaseLost".into(),
         Err(e) => format!("error: {e}"),
     }
@@ -322,7 +331,13 @@ async fn two_phase(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outc
         race.step(&b, "side effect", side_effect(pool, id, "B"))
             .await??;
     } else {
-        race.note(&b, "claim lost: skips the side effect");
+        race.note(
+            &b,
+            &format!(
+                "claim lost ({}): skips the side effect, keeps its message",
+                describe(&second)
+            ),
+        );
     }
     race.step(&a, "side effect", side_effect(pool, id, "A"))
         .await??;
@@ -473,9 +488,17 @@ async fn crash(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outcome>
     let stuck = race
         .step(&b, "redelivery: claim", job::claim(b.pool(), id, LEASE))
         .await?;
+    anyhow::ensure!(
+        matches!(stuck, Err(Error::JobBusy { .. })),
+        "a redelivery facing a claimed job must not be told to acknowledge: {}",
+        describe(&stuck)
+    );
     race.note(
         &b,
-        &format!("job stuck in processing: {}", describe(&stuck)),
+        &format!(
+            "job stuck in processing: {}: message not acknowledged, it comes back",
+            describe(&stuck)
+        ),
     );
     race.step(&b, "lease expires", expire_lease(pool, id))
         .await??;
@@ -504,7 +527,10 @@ async fn crash(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outcome>
         side_effects: side_effects(pool, id).await?,
         second: describe(&done),
         final_status: final_status(pool, id).await?,
-        extra: vec![("reaped", json!(reaped.returned))],
+        extra: vec![
+            ("reaped", json!(reaped.returned)),
+            ("redelivery_while_stuck", json!(describe(&stuck))),
+        ],
     })
 }
 

@@ -24,7 +24,9 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 /// safeguards: the same message can arrive twice, or concurrently.
 pub trait Handler: Send + Sync + 'static {
     /// Handles `message`. `Ok` acks it; `Err` leaves it for redelivery (or,
-    /// under [`AckPolicy::AlwaysDelete`], deletes it anyway).
+    /// under [`AckPolicy::AlwaysDelete`], deletes it anyway). An `Err` that
+    /// is a [`Error::JobBusy`] is never deleted: the message becomes visible
+    /// again at the job's `not_before`.
     fn handle(
         &self,
         message: &Received,
@@ -48,10 +50,14 @@ pub enum AckPolicy {
 impl AckPolicy {
     /// For consumers written by hand: whether to delete the message after
     /// processing ended with `outcome`. [`Error::AlreadyHandled`] counts as
-    /// success (another delivery did the work). A process that died never
-    /// gets here, so never deletes, and the message comes back.
+    /// success (another delivery did the work). [`Error::JobBusy`] keeps the
+    /// message under either policy: the job is not done and is in another
+    /// delivery's hands, and if that delivery dies this message is what
+    /// drives the reaped job. A process that died never gets here, so never
+    /// deletes, and the message comes back.
     pub fn delete_message<T>(self, outcome: &crate::Result<T>) -> bool {
         match (self, outcome) {
+            (_, Err(crate::Error::JobBusy { .. })) => false,
             (AckPolicy::AlwaysDelete, _) => true,
             (AckPolicy::DeleteOnSuccess, Ok(_)) => true,
             (AckPolicy::DeleteOnSuccess, Err(crate::Error::AlreadyHandled { .. })) => true,
@@ -405,10 +411,28 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
             .record(started.elapsed().as_secs_f64());
         in_flight.decrement(1.0);
+        // A handler whose job claim found the job in another delivery's
+        // hands keeps its message whatever the policy, and makes it visible
+        // again when the job can be claimable at the earliest (the holder's
+        // lease expiry, a retry's run_at).
+        let busy_until = outcome
+            .as_ref()
+            .err()
+            .and_then(|e| e.downcast_ref::<Error>())
+            .and_then(|e| match e {
+                Error::JobBusy { not_before, .. } => Some(*not_before),
+                _ => None,
+            });
         let delete = match &outcome {
             Ok(()) => {
                 bump(&c.succeeded);
                 true
+            }
+            Err(e) if busy_until.is_some() => {
+                bump(&c.failed);
+                tracing::debug!(queue = %queue, id = %message.id, error = %e,
+                    "job busy: message kept for redelivery");
+                false
             }
             Err(e) => {
                 bump(&c.failed);
@@ -425,6 +449,10 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                 metrics::counter!("pgonce_queue_worker_deleted_total", "queue" => queue.clone())
                     .increment(1);
             })
+        } else if let Some(not_before) = busy_until {
+            self.queue
+                .change_visibility(&message.receipt, visible_again_at(not_before))
+                .await
         } else if let Some(after) = self.config.failure_visibility {
             self.queue.change_visibility(&message.receipt, after).await
         } else {
@@ -442,6 +470,14 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
             }
         }
     }
+}
+
+/// How long a message of a busy job stays invisible: until `not_before`,
+/// at least a second (clocks of the database and the worker differ) and at
+/// most 12 h (SQS's limit).
+fn visible_again_at(not_before: time::OffsetDateTime) -> Duration {
+    let secs = (not_before - time::OffsetDateTime::now_utc()).as_seconds_f64();
+    Duration::from_secs_f64(secs.clamp(1.0, 12.0 * 3600.0))
 }
 
 fn diff(after: WorkerCounters, before: WorkerCounters) -> WorkerCounters {
@@ -476,6 +512,13 @@ mod tests {
         assert!(!AckPolicy::DeleteOnSuccess.delete_message(&failed));
         assert!(AckPolicy::DeleteOnSuccess.delete_message(&handled));
         assert!(AckPolicy::DeleteOnSuccess.delete_message(&Ok(())));
+        let busy: Result<()> = Err(Error::JobBusy {
+            job_id: 1,
+            status: crate::job::JobStatus::Processing,
+            not_before: time::OffsetDateTime::now_utc(),
+        });
+        assert!(!AckPolicy::DeleteOnSuccess.delete_message(&busy));
+        assert!(!AckPolicy::AlwaysDelete.delete_message(&busy));
     }
 
     #[test]
