@@ -714,7 +714,7 @@ impl Service {
                 after,
                 query,
                 batch: limit,
-                listen: false,
+                listen: pgonce::Listen::Off,
                 ..Default::default()
             })
             .await?;

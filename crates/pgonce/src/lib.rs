@@ -28,6 +28,7 @@ pub mod error;
 pub mod events;
 pub mod guard;
 pub mod job;
+mod listen;
 pub mod lock;
 pub mod migrate;
 pub mod queue;
@@ -40,6 +41,7 @@ pub use events::{
     StoredEvent,
 };
 pub use guard::{Guard, GuardConfig, GuardedTransaction, Isolation, ReadSet};
+pub use listen::Listen;
 pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};
 pub use queue::{

@@ -539,7 +539,7 @@ async fn catch_up_never_skips_a_lower_position_that_commits_later() {
     let st = |s: &pgonce_testkit::Session| store(s.pool(), AppendStrategy::AdvisoryLocks);
     let mut sub = st(&r)
         .subscribe(SubscriptionConfig {
-            listen: false,
+            listen: pgonce::Listen::Off,
             ..Default::default()
         })
         .await
@@ -1770,7 +1770,7 @@ async fn a_poll_cut_or_dropped_midway_loses_no_event() {
             let faults = Faults::default();
             let mut sub = s
                 .subscribe(SubscriptionConfig {
-                    listen: false,
+                    listen: pgonce::Listen::Off,
                     ..Default::default()
                 })
                 .await
@@ -1789,7 +1789,7 @@ async fn a_poll_cut_or_dropped_midway_loses_no_event() {
             let mut resumed = s
                 .subscribe(SubscriptionConfig {
                     after: sub.horizon(),
-                    listen: false,
+                    listen: pgonce::Listen::Off,
                     ..Default::default()
                 })
                 .await
@@ -1816,7 +1816,7 @@ async fn catch_up_under_cut_and_dropped_polls_delivers_every_event_once_in_order
     let s = store(&pool, AppendStrategy::AdvisoryLocks);
     let config = SubscriptionConfig {
         batch: 3,
-        listen: false,
+        listen: pgonce::Listen::Off,
         ..Default::default()
     };
     let faults = Faults::default();

@@ -3,8 +3,14 @@
 //! session state. Migrations run over a direct connection (they take a
 //! session-level lock); everything else goes through the pooler.
 
+use std::time::Duration;
+
 use pgonce::guard::{Guard, GuardConfig, ReadSet};
-use pgonce::{LockKey, NumberedTable, Sequence, SequenceConfig};
+use pgonce::queue::conformance::*;
+use pgonce::{
+    Listen, LockKey, NumberedTable, PgQueue, PgQueueOptions, QueueAttributes, Sequence,
+    SequenceConfig,
+};
 use pgonce_testkit::{ScratchDatabase, fresh_database_behind_pooler};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
@@ -139,9 +145,87 @@ async fn migrations_run_through_the_pooler_from_two_processes_at_once() {
     assert_eq!(applied as usize, pgonce::MIGRATOR.iter().count());
     // No advisory lock is left behind on any server connection.
     let direct = db.pool(1).await.unwrap();
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
-        .fetch_one(&direct)
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .fetch_one(&direct)
+    .await
+    .unwrap();
+    assert_eq!(left, 0);
+}
+
+/// The queue's conformance suite through the pooler, with long polls
+/// listening over a direct connection (`listen`) or not at all.
+async fn queue_conformance_through_the_pooler(listen: impl Fn(&ScratchDatabase) -> Listen) {
+    let (db, pool) = setup(20).await;
+    let options = PgQueueOptions {
+        poll_interval: Duration::from_millis(100),
+        listen: listen(&db),
+        ..PgQueueOptions::default()
+    };
+    let queue = async |name: &str, attributes: QueueAttributes| {
+        PgQueue::create(&pool, name, attributes, options.clone())
+            .await
+            .unwrap()
+    };
+    let one_second = || QueueAttributes::default().visibility_timeout(Duration::from_secs(1));
+
+    conformance_at_least_once_when_consumer_dies(&queue("dies", one_second()).await).await;
+    conformance_fifo_order_with_many_consumers(&queue("order", QueueAttributes::fifo()).await)
+        .await;
+    conformance_fifo_groups_are_independent(&queue("groups", QueueAttributes::fifo()).await).await;
+    conformance_stale_receipt(&queue("stale", one_second()).await).await;
+    let dlq = queue("jobs-dlq", QueueAttributes::default()).await;
+    let jobs = queue(
+        "jobs",
+        QueueAttributes::default().dead_letter("jobs-dlq", 2),
+    )
+    .await;
+    conformance_dead_letter_and_redrive(&jobs, &dlq).await;
+    conformance_dedup_within_window(&queue("dedup", QueueAttributes::default()).await).await;
+    conformance_dedup_within_window(&queue("dedup-fifo", QueueAttributes::fifo()).await).await;
+    let window = Duration::from_millis(500);
+    let expiring = queue("window", QueueAttributes::default().dedup_window(window)).await;
+    conformance_dedup_window_expires(&expiring, window).await;
+    conformance_shutdown(&queue("shutdown", QueueAttributes::default()).await).await;
+    let poison_dlq = queue("poison-dlq", QueueAttributes::default()).await;
+    let poison = queue(
+        "poison",
+        QueueAttributes::default().dead_letter("poison-dlq", 2),
+    )
+    .await;
+    conformance_malformed_bodies_reach_dead_letters(&poison, &poison_dlq).await;
+    conformance_heartbeat_keeps_message_invisible(&queue("heartbeat", one_second()).await).await;
+}
+
+#[tokio::test]
+async fn the_queue_conformance_suite_passes_through_the_pooler_listening_directly() {
+    queue_conformance_through_the_pooler(|db| Listen::Direct(Box::new(db.options()))).await;
+}
+
+#[tokio::test]
+async fn the_queue_conformance_suite_passes_through_the_pooler_without_listening() {
+    queue_conformance_through_the_pooler(|_| Listen::Off).await;
+}
+
+/// A long poll through the pooler, listening over a direct connection, is
+/// woken by a send committed through the pooler, not by its timer.
+#[tokio::test]
+async fn a_long_poll_through_the_pooler_wakes_on_send_over_a_direct_listener() {
+    let (db, pool) = setup(4).await;
+    let options = PgQueueOptions {
+        poll_interval: Duration::from_secs(60),
+        listen: Listen::Direct(Box::new(db.options())),
+        ..PgQueueOptions::default()
+    };
+    let q = PgQueue::create(&pool, "q", QueueAttributes::default(), options)
         .await
         .unwrap();
-    assert_eq!(left, 0);
+    let parked = async {
+        while q.parked_receivers() == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    conformance_long_poll_wakes_on_send(&q, parked).await;
 }

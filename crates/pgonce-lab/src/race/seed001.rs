@@ -355,7 +355,7 @@ async fn late_lower_position_catch_up(db: &RunDatabase) -> anyhow::Result<(Row, 
     );
     let mut sub = store(&r, strategy)
         .subscribe(SubscriptionConfig {
-            listen: false,
+            listen: pgonce::Listen::Off,
             ..Default::default()
         })
         .await?;

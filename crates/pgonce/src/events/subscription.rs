@@ -58,6 +58,7 @@ use super::model::{Query, StoredEvent};
 use super::query::Filter;
 use super::read::EventRow;
 use crate::error::{Error, Result};
+use crate::listen::Listen;
 
 /// Settings of a [`Subscription`].
 #[derive(Debug, Clone)]
@@ -74,8 +75,9 @@ pub struct SubscriptionConfig {
     /// Wait before looking again while a gap is open (its appends still
     /// running; no NOTIFY announces a rollback). Default 5 ms; above zero.
     pub gap_recheck: Duration,
-    /// LISTEN for the store's NOTIFY. Default true.
-    pub listen: bool,
+    /// Where to LISTEN for the store's NOTIFY (see [`Listen`]). Default: a
+    /// connection like the pool's.
+    pub listen: Listen,
 }
 
 impl Default for SubscriptionConfig {
@@ -86,7 +88,7 @@ impl Default for SubscriptionConfig {
             batch: 1000,
             poll_interval: Duration::from_secs(1),
             gap_recheck: Duration::from_millis(5),
-            listen: true,
+            listen: Listen::Pool,
         }
     }
 }
@@ -173,13 +175,7 @@ pub struct Subscription {
 impl Subscription {
     pub async fn new(pool: PgPool, config: SubscriptionConfig) -> Result<Subscription> {
         config.validate()?;
-        let listener = if config.listen {
-            let mut l = PgListener::connect_with(&pool).await?;
-            l.listen(NOTIFY_CHANNEL).await?;
-            Some(l)
-        } else {
-            None
-        };
+        let listener = config.listen.listener(&pool, NOTIFY_CHANNEL).await?;
         Ok(Subscription {
             filter: Filter::new(&config.query, 3),
             horizon: config.after,

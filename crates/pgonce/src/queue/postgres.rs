@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::postgres::PgListener;
 use sqlx::types::Json;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{Notify, OnceCell};
@@ -15,6 +15,7 @@ use super::{
     MAX_BODY_BYTES, Queue, QueueStats, Receipt, ReceiveRequest, Received, SendMessage, Sent,
 };
 use crate::error::{Error, Result};
+use crate::listen::Listen;
 use crate::lock::LockKey;
 
 /// The channel every send notifies, with the queue name as payload.
@@ -131,26 +132,6 @@ impl QueueAttributes {
         }
         Ok(())
     }
-}
-
-/// Where a long poll listens for the notification of a send.
-///
-/// LISTEN is session state: behind a transaction-mode pooler (PgBouncer
-/// with `pool_mode = transaction`, RDS Proxy, Supavisor) it lands on a
-/// pooled server connection, and the notifications then reach whichever
-/// client gets that connection next. There, listen over a direct
-/// connection, or not at all.
-#[derive(Debug, Clone, Default)]
-pub enum Listen {
-    /// A connection opened with the pool's own connect options. Right when
-    /// the pool reaches PostgreSQL directly or through a session-mode pooler.
-    #[default]
-    Pool,
-    /// A connection opened with these options: a direct connection to the
-    /// server, bypassing the transaction-mode pooler the pool goes through.
-    Direct(PgConnectOptions),
-    /// No listening: a long poll re-checks the queue every `poll_interval`.
-    Off,
 }
 
 /// How a [`PgQueue`] handle behaves (not stored in the database).
@@ -578,19 +559,15 @@ impl PgQueue {
             .waker
             .get_or_try_init(|| async {
                 let notify = Arc::new(Notify::new());
-                let mut listener = match &self.inner.options.listen {
-                    Listen::Off => return Ok::<_, Error>(Waker { notify, task: None }),
-                    Listen::Pool => PgListener::connect_with(&self.inner.pool).await?,
-                    Listen::Direct(options) => {
-                        // A pool of its own, used for this one connection:
-                        // PgListener reconnects through it after an error.
-                        let direct = PgPoolOptions::new()
-                            .max_connections(1)
-                            .connect_lazy_with(options.clone());
-                        PgListener::connect_with(&direct).await?
-                    }
+                let Some(listener) = self
+                    .inner
+                    .options
+                    .listen
+                    .listener(&self.inner.pool, CHANNEL)
+                    .await?
+                else {
+                    return Ok::<_, Error>(Waker { notify, task: None });
                 };
-                listener.listen(CHANNEL).await?;
                 let task = tokio::spawn(listen(listener, self.inner.name.clone(), notify.clone()));
                 Ok(Waker {
                     notify,

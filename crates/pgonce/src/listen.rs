@@ -1,0 +1,53 @@
+//! Where LISTEN runs: the queue's long polls and the event store's
+//! subscriptions wait for NOTIFY on a connection of their own.
+//!
+//! LISTEN is session state. Behind a transaction-mode pooler (PgBouncer
+//! with `pool_mode = transaction`, RDS Proxy, Supavisor) it lands on a
+//! pooled server connection, whose notifications then reach whichever
+//! client gets that connection next, as protocol messages it does not
+//! expect. There, listen over a direct connection, or not at all: every
+//! waiter also polls on a timer, so notifications only make it faster.
+
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+
+use crate::error::Result;
+
+/// Where to LISTEN for notifications.
+#[derive(Debug, Clone, Default)]
+pub enum Listen {
+    /// A connection opened with the pool's own connect options. Right when
+    /// the pool reaches PostgreSQL directly or through a session-mode pooler.
+    #[default]
+    Pool,
+    /// A connection opened with these options: a direct connection to the
+    /// server, bypassing the transaction-mode pooler the pool goes through.
+    Direct(Box<PgConnectOptions>),
+    /// No listening: waiters poll on their timer only.
+    Off,
+}
+
+impl Listen {
+    /// A listener on `channel` as this setting says, or `None` for
+    /// [`Listen::Off`].
+    pub(crate) async fn listener(
+        &self,
+        pool: &PgPool,
+        channel: &str,
+    ) -> Result<Option<PgListener>> {
+        let mut listener = match self {
+            Listen::Off => return Ok(None),
+            Listen::Pool => PgListener::connect_with(pool).await?,
+            Listen::Direct(options) => {
+                // A pool of its own for this one connection: PgListener
+                // reconnects through it after an error.
+                let direct = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect_lazy_with((**options).clone());
+                PgListener::connect_with(&direct).await?
+            }
+        };
+        listener.listen(channel).await?;
+        Ok(Some(listener))
+    }
+}
