@@ -12,18 +12,30 @@ use time::OffsetDateTime;
 
 use crate::error::{Error, Result};
 
-/// Longest name, external id or actor we accept (bytes).
+/// Longest name, external id, actor or key we accept, in characters
+/// (Unicode scalar values): what PostgreSQL's `length()` in the tables'
+/// CHECKs and JSON Schema's `maxLength` count.
 pub const MAX_NAME: usize = 200;
-/// Longest incident title (bytes).
+/// Longest incident title, in characters.
 pub const MAX_TITLE: usize = 1000;
 
-/// Checks a short identifier-like string: 1..=[`MAX_NAME`] bytes, no NUL
-/// and no control characters (they end up in logs and headers).
+/// The pattern of a name, actor or key ([`check_name`]), for the OpenAPI
+/// document: no C0 or C1 control character nor DEL (`char::is_control`).
+pub const NAME_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]*$";
+
+/// The pattern of a title ([`check_title`]): no control character, and at
+/// least one character that is neither a control nor Unicode White_Space
+/// (`char::is_whitespace`, listed out: regular-expression dialects differ
+/// on what `\s` means).
+pub const TITLE_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]*[^\u0000-\u0020\u007F-\u00A0\u1680\u2000-\u200A\u2028\u2029\u202F\u205F\u3000][^\u0000-\u001F\u007F-\u009F]*$";
+
+/// Checks a short identifier-like string: 1..=[`MAX_NAME`] characters, no
+/// NUL and no control characters (they end up in logs and headers).
 pub fn check_name(what: &'static str, s: &str) -> Result<()> {
-    if s.is_empty() || s.len() > MAX_NAME {
+    if s.is_empty() || s.chars().count() > MAX_NAME {
         return Err(Error::invalid(
             what,
-            format!("must be 1 to {MAX_NAME} bytes"),
+            format!("must be 1 to {MAX_NAME} characters"),
         ));
     }
     if s.chars().any(char::is_control) {
@@ -32,10 +44,65 @@ pub fn check_name(what: &'static str, s: &str) -> Result<()> {
     Ok(())
 }
 
+/// Checks an incident title: 1..=[`MAX_TITLE`] characters, no control
+/// character, not only white space.
+pub fn check_title(s: &str) -> Result<()> {
+    if s.chars().count() > MAX_TITLE || s.chars().all(char::is_whitespace) {
+        return Err(Error::invalid(
+            "title",
+            format!("must be 1 to {MAX_TITLE} characters, not only white space"),
+        ));
+    }
+    // PostgreSQL text cannot hold NUL, and controls end up in logs: refuse
+    // them here, as invalid input, rather than as a database error.
+    if s.chars().any(char::is_control) {
+        return Err(Error::invalid(
+            "title",
+            "must not contain control characters",
+        ));
+    }
+    Ok(())
+}
+
+/// Whether the number `n` reads back equal from PostgreSQL's `jsonb`, which
+/// stores it as an exact `numeric` and prints it without an exponent
+/// (`1.7976931348623157e308` comes back as 309 digits). Every finite `f64`
+/// does with serde_json's exact float parsing; checked all the same, so
+/// that a value which would not is refused before it is stored rather
+/// than stored and unreadable.
+pub fn number_round_trips(n: &serde_json::Number) -> bool {
+    let Some(f) = n.as_f64() else {
+        return false;
+    };
+    if n.is_i64() || n.is_u64() {
+        return true;
+    }
+    if !f.is_finite() {
+        return false;
+    }
+    // Rust prints an f64 without an exponent, like PostgreSQL's numeric.
+    let printed = format!("{f}");
+    matches!(
+        serde_json::from_str::<Value>(&printed),
+        Ok(Value::Number(back)) if back.as_f64() == Some(f)
+    )
+}
+
+fn numbers_round_trip(v: &Value) -> bool {
+    match v {
+        Value::Number(n) => number_round_trips(n),
+        Value::Array(items) => items.iter().all(numbers_round_trip),
+        Value::Object(map) => map.values().all(numbers_round_trip),
+        Value::Null | Value::Bool(_) | Value::String(_) => true,
+    }
+}
+
 /// Checks an entity's attributes: a JSON object whose keys and strings
-/// hold no NUL (`\u0000`), which PostgreSQL's `jsonb` refuses. Refused here
-/// as invalid input, so the API answers 422 and the pipeline counts the
-/// message as malformed, instead of a database error on every delivery.
+/// hold no NUL (`\u0000`), which PostgreSQL's `jsonb` refuses, and whose
+/// numbers read back equal from `jsonb` ([`number_round_trips`]). Refused
+/// here as invalid input, so the API answers 422 and the pipeline counts
+/// the message as malformed, instead of a database error on every delivery
+/// or a row no read can decode.
 pub fn check_attributes(attributes: &Value) -> Result<()> {
     fn has_nul(v: &Value) -> bool {
         match v {
@@ -52,6 +119,12 @@ pub fn check_attributes(attributes: &Value) -> Result<()> {
         return Err(Error::invalid(
             "attributes",
             "must not contain NUL (\\u0000)",
+        ));
+    }
+    if !numbers_round_trip(attributes) {
+        return Err(Error::invalid(
+            "attributes",
+            "hold a number the database cannot store exactly",
         ));
     }
     Ok(())
@@ -72,6 +145,7 @@ pub struct Entity {
     pub organization_id: i64,
     pub external_id: String,
     /// The latest observation's attributes.
+    #[schemars(with = "serde_json::Map<String, Value>")]
     pub attributes: Value,
     /// Run-time state read by [`Singleton::PerEntity`] policies.
     pub singleton_incidents: bool,
@@ -133,6 +207,7 @@ pub enum Op {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Rule {
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     pub attribute: String,
     pub op: Op,
     pub value: f64,
@@ -141,8 +216,13 @@ pub struct Rule {
 impl Rule {
     pub fn validate(&self) -> Result<()> {
         check_name("rule attribute", &self.attribute)?;
-        if !self.value.is_finite() {
-            return Err(Error::invalid("rule value", "must be a finite number"));
+        let exact =
+            serde_json::Number::from_f64(self.value).is_some_and(|n| number_round_trips(&n));
+        if !exact {
+            return Err(Error::invalid(
+                "rule value",
+                "must be a finite number the database stores exactly",
+            ));
         }
         Ok(())
     }
@@ -244,15 +324,18 @@ pub struct Incident {
 pub struct Observation {
     pub organization_id: i64,
     /// The entity's external id; created on first sight.
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     pub entity: String,
     /// Numeric attributes the policies' rules look at.
+    #[schemars(with = "serde_json::Map<String, Value>")]
     pub attributes: Value,
-    /// The producer's id of this observation (1 to 200 bytes). Sent again,
+    /// The producer's id of this observation (1 to 200 characters). Sent again,
     /// however late and under whatever queue message id, it is the same
     /// observation: the pipeline opens nothing twice for it, and its ledger
     /// row counts every delivery. Without one, the queue's message id is
     /// used, which a resend does not share.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     pub message_id: Option<String>,
 }
 
@@ -282,7 +365,7 @@ impl Observation {
     /// The FIFO message group: one entity's observations are processed in
     /// order, one at a time (until a visibility timeout runs out).
     /// `<org>/<entity>`, or `<org>/sha256:<hex>` when that would exceed a
-    /// FIFO group id's 128 characters (entities may have 200).
+    /// FIFO group id's 128 bytes (entities may have 200 characters).
     pub fn group(&self) -> String {
         scoped_id(self.organization_id, &self.entity)
     }
@@ -297,10 +380,11 @@ impl Observation {
 }
 
 /// `<org>/<text>`, or `<org>/sha256:<hex>` when that would exceed the 128
-/// characters of a FIFO group or deduplication id.
+/// bytes of a FIFO group or deduplication id (the queue counts bytes; a
+/// name of 200 characters may take 800).
 fn scoped_id(organization_id: i64, text: &str) -> String {
     let plain = format!("{organization_id}/{text}");
-    if plain.chars().count() <= 128 {
+    if plain.len() <= 128 {
         return plain;
     }
     use sha2::{Digest, Sha256};
@@ -326,7 +410,18 @@ pub struct IncidentFilter {
 }
 
 impl IncidentFilter {
+    /// The page size, once every filter is checked: ids and `before` are
+    /// not negative, `limit` is 1 to 500.
     pub fn limit(&self) -> Result<i64> {
+        for (what, value) in [
+            ("policy_id", self.policy_id),
+            ("entity_id", self.entity_id),
+            ("before", self.before),
+        ] {
+            if value.is_some_and(|v| v < 0) {
+                return Err(Error::invalid(what, "must not be negative"));
+            }
+        }
         match self.limit {
             None => Ok(50),
             Some(n) if (1..=500).contains(&n) => Ok(n),
@@ -352,17 +447,7 @@ pub struct Declaration {
 
 impl Declaration {
     pub fn validate(&self) -> Result<()> {
-        if self.title.trim().is_empty() || self.title.len() > MAX_TITLE {
-            return Err(Error::invalid(
-                "title",
-                format!("must be 1 to {MAX_TITLE} bytes"),
-            ));
-        }
-        // PostgreSQL text cannot hold NUL: refuse it here, as invalid input,
-        // rather than as a database error.
-        if self.title.contains('\0') {
-            return Err(Error::invalid("title", "must not contain NUL"));
-        }
+        check_title(&self.title)?;
         if let Some(e) = &self.entity {
             check_name("entity", e)?;
         }
