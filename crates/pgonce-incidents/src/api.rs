@@ -377,7 +377,7 @@ struct NewEntity {
     #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     external_id: String,
     #[serde(default = "empty_object")]
-    #[schemars(with = "serde_json::Map<String, Value>")]
+    #[schemars(with = "crate::model::AttributesSchema")]
     attributes: Value,
 }
 

@@ -29,6 +29,50 @@ pub const NAME_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]*$";
 /// on what `\s` means).
 pub const TITLE_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]*[^\u0000-\u0020\u007F-\u00A0\u1680\u2000-\u200A\u2028\u2029\u202F\u205F\u3000][^\u0000-\u001F\u007F-\u009F]*$";
 
+/// The pattern of a string that holds no NUL, which `jsonb` refuses.
+pub const NO_NUL_PATTERN: &str = r"^[^\u0000]*$";
+
+/// The schema of entity and observation attributes, for the OpenAPI
+/// document: what [`check_attributes`] takes, a JSON object whose keys and
+/// strings, at any depth, hold no NUL.
+pub struct AttributesSchema;
+
+impl JsonSchema for AttributesSchema {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Attributes".into()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let value = g.subschema_for::<AttributeValueSchema>();
+        schemars::json_schema!({
+            "type": "object",
+            "propertyNames": {"pattern": NO_NUL_PATTERN},
+            "additionalProperties": value,
+        })
+    }
+}
+
+/// Any JSON value whose keys and strings hold no NUL ([`AttributesSchema`]).
+pub struct AttributeValueSchema;
+
+impl JsonSchema for AttributeValueSchema {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "AttributeValue".into()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let value = g.subschema_for::<AttributeValueSchema>();
+        schemars::json_schema!({
+            "anyOf": [
+                {"type": ["null", "boolean", "number"]},
+                {"type": "string", "pattern": NO_NUL_PATTERN},
+                {"type": "array", "items": value},
+                {"type": "object", "propertyNames": {"pattern": NO_NUL_PATTERN}, "additionalProperties": value},
+            ]
+        })
+    }
+}
+
 /// Checks a short identifier-like string: 1..=[`MAX_NAME`] characters, no
 /// NUL and no control characters (they end up in logs and headers).
 pub fn check_name(what: &'static str, s: &str) -> Result<()> {
@@ -145,7 +189,7 @@ pub struct Entity {
     pub organization_id: i64,
     pub external_id: String,
     /// The latest observation's attributes.
-    #[schemars(with = "serde_json::Map<String, Value>")]
+    #[schemars(with = "AttributesSchema")]
     pub attributes: Value,
     /// Run-time state read by [`Singleton::PerEntity`] policies.
     pub singleton_incidents: bool,
@@ -327,7 +371,7 @@ pub struct Observation {
     #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     pub entity: String,
     /// Numeric attributes the policies' rules look at.
-    #[schemars(with = "serde_json::Map<String, Value>")]
+    #[schemars(with = "AttributesSchema")]
     pub attributes: Value,
     /// The producer's id of this observation (1 to 200 characters). Sent again,
     /// however late and under whatever queue message id, it is the same

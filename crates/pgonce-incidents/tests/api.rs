@@ -1470,14 +1470,14 @@ async fn the_document_states_the_validations_limits() {
         schemas["NewEntity"]["properties"]["external_id"]["maxLength"],
         200
     );
-    assert_eq!(
-        schemas["NewEntity"]["properties"]["attributes"]["type"],
-        "object"
-    );
-    assert_eq!(
-        schemas["Observation"]["properties"]["attributes"]["type"],
-        "object"
-    );
+    for body in ["NewEntity", "Observation"] {
+        assert_eq!(
+            schemas[body]["properties"]["attributes"]["$ref"],
+            "#/components/schemas/Attributes",
+            "{body}"
+        );
+    }
+    assert_eq!(schemas["Attributes"]["type"], "object");
     assert_eq!(schemas["NewKey"]["properties"]["name"]["maxLength"], 200);
     assert_eq!(
         schemas["Settings"]["properties"]["rollout_percent"]["maximum"],
