@@ -366,10 +366,14 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
             "pgonce: metrics on http://{}/metrics",
             listener.local_addr()?
         );
-        axum::serve(listener, api::operations_router(state))
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("serving metrics")
+        api::serve(
+            listener,
+            api::operations_router(state),
+            &config.api_config(),
+            shutdown_signal(),
+        )
+        .await
+        .context("serving metrics")
     } else {
         // The runtime holds its own handles; this one would keep the queue's
         // listener alive past shutdown.

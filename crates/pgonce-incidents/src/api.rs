@@ -15,11 +15,16 @@
 //!
 //! Every error is JSON, `{"error": {"code": "...", "message": "..."}}`,
 //! with a stable code ([`ApiError`]): 400 `malformed_json`, 401
-//! `unauthorized`, 404 `not_found` / `no_route`, 409 `invalid_transition`
-//! / `already_exists` / `conflict`, 413 `payload_too_large` (bodies are
-//! limited to [`ApiConfig::body_limit`]), 422 `invalid` (validation, wrong
-//! JSON types, unknown fields), 503 `busy` / `unavailable`, 500 `internal`
-//! (details only in the server's log).
+//! `unauthorized`, 404 `not_found` / `no_route`, 408 `request_timeout`
+//! (a body not sent within [`ApiConfig::body_timeout`]), 409
+//! `invalid_transition` / `already_exists` / `conflict`, 413
+//! `payload_too_large` (bodies are limited to [`ApiConfig::body_limit`]),
+//! 422 `invalid` (validation, wrong JSON types, unknown fields, a body that
+//! is not an object, a reused idempotency key), 503 `busy` /
+//! `unavailable`, 500 `internal` (details only in the server's log). What
+//! the HTTP layer itself refuses has the same body when served by
+//! [`serve`]: 400 `bad_request`, 414 `uri_too_long`, 431
+//! `header_fields_too_large`.
 //!
 //! The document at `/openapi.json` lists every route ([`openapi::ROUTES`]).
 
@@ -182,7 +187,7 @@ impl ApiState {
 }
 
 /// The API's routes on `state` (see the module docs). Serve it with
-/// `axum::serve`; tests call it in-process.
+/// [`serve`] (header and body timeouts); tests call it in-process.
 pub fn router(state: ApiState) -> Router {
     let limit = state.config().body_limit;
     Router::new()
@@ -351,7 +356,8 @@ async fn revoke_key(
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Settings {
-    #[schemars(range(max = 100))]
+    #[serde(deserialize_with = "crate::model::integral")]
+    #[schemars(with = "u8", range(max = 100))]
     rollout_percent: u8,
 }
 

@@ -73,6 +73,29 @@ impl JsonSchema for AttributeValueSchema {
     }
 }
 
+/// Deserializes an integer that JSON may spell as a number with a zero
+/// fraction (`38.0`): JSON Schema's `integer`, which the OpenAPI document
+/// states, is any number without a fractional part, so such a value is
+/// valid input. Anything else, or out of `T`'s range, is a data error.
+pub fn integral<'de, D, T>(deserializer: D) -> std::result::Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<i64>,
+{
+    use serde::de::Error as _;
+    let n = serde_json::Number::deserialize(deserializer)?;
+    let whole = match (n.as_i64(), n.as_f64()) {
+        (Some(i), _) => Some(i),
+        // i64::MAX as f64 rounds up to 2^63, which is out of range.
+        (None, Some(f)) if f.fract() == 0.0 && f >= i64::MIN as f64 && f < i64::MAX as f64 => {
+            Some(f as i64)
+        }
+        _ => None,
+    };
+    let whole = whole.ok_or_else(|| D::Error::custom(format!("expected an integer, got {n}")))?;
+    T::try_from(whole).map_err(|_| D::Error::custom(format!("integer {whole} out of range")))
+}
+
 /// Checks a short identifier-like string: 1..=[`MAX_NAME`] characters, no
 /// NUL and no control characters (they end up in logs and headers).
 pub fn check_name(what: &'static str, s: &str) -> Result<()> {
@@ -366,6 +389,8 @@ pub struct Incident {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Observation {
+    #[serde(deserialize_with = "integral")]
+    #[schemars(with = "i64")]
     pub organization_id: i64,
     /// The entity's external id; created on first sight.
     #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
@@ -424,11 +449,12 @@ impl Observation {
 }
 
 /// `<org>/<text>`, or `<org>/sha256:<hex>` when that would exceed the 128
-/// bytes of a FIFO group or deduplication id (the queue counts bytes; a
-/// name of 200 characters may take 800).
+/// bytes of a FIFO group or deduplication id (queues count bytes; a name of
+/// 200 characters may take 800) or hold a character outside printable
+/// ASCII, the only ones Amazon SQS takes in these ids.
 fn scoped_id(organization_id: i64, text: &str) -> String {
     let plain = format!("{organization_id}/{text}");
-    if plain.len() <= 128 {
+    if plain.len() <= 128 && plain.bytes().all(|b| b.is_ascii_graphic()) {
         return plain;
     }
     use sha2::{Digest, Sha256};

@@ -1248,7 +1248,7 @@ fn conforms(doc: &Value, schema: &Value, value: &Value, at: &str) {
 }
 
 /// `a` is a 422 `invalid`.
-fn assert_invalid(a: &Answer, context: String) {
+fn assert_invalid(a: &Answer, context: impl std::fmt::Display) {
     assert_eq!(
         (a.status, a.code()),
         (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
@@ -1302,7 +1302,7 @@ async fn an_empty_idempotency_key_on_an_observation_is_refused() {
     for entity in ["a", "b"] {
         let body = json!({"organization_id": org, "entity": entity, "attributes": {}});
         let a = api.post_with_key("/v1/observations", &key, "", body).await;
-        assert_invalid(&a, format!("{entity}"));
+        assert_invalid(&a, entity);
     }
     assert_eq!(api.queue.stats().await.unwrap().depth, 0);
 }
@@ -1317,7 +1317,7 @@ async fn a_key_prefix_that_cannot_be_one_is_refused() {
         let a = api
             .delete(&format!("/v1/organizations/{org}/keys/{prefix}"), ADMIN)
             .await;
-        assert_invalid(&a, format!("{prefix}"));
+        assert_invalid(&a, prefix);
     }
     let a = api
         .delete(&format!("/v1/organizations/{org}/keys/0123456789ab"), ADMIN)
@@ -1412,12 +1412,32 @@ async fn a_reused_idempotency_key_with_another_body_is_refused() {
         let a = api
             .post_with_key("/v1/incidents", &key, "k-1", other.clone())
             .await;
-        assert_invalid(&a, format!("{other}"));
+        assert_invalid(&a, other);
     }
     assert_eq!(
         api.count("SELECT count(*) FROM incidents.incidents").await,
         1
     );
+}
+
+/// An integer spelt with a zero fraction is an integer, as JSON Schema's
+/// `integer` says; a fraction is not.
+#[tokio::test]
+async fn integers_may_be_spelt_with_a_zero_fraction() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let a = api
+        .put("/v1/settings", ADMIN, json!({"rollout_percent": 38.0}))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["rollout_percent"], 38);
+    let a = api
+        .put("/v1/settings", ADMIN, json!({"rollout_percent": 38.5}))
+        .await;
+    assert_invalid(&a, "38.5");
+    let body = json!({"organization_id": org as f64, "entity": "e", "attributes": {}});
+    let a = api.post("/v1/observations", &key, body).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
 }
 
 /// Negative positions and ids in a query are refused as the document says
@@ -1436,7 +1456,7 @@ async fn negative_query_positions_and_ids_are_refused() {
         "/v1/entities?limit=501",
     ] {
         let a = api.get(uri, &key).await;
-        assert_invalid(&a, format!("{uri}"));
+        assert_invalid(&a, uri);
     }
 }
 
@@ -1472,8 +1492,7 @@ async fn the_document_states_the_validations_limits() {
     );
     for body in ["NewEntity", "Observation"] {
         assert_eq!(
-            schemas[body]["properties"]["attributes"]["$ref"],
-            "#/components/schemas/Attributes",
+            schemas[body]["properties"]["attributes"]["$ref"], "#/components/schemas/Attributes",
             "{body}"
         );
     }
