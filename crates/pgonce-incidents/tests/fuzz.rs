@@ -102,6 +102,9 @@ async fn schemathesis_finds_nothing() {
         .arg("--no-color")
         .arg("--report-dir")
         .arg(&report)
+        // Schemathesis keeps a cache in its working directory: not the
+        // repository's.
+        .current_dir(&report)
         .env("PGONCE_FUZZ_API_KEY", &key)
         .env("PGONCE_FUZZ_ADMIN_TOKEN", ADMIN)
         .kill_on_drop(true)
@@ -120,8 +123,8 @@ async fn schemathesis_finds_nothing() {
     );
 }
 
-/// A fresh directory for Schemathesis's report files, under the target
-/// directory's temporary space.
+/// A fresh directory for Schemathesis's reports and cache, in the system's
+/// temporary space.
 fn tempfile_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("pgonce-fuzz-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
