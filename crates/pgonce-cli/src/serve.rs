@@ -239,6 +239,7 @@ impl ServeConfig {
             admin_token: self.admin_token.clone(),
             body_limit: self.body_limit,
             max_wait: Duration::from_secs(self.max_wait_secs),
+            ..ApiConfig::default()
         }
     }
 
@@ -347,10 +348,15 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
         tracing::info!(listen = %config.listen, "pgonce serve: API and runtime started");
         eprintln!("pgonce: serving on http://{}", listener.local_addr()?);
-        axum::serve(listener, api::router(state))
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("serving HTTP")
+        // The API's own server: header and body timeouts, JSON errors.
+        api::serve(
+            listener,
+            api::router(state),
+            &config.api_config(),
+            shutdown_signal(),
+        )
+        .await
+        .context("serving HTTP")
     } else if let Some(listener) = operations {
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
         tracing::info!("pgonce worker: runtime started");
@@ -358,10 +364,14 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
             "pgonce: metrics on http://{}/metrics",
             listener.local_addr()?
         );
-        axum::serve(listener, api::operations_router(state))
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("serving metrics")
+        api::serve(
+            listener,
+            api::operations_router(state),
+            &config.api_config(),
+            shutdown_signal(),
+        )
+        .await
+        .context("serving metrics")
     } else {
         // The runtime holds its own handles; this one would keep the queue's
         // listener alive past shutdown.

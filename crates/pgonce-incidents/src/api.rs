@@ -15,17 +15,23 @@
 //!
 //! Every error is JSON, `{"error": {"code": "...", "message": "..."}}`,
 //! with a stable code ([`ApiError`]): 400 `malformed_json`, 401
-//! `unauthorized`, 404 `not_found` / `no_route`, 409 `invalid_transition`
-//! / `already_exists` / `conflict`, 413 `payload_too_large` (bodies are
-//! limited to [`ApiConfig::body_limit`]), 422 `invalid` (validation, wrong
-//! JSON types, unknown fields), 503 `busy` / `unavailable`, 500 `internal`
-//! (details only in the server's log).
+//! `unauthorized`, 404 `not_found` / `no_route`, 408 `request_timeout`
+//! (a body not sent within [`ApiConfig::body_timeout`]), 409
+//! `invalid_transition` / `already_exists` / `conflict`, 413
+//! `payload_too_large` (bodies are limited to [`ApiConfig::body_limit`]),
+//! 422 `invalid` (validation, wrong JSON types, unknown fields, a body that
+//! is not an object, a reused idempotency key), 503 `busy` /
+//! `unavailable`, 500 `internal` (details only in the server's log). What
+//! the HTTP layer itself refuses has the same body when served by
+//! [`serve`]: 400 `bad_request`, 414 `uri_too_long`, 431
+//! `header_fields_too_large`.
 //!
 //! The document at `/openapi.json` lists every route ([`openapi::ROUTES`]).
 
 mod error;
 mod extract;
 pub mod openapi;
+mod serve;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,10 +51,12 @@ use sha2::{Digest, Sha256};
 
 pub use error::ApiError;
 pub use extract::{Admin, Caller, JsonBody, OptionalJsonBody, PathParams, QueryParams};
+pub use serve::{JsonErrors, MAX_HEAD, serve};
 
 use crate::error::Error;
 use crate::model::{
-    Declaration, IncidentFilter, Lifecycle, Observation, Rule, Singleton, check_name,
+    Declaration, IncidentFilter, Lifecycle, MAX_NAME, MAX_TITLE, NAME_PATTERN, Observation, Rule,
+    Singleton, TITLE_PATTERN, check_name,
 };
 use crate::service::Service;
 use crate::store;
@@ -65,6 +73,13 @@ pub struct ApiConfig {
     /// Longest long-poll wait of `GET /v1/events?wait=`; longer requests
     /// are shortened to it. Default 30 s.
     pub max_wait: Duration,
+    /// How long a client may take to send a request's headers (and how long
+    /// an idle connection stays open); then [`serve`] closes the
+    /// connection. Default 10 s.
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body, once its
+    /// headers are in; then a JSON 408. Default 10 s.
+    pub body_timeout: Duration,
 }
 
 impl Default for ApiConfig {
@@ -73,6 +88,8 @@ impl Default for ApiConfig {
             admin_token: None,
             body_limit: 64 * 1024,
             max_wait: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -85,6 +102,12 @@ impl ApiConfig {
             return Err(Error::Invalid {
                 what: "admin token",
                 why: "must be at least 16 bytes".into(),
+            });
+        }
+        if self.header_timeout.is_zero() || self.body_timeout.is_zero() {
+            return Err(Error::Invalid {
+                what: "timeouts",
+                why: "the header and body timeouts must be positive".into(),
             });
         }
         if self.body_limit < 1024 {
@@ -164,7 +187,7 @@ impl ApiState {
 }
 
 /// The API's routes on `state` (see the module docs). Serve it with
-/// `axum::serve`; tests call it in-process.
+/// [`serve`] (header and body timeouts); tests call it in-process.
 pub fn router(state: ApiState) -> Router {
     let limit = state.config().body_limit;
     Router::new()
@@ -241,11 +264,38 @@ fn check_optional_name(what: &'static str, s: &str) -> ApiResult<()> {
     }
 }
 
+/// A key's public prefix: 12 lowercase hex digits, what
+/// [`store::api_key_prefix`] returns (anything else names no key).
+pub const KEY_PREFIX_PATTERN: &str = "^[0-9a-f]{12}$";
+
+fn check_key_prefix(prefix: &str) -> ApiResult<()> {
+    let ok = prefix.len() == 12
+        && prefix
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "the key prefix must be 12 lowercase hex digits",
+        ))
+    }
+}
+
+/// A query's `after`: a position or id, not negative.
+fn check_after(after: i64) -> ApiResult<()> {
+    if after < 0 {
+        return Err(ApiError::invalid("after must not be negative"));
+    }
+    Ok(())
+}
+
 // ---- admin ----
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewOrganization {
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     name: String,
 }
 
@@ -272,6 +322,7 @@ async fn list_organizations(_: Admin, State(state): State<ApiState>) -> ApiResul
 #[serde(deny_unknown_fields)]
 struct NewKey {
     #[serde(default)]
+    #[schemars(length(max = MAX_NAME), pattern(NAME_PATTERN))]
     name: String,
 }
 
@@ -297,6 +348,7 @@ async fn revoke_key(
     State(state): State<ApiState>,
     PathParams((org_id, prefix)): PathParams<(i64, String)>,
 ) -> ApiResult<StatusCode> {
+    check_key_prefix(&prefix)?;
     store::revoke_api_key(state.service().pool(), org_id, &prefix).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -304,6 +356,8 @@ async fn revoke_key(
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Settings {
+    #[serde(deserialize_with = "crate::model::integral")]
+    #[schemars(with = "u8", range(max = 100))]
     rollout_percent: u8,
 }
 
@@ -326,8 +380,10 @@ async fn put_settings(
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewEntity {
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     external_id: String,
     #[serde(default = "empty_object")]
+    #[schemars(with = "crate::model::AttributesSchema")]
     attributes: Value,
 }
 
@@ -368,6 +424,7 @@ async fn list_entities(
     State(state): State<ApiState>,
     QueryParams(page): QueryParams<EntityPage>,
 ) -> ApiResult<Json<Value>> {
+    check_after(page.after)?;
     let entities = store::list_entities(
         state.service().pool(),
         caller.organization_id,
@@ -415,6 +472,7 @@ async fn set_singleton(
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewPolicy {
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     name: String,
     singleton: Singleton,
     rule: Rule,
@@ -474,26 +532,40 @@ async fn list_incidents(
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct NewDeclaration {
+    #[schemars(length(min = 1, max = MAX_TITLE), pattern(TITLE_PATTERN))]
     title: String,
     #[serde(default)]
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     entity: Option<String>,
     #[serde(default)]
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     idempotency_key: Option<String>,
     #[serde(default)]
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     actor: Option<String>,
 }
 
 const DEFAULT_ACTOR: &str = "api";
 
+/// The `Idempotency-Key` header: visible ASCII, not empty. An empty key is
+/// refused, never taken as a key every request sending one would share.
+/// (Declarations check its length like the body's key; observations hash a
+/// long one into the queue's deduplication id.)
 fn idempotency_header(headers: &HeaderMap) -> ApiResult<Option<String>> {
-    headers
-        .get("idempotency-key")
-        .map(|v| {
-            v.to_str()
-                .map(str::to_owned)
-                .map_err(|_| ApiError::invalid("the Idempotency-Key header must be visible ASCII"))
-        })
-        .transpose()
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .filter(|k| !k.chars().any(char::is_control))
+        .ok_or_else(|| ApiError::invalid("the Idempotency-Key header must be visible ASCII"))?;
+    if key.is_empty() {
+        return Err(ApiError::invalid(
+            "the Idempotency-Key header must not be empty",
+        ));
+    }
+    Ok(Some(key.to_owned()))
 }
 
 async fn declare(
@@ -537,6 +609,7 @@ async fn get_incident(
 #[serde(deny_unknown_fields)]
 struct Action {
     #[serde(default)]
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     actor: Option<String>,
 }
 
@@ -609,6 +682,7 @@ async fn events(
     State(state): State<ApiState>,
     QueryParams(params): QueryParams<FeedParams>,
 ) -> ApiResult<Json<Value>> {
+    check_after(params.after)?;
     let wait = Duration::from_secs(params.wait).min(state.config().max_wait);
     let (events, next) = state
         .service()

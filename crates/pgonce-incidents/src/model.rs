@@ -12,18 +12,97 @@ use time::OffsetDateTime;
 
 use crate::error::{Error, Result};
 
-/// Longest name, external id or actor we accept (bytes).
+/// Longest name, external id, actor or key we accept, in characters
+/// (Unicode scalar values): what PostgreSQL's `length()` in the tables'
+/// CHECKs and JSON Schema's `maxLength` count.
 pub const MAX_NAME: usize = 200;
-/// Longest incident title (bytes).
+/// Longest incident title, in characters.
 pub const MAX_TITLE: usize = 1000;
 
-/// Checks a short identifier-like string: 1..=[`MAX_NAME`] bytes, no NUL
-/// and no control characters (they end up in logs and headers).
+/// The pattern of a name, actor or key ([`check_name`]), for the OpenAPI
+/// document: no C0 or C1 control character nor DEL (`char::is_control`).
+pub const NAME_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]*$";
+
+/// The pattern of a title ([`check_title`]): no control character, and at
+/// least one character that is neither a control nor Unicode White_Space
+/// (`char::is_whitespace`, listed out: regular-expression dialects differ
+/// on what `\s` means).
+pub const TITLE_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]*[^\u0000-\u0020\u007F-\u00A0\u1680\u2000-\u200A\u2028\u2029\u202F\u205F\u3000][^\u0000-\u001F\u007F-\u009F]*$";
+
+/// The pattern of a string that holds no NUL, which `jsonb` refuses.
+pub const NO_NUL_PATTERN: &str = r"^[^\u0000]*$";
+
+/// The schema of entity and observation attributes, for the OpenAPI
+/// document: what [`check_attributes`] takes, a JSON object whose keys and
+/// strings, at any depth, hold no NUL.
+pub struct AttributesSchema;
+
+impl JsonSchema for AttributesSchema {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Attributes".into()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let value = g.subschema_for::<AttributeValueSchema>();
+        schemars::json_schema!({
+            "type": "object",
+            "propertyNames": {"pattern": NO_NUL_PATTERN},
+            "additionalProperties": value,
+        })
+    }
+}
+
+/// Any JSON value whose keys and strings hold no NUL ([`AttributesSchema`]).
+pub struct AttributeValueSchema;
+
+impl JsonSchema for AttributeValueSchema {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "AttributeValue".into()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let value = g.subschema_for::<AttributeValueSchema>();
+        schemars::json_schema!({
+            "anyOf": [
+                {"type": ["null", "boolean", "number"]},
+                {"type": "string", "pattern": NO_NUL_PATTERN},
+                {"type": "array", "items": value},
+                {"type": "object", "propertyNames": {"pattern": NO_NUL_PATTERN}, "additionalProperties": value},
+            ]
+        })
+    }
+}
+
+/// Deserializes an integer that JSON may spell as a number with a zero
+/// fraction (`38.0`): JSON Schema's `integer`, which the OpenAPI document
+/// states, is any number without a fractional part, so such a value is
+/// valid input. Anything else, or out of `T`'s range, is a data error.
+pub fn integral<'de, D, T>(deserializer: D) -> std::result::Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<i64>,
+{
+    use serde::de::Error as _;
+    let n = serde_json::Number::deserialize(deserializer)?;
+    let whole = match (n.as_i64(), n.as_f64()) {
+        (Some(i), _) => Some(i),
+        // i64::MAX as f64 rounds up to 2^63, which is out of range.
+        (None, Some(f)) if f.fract() == 0.0 && f >= i64::MIN as f64 && f < i64::MAX as f64 => {
+            Some(f as i64)
+        }
+        _ => None,
+    };
+    let whole = whole.ok_or_else(|| D::Error::custom(format!("expected an integer, got {n}")))?;
+    T::try_from(whole).map_err(|_| D::Error::custom(format!("integer {whole} out of range")))
+}
+
+/// Checks a short identifier-like string: 1..=[`MAX_NAME`] characters, no
+/// NUL and no control characters (they end up in logs and headers).
 pub fn check_name(what: &'static str, s: &str) -> Result<()> {
-    if s.is_empty() || s.len() > MAX_NAME {
+    if s.is_empty() || s.chars().count() > MAX_NAME {
         return Err(Error::invalid(
             what,
-            format!("must be 1 to {MAX_NAME} bytes"),
+            format!("must be 1 to {MAX_NAME} characters"),
         ));
     }
     if s.chars().any(char::is_control) {
@@ -32,10 +111,65 @@ pub fn check_name(what: &'static str, s: &str) -> Result<()> {
     Ok(())
 }
 
+/// Checks an incident title: 1..=[`MAX_TITLE`] characters, no control
+/// character, not only white space.
+pub fn check_title(s: &str) -> Result<()> {
+    if s.chars().count() > MAX_TITLE || s.chars().all(char::is_whitespace) {
+        return Err(Error::invalid(
+            "title",
+            format!("must be 1 to {MAX_TITLE} characters, not only white space"),
+        ));
+    }
+    // PostgreSQL text cannot hold NUL, and controls end up in logs: refuse
+    // them here, as invalid input, rather than as a database error.
+    if s.chars().any(char::is_control) {
+        return Err(Error::invalid(
+            "title",
+            "must not contain control characters",
+        ));
+    }
+    Ok(())
+}
+
+/// Whether the number `n` reads back equal from PostgreSQL's `jsonb`, which
+/// stores it as an exact `numeric` and prints it without an exponent
+/// (`1.7976931348623157e308` comes back as 309 digits). Every finite `f64`
+/// does with serde_json's exact float parsing; checked all the same, so
+/// that a value which would not is refused before it is stored rather
+/// than stored and unreadable.
+pub fn number_round_trips(n: &serde_json::Number) -> bool {
+    let Some(f) = n.as_f64() else {
+        return false;
+    };
+    if n.is_i64() || n.is_u64() {
+        return true;
+    }
+    if !f.is_finite() {
+        return false;
+    }
+    // Rust prints an f64 without an exponent, like PostgreSQL's numeric.
+    let printed = format!("{f}");
+    matches!(
+        serde_json::from_str::<Value>(&printed),
+        Ok(Value::Number(back)) if back.as_f64() == Some(f)
+    )
+}
+
+fn numbers_round_trip(v: &Value) -> bool {
+    match v {
+        Value::Number(n) => number_round_trips(n),
+        Value::Array(items) => items.iter().all(numbers_round_trip),
+        Value::Object(map) => map.values().all(numbers_round_trip),
+        Value::Null | Value::Bool(_) | Value::String(_) => true,
+    }
+}
+
 /// Checks an entity's attributes: a JSON object whose keys and strings
-/// hold no NUL (`\u0000`), which PostgreSQL's `jsonb` refuses. Refused here
-/// as invalid input, so the API answers 422 and the pipeline counts the
-/// message as malformed, instead of a database error on every delivery.
+/// hold no NUL (`\u0000`), which PostgreSQL's `jsonb` refuses, and whose
+/// numbers read back equal from `jsonb` ([`number_round_trips`]). Refused
+/// here as invalid input, so the API answers 422 and the pipeline counts
+/// the message as malformed, instead of a database error on every delivery
+/// or a row no read can decode.
 pub fn check_attributes(attributes: &Value) -> Result<()> {
     fn has_nul(v: &Value) -> bool {
         match v {
@@ -52,6 +186,12 @@ pub fn check_attributes(attributes: &Value) -> Result<()> {
         return Err(Error::invalid(
             "attributes",
             "must not contain NUL (\\u0000)",
+        ));
+    }
+    if !numbers_round_trip(attributes) {
+        return Err(Error::invalid(
+            "attributes",
+            "hold a number the database cannot store exactly",
         ));
     }
     Ok(())
@@ -72,6 +212,7 @@ pub struct Entity {
     pub organization_id: i64,
     pub external_id: String,
     /// The latest observation's attributes.
+    #[schemars(with = "AttributesSchema")]
     pub attributes: Value,
     /// Run-time state read by [`Singleton::PerEntity`] policies.
     pub singleton_incidents: bool,
@@ -133,6 +274,7 @@ pub enum Op {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Rule {
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     pub attribute: String,
     pub op: Op,
     pub value: f64,
@@ -141,8 +283,13 @@ pub struct Rule {
 impl Rule {
     pub fn validate(&self) -> Result<()> {
         check_name("rule attribute", &self.attribute)?;
-        if !self.value.is_finite() {
-            return Err(Error::invalid("rule value", "must be a finite number"));
+        let exact =
+            serde_json::Number::from_f64(self.value).is_some_and(|n| number_round_trips(&n));
+        if !exact {
+            return Err(Error::invalid(
+                "rule value",
+                "must be a finite number the database stores exactly",
+            ));
         }
         Ok(())
     }
@@ -242,17 +389,22 @@ pub struct Incident {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Observation {
+    #[serde(deserialize_with = "integral")]
+    #[schemars(with = "i64")]
     pub organization_id: i64,
     /// The entity's external id; created on first sight.
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     pub entity: String,
     /// Numeric attributes the policies' rules look at.
+    #[schemars(with = "AttributesSchema")]
     pub attributes: Value,
-    /// The producer's id of this observation (1 to 200 bytes). Sent again,
+    /// The producer's id of this observation (1 to 200 characters). Sent again,
     /// however late and under whatever queue message id, it is the same
     /// observation: the pipeline opens nothing twice for it, and its ledger
     /// row counts every delivery. Without one, the queue's message id is
     /// used, which a resend does not share.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     pub message_id: Option<String>,
 }
 
@@ -282,7 +434,7 @@ impl Observation {
     /// The FIFO message group: one entity's observations are processed in
     /// order, one at a time (until a visibility timeout runs out).
     /// `<org>/<entity>`, or `<org>/sha256:<hex>` when that would exceed a
-    /// FIFO group id's 128 characters (entities may have 200).
+    /// FIFO group id's 128 bytes (entities may have 200 characters).
     pub fn group(&self) -> String {
         scoped_id(self.organization_id, &self.entity)
     }
@@ -297,10 +449,12 @@ impl Observation {
 }
 
 /// `<org>/<text>`, or `<org>/sha256:<hex>` when that would exceed the 128
-/// characters of a FIFO group or deduplication id.
+/// bytes of a FIFO group or deduplication id (queues count bytes; a name of
+/// 200 characters may take 800) or hold a character outside printable
+/// ASCII, the only ones Amazon SQS takes in these ids.
 fn scoped_id(organization_id: i64, text: &str) -> String {
     let plain = format!("{organization_id}/{text}");
-    if plain.chars().count() <= 128 {
+    if plain.len() <= 128 && plain.bytes().all(|b| b.is_ascii_graphic()) {
         return plain;
     }
     use sha2::{Digest, Sha256};
@@ -326,7 +480,18 @@ pub struct IncidentFilter {
 }
 
 impl IncidentFilter {
+    /// The page size, once every filter is checked: ids and `before` are
+    /// not negative, `limit` is 1 to 500.
     pub fn limit(&self) -> Result<i64> {
+        for (what, value) in [
+            ("policy_id", self.policy_id),
+            ("entity_id", self.entity_id),
+            ("before", self.before),
+        ] {
+            if value.is_some_and(|v| v < 0) {
+                return Err(Error::invalid(what, "must not be negative"));
+            }
+        }
         match self.limit {
             None => Ok(50),
             Some(n) if (1..=500).contains(&n) => Ok(n),
@@ -352,17 +517,7 @@ pub struct Declaration {
 
 impl Declaration {
     pub fn validate(&self) -> Result<()> {
-        if self.title.trim().is_empty() || self.title.len() > MAX_TITLE {
-            return Err(Error::invalid(
-                "title",
-                format!("must be 1 to {MAX_TITLE} bytes"),
-            ));
-        }
-        // PostgreSQL text cannot hold NUL: refuse it here, as invalid input,
-        // rather than as a database error.
-        if self.title.contains('\0') {
-            return Err(Error::invalid("title", "must not contain NUL"));
-        }
+        check_title(&self.title)?;
         if let Some(e) = &self.entity {
             check_name("entity", e)?;
         }

@@ -372,7 +372,8 @@ impl Service {
     /// A declaration by hand (seed 004): the organization's next number,
     /// like any other incident. With an idempotency key, declaring twice
     /// returns the first incident (the key is locked, then looked up, in the
-    /// declaring transaction).
+    /// declaring transaction); the same key with another title, entity or
+    /// actor is [`Error::Invalid`].
     pub async fn declare(
         &self,
         organization_id: i64,
@@ -396,7 +397,21 @@ impl Service {
                 Ok(None) => {}
                 Ok(Some(row)) => {
                     tx.rollback().await?;
-                    return incident(row);
+                    let first = incident(row)?;
+                    // A key names one request: reused for another (the
+                    // convention of Stripe and of the Idempotency-Key
+                    // header's draft), it is refused, not answered with an
+                    // incident the caller did not ask for.
+                    if first.title != declaration.title
+                        || first.entity_id != entity_id
+                        || first.opened_by != actor
+                    {
+                        return Err(Error::invalid(
+                            "idempotency key",
+                            "was already used for a different declaration (title, entity or actor)",
+                        ));
+                    }
+                    return Ok(first);
                 }
                 Err(e) => {
                     let _ = tx.rollback().await;

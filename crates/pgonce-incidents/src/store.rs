@@ -65,8 +65,8 @@ pub async fn list_organizations(db: impl PgExecutor<'_>) -> Result<Vec<Organizat
 /// its SHA-256 is stored.
 pub async fn create_api_key(pool: &PgPool, organization_id: i64, name: &str) -> Result<String> {
     get_organization(pool, organization_id).await?;
-    if name.len() > crate::model::MAX_NAME {
-        return Err(Error::invalid("key name", "at most 200 bytes"));
+    if name.chars().count() > crate::model::MAX_NAME {
+        return Err(Error::invalid("key name", "at most 200 characters"));
     }
     insert_api_key(pool, organization_id, name).await
 }

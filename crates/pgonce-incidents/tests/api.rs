@@ -1246,3 +1246,293 @@ fn conforms(doc: &Value, schema: &Value, value: &Value, at: &str) {
         }
     }
 }
+
+/// `a` is a 422 `invalid`.
+fn assert_invalid(a: &Answer, context: impl std::fmt::Display) {
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+        "{context}: {}",
+        a.body
+    );
+}
+
+/// The largest finite double, as a rule value and as an attribute, is
+/// accepted and reads back equal through the API, and the organization's
+/// listings keep working (it used to be stored and then fail every read).
+#[tokio::test]
+async fn extreme_doubles_read_back_equal_and_poison_nothing() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let huge: Value = serde_json::from_str("1.7976931348623157e308").unwrap();
+    let rule = json!({"attribute": "x", "op": "gt", "value": huge});
+    let a = api
+        .post(
+            "/v1/policies",
+            &key,
+            json!({"name": "p", "singleton": "never", "rule": rule}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let a = api.get("/v1/policies", &key).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["policies"][0]["rule"]["value"], huge);
+
+    let attributes = json!({"x": huge, "tiny": 5e-324, "neg": -f64::MAX, "n": [1.5, -0.25]});
+    let a = api
+        .post(
+            "/v1/entities",
+            &key,
+            json!({"external_id": "db-1", "attributes": attributes}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["attributes"], attributes);
+    let a = api.get("/v1/entities", &key).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["entities"][0]["attributes"], attributes);
+}
+
+/// An empty Idempotency-Key is refused (422), not shared by every later
+/// request sending one; nothing is queued.
+#[tokio::test]
+async fn an_empty_idempotency_key_on_an_observation_is_refused() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    for entity in ["a", "b"] {
+        let body = json!({"organization_id": org, "entity": entity, "attributes": {}});
+        let a = api.post_with_key("/v1/observations", &key, "", body).await;
+        assert_invalid(&a, entity);
+    }
+    assert_eq!(api.queue.stats().await.unwrap().depth, 0);
+}
+
+/// A path segment that cannot be a key prefix (a NUL, too short, upper
+/// case) is refused before it reaches SQL.
+#[tokio::test]
+async fn a_key_prefix_that_cannot_be_one_is_refused() {
+    let api = setup().await;
+    let (org, _) = api.organization("acme").await;
+    for prefix in ["%00", "abc", "ABCDEF012345", "0123456789ab%00", "%C3%A9"] {
+        let a = api
+            .delete(&format!("/v1/organizations/{org}/keys/{prefix}"), ADMIN)
+            .await;
+        assert_invalid(&a, prefix);
+    }
+    let a = api
+        .delete(&format!("/v1/organizations/{org}/keys/0123456789ab"), ADMIN)
+        .await;
+    assert_eq!((a.status, a.code()), (StatusCode::NOT_FOUND, "not_found"));
+}
+
+/// Names count characters, like the documented limit and the tables'
+/// CHECKs, and the queue's group and deduplication ids count bytes: 200
+/// two-byte characters as an entity or a message id are accepted.
+#[tokio::test]
+async fn limits_in_characters_agree_with_the_queues_limits_in_bytes() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    for (entity, message_id) in [
+        ("é".repeat(66), "m".repeat(200)),
+        ("é".repeat(200), "é".repeat(100)),
+        ("é".repeat(200), "é".repeat(200)),
+    ] {
+        let body = json!({"organization_id": org, "entity": entity, "attributes": {},
+                          "message_id": message_id});
+        let a = api.post("/v1/observations", &key, body).await;
+        assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    }
+    let a = api
+        .post(
+            "/v1/entities",
+            &key,
+            json!({"external_id": "é".repeat(200)}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let a = api
+        .post(
+            "/v1/entities",
+            &key,
+            json!({"external_id": "é".repeat(201)}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
+}
+
+/// Bodies must be JSON objects: an array (which serde would read as the
+/// fields in order) is 422, and changes nothing.
+#[tokio::test]
+async fn json_arrays_are_not_objects() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let incident = api.declare(&key, "db down").await;
+    let i = id(&incident);
+    for (uri, body) in [
+        (format!("/v1/incidents/{i}/resolve"), json!(["x"])),
+        (format!("/v1/incidents/{i}/acknowledge"), json!(["x"])),
+        (
+            "/v1/policies".to_owned(),
+            json!(["p", "never", ["x", "gt", 1.0]]),
+        ),
+        ("/v1/incidents".to_owned(), json!(["t"])),
+        ("/v1/entities".to_owned(), json!(["e"])),
+        ("/v1/incidents".to_owned(), json!("t")),
+    ] {
+        let a = api.post(&uri, &key, body.clone()).await;
+        assert_invalid(&a, format!("{uri} {body}"));
+    }
+    let a = api.get(&format!("/v1/incidents/{i}"), &key).await;
+    assert_eq!(a.body["lifecycle"], "OPEN");
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.policies").await,
+        0
+    );
+}
+
+/// The same Idempotency-Key with another declaration is 422; with the same
+/// one, the first incident.
+#[tokio::test]
+async fn a_reused_idempotency_key_with_another_body_is_refused() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let first = api
+        .post_with_key("/v1/incidents", &key, "k-1", json!({"title": "db down"}))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let again = api
+        .post_with_key("/v1/incidents", &key, "k-1", json!({"title": "db down"}))
+        .await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    assert_eq!(id(&again.body), id(&first.body));
+    for other in [
+        json!({"title": "api down"}),
+        json!({"title": "db down", "actor": "bob"}),
+    ] {
+        let a = api
+            .post_with_key("/v1/incidents", &key, "k-1", other.clone())
+            .await;
+        assert_invalid(&a, other);
+    }
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.incidents").await,
+        1
+    );
+}
+
+/// An integer spelt with a zero fraction is an integer, as JSON Schema's
+/// `integer` says; a fraction is not.
+#[tokio::test]
+async fn integers_may_be_spelt_with_a_zero_fraction() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let a = api
+        .put("/v1/settings", ADMIN, json!({"rollout_percent": 38.0}))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["rollout_percent"], 38);
+    let a = api
+        .put("/v1/settings", ADMIN, json!({"rollout_percent": 38.5}))
+        .await;
+    assert_invalid(&a, "38.5");
+    let body = json!({"organization_id": org as f64, "entity": "e", "attributes": {}});
+    let a = api.post("/v1/observations", &key, body).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+}
+
+/// Negative positions and ids in a query are refused as the document says
+/// (`minimum: 0`).
+#[tokio::test]
+async fn negative_query_positions_and_ids_are_refused() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    for uri in [
+        "/v1/entities?after=-1",
+        "/v1/events?after=-1",
+        "/v1/incidents?policy_id=-1",
+        "/v1/incidents?entity_id=-1",
+        "/v1/incidents?before=-1",
+        "/v1/incidents?limit=501",
+        "/v1/entities?limit=501",
+    ] {
+        let a = api.get(uri, &key).await;
+        assert_invalid(&a, uri);
+    }
+}
+
+/// The document states what the validation checks: lengths and control
+/// characters of names, titles, actors, external ids and keys; attributes
+/// are objects; each listing's largest page; the rollout's 0-100; and each
+/// error status on its own, with no catch-all `default`.
+#[tokio::test]
+async fn the_document_states_the_validations_limits() {
+    let api = setup().await;
+    let doc = api.get("/openapi.json", "unused").await.body;
+    let schemas = &doc["components"]["schemas"];
+    let name = &schemas["NewOrganization"]["properties"]["name"];
+    assert_eq!(
+        (name["minLength"].clone(), name["maxLength"].clone()),
+        (json!(1), json!(200))
+    );
+    assert_eq!(name["pattern"], pgonce_incidents::model::NAME_PATTERN);
+    let declaration = &schemas["NewDeclaration"]["properties"];
+    assert_eq!(declaration["title"]["maxLength"], 1000);
+    assert_eq!(
+        declaration["title"]["pattern"],
+        pgonce_incidents::model::TITLE_PATTERN
+    );
+    for field in ["entity", "idempotency_key", "actor"] {
+        assert_eq!(declaration[field]["maxLength"], 200, "{field}");
+        assert!(declaration[field]["pattern"].is_string(), "{field}");
+    }
+    assert_eq!(schemas["Action"]["properties"]["actor"]["maxLength"], 200);
+    assert_eq!(
+        schemas["NewEntity"]["properties"]["external_id"]["maxLength"],
+        200
+    );
+    for body in ["NewEntity", "Observation"] {
+        assert_eq!(
+            schemas[body]["properties"]["attributes"]["$ref"], "#/components/schemas/Attributes",
+            "{body}"
+        );
+    }
+    assert_eq!(schemas["Attributes"]["type"], "object");
+    assert_eq!(schemas["NewKey"]["properties"]["name"]["maxLength"], 200);
+    assert_eq!(
+        schemas["Settings"]["properties"]["rollout_percent"]["maximum"],
+        100
+    );
+    let parameter = |path: &str, name: &str| {
+        doc["paths"][path]["get"]["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap()["schema"]
+            .clone()
+    };
+    assert_eq!(parameter("/v1/incidents", "limit")["maximum"], 500);
+    assert_eq!(parameter("/v1/entities", "limit")["maximum"], 500);
+    assert_eq!(parameter("/v1/events", "limit")["maximum"], 1000);
+    assert_eq!(parameter("/v1/incidents", "policy_id")["minimum"], 0);
+    let prefix = &doc["paths"]["/v1/organizations/{org_id}/keys/{prefix}"]["delete"];
+    assert!(
+        prefix["parameters"][1]["schema"]["pattern"].is_string(),
+        "{prefix}"
+    );
+    for (path, methods) in doc["paths"].as_object().unwrap() {
+        for (method, operation) in methods.as_object().unwrap() {
+            let responses = operation["responses"].as_object().unwrap();
+            assert!(!responses.contains_key("default"), "{method} {path}");
+            assert!(responses.contains_key("500"), "{method} {path}");
+        }
+    }
+    let declare = &doc["paths"]["/v1/incidents"]["post"]["responses"];
+    for status in ["400", "401", "404", "408", "409", "413", "422"] {
+        assert_eq!(
+            declare[status]["content"]["application/json"]["schema"]["$ref"],
+            "#/components/schemas/Error",
+            "{status}"
+        );
+    }
+}

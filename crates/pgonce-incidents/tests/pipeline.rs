@@ -384,9 +384,6 @@ async fn a_failed_evaluation_leaves_the_message_for_its_redelivery() {
 /// the message by the producer's id.
 #[tokio::test]
 async fn a_late_resend_with_the_producers_message_id_opens_nothing_twice() {
-    use pgonce_incidents::SimulatedEvaluator;
-    use pgonce_incidents::pipeline::ObservationHandler;
-
     let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
     let (pool, org) = (acme.pool.clone(), acme.org);
     store::create_policy(&pool, org, "cpu-any", Singleton::Never, &cpu_over_50())
@@ -395,15 +392,7 @@ async fn a_late_resend_with_the_producers_message_id_opens_nothing_twice() {
     let queue = observations_queue(&pool, Duration::from_secs(30), 5)
         .await
         .unwrap();
-    let evaluator = SimulatedEvaluator::new(SimulatedEvaluatorConfig {
-        latency: Duration::ZERO,
-        jitter: Duration::ZERO,
-        failure_rate: 0.0,
-        slow_rate: 0.0,
-        slow_latency: Duration::ZERO,
-    })
-    .unwrap();
-    let handler = ObservationHandler::new(acme.service.clone(), evaluator);
+    let handler = instant_handler(&acme.service);
     for _ in 0..2 {
         send_with_id(
             &queue,
@@ -423,4 +412,93 @@ async fn a_late_resend_with_the_producers_message_id_opens_nothing_twice() {
         (tallies.messages_processed, tallies.deliveries_processed),
         (1, 2)
     );
+}
+
+/// A handler with an instant evaluator, for tests that drive deliveries one
+/// at a time.
+fn instant_handler(
+    service: &Service,
+) -> pgonce_incidents::pipeline::ObservationHandler<pgonce_incidents::SimulatedEvaluator> {
+    let evaluator = pgonce_incidents::SimulatedEvaluator::new(SimulatedEvaluatorConfig {
+        latency: Duration::ZERO,
+        jitter: Duration::ZERO,
+        failure_rate: 0.0,
+        slow_rate: 0.0,
+        slow_latency: Duration::ZERO,
+    })
+    .unwrap();
+    pgonce_incidents::pipeline::ObservationHandler::new(service.clone(), evaluator)
+}
+
+#[derive(sqlx::FromRow, Debug, PartialEq, Eq)]
+struct LedgerRow {
+    organization_id: i64,
+    message_id: String,
+    deliveries: i32,
+}
+
+/// Two organizations that send the same producer message id each get their
+/// own ledger row: the second organization's delivery is never counted on
+/// the first one's row.
+#[tokio::test]
+async fn one_message_id_from_two_organizations_is_two_processed_observations() {
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let pool = acme.pool.clone();
+    let (other, _) = store::create_organization(&pool, "globex").await.unwrap();
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let handler = instant_handler(&acme.service);
+    for org in [acme.org, other.id] {
+        send_with_id(&queue, org, "e", json!({ "cpu": 1 }), Some("shared-id")).await;
+        let delivery = receive_one(&queue).await;
+        handler.process(&delivery).await.unwrap();
+        queue.delete(&delivery.receipt).await.unwrap();
+    }
+    let rows: Vec<LedgerRow> = sqlx::query_as(
+        "SELECT organization_id, message_id, deliveries FROM incidents.observations
+          ORDER BY organization_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let expected: Vec<LedgerRow> = [acme.org, other.id]
+        .into_iter()
+        .map(|organization_id| LedgerRow {
+            organization_id,
+            message_id: "shared-id".into(),
+            deliveries: 1,
+        })
+        .collect();
+    assert_eq!(rows, expected);
+}
+
+/// A rule value and an attribute at the edge of the double range (the
+/// largest finite double, the smallest subnormal) are stored in `jsonb`,
+/// read back equal, and evaluated by the pipeline like any other number.
+#[tokio::test]
+async fn extreme_doubles_go_through_the_pipeline_and_read_back_equal() {
+    let huge = f64::MAX;
+    let rule = Rule {
+        attribute: "x".into(),
+        op: Op::Gte,
+        value: huge,
+    };
+    let acme = acme_with_policy("at-max", &rule).await;
+    let pool = acme.pool.clone();
+    let policies = store::list_policies(&pool, acme.org).await.unwrap();
+    assert_eq!(policies[0].rule.value, huge);
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let handler = instant_handler(&acme.service);
+    let attributes = json!({ "x": huge, "tiny": 5e-324, "neg": -huge });
+    send(&queue, acme.org, "e", attributes.clone()).await;
+    let delivery = receive_one(&queue).await;
+    handler.process(&delivery).await.unwrap();
+    queue.delete(&delivery.receipt).await.unwrap();
+    let entity = store::find_entity(&pool, acme.org, "e").await.unwrap();
+    assert_eq!(entity.attributes, attributes);
+    let tallies = invariants::tallies(&pool, &[acme.org]).await.unwrap();
+    assert_eq!(tallies.incidents, 1, "x >= f64::MAX opens the incident");
 }

@@ -4,8 +4,8 @@
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
-use axum::http::header;
 use axum::http::request::Parts;
+use axum::http::{StatusCode, header};
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -73,19 +73,53 @@ impl FromRequestParts<ApiState> for Admin {
     }
 }
 
-/// A JSON request body, read within the body limit (else 413), parsed
-/// whatever the Content-Type says.
+/// A request body read within the body limit (else 413; a Content-Length
+/// above it is refused before anything is read) and the body timeout
+/// ([`super::ApiConfig::body_timeout`], else 408).
+async fn read_body(req: Request, state: &ApiState) -> Result<Bytes, ApiError> {
+    let limit = state.config().body_limit;
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large());
+    }
+    match tokio::time::timeout(state.config().body_timeout, Bytes::from_request(req, state)).await {
+        Ok(read) => Ok(read?),
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "the request body did not arrive in time",
+        )),
+    }
+}
+
+/// Parses a JSON body that must be an object: serde would also take an
+/// array for a struct (its fields in order), which the API does not
+/// document. Not JSON at all: 400; JSON but not an object: 422.
+fn parse_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        // Syntax first: a broken body is 400 whatever it starts with.
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(ApiError::from_json)?;
+        return Err(ApiError::invalid("the body must be a JSON object"));
+    }
+    serde_json::from_slice(bytes).map_err(ApiError::from_json)
+}
+
+/// A JSON object request body, read by [`read_body`], parsed whatever the
+/// Content-Type says.
 #[derive(Debug)]
 pub struct JsonBody<T>(pub T);
 
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+impl<T: DeserializeOwned> FromRequest<ApiState> for JsonBody<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<JsonBody<T>, ApiError> {
-        let bytes = Bytes::from_request(req, state).await?;
-        serde_json::from_slice(&bytes)
-            .map(JsonBody)
-            .map_err(ApiError::from_json)
+    async fn from_request(req: Request, state: &ApiState) -> Result<JsonBody<T>, ApiError> {
+        let bytes = read_body(req, state).await?;
+        parse_object(&bytes).map(JsonBody)
     }
 }
 
@@ -94,17 +128,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 #[derive(Debug)]
 pub struct OptionalJsonBody<T>(pub Option<T>);
 
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJsonBody<T> {
+impl<T: DeserializeOwned> FromRequest<ApiState> for OptionalJsonBody<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<OptionalJsonBody<T>, ApiError> {
-        let bytes = Bytes::from_request(req, state).await?;
+    async fn from_request(req: Request, state: &ApiState) -> Result<OptionalJsonBody<T>, ApiError> {
+        let bytes = read_body(req, state).await?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(OptionalJsonBody(None));
         }
-        serde_json::from_slice(&bytes)
-            .map(|t| OptionalJsonBody(Some(t)))
-            .map_err(ApiError::from_json)
+        parse_object(&bytes).map(|t| OptionalJsonBody(Some(t)))
     }
 }
 

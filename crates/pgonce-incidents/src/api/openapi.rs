@@ -186,14 +186,77 @@ fn status(_: &mut SchemaGenerator) -> Value {
     object(vec![("status", json!({"type": "string"}))])
 }
 
-/// A query parameter's schema, by name.
-fn query_parameter(name: &str) -> Value {
+/// A query parameter's schema, by route and name: what the handler checks
+/// (ids and positions not negative, each listing's page size).
+fn query_parameter(path: &str, name: &str) -> Value {
     match name {
         "lifecycle" => json!({"type": "string", "enum": ["OPEN", "ACKNOWLEDGED", "RESOLVED"]}),
-        "limit" => json!({"type": "integer", "minimum": 1}),
-        "wait" => json!({"type": "integer", "minimum": 0, "description": "seconds"}),
-        _ => json!({"type": "integer", "format": "int64", "minimum": 0}),
+        "limit" => {
+            let (max, default) = match path {
+                "/v1/events" => (1000, 100),
+                "/v1/entities" => (500, 100),
+                _ => (500, 50),
+            };
+            json!({"type": "integer", "minimum": 1, "maximum": max, "default": default})
+        }
+        "wait" => json!({
+            "type": "integer", "minimum": 0, "maximum": u64::MAX,
+            "description": "seconds; longer waits are shortened to the server's maximum"
+        }),
+        _ => json!({"type": "integer", "format": "int64", "minimum": 0, "maximum": i64::MAX}),
     }
+}
+
+/// The error answers a route can give, by status. Every one has the
+/// [`super::ApiError`] body.
+fn error_statuses(r: &Route) -> Vec<(u16, &'static str)> {
+    let mut statuses = Vec::new();
+    let has_path = r.path.contains('{');
+    if r.body.is_some() {
+        statuses.push((400, "the body is not JSON (`malformed_json`)"));
+    }
+    if r.auth != Auth::None {
+        statuses.push((
+            401,
+            "missing, malformed, unknown or revoked credentials (`unauthorized`)",
+        ));
+        statuses.push((
+            404,
+            "no such resource in the caller's organization, or no such organization (`not_found`)",
+        ));
+    } else if r.path == "/metrics" {
+        statuses.push((404, "metrics are off (`no_route`)"));
+    }
+    if r.body.is_some() {
+        statuses.push((
+            408,
+            "the body did not arrive within the body timeout (`request_timeout`)",
+        ));
+    }
+    if r.auth != Auth::None && r.method != "GET" {
+        statuses.push((409, "the name exists, the lifecycle does not allow the change, or a conflicting write (`already_exists`, `invalid_transition`, `conflict`)"));
+    }
+    if r.body.is_some() {
+        statuses.push((
+            413,
+            "the body is larger than the limit (`payload_too_large`)",
+        ));
+    }
+    if r.body.is_some() || has_path || !r.query.is_empty() || r.path == "/v1/observations" {
+        statuses.push((
+            422,
+            "invalid input: wrong types, unknown fields, out of range or not an object (`invalid`)",
+        ));
+    }
+    statuses.push((
+        500,
+        "an internal error, details only in the server's log (`internal`)",
+    ));
+    statuses.push((
+        503,
+        "the database is busy or unavailable (`busy`, `unavailable`)",
+    ));
+    statuses
 }
 
 /// Every route of [`super::router`].
@@ -310,9 +373,10 @@ fn path_parameters(path: &str) -> Vec<Value> {
         .filter_map(|s| s.strip_prefix('{')?.strip_suffix('}'))
         .map(|name| {
             let schema = if name == "prefix" {
-                json!({"type": "string"})
+                json!({"type": "string", "pattern": super::KEY_PREFIX_PATTERN,
+                       "description": "the 12 hex digits after `pgo_` in the key"})
             } else {
-                json!({"type": "integer", "format": "int64"})
+                json!({"type": "integer", "format": "int64", "minimum": i64::MIN, "maximum": i64::MAX})
             };
             json!({"name": name, "in": "path", "required": true, "schema": schema})
         })
@@ -329,7 +393,7 @@ pub fn document() -> Value {
     for r in ROUTES {
         let mut parameters = path_parameters(r.path);
         parameters.extend(r.query.iter().map(
-            |q| json!({"name": q, "in": "query", "required": false, "schema": query_parameter(q)}),
+            |q| json!({"name": q, "in": "query", "required": false, "schema": query_parameter(r.path, q)}),
         ));
         let security = match r.auth {
             Auth::None => json!([]),
@@ -343,11 +407,13 @@ pub fn document() -> Value {
             None => json!({"description": "success"}),
         };
         responses.insert(r.status.to_string(), success);
-        responses.insert(
-            "default".into(),
-            json!({"description": "error", "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/Error"}}}}),
-        );
+        for (status, description) in error_statuses(r) {
+            responses.insert(
+                status.to_string(),
+                json!({"description": description, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Error"}}}}),
+            );
+        }
         let mut operation = json!({
             "summary": r.summary,
             "parameters": parameters,

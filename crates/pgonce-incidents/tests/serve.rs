@@ -1,0 +1,167 @@
+//! The API served over TCP by [`api::serve`]: what the HTTP layer does
+//! before a handler runs. A client that sends part of its headers is
+//! disconnected after the header timeout; one that announces a body and
+//! sends less gets a JSON 408 after the body timeout; one that announces a
+//! body over the limit gets a JSON 413 at once; and what hyper itself
+//! refuses (a request it cannot parse, headers too large) is answered with
+//! the API's JSON error body.
+
+use std::time::Duration;
+
+use pgonce_incidents::api::{self, ApiConfig, ApiState};
+use pgonce_incidents::runtime::observations_queue;
+use pgonce_incidents::{Service, ServiceConfig};
+use pgonce_testkit::ScratchDatabase;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+struct Served {
+    address: std::net::SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// An organization's API key.
+    key: String,
+    _db: ScratchDatabase,
+}
+
+const TIMEOUT: Duration = Duration::from_millis(300);
+
+async fn serve() -> Served {
+    let db = pgonce_testkit::fresh_database().await;
+    let pool = db.pool(4).await.unwrap();
+    pgonce_incidents::migrate(&pool).await.unwrap();
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (_, key) = pgonce_incidents::store::create_organization(&pool, "acme")
+        .await
+        .unwrap();
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let config = ApiConfig {
+        header_timeout: TIMEOUT,
+        body_timeout: TIMEOUT,
+        ..ApiConfig::default()
+    };
+    let state = ApiState::new(service, queue, None, config.clone()).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        api::serve(listener, api::router(state), &config, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    Served {
+        address,
+        stop: Some(stop),
+        server,
+        key,
+        _db: db,
+    }
+}
+
+impl Served {
+    async fn stop(mut self) {
+        self.stop.take().unwrap().send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), &mut self.server)
+            .await
+            .expect("the server stops")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+/// Everything the server sends until it closes the connection (bounded:
+/// a server that never closes fails the test instead of hanging it).
+async fn read_to_close(stream: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut out))
+        .await
+        .expect("the server closes the connection")
+        .ok();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// One answer: its status and JSON body (the connection is closed after).
+async fn exchange(address: std::net::SocketAddr, request: &[u8]) -> (u16, Value) {
+    let mut stream = TcpStream::connect(address).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let answer = read_to_close(&mut stream).await;
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP answer: {answer:?}"));
+    let status = head[9..12].parse().unwrap();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    let body = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+    (status, body)
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    let served = serve().await;
+    for partial in [&b""[..], b"GET /healthz HTTP/1.1\r\nHost: x\r\n"] {
+        let mut stream = TcpStream::connect(served.address).await.unwrap();
+        stream.write_all(partial).await.unwrap();
+        let answer = read_to_close(&mut stream).await;
+        assert_eq!(answer, "", "{partial:?}");
+    }
+    served.stop().await;
+}
+
+#[tokio::test]
+async fn a_body_that_does_not_arrive_is_a_json_408_and_one_over_the_limit_a_json_413() {
+    let served = serve().await;
+    let request = |length: usize| {
+        format!(
+            "POST /v1/entities HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+             Authorization: Bearer {}\r\nContent-Length: {length}\r\n\r\n\
+             {{\"external_id\": \"a\"}}",
+            served.key
+        )
+    };
+    // 20 bytes of the 1000 announced, then nothing: 408 once the body
+    // timeout runs out, not an answer never given.
+    let (status, body) = exchange(served.address, request(1000).as_bytes()).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (408, Some("request_timeout")),
+        "{body}"
+    );
+    // 100 MB announced: refused before reading.
+    let (status, body) = exchange(served.address, request(100_000_000).as_bytes()).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (413, Some("payload_too_large")),
+        "{body}"
+    );
+    // The whole body: served.
+    let (status, body) = exchange(served.address, request(20).as_bytes()).await;
+    assert_eq!(status, 200, "{body}");
+    served.stop().await;
+}
+
+#[tokio::test]
+async fn what_hyper_refuses_gets_the_json_error_body() {
+    let served = serve().await;
+    let (status, body) = exchange(served.address, b"NOT HTTP AT ALL\r\n\r\n").await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("bad_request"))
+    );
+    let mut huge = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ".to_vec();
+    huge.extend(std::iter::repeat_n(b'a', 2 * api::MAX_HEAD));
+    huge.extend(b"\r\n\r\n");
+    let (status, body) = exchange(served.address, &huge).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (431, Some("header_fields_too_large"))
+    );
+    served.stop().await;
+}
