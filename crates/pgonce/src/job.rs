@@ -313,6 +313,7 @@ pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) ->
 
 /// A job claimed by [`claim_batch`].
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ClaimedJob {
     pub kind: String,
     pub payload: Value,
@@ -529,6 +530,7 @@ pub async fn heartbeat<'c>(
 
 /// A job row as stored.
 #[derive(Debug, Clone, sqlx::FromRow)]
+#[non_exhaustive]
 pub struct JobRow {
     pub id: i64,
     pub kind: String,
