@@ -87,7 +87,8 @@ async fn main() -> Result {
         match task.await? {
             (customer, Ok(number)) => println!("{customer}: invoice #{number}"),
             (customer, Err(Error::Database(e))) => {
-                println!("{customer}: refused ({e}); nothing committed")
+                let why = e.as_database_error().map(|d| d.message().to_string());
+                println!("{customer}: refused, {why:?}; rolled back, its number freed")
             }
             (_, Err(e)) => return Err(e.into()),
         }
