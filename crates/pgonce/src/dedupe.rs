@@ -266,6 +266,7 @@ impl Default for CollectorConfig {
 
 /// What one collection pass deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CollectCounts {
     pub processed_messages: u64,
     pub idempotency_keys: u64,

@@ -380,6 +380,7 @@ struct ClaimRow {
 
 /// A job claimed by [`claim_batch`].
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ClaimedJob {
     pub kind: String,
     pub payload: Value,
@@ -596,6 +597,7 @@ pub async fn heartbeat<'c>(
 
 /// A job row as stored.
 #[derive(Debug, Clone, sqlx::FromRow)]
+#[non_exhaustive]
 pub struct JobRow {
     pub id: i64,
     pub kind: String,

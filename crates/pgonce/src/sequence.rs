@@ -319,6 +319,7 @@ struct Statements {
 
 /// A number taken by [`Sequence::next`], with how long its lock took.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Taken {
     /// The scope's next number.
     pub number: i64,
@@ -332,6 +333,7 @@ pub struct Taken {
 
 /// What [`Sequence::commit_numbered`] committed.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Numbered<T> {
     /// The number the write stored, now committed.
     pub number: i64,

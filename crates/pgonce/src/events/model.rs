@@ -191,6 +191,7 @@ pub struct ReadOptions {
 /// What [`crate::EventStore::decide`] read: the matching events and the
 /// position to pass as [`AppendCondition::after`].
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Decision {
     pub events: Vec<StoredEvent>,
     /// The head of the log when the events were read; `None` for an empty
@@ -200,6 +201,7 @@ pub struct Decision {
 
 /// What a successful append stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Appended {
     /// The positions of the appended events, in the order given.
     pub positions: Vec<i64>,

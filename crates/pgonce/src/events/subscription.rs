@@ -152,6 +152,7 @@ struct HorizonRow {
 
 /// What one [`Subscription::run_once`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PollCounters {
     /// Events delivered (matching the query).
     pub delivered: usize,

@@ -29,6 +29,7 @@ impl Default for ReaperConfig {
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ReapCounts {
     /// Expired leases returned to `pending`.
     pub returned: u64,

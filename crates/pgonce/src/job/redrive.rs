@@ -31,6 +31,7 @@ impl Default for RedriverConfig {
 
 /// What one pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RedriveCounts {
     /// Jobs made pending again.
     pub redriven: u64,

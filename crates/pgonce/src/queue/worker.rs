@@ -35,6 +35,7 @@ pub trait Handler: Send + Sync + 'static {
 
 /// When the worker deletes a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum AckPolicy {
     /// Delete on success; on failure leave it in the queue, to be received
     /// again after `failure_visibility` (or the visibility timeout) and
@@ -151,6 +152,7 @@ impl WorkerConfig {
 
 /// What a worker did (one `run_once`, or a whole `run`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WorkerCounters {
     /// Messages received.
     pub received: u64,
