@@ -332,6 +332,7 @@ async fn pg_queue(pool: &PgPool, name: &str, shape: Shape, s: PgScenario) -> any
     let options = PgQueueOptions {
         notify: s.notify,
         poll_interval: Duration::from_millis(50),
+        ..PgQueueOptions::default()
     };
     let q = PgQueue::create(pool, name, attributes, options).await?;
     let label = format!("{name} b{}", s.batch);

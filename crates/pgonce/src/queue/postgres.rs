@@ -145,6 +145,16 @@ pub struct PgQueueOptions {
     /// messages, expired visibility timeouts and missed notifications.
     /// Default 1 s; at least 1 ms.
     pub poll_interval: Duration,
+    /// LISTEN for those notifications: long polls wake as soon as a message
+    /// is sent. Default true. `false`: no LISTEN connection is ever opened
+    /// and long polls find new messages at `poll_interval` only (for a
+    /// database reached only through a transaction-mode pooler, where LISTEN
+    /// does not work).
+    pub listen: bool,
+    /// Where the LISTEN connection goes: a URL that reaches PostgreSQL
+    /// itself, not a transaction-mode pooler (PgBouncer) in front of it.
+    /// Default `None`: a connection of the handle's pool settings.
+    pub listen_url: Option<String>,
 }
 
 impl Default for PgQueueOptions {
@@ -152,6 +162,8 @@ impl Default for PgQueueOptions {
         PgQueueOptions {
             notify: true,
             poll_interval: Duration::from_secs(1),
+            listen: true,
+            listen_url: None,
         }
     }
 }
@@ -553,7 +565,10 @@ impl PgQueue {
         self.inner
             .waker
             .get_or_try_init(|| async {
-                let mut listener = PgListener::connect_with(&self.inner.pool).await?;
+                let mut listener = match &self.inner.options.listen_url {
+                    Some(url) => PgListener::connect(url).await?,
+                    None => PgListener::connect_with(&self.inner.pool).await?,
+                };
                 listener.listen(CHANNEL).await?;
                 let notify = Arc::new(Notify::new());
                 let task = tokio::spawn(listen(listener, self.inner.name.clone(), notify.clone()));
@@ -644,7 +659,12 @@ impl Queue for PgQueue {
             return self.receive_once(&request).await;
         }
         let deadline = Instant::now() + request.wait;
-        let notify = self.waker().await?.notify.clone();
+        let notify = if self.inner.options.listen {
+            self.waker().await?.notify.clone()
+        } else {
+            // Never notified: only `poll_interval` and `wait` wake us.
+            Arc::new(Notify::new())
+        };
         loop {
             // Registered before looking, so a send committed between the
             // look and the wait still wakes us.
