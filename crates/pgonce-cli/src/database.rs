@@ -36,7 +36,10 @@ impl Database {
                     "cannot connect to PostgreSQL at {address}: no answer within {CONNECT_TIMEOUT:?}"
                 )
             })?
-            .map_err(|e| anyhow::anyhow!("cannot connect to PostgreSQL at {address}: {e}"))?;
+            .map_err(|e| {
+                let e = pgonce::error::describe(&e);
+                anyhow::anyhow!("cannot connect to PostgreSQL at {address}: {e}")
+            })?;
         let _ = connection.close().await;
         Ok(database)
     }
@@ -65,6 +68,7 @@ impl Database {
             .acquire_timeout(acquire_timeout)
             .connect_with(self.options.clone())
             .await
+            .map_err(pgonce::Error::from)
             .with_context(|| format!("connecting to {}", self.address()))
     }
 }

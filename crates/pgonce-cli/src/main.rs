@@ -132,10 +132,28 @@ fn main() -> ExitCode {
             ExitCode::from(130)
         }
         Err(e) => {
-            eprintln!("pgonce: error: {e:#}");
+            eprintln!("pgonce: error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, each cause's text once: a cause
+/// whose text its parent already carries is left out (libraries often
+/// embed their source's text and return it as the source too).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line.replace('\n', " ")
 }
 
 /// Ctrl-C was pressed; the run was abandoned and cleaned up.
@@ -163,6 +181,7 @@ async fn run(cli: &Cli, flag_url: bool) -> anyhow::Result<Option<Report>> {
             let pool = database.pool(1, database::CONNECT_TIMEOUT).await?;
             pgonce::migrate(&pool)
                 .await
+                .map_err(pgonce::Error::from)
                 .with_context(|| format!("migrating {}", database.address()))?;
             eprintln!("pgonce: migrations applied to {}", database.address());
             Ok(None)

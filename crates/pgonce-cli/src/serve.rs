@@ -73,6 +73,7 @@ async fn connect(config: &Config) -> anyhow::Result<PgPool> {
     let pool = migrating.pool(1, config.database.acquire_timeout).await?;
     pgonce_incidents::migrate(&pool)
         .await
+        .map_err(pgonce::Error::from)
         .with_context(|| format!("migrating {}", migrating.address()))?;
     pool.close().await;
     let database = Database::open(url).await?;
