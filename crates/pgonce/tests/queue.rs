@@ -526,3 +526,55 @@ async fn handlers_hold_no_database_connection() {
         .unwrap();
     assert_eq!((done.succeeded, done.deleted), (8, 8));
 }
+
+/// The LISTEN sessions on the current database, by application name.
+async fn listeners(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT coalesce(application_name, '') FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%' ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// `listen: false` opens no LISTEN connection (long polls only re-poll);
+/// `listen_url` puts it on that URL, not on the pool (behind a
+/// transaction-mode pooler, the pool's connections cannot LISTEN).
+#[tokio::test]
+async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
+    use sqlx::ConnectOptions;
+    let db = fresh_database().await;
+    let pool = db.pool(4).await.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    let poll = ReceiveRequest::new(1).wait(Duration::from_millis(30));
+
+    let off = PgQueueOptions {
+        listen: false,
+        poll_interval: Duration::from_millis(10),
+        ..PgQueueOptions::default()
+    };
+    let q = PgQueue::create(&pool, "off", QueueAttributes::default(), off)
+        .await
+        .unwrap();
+    assert!(q.receive(poll).await.unwrap().is_empty());
+    q.send(SendMessage::new("found by polling")).await.unwrap();
+    let got = q.receive(poll).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert!(listeners(&pool).await.is_empty());
+
+    let url = db
+        .options()
+        .application_name("pgonce_direct_listener")
+        .to_url_lossy()
+        .to_string();
+    let direct = PgQueueOptions {
+        listen_url: Some(url),
+        ..PgQueueOptions::default()
+    };
+    let q = PgQueue::create(&pool, "direct", QueueAttributes::default(), direct)
+        .await
+        .unwrap();
+    assert!(q.receive(poll).await.unwrap().is_empty());
+    assert_eq!(listeners(&pool).await, ["pgonce_direct_listener"]);
+}
