@@ -547,7 +547,7 @@ async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
     let db = fresh_database().await;
     let pool = db.pool(4).await.unwrap();
     pgonce::migrate(&pool).await.unwrap();
-    let poll = ReceiveRequest::new(1).wait(Duration::from_millis(30));
+    let poll = ReceiveRequest::up_to(1).wait(Duration::from_millis(30));
 
     let off = PgQueueOptions {
         listen: false,
@@ -563,11 +563,10 @@ async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
     assert_eq!(got.len(), 1);
     assert!(listeners(&pool).await.is_empty());
 
-    let url = db
-        .options()
-        .application_name("pgonce_direct_listener")
-        .to_url_lossy()
-        .to_string();
+    let mut url = db.options().to_url_lossy();
+    url.query_pairs_mut()
+        .append_pair("application_name", "pgonce_direct_listener");
+    let url = url.to_string();
     let direct = PgQueueOptions {
         listen_url: Some(url),
         ..PgQueueOptions::default()
