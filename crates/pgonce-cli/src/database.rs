@@ -36,7 +36,10 @@ impl Database {
                     "cannot connect to PostgreSQL at {address}: no answer within {CONNECT_TIMEOUT:?}"
                 )
             })?
-            .map_err(|e| anyhow::anyhow!("cannot connect to PostgreSQL at {address}: {e}"))?;
+            .map_err(|e| {
+                let e = pgonce::error::describe(&e);
+                anyhow::anyhow!("cannot connect to PostgreSQL at {address}: {e}")
+            })?;
         let _ = connection.close().await;
         Ok(database)
     }
@@ -51,12 +54,21 @@ impl Database {
         )
     }
 
-    /// A pool of at most `max_connections` on this database.
-    pub async fn pool(&self, max_connections: u32) -> anyhow::Result<PgPool> {
+    /// A pool of at most `max_connections` on this database, whose callers
+    /// wait at most `acquire_timeout` for a connection (including opening
+    /// one): past it, they fail instead of waiting on a database that does
+    /// not answer.
+    pub async fn pool(
+        &self,
+        max_connections: u32,
+        acquire_timeout: Duration,
+    ) -> anyhow::Result<PgPool> {
         PgPoolOptions::new()
             .max_connections(max_connections)
+            .acquire_timeout(acquire_timeout)
             .connect_with(self.options.clone())
             .await
+            .map_err(pgonce::Error::from)
             .with_context(|| format!("connecting to {}", self.address()))
     }
 }

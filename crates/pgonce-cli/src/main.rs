@@ -13,7 +13,8 @@ mod serve;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 #[cfg(feature = "lab")]
@@ -74,7 +75,15 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    // The service's configuration reads DATABASE_URL itself, below its
+    // own PGONCE_DATABASE__URL: only a --database-url typed on the command
+    // line overrides the configuration.
+    let flag_url = matches.value_source("database_url") == Some(ValueSource::CommandLine);
     // sqlx warns about every statement slower than a second; in races and
     // benchmarks those are lock waits we cause on purpose. The demo causes
     // conflicts, stale acks and failed sends on purpose and counts them in
@@ -95,10 +104,10 @@ fn main() -> ExitCode {
     let outcome = runtime.block_on(async {
         // Services shut down gracefully on their own signals.
         if matches!(cli.command, Command::Serve(_) | Command::Worker(_)) {
-            return run(&cli).await;
+            return run(&cli, flag_url).await;
         }
         tokio::select! {
-            outcome = run(&cli) => outcome,
+            outcome = run(&cli, flag_url) => outcome,
             _ = tokio::signal::ctrl_c() => Err(Interrupted.into()),
         }
         // Leaving the select drops the command's future, and with it any
@@ -123,10 +132,28 @@ fn main() -> ExitCode {
             ExitCode::from(130)
         }
         Err(e) => {
-            eprintln!("pgonce: error: {e:#}");
+            eprintln!("pgonce: error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, each cause's text once: a cause
+/// whose text its parent already carries is left out (libraries often
+/// embed their source's text and return it as the source too).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line.replace('\n', " ")
 }
 
 /// Ctrl-C was pressed; the run was abandoned and cleaned up.
@@ -141,16 +168,20 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
-async fn run(cli: &Cli) -> anyhow::Result<Option<Report>> {
+/// `flag_url`: `--database-url` was given on the command line (not only
+/// read from DATABASE_URL).
+async fn run(cli: &Cli, flag_url: bool) -> anyhow::Result<Option<Report>> {
     let url = cli.database_url.as_deref().filter(|u| !u.is_empty());
+    let service_url = url.filter(|_| flag_url);
     match &cli.command {
         Command::Migrate => {
             let url =
                 url.context("migrate needs a database: pass --database-url or set DATABASE_URL")?;
             let database = Database::open(url).await?;
-            let pool = database.pool(1).await?;
+            let pool = database.pool(1, database::CONNECT_TIMEOUT).await?;
             pgonce::migrate(&pool)
                 .await
+                .map_err(pgonce::Error::from)
                 .with_context(|| format!("migrating {}", database.address()))?;
             eprintln!("pgonce: migrations applied to {}", database.address());
             Ok(None)
@@ -161,8 +192,8 @@ async fn run(cli: &Cli) -> anyhow::Result<Option<Report>> {
         Command::Bench(args) => bench::run(args, url).await.map(Some),
         #[cfg(feature = "lab")]
         Command::Demo(args) => demo::run(args, url).await.map(Some),
-        Command::Serve(args) => serve::run(args, url, true).await.map(|()| None),
-        Command::Worker(args) => serve::run(args, url, false).await.map(|()| None),
-        Command::Rollout(args) => serve::rollout(args, url).await.map(|()| None),
+        Command::Serve(args) => serve::run(args, service_url, true).await.map(|()| None),
+        Command::Worker(args) => serve::run(args, service_url, false).await.map(|()| None),
+        Command::Rollout(args) => serve::rollout(args, service_url).await.map(|()| None),
     }
 }

@@ -201,3 +201,58 @@ fn serve_with_an_unknown_config_key_fails_naming_it() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("wokers"));
 }
+
+/// The one line `pgonce migrate` prints for a database error: PostgreSQL's
+/// message once, its SQLSTATE, no C source line of the server.
+fn assert_printed_once(stderr: &str, message: &str) {
+    let lines: Vec<_> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert_eq!(lines[0].matches(message).count(), 1, "{stderr}");
+    assert!(!lines[0].contains(" at line "), "{stderr}");
+    assert!(lines[0].contains("SQLSTATE"), "{stderr}");
+}
+
+#[test]
+fn migrate_prints_a_database_error_once() {
+    let (rt, db, url) = fresh_database_url();
+    // A database that does not exist: refused while connecting.
+    let (head, _) = url.rsplit_once('/').unwrap();
+    let out = pgonce()
+        .env("DATABASE_URL", format!("{head}/pgonce_no_such_database"))
+        .arg("migrate")
+        .timeout(Duration::from_secs(20))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_printed_once(&stderr, "\"pgonce_no_such_database\" does not exist");
+
+    // A user without the right to create the schema: refused mid-migration.
+    rt.block_on(async {
+        let pool = db.pool(1).await.unwrap();
+        sqlx::query("DROP ROLE IF EXISTS pgonce_no_rights")
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query("CREATE ROLE pgonce_no_rights LOGIN PASSWORD 'no-rights-pw'")
+            .execute(&pool)
+            .await
+            .unwrap();
+    });
+    let o = db.options();
+    let no_rights = format!(
+        "postgres://pgonce_no_rights:no-rights-pw@{}:{}/{}",
+        o.get_host(),
+        o.get_port(),
+        db.name()
+    );
+    let out = pgonce()
+        .env("DATABASE_URL", &no_rights)
+        .arg("migrate")
+        .timeout(Duration::from_secs(20))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_printed_once(&stderr, "permission denied");
+}

@@ -747,10 +747,15 @@ async fn healthz() -> Json<Value> {
     Json(json!({ "status": "ok" }))
 }
 
+/// How long `/readyz` waits for the database: a probe must hear back
+/// within a second, however long API calls wait for a connection.
+pub const READY_WITHIN: Duration = Duration::from_millis(800);
+
 async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
-    sqlx::query("SELECT 1")
-        .execute(state.service().pool())
+    let probe = sqlx::query("SELECT 1").execute(state.service().pool());
+    tokio::time::timeout(READY_WITHIN, probe)
         .await
+        .unwrap_or(Err(sqlx::Error::PoolTimedOut))
         .map_err(|e| {
             tracing::warn!(error = %e, "not ready: the database does not answer");
             ApiError::new(

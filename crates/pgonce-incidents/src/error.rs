@@ -68,13 +68,25 @@ impl Error {
             Error::Pgonce(pgonce::Error::LockTimeout { .. }) => "busy",
             Error::Pgonce(pgonce::Error::SerializationFailure { .. }) => "busy",
             Error::Pgonce(pgonce::Error::Unavailable { .. }) => "unavailable",
-            // Every pooled connection in use past the pool's acquire timeout:
-            // load, not a bug; the client may retry.
-            Error::Pgonce(pgonce::Error::Database(sqlx::Error::PoolTimedOut)) => "busy",
+            // No connection within the pool's acquire timeout: the database
+            // is down or refusing connections (the pool retries a refused
+            // connect until then), or every connection is taken. Either way
+            // this process cannot reach the database now; `busy` is kept
+            // for contention on the data itself (locks, serialization).
+            Error::Pgonce(pgonce::Error::Database(sqlx::Error::PoolTimedOut)) => "unavailable",
             // The database cannot be reached (refused, reset, shut down).
             Error::Pgonce(pgonce::Error::Database(
                 sqlx::Error::Io(_) | sqlx::Error::PoolClosed,
             )) => "unavailable",
+            // PostgreSQL refused or dropped the connection: connection
+            // exceptions (class 08), shutdown or start-up (57P01-57P03).
+            Error::Pgonce(pgonce::Error::Database(e))
+                if pgonce::error::sqlstate_of(e).is_some_and(|c| {
+                    c.starts_with("08") || matches!(c.as_str(), "57P01" | "57P02" | "57P03")
+                }) =>
+            {
+                "unavailable"
+            }
             Error::Pgonce(_) => "internal",
         }
     }
@@ -101,9 +113,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_exhausted_pool_is_busy_and_an_unreachable_database_unavailable() {
+    fn no_connection_from_the_pool_is_unavailable() {
         let code = |e: sqlx::Error| Error::from(e).code();
-        assert_eq!(code(sqlx::Error::PoolTimedOut), "busy");
+        assert_eq!(code(sqlx::Error::PoolTimedOut), "unavailable");
         assert_eq!(code(sqlx::Error::PoolClosed), "unavailable");
         let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
         assert_eq!(code(sqlx::Error::Io(refused)), "unavailable");

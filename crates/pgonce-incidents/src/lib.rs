@@ -26,11 +26,14 @@
 //! * [`runtime`]: workers, notifier, reaper and re-driver, started and
 //!   stopped together.
 //! * [`invariants`]: I1, I2, I3, I6 checked in the database.
+//! * [`config`]: the deployable configuration, layered (defaults, TOML,
+//!   environment).
 //! * [`api`]: the HTTP API ([`api::router`]), keys scoped to their
 //!   organization, JSON errors, `/openapi.json`.
 //! * [`migrate`](migrate()): the service's schema (`incidents`, versions 1001+).
 
 pub mod api;
+pub mod config;
 pub mod error;
 pub mod invariants;
 mod migrate;

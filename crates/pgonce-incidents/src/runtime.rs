@@ -34,11 +34,28 @@ pub async fn observations_queue(
     visibility: Duration,
     max_receive_count: u32,
 ) -> Result<PgQueue> {
+    observations_queue_with(
+        pool,
+        visibility,
+        max_receive_count,
+        PgQueueOptions::default(),
+    )
+    .await
+}
+
+/// [`observations_queue`] with the handle's options (LISTEN on or off, on
+/// which URL, how often to re-poll).
+pub async fn observations_queue_with(
+    pool: &PgPool,
+    visibility: Duration,
+    max_receive_count: u32,
+    options: PgQueueOptions,
+) -> Result<PgQueue> {
     PgQueue::create(
         pool,
         OBSERVATIONS_DEAD_LETTERS,
         QueueAttributes::fifo(),
-        PgQueueOptions::default(),
+        options.clone(),
     )
     .await?;
     Ok(PgQueue::create(
@@ -47,7 +64,7 @@ pub async fn observations_queue(
         QueueAttributes::fifo()
             .visibility_timeout(visibility)
             .dead_letter(OBSERVATIONS_DEAD_LETTERS, max_receive_count),
-        PgQueueOptions::default(),
+        options,
     )
     .await?)
 }

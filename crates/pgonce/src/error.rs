@@ -165,9 +165,41 @@ pub enum Error {
         message: String,
     },
 
-    /// Any other database error.
-    #[error("database error: {0}")]
-    Database(#[source] sqlx::Error),
+    /// Any other database error. Its text is PostgreSQL's message and
+    /// SQLSTATE, once (see [`describe`]); the `sqlx::Error` is in the
+    /// variant, not repeated as the error's source.
+    #[error("database error: {}", describe(.0))]
+    Database(sqlx::Error),
+}
+
+/// One line for a sqlx error: PostgreSQL's message and SQLSTATE (without
+/// the server's C source line sqlx's own text ends with), and the text of
+/// what it wraps (a migration's error) once, not once per layer.
+pub fn describe(e: &sqlx::Error) -> String {
+    use sqlx::migrate::MigrateError;
+    match e {
+        sqlx::Error::Database(d) => match d.code() {
+            Some(code) => format!("{} (SQLSTATE {code})", d.message()),
+            None => d.message().to_owned(),
+        },
+        sqlx::Error::Migrate(m) => match &**m {
+            MigrateError::Execute(inner) => {
+                format!("while executing migrations: {}", describe(inner))
+            }
+            MigrateError::ExecuteMigration(inner, version) => {
+                format!("while executing migration {version}: {}", describe(inner))
+            }
+            other => other.to_string(),
+        },
+        other => other.to_string(),
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for Error {
+    /// A failed migration, as [`Error::Database`].
+    fn from(e: sqlx::migrate::MigrateError) -> Error {
+        Error::Database(sqlx::Error::Migrate(Box::new(e)))
+    }
 }
 
 /// SQLSTATE codes pgonce maps to variants (see [`Error::from`]).

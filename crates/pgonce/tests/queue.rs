@@ -1214,3 +1214,51 @@ mod model {
         drop(db);
     }
 }
+
+/// The LISTEN sessions on the current database, by application name.
+async fn listeners(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT coalesce(application_name, '') FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%' ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// `Listen::Off` opens no LISTEN connection (long polls only re-poll);
+/// `Listen::Direct` puts it on those options, not on the pool (behind a
+/// transaction-mode pooler, the pool's connections cannot LISTEN).
+#[tokio::test]
+async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
+    let db = fresh_database().await;
+    let pool = db.pool(4).await.unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    let poll = ReceiveRequest::up_to(1).wait(Duration::from_millis(30));
+
+    let off = PgQueueOptions {
+        listen: pgonce::Listen::Off,
+        poll_interval: Duration::from_millis(10),
+        ..PgQueueOptions::default()
+    };
+    let q = PgQueue::create(&pool, "off", QueueAttributes::default(), off)
+        .await
+        .unwrap();
+    assert!(q.receive(poll).await.unwrap().is_empty());
+    q.send(SendMessage::new("found by polling")).await.unwrap();
+    let got = q.receive(poll).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert!(listeners(&pool).await.is_empty());
+
+    let direct = PgQueueOptions {
+        listen: pgonce::Listen::Direct(Box::new(
+            db.options().application_name("pgonce_direct_listener"),
+        )),
+        ..PgQueueOptions::default()
+    };
+    let q = PgQueue::create(&pool, "direct", QueueAttributes::default(), direct)
+        .await
+        .unwrap();
+    assert!(q.receive(poll).await.unwrap().is_empty());
+    assert_eq!(listeners(&pool).await, ["pgonce_direct_listener"]);
+}

@@ -654,6 +654,8 @@ impl Queue for PgQueue {
             return self.receive_once(&request).await;
         }
         let deadline = Instant::now() + request.wait;
+        // With Listen::Off the waker has no listener and never notifies:
+        // only `poll_interval` and `wait` wake us.
         let notify = self.waker().await?.notify.clone();
         loop {
             // Registered before looking, so a send committed between the

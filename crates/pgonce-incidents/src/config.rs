@@ -1,0 +1,809 @@
+//! The service's deployable configuration: one [`Config`] in nested
+//! sections (`database`, `api`, `pipeline`, `notifier`, `service`,
+//! `maintenance`), loaded in layers, lowest to highest precedence:
+//!
+//! 1. the defaults documented on each field;
+//! 2. a TOML file, when one is named;
+//! 3. environment variables: `PGONCE_` then the key path in upper case with
+//!    `__` between sections, e.g. `PGONCE_API__LISTEN`,
+//!    `PGONCE_PIPELINE__EVALUATOR__LATENCY`; `DATABASE_URL` for
+//!    `database.url` (`PGONCE_DATABASE__URL` wins over it). The flat names of
+//!    earlier versions (`PGONCE_LISTEN`, `PGONCE_WORKERS`,
+//!    `PGONCE_MAX_WAIT_SECS`, ...) still work: see [`LEGACY_ENV`]. An empty
+//!    variable counts as unset.
+//!
+//! Durations are human: `"30s"`, `"5m"`, `"250ms"`. A key no section has,
+//! in the file or the environment, is refused with the key named; so is a
+//! value of the wrong type. [`Config::validate`] then checks what cannot
+//! work, naming the key. docs/configuration.md lists every key.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use figment::providers::{Format, Toml};
+use figment::value::{Dict, Map, Value};
+use figment::{Figment, Metadata, Profile, Provider};
+use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
+use pgonce::{Listen, PgQueueOptions, WorkerConfig};
+use serde::Deserialize;
+use sqlx::postgres::PgConnectOptions;
+
+use crate::api::ApiConfig;
+use crate::notifier::NotifierConfig;
+use crate::pipeline::SimulatedEvaluatorConfig;
+use crate::runtime::RuntimeConfig;
+use crate::service::ServiceConfig;
+
+/// Why a configuration was refused. Each message names the key (or the
+/// file) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The named file could not be read.
+    #[error("configuration file {path}: {reason}")]
+    File { path: PathBuf, reason: String },
+    /// A key unknown, or a value of the wrong type, in the file or the
+    /// environment. The message names the key and where it came from.
+    #[error("{0}")]
+    Load(String),
+    /// A value of the right type that cannot work.
+    #[error("{key}: {why}")]
+    Invalid { key: &'static str, why: String },
+}
+
+fn invalid(key: &'static str, why: impl ToString) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        why: why.to_string(),
+    }
+}
+
+/// Everything `pgonce serve` and `pgonce worker` can be told.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub database: DatabaseSection,
+    pub api: ApiSection,
+    pub pipeline: PipelineSection,
+    pub notifier: NotifierSection,
+    pub service: ServiceSection,
+    pub maintenance: MaintenanceSection,
+}
+
+/// `[database]`: where PostgreSQL is and how the pool behaves.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseSection {
+    /// `url`: the PostgreSQL to use, e.g. `postgres://user@host/db`. No
+    /// default: it must come from somewhere.
+    pub url: Option<String>,
+    /// `direct_url`: a URL that reaches PostgreSQL itself, for the
+    /// connections that need a session of their own: migrations (their
+    /// advisory lock) and the queue's LISTEN. Set it when `url` goes
+    /// through a transaction-mode pooler (PgBouncer), where neither works.
+    /// Default: none (`url` for everything).
+    pub direct_url: Option<String>,
+    /// `max_connections`: pool size. Default 16; at least 2.
+    pub max_connections: u32,
+    /// `acquire_timeout`: longest wait for a pooled connection (including
+    /// opening one) before a request fails with 503 `unavailable`. Default
+    /// 5s; at least 1ms.
+    #[serde(with = "humantime_serde")]
+    pub acquire_timeout: Duration,
+    /// `listen`: wake long-polling queue receivers by LISTEN/NOTIFY.
+    /// Default true. `false`: no LISTEN connection at all; receivers find
+    /// new messages by polling every `pipeline.poll_interval`.
+    pub listen: bool,
+}
+
+impl Default for DatabaseSection {
+    fn default() -> Self {
+        DatabaseSection {
+            url: None,
+            direct_url: None,
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+            listen: true,
+        }
+    }
+}
+
+/// `[api]`: the HTTP side.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiSection {
+    /// `listen`: where `serve` listens. Default `127.0.0.1:8080`.
+    pub listen: SocketAddr,
+    /// `metrics_listen`: where `worker` serves `/metrics`, `/healthz` and
+    /// `/readyz` (`serve` has them on `listen`). Default none.
+    pub metrics_listen: Option<SocketAddr>,
+    /// `admin_token`: the admin routes' bearer token, at least 16 bytes.
+    /// Default none (admin routes refuse everyone).
+    pub admin_token: Option<String>,
+    /// `body_limit`: largest request body, bytes. Default 65536; at least
+    /// 1024.
+    pub body_limit: usize,
+    /// `max_wait`: longest `GET /v1/events?wait=`. Default 30s.
+    #[serde(with = "humantime_serde")]
+    pub max_wait: Duration,
+    /// `header_timeout`: a connection that has not sent a request's whole
+    /// head within this is closed. Default 10s.
+    #[serde(with = "humantime_serde")]
+    pub header_timeout: Duration,
+    /// `body_timeout`: a request whose body has not arrived within this
+    /// gets 408. Default 10s.
+    #[serde(with = "humantime_serde")]
+    pub body_timeout: Duration,
+}
+
+impl Default for ApiSection {
+    fn default() -> Self {
+        let api = ApiConfig::default();
+        ApiSection {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            metrics_listen: None,
+            admin_token: api.admin_token,
+            body_limit: api.body_limit,
+            max_wait: api.max_wait,
+            header_timeout: api.header_timeout,
+            body_timeout: api.body_timeout,
+        }
+    }
+}
+
+/// `[pipeline]`: the workers on the observations queue.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineSection {
+    /// `workers`: pipeline workers in this process. Default 2; 0 runs none.
+    pub workers: usize,
+    /// `concurrency`: messages each worker handles at once. Default 4; at
+    /// least 1.
+    pub concurrency: usize,
+    /// `batch`: messages asked for per receive. Default 10; at least 1.
+    pub batch: usize,
+    /// `wait`: long-poll wait of each receive. Default 5s.
+    #[serde(with = "humantime_serde")]
+    pub wait: Duration,
+    /// `poll_interval`: a long poll re-checks the queue at least this often
+    /// (the only wake-up when `database.listen` is false). Default 1s.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// `visibility_timeout`: how long a received message stays invisible;
+    /// workers heartbeat every third of it. Default 30s; at least 1s.
+    #[serde(with = "humantime_serde")]
+    pub visibility_timeout: Duration,
+    /// `max_receive_count`: deliveries before an observation is
+    /// dead-lettered. Default 5; at least 1.
+    pub max_receive_count: u32,
+    /// `failure_visibility`: after a failed handler, the message is visible
+    /// again after this long. Default none (the visibility timeout).
+    #[serde(with = "humantime_serde")]
+    pub failure_visibility: Option<Duration>,
+    /// `shutdown_deadline`: how long shutdown waits for in-flight handlers.
+    /// Default 30s.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_deadline: Duration,
+    /// `[pipeline.evaluator]`: the simulated policy evaluator.
+    pub evaluator: EvaluatorSection,
+}
+
+impl Default for PipelineSection {
+    fn default() -> Self {
+        let worker = WorkerConfig::default();
+        PipelineSection {
+            workers: 2,
+            concurrency: 4,
+            batch: worker.batch,
+            wait: worker.wait,
+            poll_interval: PgQueueOptions::default().poll_interval,
+            visibility_timeout: Duration::from_secs(30),
+            max_receive_count: 5,
+            failure_visibility: worker.failure_visibility,
+            shutdown_deadline: worker.shutdown_deadline,
+            evaluator: EvaluatorSection::default(),
+        }
+    }
+}
+
+/// `[pipeline.evaluator]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EvaluatorSection {
+    /// `latency`: least time one evaluation takes. Default 200ms.
+    #[serde(with = "humantime_serde")]
+    pub latency: Duration,
+    /// `jitter`: extra time, uniform in [0, jitter). Default 100ms.
+    #[serde(with = "humantime_serde")]
+    pub jitter: Duration,
+    /// `failure_rate`: share of evaluations that fail, in [0, 1]. Default 0.
+    pub failure_rate: f64,
+    /// `slow_rate`: share of evaluations that take `slow_latency`, in
+    /// [0, 1]. Default 0.
+    pub slow_rate: f64,
+    /// `slow_latency`. Default 1s.
+    #[serde(with = "humantime_serde")]
+    pub slow_latency: Duration,
+}
+
+impl Default for EvaluatorSection {
+    fn default() -> Self {
+        let e = SimulatedEvaluatorConfig::default();
+        EvaluatorSection {
+            latency: e.latency,
+            jitter: e.jitter,
+            failure_rate: e.failure_rate,
+            slow_rate: e.slow_rate,
+            slow_latency: e.slow_latency,
+        }
+    }
+}
+
+/// `[notifier]`: sends each incident's notification to a webhook.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NotifierSection {
+    /// `webhook_url`: `http://` or `https://`; no notifier in this process
+    /// without one. Default none.
+    pub webhook_url: Option<String>,
+    /// `batch`: jobs claimed per pass. Default 16; at least 1.
+    pub batch: i64,
+    /// `lease`: a claim not completed by then may be taken over. Default
+    /// 30s; longer than `timeout`.
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// `timeout`: of one POST. Default 5s.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// `idle`: pause when there was nothing to send. Default 100ms.
+    #[serde(with = "humantime_serde")]
+    pub idle: Duration,
+    /// `[notifier.retry]`: backoff of failed sends.
+    pub retry: RetrySection,
+}
+
+impl Default for NotifierSection {
+    fn default() -> Self {
+        let n = NotifierConfig::new("");
+        NotifierSection {
+            webhook_url: None,
+            batch: n.batch,
+            lease: n.lease,
+            timeout: n.timeout,
+            idle: n.idle,
+            retry: RetrySection::default(),
+        }
+    }
+}
+
+/// `[notifier.retry]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetrySection {
+    /// `base`: delay after the first failure. Default 1s.
+    #[serde(with = "humantime_serde")]
+    pub base: Duration,
+    /// `max`: upper bound of the delay before jitter. Default 10m.
+    #[serde(with = "humantime_serde")]
+    pub max: Duration,
+    /// `jitter`: random extra fraction of the delay, in [0, 1]. Default 0.25.
+    pub jitter: f64,
+}
+
+impl Default for RetrySection {
+    fn default() -> Self {
+        let r = RetryPolicy::default();
+        RetrySection {
+            base: r.base,
+            max: r.max,
+            jitter: r.jitter,
+        }
+    }
+}
+
+/// How incident numbers are serialized per organization.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Numbering {
+    /// An advisory lock per organization (the default).
+    #[default]
+    AdvisoryLock,
+    /// A counter row per organization.
+    CounterRow,
+    /// A table lock: correct, but every organization waits on it.
+    TableLock,
+}
+
+impl From<Numbering> for pgonce::SequenceStrategy {
+    fn from(n: Numbering) -> Self {
+        match n {
+            Numbering::AdvisoryLock => pgonce::SequenceStrategy::AdvisoryLock,
+            Numbering::CounterRow => pgonce::SequenceStrategy::CounterRow,
+            Numbering::TableLock => pgonce::SequenceStrategy::TableLock,
+        }
+    }
+}
+
+/// `[service]`: the incident service's own choices.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServiceSection {
+    /// `numbering`: `advisory_lock` (default), `counter_row` or
+    /// `table_lock`.
+    pub numbering: Numbering,
+    /// `entity_lock_timeout`: longest wait for an entity's lock. Default 10s.
+    #[serde(with = "humantime_serde")]
+    pub entity_lock_timeout: Duration,
+    /// `notify_max_attempts`: attempts of a notification before it is
+    /// dead. Default 8; at least 1.
+    pub notify_max_attempts: i32,
+}
+
+impl Default for ServiceSection {
+    fn default() -> Self {
+        let s = ServiceConfig::default();
+        ServiceSection {
+            numbering: Numbering::default(),
+            entity_lock_timeout: s.entity_lock_timeout,
+            notify_max_attempts: s.notify_max_attempts,
+        }
+    }
+}
+
+/// `[maintenance]`: the job reaper and re-driver.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MaintenanceSection {
+    /// `enabled`: run the reaper and the re-driver in this process.
+    /// Default true.
+    pub enabled: bool,
+    /// `[maintenance.reaper]`: returns expired notification leases.
+    pub reaper: PassSection,
+    /// `[maintenance.redriver]`: makes failed notifications due again.
+    pub redriver: PassSection,
+}
+
+impl Default for MaintenanceSection {
+    fn default() -> Self {
+        let reaper = ReaperConfig::default();
+        let redriver = RedriverConfig::default();
+        MaintenanceSection {
+            enabled: true,
+            reaper: PassSection {
+                interval: reaper.interval,
+                batch_size: reaper.batch_size,
+            },
+            redriver: PassSection {
+                interval: redriver.interval,
+                batch_size: redriver.batch_size,
+            },
+        }
+    }
+}
+
+/// A periodic pass: `[maintenance.reaper]` or `[maintenance.redriver]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PassSection {
+    /// `interval`: pause between passes. Default 1s; non-zero.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// `batch_size`: jobs per statement. Default 1000; at least 1.
+    pub batch_size: i64,
+}
+
+impl Default for PassSection {
+    fn default() -> Self {
+        MaintenanceSection::default().reaper
+    }
+}
+
+/// Environment variables of earlier versions, flat: (name after `PGONCE_`,
+/// key, unit a bare number is in). They keep working.
+pub const LEGACY_ENV: &[(&str, &str, &str)] = &[
+    ("LISTEN", "api.listen", ""),
+    ("METRICS_LISTEN", "api.metrics_listen", ""),
+    ("ADMIN_TOKEN", "api.admin_token", ""),
+    ("BODY_LIMIT", "api.body_limit", ""),
+    ("MAX_WAIT_SECS", "api.max_wait", "s"),
+    ("DATABASE_URL", "database.url", ""),
+    ("MAX_CONNECTIONS", "database.max_connections", ""),
+    ("WORKERS", "pipeline.workers", ""),
+    ("CONCURRENCY", "pipeline.concurrency", ""),
+    (
+        "VISIBILITY_TIMEOUT_SECS",
+        "pipeline.visibility_timeout",
+        "s",
+    ),
+    ("MAX_RECEIVE_COUNT", "pipeline.max_receive_count", ""),
+    ("EVALUATOR_LATENCY_MS", "pipeline.evaluator.latency", "ms"),
+    ("EVALUATOR_JITTER_MS", "pipeline.evaluator.jitter", "ms"),
+    (
+        "EVALUATOR_FAILURE_RATE",
+        "pipeline.evaluator.failure_rate",
+        "",
+    ),
+    ("WEBHOOK_URL", "notifier.webhook_url", ""),
+];
+
+/// Keys whose values stay text even when they look like numbers.
+const TEXT_KEYS: &[&str] = &[
+    "database.url",
+    "database.direct_url",
+    "api.admin_token",
+    "notifier.webhook_url",
+];
+
+/// `PGONCE_` variables that are not the service's configuration but the
+/// test kit's and the test suite's (`scripts/test` exports some of them):
+/// server binaries, the pooler, property-test and fuzzer knobs.
+const NOT_CONFIGURATION: &[&str] = &[
+    "PGONCE_PG_BINDIR",
+    "PGONCE_PGBOUNCER",
+    "PGONCE_PROPTEST_CASES",
+];
+
+/// Prefixes of such variables.
+const NOT_CONFIGURATION_PREFIXES: &[&str] = &["PGONCE_FUZZ_"];
+
+fn is_configuration(name: &str) -> bool {
+    !NOT_CONFIGURATION.contains(&name)
+        && !NOT_CONFIGURATION_PREFIXES
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+}
+
+/// The environment's layer: the variables given, as nested keys.
+struct Environment {
+    /// Dotted key to (variable name, value), in precedence order.
+    keys: Vec<(String, String, Value)>,
+}
+
+impl Environment {
+    fn new(vars: impl IntoIterator<Item = (String, String)>) -> Environment {
+        let mut generic = Vec::new();
+        let mut legacy = Vec::new();
+        let mut plain = Vec::new();
+        for (name, value) in vars {
+            if value.is_empty() || !is_configuration(&name) {
+                continue;
+            }
+            if name == "DATABASE_URL" {
+                plain.push((name, "database.url".to_owned(), value));
+                continue;
+            }
+            let Some(rest) = name.strip_prefix("PGONCE_") else {
+                continue;
+            };
+            match LEGACY_ENV.iter().find(|(flat, _, _)| *flat == rest) {
+                Some((_, key, unit)) => {
+                    let value = if !unit.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+                        format!("{value}{unit}")
+                    } else {
+                        value
+                    };
+                    legacy.push((name.clone(), (*key).to_owned(), value));
+                }
+                None => {
+                    let key = rest.to_ascii_lowercase().replace("__", ".");
+                    generic.push((name.clone(), key, value));
+                }
+            }
+        }
+        // Lowest first: DATABASE_URL, the flat names, the nested names.
+        let keys = plain
+            .into_iter()
+            .chain(legacy)
+            .chain(generic)
+            .map(|(name, key, value)| {
+                let value = if TEXT_KEYS.contains(&key.as_str()) {
+                    Value::from(value)
+                } else {
+                    value.parse().unwrap_or_else(|e| match e {})
+                };
+                (name, key, value)
+            })
+            .collect();
+        Environment { keys }
+    }
+}
+
+/// Sets `path` (dotted) in `dict` to `value`, creating sections on the way.
+fn insert(dict: &mut Dict, path: &str, value: Value) {
+    match path.split_once('.') {
+        None => {
+            dict.insert(path.to_owned(), value);
+        }
+        Some((head, rest)) => {
+            let entry = dict
+                .entry(head.to_owned())
+                .or_insert_with(|| Value::from(Dict::new()));
+            if entry.as_dict().is_none() {
+                *entry = Value::from(Dict::new());
+            }
+            if let Value::Dict(_, inner) = entry {
+                insert(inner, rest, value);
+            }
+        }
+    }
+}
+
+impl Provider for Environment {
+    fn metadata(&self) -> Metadata {
+        // Errors name the variable that set the key.
+        let names: Arc<BTreeMap<String, String>> = Arc::new(
+            self.keys
+                .iter()
+                .map(|(name, key, _)| (key.clone(), name.clone()))
+                .collect(),
+        );
+        Metadata::named("the environment").interpolater(move |_: &Profile, path: &[&str]| {
+            let key = path.join(".");
+            let prefixed =
+                |k: &str| format!("PGONCE_{}", k.to_ascii_uppercase().replace('.', "__"));
+            names.get(&key).cloned().unwrap_or_else(|| {
+                // A section: the variables under it.
+                let under: Vec<&str> = names
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(&format!("{key}.")))
+                    .map(|(_, n)| n.as_str())
+                    .collect();
+                if under.is_empty() {
+                    prefixed(&key)
+                } else {
+                    under.join(", ")
+                }
+            })
+        })
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        let mut dict = Dict::new();
+        for (_, key, value) in &self.keys {
+            insert(&mut dict, key, value.clone());
+        }
+        Ok(Profile::Default.collect(dict))
+    }
+}
+
+impl Config {
+    /// The defaults, then `file` (TOML) when given, then the variables of
+    /// `env` (the process's: `std::env::vars()`). Unknown keys and values
+    /// of the wrong type are refused, naming them. Does not
+    /// [`validate`](Config::validate).
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut figment = Figment::new();
+        if let Some(path) = file {
+            std::fs::metadata(path).map_err(|e| ConfigError::File {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })?;
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        figment = figment.merge(Environment::new(env));
+        figment.extract().map_err(|e| {
+            // One line per problem, each naming its key.
+            let lines: Vec<String> = e.into_iter().map(|e| e.to_string()).collect();
+            ConfigError::Load(lines.join("; "))
+        })
+    }
+
+    /// Checks what cannot work, naming the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.database.url.as_deref().is_none_or(str::is_empty) {
+            return Err(invalid(
+                "database.url",
+                "no database: set it in the file, DATABASE_URL or PGONCE_DATABASE__URL, or pass --database-url",
+            ));
+        }
+        if self.database.max_connections < 2 {
+            return Err(invalid("database.max_connections", "must be at least 2"));
+        }
+        if let Some(url) = self
+            .database
+            .direct_url
+            .as_deref()
+            .filter(|u| !u.is_empty())
+            && let Err(e) = PgConnectOptions::from_str(url)
+        {
+            return Err(invalid(
+                "database.direct_url",
+                format!("not a PostgreSQL URL: {e}"),
+            ));
+        }
+        if self.database.acquire_timeout.is_zero() {
+            return Err(invalid("database.acquire_timeout", "must be above zero"));
+        }
+        if self.pipeline.concurrency == 0 {
+            return Err(invalid("pipeline.concurrency", "must be at least 1"));
+        }
+        if self.pipeline.batch == 0 {
+            return Err(invalid("pipeline.batch", "must be at least 1"));
+        }
+        if self.pipeline.visibility_timeout < Duration::from_secs(1) {
+            return Err(invalid(
+                "pipeline.visibility_timeout",
+                "must be at least 1s",
+            ));
+        }
+        if self.pipeline.max_receive_count == 0 {
+            return Err(invalid("pipeline.max_receive_count", "must be at least 1"));
+        }
+        if self.pipeline.poll_interval < Duration::from_millis(1) {
+            return Err(invalid("pipeline.poll_interval", "must be at least 1ms"));
+        }
+        let e = &self.pipeline.evaluator;
+        for (key, rate) in [
+            ("pipeline.evaluator.failure_rate", e.failure_rate),
+            ("pipeline.evaluator.slow_rate", e.slow_rate),
+        ] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(invalid(key, "must be in [0, 1]"));
+            }
+        }
+        if let Some(url) = &self.notifier.webhook_url
+            && !url.starts_with("http://")
+            && !url.starts_with("https://")
+        {
+            return Err(invalid(
+                "notifier.webhook_url",
+                "must be an http:// or https:// URL",
+            ));
+        }
+        if let Some(notifier) = self.notifier_config() {
+            notifier.validate().map_err(|e| invalid("notifier", e))?;
+        }
+        if self.service.notify_max_attempts < 1 {
+            return Err(invalid("service.notify_max_attempts", "must be at least 1"));
+        }
+        self.api_config()
+            .validate()
+            .map_err(|e| invalid("api", e))?;
+        self.worker_config()
+            .validate()
+            .map_err(|e| invalid("pipeline", e))?;
+        for (key, pass) in [
+            ("maintenance.reaper", &self.maintenance.reaper),
+            ("maintenance.redriver", &self.maintenance.redriver),
+        ] {
+            if pass.interval.is_zero() || pass.batch_size < 1 {
+                return Err(invalid(
+                    key,
+                    "interval must be above zero and batch_size at least 1",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The URL for sessions of their own (migrations, LISTEN): `direct_url`,
+    /// else `url`.
+    pub fn direct_url(&self) -> Option<&str> {
+        self.database
+            .direct_url
+            .as_deref()
+            .filter(|u| !u.is_empty())
+            .or(self.database.url.as_deref())
+    }
+
+    pub fn service_config(&self) -> ServiceConfig {
+        ServiceConfig {
+            numbering: self.service.numbering.into(),
+            entity_lock_timeout: self.service.entity_lock_timeout,
+            notify_max_attempts: self.service.notify_max_attempts,
+        }
+    }
+
+    pub fn api_config(&self) -> ApiConfig {
+        ApiConfig {
+            admin_token: self.api.admin_token.clone(),
+            body_limit: self.api.body_limit,
+            max_wait: self.api.max_wait,
+            header_timeout: self.api.header_timeout,
+            body_timeout: self.api.body_timeout,
+        }
+    }
+
+    /// How the observations queue's handles behave: LISTEN on or off, and
+    /// on which URL.
+    pub fn queue_options(&self) -> PgQueueOptions {
+        PgQueueOptions {
+            poll_interval: self.pipeline.poll_interval,
+            listen: self.listen(),
+            ..PgQueueOptions::default()
+        }
+    }
+
+    /// Where LISTEN goes: nowhere with `database.listen = false`, over
+    /// `direct_url` when it is set, else on a connection like the pool's.
+    pub fn listen(&self) -> Listen {
+        if !self.database.listen {
+            return Listen::Off;
+        }
+        match self
+            .database
+            .direct_url
+            .as_deref()
+            .filter(|u| !u.is_empty())
+        {
+            // validate() has parsed it.
+            Some(url) => PgConnectOptions::from_str(url)
+                .map(|o| Listen::Direct(Box::new(o)))
+                .unwrap_or(Listen::Pool),
+            None => Listen::Pool,
+        }
+    }
+
+    pub fn worker_config(&self) -> WorkerConfig {
+        let visibility = self.pipeline.visibility_timeout;
+        WorkerConfig {
+            concurrency: self.pipeline.concurrency,
+            batch: self.pipeline.batch,
+            wait: self.pipeline.wait,
+            // A message still being handled keeps its visibility: the
+            // heartbeat extends it by a whole timeout every third of one (a
+            // fixed heartbeat would let a shorter timeout run out
+            // mid-evaluation and hand the message to a second worker).
+            visibility: Some(visibility),
+            heartbeat_interval: Some(visibility / 3),
+            heartbeat_extension: visibility,
+            failure_visibility: self.pipeline.failure_visibility,
+            shutdown_deadline: self.pipeline.shutdown_deadline,
+            ..WorkerConfig::default()
+        }
+    }
+
+    fn notifier_config(&self) -> Option<NotifierConfig> {
+        let n = &self.notifier;
+        let url = n.webhook_url.clone()?;
+        Some(NotifierConfig {
+            batch: n.batch,
+            lease: n.lease,
+            timeout: n.timeout,
+            idle: n.idle,
+            retry: RetryPolicy {
+                base: n.retry.base,
+                max: n.retry.max,
+                jitter: n.retry.jitter,
+            },
+            ..NotifierConfig::new(url)
+        })
+    }
+
+    pub fn runtime_config(&self) -> RuntimeConfig {
+        let e = &self.pipeline.evaluator;
+        RuntimeConfig {
+            workers: self.pipeline.workers,
+            worker: self.worker_config(),
+            evaluator: SimulatedEvaluatorConfig {
+                latency: e.latency,
+                jitter: e.jitter,
+                failure_rate: e.failure_rate,
+                slow_rate: e.slow_rate,
+                slow_latency: e.slow_latency,
+            },
+            notifier: self.notifier_config(),
+            job_maintenance: self.maintenance.enabled,
+            reaper: ReaperConfig::from(&self.maintenance.reaper),
+            redriver: RedriverConfig {
+                interval: self.maintenance.redriver.interval,
+                batch_size: self.maintenance.redriver.batch_size,
+            },
+        }
+    }
+}
+
+impl From<&PassSection> for ReaperConfig {
+    fn from(p: &PassSection) -> Self {
+        ReaperConfig {
+            interval: p.interval,
+            batch_size: p.batch_size,
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! The service's configuration: defaults, then a TOML file, then the
+//! environment; every section reachable; unknown keys and bad values
+//! refused with the key named; validation naming the key.
+
+use std::time::Duration;
+
+use pgonce_incidents::config::{Config, ConfigError, Numbering};
+
+fn env(vars: &[(&str, &str)]) -> Vec<(String, String)> {
+    vars.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn file(text: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), text).unwrap();
+    f
+}
+
+fn with_url() -> Config {
+    let mut c = Config::default();
+    c.database.url = Some("postgres://x/y".into());
+    c
+}
+
+#[test]
+fn defaults_then_file_then_environment() {
+    let none = Config::load(None, env(&[])).unwrap();
+    assert_eq!(none, Config::default());
+    assert_eq!(none.api.listen.to_string(), "127.0.0.1:8080");
+    assert_eq!(none.database.acquire_timeout, Duration::from_secs(5));
+
+    let f = file(
+        r#"
+[api]
+listen = "0.0.0.0:9000"
+max_wait = "1m"
+[database]
+url = "postgres://file/db"
+[pipeline]
+workers = 5
+visibility_timeout = "45s"
+"#,
+    );
+    let from_file = Config::load(Some(f.path()), env(&[])).unwrap();
+    assert_eq!(from_file.api.listen.to_string(), "0.0.0.0:9000");
+    assert_eq!(from_file.api.max_wait, Duration::from_secs(60));
+    assert_eq!(from_file.pipeline.workers, 5);
+    assert_eq!(from_file.pipeline.concurrency, 4);
+    assert_eq!(
+        from_file.pipeline.visibility_timeout,
+        Duration::from_secs(45)
+    );
+
+    let vars = env(&[
+        ("PGONCE_PIPELINE__WORKERS", "7"),
+        ("DATABASE_URL", "postgres://env/db"),
+        ("PGONCE_API__ADMIN_TOKEN", "0123456789abcdef"),
+        ("PGONCE_PIPELINE__EVALUATOR__LATENCY", "5ms"),
+        ("UNRELATED", "ignored"),
+        // The test kit's and the test suite's own variables, which
+        // scripts/test exports: not configuration, never refused.
+        ("PGONCE_PG_BINDIR", "/usr/lib/postgresql/17/bin"),
+        ("PGONCE_PGBOUNCER", "/root/.cache/pgonce/pgbouncer"),
+        ("PGONCE_PROPTEST_CASES", "2000"),
+        ("PGONCE_FUZZ_EXAMPLES", "60"),
+    ]);
+    let both = Config::load(Some(f.path()), vars).unwrap();
+    assert_eq!(both.pipeline.workers, 7);
+    assert_eq!(both.api.listen.to_string(), "0.0.0.0:9000");
+    assert_eq!(both.database.url.as_deref(), Some("postgres://env/db"));
+    assert_eq!(both.api.admin_token.as_deref(), Some("0123456789abcdef"));
+    assert_eq!(both.pipeline.evaluator.latency, Duration::from_millis(5));
+    both.validate().unwrap();
+
+    // PGONCE_DATABASE__URL over the flat PGONCE_DATABASE_URL over DATABASE_URL.
+    let vars = env(&[
+        ("DATABASE_URL", "postgres://env/db"),
+        ("PGONCE_DATABASE_URL", "postgres://pgonce/db"),
+    ]);
+    let url = Config::load(None, vars).unwrap().database.url;
+    assert_eq!(url.as_deref(), Some("postgres://pgonce/db"));
+    let vars = env(&[
+        ("PGONCE_DATABASE__URL", "postgres://nested/db"),
+        ("DATABASE_URL", "postgres://env/db"),
+        ("PGONCE_DATABASE_URL", "postgres://pgonce/db"),
+    ]);
+    let url = Config::load(None, vars).unwrap().database.url;
+    assert_eq!(url.as_deref(), Some("postgres://nested/db"));
+}
+
+/// The flat names of earlier versions keep working, bare numbers of the
+/// `_SECS`/`_MS` ones in their unit; an empty variable is unset.
+#[test]
+fn the_flat_environment_names_still_work() {
+    let vars = env(&[
+        ("PGONCE_LISTEN", "0.0.0.0:7000"),
+        ("PGONCE_METRICS_LISTEN", "127.0.0.1:7001"),
+        ("PGONCE_WORKERS", "3"),
+        ("PGONCE_MAX_WAIT_SECS", "12"),
+        ("PGONCE_VISIBILITY_TIMEOUT_SECS", "9"),
+        ("PGONCE_EVALUATOR_LATENCY_MS", "7"),
+        ("PGONCE_EVALUATOR_FAILURE_RATE", "0.5"),
+        ("PGONCE_WEBHOOK_URL", ""),
+        ("PGONCE_ADMIN_TOKEN", "12345678901234567890"),
+    ]);
+    let c = Config::load(None, vars).unwrap();
+    assert_eq!(c.api.listen.to_string(), "0.0.0.0:7000");
+    assert_eq!(c.api.metrics_listen.unwrap().to_string(), "127.0.0.1:7001");
+    assert_eq!(c.pipeline.workers, 3);
+    assert_eq!(c.api.max_wait, Duration::from_secs(12));
+    assert_eq!(c.pipeline.visibility_timeout, Duration::from_secs(9));
+    assert_eq!(c.pipeline.evaluator.latency, Duration::from_millis(7));
+    assert_eq!(c.pipeline.evaluator.failure_rate, 0.5);
+    assert_eq!(c.notifier.webhook_url, None);
+    // Text stays text even when it looks like a number.
+    assert_eq!(c.api.admin_token.as_deref(), Some("12345678901234567890"));
+}
+
+/// Every knob of the service, the reaper, the re-driver, the notifier, the
+/// queue and the pool reaches the configuration the runtime is built from.
+#[test]
+fn every_section_reaches_what_it_configures() {
+    let f = file(
+        r#"
+[database]
+url = "postgres://pooler:6432/db"
+direct_url = "postgres://primary:5432/db"
+acquire_timeout = "750ms"
+listen = false
+[service]
+numbering = "counter_row"
+entity_lock_timeout = "3s"
+notify_max_attempts = 4
+[maintenance]
+enabled = false
+reaper = { interval = "2s", batch_size = 10 }
+redriver = { interval = "5m", batch_size = 20 }
+[notifier]
+webhook_url = "https://hooks.example/x"
+lease = "1m"
+retry = { base = "2s", max = "1h", jitter = 0.1 }
+[pipeline]
+poll_interval = "250ms"
+failure_visibility = "3s"
+"#,
+    );
+    let c = Config::load(Some(f.path()), env(&[])).unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.service.numbering, Numbering::CounterRow);
+    let service = c.service_config();
+    assert_eq!(service.numbering, pgonce::SequenceStrategy::CounterRow);
+    assert_eq!(service.entity_lock_timeout, Duration::from_secs(3));
+    assert_eq!(service.notify_max_attempts, 4);
+    let runtime = c.runtime_config();
+    assert!(!runtime.job_maintenance);
+    assert_eq!(runtime.reaper.interval, Duration::from_secs(2));
+    assert_eq!(runtime.reaper.batch_size, 10);
+    assert_eq!(runtime.redriver.interval, Duration::from_secs(300));
+    assert_eq!(runtime.redriver.batch_size, 20);
+    let notifier = runtime.notifier.unwrap();
+    assert_eq!(notifier.webhook_url, "https://hooks.example/x");
+    assert_eq!(notifier.lease, Duration::from_secs(60));
+    assert_eq!(notifier.retry.max, Duration::from_secs(3600));
+    assert_eq!(
+        runtime.worker.failure_visibility,
+        Some(Duration::from_secs(3))
+    );
+    let queue = c.queue_options();
+    assert!(matches!(queue.listen, pgonce::Listen::Off));
+    assert_eq!(queue.poll_interval, Duration::from_millis(250));
+    assert_eq!(c.direct_url(), Some("postgres://primary:5432/db"));
+    assert_eq!(c.database.acquire_timeout, Duration::from_millis(750));
+    // Without direct_url, everything uses url.
+    assert_eq!(with_url().direct_url(), Some("postgres://x/y"));
+    assert!(matches!(
+        with_url().queue_options().listen,
+        pgonce::Listen::Pool
+    ));
+}
+
+#[test]
+fn a_short_visibility_timeout_gets_a_heartbeat_inside_it() {
+    for secs in [1, 3, 30] {
+        let mut config = with_url();
+        config.pipeline.visibility_timeout = Duration::from_secs(secs);
+        config.validate().unwrap();
+        let worker = config.runtime_config().worker;
+        worker.validate().unwrap();
+        let visibility = Duration::from_secs(secs);
+        assert!(worker.heartbeat_interval.unwrap() < visibility, "{secs} s");
+        assert_eq!(worker.heartbeat_extension, visibility);
+    }
+}
+
+fn load_err(text: &str, vars: &[(&str, &str)]) -> String {
+    let f = file(text);
+    let e = Config::load(Some(f.path()), env(vars)).unwrap_err();
+    assert!(matches!(e, ConfigError::Load(_)), "{e:?}");
+    e.to_string()
+}
+
+#[test]
+fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
+    // A misspelt key in a section, an unknown section, a flat key that
+    // belongs in a section.
+    let e = load_err("[pipeline]\nwokers = 3\n", &[]);
+    assert!(e.contains("wokers") && e.contains("pipeline"), "{e}");
+    let e = load_err("[pipelin]\nworkers = 3\n", &[]);
+    assert!(e.contains("pipelin"), "{e}");
+    let e = load_err("workers = 3\n", &[]);
+    assert!(e.contains("workers"), "{e}");
+    // A value of the wrong type, a duration without its unit.
+    let e = load_err("[pipeline]\nworkers = \"many\"\n", &[]);
+    assert!(
+        e.contains("pipeline.workers") || e.contains("workers"),
+        "{e}"
+    );
+    let e = load_err("[api]\nmax_wait = 30\n", &[]);
+    assert!(e.contains("max_wait"), "{e}");
+    let e = load_err("[service]\nnumbering = \"select_for_update\"\n", &[]);
+    assert!(e.contains("select_for_update"), "{e}");
+    // The environment: the variable is named.
+    let e = load_err("", &[("PGONCE_LISTEN", "nowhere")]);
+    assert!(e.contains("PGONCE_LISTEN"), "{e}");
+    let e = load_err("", &[("PGONCE_API__LISTEN", "nowhere")]);
+    assert!(e.contains("PGONCE_API__LISTEN"), "{e}");
+    let e = load_err("", &[("PGONCE_PIPELINE__WOKERS", "3")]);
+    assert!(
+        e.contains("wokers") && e.contains("PGONCE_PIPELINE__WOKERS"),
+        "{e}"
+    );
+    let e = load_err("", &[("PGONCE_WOKERS", "3")]);
+    assert!(e.contains("wokers"), "{e}");
+    // A file that is not there is an error, not an empty file.
+    let e = Config::load(Some("/nonexistent/pgonce.toml".as_ref()), env(&[])).unwrap_err();
+    assert!(e.to_string().contains("/nonexistent/pgonce.toml"), "{e}");
+}
+
+#[test]
+fn what_cannot_work_is_refused_with_the_key_named() {
+    with_url().validate().unwrap();
+    type Bad = fn(&mut Config);
+    let cases: [(Bad, &str); 12] = [
+        (|c| c.database.url = None, "database.url"),
+        (
+            |c| c.database.max_connections = 1,
+            "database.max_connections",
+        ),
+        (
+            |c| c.database.acquire_timeout = Duration::ZERO,
+            "database.acquire_timeout",
+        ),
+        (|c| c.pipeline.concurrency = 0, "pipeline.concurrency"),
+        (
+            |c| c.pipeline.evaluator.failure_rate = 2.0,
+            "pipeline.evaluator.failure_rate",
+        ),
+        (
+            |c| c.pipeline.visibility_timeout = Duration::from_millis(10),
+            "pipeline.visibility_timeout",
+        ),
+        (
+            |c| c.notifier.webhook_url = Some("ftp://x".into()),
+            "notifier.webhook_url",
+        ),
+        (
+            |c| {
+                c.notifier.webhook_url = Some("http://x".into());
+                c.notifier.lease = Duration::from_secs(1);
+            },
+            "notifier",
+        ),
+        (|c| c.api.admin_token = Some("short".into()), "admin token"),
+        (|c| c.api.body_limit = 10, "body limit"),
+        (
+            |c| c.maintenance.reaper.batch_size = 0,
+            "maintenance.reaper",
+        ),
+        (
+            |c| c.maintenance.redriver.interval = Duration::ZERO,
+            "maintenance.redriver",
+        ),
+    ];
+    for (bad, needle) in cases {
+        let mut c = with_url();
+        bad(&mut c);
+        let e = c.validate().unwrap_err();
+        assert!(matches!(e, ConfigError::Invalid { .. }), "{e:?}");
+        let e = e.to_string();
+        assert!(e.contains(needle), "{needle}: {e}");
+    }
+}
