@@ -1,11 +1,11 @@
 //! `pgonce race <scenario>`: a seed's interleaving replayed step by step with
 //! the harness, under each strategy, with what happened to the invariant.
 
+mod events;
+mod guard;
+mod jobs;
 mod lock_wait;
-mod seed000;
-mod seed001;
-mod seed003;
-mod seed004;
+mod sequence;
 
 use clap::{Args, ValueEnum};
 use pgonce_testkit::{Step, StepEvent};
@@ -18,18 +18,20 @@ pub enum Scenario {
     /// Session B waits for a transaction-level advisory lock that A holds,
     /// and does not when A takes it outside a transaction.
     LockWait,
-    /// Seed 000: two workers, one entity, both read "none open", both
-    /// evaluate, both create; under six strategies, the guard among them.
-    Seed000,
-    /// Seed 004: concurrent incident declarations in one organization and
-    /// across organizations, under each sequence strategy.
-    Seed004,
-    /// Seed 001: three DCB writers (A and C on booking:123, B on
-    /// booking:456) under each append strategy, and out-of-order commits.
-    Seed001,
-    /// Seed 003: one job delivered twice under no-guard, where-status,
-    /// two-phase and dedupe-key; the crashed claimer; the late completion.
-    Seed003,
+    /// The incident seed's duplicate: two workers, one entity, both read
+    /// "none open", both evaluate, both create; under six strategies, the
+    /// guard among them.
+    Guard,
+    /// The event-store seed's three DCB writers (A and C on booking:123, B
+    /// on booking:456) under each append strategy, and out-of-order commits.
+    Events,
+    /// The SQS worker seed's duplicate execution: one job delivered twice
+    /// under no-guard, where-status, two-phase and dedupe-key; the crashed
+    /// claimer; the late completion.
+    Jobs,
+    /// The incident-numbering seed: concurrent declarations in one
+    /// organization and across organizations, under each sequence strategy.
+    Sequence,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -42,10 +44,10 @@ pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<
     let db = RunDatabase::open(database_url, "race", 20).await?;
     let report = match args.scenario {
         Scenario::LockWait => lock_wait::run(&db).await,
-        Scenario::Seed000 => seed000::run(&db).await,
-        Scenario::Seed004 => seed004::run(&db).await,
-        Scenario::Seed001 => seed001::run(&db).await,
-        Scenario::Seed003 => seed003::run(&db).await,
+        Scenario::Guard => guard::run(&db).await,
+        Scenario::Events => events::run(&db).await,
+        Scenario::Jobs => jobs::run(&db).await,
+        Scenario::Sequence => sequence::run(&db).await,
     };
     db.close().await?;
     report

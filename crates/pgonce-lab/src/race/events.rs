@@ -1,4 +1,5 @@
-//! `pgonce race seed001`: seed 001's three writers, step by step, under each
+//! `pgonce race events`: the event-store seed's three writers, step by
+//! step, under each
 //! append strategy. A appends booking:123, B booking:456, C booking:123; all
 //! three decided "no booking yet" before anyone appended, so C must fail.
 //! Then the out-of-order-commit cases: a decision read while a lower
@@ -17,7 +18,7 @@ use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
 pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
-    let mut report = Report::new("race", "seed001", db.environment().await?);
+    let mut report = Report::new("race", "events", db.environment().await?);
     for strategy in AppendStrategy::ALL {
         let (row, timeline, held) = three_writers(db, strategy).await?;
         report.results.push(row);
@@ -252,7 +253,7 @@ async fn three_writers(
         .map(|(s, _)| s)
         .collect();
     let row = Row::new(strategy.name())
-        .with("case", "seed001: A 123, B 456, C 123")
+        .with("case", "three writers: A 123, B 456, C 123")
         .with("parallel", parallel.join(", "))
         .with(
             "waited",

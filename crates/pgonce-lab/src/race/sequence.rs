@@ -1,4 +1,5 @@
-//! `pgonce race seed004`: concurrent incident declarations, step by step,
+//! `pgonce race sequence`: the incident-numbering seed's concurrent
+//! declarations, step by step,
 //! under each sequence strategy. A takes acme's next number and holds it; B
 //! declares in acme, C in globex; A commits; then D takes a number in acme
 //! and rolls back, and declares again. The table says, per strategy, which
@@ -21,8 +22,8 @@ use crate::scratch::RunDatabase;
 const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
-    let mut report = Report::new("race", "seed004", db.environment().await?);
-    sqlx::raw_sql(include_str!("sql/seed004_schema.sql"))
+    let mut report = Report::new("race", "sequence", db.environment().await?);
+    sqlx::raw_sql(include_str!("sql/sequence_schema.sql"))
         .execute(db.pool())
         .await?;
     for strategy in Strategy::ALL {

@@ -1,4 +1,4 @@
-//! `pgonce race seed000`: seed 000's T00-T10 replayed with the harness. Two
+//! `pgonce race guard`: the incident seed's T00-T10 replayed with the harness. Two
 //! workers get the same message for one entity (the second by redelivery),
 //! both read "no open incident", both evaluate, both try to create one,
 //! under each strategy. The table shows, from the database, how many
@@ -74,16 +74,16 @@ struct Ctx {
 
 pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     pgonce_incidents::migrate(db.pool()).await?;
-    sqlx::raw_sql(include_str!("sql/seed000_setup.sql"))
+    sqlx::raw_sql(include_str!("sql/guard_setup.sql"))
         .execute(db.pool())
         .await?;
-    let mut report = Report::new("race", "seed000", db.environment().await?);
+    let mut report = Report::new("race", "guard", db.environment().await?);
     for strategy in Strategy::ALL {
-        let (org, policy): (i64, i64) = sqlx::query_as(include_str!("sql/seed000_policy.sql"))
+        let (org, policy): (i64, i64) = sqlx::query_as(include_str!("sql/guard_policy.sql"))
             .bind(format!("one-open-incident/{}", strategy.name()))
             .fetch_one(db.pool())
             .await?;
-        let entity: i64 = sqlx::query_scalar(include_str!("sql/seed000_entity.sql"))
+        let entity: i64 = sqlx::query_scalar(include_str!("sql/guard_entity.sql"))
             .bind(policy)
             .bind(format!("entity-{}", strategy.name()))
             .fetch_one(db.pool())
@@ -100,8 +100,8 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
         if strategy == Strategy::UniqueIndex {
             // The index covers this strategy's own policy only, so earlier
             // strategies' duplicates stay as evidence. The id is ours.
-            let sql = include_str!("sql/seed000_unique_index.sql")
-                .replace("$policy", &policy.to_string());
+            let sql =
+                include_str!("sql/guard_unique_index.sql").replace("$policy", &policy.to_string());
             sqlx::query(sqlx::AssertSqlSafe(sql))
                 .execute(db.pool())
                 .await?;
@@ -115,7 +115,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             Strategy::Guard => guard(&ctx).await?,
         };
         if strategy == Strategy::UniqueIndex {
-            sqlx::query(include_str!("sql/seed000_drop_unique_index.sql"))
+            sqlx::query(include_str!("sql/guard_drop_unique_index.sql"))
                 .execute(db.pool())
                 .await?;
         }
@@ -184,7 +184,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
 }
 
 async fn count_open(pool: &PgPool, policy: i64, entity: i64) -> sqlx::Result<i64> {
-    sqlx::query_scalar(include_str!("sql/seed000_count_open.sql"))
+    sqlx::query_scalar(include_str!("sql/guard_count_open.sql"))
         .bind(policy)
         .bind(entity)
         .fetch_one(pool)
@@ -217,7 +217,7 @@ async fn evaluate(ctx: &Ctx, w: &Session, at: &str, outcome: &mut Outcome) -> an
 }
 
 async fn read_open(conn: &mut sqlx::PgConnection, ctx: &Ctx) -> sqlx::Result<Vec<i64>> {
-    sqlx::query_scalar(include_str!("sql/seed000_read_open.sql"))
+    sqlx::query_scalar(include_str!("sql/guard_read_open.sql"))
         .bind(ctx.policy)
         .bind(ctx.entity)
         .fetch_all(conn)
@@ -225,7 +225,7 @@ async fn read_open(conn: &mut sqlx::PgConnection, ctx: &Ctx) -> sqlx::Result<Vec
 }
 
 async fn insert(conn: &mut sqlx::PgConnection, ctx: &Ctx, who: &str) -> sqlx::Result<()> {
-    sqlx::query(include_str!("sql/seed000_insert.sql"))
+    sqlx::query(include_str!("sql/guard_insert.sql"))
         .bind(ctx.policy)
         .bind(ctx.entity)
         .bind(who)
@@ -423,7 +423,7 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
     race.step(
         &ctx.w1,
         "T08 pg_advisory_unlock(entity)",
-        sqlx::query(include_str!("sql/seed000_session_unlock.sql"))
+        sqlx::query(include_str!("sql/guard_session_unlock.sql"))
             .bind(key)
             .execute(&mut *c1),
     )
@@ -446,7 +446,7 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
     race.step(
         &ctx.w2,
         "T10 pg_advisory_unlock(entity)",
-        sqlx::query(include_str!("sql/seed000_session_unlock.sql"))
+        sqlx::query(include_str!("sql/guard_session_unlock.sql"))
             .bind(key)
             .execute(&mut *c2),
     )
@@ -458,7 +458,7 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
 /// connection stays checked out until the caller drops it.
 async fn session_lock_on(pool: PgPool, key: i64) -> sqlx::Result<PoolConnection<sqlx::Postgres>> {
     let mut conn = pool.acquire().await?;
-    sqlx::query(include_str!("sql/seed000_session_lock.sql"))
+    sqlx::query(include_str!("sql/guard_session_lock.sql"))
         .bind(key)
         .execute(&mut *conn)
         .await?;
