@@ -15,5 +15,5 @@ pub mod interleave;
 pub mod server;
 
 pub use cluster::{Cluster, ClusterError};
-pub use interleave::{Blocked, HarnessError, Interleaving, Session, Step, StepEvent};
+pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Step, StepEvent};
 pub use server::{ScratchDatabase, Server, ServerError, fresh_database, shared_for_tests};
