@@ -1,14 +1,18 @@
 //! `pgonce race <scenario>`: a seed's interleaving replayed step by step with
 //! the harness, under each strategy, with what happened to the invariant.
 
-mod events;
-mod guard;
+pub mod events;
+pub mod events_late_writer;
+pub mod guard;
 mod jobs;
-mod lock_wait;
-mod sequence;
+pub mod lock_wait;
+pub mod sequence;
 
 use clap::{Args, ValueEnum};
-use pgonce_testkit::{Step, StepEvent};
+use std::future::Future;
+
+use pgonce_testkit::{Blocked, HarnessError, Interleaving, Session, Step, StepEvent};
+use tokio::sync::oneshot;
 
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
@@ -25,6 +29,10 @@ pub enum Scenario {
     /// The event-store seed's three DCB writers (A and C on booking:123, B
     /// on booking:456) under each append strategy, and out-of-order commits.
     Events,
+    /// An append without a condition holds a lower position open while a
+    /// conditional append that decided before it checks, under each append
+    /// strategy, through `begin_append` and through `append_in`.
+    EventsLateWriter,
     /// The SQS worker seed's duplicate execution: one job delivered twice
     /// under no-guard, where-status, two-phase and dedupe-key; the crashed
     /// claimer; the late completion.
@@ -46,6 +54,7 @@ pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<
         Scenario::LockWait => lock_wait::run(&db).await,
         Scenario::Guard => guard::run(&db).await,
         Scenario::Events => events::run(&db).await,
+        Scenario::EventsLateWriter => events_late_writer::run(&db).await,
         Scenario::Jobs => jobs::run(&db).await,
         Scenario::Sequence => sequence::run(&db).await,
     };
@@ -71,4 +80,49 @@ pub fn timeline_rows(strategy: &str, steps: &[Step]) -> Vec<Row> {
                 .with("event", event)
         })
         .collect()
+}
+
+/// A step that may or may not wait on a lock: seen blocked (and on whom), or
+/// run to completion without waiting. Its output comes back either way.
+pub(crate) struct MaybeBlocked<T> {
+    blocked: Option<Blocked<()>>,
+    pub(crate) waited_for: Vec<String>,
+    output: oneshot::Receiver<T>,
+}
+
+impl<T> MaybeBlocked<T> {
+    pub(crate) async fn finish(self) -> anyhow::Result<T> {
+        if let Some(blocked) = self.blocked {
+            blocked.resume().await?;
+        }
+        Ok(self.output.await?)
+    }
+}
+
+pub(crate) async fn maybe_blocks<T: Send + 'static>(
+    race: &Interleaving,
+    session: &Session,
+    what: &str,
+    step: impl Future<Output = T> + Send + 'static,
+) -> anyhow::Result<MaybeBlocked<T>> {
+    let (send, output) = oneshot::channel();
+    let step = async move {
+        let _ = send.send(step.await);
+    };
+    match race.step_blocks(session, what, step).await {
+        Ok(blocked) => Ok(MaybeBlocked {
+            waited_for: blocked.blocked_by().to_vec(),
+            blocked: Some(blocked),
+            output,
+        }),
+        Err(HarnessError::DidNotBlock { .. }) => {
+            race.note(session, &format!("{what}: ran without waiting"));
+            Ok(MaybeBlocked {
+                blocked: None,
+                waited_for: Vec::new(),
+                output,
+            })
+        }
+        Err(e) => Err(e.into()),
+    }
 }

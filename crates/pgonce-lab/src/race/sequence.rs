@@ -1,5 +1,4 @@
-//! `pgonce race sequence`: the incident-numbering seed's concurrent
-//! declarations, step by step,
+//! `pgonce race sequence`: the incident-numbering seed's concurrent declarations, step by step,
 //! under each sequence strategy. A takes acme's next number and holds it; B
 //! declares in acme, C in globex; A commits; then D takes a number in acme
 //! and rolls back, and declares again. The table says, per strategy, which
@@ -7,15 +6,13 @@
 //! the rolled-back number was handed out again, and who waited for whom.
 
 use std::collections::BTreeMap;
-use std::future::Future;
 
 use anyhow::Context;
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
-use pgonce_testkit::{Blocked, HarnessError, Interleaving, Session};
+use pgonce_testkit::Interleaving;
 use sqlx::{PgConnection, PgPool};
-use tokio::sync::oneshot;
 
-use super::timeline_rows;
+use super::{maybe_blocks, timeline_rows};
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
@@ -342,49 +339,4 @@ async fn wrong_isolation(db: &RunDatabase) -> anyhow::Result<Vec<(Strategy, bool
         out.push((strategy, refused));
     }
     Ok(out)
-}
-
-/// A step that may or may not wait on a lock: seen blocked (and on whom), or
-/// run to completion without waiting. Its output comes back either way.
-struct MaybeBlocked<T> {
-    blocked: Option<Blocked<()>>,
-    waited_for: Vec<String>,
-    output: oneshot::Receiver<T>,
-}
-
-impl<T> MaybeBlocked<T> {
-    async fn finish(self) -> anyhow::Result<T> {
-        if let Some(blocked) = self.blocked {
-            blocked.resume().await?;
-        }
-        Ok(self.output.await?)
-    }
-}
-
-async fn maybe_blocks<T: Send + 'static>(
-    race: &Interleaving,
-    session: &Session,
-    what: &str,
-    step: impl Future<Output = T> + Send + 'static,
-) -> anyhow::Result<MaybeBlocked<T>> {
-    let (send, output) = oneshot::channel();
-    let step = async move {
-        let _ = send.send(step.await);
-    };
-    match race.step_blocks(session, what, step).await {
-        Ok(blocked) => Ok(MaybeBlocked {
-            waited_for: blocked.blocked_by().to_vec(),
-            blocked: Some(blocked),
-            output,
-        }),
-        Err(HarnessError::DidNotBlock { .. }) => {
-            race.note(session, &format!("{what}: ran without waiting"));
-            Ok(MaybeBlocked {
-                blocked: None,
-                waited_for: Vec::new(),
-                output,
-            })
-        }
-        Err(e) => Err(e.into()),
-    }
 }
