@@ -2,9 +2,11 @@
 //! interleaving is written once, in the lab, and these tests say what it
 //! must show.
 
+use pgonce::SequenceStrategy;
 use pgonce::events::AppendStrategy;
 use pgonce_lab::race::events::{self, AppendOutcome};
 use pgonce_lab::race::events_late_writer::{self, LateWriter};
+use pgonce_lab::race::{lock_wait, sequence};
 use pgonce_lab::scratch::RunDatabase;
 
 /// The event-store seed's three writers (A and C on booking:123, B on
@@ -178,6 +180,56 @@ async fn events_late_writer_never_lets_c_commit_under_serializable() -> anyhow::
             "{writer:?}: log {:?}",
             case.log
         );
+    }
+    db.close().await
+}
+
+/// The property every guard rests on: a transaction-level advisory lock
+/// taken inside a transaction makes B wait until A commits; in autocommit
+/// it is gone when its statement ends, and B does not wait.
+#[tokio::test]
+async fn lock_wait_holds_only_inside_a_transaction() -> anyhow::Result<()> {
+    let db = RunDatabase::for_tests("races").await?;
+    let race = lock_wait::replay(&db).await?;
+    assert!(race.inside_transaction.b_waited_for_a);
+    assert!(!race.outside_transaction.b_waited_for_a);
+    db.close().await
+}
+
+/// The incident-numbering seed: A holds acme's next number; B declares in
+/// acme, C in globex; A commits; D takes a number, rolls back, declares
+/// again. Under the advisory lock and the counter row numbers are unique
+/// and gapless, B waits for A only and C for nobody; the table lock makes C
+/// wait; FOR UPDATE in an empty scope fails B's declaration. Under every
+/// strategy no duplicate commits and the rolled-back number is reused.
+#[tokio::test]
+async fn sequence_declarations_under_each_strategy() -> anyhow::Result<()> {
+    let db = RunDatabase::for_tests("races").await?;
+    let race = sequence::replay(&db).await?;
+    assert_eq!(race.cases.len(), SequenceStrategy::ALL.len());
+    for case in &race.cases {
+        let s = case.strategy;
+        assert_eq!(case.duplicates, 0, "{s}: {:?}", case.committed);
+        assert_eq!(case.after_rollback, case.rolled_back, "{s}");
+        match s {
+            SequenceStrategy::AdvisoryLock | SequenceStrategy::CounterRow => {
+                assert!(case.invariant_held(), "{s}: {case:?}");
+                assert_eq!(case.b_waited_for, ["A"], "{s}");
+                assert!(case.c_waited_for.is_empty(), "{s}: {:?}", case.c_waited_for);
+            }
+            SequenceStrategy::TableLock => {
+                assert!(case.other_scope_waited(), "{s}");
+                assert_eq!((case.gaps, case.failed_declarations()), (0, 0), "{s}");
+            }
+            SequenceStrategy::SelectForUpdate => {
+                assert_eq!(case.failed_declarations(), 1, "{s}: {:?}", case.b);
+                assert!(!case.other_scope_waited(), "{s}");
+            }
+            other => panic!("no expectation written for {other}"),
+        }
+    }
+    for (s, refused) in &race.refused_under_repeatable_read {
+        assert_eq!(*refused, !s.accepts("repeatable read"), "{s}");
     }
     db.close().await
 }

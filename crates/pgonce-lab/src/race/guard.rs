@@ -250,13 +250,13 @@ async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Outco
     };
     let seen1 = ctx
         .race
-        .step(&ctx.w1, "T01 read open incidents", read(&ctx.w1))
-        .await??;
+        .try_step(&ctx.w1, "T01 read open incidents", read(&ctx.w1))
+        .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let seen2 = ctx
         .race
-        .step(&ctx.w2, "T05 read open incidents", read(&ctx.w2))
-        .await??;
+        .try_step(&ctx.w2, "T05 read open incidents", read(&ctx.w2))
+        .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
     let write = async |w: &Session, who: &str| -> sqlx::Result<()> {
         let mut tx = w
@@ -310,24 +310,24 @@ async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Outcome> {
     let mut outcome = Outcome::default();
     let race = &ctx.race;
     let mut tx1 = race
-        .step(&ctx.w1, begin, ctx.w1.pool().begin_with(begin))
-        .await??;
+        .try_step(&ctx.w1, begin, ctx.w1.pool().begin_with(begin))
+        .await?;
     let seen1 = race
-        .step(&ctx.w1, "T01 read open incidents", read_open(&mut tx1, ctx))
-        .await??;
+        .try_step(&ctx.w1, "T01 read open incidents", read_open(&mut tx1, ctx))
+        .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let mut tx2 = race
-        .step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
-        .await??;
+        .try_step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
+        .await?;
     let seen2 = race
-        .step(&ctx.w2, "T05 read open incidents", read_open(&mut tx2, ctx))
-        .await??;
+        .try_step(&ctx.w2, "T05 read open incidents", read_open(&mut tx2, ctx))
+        .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
     if seen1.is_empty() {
-        race.step(&ctx.w1, "T08 insert incident", insert(&mut tx1, ctx, "W1"))
-            .await??;
+        race.try_step(&ctx.w1, "T08 insert incident", insert(&mut tx1, ctx, "W1"))
+            .await?;
     }
-    race.step(&ctx.w1, "T08 COMMIT", tx1.commit()).await??;
+    race.try_step(&ctx.w1, "T08 COMMIT", tx1.commit()).await?;
     let mut w2_result: sqlx::Result<()> = Ok(());
     if seen2.is_empty() {
         w2_result = race
@@ -352,30 +352,30 @@ async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Outcome> {
             // evaluation included.
             outcome.retries += 1;
             let mut tx = race
-                .step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
-                .await??;
+                .try_step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
+                .await?;
             let seen = race
-                .step(
+                .try_step(
                     &ctx.w2,
                     "retry: read open incidents",
                     read_open(&mut tx, ctx),
                 )
-                .await??;
+                .await?;
             evaluate(ctx, &ctx.w2, "retry:", &mut outcome).await?;
             if seen.is_empty() {
-                race.step(
+                race.try_step(
                     &ctx.w2,
                     "retry: insert incident",
                     insert(&mut tx, ctx, "W2"),
                 )
-                .await??;
+                .await?;
             } else {
                 race.note(
                     &ctx.w2,
                     "retry: an incident is open already; nothing to create",
                 );
             }
-            race.step(&ctx.w2, "retry: COMMIT", tx.commit()).await??;
+            race.try_step(&ctx.w2, "retry: COMMIT", tx.commit()).await?;
         }
     }
     Ok(outcome)
@@ -388,15 +388,15 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
     let race = &ctx.race;
     let key = pgonce::LockKey::new("seed000/entity", &ctx.entity.to_string())?.as_i64();
     let mut c1 = race
-        .step(
+        .try_step(
             &ctx.w1,
             "T01 pg_advisory_lock(entity)",
             session_lock_on(ctx.w1.pool().clone(), key),
         )
-        .await??;
+        .await?;
     let seen1 = race
-        .step(&ctx.w1, "T01 read open incidents", read_open(&mut c1, ctx))
-        .await??;
+        .try_step(&ctx.w1, "T01 read open incidents", read_open(&mut c1, ctx))
+        .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let waiting = race
         .step_blocks(
@@ -413,44 +413,44 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
         Err(e) => return Err(e.into()),
     };
     if seen1.is_empty() {
-        race.step(
+        race.try_step(
             &ctx.w1,
             "T08 insert incident (autocommit)",
             insert(&mut c1, ctx, "W1"),
         )
-        .await??;
+        .await?;
     }
-    race.step(
+    race.try_step(
         &ctx.w1,
         "T08 pg_advisory_unlock(entity)",
         sqlx::query(include_str!("sql/guard_session_unlock.sql"))
             .bind(key)
             .execute(&mut *c1),
     )
-    .await??;
+    .await?;
     drop(c1);
-    let mut c2 = waiting.resume().await??;
+    let mut c2 = waiting.try_resume().await?;
     let seen2 = race
-        .step(&ctx.w2, "T09 read open incidents", read_open(&mut c2, ctx))
-        .await??;
+        .try_step(&ctx.w2, "T09 read open incidents", read_open(&mut c2, ctx))
+        .await?;
     evaluate(ctx, &ctx.w2, "T09", &mut outcome).await?;
     if seen2.is_empty() {
-        race.step(&ctx.w2, "T10 insert incident", insert(&mut c2, ctx, "W2"))
-            .await??;
+        race.try_step(&ctx.w2, "T10 insert incident", insert(&mut c2, ctx, "W2"))
+            .await?;
     } else {
         race.note(
             &ctx.w2,
             "T10 an incident is open already; nothing to create",
         );
     }
-    race.step(
+    race.try_step(
         &ctx.w2,
         "T10 pg_advisory_unlock(entity)",
         sqlx::query(include_str!("sql/guard_session_unlock.sql"))
             .bind(key)
             .execute(&mut *c2),
     )
-    .await??;
+    .await?;
     Ok(outcome)
 }
 
@@ -474,20 +474,20 @@ async fn guard(ctx: &Ctx) -> anyhow::Result<Outcome> {
     let (s1, s2) = (service(&ctx.w1)?, service(&ctx.w2)?);
     let policy = pgonce_incidents::store::get_policy(s1.pool(), ctx.org, ctx.policy).await?;
     let seen1 = race
-        .step(
+        .try_step(
             &ctx.w1,
             "T01 observe (short read, connection released)",
             s1.observe(&policy, ctx.entity, "message-1"),
         )
-        .await??;
+        .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let seen2 = race
-        .step(
+        .try_step(
             &ctx.w2,
             "T05 observe (short read, connection released)",
             s2.observe(&policy, ctx.entity, "message-1"),
         )
-        .await??;
+        .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
     for (w, s, seen, at) in [(&ctx.w1, &s1, &seen1, "T08"), (&ctx.w2, &s2, &seen2, "T10")] {
         let done = race
