@@ -16,6 +16,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod guard_strategy;
 pub mod race;
 pub mod report;
 pub mod scratch;

@@ -4,9 +4,10 @@
 
 use pgonce::SequenceStrategy;
 use pgonce::events::AppendStrategy;
+use pgonce_lab::guard_strategy::GuardStrategy;
 use pgonce_lab::race::events::{self, AppendOutcome};
 use pgonce_lab::race::events_late_writer::{self, LateWriter};
-use pgonce_lab::race::{lock_wait, sequence};
+use pgonce_lab::race::{guard, lock_wait, sequence};
 use pgonce_lab::scratch::RunDatabase;
 
 /// The event-store seed's three writers (A and C on booking:123, B on
@@ -231,5 +232,35 @@ async fn sequence_declarations_under_each_strategy() -> anyhow::Result<()> {
     for (s, refused) in &race.refused_under_repeatable_read {
         assert_eq!(*refused, !s.accepts("repeatable read"), "{s}");
     }
+    db.close().await
+}
+
+/// The incident seed's T00-T10: two workers, one entity, both read "none
+/// open", both evaluate, both create. Two transactions and REPEATABLE READ
+/// leave two open incidents; the others one. The guard refuses the second
+/// write with one conflict and holds no connection while evaluating.
+#[tokio::test]
+async fn guard_two_workers_one_entity_under_each_strategy() -> anyhow::Result<()> {
+    let db = RunDatabase::for_tests("races").await?;
+    let race = guard::replay(&db).await?;
+    assert_eq!(race.cases.len(), guard::RACED.len());
+    for case in &race.cases {
+        let s = case.strategy.name();
+        let expected = if case.strategy.safe() { 1 } else { 2 };
+        assert_eq!(case.open_incidents, expected, "{s}");
+    }
+    let guard = race
+        .cases
+        .iter()
+        .find(|c| c.strategy == GuardStrategy::Guard)
+        .expect("the guard is raced");
+    assert_eq!(guard.conflicts, 1);
+    assert!(!guard.held_during_evaluation);
+    let session_lock = race
+        .cases
+        .iter()
+        .find(|c| c.strategy == GuardStrategy::SessionLock)
+        .expect("the session lock is raced");
+    assert!(session_lock.held_during_evaluation);
     db.close().await
 }

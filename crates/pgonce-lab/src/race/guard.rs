@@ -9,58 +9,62 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce_incidents::{Service, ServiceConfig, WritePath};
-use pgonce_testkit::{HarnessError, Interleaving, Session};
+use pgonce_testkit::{HarnessError, Interleaving, Session, Step};
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
 
 use super::timeline_rows;
-use crate::report::{Report, Row};
+use crate::guard_strategy::GuardStrategy as Strategy;
+use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Strategy {
-    TwoTransactions,
-    RepeatableRead,
-    Serializable,
-    SessionLock,
-    UniqueIndex,
-    Guard,
-}
+/// The strategies raced, in the report's order.
+pub const RACED: [Strategy; 6] = [
+    Strategy::TwoTransactions,
+    Strategy::RepeatableRead,
+    Strategy::Serializable,
+    Strategy::SessionLock,
+    Strategy::UniqueIndex,
+    Strategy::Guard,
+];
 
-impl Strategy {
-    const ALL: [Strategy; 6] = [
-        Strategy::TwoTransactions,
-        Strategy::RepeatableRead,
-        Strategy::Serializable,
-        Strategy::SessionLock,
-        Strategy::UniqueIndex,
-        Strategy::Guard,
-    ];
-
-    fn name(self) -> &'static str {
-        match self {
-            Strategy::TwoTransactions => "two-transactions",
-            Strategy::RepeatableRead => "repeatable-read",
-            Strategy::Serializable => "serializable",
-            Strategy::SessionLock => "session-lock",
-            Strategy::UniqueIndex => "unique-index",
-            Strategy::Guard => "guard",
-        }
-    }
-
-    /// Whether the strategy is expected to keep I1 in this race.
-    fn safe(self) -> bool {
-        !matches!(self, Strategy::TwoTransactions | Strategy::RepeatableRead)
-    }
-}
-
-/// What one strategy's run left behind.
+/// What the workers' code counted during one strategy's run.
 #[derive(Debug, Default)]
-struct Outcome {
+struct Counts {
     conflicts: u64,
     aborts: u64,
     retries: u64,
     held_during_evaluation: bool,
+}
+
+/// What one strategy's run left behind.
+#[derive(Debug, Clone)]
+pub struct GuardCase {
+    pub strategy: Strategy,
+    /// Open incidents of the entity at the end, read from the database.
+    pub open_incidents: i64,
+    /// Writes refused because another worker won (a guard conflict, a
+    /// unique violation).
+    pub conflicts: u64,
+    /// Serialization failures, and the retries they cost.
+    pub aborts: u64,
+    pub retries: u64,
+    /// Whether a worker held its connection while evaluating.
+    pub held_during_evaluation: bool,
+    pub timeline: Vec<Step>,
+}
+
+impl GuardCase {
+    /// At most one open incident per entity.
+    pub fn invariant_held(&self) -> bool {
+        self.open_incidents <= 1
+    }
+}
+
+/// Everything `pgonce race guard` replays.
+#[derive(Debug, Clone)]
+pub struct GuardRace {
+    pub cases: Vec<GuardCase>,
 }
 
 struct Ctx {
@@ -73,12 +77,17 @@ struct Ctx {
 }
 
 pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+    let race = replay(db).await?;
+    Ok(report(&race, db.environment().await?))
+}
+
+pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
     pgonce_incidents::migrate(db.pool()).await?;
     sqlx::raw_sql(include_str!("sql/guard_setup.sql"))
         .execute(db.pool())
         .await?;
-    let mut report = Report::new("race", "guard", db.environment().await?);
-    for strategy in Strategy::ALL {
+    let mut cases = Vec::new();
+    for strategy in RACED {
         let (org, policy): (i64, i64) = sqlx::query_as(include_str!("sql/guard_policy.sql"))
             .bind(format!("one-open-incident/{}", strategy.name()))
             .fetch_one(db.pool())
@@ -113,14 +122,32 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             Strategy::SessionLock => session_lock(&ctx).await?,
             Strategy::UniqueIndex => two_transactions(&ctx, true).await?,
             Strategy::Guard => guard(&ctx).await?,
+            Strategy::GuardBeginCheck => {
+                anyhow::bail!("{} is measured by the bench, not raced", strategy.name())
+            }
         };
         if strategy == Strategy::UniqueIndex {
             sqlx::query(include_str!("sql/guard_drop_unique_index.sql"))
                 .execute(db.pool())
                 .await?;
         }
-        let open = count_open(db.pool(), policy, entity).await?;
-        let held = open <= 1;
+        cases.push(GuardCase {
+            strategy,
+            open_incidents: count_open(db.pool(), policy, entity).await?,
+            conflicts: outcome.conflicts,
+            aborts: outcome.aborts,
+            retries: outcome.retries,
+            held_during_evaluation: outcome.held_during_evaluation,
+            timeline: ctx.race.timeline(),
+        });
+    }
+    Ok(GuardRace { cases })
+}
+
+pub fn report(race: &GuardRace, environment: Environment) -> Report {
+    let mut report = Report::new("race", "guard", environment);
+    for case in &race.cases {
+        let (strategy, open, outcome) = (case.strategy, case.open_incidents, case);
         report.results.push(
             Row::new(strategy.name())
                 .with("open_incidents", open)
@@ -131,11 +158,11 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
                     "connection_held_during_evaluation",
                     outcome.held_during_evaluation,
                 )
-                .with("invariant_held", held),
+                .with("invariant_held", case.invariant_held()),
         );
         report.sections.insert(
             format!("timeline: {}", strategy.name()),
-            timeline_rows(strategy.name(), &ctx.race.timeline()),
+            timeline_rows(strategy.name(), &case.timeline),
         );
         if strategy == Strategy::Guard {
             report.verdict.check(
@@ -180,7 +207,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             ),
         ],
     );
-    Ok(report)
+    report
 }
 
 async fn count_open(pool: &PgPool, policy: i64, entity: i64) -> sqlx::Result<i64> {
@@ -199,7 +226,7 @@ async fn holds_connection(session: &Session) -> bool {
         .is_err()
 }
 
-async fn evaluate(ctx: &Ctx, w: &Session, at: &str, outcome: &mut Outcome) -> anyhow::Result<()> {
+async fn evaluate(ctx: &Ctx, w: &Session, at: &str, outcome: &mut Counts) -> anyhow::Result<()> {
     let held = holds_connection(w).await;
     outcome.held_during_evaluation |= held;
     ctx.race.note(
@@ -237,8 +264,8 @@ async fn insert(conn: &mut sqlx::PgConnection, ctx: &Ctx, who: &str) -> sqlx::Re
 /// The seed's original code: read in one transaction, write in another.
 /// With `unique_index`, the seed's partial unique index turns W2's insert
 /// into a unique violation, counted as a conflict.
-async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Outcome> {
-    let mut outcome = Outcome::default();
+async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Counts> {
+    let mut outcome = Counts::default();
     let read = async |w: &Session| -> sqlx::Result<Vec<i64>> {
         let mut tx = w
             .pool()
@@ -302,12 +329,12 @@ enum Level {
 
 /// Read, evaluate and write in one transaction at `level`; under
 /// SERIALIZABLE, an aborted worker retries the whole transaction once.
-async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Outcome> {
+async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Counts> {
     let begin = match level {
         Level::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
         Level::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
     };
-    let mut outcome = Outcome::default();
+    let mut outcome = Counts::default();
     let race = &ctx.race;
     let mut tx1 = race
         .try_step(&ctx.w1, begin, ctx.w1.pool().begin_with(begin))
@@ -383,8 +410,8 @@ async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Outcome> {
 
 /// A session-level advisory lock held from before the read until after the
 /// write, across the evaluation: W2 waits for W1's whole evaluation.
-async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
-    let mut outcome = Outcome::default();
+async fn session_lock(ctx: &Ctx) -> anyhow::Result<Counts> {
+    let mut outcome = Counts::default();
     let race = &ctx.race;
     let key = pgonce::LockKey::new("seed000/entity", &ctx.entity.to_string())?.as_i64();
     let mut c1 = race
@@ -467,8 +494,8 @@ async fn session_lock_on(pool: PgPool, key: i64) -> sqlx::Result<PoolConnection<
 
 /// pgonce's guard, through the incident service (both workers handle the
 /// same queue message, delivered twice).
-async fn guard(ctx: &Ctx) -> anyhow::Result<Outcome> {
-    let mut outcome = Outcome::default();
+async fn guard(ctx: &Ctx) -> anyhow::Result<Counts> {
+    let mut outcome = Counts::default();
     let race = &ctx.race;
     let service = |w: &Session| Service::new(w.pool().clone(), ServiceConfig::default());
     let (s1, s2) = (service(&ctx.w1)?, service(&ctx.w2)?);
