@@ -5,7 +5,7 @@
 //! - [`race`] replays a race step by step under each strategy, driving
 //!   several connections and waiting until one is seen blocked before the
 //!   next step;
-//! - [`bench`] compares strategies, and peer libraries, side by side in one
+//! - [`bench`](mod@bench) compares strategies, and peer libraries, side by side in one
 //!   run and prints ratios;
 //! - [`demo`] runs the incident service end to end under redeliveries,
 //!   duplicates and killed workers, and checks every invariant.
