@@ -41,9 +41,9 @@ fn race_lock_wait_prints_one_json_object_with_an_ok_verdict() {
 }
 
 #[test]
-fn race_seed001_holds_the_invariant_under_every_strategy() {
-    let report = json_report(&["race", "seed001", "--json"]);
-    assert_eq!(report["name"], "seed001");
+fn race_events_holds_the_invariant_under_every_strategy() {
+    let report = json_report(&["race", "events", "--json"]);
+    assert_eq!(report["name"], "events");
     let results = report["results"].as_array().unwrap();
     assert_eq!(
         results.len(),
@@ -75,8 +75,8 @@ fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
 }
 
 #[test]
-fn race_seed003_exits_0_with_exactly_one_side_effect_under_two_phase() {
-    let report = json_report(&["race", "seed003", "--json"]);
+fn race_jobs_exits_0_with_exactly_one_side_effect_under_two_phase() {
+    let report = json_report(&["race", "jobs", "--json"]);
     let row = |name: &str| {
         report["results"]
             .as_array()
@@ -138,8 +138,8 @@ fn bench_events_quick_measures_the_peer_and_prints_both_goal_ratios() {
 }
 
 #[test]
-fn race_seed004_keeps_i2_under_the_default_and_tells_the_truth_about_the_others() {
-    let report = json_report(&["race", "seed004", "--json"]);
+fn race_sequence_keeps_i2_under_the_default_and_tells_the_truth_about_the_others() {
+    let report = json_report(&["race", "sequence", "--json"]);
     assert_eq!(report["verdict"]["ok"], true, "{report:#}");
     let by_strategy = |name: &str| {
         report["results"]
@@ -233,4 +233,11 @@ fn bench_service_quick_prints_the_p99_in_one_json_object() {
     let goal = &report["sections"]["goals (performance; not part of the verdict)"][0];
     assert!(goal["measured_ms"].as_f64().is_some(), "{goal}");
     assert_eq!(goal["goal_ms"], 150.0);
+}
+
+#[test]
+fn race_events_late_writer_holds_every_condition_under_every_strategy() {
+    let report = json_report(&["race", "events-late-writer", "--json"]);
+    assert_eq!(report["name"], "events-late-writer");
+    assert_eq!(report["verdict"]["ok"], true, "{report:#}");
 }

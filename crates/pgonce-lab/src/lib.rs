@@ -10,12 +10,13 @@
 //! - [`demo`] runs the incident service end to end under redeliveries,
 //!   duplicates and killed workers, and checks every invariant.
 //!
-//! Every run works in a scratch database (see `scratch`) and ends in a
+//! Every run works in a scratch database ([`scratch`]) and ends in a
 //! [`report::Report`]: tables for people, one JSON object for machines.
 //! The `pgonce` command exposes all three when built with its `lab` feature.
 
 pub mod bench;
 pub mod demo;
+pub mod guard_strategy;
 pub mod race;
 pub mod report;
-mod scratch;
+pub mod scratch;

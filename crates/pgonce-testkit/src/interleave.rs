@@ -8,7 +8,9 @@
 //! ([`Interleaving::step_blocks`]): the harness then starts it in a task and
 //! waits until PostgreSQL reports that backend as waiting on a lock held by
 //! another (`pg_blocking_pids`), and fails loudly if that does not happen in
-//! time or the step finishes instead. No step relies on a sleep to order
+//! time or the step finishes instead. [`Interleaving::try_step`] and
+//! [`Blocked::try_resume`] fold a step's own error into [`HarnessError`], so
+//! a step that must succeed costs one `?`. No step relies on a sleep to order
 //! events; the only waiting is polling the server for a state to appear.
 //!
 //! ```no_run
@@ -17,8 +19,8 @@
 //! let race = Interleaving::new(options).await?;
 //! let a = race.session("A").await?;
 //! let b = race.session("B").await?;
-//! let mut tx_a = race.step(&a, "BEGIN", a.pool().begin()).await??;
-//! race.step(&a, "lock 42", sqlx::query("SELECT pg_advisory_xact_lock(42)").execute(&mut *tx_a)).await??;
+//! let mut tx_a = race.try_step(&a, "BEGIN", a.pool().begin()).await?;
+//! race.try_step(&a, "lock 42", sqlx::query("SELECT pg_advisory_xact_lock(42)").execute(&mut *tx_a)).await?;
 //! let pool_b = b.pool().clone();
 //! let waiting = race
 //!     .step_blocks(&b, "lock 42", async move {
@@ -28,8 +30,8 @@
 //!     })
 //!     .await?;
 //! assert_eq!(waiting.blocked_by(), ["A"]);
-//! race.step(&a, "COMMIT", tx_a.commit()).await??;
-//! waiting.resume().await??;
+//! race.try_step(&a, "COMMIT", tx_a.commit()).await?;
+//! waiting.try_resume().await?;
 //! # Ok(()) }
 //! ```
 
@@ -69,9 +71,23 @@ pub enum HarnessError {
     },
     #[error("session {session}: step `{step}` panicked")]
     StepPanicked { session: String, step: String },
+    /// A step run with [`Interleaving::try_step`] (or resumed with
+    /// [`Blocked::try_resume`]) returned an error of its own.
+    #[error("session {session}: step `{step}` failed: {source}")]
+    StepFailed {
+        session: String,
+        step: String,
+        #[source]
+        source: BoxError,
+    },
     #[error("harness database error: {0}")]
     Database(#[from] sqlx::Error),
 }
+
+/// Any error a step's future may return, boxed: what
+/// [`HarnessError::StepFailed`] carries, and what a race test can return so
+/// that one `?` serves harness, `sqlx` and `pgonce` errors alike.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// One entry of the timeline an interleaving records.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -183,6 +199,26 @@ impl Interleaving {
             })?;
         self.record(session, what, StepEvent::Ran);
         Ok(out)
+    }
+
+    /// Runs one fallible step of `session` to completion and records it; an
+    /// error the step returns becomes [`HarnessError::StepFailed`], naming
+    /// the session and step, so a test writes one `?` for both the harness
+    /// and the step. For a step whose error is an expected outcome, use
+    /// [`Interleaving::step`] and look at the `Result` it returns.
+    pub async fn try_step<T, E: Into<BoxError>>(
+        &self,
+        session: &Session,
+        what: &str,
+        step: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, HarnessError> {
+        self.step(session, what, step)
+            .await?
+            .map_err(|e| HarnessError::StepFailed {
+                session: session.name.clone(),
+                step: what.to_string(),
+                source: e.into(),
+            })
     }
 
     /// Starts a step of `session` that must block on a lock, and returns once
@@ -297,6 +333,19 @@ impl Interleaving {
             what: what.to_string(),
             event,
         });
+    }
+}
+
+impl<T, E: Into<BoxError>> Blocked<Result<T, E>> {
+    /// [`Blocked::resume`] for a fallible step: an error the step returned
+    /// becomes [`HarnessError::StepFailed`], so one `?` serves both.
+    pub async fn try_resume(self) -> Result<T, HarnessError> {
+        let (session, step) = (self.session.clone(), self.what.clone());
+        self.resume().await?.map_err(|e| HarnessError::StepFailed {
+            session,
+            step,
+            source: e.into(),
+        })
     }
 }
 

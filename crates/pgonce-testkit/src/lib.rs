@@ -17,7 +17,7 @@ pub mod pooler;
 pub mod server;
 
 pub use cluster::{Cluster, ClusterError};
-pub use interleave::{Blocked, HarnessError, Interleaving, Session, Step, StepEvent};
+pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Step, StepEvent};
 pub use pooler::Pooler;
 pub use server::{
     ScratchDatabase, Server, ServerError, fresh_database, fresh_database_behind_pooler,

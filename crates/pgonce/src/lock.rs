@@ -37,7 +37,7 @@
 //! the session. Held across slow work, it pins a pooled connection for that
 //! whole time, so in-flight work is capped by the pool size, and a forgotten
 //! unlock leaks the lock to whoever gets the connection next. pgonce offers
-//! no API for it; `pgonce race seed000` and `pgonce bench guard` measure it
+//! no API for it; `pgonce race guard` and `pgonce bench guard` measure it
 //! as the baseline it is.
 
 use std::fmt;

@@ -35,32 +35,9 @@ use sqlx::{PgConnection, PgPool};
 
 use super::BenchArgs;
 use super::measure::{Outcome, closed_loop, median, new_histogram, round2, runs_row};
+use crate::guard_strategy::GuardStrategy as Strategy;
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Strategy {
-    TwoTransactions,
-    Guard,
-    /// The guard as first shipped: `Guard::begin`, then
-    /// `GuardedTransaction::check` takes the lock in a round trip of its own
-    /// (the shape `Guard::write` had before `Guard::begin_for`).
-    GuardBeginCheck,
-    Serializable,
-    SessionLock,
-}
-
-impl Strategy {
-    fn name(self) -> &'static str {
-        match self {
-            Strategy::TwoTransactions => "two-transactions",
-            Strategy::Guard => "guard",
-            Strategy::GuardBeginCheck => "guard-begin-check",
-            Strategy::Serializable => "serializable",
-            Strategy::SessionLock => "session-lock",
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Shape {
@@ -494,6 +471,9 @@ async fn decide(
             // Starved: 50 aborts in a row. Counted, not an error: it is what
             // SERIALIZABLE does to a hot entity.
             Ok(Some("gave_up"))
+        }
+        Strategy::RepeatableRead | Strategy::UniqueIndex => {
+            anyhow::bail!("{} is replayed by the race, not measured", strategy.name())
         }
         Strategy::SessionLock => {
             let key = LockKey::new("bench-guard/entity", &entity.to_string())?.as_i64();

@@ -4,59 +4,87 @@
 //! is released when its statement ends, so the second session does not wait
 //! (seed 000's first failure mode).
 
-use pgonce_testkit::{HarnessError, Interleaving};
+use pgonce_testkit::{HarnessError, Interleaving, Step};
 
 use super::timeline_rows;
-use crate::report::{Report, Row};
+use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
 
 const KEY: i64 = 4242;
 const LOCK: &str = "SELECT pg_advisory_xact_lock($1)";
 
-pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
-    let mut report = Report::new("race", "lock-wait", db.environment().await?);
-
-    let (waited, rows) = inside_transaction(db).await?;
-    report.results.push(
-        Row::new("xact-lock-in-transaction")
-            .with("b_waited_for_a", waited)
-            .with("invariant_held", waited),
-    );
-    report
-        .sections
-        .insert("timeline: xact-lock-in-transaction".into(), rows);
-    report.verdict.check(
-        waited,
-        "inside a transaction, B waits for A's advisory lock until A commits",
-    );
-
-    let (waited, rows) = outside_transaction(db).await?;
-    report.results.push(
-        Row::new("xact-lock-outside-transaction")
-            .with("b_waited_for_a", waited)
-            .with("invariant_held", waited),
-    );
-    report
-        .sections
-        .insert("timeline: xact-lock-outside-transaction".into(), rows);
-    report.verdict.check(
-        !waited,
-        "outside a transaction the same call protects nothing: B does not wait (shown, as expected)",
-    );
-    Ok(report)
+/// One case: whether B was seen waiting for A's lock, and the timeline.
+#[derive(Debug, Clone)]
+pub struct LockWaitCase {
+    pub b_waited_for_a: bool,
+    pub timeline: Vec<Step>,
 }
 
-async fn inside_transaction(db: &RunDatabase) -> anyhow::Result<(bool, Vec<crate::report::Row>)> {
+/// Everything `pgonce race lock-wait` replays.
+#[derive(Debug, Clone)]
+pub struct LockWaitRace {
+    /// A takes the lock inside a transaction: B must wait.
+    pub inside_transaction: LockWaitCase,
+    /// A takes it in autocommit: released at once, B does not wait.
+    pub outside_transaction: LockWaitCase,
+}
+
+pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+    let race = replay(db).await?;
+    Ok(report(&race, db.environment().await?))
+}
+
+pub async fn replay(db: &RunDatabase) -> anyhow::Result<LockWaitRace> {
+    Ok(LockWaitRace {
+        inside_transaction: inside_transaction(db).await?,
+        outside_transaction: outside_transaction(db).await?,
+    })
+}
+
+pub fn report(race: &LockWaitRace, environment: Environment) -> Report {
+    let mut report = Report::new("race", "lock-wait", environment);
+    let inside = &race.inside_transaction;
+    report.results.push(
+        Row::new("xact-lock-in-transaction")
+            .with("b_waited_for_a", inside.b_waited_for_a)
+            .with("invariant_held", inside.b_waited_for_a),
+    );
+    report.sections.insert(
+        "timeline: xact-lock-in-transaction".into(),
+        timeline_rows("xact-lock-in-transaction", &inside.timeline),
+    );
+    report.verdict.check(
+        inside.b_waited_for_a,
+        "inside a transaction, B waits for A's advisory lock until A commits",
+    );
+    let outside = &race.outside_transaction;
+    report.results.push(
+        Row::new("xact-lock-outside-transaction")
+            .with("b_waited_for_a", outside.b_waited_for_a)
+            .with("invariant_held", outside.b_waited_for_a),
+    );
+    report.sections.insert(
+        "timeline: xact-lock-outside-transaction".into(),
+        timeline_rows("xact-lock-outside-transaction", &outside.timeline),
+    );
+    report.verdict.check(
+        !outside.b_waited_for_a,
+        "outside a transaction the same call protects nothing: B does not wait (shown, as expected)",
+    );
+    report
+}
+
+async fn inside_transaction(db: &RunDatabase) -> anyhow::Result<LockWaitCase> {
     let race = Interleaving::new(db.options()).await?;
     let a = race.session("A").await?;
     let b = race.session("B").await?;
-    let mut tx_a = race.step(&a, "BEGIN", a.pool().begin()).await??;
-    race.step(
+    let mut tx_a = race.try_step(&a, "BEGIN", a.pool().begin()).await?;
+    race.try_step(
         &a,
         "pg_advisory_xact_lock(4242)",
         sqlx::query(LOCK).bind(KEY).execute(&mut *tx_a),
     )
-    .await??;
+    .await?;
     let waiting = race
         .step_blocks(
             &b,
@@ -66,8 +94,8 @@ async fn inside_transaction(db: &RunDatabase) -> anyhow::Result<(bool, Vec<crate
         .await;
     let waited = match waiting {
         Ok(waiting) => {
-            race.step(&a, "COMMIT", tx_a.commit()).await??;
-            waiting.resume().await??;
+            race.try_step(&a, "COMMIT", tx_a.commit()).await?;
+            waiting.try_resume().await?;
             true
         }
         Err(HarnessError::DidNotBlock { .. }) => {
@@ -76,23 +104,23 @@ async fn inside_transaction(db: &RunDatabase) -> anyhow::Result<(bool, Vec<crate
         }
         Err(e) => return Err(e.into()),
     };
-    Ok((
-        waited,
-        timeline_rows("xact-lock-in-transaction", &race.timeline()),
-    ))
+    Ok(LockWaitCase {
+        b_waited_for_a: waited,
+        timeline: race.timeline(),
+    })
 }
 
-async fn outside_transaction(db: &RunDatabase) -> anyhow::Result<(bool, Vec<crate::report::Row>)> {
+async fn outside_transaction(db: &RunDatabase) -> anyhow::Result<LockWaitCase> {
     let race = Interleaving::new(db.options()).await?;
     let a = race.session("A").await?;
     let b = race.session("B").await?;
     // Autocommit: the lock belongs to the statement's implicit transaction.
-    race.step(
+    race.try_step(
         &a,
         "pg_advisory_xact_lock(4242), no BEGIN",
         sqlx::query(LOCK).bind(KEY).execute(a.pool()),
     )
-    .await??;
+    .await?;
     let waiting = race
         .step_blocks(
             &b,
@@ -102,7 +130,7 @@ async fn outside_transaction(db: &RunDatabase) -> anyhow::Result<(bool, Vec<crat
         .await;
     let waited = match waiting {
         Ok(waiting) => {
-            waiting.resume().await??;
+            waiting.try_resume().await?;
             true
         }
         Err(HarnessError::DidNotBlock { .. }) => {
@@ -111,10 +139,10 @@ async fn outside_transaction(db: &RunDatabase) -> anyhow::Result<(bool, Vec<crat
         }
         Err(e) => return Err(e.into()),
     };
-    Ok((
-        waited,
-        timeline_rows("xact-lock-outside-transaction", &race.timeline()),
-    ))
+    Ok(LockWaitCase {
+        b_waited_for_a: waited,
+        timeline: race.timeline(),
+    })
 }
 
 async fn lock_in_transaction(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {

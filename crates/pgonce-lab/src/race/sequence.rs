@@ -1,4 +1,4 @@
-//! `pgonce race seed004`: concurrent incident declarations, step by step,
+//! `pgonce race sequence`: the incident-numbering seed's concurrent declarations, step by step,
 //! under each sequence strategy. A takes acme's next number and holds it; B
 //! declares in acme, C in globex; A commits; then D takes a number in acme
 //! and rolls back, and declares again. The table says, per strategy, which
@@ -6,37 +6,62 @@
 //! the rolled-back number was handed out again, and who waited for whom.
 
 use std::collections::BTreeMap;
-use std::future::Future;
 
 use anyhow::Context;
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
-use pgonce_testkit::{Blocked, HarnessError, Interleaving, Session};
+use pgonce_testkit::Interleaving;
 use sqlx::{PgConnection, PgPool};
-use tokio::sync::oneshot;
 
-use super::timeline_rows;
-use crate::report::{Report, Row};
+use super::{maybe_blocks, timeline_rows};
+use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
 
 const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
+/// Everything `pgonce race sequence` replays.
+#[derive(Debug, Clone)]
+pub struct SequenceRace {
+    pub cases: Vec<SequenceCase>,
+    /// Each strategy's `next` in a REPEATABLE READ transaction: refused
+    /// with `WrongIsolation` (true) or accepted.
+    pub refused_under_repeatable_read: Vec<(Strategy, bool)>,
+}
+
 pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
-    let mut report = Report::new("race", "seed004", db.environment().await?);
-    sqlx::raw_sql(include_str!("sql/seed004_schema.sql"))
+    let race = replay(db).await?;
+    Ok(report(&race, db.environment().await?))
+}
+
+pub async fn replay(db: &RunDatabase) -> anyhow::Result<SequenceRace> {
+    sqlx::raw_sql(include_str!("sql/sequence_schema.sql"))
         .execute(db.pool())
         .await?;
+    let mut cases = Vec::new();
     for strategy in Strategy::ALL {
-        let outcome = replay(db, strategy)
-            .await
-            .with_context(|| format!("replaying under {strategy}"))?;
-        judge(&mut report, strategy, &outcome);
-        report.results.push(outcome.row(strategy));
-        report.sections.insert(
-            format!("timeline: {strategy}"),
-            timeline_rows(strategy.name(), &outcome.timeline),
+        cases.push(
+            replay_case(db, strategy)
+                .await
+                .with_context(|| format!("replaying under {strategy}"))?,
         );
     }
-    let isolation = wrong_isolation(db).await?;
+    Ok(SequenceRace {
+        cases,
+        refused_under_repeatable_read: wrong_isolation(db).await?,
+    })
+}
+
+pub fn report(race: &SequenceRace, environment: Environment) -> Report {
+    let mut report = Report::new("race", "sequence", environment);
+    for case in &race.cases {
+        let strategy = case.strategy;
+        judge(&mut report, strategy, case);
+        report.results.push(case.row(strategy));
+        report.sections.insert(
+            format!("timeline: {strategy}"),
+            timeline_rows(strategy.name(), &case.timeline),
+        );
+    }
+    let isolation = &race.refused_under_repeatable_read;
     report.verdict.check(
         isolation.iter().all(|(s, refused)| *refused != s.accepts("repeatable read")),
         "under REPEATABLE READ the max + 1 strategies refuse with a typed WrongIsolation error (no number, no lock); the counter row accepts",
@@ -57,34 +82,40 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             })
             .collect(),
     );
-    Ok(report)
+    report
 }
 
 /// What one strategy's replay showed.
-struct Outcome {
-    committed: BTreeMap<String, Vec<i64>>,
-    duplicates: i64,
-    gaps: i64,
-    b: Result<i64, String>,
-    b_waited_for: Vec<String>,
-    c_waited_for: Vec<String>,
-    rolled_back: i64,
-    after_rollback: i64,
-    timeline: Vec<pgonce_testkit::Step>,
+#[derive(Debug, Clone)]
+pub struct SequenceCase {
+    pub strategy: Strategy,
+    /// Committed numbers per organization, read from the table.
+    pub committed: BTreeMap<String, Vec<i64>>,
+    pub duplicates: i64,
+    pub gaps: i64,
+    /// B's declaration in A's organization: its number, or why it failed.
+    pub b: Result<i64, String>,
+    pub b_waited_for: Vec<String>,
+    /// C declares in another organization.
+    pub c_waited_for: Vec<String>,
+    /// The number D took and rolled back, and the one it got next.
+    pub rolled_back: i64,
+    pub after_rollback: i64,
+    pub timeline: Vec<pgonce_testkit::Step>,
 }
 
-impl Outcome {
-    fn other_scope_waited(&self) -> bool {
+impl SequenceCase {
+    pub fn other_scope_waited(&self) -> bool {
         !self.c_waited_for.is_empty()
     }
 
-    fn failed_declarations(&self) -> usize {
+    pub fn failed_declarations(&self) -> usize {
         usize::from(self.b.is_err())
     }
 
     /// I2: unique and gapless, every declaration got its number, and one
     /// scope never waited for another.
-    fn invariant_held(&self) -> bool {
+    pub fn invariant_held(&self) -> bool {
         self.duplicates == 0
             && self.gaps == 0
             && self.failed_declarations() == 0
@@ -133,7 +164,7 @@ impl Outcome {
 
 /// The verdict: the default keeps I2, and each row says what its strategy
 /// is known to do.
-fn judge(report: &mut Report, strategy: Strategy, o: &Outcome) {
+fn judge(report: &mut Report, strategy: Strategy, o: &SequenceCase) {
     let name = strategy.name();
     report.verdict.check(
         o.duplicates == 0,
@@ -214,7 +245,7 @@ async fn declare(seq: Sequence, pool: PgPool, org: &'static str) -> Result<i64, 
     })
 }
 
-async fn replay(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Outcome> {
+async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<SequenceCase> {
     let seq = sequence(strategy)?;
     let race = Interleaving::new(db.options()).await?;
     let a = race.session("A").await?;
@@ -223,17 +254,17 @@ async fn replay(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Outcome>
     let d = race.session("D").await?;
 
     let mut tx_a = race
-        .step(&a, "BEGIN", a.pool().begin_with(READ_COMMITTED))
-        .await??;
+        .try_step(&a, "BEGIN", a.pool().begin_with(READ_COMMITTED))
+        .await?;
     let taken = race
-        .step(&a, "next(acme)", seq.next(&mut tx_a, &"acme"))
-        .await??;
-    race.step(
+        .try_step(&a, "next(acme)", seq.next(&mut tx_a, &"acme"))
+        .await?;
+    race.try_step(
         &a,
         &format!("INSERT acme #{}", taken.number),
         insert(&seq, &mut tx_a, "acme", taken.number),
     )
-    .await??;
+    .await?;
 
     let b_step = maybe_blocks(
         &race,
@@ -249,7 +280,7 @@ async fn replay(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Outcome>
         declare(seq.clone(), c.pool().clone(), "globex"),
     )
     .await?;
-    race.step(&a, "COMMIT", tx_a.commit()).await??;
+    race.try_step(&a, "COMMIT", tx_a.commit()).await?;
     let (b_waited_for, b_out) = (b_step.waited_for.clone(), b_step.finish().await?);
     race.note(&b, &format!("declare(acme): {}", show(&b_out)));
     let (c_waited_for, c_out) = (c_step.waited_for.clone(), c_step.finish().await?);
@@ -257,19 +288,19 @@ async fn replay(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Outcome>
 
     // A declaration that fails late: its number must be free again.
     let mut tx_d = race
-        .step(&d, "BEGIN", d.pool().begin_with(READ_COMMITTED))
-        .await??;
+        .try_step(&d, "BEGIN", d.pool().begin_with(READ_COMMITTED))
+        .await?;
     let rolled_back = race
-        .step(&d, "next(acme)", seq.next(&mut tx_d, &"acme"))
-        .await??
+        .try_step(&d, "next(acme)", seq.next(&mut tx_d, &"acme"))
+        .await?
         .number;
-    race.step(
+    race.try_step(
         &d,
         &format!("INSERT acme #{rolled_back}"),
         insert(&seq, &mut tx_d, "acme", rolled_back),
     )
-    .await??;
-    race.step(&d, "ROLLBACK", tx_d.rollback()).await??;
+    .await?;
+    race.try_step(&d, "ROLLBACK", tx_d.rollback()).await?;
     let after_rollback = race
         .step(
             &d,
@@ -281,7 +312,8 @@ async fn replay(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Outcome>
     race.note(&d, &format!("declare(acme): got {after_rollback}"));
 
     let (committed, duplicates, gaps) = check(db.pool(), &seq).await?;
-    Ok(Outcome {
+    Ok(SequenceCase {
+        strategy,
         committed,
         duplicates,
         gaps,
@@ -341,49 +373,4 @@ async fn wrong_isolation(db: &RunDatabase) -> anyhow::Result<Vec<(Strategy, bool
         out.push((strategy, refused));
     }
     Ok(out)
-}
-
-/// A step that may or may not wait on a lock: seen blocked (and on whom), or
-/// run to completion without waiting. Its output comes back either way.
-struct MaybeBlocked<T> {
-    blocked: Option<Blocked<()>>,
-    waited_for: Vec<String>,
-    output: oneshot::Receiver<T>,
-}
-
-impl<T> MaybeBlocked<T> {
-    async fn finish(self) -> anyhow::Result<T> {
-        if let Some(blocked) = self.blocked {
-            blocked.resume().await?;
-        }
-        Ok(self.output.await?)
-    }
-}
-
-async fn maybe_blocks<T: Send + 'static>(
-    race: &Interleaving,
-    session: &Session,
-    what: &str,
-    step: impl Future<Output = T> + Send + 'static,
-) -> anyhow::Result<MaybeBlocked<T>> {
-    let (send, output) = oneshot::channel();
-    let step = async move {
-        let _ = send.send(step.await);
-    };
-    match race.step_blocks(session, what, step).await {
-        Ok(blocked) => Ok(MaybeBlocked {
-            waited_for: blocked.blocked_by().to_vec(),
-            blocked: Some(blocked),
-            output,
-        }),
-        Err(HarnessError::DidNotBlock { .. }) => {
-            race.note(session, &format!("{what}: ran without waiting"));
-            Ok(MaybeBlocked {
-                blocked: None,
-                waited_for: Vec::new(),
-                output,
-            })
-        }
-        Err(e) => Err(e.into()),
-    }
 }

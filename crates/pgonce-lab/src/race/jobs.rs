@@ -1,6 +1,7 @@
-//! `pgonce race seed003`: one job's message delivered twice, concurrently,
-//! replayed step by step under four guards, plus the two failure cases the
-//! two-phase guard needs a reaper for.
+//! `pgonce race jobs`: the SQS worker seed's duplicate execution (a crash
+//! before the delete, a visibility timeout during the work). One job's
+//! message delivered twice, concurrently, replayed step by step under four
+//! guards, plus the two failure cases the two-phase guard needs a reaper for.
 //!
 //! The side effect stands for the remote call (an LLM call, a charge): it is
 //! written on its own connection in autocommit, outside the worker's
@@ -56,7 +57,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     sqlx::raw_sql(include_str!("sql/seed003_schema.sql"))
         .execute(db.pool())
         .await?;
-    let mut report = Report::new("race", "seed003", db.environment().await?);
+    let mut report = Report::new("race", "jobs", db.environment().await?);
 
     type Expect = fn(&Outcome) -> (bool, bool, &'static str);
     let strategies: [(&str, Expect); 7] = [

@@ -1,4 +1,4 @@
-//! `pgonce race seed000`: seed 000's T00-T10 replayed with the harness. Two
+//! `pgonce race guard`: the incident seed's T00-T10 replayed with the harness. Two
 //! workers get the same message for one entity (the second by redelivery),
 //! both read "no open incident", both evaluate, both try to create one,
 //! under each strategy. The table shows, from the database, how many
@@ -9,58 +9,62 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce_incidents::{Service, ServiceConfig, WritePath};
-use pgonce_testkit::{HarnessError, Interleaving, Session};
+use pgonce_testkit::{HarnessError, Interleaving, Session, Step};
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
 
 use super::timeline_rows;
-use crate::report::{Report, Row};
+use crate::guard_strategy::GuardStrategy as Strategy;
+use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Strategy {
-    TwoTransactions,
-    RepeatableRead,
-    Serializable,
-    SessionLock,
-    UniqueIndex,
-    Guard,
-}
+/// The strategies raced, in the report's order.
+pub const RACED: [Strategy; 6] = [
+    Strategy::TwoTransactions,
+    Strategy::RepeatableRead,
+    Strategy::Serializable,
+    Strategy::SessionLock,
+    Strategy::UniqueIndex,
+    Strategy::Guard,
+];
 
-impl Strategy {
-    const ALL: [Strategy; 6] = [
-        Strategy::TwoTransactions,
-        Strategy::RepeatableRead,
-        Strategy::Serializable,
-        Strategy::SessionLock,
-        Strategy::UniqueIndex,
-        Strategy::Guard,
-    ];
-
-    fn name(self) -> &'static str {
-        match self {
-            Strategy::TwoTransactions => "two-transactions",
-            Strategy::RepeatableRead => "repeatable-read",
-            Strategy::Serializable => "serializable",
-            Strategy::SessionLock => "session-lock",
-            Strategy::UniqueIndex => "unique-index",
-            Strategy::Guard => "guard",
-        }
-    }
-
-    /// Whether the strategy is expected to keep I1 in this race.
-    fn safe(self) -> bool {
-        !matches!(self, Strategy::TwoTransactions | Strategy::RepeatableRead)
-    }
-}
-
-/// What one strategy's run left behind.
+/// What the workers' code counted during one strategy's run.
 #[derive(Debug, Default)]
-struct Outcome {
+struct Counts {
     conflicts: u64,
     aborts: u64,
     retries: u64,
     held_during_evaluation: bool,
+}
+
+/// What one strategy's run left behind.
+#[derive(Debug, Clone)]
+pub struct GuardCase {
+    pub strategy: Strategy,
+    /// Open incidents of the entity at the end, read from the database.
+    pub open_incidents: i64,
+    /// Writes refused because another worker won (a guard conflict, a
+    /// unique violation).
+    pub conflicts: u64,
+    /// Serialization failures, and the retries they cost.
+    pub aborts: u64,
+    pub retries: u64,
+    /// Whether a worker held its connection while evaluating.
+    pub held_during_evaluation: bool,
+    pub timeline: Vec<Step>,
+}
+
+impl GuardCase {
+    /// At most one open incident per entity.
+    pub fn invariant_held(&self) -> bool {
+        self.open_incidents <= 1
+    }
+}
+
+/// Everything `pgonce race guard` replays.
+#[derive(Debug, Clone)]
+pub struct GuardRace {
+    pub cases: Vec<GuardCase>,
 }
 
 struct Ctx {
@@ -73,17 +77,22 @@ struct Ctx {
 }
 
 pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+    let race = replay(db).await?;
+    Ok(report(&race, db.environment().await?))
+}
+
+pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
     pgonce_incidents::migrate(db.pool()).await?;
-    sqlx::raw_sql(include_str!("sql/seed000_setup.sql"))
+    sqlx::raw_sql(include_str!("sql/guard_setup.sql"))
         .execute(db.pool())
         .await?;
-    let mut report = Report::new("race", "seed000", db.environment().await?);
-    for strategy in Strategy::ALL {
-        let (org, policy): (i64, i64) = sqlx::query_as(include_str!("sql/seed000_policy.sql"))
+    let mut cases = Vec::new();
+    for strategy in RACED {
+        let (org, policy): (i64, i64) = sqlx::query_as(include_str!("sql/guard_policy.sql"))
             .bind(format!("one-open-incident/{}", strategy.name()))
             .fetch_one(db.pool())
             .await?;
-        let entity: i64 = sqlx::query_scalar(include_str!("sql/seed000_entity.sql"))
+        let entity: i64 = sqlx::query_scalar(include_str!("sql/guard_entity.sql"))
             .bind(policy)
             .bind(format!("entity-{}", strategy.name()))
             .fetch_one(db.pool())
@@ -100,8 +109,8 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
         if strategy == Strategy::UniqueIndex {
             // The index covers this strategy's own policy only, so earlier
             // strategies' duplicates stay as evidence. The id is ours.
-            let sql = include_str!("sql/seed000_unique_index.sql")
-                .replace("$policy", &policy.to_string());
+            let sql =
+                include_str!("sql/guard_unique_index.sql").replace("$policy", &policy.to_string());
             sqlx::query(sqlx::AssertSqlSafe(sql))
                 .execute(db.pool())
                 .await?;
@@ -113,14 +122,32 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             Strategy::SessionLock => session_lock(&ctx).await?,
             Strategy::UniqueIndex => two_transactions(&ctx, true).await?,
             Strategy::Guard => guard(&ctx).await?,
+            Strategy::GuardBeginCheck => {
+                anyhow::bail!("{} is measured by the bench, not raced", strategy.name())
+            }
         };
         if strategy == Strategy::UniqueIndex {
-            sqlx::query(include_str!("sql/seed000_drop_unique_index.sql"))
+            sqlx::query(include_str!("sql/guard_drop_unique_index.sql"))
                 .execute(db.pool())
                 .await?;
         }
-        let open = count_open(db.pool(), policy, entity).await?;
-        let held = open <= 1;
+        cases.push(GuardCase {
+            strategy,
+            open_incidents: count_open(db.pool(), policy, entity).await?,
+            conflicts: outcome.conflicts,
+            aborts: outcome.aborts,
+            retries: outcome.retries,
+            held_during_evaluation: outcome.held_during_evaluation,
+            timeline: ctx.race.timeline(),
+        });
+    }
+    Ok(GuardRace { cases })
+}
+
+pub fn report(race: &GuardRace, environment: Environment) -> Report {
+    let mut report = Report::new("race", "guard", environment);
+    for case in &race.cases {
+        let (strategy, open, outcome) = (case.strategy, case.open_incidents, case);
         report.results.push(
             Row::new(strategy.name())
                 .with("open_incidents", open)
@@ -131,11 +158,11 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
                     "connection_held_during_evaluation",
                     outcome.held_during_evaluation,
                 )
-                .with("invariant_held", held),
+                .with("invariant_held", case.invariant_held()),
         );
         report.sections.insert(
             format!("timeline: {}", strategy.name()),
-            timeline_rows(strategy.name(), &ctx.race.timeline()),
+            timeline_rows(strategy.name(), &case.timeline),
         );
         if strategy == Strategy::Guard {
             report.verdict.check(
@@ -180,11 +207,11 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
             ),
         ],
     );
-    Ok(report)
+    report
 }
 
 async fn count_open(pool: &PgPool, policy: i64, entity: i64) -> sqlx::Result<i64> {
-    sqlx::query_scalar(include_str!("sql/seed000_count_open.sql"))
+    sqlx::query_scalar(include_str!("sql/guard_count_open.sql"))
         .bind(policy)
         .bind(entity)
         .fetch_one(pool)
@@ -199,7 +226,7 @@ async fn holds_connection(session: &Session) -> bool {
         .is_err()
 }
 
-async fn evaluate(ctx: &Ctx, w: &Session, at: &str, outcome: &mut Outcome) -> anyhow::Result<()> {
+async fn evaluate(ctx: &Ctx, w: &Session, at: &str, outcome: &mut Counts) -> anyhow::Result<()> {
     let held = holds_connection(w).await;
     outcome.held_during_evaluation |= held;
     ctx.race.note(
@@ -217,7 +244,7 @@ async fn evaluate(ctx: &Ctx, w: &Session, at: &str, outcome: &mut Outcome) -> an
 }
 
 async fn read_open(conn: &mut sqlx::PgConnection, ctx: &Ctx) -> sqlx::Result<Vec<i64>> {
-    sqlx::query_scalar(include_str!("sql/seed000_read_open.sql"))
+    sqlx::query_scalar(include_str!("sql/guard_read_open.sql"))
         .bind(ctx.policy)
         .bind(ctx.entity)
         .fetch_all(conn)
@@ -225,7 +252,7 @@ async fn read_open(conn: &mut sqlx::PgConnection, ctx: &Ctx) -> sqlx::Result<Vec
 }
 
 async fn insert(conn: &mut sqlx::PgConnection, ctx: &Ctx, who: &str) -> sqlx::Result<()> {
-    sqlx::query(include_str!("sql/seed000_insert.sql"))
+    sqlx::query(include_str!("sql/guard_insert.sql"))
         .bind(ctx.policy)
         .bind(ctx.entity)
         .bind(who)
@@ -237,8 +264,8 @@ async fn insert(conn: &mut sqlx::PgConnection, ctx: &Ctx, who: &str) -> sqlx::Re
 /// The seed's original code: read in one transaction, write in another.
 /// With `unique_index`, the seed's partial unique index turns W2's insert
 /// into a unique violation, counted as a conflict.
-async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Outcome> {
-    let mut outcome = Outcome::default();
+async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Counts> {
+    let mut outcome = Counts::default();
     let read = async |w: &Session| -> sqlx::Result<Vec<i64>> {
         let mut tx = w
             .pool()
@@ -250,13 +277,13 @@ async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Outco
     };
     let seen1 = ctx
         .race
-        .step(&ctx.w1, "T01 read open incidents", read(&ctx.w1))
-        .await??;
+        .try_step(&ctx.w1, "T01 read open incidents", read(&ctx.w1))
+        .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let seen2 = ctx
         .race
-        .step(&ctx.w2, "T05 read open incidents", read(&ctx.w2))
-        .await??;
+        .try_step(&ctx.w2, "T05 read open incidents", read(&ctx.w2))
+        .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
     let write = async |w: &Session, who: &str| -> sqlx::Result<()> {
         let mut tx = w
@@ -302,32 +329,32 @@ enum Level {
 
 /// Read, evaluate and write in one transaction at `level`; under
 /// SERIALIZABLE, an aborted worker retries the whole transaction once.
-async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Outcome> {
+async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Counts> {
     let begin = match level {
         Level::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
         Level::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
     };
-    let mut outcome = Outcome::default();
+    let mut outcome = Counts::default();
     let race = &ctx.race;
     let mut tx1 = race
-        .step(&ctx.w1, begin, ctx.w1.pool().begin_with(begin))
-        .await??;
+        .try_step(&ctx.w1, begin, ctx.w1.pool().begin_with(begin))
+        .await?;
     let seen1 = race
-        .step(&ctx.w1, "T01 read open incidents", read_open(&mut tx1, ctx))
-        .await??;
+        .try_step(&ctx.w1, "T01 read open incidents", read_open(&mut tx1, ctx))
+        .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let mut tx2 = race
-        .step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
-        .await??;
+        .try_step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
+        .await?;
     let seen2 = race
-        .step(&ctx.w2, "T05 read open incidents", read_open(&mut tx2, ctx))
-        .await??;
+        .try_step(&ctx.w2, "T05 read open incidents", read_open(&mut tx2, ctx))
+        .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
     if seen1.is_empty() {
-        race.step(&ctx.w1, "T08 insert incident", insert(&mut tx1, ctx, "W1"))
-            .await??;
+        race.try_step(&ctx.w1, "T08 insert incident", insert(&mut tx1, ctx, "W1"))
+            .await?;
     }
-    race.step(&ctx.w1, "T08 COMMIT", tx1.commit()).await??;
+    race.try_step(&ctx.w1, "T08 COMMIT", tx1.commit()).await?;
     let mut w2_result: sqlx::Result<()> = Ok(());
     if seen2.is_empty() {
         w2_result = race
@@ -352,30 +379,30 @@ async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Outcome> {
             // evaluation included.
             outcome.retries += 1;
             let mut tx = race
-                .step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
-                .await??;
+                .try_step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
+                .await?;
             let seen = race
-                .step(
+                .try_step(
                     &ctx.w2,
                     "retry: read open incidents",
                     read_open(&mut tx, ctx),
                 )
-                .await??;
+                .await?;
             evaluate(ctx, &ctx.w2, "retry:", &mut outcome).await?;
             if seen.is_empty() {
-                race.step(
+                race.try_step(
                     &ctx.w2,
                     "retry: insert incident",
                     insert(&mut tx, ctx, "W2"),
                 )
-                .await??;
+                .await?;
             } else {
                 race.note(
                     &ctx.w2,
                     "retry: an incident is open already; nothing to create",
                 );
             }
-            race.step(&ctx.w2, "retry: COMMIT", tx.commit()).await??;
+            race.try_step(&ctx.w2, "retry: COMMIT", tx.commit()).await?;
         }
     }
     Ok(outcome)
@@ -383,20 +410,20 @@ async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Outcome> {
 
 /// A session-level advisory lock held from before the read until after the
 /// write, across the evaluation: W2 waits for W1's whole evaluation.
-async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
-    let mut outcome = Outcome::default();
+async fn session_lock(ctx: &Ctx) -> anyhow::Result<Counts> {
+    let mut outcome = Counts::default();
     let race = &ctx.race;
     let key = pgonce::LockKey::new("seed000/entity", &ctx.entity.to_string())?.as_i64();
     let mut c1 = race
-        .step(
+        .try_step(
             &ctx.w1,
             "T01 pg_advisory_lock(entity)",
             session_lock_on(ctx.w1.pool().clone(), key),
         )
-        .await??;
+        .await?;
     let seen1 = race
-        .step(&ctx.w1, "T01 read open incidents", read_open(&mut c1, ctx))
-        .await??;
+        .try_step(&ctx.w1, "T01 read open incidents", read_open(&mut c1, ctx))
+        .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let waiting = race
         .step_blocks(
@@ -413,44 +440,44 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
         Err(e) => return Err(e.into()),
     };
     if seen1.is_empty() {
-        race.step(
+        race.try_step(
             &ctx.w1,
             "T08 insert incident (autocommit)",
             insert(&mut c1, ctx, "W1"),
         )
-        .await??;
+        .await?;
     }
-    race.step(
+    race.try_step(
         &ctx.w1,
         "T08 pg_advisory_unlock(entity)",
-        sqlx::query(include_str!("sql/seed000_session_unlock.sql"))
+        sqlx::query(include_str!("sql/guard_session_unlock.sql"))
             .bind(key)
             .execute(&mut *c1),
     )
-    .await??;
+    .await?;
     drop(c1);
-    let mut c2 = waiting.resume().await??;
+    let mut c2 = waiting.try_resume().await?;
     let seen2 = race
-        .step(&ctx.w2, "T09 read open incidents", read_open(&mut c2, ctx))
-        .await??;
+        .try_step(&ctx.w2, "T09 read open incidents", read_open(&mut c2, ctx))
+        .await?;
     evaluate(ctx, &ctx.w2, "T09", &mut outcome).await?;
     if seen2.is_empty() {
-        race.step(&ctx.w2, "T10 insert incident", insert(&mut c2, ctx, "W2"))
-            .await??;
+        race.try_step(&ctx.w2, "T10 insert incident", insert(&mut c2, ctx, "W2"))
+            .await?;
     } else {
         race.note(
             &ctx.w2,
             "T10 an incident is open already; nothing to create",
         );
     }
-    race.step(
+    race.try_step(
         &ctx.w2,
         "T10 pg_advisory_unlock(entity)",
-        sqlx::query(include_str!("sql/seed000_session_unlock.sql"))
+        sqlx::query(include_str!("sql/guard_session_unlock.sql"))
             .bind(key)
             .execute(&mut *c2),
     )
-    .await??;
+    .await?;
     Ok(outcome)
 }
 
@@ -458,7 +485,7 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Outcome> {
 /// connection stays checked out until the caller drops it.
 async fn session_lock_on(pool: PgPool, key: i64) -> sqlx::Result<PoolConnection<sqlx::Postgres>> {
     let mut conn = pool.acquire().await?;
-    sqlx::query(include_str!("sql/seed000_session_lock.sql"))
+    sqlx::query(include_str!("sql/guard_session_lock.sql"))
         .bind(key)
         .execute(&mut *conn)
         .await?;
@@ -467,27 +494,27 @@ async fn session_lock_on(pool: PgPool, key: i64) -> sqlx::Result<PoolConnection<
 
 /// pgonce's guard, through the incident service (both workers handle the
 /// same queue message, delivered twice).
-async fn guard(ctx: &Ctx) -> anyhow::Result<Outcome> {
-    let mut outcome = Outcome::default();
+async fn guard(ctx: &Ctx) -> anyhow::Result<Counts> {
+    let mut outcome = Counts::default();
     let race = &ctx.race;
     let service = |w: &Session| Service::new(w.pool().clone(), ServiceConfig::default());
     let (s1, s2) = (service(&ctx.w1)?, service(&ctx.w2)?);
     let policy = pgonce_incidents::store::get_policy(s1.pool(), ctx.org, ctx.policy).await?;
     let seen1 = race
-        .step(
+        .try_step(
             &ctx.w1,
             "T01 observe (short read, connection released)",
             s1.observe(&policy, ctx.entity, "message-1"),
         )
-        .await??;
+        .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let seen2 = race
-        .step(
+        .try_step(
             &ctx.w2,
             "T05 observe (short read, connection released)",
             s2.observe(&policy, ctx.entity, "message-1"),
         )
-        .await??;
+        .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
     for (w, s, seen, at) in [(&ctx.w1, &s1, &seen1, "T08"), (&ctx.w2, &s2, &seen2, "T10")] {
         let done = race
