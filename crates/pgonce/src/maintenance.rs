@@ -20,9 +20,9 @@
 //!
 //! * **Completed jobs** (default 24 h after `finished_at`): terminal, nothing
 //!   transitions a completed job again. A duplicate delivery arriving after
-//!   the row is gone finds no job (`NotFound`) instead of an
-//!   already-completed one: keep the retention above the queue's redelivery
-//!   horizon when deliveries name jobs by id.
+//!   the row is gone loses its claim with [`Error::AlreadyHandled`], exactly
+//!   as against the completed row (the claim treats a missing job as done),
+//!   and acknowledges its message.
 //! * **Dead jobs** (default 7 days): terminal until an operator retries
 //!   them; 7 days leaves a week to look. A retry in progress holds the row's
 //!   lock and is skipped; once retried the job is pending and out of reach.
@@ -35,7 +35,9 @@
 //!   messages the dead-letter rule moved and nobody redrove
 //!   (`dead_lettered_from` set), and only while no consumer has one in
 //!   flight. Messages in ordinary queues are never touched: the receive path
-//!   expires those by their queue's own retention.
+//!   expires those by their queue's own retention, and it still applies the
+//!   dead-letter queue's retention to a message received from there, so a
+//!   dead-letter message lives until the earlier of the two.
 //! * **Idempotency keys** (default 24 h after first use, what clients are
 //!   told a retry may take): a key still held (`in_progress` with a hold
 //!   that has not expired) is never taken, whatever its age.
@@ -65,6 +67,8 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+#[cfg(doc)]
+use crate::error::Error;
 use crate::error::Result;
 
 /// Retention per kind of row, and how the loop runs.
