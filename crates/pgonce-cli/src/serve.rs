@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use pgonce::maintenance::Maintenance;
 use pgonce_incidents::Service;
 use pgonce_incidents::api::{self, ApiState};
 use pgonce_incidents::config::Config;
@@ -143,6 +144,15 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
         (false, None) => (None, None),
     };
     let runtime = Runtime::start(&service, queue.clone(), config.runtime_config())?;
+    let cleaner = &config.maintenance.cleaner;
+    let maintenance = if cleaner.enabled {
+        Some(Maintenance::spawn(
+            pool.clone(),
+            cleaner.maintenance_config(),
+        )?)
+    } else {
+        None
+    };
     let served = if let Some(listener) = listener {
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
         tracing::info!(listen = %config.api.listen, "pgonce serve: API and runtime started");
@@ -179,6 +189,9 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
         shutdown_signal().await;
         Ok(())
     };
+    if let Some(maintenance) = maintenance {
+        maintenance.stop().await;
+    }
     let summary = runtime.shutdown().await?;
     eprintln!(
         "pgonce: stopped; pipeline {:?}; notifications {:?}",

@@ -28,6 +28,7 @@ use figment::providers::{Format, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
+use pgonce::maintenance::MaintenanceConfig;
 use pgonce::{Listen, PgQueueOptions, WorkerConfig};
 use serde::Deserialize;
 use sqlx::postgres::PgConnectOptions;
@@ -364,6 +365,95 @@ pub struct MaintenanceSection {
     pub reaper: PassSection,
     /// `[maintenance.redriver]`: makes failed notifications due again.
     pub redriver: PassSection,
+    /// `[maintenance.cleaner]`: deletes what is past its retention.
+    pub cleaner: CleanerSection,
+}
+
+/// `[maintenance.cleaner]`: how long finished rows are kept before the
+/// maintenance loop deletes them in bounded batches
+/// ([`pgonce::maintenance`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CleanerSection {
+    /// `enabled`: run the cleaner in this process. Default true; several
+    /// processes may run it at once.
+    pub enabled: bool,
+    /// `interval`: pause between passes. Default 1m.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// `batch_size`: rows deleted per statement. Default 1000; at least 1.
+    pub batch_size: i64,
+    /// `completed_jobs`: kept this long after they finished. Default 24h.
+    #[serde(with = "humantime_serde")]
+    pub completed_jobs: Duration,
+    /// `dead_jobs`: kept this long after they died. Default 7days.
+    #[serde(with = "humantime_serde")]
+    pub dead_jobs: Duration,
+    /// `queue_dedup`: deduplication claims, kept this long after their
+    /// window ended. Default 0s.
+    #[serde(with = "humantime_serde")]
+    pub queue_dedup: Duration,
+    /// `dead_letter_messages`: messages in a dead-letter queue, kept this
+    /// long after they were sent. Default 14days.
+    #[serde(with = "humantime_serde")]
+    pub dead_letter_messages: Duration,
+    /// `idempotency_keys`: kept this long after they were created (never
+    /// while held). Default 24h.
+    #[serde(with = "humantime_serde")]
+    pub idempotency_keys: Duration,
+    /// `processed_messages`: the pipeline's processed-message keys, kept
+    /// this long. Default 7days.
+    #[serde(with = "humantime_serde")]
+    pub processed_messages: Duration,
+    /// `keep`: kinds of rows never deleted, by the names above, e.g.
+    /// `["dead_jobs"]`. Default none.
+    pub keep: Vec<String>,
+}
+
+/// The kinds of rows `[maintenance.cleaner]` names.
+const CLEANED: [&str; 6] = [
+    "completed_jobs",
+    "dead_jobs",
+    "queue_dedup",
+    "dead_letter_messages",
+    "idempotency_keys",
+    "processed_messages",
+];
+
+impl Default for CleanerSection {
+    fn default() -> Self {
+        let m = MaintenanceConfig::default();
+        let or_zero = |d: Option<Duration>| d.unwrap_or_default();
+        CleanerSection {
+            enabled: true,
+            interval: m.interval,
+            batch_size: m.batch_size,
+            completed_jobs: or_zero(m.completed_jobs),
+            dead_jobs: or_zero(m.dead_jobs),
+            queue_dedup: or_zero(m.queue_dedup),
+            dead_letter_messages: or_zero(m.dead_letter_messages),
+            idempotency_keys: or_zero(m.idempotency_keys),
+            processed_messages: or_zero(m.processed_messages),
+            keep: Vec::new(),
+        }
+    }
+}
+
+impl CleanerSection {
+    /// The library's configuration: `None` for the kinds in `keep`.
+    pub fn maintenance_config(&self) -> MaintenanceConfig {
+        let retain = |name: &str, d: Duration| (!self.keep.iter().any(|k| k == name)).then_some(d);
+        MaintenanceConfig {
+            interval: self.interval,
+            batch_size: self.batch_size,
+            completed_jobs: retain("completed_jobs", self.completed_jobs),
+            dead_jobs: retain("dead_jobs", self.dead_jobs),
+            queue_dedup: retain("queue_dedup", self.queue_dedup),
+            dead_letter_messages: retain("dead_letter_messages", self.dead_letter_messages),
+            idempotency_keys: retain("idempotency_keys", self.idempotency_keys),
+            processed_messages: retain("processed_messages", self.processed_messages),
+        }
+    }
 }
 
 impl Default for MaintenanceSection {
@@ -380,6 +470,7 @@ impl Default for MaintenanceSection {
                 interval: redriver.interval,
                 batch_size: redriver.batch_size,
             },
+            cleaner: CleanerSection::default(),
         }
     }
 }
@@ -615,6 +706,30 @@ impl Config {
             return Err(invalid(
                 "database.direct_url",
                 format!("not a PostgreSQL URL: {e}"),
+            ));
+        }
+        if let Some(unknown) = self
+            .maintenance
+            .cleaner
+            .keep
+            .iter()
+            .find(|k| !CLEANED.contains(&k.as_str()))
+        {
+            return Err(invalid(
+                "maintenance.cleaner.keep",
+                format!("unknown kind {unknown:?}; one of {CLEANED:?}"),
+            ));
+        }
+        if self.maintenance.cleaner.interval.is_zero() {
+            return Err(invalid(
+                "maintenance.cleaner.interval",
+                "must be above zero",
+            ));
+        }
+        if self.maintenance.cleaner.batch_size < 1 {
+            return Err(invalid(
+                "maintenance.cleaner.batch_size",
+                "must be at least 1",
             ));
         }
         if self.database.acquire_timeout.is_zero() {

@@ -292,3 +292,26 @@ fn what_cannot_work_is_refused_with_the_key_named() {
         assert!(e.contains(needle), "{needle}: {e}");
     }
 }
+
+#[test]
+fn the_cleaners_retention_is_configurable_and_keep_names_known_kinds() {
+    let f = file(
+        "[database]\nurl = \"postgres://x/y\"\n\
+         [maintenance.cleaner]\ncompleted_jobs = \"2h\"\nbatch_size = 50\nkeep = [\"dead_jobs\"]\n",
+    );
+    let c = Config::load(Some(f.path()), env(&[])).unwrap();
+    c.validate().unwrap();
+    let m = c.maintenance.cleaner.maintenance_config();
+    assert_eq!(m.completed_jobs, Some(Duration::from_secs(7200)));
+    assert_eq!(m.batch_size, 50);
+    assert_eq!(m.dead_jobs, None, "kept forever");
+    assert_eq!(
+        m.processed_messages,
+        Some(Duration::from_secs(7 * 24 * 3600))
+    );
+
+    let mut typo = with_url();
+    typo.maintenance.cleaner.keep = vec!["dead_job".into()];
+    let err = typo.validate().unwrap_err().to_string();
+    assert!(err.contains("maintenance.cleaner.keep"), "{err}");
+}

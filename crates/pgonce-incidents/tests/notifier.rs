@@ -4,6 +4,7 @@
 
 use pgonce::job::{self, NewJob};
 use pgonce_incidents::model::{Declaration, Incident};
+use pgonce_incidents::notifier::NotifyCounts;
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
 use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_incidents::{Notifier, NotifierConfig, Service, ServiceConfig, store};
@@ -31,6 +32,15 @@ async fn declared(titles: &[&str]) -> (ScratchDatabase, PgPool, Service, Vec<Inc
     (db, pool, service, incidents)
 }
 
+/// One notifier pass against a receiver that answers every request.
+async fn notify_once(service: &Service) -> NotifyCounts {
+    let receiver = WebhookReceiver::start(ReceiverFaults::default())
+        .await
+        .unwrap();
+    let notifier = Notifier::new(service, NotifierConfig::new(receiver.url())).unwrap();
+    notifier.run_once().await.unwrap()
+}
+
 #[tokio::test]
 async fn a_job_that_fails_is_counted_and_the_rest_of_the_pass_is_sent() {
     let (_db, pool, service, incidents) = declared(&["db down", "queue stuck"]).await;
@@ -44,11 +54,7 @@ async fn a_job_that_fails_is_counted_and_the_rest_of_the_pass_is_sent() {
     .await
     .unwrap();
 
-    let receiver = WebhookReceiver::start(ReceiverFaults::default())
-        .await
-        .unwrap();
-    let notifier = Notifier::new(&service, NotifierConfig::new(receiver.url())).unwrap();
-    let counts = notifier.run_once().await.unwrap();
+    let counts = notify_once(&service).await;
     assert_eq!((counts.sent, counts.errors), (2, 1), "{counts:?}");
 
     let notified: Vec<i64> =
@@ -92,4 +98,58 @@ async fn an_https_webhook_gets_a_tls_handshake() {
         .expect("the client never connected")
         .unwrap();
     assert_eq!(&head[..2], &[0x16, 0x03], "{head:?}");
+}
+
+/// I3 survives maintenance: once the finished notification jobs are
+/// deleted, a delivered incident still holds I3 on its `notifications` row,
+/// while an incident whose job died undelivered is still reported after its
+/// dead job is gone too.
+#[tokio::test]
+async fn i3_holds_after_maintenance_deleted_finished_jobs_and_still_sees_an_undelivered_one() {
+    use pgonce::maintenance::{self, MaintenanceConfig};
+    use pgonce_incidents::invariants::{self, NotNotifiedOnce};
+
+    let (_db, pool, service, incidents) = declared(&["db down", "queue stuck", "disk full"]).await;
+    let org: i64 = sqlx::query_scalar("SELECT organization_id FROM incidents.incidents LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let undelivered = incidents[2].id;
+    // The third incident's job died before anything was sent (cancelled).
+    sqlx::query(
+        "UPDATE pgonce.jobs SET status = 'dead', finished_at = now(), last_error = 'cancelled' \
+         WHERE kind = $1 AND (payload->>'incident_id')::bigint = $2",
+    )
+    .bind(NOTIFY_JOB_KIND)
+    .bind(undelivered)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(notify_once(&service).await.sent, 2);
+    let missing = NotNotifiedOnce {
+        incident_id: undelivered,
+        notifications: 0,
+        jobs: 1,
+        completed_jobs: 0,
+    };
+    assert_eq!(
+        invariants::not_notified_once(&pool, &[org]).await.unwrap(),
+        std::slice::from_ref(&missing)
+    );
+
+    // A month later, maintenance removes the finished jobs.
+    sqlx::query("UPDATE pgonce.jobs SET finished_at = now() - interval '30 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let cleaned = maintenance::run_once(&pool, &MaintenanceConfig::default())
+        .await
+        .unwrap();
+    assert_eq!((cleaned.completed_jobs, cleaned.dead_jobs), (2, 1));
+
+    assert_eq!(
+        invariants::not_notified_once(&pool, &[org]).await.unwrap(),
+        [NotNotifiedOnce { jobs: 0, ..missing }],
+        "the delivered incidents hold I3; the undelivered one is still reported"
+    );
 }

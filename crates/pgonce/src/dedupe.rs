@@ -19,7 +19,9 @@
 //!   hold expires (the next identical request takes the key over, and the old
 //!   holder's [`finish`] then fails with [`Error::LeaseLost`]).
 //!
-//! [`Collector`] deletes keys older than their retention.
+//! [`Collector`] deletes keys older than their retention;
+//! [`crate::maintenance`] runs the same deletes beside the library's other
+//! cleaners, for a server that runs one maintenance loop for everything.
 //!
 //! # Isolation
 //!

@@ -18,6 +18,8 @@
 //! * [`job`]: conditional transitions, fenced leases, the reaper and DB-driven
 //!   retry (P3).
 //! * [`dedupe`]: processed-message keys and idempotency keys (P4).
+//! * [`maintenance`]: the loop that deletes rows past their retention
+//!   (finished jobs, dead-letter messages, dedup claims, keys).
 //!
 //! The patterns (advisory locks, guarded writes, scoped sequences, jobs,
 //! idempotency keys, the event store and the queue) each live in a module of
@@ -30,6 +32,7 @@ pub mod guard;
 pub mod job;
 mod listen;
 pub mod lock;
+pub mod maintenance;
 pub mod migrate;
 pub mod queue;
 mod sequence;
