@@ -15,7 +15,8 @@
 //! The `pgonce` command exposes all three when built with its `lab` feature.
 
 pub mod bench;
+pub mod chaos;
 pub mod demo;
 pub mod race;
 pub mod report;
-mod scratch;
+pub mod scratch;

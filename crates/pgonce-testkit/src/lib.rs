@@ -14,6 +14,6 @@ pub mod cluster;
 pub mod interleave;
 pub mod server;
 
-pub use cluster::{Cluster, ClusterError};
+pub use cluster::{Cluster, ClusterError, ShutdownMode};
 pub use interleave::{Blocked, HarnessError, Interleaving, Session, Step, StepEvent};
 pub use server::{ScratchDatabase, Server, ServerError, fresh_database, shared_for_tests};
