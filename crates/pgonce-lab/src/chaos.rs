@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use indicatif::ProgressBar;
-use pgonce::job::{NewJob, ReaperConfig, RedriverConfig, RetryPolicy};
+use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
 use pgonce::{PgQueue, Queue, QueueStats, SendMessage, WorkerConfig, WorkerCounters};
 use pgonce_incidents::invariants::{InvariantReport, NotNotifiedOnce, Tallies};
 use pgonce_incidents::model::{
@@ -221,24 +221,24 @@ impl ChaosConfig {
     }
 }
 
-/// How long a notification job created before the settle phase can take to
-/// become terminal, at worst, with a reaper, a re-driver and a notifier
-/// running. Each of its `max_attempts` attempts either
-/// * was claimed by a notifier that died: the lease (the notifier holds it
-///   without a heartbeat) runs out, the reaper's next pass returns it; or
+/// How long notification jobs with at most `attempts` attempts left can
+/// take to become terminal, at worst, with a reaper, a re-driver and a
+/// notifier running. Each attempt either
+/// * was claimed by a notifier that stopped or died: the lease (the
+///   notifier holds it without a heartbeat) runs out, and the reaper's next
+///   pass returns the job; or
 /// * failed (error status, timeout): the backoff of the retry schedule at
-///   most (`max` with full jitter), the re-driver's next pass returns it;
+///   most (`max` with full jitter), and the re-driver's next pass returns it;
 ///
 /// and is then claimed within the notifier's idle pause. Doubled: the
-/// machine may be busy, and this is a bound on waiting, not a verdict.
-pub fn settle_bound(notifier: &NotifierConfig, runtime: &RuntimeConfig) -> Duration {
+/// machine may be busy, and this bounds a wait, it is not a verdict.
+pub fn settle_bound(notifier: &NotifierConfig, runtime: &RuntimeConfig, attempts: u32) -> Duration {
     let crashed = notifier.lease + runtime.reaper.interval;
     let failed = notifier.timeout
         + notifier.retry.max.mul_f64(1.0 + notifier.retry.jitter)
         + runtime.redriver.interval;
     let attempt = crashed.max(failed) + notifier.idle;
-    let attempts = NewJob::new(NOTIFY_JOB_KIND, json!({})).max_attempts;
-    attempt * attempts as u32 * 2
+    attempt * attempts.max(1) * 2
 }
 
 /// Three policies per organization: one incident at a time, every time, and
@@ -382,6 +382,9 @@ pub struct Produced {
     pub duplicate_sends: u64,
     pub dropped_by_dedup: u64,
     pub malformed: u64,
+    /// Ids of the malformed messages: each must end in the dead-letter
+    /// queue.
+    pub poison: Vec<String>,
 }
 
 fn observation(rng: &mut impl Rng, org: i64, entity: &str) -> Observation {
@@ -453,9 +456,10 @@ async fn produce(
         let m = SendMessage::new(body)
             .group(format!("poison-{i}"))
             .dedup(format!("poison-{i}"));
-        retrier
+        let sent = retrier
             .run("sending a poison message", || queue.send(m.clone()))
             .await?;
+        produced.poison.push(sent.id);
         produced.malformed += 1;
     }
     Ok(produced)
@@ -568,7 +572,8 @@ pub struct NotificationJob {
 }
 
 impl NotificationJob {
-    fn terminal(&self) -> bool {
+    /// `completed` or `dead`: it never changes again.
+    pub fn terminal(&self) -> bool {
         matches!(self.status.as_str(), "completed" | "dead")
     }
 
@@ -661,8 +666,13 @@ pub struct ObservationAudit {
     pub lost: Vec<UnprocessedMessage>,
     /// Still in the queue (visible or in flight) when the deadline ran out.
     pub pending_at_deadline: Vec<UnprocessedMessage>,
-    /// Malformed messages sent, and how many reached the dead-letter queue.
+    /// Malformed messages sent, and how many of them reached the
+    /// dead-letter queue (all must).
     pub malformed_sent: u64,
+    pub malformed_dead_lettered: u64,
+    /// Messages in the dead-letter queue, all told: the malformed ones,
+    /// and valid ones delivered more than the queue allows though processed
+    /// (a slow machine), which is no loss.
     pub dead_lettered: u64,
 }
 
@@ -670,7 +680,7 @@ impl ObservationAudit {
     pub fn holds(&self) -> bool {
         self.lost.is_empty()
             && self.pending_at_deadline.is_empty()
-            && self.dead_lettered == self.malformed_sent
+            && self.malformed_dead_lettered == self.malformed_sent
     }
 }
 
@@ -746,6 +756,76 @@ async fn unprocessed_messages(
         .bind(ids)
         .fetch_all(pool)
         .await
+}
+
+/// What [`settle`] saw.
+#[derive(Debug, Clone)]
+pub struct Settled {
+    /// How long it was allowed to wait ([`settle_bound`]).
+    pub bound: Duration,
+    /// Every notification job terminal within `bound`.
+    pub settled: bool,
+    /// The jobs when it stopped waiting.
+    pub jobs: Vec<NotificationJob>,
+}
+
+/// Waits until every notification job of `organizations` is terminal,
+/// within [`settle_bound`], running what finishes them: a notifier alone
+/// does not. A failed job needs the re-driver to become runnable once its
+/// backoff is over, a job claimed by a notifier that stopped needs the
+/// reaper once its lease has run out; so this runs all three, as a runtime
+/// with no pipeline workers (`runtime` must name a notifier).
+pub async fn settle(
+    service: &Service,
+    queue: &PgQueue,
+    runtime: &RuntimeConfig,
+    organizations: &[i64],
+    retrier: &Retrier,
+) -> anyhow::Result<Settled> {
+    let notifier = runtime
+        .notifier
+        .as_ref()
+        .context("settling notifications needs a notifier configuration")?;
+    let pool = service.pool();
+    let started = Instant::now();
+    let jobs = retrier
+        .run("auditing notification jobs", || {
+            notification_jobs(pool, organizations)
+        })
+        .await?;
+    // The most attempts any unfinished job has left.
+    let attempts = jobs
+        .iter()
+        .filter(|j| !j.terminal())
+        .map(|j| (j.max_attempts - j.attempts).max(1) as u32)
+        .max()
+        .unwrap_or(1);
+    let bound = settle_bound(notifier, runtime, attempts);
+    let mut config = runtime.clone();
+    config.workers = 0;
+    config.job_maintenance = true;
+    let settler = Runtime::start(service, queue.clone(), config)?;
+    let deadline = started + bound;
+    let (settled, jobs) = loop {
+        let jobs = retrier
+            .run("auditing notification jobs", || {
+                notification_jobs(pool, organizations)
+            })
+            .await?;
+        if jobs.iter().all(NotificationJob::terminal) {
+            break (true, jobs);
+        }
+        if Instant::now() >= deadline {
+            break (false, jobs);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    settler.shutdown().await?;
+    Ok(Settled {
+        bound,
+        settled,
+        jobs,
+    })
 }
 
 /// Runs the chaos run on `pool` (a migrated, empty scratch database).
@@ -827,7 +907,9 @@ pub async fn run(
     let mut drained = false;
     while Instant::now() < deadline {
         let tallies = retrier
-            .run("counting", || invariants::tallies(pool, &setup.organizations))
+            .run("counting", || {
+                invariants::tallies(pool, &setup.organizations)
+            })
             .await?;
         let done = tallies.messages_processed as u64;
         if let Some(bar) = progress {
@@ -879,33 +961,16 @@ pub async fn run(
 
     // Settle: the people may have opened incidents after the pipeline
     // finished, and the runtimes just stopped may have left notifications
-    // claimed (a notifier stopped mid-send) or failed, waiting for their
-    // retry. A notifier alone does not finish those: a failed job needs the
-    // re-driver to become runnable again, a claimed one the reaper once its
-    // lease has run out. So the settle phase runs all three, as one more
-    // runtime with no pipeline workers, until every notification job is
-    // terminal, within a bound derived from the lease and retry schedule.
-    let notifier = config.notifier(receiver.url());
-    let bound = settle_bound(&notifier, &config.runtime);
-    let mut settle_config = config.runtime_config(receiver.url(), true);
-    settle_config.workers = 0;
-    settle_config.job_maintenance = true;
-    let settler = Runtime::start(&service, queue.clone(), settle_config)?;
-    let settle_deadline = Instant::now() + bound;
-    let mut settled = false;
-    while Instant::now() < settle_deadline {
-        let jobs = retrier
-            .run("auditing notification jobs", || {
-                notification_jobs(pool, &setup.organizations)
-            })
-            .await?;
-        if jobs.iter().all(NotificationJob::terminal) {
-            settled = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    settler.shutdown().await?;
+    // claimed (a notifier stopped mid-send) or failed, waiting for retry.
+    let settled = settle(
+        &service,
+        &queue,
+        &config.runtime_config(receiver.url(), true),
+        &setup.organizations,
+        &retrier,
+    )
+    .await?;
+    let (bound, settled) = (settled.bound, settled.settled);
 
     let sent: Vec<String> = produced.sent.iter().cloned().collect();
     let checked = retrier
@@ -914,7 +979,9 @@ pub async fn run(
         })
         .await?;
     let tallies = retrier
-        .run("counting", || invariants::tallies(pool, &setup.organizations))
+        .run("counting", || {
+            invariants::tallies(pool, &setup.organizations)
+        })
         .await?;
     let queue_stats = retrier.run("queue stats", || queue.stats()).await?;
     let jobs = retrier
@@ -928,7 +995,16 @@ pub async fn run(
             unprocessed_messages(pool, &checked.i6_unprocessed)
         })
         .await?;
+    let poison = retrier
+        .run("auditing malformed messages", || {
+            unprocessed_messages(pool, &produced.poison)
+        })
+        .await?;
     let mut observations = ObservationAudit {
+        malformed_dead_lettered: poison
+            .iter()
+            .filter(|m| m.queue.as_deref() == Some(OBSERVATIONS_DEAD_LETTERS))
+            .count() as u64,
         malformed_sent: produced.malformed,
         dead_lettered: queue_stats.dead_letter_depth.unwrap_or(0),
         ..ObservationAudit::default()
@@ -937,7 +1013,9 @@ pub async fn run(
         if m.queue.as_deref() == Some(OBSERVATIONS_QUEUE) {
             observations.pending_at_deadline.push(m);
         } else {
-            debug_assert!(m.queue.is_none() || m.queue.as_deref() == Some(OBSERVATIONS_DEAD_LETTERS));
+            debug_assert!(
+                m.queue.is_none() || m.queue.as_deref() == Some(OBSERVATIONS_DEAD_LETTERS)
+            );
             observations.lost.push(m);
         }
     }

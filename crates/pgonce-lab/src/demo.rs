@@ -147,7 +147,11 @@ async fn run_checked(
     let outcome = chaos::run(db.pool(), &config, restart, Some(&bar)).await;
     bar.finish_and_clear();
     let outcome = outcome?;
-    let report = render(&outcome, args.rollout, environment.clone().expect("read above"));
+    let report = render(
+        &outcome,
+        args.rollout,
+        environment.clone().expect("read above"),
+    );
     db.close().await?;
     Ok(report)
 }
@@ -220,7 +224,11 @@ pub fn render(outcome: &ChaosOutcome, rollout: u8, environment: Environment) -> 
             "notified (one row per incident)",
             o.tallies.notifications.into(),
         ),
-        ("notifications", "webhook requests", o.receiver.requests.into()),
+        (
+            "notifications",
+            "webhook requests",
+            o.receiver.requests.into(),
+        ),
         (
             "notifications",
             "duplicates dropped by idempotency key",
@@ -246,7 +254,11 @@ pub fn render(outcome: &ChaosOutcome, rollout: u8, environment: Environment) -> 
             "malformed messages sent",
             o.produced.malformed.into(),
         ),
-        ("queue", "dead-lettered", o.observations.dead_lettered.into()),
+        (
+            "queue",
+            "dead-lettered",
+            o.observations.dead_lettered.into(),
+        ),
         (
             "queue",
             "left in the queue",
@@ -286,8 +298,7 @@ pub fn render(outcome: &ChaosOutcome, rollout: u8, environment: Environment) -> 
             .with("held", o.notifications.holds() && checked.i3())
             .with(
                 "violations",
-                o.notifications.more_than_once.len()
-                    + o.notifications.never_enqueued_or_lost.len(),
+                o.notifications.more_than_once.len() + o.notifications.never_enqueued_or_lost.len(),
             )
             .with("pending", o.notifications.pending_at_deadline.len()),
         Row::new("I6")
@@ -432,10 +443,10 @@ pub fn render(outcome: &ChaosOutcome, rollout: u8, environment: Environment) -> 
         ),
     );
     v.check(
-        obs.dead_lettered == obs.malformed_sent,
+        obs.malformed_dead_lettered == obs.malformed_sent,
         format!(
-            "queue: {} malformed messages sent, {} in the dead-letter queue",
-            obs.malformed_sent, obs.dead_lettered
+            "queue: {} of {} malformed messages in the dead-letter queue ({} there in all)",
+            obs.malformed_dead_lettered, obs.malformed_sent, obs.dead_lettered
         ),
     );
     report

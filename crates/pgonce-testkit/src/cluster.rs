@@ -283,7 +283,12 @@ impl Cluster {
     /// connections are refused until the server is ready again. Blocks until
     /// it is; call it from `spawn_blocking` on a busy runtime.
     pub fn restart(&mut self, mode: ShutdownMode) -> Result<(), ClusterError> {
-        let dir = self.dir.as_ref().expect("cluster is running").path().to_owned();
+        let dir = self
+            .dir
+            .as_ref()
+            .expect("cluster is running")
+            .path()
+            .to_owned();
         // The watchdog holds the old server's pid: stop it first, so it can
         // never signal a reused pid, and start a new one for the new server.
         if let Some(mut watchdog) = self.watchdog.take() {
