@@ -291,3 +291,39 @@ async fn the_scratch_database_is_dropped_on_an_error_path() {
         .unwrap();
     assert_eq!(left, 0, "{name} left behind");
 }
+
+/// The drivers' retry: a session ended by the server (SQLSTATE 57P01, as
+/// in a fast shutdown or restart) is retried and the call succeeds on a new
+/// connection; a bad statement is not retried.
+#[tokio::test]
+async fn a_session_ended_by_the_server_is_retried_and_a_bad_statement_is_not() {
+    let db = fresh_database().await;
+    let pool = db.pool(2).await.unwrap();
+    let retrier = Retrier::new(Duration::from_secs(10));
+    let calls = std::sync::atomic::AtomicU32::new(0);
+    let pid: i32 = retrier
+        .run("reading the backend", || async {
+            if calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0 {
+                // The server ends this very session mid-call.
+                sqlx::query("SELECT pg_terminate_backend(pg_backend_pid())")
+                    .execute(&pool)
+                    .await?;
+            }
+            sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+                .fetch_one(&pool)
+                .await
+        })
+        .await
+        .unwrap();
+    assert!(pid > 0);
+    assert_eq!(retrier.retried(), 1);
+
+    let err = retrier
+        .run("a bad statement", || {
+            sqlx::query("SELECT * FROM no_such_table").execute(&pool)
+        })
+        .await
+        .unwrap_err();
+    assert!(!chaos::is_transient(&err), "{err:#}");
+    assert_eq!(retrier.retried(), 1, "not retried");
+}
