@@ -1,10 +1,9 @@
-//! The pipeline end to end against a real PostgreSQL: observations on the
-//! FIFO queue with duplicate sends, a visibility timeout shorter than some
-//! evaluations, a webhook receiver that fails and answers late, and one
-//! worker process (with the notifier) killed mid-run. Afterwards I1, I2, I3
-//! and I6 hold in the database.
+//! The pipeline's parts against a real PostgreSQL: the plain path's
+//! duplicate under redelivery, pluggable and failing evaluators, a late
+//! resend under the producer's message id. The whole pipeline under chaos
+//! (duplicate sends, redeliveries, a killed worker, a database restart) is
+//! the lab's chaos run, tested in `pgonce-lab`'s `tests/pipeline.rs`.
 
-use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
@@ -55,103 +54,6 @@ fn config(webhook: &str, visibility: Duration) -> RuntimeConfig {
             ..RedriverConfig::default()
         },
     }
-}
-
-/// Guarded (rollout 100): every invariant holds although messages are
-/// delivered twice, concurrently, and a worker process dies.
-#[tokio::test]
-async fn the_pipeline_keeps_every_invariant_under_redelivery_and_a_killed_worker() {
-    let db = fresh_database().await;
-    let pool = db.pool(30).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
-    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
-    let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
-    let rule = Rule {
-        attribute: "cpu".into(),
-        op: Op::Gt,
-        value: 50.0,
-    };
-    store::create_policy(&pool, org.id, "one", Singleton::Always, &rule)
-        .await
-        .unwrap();
-    store::create_policy(&pool, org.id, "many", Singleton::Never, &rule)
-        .await
-        .unwrap();
-    let receiver = WebhookReceiver::start(ReceiverFaults {
-        fail_rate: 0.1,
-        late_rate: 0.1,
-        late_by: Duration::from_millis(500),
-    })
-    .await
-    .unwrap();
-    let visibility = Duration::from_millis(300);
-    let queue = observations_queue(&pool, visibility, 20).await.unwrap();
-    let survivor =
-        Runtime::start(&service, queue.clone(), config(receiver.url(), visibility)).unwrap();
-    let doomed =
-        Runtime::start(&service, queue.clone(), config(receiver.url(), visibility)).unwrap();
-
-    let mut sent = BTreeSet::new();
-    for i in 0..150 {
-        let o = Observation {
-            organization_id: org.id,
-            entity: format!("e{}", i % 6),
-            attributes: json!({ "cpu": if i % 3 == 0 { 90 } else { 10 } }),
-            message_id: None,
-        };
-        let m = SendMessage::new(serde_json::to_string(&o).unwrap())
-            .group(o.group())
-            .dedup(format!("obs-{i}"));
-        sent.insert(queue.send(m.clone()).await.unwrap().id);
-        if i % 10 == 0 {
-            assert!(
-                queue.send(m).await.unwrap().duplicate,
-                "dedup drops the resend"
-            );
-        }
-    }
-    let sent: Vec<String> = sent.into_iter().collect();
-
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut doomed = Some(doomed);
-    loop {
-        let processed = invariants::tallies(&pool, &[org.id])
-            .await
-            .unwrap()
-            .messages_processed;
-        if doomed.is_some() && processed >= 40 {
-            drop(doomed.take()); // killed: no graceful shutdown
-        }
-        let stats = queue.stats().await.unwrap();
-        let unnotified = invariants::not_notified_once(&pool, &[org.id])
-            .await
-            .unwrap();
-        if processed as usize == sent.len()
-            && stats.depth + stats.in_flight == 0
-            && unnotified.is_empty()
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not drained: {processed} processed, {stats:?}, {} unnotified",
-            unnotified.len()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let summary = survivor.shutdown().await.unwrap();
-    let report = invariants::check(&pool, &[org.id], &sent).await.unwrap();
-    assert!(report.all_hold(), "{report:?}");
-    let tallies = invariants::tallies(&pool, &[org.id]).await.unwrap();
-    assert!(tallies.incidents > 0);
-    assert_eq!(tallies.notifications, tallies.incidents);
-    let deliveries = receiver.deliveries();
-    assert_eq!(
-        deliveries.len() as i64,
-        tallies.incidents,
-        "one accepted key per incident"
-    );
-    assert!(summary.workers.received > 0);
 }
 
 /// A migrated database with organization `acme` and one singleton policy.

@@ -49,6 +49,20 @@ impl Environment {
     }
 }
 
+impl Environment {
+    /// For a run that failed before the server could be asked.
+    pub fn unknown() -> Environment {
+        Environment {
+            postgres_version: "unknown".into(),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            fsync: false,
+            synchronous_commit: "unknown".into(),
+            server: "unknown",
+            pgonce_version: env!("CARGO_PKG_VERSION"),
+        }
+    }
+}
+
 /// Whether the run showed what it set out to show, and why not.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Verdict {

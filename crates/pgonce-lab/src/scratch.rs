@@ -1,10 +1,14 @@
 //! The database a `race`, `bench` or `demo` run works in: a scratch database
 //! created for the run on the `--database-url` server, or on a throwaway
-//! cluster when none is given; migrated, and dropped at the end. Tests open
-//! one on the test process's shared server ([`RunDatabase::for_tests`]).
+//! cluster when none is given; migrated, and dropped at the end, on every
+//! exit path: [`RunDatabase::close`], an error, a panic, or Ctrl-C (the
+//! command's future dropped) all drop it. Tests open one on the test
+//! process's shared server ([`RunDatabase::for_tests`]).
+
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
-use pgonce_testkit::{ScratchDatabase, Server, shared_for_tests};
+use pgonce_testkit::{ScratchDatabase, Server, ShutdownMode, shared_for_tests};
 use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 
@@ -12,10 +16,11 @@ use crate::report::Environment;
 
 pub struct RunDatabase {
     /// The server opened for this run; `None` on the tests' shared server,
-    /// which outlives the run.
-    server: Option<Server>,
+    /// which outlives the run (so its scratch database is always dropped).
+    server: Option<Arc<Mutex<Server>>>,
     throwaway: bool,
-    database: ScratchDatabase,
+    /// `None` once dropped.
+    database: Option<ScratchDatabase>,
     pool: PgPool,
 }
 
@@ -33,7 +38,7 @@ impl RunDatabase {
             tracing::info!("no DATABASE_URL given: running on a throwaway PostgreSQL cluster");
         }
         let mut run = RunDatabase::create(&server, purpose, max_connections).await?;
-        run.server = Some(server);
+        run.server = Some(Arc::new(Mutex::new(server)));
         Ok(run)
     }
 
@@ -53,39 +58,115 @@ impl RunDatabase {
             .create_database(&format!("pgonce_{purpose}"))
             .await
             .with_context(|| format!("on {}", server.address()))?;
-        let pool = database.pool(max_connections).await?;
-        pgonce::migrate(&pool)
-            .await
-            .context("applying migrations")?;
-        Ok(RunDatabase {
+        // From here on the database is ours to drop, whatever happens next.
+        let pool = match database.pool(max_connections).await {
+            Ok(pool) => pool,
+            Err(e) => {
+                let _ = database.drop_database().await;
+                return Err(e.into());
+            }
+        };
+        let db = RunDatabase {
             server: None,
             throwaway: server.is_throwaway(),
-            database,
+            database: Some(database),
             pool,
-        })
+        };
+        pgonce::migrate(&db.pool)
+            .await
+            .context("applying migrations")?;
+        Ok(db)
     }
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
 
+    /// The scratch database's name.
+    pub fn name(&self) -> &str {
+        self.database.as_ref().map_or("", |d| d.name())
+    }
+
     /// Options for the scratch database, for sessions of its own.
     pub fn options(&self) -> PgConnectOptions {
-        self.database.options()
+        self.database
+            .as_ref()
+            .expect("the database is open")
+            .options()
     }
 
     pub async fn environment(&self) -> anyhow::Result<Environment> {
         Environment::read(&self.pool, self.throwaway).await
     }
 
-    /// Drops the scratch database and stops a throwaway cluster opened for
-    /// this run.
+    /// Restarts the throwaway cluster the run works on (`pg_ctl restart -m
+    /// fast`), blocking until it is ready again. `None` on an external
+    /// server, which is not the run's to restart.
+    pub fn restarter(&self) -> Option<Restarter> {
+        if !self.throwaway {
+            return None;
+        }
+        let server = self.server.clone()?;
+        Some(Box::new(move || {
+            let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
+            match server.restart(ShutdownMode::Fast) {
+                Some(r) => r.context("restarting the throwaway cluster"),
+                None => anyhow::bail!("the server is not a throwaway cluster"),
+            }
+        }))
+    }
+
+    /// Drops the scratch database and stops a throwaway cluster.
     pub async fn close(mut self) -> anyhow::Result<()> {
         self.pool.close().await;
-        match self.server.as_mut() {
-            Some(server) if server.is_throwaway() => server.shutdown(),
-            _ => self.database.clone().drop_database().await?,
+        if let Some(database) = self.database.take()
+            && self.outlives_server()
+        {
+            database.drop_database().await?;
+        }
+        if let Some(server) = &self.server {
+            server.lock().unwrap_or_else(|p| p.into_inner()).shutdown();
         }
         Ok(())
+    }
+
+    /// True when the scratch database would outlive the run unless dropped:
+    /// on an external server, or on the tests' shared cluster.
+    fn outlives_server(&self) -> bool {
+        !self.throwaway || self.server.is_none()
+    }
+}
+
+/// Restarts the run's server; see [`RunDatabase::restarter`].
+pub type Restarter = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
+
+impl Drop for RunDatabase {
+    /// The exit paths that skip [`RunDatabase::close`] (an error, a panic,
+    /// Ctrl-C dropping the run's future): drop the scratch database of an
+    /// external server here. Drop cannot await, and may run on the runtime's
+    /// own thread, so a thread of its own with a runtime of its own does it.
+    /// A throwaway cluster needs nothing: dropping it removes it.
+    fn drop(&mut self) {
+        if !self.outlives_server() {
+            return;
+        }
+        let Some(database) = self.database.take() else {
+            return;
+        };
+        let name = database.name().to_owned();
+        let dropped = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?
+                .block_on(database.drop_database())
+                .map_err(|e| e.to_string())
+        })
+        .join();
+        match dropped {
+            Ok(Ok(())) => tracing::info!(database = name, "scratch database dropped"),
+            Ok(Err(e)) => eprintln!("pgonce: could not drop scratch database {name}: {e}"),
+            Err(_) => eprintln!("pgonce: could not drop scratch database {name}"),
+        }
     }
 }

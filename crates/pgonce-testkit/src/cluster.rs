@@ -282,6 +282,36 @@ impl Cluster {
         format!("postgres://{SUPERUSER}@127.0.0.1:{}/{database}", self.port)
     }
 
+    /// Stops the server with `mode` and starts it again on the same port and
+    /// data directory, as `pg_ctl restart -m <mode>` would: every session is
+    /// cut off (sessions see SQLSTATE 57P01, or a closed connection), and new
+    /// connections are refused until the server is ready again. Blocks until
+    /// it is; call it from `spawn_blocking` on a busy runtime.
+    pub fn restart(&mut self, mode: ShutdownMode) -> Result<(), ClusterError> {
+        let dir = self
+            .dir
+            .as_ref()
+            .expect("cluster is running")
+            .path()
+            .to_owned();
+        // The watchdog holds the old server's pid: stop it first, so it can
+        // never signal a reused pid, and start a new one for the new server.
+        if let Some(mut watchdog) = self.watchdog.take() {
+            let _ = watchdog.kill();
+            let _ = watchdog.wait();
+        }
+        if let Some(mut server) = self.server.take() {
+            stop_server(&mut server, mode.signal());
+        }
+        let binaries = Binaries::find()?;
+        let run_as = RunAs::detect()?;
+        let server = start_server(&binaries, run_as, &dir, &dir.join("data"), self.port)?;
+        self.watchdog = Some(spawn_watchdog(server.id(), &dir)?);
+        self.server = Some(server);
+        tracing::info!(port = self.port, ?mode, "restarted throwaway PostgreSQL");
+        Ok(())
+    }
+
     /// Stops the server (fast shutdown, then kill after 30 s) and removes the
     /// directory. Idempotent; `Drop` calls it too.
     pub fn stop(&mut self) {
@@ -290,8 +320,8 @@ impl Cluster {
             let _ = watchdog.kill();
             let _ = watchdog.wait();
         }
-        if let Some(server) = self.server.take() {
-            stop_process(server, Signal::SIGINT, STOP_TIMEOUT);
+        if let Some(mut server) = self.server.take() {
+            stop_server(&mut server, Signal::SIGINT);
             tracing::info!(port = self.port, "stopped throwaway PostgreSQL");
         }
         if let Some(dir) = self.dir.take() {
@@ -300,9 +330,36 @@ impl Cluster {
     }
 }
 
+/// How [`Cluster::restart`] stops the server (`pg_ctl -m`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownMode {
+    /// Waits for sessions to end (SIGTERM).
+    Smart,
+    /// Rolls back and disconnects every session (SIGINT): `pg_ctl -m fast`.
+    Fast,
+    /// Quits without a checkpoint; recovery runs at start (SIGQUIT).
+    Immediate,
+}
+
+impl ShutdownMode {
+    fn signal(self) -> Signal {
+        match self {
+            ShutdownMode::Smart => Signal::SIGTERM,
+            ShutdownMode::Fast => Signal::SIGINT,
+            ShutdownMode::Immediate => Signal::SIGQUIT,
+        }
+    }
+}
+
+/// Signals the server and waits for it to exit, killing it after
+/// [`STOP_TIMEOUT`].
+fn stop_server(server: &mut Child, signal: Signal) {
+    stop_process(server, signal, STOP_TIMEOUT);
+}
+
 /// Sends `signal` to `process` and waits for it to exit; kills it once
 /// `timeout` has passed.
-pub(crate) fn stop_process(mut process: Child, signal: Signal, timeout: Duration) {
+pub(crate) fn stop_process(process: &mut Child, signal: Signal, timeout: Duration) {
     let _ = kill(Pid::from_raw(process.id() as i32), signal);
     let deadline = Instant::now() + timeout;
     loop {

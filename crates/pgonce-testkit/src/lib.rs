@@ -16,7 +16,7 @@ pub mod interleave;
 pub mod pooler;
 pub mod server;
 
-pub use cluster::{Cluster, ClusterError};
+pub use cluster::{Cluster, ClusterError, ShutdownMode};
 pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Step, StepEvent};
 pub use pooler::Pooler;
 pub use server::{

@@ -133,9 +133,9 @@ impl Pooler {
             let _ = watchdog.kill();
             let _ = watchdog.wait();
         }
-        if let Some(process) = self.process.take() {
+        if let Some(mut process) = self.process.take() {
             // SIGTERM: immediate shutdown (SIGINT would wait for clients).
-            stop_process(process, Signal::SIGTERM, Duration::from_secs(10));
+            stop_process(&mut process, Signal::SIGTERM, Duration::from_secs(10));
         }
         if let Some(dir) = self.dir.take() {
             let _ = dir.close();

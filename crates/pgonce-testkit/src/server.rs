@@ -124,6 +124,14 @@ impl Server {
         connect(&self.options).await
     }
 
+    /// Restarts a throwaway cluster (see [`Cluster::restart`]); `None` for
+    /// an external server, which is not ours to restart. Blocks until the
+    /// server is ready again.
+    pub fn restart(&mut self, mode: crate::ShutdownMode) -> Option<Result<(), ServerError>> {
+        let cluster = self.cluster.as_mut()?;
+        Some(cluster.restart(mode).map_err(ServerError::from))
+    }
+
     /// Stops a throwaway cluster now (rather than at drop). Does nothing for
     /// an external server.
     pub fn shutdown(&mut self) {
