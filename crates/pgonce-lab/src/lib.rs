@@ -16,6 +16,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod plot;
 pub mod race;
 pub mod report;
 mod scratch;
