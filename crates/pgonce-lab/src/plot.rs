@@ -51,13 +51,18 @@ fn machine(report: &Report) -> String {
         .and_then(|l| l.split_whitespace().next().map(str::to_owned))
         .unwrap_or_else(|| "unknown".into());
     format!(
-        "{} CPUs, load {load} (1 min), PostgreSQL {} ({} server), fsync {}, synchronous_commit {}, pgonce {}",
+        "{} CPUs, load {load} (1 min), PostgreSQL {} ({} server), fsync {}, synchronous_commit {}, pgonce {} ({} build)",
         e.cpus,
         e.postgres_version,
         e.server,
         if e.fsync { "on" } else { "off" },
         e.synchronous_commit,
-        e.pgonce_version
+        e.pgonce_version,
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
     )
 }
 
@@ -124,10 +129,7 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
         root.fill(&WHITE)?;
         let (head, body) = root.split_vertically(caption_height);
         head.draw_text(
-            &format!(
-                "pgonce {} {}: one run, fsync as stated",
-                report.command, report.name
-            ),
+            &format!("pgonce {} {}: one run", report.command, report.name),
             &("sans-serif", 20).into_font().color(&BLACK),
             (10, 8),
         )?;
