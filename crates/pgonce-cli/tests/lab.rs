@@ -57,13 +57,38 @@ fn race_events_holds_the_invariant_under_every_strategy() {
 
 #[test]
 fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
-    let report = json_report(&["bench", "queue", "--quick", "--seconds", "0.5", "--json"]);
+    let dir = std::env::temp_dir().join(format!("pgonce-lab-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plot = dir.join("queue.svg");
+    let report = json_report(&[
+        "bench",
+        "queue",
+        "--quick",
+        "--seconds",
+        "0.5",
+        "--json",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
     assert_eq!(report["name"], "queue");
-    assert!(report["ratios"]["pgonce_b1_vs_raw"].is_number(), "{report}");
-    assert!(
-        report["ratios"]["pgonce_vs_best_peer"].is_number(),
-        "{report}"
-    );
+    for ratio in [
+        "pgonce_b1_vs_raw",
+        "pgonce_vs_best_peer",
+        "pgonce_vs_pgmq_b1",
+        "pgonce_vs_pgmq_b10",
+        "pgmq_pop_b1_vs_raw",
+    ] {
+        assert!(report["ratios"][ratio].is_number(), "{ratio}: {report}");
+    }
+    // --plot wrote one SVG document naming the run's strategies.
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let svg = svg.trim();
+    assert!(svg.starts_with("<svg") && svg.ends_with("</svg>"), "{svg}");
+    assert_eq!(svg.matches("<svg").count(), 1);
+    for text in ["Throughput per strategy", "pgmq-b10", "pgonce_vs_pgmq_b1"] {
+        assert!(svg.contains(text), "no {text:?} in the plot");
+    }
     let strategies: Vec<_> = report["results"]
         .as_array()
         .unwrap()
@@ -72,6 +97,12 @@ fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
         .collect();
     assert!(strategies.iter().any(|s| s == "raw-insert-delete"));
     assert!(strategies.iter().any(|s| s.starts_with("apalis-postgres")));
+    for s in ["pgmq-b1", "pgmq-b10", "pgmq-pop-b1"] {
+        assert!(
+            strategies.iter().any(|x| x == s),
+            "{s} missing: {strategies:?}"
+        );
+    }
 }
 
 #[test]
@@ -100,6 +131,9 @@ fn bench_events_quick_measures_the_peer_and_prints_both_goal_ratios() {
     for ratio in [
         "advisory_vs_table_lock_disjoint_16w",
         "pgonce_vs_disintegrate_disjoint_16w",
+        "advisory_locks_of_unconditioned_disjoint_16w",
+        "table_lock_of_unconditioned_one_tag_16w",
+        "serializable_of_unconditioned_4_per_tag_16w",
     ] {
         assert!(report["ratios"][ratio].is_number(), "{ratio}: {report}");
     }
@@ -114,6 +148,7 @@ fn bench_events_quick_measures_the_peer_and_prints_both_goal_ratios() {
         "table-lock",
         "advisory-locks",
         "disintegrate-postgres",
+        "unconditioned-insert",
     ] {
         assert!(
             strategies.iter().any(|x| x == s),

@@ -18,6 +18,7 @@ pub mod bench;
 pub mod chaos;
 pub mod demo;
 pub mod guard_strategy;
+pub mod plot;
 pub mod race;
 pub mod report;
 pub mod scratch;

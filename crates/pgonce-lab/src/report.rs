@@ -106,6 +106,20 @@ impl Row {
         self
     }
 
+    /// A field as a number, if it is one.
+    pub fn number(&self, name: &str) -> Option<f64> {
+        self.0.get(name).and_then(Value::as_f64)
+    }
+
+    /// A field as text: strings as they are, other values as JSON.
+    pub fn text(&self, name: &str) -> Option<String> {
+        match self.0.get(name)? {
+            Value::Null => None,
+            Value::String(s) => Some(s.clone()),
+            v => Some(v.to_string()),
+        }
+    }
+
     pub fn set(&mut self, name: &str, value: impl Serialize) {
         self.0.insert(
             name.to_string(),

@@ -11,6 +11,12 @@
 //! Appends run without NOTIFY (it serializes commits on one lock in
 //! PostgreSQL); one extra row measures the advisory strategy with it.
 //!
+//! The limit: the same event rows (same table, tags and indexes) inserted
+//! by the same writers with no decision read, no condition and no lock, one
+//! autocommitted INSERT each (`unconditioned-insert`). Every strategy is
+//! reported as a fraction of it (`*_of_unconditioned_*` ratios: committed
+//! conditional appends/s over plain inserts/s at the same overlap).
+//!
 //! The peer, disintegrate-postgres (`peers/disintegrate.rs`), runs the same
 //! workload on its own sqlx 0.8 pool on the same database; the
 //! `pgonce_vs_disintegrate_*` ratios compare committed appends/s, pgonce's
@@ -101,6 +107,47 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             cells.push((strategy, overlap, cell));
         }
     }
+    let mut limits: Vec<(Overlap, f64)> = Vec::new();
+    for overlap in [Overlap::Disjoint, Overlap::Partial, Overlap::Full] {
+        let label = format!("{UNCONDITIONED}/{}", overlap.name());
+        let (m, deadlocks, waiting) = observed(
+            db.pool(),
+            unconditioned(db.pool(), overlap, workers, phase, &label),
+        )
+        .await?;
+        let cell = Cell {
+            m,
+            retries: 0,
+            aborts: 0,
+            deadlocks,
+            waiting,
+        };
+        report
+            .results
+            .push(row(UNCONDITIONED, overlap, workers, &cell));
+        no_errors(&mut report, &label, &cell.m);
+        limits.push((overlap, cell.m.ops_per_sec()));
+    }
+    for (overlap, limit) in &limits {
+        for (strategy, o, cell) in &cells {
+            if o.name() == overlap.name() {
+                report.ratio(
+                    &format!(
+                        "{}_of_unconditioned_{}_16w",
+                        strategy.name().replace('-', "_"),
+                        overlap.name().replace('-', "_")
+                    ),
+                    committed_per_sec(cell),
+                    *limit,
+                );
+            }
+        }
+    }
+    let adv_of_limit = report
+        .ratios
+        .get("advisory_locks_of_unconditioned_disjoint_16w")
+        .copied();
+
     let notify = measure(
         db.pool(),
         AppendStrategy::AdvisoryLocks,
@@ -201,6 +248,10 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     report.sections.insert(
         "goals (informational, the verdict is about correctness)".into(),
         vec![
+            Row::new("advisory_locks_of_unconditioned_disjoint_16w")
+                .with("goal", ">= 0.7")
+                .with("measured", adv_of_limit)
+                .with("met", adv_of_limit.is_some_and(|r| r >= 0.7)),
             Row::new("advisory_vs_table_lock_disjoint_16w")
                 .with("goal", ">= 4")
                 .with("measured", ratio)
@@ -216,6 +267,35 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         comparison(&cells),
     );
     Ok(report)
+}
+
+/// The strategy name of the limit: the same rows, no condition, no lock.
+const UNCONDITIONED: &str = "unconditioned-insert";
+
+/// The limit at one overlap: each operation one autocommitted INSERT of the
+/// row a conditional append would write, on this cell's own tags.
+fn unconditioned(
+    pool: &PgPool,
+    overlap: Overlap,
+    workers: usize,
+    phase: Duration,
+    label: &str,
+) -> impl Future<Output = Measured> {
+    let pool = pool.clone();
+    let cell = Arc::new(label.to_owned());
+    closed_loop(label, workers, phase, move |worker, _| {
+        let (pool, cell) = (pool.clone(), cell.clone());
+        async move {
+            let tag = format!("{cell}/{}", overlap.tag(worker));
+            sqlx::query(
+                "INSERT INTO pgonce.events (type, tags, data) VALUES ('Booked', ARRAY[$1], 'null')",
+            )
+            .bind(&tag)
+            .execute(&pool)
+            .await?;
+            Ok(None)
+        }
+    })
 }
 
 /// The verdict's line for one cell: correctness needs no errors.

@@ -57,6 +57,10 @@ pub struct BenchArgs {
     /// (suites that support it: guard, sequence, service).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub repeat: u32,
+    /// Also draws the run's figures (throughput, latency percentiles,
+    /// ratios against their goals) as an SVG file here.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 impl BenchArgs {
@@ -82,5 +86,8 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
     db.close().await?;
     let mut report = report?;
     report.name = name.get_name().to_string();
+    if let Some(path) = &args.plot {
+        crate::plot::write(&report, path)?;
+    }
     Ok(report)
 }

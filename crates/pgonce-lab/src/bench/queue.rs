@@ -2,7 +2,9 @@
 //! with P producers and C consumers, for pgonce's PostgreSQL queue
 //! (standard and FIFO with many groups, batch 1 and 10), the raw limit (a
 //! one-row INSERT then a one-row DELETE per message, same client count) and
-//! a queue crate from crates.io doing the same work (`peers/`).
+//! the queue crates from crates.io doing the same work (`peers/`): pgmq,
+//! the field's most used PostgreSQL queue, compared shape by shape (batch 1
+//! and batch 10, read + delete), and apalis-postgres.
 //!
 //! Producers stop while more than `BACKLOG` messages are unconsumed, so
 //! end-to-end latency measures the queue, not an ever-growing backlog.
@@ -260,11 +262,44 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     report.results.push(raw.row("raw-insert-delete", &shape, 1));
 
     let mut peer_rates = Vec::new();
-    for (strategy, batch, flow) in peers::queue_peers(db.pool(), shape).await? {
+    for (strategy, batch, flow) in peers::queue_peers(db, shape).await? {
         check(&mut report, &strategy, &flow);
         report.results.push(flow.row(&strategy, &shape, batch));
         peer_rates.push((strategy, flow.per_sec()));
     }
+    let peer_rate = |name: &str| {
+        peer_rates
+            .iter()
+            .find(|(s, _)| s == name)
+            .map(|(_, r)| *r)
+            .unwrap_or(0.0)
+    };
+
+    // pgmq shape by shape: same batch, same visibility timeout, receive
+    // then delete on both sides (at-least-once).
+    for (ratio, ours_i, peer) in [
+        ("pgonce_vs_pgmq_b1", 0, "pgmq-b1"),
+        ("pgonce_vs_pgmq_b10", 1, "pgmq-b10"),
+    ] {
+        if let Some(r) = report.ratio(ratio, ours[ours_i].2, peer_rate(peer)) {
+            report.verdict.check(
+                true,
+                format!(
+                    "{} vs {peer}: {r:.2}x (goal >= 1.2x: {})",
+                    ours[ours_i].0,
+                    met(r >= 1.2)
+                ),
+            );
+        }
+    }
+    // pgmq's pop deletes as it reads (at-most-once): a guarantee pgonce's
+    // queue does not trade away, so it is set against the raw limit only.
+    report.ratio(
+        "pgmq_pop_b1_vs_raw",
+        peer_rate("pgmq-pop-b1"),
+        raw.per_sec(),
+    );
+    report.ratio("pgmq_b1_vs_raw", peer_rate("pgmq-b1"), raw.per_sec());
 
     // Like for like: the raw limit is one message per statement, so it is
     // compared with pgonce at batch 1; peers are compared with pgonce's best

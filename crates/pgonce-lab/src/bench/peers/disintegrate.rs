@@ -31,8 +31,6 @@ use disintegrate::{
 use disintegrate_postgres::{Error as PgError, PgEventStore};
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
-use sqlx::ConnectOptions;
-use sqlx08::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::bench::events::Overlap;
 use crate::bench::measure::{Measured, closed_loop};
@@ -97,17 +95,7 @@ impl Peer {
     /// database, lets disintegrate create its schema, and seeds `seeded`
     /// events of another type, as the pgonce side is seeded.
     pub async fn open(db: &RunDatabase, max_connections: u32, seeded: i64) -> anyhow::Result<Peer> {
-        let url = db.options().to_url_lossy();
-        let options: PgConnectOptions = url
-            .as_str()
-            .parse()
-            .context("the scratch database's URL for sqlx 0.8")?;
-        let pool = PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_with(options)
-            .await
-            .context("connecting disintegrate's sqlx 0.8 pool")?;
+        let pool = super::sqlx08_pool(db, max_connections, "disintegrate").await?;
         // `PgEventStore::try_new` runs disintegrate's migrator, whose SQL
         // needs PostgreSQL 16; the same schema, written for 15 (see the file).
         sqlx08::raw_sql(include_str!("sql/disintegrate_init.sql"))

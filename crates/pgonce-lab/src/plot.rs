@@ -1,0 +1,338 @@
+//! `pgonce bench ... --plot FILE.svg`: a run's figures as one SVG, drawn
+//! with plotters (SVG backend only): throughput per strategy, latency
+//! percentiles, and each ratio with its goal where the suite states one.
+//!
+//! Honest by construction: every value axis starts at zero, units are
+//! named on the axes, and the caption describes the machine (CPUs, load
+//! average when the plot was drawn, PostgreSQL version, fsync and
+//! synchronous_commit) so a figure is never read without its conditions.
+
+use std::path::Path;
+
+use anyhow::Context;
+use plotters::coord::ranged1d::{IntoSegmentedCoord, SegmentValue};
+use plotters::prelude::*;
+
+use crate::report::Report;
+
+/// Goals the suites state for their ratios (informational, as in the
+/// reports): drawn as a red mark on the ratio's bar.
+const GOALS: &[(&str, f64)] = &[
+    ("pgonce_vs_pgmq_b1", 1.2),
+    ("pgonce_vs_pgmq_b10", 1.2),
+    ("pgonce_vs_best_peer", 1.2),
+    ("pgonce_b1_vs_raw", 0.5),
+    ("advisory_locks_of_unconditioned_disjoint_16w", 0.7),
+    ("advisory_vs_table_lock_disjoint_16w", 4.0),
+    ("pgonce_vs_disintegrate_disjoint_16w", 1.2),
+];
+
+const WIDTH: u32 = 1000;
+const BAR_HEIGHT: u32 = 20;
+const PANEL_MARGIN: u32 = 90;
+
+/// One bar: a label and its values (one per series).
+struct Bar {
+    label: String,
+    values: Vec<f64>,
+}
+
+/// Writes the report's plot to `path`.
+pub fn write(report: &Report, path: &Path) -> anyhow::Result<()> {
+    let svg = svg(report, &machine(report))?;
+    std::fs::write(path, svg).with_context(|| format!("writing the plot to {}", path.display()))
+}
+
+/// The machine, as the caption says it.
+fn machine(report: &Report) -> String {
+    let e = &report.environment;
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into());
+    format!(
+        "{} CPUs, load {load} (1 min), PostgreSQL {} ({} server), fsync {}, synchronous_commit {}, pgonce {} ({} build)",
+        e.cpus,
+        e.postgres_version,
+        e.server,
+        if e.fsync { "on" } else { "off" },
+        e.synchronous_commit,
+        e.pgonce_version,
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
+    )
+}
+
+/// The plot as an SVG document, `machine` in its caption.
+pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
+    let label = |r: &crate::report::Row| {
+        let mut l = r.text("strategy").unwrap_or_default();
+        if let Some(o) = r.text("overlap") {
+            l = format!("{l} / {o}");
+        }
+        for k in ["scopes", "declarers", "latency_ms", "shape"] {
+            if let Some(v) = r.text(k) {
+                l = format!("{l} {k}={v}");
+            }
+        }
+        l
+    };
+    let throughput: Vec<Bar> = report
+        .results
+        .iter()
+        .filter_map(|r| {
+            Some(Bar {
+                label: label(r),
+                values: vec![r.number("ops_per_sec")?],
+            })
+        })
+        .collect();
+    let latency: Vec<Bar> = report
+        .results
+        .iter()
+        .filter_map(|r| {
+            Some(Bar {
+                label: label(r),
+                values: vec![r.number("p50_ms")?, r.number("p99_ms")?],
+            })
+        })
+        .collect();
+    let ratios: Vec<(Bar, Option<f64>)> = report
+        .ratios
+        .iter()
+        .map(|(name, value)| {
+            let goal = GOALS.iter().find(|(g, _)| g == name).map(|(_, v)| *v);
+            (
+                Bar {
+                    label: name.clone(),
+                    values: vec![*value],
+                },
+                goal,
+            )
+        })
+        .collect();
+
+    let height = |n: usize| n.max(1) as u32 * BAR_HEIGHT + PANEL_MARGIN;
+    let heights = [
+        height(throughput.len()),
+        height(latency.len() * 2),
+        height(ratios.len()),
+    ];
+    let caption_height = 60;
+    let total = caption_height + heights.iter().sum::<u32>();
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (WIDTH, total)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (head, body) = root.split_vertically(caption_height);
+        head.draw_text(
+            &format!("pgonce {} {}: one run", report.command, report.name),
+            &("sans-serif", 20).into_font().color(&BLACK),
+            (10, 8),
+        )?;
+        head.draw_text(
+            &format!("Machine: {machine}"),
+            &("sans-serif", 13).into_font().color(&BLACK),
+            (10, 36),
+        )?;
+        let (top, rest) = body.split_vertically(heights[0]);
+        let (middle, bottom) = rest.split_vertically(heights[1]);
+        bars(
+            &top,
+            "Throughput per strategy",
+            "operations/s (messages/s in bench queue), axis from zero",
+            &throughput,
+            &[("ops/s", BLUE)],
+            &[],
+        )?;
+        bars(
+            &middle,
+            "Latency percentiles",
+            "milliseconds (p50, p99), axis from zero",
+            &latency,
+            &[("p50", GREEN), ("p99", MAGENTA)],
+            &[],
+        )?;
+        let goals: Vec<Option<f64>> = ratios.iter().map(|(_, g)| *g).collect();
+        let ratio_bars: Vec<Bar> = ratios.into_iter().map(|(b, _)| b).collect();
+        bars(
+            &bottom,
+            "Ratios (red mark: the goal where one is stated; grey line: 1.0)",
+            "ratio (x), axis from zero",
+            &ratio_bars,
+            &[("ratio", CYAN)],
+            &goals,
+        )?;
+        root.present()?;
+    }
+    Ok(out)
+}
+
+/// Horizontal bars, one row per bar and series, values from zero.
+fn bars<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    unit: &str,
+    bars: &[Bar],
+    series: &[(&str, RGBColor)],
+    goals: &[Option<f64>],
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let rows = bars.len() * series.len();
+    let max = bars
+        .iter()
+        .flat_map(|b| b.values.iter().copied())
+        .chain(goals.iter().flatten().copied())
+        .fold(0.0f64, f64::max);
+    let x_max = if max > 0.0 { max * 1.15 } else { 1.0 };
+    let labels: Vec<String> = bars
+        .iter()
+        .flat_map(|b| {
+            series.iter().map(move |(s, _)| {
+                if series.len() > 1 {
+                    format!("{} ({s})", b.label)
+                } else {
+                    b.label.clone()
+                }
+            })
+        })
+        .collect();
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 16))
+        .margin(8)
+        .x_label_area_size(40)
+        .y_label_area_size(380)
+        .build_cartesian_2d(0f64..x_max, (0..rows.max(1) as i32).into_segmented())?;
+    let label_of = |v: &SegmentValue<i32>| match v {
+        SegmentValue::CenterOf(i) => labels.get(*i as usize).cloned().unwrap_or_default(),
+        _ => String::new(),
+    };
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_labels(rows.max(1))
+        .y_label_formatter(&label_of)
+        .x_desc(unit)
+        .label_style(("sans-serif", 12))
+        .draw()?;
+    for (i, bar) in bars.iter().enumerate() {
+        for (j, (_, color)) in series.iter().enumerate() {
+            let row = (i * series.len() + j) as i32;
+            let value = bar.values.get(j).copied().unwrap_or(0.0).max(0.0);
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [
+                    (0.0, SegmentValue::Exact(row)),
+                    (value, SegmentValue::Exact(row + 1)),
+                ],
+                color.mix(0.8).filled(),
+            )))?;
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{value:.2}"),
+                (value, SegmentValue::CenterOf(row)),
+                ("sans-serif", 11),
+            )))?;
+            if let Some(Some(goal)) = goals.get(i) {
+                chart.draw_series(std::iter::once(PathElement::new(
+                    vec![
+                        (*goal, SegmentValue::Exact(row)),
+                        (*goal, SegmentValue::Exact(row + 1)),
+                    ],
+                    RED.stroke_width(3),
+                )))?;
+            }
+        }
+    }
+    if !goals.is_empty() && x_max > 1.0 {
+        chart.draw_series(std::iter::once(PathElement::new(
+            vec![
+                (1.0, SegmentValue::Exact(0)),
+                (1.0, SegmentValue::Exact(rows.max(1) as i32)),
+            ],
+            BLACK.mix(0.4).stroke_width(1),
+        )))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{Environment, Row};
+
+    fn report() -> Report {
+        let mut r = Report::new(
+            "bench",
+            "queue",
+            Environment {
+                postgres_version: "17.0".into(),
+                cpus: 2,
+                fsync: true,
+                synchronous_commit: "on".into(),
+                server: "throwaway",
+                pgonce_version: "0.1.0",
+            },
+        );
+        r.results.push(
+            Row::new("pgonce-standard-b1")
+                .with("ops_per_sec", 830.0)
+                .with("p50_ms", 9.5)
+                .with("p99_ms", 33.0),
+        );
+        r.results.push(
+            Row::new("pgmq-b1 <&>")
+                .with("ops_per_sec", 600.0)
+                .with("p50_ms", 30.0)
+                .with("p99_ms", 90.0),
+        );
+        r.ratio("pgonce_vs_pgmq_b1", 830.0, 600.0);
+        r
+    }
+
+    /// `--plot` writes a well-formed SVG document with the three panels,
+    /// every strategy named, the units and the machine in the caption.
+    #[test]
+    fn plot_writes_a_valid_svg() {
+        let dir = std::env::temp_dir().join(format!("pgonce-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("queue.svg");
+        write(&report(), &path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+
+        let doc = roxmltree::Document::parse(&text).expect("the plot is well-formed XML");
+        let root = doc.root_element();
+        assert_eq!(root.tag_name().name(), "svg");
+        assert!(root.attribute("width").is_some() && root.attribute("height").is_some());
+        let texts: Vec<String> = doc
+            .descendants()
+            .filter(|n| n.tag_name().name() == "text")
+            .map(|n| n.text().unwrap_or_default().to_string())
+            .collect();
+        let has = |s: &str| texts.iter().any(|t| t.contains(s));
+        for wanted in [
+            "Throughput per strategy",
+            "Latency percentiles",
+            "Ratios",
+            "operations/s",
+            "milliseconds",
+            "pgonce-standard-b1",
+            "pgmq-b1 <&>",
+            "pgonce_vs_pgmq_b1",
+            "Machine: 2 CPUs",
+        ] {
+            assert!(has(wanted), "no text {wanted:?} in the plot: {texts:?}");
+        }
+        assert!(
+            doc.descendants()
+                .filter(|n| n.tag_name().name() == "rect")
+                .count()
+                >= 5,
+            "bars are drawn"
+        );
+    }
+}
