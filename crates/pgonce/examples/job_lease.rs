@@ -61,9 +61,13 @@ async fn main() -> Result {
     let lease_a = job::claim(pool, id, Duration::from_secs(1)).await?;
     println!("A: claimed job {id} until {}", lease_a.expires_at);
     // While A's lease is live, another delivery of the job cannot claim it.
+    // The job is not finished, so that delivery must not be acknowledged:
+    // if A never comes back, it is what drives the job once reaped.
     match job::claim(pool, id, Duration::from_secs(30)).await {
-        Err(Error::AlreadyHandled { .. }) => println!("B: job {id} is taken, acknowledging"),
-        other => panic!("a second claim must be refused: {other:?}"),
+        Err(Error::JobBusy { not_before, .. }) => {
+            println!("B: job {id} is busy until {not_before:?}; keeping the message")
+        }
+        other => panic!("a second claim must be refused as busy: {other:?}"),
     }
 
     // The reaper returns jobs whose lease ran out (Reaper::run does this

@@ -202,7 +202,7 @@ impl Default for EventStoreConfig {
     }
 }
 
-/// The event store on a pool whose database ran [`crate::migrate`].
+/// The event store on a pool whose database ran [`crate::migrate()`].
 #[derive(Debug, Clone)]
 pub struct EventStore {
     pool: PgPool,

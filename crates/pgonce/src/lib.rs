@@ -9,7 +9,8 @@
 //! * [`lock`]: transaction-level advisory locks with 64-bit keys.
 //! * [`events`]: a DCB event store; conditional appends under three
 //!   strategies, decision reads, catch-up subscriptions (P5, I5).
-//! * [`migrate`]: the embedded schema (`pgonce` schema).
+//! * [`mod@migrate`]: the embedded schema (`pgonce` schema) and a migration
+//!   runner that works behind a transaction-mode pooler.
 //! * `sequence`: per-scope gapless numbers taken inside the caller's
 //!   transaction ([`Sequence`], P2).
 //! * [`queue`]: the [`Queue`] trait (SQS semantics), the PostgreSQL queue

@@ -21,7 +21,7 @@
 //!   two transactions compute the same number. pgonce checks
 //!   `transaction_isolation` before it locks anything and returns
 //!   [`Error::WrongIsolation`]: a clear error, never a duplicate;
-//! * pgonce's migrations applied ([`crate::migrate`]): check, lock and
+//! * pgonce's migrations applied ([`crate::migrate()`]): check, lock and
 //!   max + 1 run server-side in `pgonce.sequence_take` (migration 0060), a
 //!   `VOLATILE` function, which under READ COMMITTED takes a fresh snapshot
 //!   for each statement it runs, so the max is read after the lock was

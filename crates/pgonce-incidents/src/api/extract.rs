@@ -109,7 +109,7 @@ fn parse_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(bytes).map_err(ApiError::from_json)
 }
 
-/// A JSON object request body, read by [`read_body`], parsed whatever the
+/// A JSON object request body, read by `read_body`, parsed whatever the
 /// Content-Type says.
 #[derive(Debug)]
 pub struct JsonBody<T>(pub T);
