@@ -229,3 +229,56 @@ async fn a_long_poll_through_the_pooler_wakes_on_send_over_a_direct_listener() {
     };
     conformance_long_poll_wakes_on_send(&q, parked).await;
 }
+
+/// Conditional appends through the pooler, under each strategy: ten writers
+/// decide "seat 1 is free" at once and each appends a booking with that
+/// condition; exactly one booking commits, whatever server connection each
+/// statement lands on.
+#[tokio::test]
+async fn conditional_appends_through_the_pooler_let_one_decision_win() {
+    use pgonce::events::{
+        AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query,
+    };
+
+    for strategy in AppendStrategy::ALL {
+        let (_db, pool) = setup(12).await;
+        let store = EventStore::new(
+            pool.clone(),
+            EventStoreConfig {
+                strategy,
+                notify: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let seat = Query::item(Vec::<String>::new(), ["seat:1"]).unwrap();
+        let mut decisions = Vec::new();
+        for _ in 0..10 {
+            decisions.push(store.decide(&seat).await.unwrap());
+        }
+        let writers = decisions.into_iter().enumerate().map(|(i, decision)| {
+            let (store, seat) = (store.clone(), seat.clone());
+            tokio::spawn(async move {
+                let booking = Event::new("SeatBooked")
+                    .tag("seat:1")
+                    .data(serde_json::json!({ "by": i }));
+                let condition = AppendCondition::new(seat, decision.after);
+                store.append(&[booking], Some(&condition)).await
+            })
+        });
+        let mut committed = 0;
+        for writer in futures::future::join_all(writers).await {
+            match writer.unwrap() {
+                Ok(_) => committed += 1,
+                Err(pgonce::Error::AppendConditionFailed { .. }) => {}
+                Err(e) => panic!("{strategy:?}: unexpected error through the pooler: {e}"),
+            }
+        }
+        let booked: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pgonce.events WHERE 'seat:1' = ANY (tags)")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!((committed, booked), (1, 1), "{strategy:?}");
+    }
+}
