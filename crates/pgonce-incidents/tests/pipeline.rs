@@ -1,8 +1,8 @@
 //! The pipeline's parts against a real PostgreSQL: the plain path's
 //! duplicate under redelivery, pluggable and failing evaluators, a late
-//! resend under the producer's message id. The whole pipeline under chaos
+//! resend under the producer's message id. The whole pipeline under faults
 //! (duplicate sends, redeliveries, a killed worker, a database restart) is
-//! the lab's chaos run, tested in `pgonce-lab`'s `tests/pipeline.rs`.
+//! the lab's incident run, tested in `pgonce-lab`'s `tests/pipeline.rs`.
 
 use std::time::{Duration, Instant};
 

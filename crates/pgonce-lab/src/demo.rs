@@ -12,7 +12,7 @@
 //! part-way, one worker runtime killed (its tasks aborted mid-message; its
 //! messages and claimed notifications must come back); with `--restart-at`,
 //! the database server restarted mid-run. The run itself is
-//! [`crate::chaos`]; this module renders its outcome. The report counts
+//! [`crate::incident_run`]; this module renders its outcome. The report counts
 //! what happened and checks I1, I2, I3 and I6, telling violations apart
 //! from work still pending at the deadline; the exit code is 0 iff all
 //! hold.
@@ -22,7 +22,7 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::chaos::{self, ChaosConfig, ChaosOutcome};
+use crate::incident_run::{self, IncidentRunConfig, IncidentRunOutcome};
 use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
 
@@ -70,8 +70,8 @@ pub struct DemoArgs {
 }
 
 impl DemoArgs {
-    fn chaos(&self) -> ChaosConfig {
-        let mut c = ChaosConfig::demo(
+    fn run_config(&self) -> IncidentRunConfig {
+        let mut c = IncidentRunConfig::demo(
             Duration::from_millis(self.visibility_ms),
             self.slow_rate,
             Duration::from_millis(500),
@@ -117,7 +117,7 @@ async fn run_checked(
     database_url: Option<&str>,
     environment: &mut Option<Environment>,
 ) -> anyhow::Result<Report> {
-    let config = args.chaos();
+    let config = args.run_config();
     let restart_at = match args.restart_at {
         Some(s) if !(s.is_finite() && s >= 0.0) => {
             anyhow::bail!("--restart-at must be a number of seconds, at least 0")
@@ -144,7 +144,7 @@ async fn run_checked(
             .progress_chars("=> "),
     );
     bar.set_prefix("pipeline");
-    let outcome = chaos::run(db.pool(), &config, restart, Some(&bar)).await;
+    let outcome = incident_run::run(db.pool(), &config, restart, Some(&bar)).await;
     bar.finish_and_clear();
     let outcome = outcome?;
     let report = render(
@@ -159,10 +159,10 @@ async fn run_checked(
 /// At most this many pending jobs or messages are listed in a verdict.
 const LISTED: usize = 5;
 
-/// The demo's report of a chaos run: its figures, the invariants, and a
+/// The demo's report of an incident run: its figures, the invariants, and a
 /// verdict that separates violations from work still pending at the
 /// deadline.
-pub fn render(outcome: &ChaosOutcome, rollout: u8, environment: Environment) -> Report {
+pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environment) -> Report {
     let o = outcome;
     let checked = &o.invariants;
     let expected = o.produced.sent.len() as u64;

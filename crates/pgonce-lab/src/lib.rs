@@ -15,9 +15,9 @@
 //! The `pgonce` command exposes all three when built with its `lab` feature.
 
 pub mod bench;
-pub mod chaos;
 pub mod demo;
 pub mod guard_strategy;
+pub mod incident_run;
 pub mod plot;
 pub mod race;
 pub mod report;

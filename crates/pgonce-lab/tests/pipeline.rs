@@ -1,4 +1,4 @@
-//! The incident pipeline's chaos run ([`pgonce_lab::chaos`]) against a real
+//! The incident service run under faults ([`pgonce_lab::incident_run`]) against a real
 //! PostgreSQL: observations on the FIFO queue with duplicate sends, a
 //! visibility timeout shorter than some evaluations, a webhook receiver
 //! that fails and answers late, one worker runtime (with the notifier)
@@ -17,8 +17,10 @@ use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
 use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_incidents::{Service, ServiceConfig, store};
-use pgonce_lab::chaos::{self, ChaosConfig, NotificationAudit, NotificationJob, Retrier};
 use pgonce_lab::demo;
+use pgonce_lab::incident_run::{
+    self, IncidentRunConfig, NotificationAudit, NotificationJob, Retrier,
+};
 use pgonce_lab::report::Environment;
 use pgonce_lab::scratch::RunDatabase;
 use pgonce_testkit::fresh_database;
@@ -29,7 +31,7 @@ use pgonce_testkit::fresh_database;
 async fn the_pipeline_keeps_every_invariant_under_redelivery_and_a_killed_worker() {
     let db = fresh_database().await;
     let pool = db.pool(30).await.unwrap();
-    let outcome = chaos::run(&pool, &ChaosConfig::quick(), None, None)
+    let outcome = incident_run::run(&pool, &IncidentRunConfig::quick(), None, None)
         .await
         .unwrap();
     assert!(outcome.drained && outcome.settled, "{outcome:#?}");
@@ -47,10 +49,12 @@ async fn the_pipeline_keeps_every_invariant_under_redelivery_and_a_killed_worker
 /// pipeline runs; the run's drivers retry, the workers recover, and every
 /// invariant is checked and holds afterwards.
 #[tokio::test]
-async fn the_chaos_run_survives_a_database_restart_mid_run() {
+async fn the_incident_run_survives_a_database_restart_mid_run() {
     // A cluster of its own: the shared test server must not restart under
     // the other tests.
-    let db = RunDatabase::open(None, "chaos_restart", 40).await.unwrap();
+    let db = RunDatabase::open(None, "incident_run_restart", 40)
+        .await
+        .unwrap();
     let pool = db.pool().clone();
     let started_at = || async {
         sqlx::query_scalar::<_, f64>(
@@ -61,10 +65,10 @@ async fn the_chaos_run_survives_a_database_restart_mid_run() {
         .unwrap()
     };
     let before = started_at().await;
-    let mut config = ChaosConfig::quick();
+    let mut config = IncidentRunConfig::quick();
     config.observations = 400;
     let restarter = db.restarter().expect("a throwaway cluster");
-    let outcome = chaos::run(
+    let outcome = incident_run::run(
         &pool,
         &config,
         Some((Duration::from_millis(500), restarter)),
@@ -122,9 +126,9 @@ async fn settling_finishes_claimed_and_failed_notifications() {
     let queue = observations_queue(&pool, Duration::from_secs(5), 5)
         .await
         .unwrap();
-    let mut runtime = ChaosConfig::quick().runtime;
+    let mut runtime = IncidentRunConfig::quick().runtime;
     runtime.notifier.as_mut().unwrap().webhook_url = receiver.url().to_owned();
-    let settled = chaos::settle(
+    let settled = incident_run::settle(
         &service,
         &queue,
         &runtime,
@@ -201,7 +205,7 @@ fn notifications_pending_at_the_deadline_are_told_apart_from_violations() {
 async fn the_demo_reports_a_pending_notification_as_a_failure_with_its_state() {
     let db = fresh_database().await;
     let pool = db.pool(30).await.unwrap();
-    let mut outcome = chaos::run(&pool, &ChaosConfig::quick(), None, None)
+    let mut outcome = incident_run::run(&pool, &IncidentRunConfig::quick(), None, None)
         .await
         .unwrap();
     assert!(outcome.all_hold(), "{outcome:#?}");
@@ -324,6 +328,6 @@ async fn a_session_ended_by_the_server_is_retried_and_a_bad_statement_is_not() {
         })
         .await
         .unwrap_err();
-    assert!(!chaos::is_transient(&err), "{err:#}");
+    assert!(!incident_run::is_transient(&err), "{err:#}");
     assert_eq!(retrier.retried(), 1, "not retried");
 }

@@ -1,4 +1,4 @@
-//! The incident pipeline's chaos run, written once: what `pgonce demo`
+//! The incident service run under faults, written once: what `pgonce demo`
 //! renders, what the pipeline's end-to-end tests assert on, and what
 //! `pgonce bench service` starts its runtimes with.
 //!
@@ -12,7 +12,7 @@
 //! replaced; optionally the database server restarted. Then it waits until
 //! every notification job is terminal, within a deadline derived from the
 //! notifier's lease and retry schedule ([`settle_bound`]), and checks the
-//! invariants in the database. The result is a [`ChaosOutcome`]: a value,
+//! invariants in the database. The result is a [`IncidentRunOutcome`]: a value,
 //! not a report, so that the demo renders it and tests assert on it.
 //!
 //! It lives in the lab, not in `pgonce-incidents`: a deployed `pgonce
@@ -58,7 +58,7 @@ use crate::scratch::Restarter;
 
 /// What to run.
 #[derive(Debug, Clone)]
-pub struct ChaosConfig {
+pub struct IncidentRunConfig {
     /// Percent of entities whose incidents take the guarded write.
     pub rollout: u8,
     pub observations: usize,
@@ -84,10 +84,14 @@ pub struct ChaosConfig {
     pub drain_deadline: Duration,
 }
 
-impl ChaosConfig {
+impl IncidentRunConfig {
     /// The demo's run: `visibility` shorter than the slow tail
     /// (`slow_rate` of the evaluations take `visibility + 500 ms`).
-    pub fn demo(visibility: Duration, slow_rate: f64, webhook_timeout: Duration) -> ChaosConfig {
+    pub fn demo(
+        visibility: Duration,
+        slow_rate: f64,
+        webhook_timeout: Duration,
+    ) -> IncidentRunConfig {
         let mut notify = NotifierConfig::new("http://127.0.0.1:9/set-at-run-time");
         notify.timeout = webhook_timeout;
         notify.lease = Duration::from_secs(2);
@@ -97,7 +101,7 @@ impl ChaosConfig {
             max: Duration::from_secs(1),
             jitter: 0.25,
         };
-        ChaosConfig {
+        IncidentRunConfig {
             rollout: 100,
             observations: 1500,
             organizations: 3,
@@ -153,9 +157,9 @@ impl ChaosConfig {
 
     /// A reduced run for the test suite: one organization, fewer
     /// observations, shorter timeouts; the same faults.
-    pub fn quick() -> ChaosConfig {
+    pub fn quick() -> IncidentRunConfig {
         let visibility = Duration::from_millis(300);
-        let mut c = ChaosConfig::demo(visibility, 0.1, Duration::from_millis(300));
+        let mut c = IncidentRunConfig::demo(visibility, 0.1, Duration::from_millis(300));
         c.observations = 150;
         c.organizations = 1;
         c.entities = 6;
@@ -203,7 +207,7 @@ impl ChaosConfig {
         );
         anyhow::ensure!(
             self.runtime.notifier.is_some(),
-            "the chaos run needs a notifier configuration"
+            "the incident run needs a notifier configuration"
         );
         Ok(())
     }
@@ -345,7 +349,7 @@ struct Setup {
     entities: Vec<(i64, String)>,
 }
 
-async fn set_up(pool: &PgPool, config: &ChaosConfig) -> anyhow::Result<Setup> {
+async fn set_up(pool: &PgPool, config: &IncidentRunConfig) -> anyhow::Result<Setup> {
     let mut setup = Setup {
         organizations: Vec::new(),
         entities: Vec::new(),
@@ -405,7 +409,7 @@ fn observation(rng: &mut impl Rng, org: i64, entity: &str) -> Observation {
 async fn produce(
     queue: &PgQueue,
     setup: &Setup,
-    config: &ChaosConfig,
+    config: &IncidentRunConfig,
     retrier: &Retrier,
 ) -> anyhow::Result<Produced> {
     let mut produced = Produced::default();
@@ -695,9 +699,9 @@ pub struct RestartOutcome {
     pub error: Option<String>,
 }
 
-/// What a chaos run did and found.
+/// What an incident run did and found.
 #[derive(Debug, Clone)]
-pub struct ChaosOutcome {
+pub struct IncidentRunOutcome {
     pub produced: Produced,
     pub pipeline: PipelineSnapshot,
     pub workers: WorkerCounters,
@@ -722,7 +726,7 @@ pub struct ChaosOutcome {
     pub elapsed: Duration,
 }
 
-impl ChaosOutcome {
+impl IncidentRunOutcome {
     /// I1, I2, I3 (no notification pending either) and I6 (nothing
     /// pending, malformed messages dead-lettered) all hold.
     pub fn all_hold(&self) -> bool {
@@ -740,7 +744,7 @@ async fn notification_jobs(
     pool: &PgPool,
     organizations: &[i64],
 ) -> sqlx::Result<Vec<NotificationJob>> {
-    sqlx::query_as(include_str!("chaos/sql/notification_jobs.sql"))
+    sqlx::query_as(include_str!("incident_run/sql/notification_jobs.sql"))
         .bind(NOTIFY_JOB_KIND)
         .bind(organizations)
         .fetch_all(pool)
@@ -752,7 +756,7 @@ async fn unprocessed_messages(
     pool: &PgPool,
     ids: &[String],
 ) -> sqlx::Result<Vec<UnprocessedMessage>> {
-    sqlx::query_as(include_str!("chaos/sql/unprocessed_messages.sql"))
+    sqlx::query_as(include_str!("incident_run/sql/unprocessed_messages.sql"))
         .bind(ids)
         .fetch_all(pool)
         .await
@@ -828,15 +832,15 @@ pub async fn settle(
     })
 }
 
-/// Runs the chaos run on `pool` (a migrated, empty scratch database).
+/// Runs the incident run on `pool` (a migrated, empty scratch database).
 /// `restart`: restart the server this many seconds after production
 /// starts. `progress`: a bar to move, for people watching.
 pub async fn run(
     pool: &PgPool,
-    config: &ChaosConfig,
+    config: &IncidentRunConfig,
     restart: Option<(Duration, Restarter)>,
     progress: Option<&ProgressBar>,
-) -> anyhow::Result<ChaosOutcome> {
+) -> anyhow::Result<IncidentRunOutcome> {
     config.validate()?;
     let started = Instant::now();
     // Long enough for a restart under load; a server gone for good fails
@@ -1019,7 +1023,7 @@ pub async fn run(
             observations.lost.push(m);
         }
     }
-    let outcome = ChaosOutcome {
+    let outcome = IncidentRunOutcome {
         produced,
         pipeline: snapshot_sum(&counters),
         workers,
