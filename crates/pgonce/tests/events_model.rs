@@ -41,6 +41,9 @@ use support::mixed::{
     MixedKind, MixedTx, Refused, course, mixed_round, mixed_violations, tag_query,
 };
 
+/// Rounds per run unless `PGONCE_PROPTEST_CASES` says otherwise.
+const DEFAULT_ROUNDS: u64 = 128;
+
 const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 const REPEATABLE_READ: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ";
 const SERIALIZABLE: &str = "BEGIN ISOLATION LEVEL SERIALIZABLE";
@@ -253,7 +256,7 @@ fn appends_commit_or_are_refused_as_the_model_says() {
     let rounds = AtomicU64::new(0);
     let tally = std::sync::Mutex::new(Tally::default());
     let started = std::time::Instant::now();
-    proptest!(support::model_config(128), |(r in round())| {
+    proptest!(support::model_config(DEFAULT_ROUNDS as u32), |(r in round())| {
         let n = rounds.fetch_add(1, Ordering::Relaxed);
         let out = rt.block_on(run(&h, n, r, &mut tally.lock().unwrap()));
         prop_assert!(out.is_ok(), "{}", out.unwrap_err());
@@ -264,8 +267,11 @@ fn appends_commit_or_are_refused_as_the_model_says() {
         rounds.load(Ordering::Relaxed),
         started.elapsed(),
     );
+    // A short run (fewer cases than the default) may miss a path; the
+    // default reaches each with a probability indistinguishable from 1.
+    let reached = tally.committed > 0 && tally.condition > 0 && tally.wrong_isolation > 0;
     assert!(
-        tally.committed > 0 && tally.condition > 0 && tally.wrong_isolation > 0,
+        reached || rounds.load(Ordering::Relaxed) < DEFAULT_ROUNDS,
         "the run reached commits, failed conditions and refused isolation: {tally:?}"
     );
 }
