@@ -734,7 +734,7 @@ mod receipts {
 /// Receipts of every delivery are kept, and presented late, to the wrong
 /// queue, and mixed in batches; a few never-issued receipts too.
 ///
-/// `PGONCE_PROPTEST_CASES` sets the number of cases (default 128).
+/// `PGONCE_PROPTEST_CASES` sets the number of cases (default 64; see docs/testing.md).
 mod model {
     use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -1195,7 +1195,7 @@ mod model {
         let steps = AtomicU64::new(0);
         let tally = std::sync::Mutex::new(Tally::default());
         let started = std::time::Instant::now();
-        proptest!(crate::support::model_config(128),
+        proptest!(crate::support::model_config(64),
         |(ops in proptest::collection::vec(op(), 1..80))| {
             let n = case.fetch_add(1, Ordering::Relaxed);
             steps.fetch_add(ops.len() as u64, Ordering::Relaxed);
