@@ -172,6 +172,24 @@ impl Job {
         }
     }
 
+    /// `JobBusy`'s `not_before`, when the message may come back: the
+    /// lease's expiry or the retry's `run_at`. Both are an hour or more
+    /// away until the model moves them into the past.
+    fn check_not_before(&self, not_before: OffsetDateTime) -> Result<(), String> {
+        let passed = match self.status {
+            JobStatus::Processing => self.expired,
+            _ => self.due,
+        };
+        let ahead = not_before - OffsetDateTime::now_utc() > time::Duration::MINUTE;
+        if passed == ahead {
+            return Err(format!(
+                "JobBusy for a {} job (time passed: {passed}) not before {not_before}",
+                self.status
+            ));
+        }
+        Ok(())
+    }
+
     /// What the comparison looks at: `due` only where a state reads it,
     /// `aged` only for terminal states.
     fn view(&self, leases: &[Lease]) -> View {
@@ -383,7 +401,10 @@ impl Harness<'_> {
                         tally.claimed += 1;
                         m.issue(j, lease)?;
                     }
-                    Err(Error::JobBusy { .. }) => tally.busy += 1,
+                    Err(Error::JobBusy { not_before, .. }) => {
+                        tally.busy += 1;
+                        m.jobs[j].as_ref().unwrap().check_not_before(not_before)?;
+                    }
                     Err(_) => tally.handled += 1,
                 }
             }
