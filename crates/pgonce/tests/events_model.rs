@@ -3,7 +3,8 @@
 //!
 //! A round is two to four writers' transactions on one tag (conditional
 //! appends on the query under test, conditional appends on another tag
-//! whose event also carries the tested tag, unconditional appends,
+//! whose event also carries the tested tag, conditional appends on events
+//! carrying both tags, unconditional appends,
 //! `append_in` in a caller's transaction begun at READ COMMITTED,
 //! REPEATABLE READ or SERIALIZABLE, some ending in ROLLBACK) under one of
 //! the three append strategies. Their steps (decide; append; commit or
@@ -62,6 +63,7 @@ fn writer() -> impl Strategy<Value = MixedTx> {
     let kind = prop_oneof![
         3 => Just(MixedKind::ConditionSame),
         1 => Just(MixedKind::ConditionOther),
+        1 => Just(MixedKind::ConditionBoth),
         2 => Just(MixedKind::Unconditional),
         2 => prop_oneof![Just(READ_COMMITTED), Just(REPEATABLE_READ), Just(SERIALIZABLE)]
             .prop_map(MixedKind::AppendIn),
@@ -131,7 +133,7 @@ fn judge(
             }
         }
         Some(Refused::Condition) => {
-            let Some((tag, after)) = &t.condition else {
+            let Some((query, after)) = &t.condition else {
                 return Err("an append without a condition failed one".into());
             };
             if t.matching.is_empty() {
@@ -139,13 +141,11 @@ fn judge(
             }
             for m in &t.matching {
                 let justified = log.iter().any(|e| {
-                    e.position == *m
-                        && e.position > after.unwrap_or(0)
-                        && tag_query(tag).matches(&e.event)
+                    e.position == *m && e.position > after.unwrap_or(0) && query.matches(&e.event)
                 });
                 if !justified {
                     return Err(format!(
-                        "refused for position {m}, not a committed {tag} event after {after:?}"
+                        "refused for position {m}, not a committed event of {query:?} after {after:?}"
                     ));
                 }
             }

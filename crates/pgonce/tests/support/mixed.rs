@@ -49,7 +49,7 @@ impl From<&Error> for Refused {
 }
 
 /// The writers of a mixed round. Every event carries the round's tag `x`;
-/// the conditions are on `x` (the query under test) or on `y`.
+/// the conditions are on `x` (the query under test), on `y`, or on both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MixedKind {
     /// Decides on `x`, appends an `x` event under "no `x` after".
@@ -57,6 +57,9 @@ pub enum MixedKind {
     /// Decides on `y`, appends an event tagged `x` and `y` under "no `y`
     /// after": a condition on other tags whose event matches `x`.
     ConditionOther,
+    /// Decides on events carrying both `x` and `y`, appends one under "none
+    /// after": a condition whose tags overlap both others'.
+    ConditionBoth,
     /// `begin_append` of an `x` event without a condition.
     Unconditional,
     /// `append_in` of an `x` event in the caller's transaction, begun at
@@ -71,7 +74,7 @@ pub struct MixedTx {
     /// Ends with ROLLBACK instead of COMMIT.
     pub rollback: bool,
     /// The condition's tag and `after`, for conditional kinds.
-    pub condition: Option<(String, Option<i64>)>,
+    pub condition: Option<(Query, Option<i64>)>,
     pub positions: Vec<i64>,
     pub committed: bool,
     pub refused: Option<Refused>,
@@ -108,21 +111,25 @@ pub async fn mixed_tx(
         Pending(pgonce::events::PendingAppend),
         Caller(sqlx::Transaction<'static, sqlx::Postgres>),
     }
-    let condition_tag = match plan.kind {
-        MixedKind::ConditionSame => Some(x.clone()),
-        MixedKind::ConditionOther => Some(y.clone()),
+    let query = match plan.kind {
+        MixedKind::ConditionSame => Some(tag_query(&x)),
+        MixedKind::ConditionOther => Some(tag_query(&y)),
+        MixedKind::ConditionBoth => Some(Query::item(Vec::<String>::new(), [&x, &y]).unwrap()),
         _ => None,
     };
     let mut event = course(&x);
-    if plan.kind == MixedKind::ConditionOther {
+    if matches!(
+        plan.kind,
+        MixedKind::ConditionOther | MixedKind::ConditionBoth
+    ) {
         event = event.tag(&y);
     }
     let mut condition = None;
-    if let Some(tag) = condition_tag {
+    if let Some(query) = query {
         go.recv().await.unwrap();
-        let decision = store.decide(&tag_query(&tag)).await.unwrap();
-        plan.condition = Some((tag.clone(), decision.after));
-        condition = Some(AppendCondition::new(tag_query(&tag), decision.after));
+        let decision = store.decide(&query).await.unwrap();
+        plan.condition = Some((query.clone(), decision.after));
+        condition = Some(AppendCondition::new(query, decision.after));
         done.send((index, false)).unwrap();
     }
     go.recv().await.unwrap();
@@ -194,7 +201,7 @@ pub async fn mixed_round(
     let mut left: Vec<usize> = plans
         .iter()
         .map(|p| match p.kind {
-            MixedKind::ConditionSame | MixedKind::ConditionOther => 3,
+            MixedKind::ConditionSame | MixedKind::ConditionOther | MixedKind::ConditionBoth => 3,
             _ => 2,
         })
         .collect();
@@ -276,15 +283,12 @@ pub fn mixed_violations(log: &[StoredEvent], txs: &[MixedTx]) -> Vec<(i64, i64)>
     assert_eq!(committed, logged, "exactly the committed appends: {txs:?}");
     let mut violations = Vec::new();
     for t in txs.iter().filter(|t| t.committed) {
-        let Some((tag, after)) = &t.condition else {
+        let Some((query, after)) = &t.condition else {
             continue;
         };
         let lowest = t.positions[0];
         for e in log {
-            if e.position > after.unwrap_or(0)
-                && e.position < lowest
-                && tag_query(tag).matches(&e.event)
-            {
+            if e.position > after.unwrap_or(0) && e.position < lowest && query.matches(&e.event) {
                 violations.push((lowest, e.position));
             }
         }
