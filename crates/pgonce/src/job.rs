@@ -458,16 +458,22 @@ pub async fn complete_many<'c>(
     let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
     let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
     let results: Vec<Value> = done.iter().map(|(_, r)| r.clone()).collect();
-    let completed: Vec<i64> = sqlx::query_scalar(include_str!("job/sql/complete_many.sql"))
+    let completed: Vec<CompletedRow> = sqlx::query_as(include_str!("job/sql/complete_many.sql"))
         .bind(&ids)
         .bind(&tokens)
         .bind(&results)
         .fetch_all(db)
         .await?;
     metrics::counter!("pgonce_job_completed_total").increment(completed.len() as u64);
+    // By lease, not by job: a stale lease of a job the same call completed
+    // under its current lease wrote nothing, and its caller must hear so.
     let lost: Vec<i64> = done
         .iter()
-        .filter(|(l, _)| !completed.contains(&l.job_id))
+        .filter(|(l, _)| {
+            !completed
+                .iter()
+                .any(|c| c.job_id == l.job_id && c.token == l.token)
+        })
         .map(|(l, _)| {
             // Counted and logged like a single lost completion.
             let _ = l.lost();
@@ -475,6 +481,13 @@ pub async fn complete_many<'c>(
         })
         .collect();
     Ok(lost)
+}
+
+/// A completion [`complete_many`] made: the job and the lease it took.
+#[derive(sqlx::FromRow)]
+struct CompletedRow {
+    job_id: i64,
+    token: Uuid,
 }
 
 /// How failed attempts are retried: delay = min(`max`, `base` *

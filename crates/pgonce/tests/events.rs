@@ -3,7 +3,8 @@
 //! The step-by-step races (three writers under each strategy, out-of-order
 //! commits) live in the lab, asserted by pgonce-lab's tests/races.rs.
 
-use std::collections::BTreeSet;
+mod support;
+
 use std::time::Duration;
 
 use pgonce::Error;
@@ -15,6 +16,9 @@ use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_database};
 use rand::Rng;
 use serde_json::json;
 use sqlx::PgPool;
+use support::mixed::{
+    MixedKind, MixedTx, Refused, course, mixed_round, mixed_violations, tag_query,
+};
 
 async fn db() -> (ScratchDatabase, PgPool) {
     let db = fresh_database().await;
@@ -42,10 +46,6 @@ fn booked(tag: &str) -> Event {
 
 fn positions(events: &[StoredEvent]) -> Vec<i64> {
     events.iter().map(|e| e.position).collect()
-}
-
-fn tag_query(tag: &str) -> Query {
-    Query::item(Vec::<String>::new(), [tag]).unwrap()
 }
 
 // ---------------------------------------------------------------- semantics
@@ -707,29 +707,6 @@ impl LowerWriter {
     ];
 }
 
-/// Why an append in a race did not commit, as a race table shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Refused {
-    /// `AppendConditionFailed`: a matching event after `after`.
-    Condition,
-    /// `SerializationFailure` (40001), at the check or at COMMIT.
-    Serialization,
-    /// `WrongIsolation`: the strategy refuses the caller's transaction.
-    WrongIsolation,
-    Other(String),
-}
-
-impl From<&Error> for Refused {
-    fn from(e: &Error) -> Refused {
-        match e {
-            Error::AppendConditionFailed { .. } => Refused::Condition,
-            Error::SerializationFailure { .. } => Refused::Serialization,
-            Error::WrongIsolation { .. } => Refused::WrongIsolation,
-            e => Refused::Other(e.to_string()),
-        }
-    }
-}
-
 /// What happened in one run of [`late_lower_writer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct LateLowerWriter {
@@ -746,10 +723,6 @@ struct LateLowerWriter {
     /// Committed conditional appends with a matching committed event below
     /// them and above their `after`: (the append's position, the event's).
     violations: Vec<(i64, i64)>,
-}
-
-fn course(tag: &str) -> Event {
-    Event::new("CourseDefined").tag(tag)
 }
 
 /// Position 1 holds a committed `course:1` event; C decides on `course:1`
@@ -975,35 +948,6 @@ async fn a_lower_unconditional_write_committing_late_never_breaks_a_condition() 
 
 // ------------------------------------------------- randomized mixed writers
 
-/// The writers of a mixed round. Every event carries the round's tag `x`;
-/// the conditions are on `x` (the query under test) or on `y`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum MixedKind {
-    /// Decides on `x`, appends an `x` event under "no `x` after".
-    ConditionSame,
-    /// Decides on `y`, appends an event tagged `x` and `y` under "no `y`
-    /// after": a condition on other tags whose event matches `x`.
-    ConditionOther,
-    /// `begin_append` of an `x` event without a condition.
-    Unconditional,
-    /// `append_in` of an `x` event in the caller's transaction, begun at
-    /// this isolation level.
-    AppendIn(&'static str),
-}
-
-/// One transaction of a mixed round and what became of it.
-#[derive(Debug, Clone)]
-struct MixedTx {
-    kind: MixedKind,
-    /// Ends with ROLLBACK instead of COMMIT.
-    rollback: bool,
-    /// The condition's tag and `after`, for conditional kinds.
-    condition: Option<(String, Option<i64>)>,
-    positions: Vec<i64>,
-    committed: bool,
-    refused: Option<Refused>,
-}
-
 fn mixed_plan(rng: &mut impl Rng, strategy: AppendStrategy) -> MixedTx {
     let kind = match rng.random_range(0..8) {
         0..=2 => MixedKind::ConditionSame,
@@ -1016,208 +960,7 @@ fn mixed_plan(rng: &mut impl Rng, strategy: AppendStrategy) -> MixedTx {
             _ => "BEGIN ISOLATION LEVEL READ COMMITTED",
         }),
     };
-    MixedTx {
-        kind,
-        rollback: rng.random_bool(0.15),
-        condition: None,
-        positions: Vec::new(),
-        committed: false,
-        refused: None,
-    }
-}
-
-/// Runs `plan` one step per `go` (decide, append, end), reporting each step
-/// on `done` with whether the transaction is over.
-async fn mixed_tx(
-    index: usize,
-    store: EventStore,
-    mut plan: MixedTx,
-    [x, y]: [String; 2],
-    mut go: tokio::sync::mpsc::UnboundedReceiver<()>,
-    done: tokio::sync::mpsc::UnboundedSender<(usize, bool)>,
-) -> MixedTx {
-    enum Held {
-        Pending(pgonce::events::PendingAppend),
-        Caller(sqlx::Transaction<'static, sqlx::Postgres>),
-    }
-    let condition_tag = match plan.kind {
-        MixedKind::ConditionSame => Some(x.clone()),
-        MixedKind::ConditionOther => Some(y.clone()),
-        _ => None,
-    };
-    let mut event = course(&x);
-    if plan.kind == MixedKind::ConditionOther {
-        event = event.tag(&y);
-    }
-    let mut condition = None;
-    if let Some(tag) = condition_tag {
-        go.recv().await.unwrap();
-        let decision = store.decide(&tag_query(&tag)).await.unwrap();
-        plan.condition = Some((tag.clone(), decision.after));
-        condition = Some(AppendCondition::new(tag_query(&tag), decision.after));
-        done.send((index, false)).unwrap();
-    }
-    go.recv().await.unwrap();
-    let held = match plan.kind {
-        MixedKind::AppendIn(begin) => {
-            let mut tx = store.pool().begin_with(begin).await.unwrap();
-            match store.append_in(&mut tx, &[event]).await {
-                Ok(p) => {
-                    plan.positions = p;
-                    Ok(Held::Caller(tx))
-                }
-                Err(e) => Err(e),
-            }
-        }
-        _ => store
-            .begin_append(&[event], condition.as_ref())
-            .await
-            .map(|p| {
-                plan.positions = p.positions().to_vec();
-                Held::Pending(p)
-            }),
-    };
-    let held = match held {
-        Ok(h) => h,
-        Err(e) => {
-            plan.refused = Some(Refused::from(&e));
-            done.send((index, true)).unwrap();
-            return plan;
-        }
-    };
-    done.send((index, false)).unwrap();
-    go.recv().await.unwrap();
-    let ended = match (held, plan.rollback) {
-        (Held::Pending(p), true) => p.rollback().await,
-        (Held::Pending(p), false) => p.commit().await.map(|_| ()),
-        (Held::Caller(tx), true) => tx.rollback().await.map_err(Error::from),
-        (Held::Caller(tx), false) => tx.commit().await.map_err(Error::from),
-    };
-    match ended {
-        Ok(()) => plan.committed = !plan.rollback,
-        Err(e) => plan.refused = Some(Refused::from(&e)),
-    }
-    done.send((index, true)).unwrap();
-    plan
-}
-
-/// One random interleaving of `plans` on `sessions` (one each): repeatedly
-/// a random transaction that is not running takes its next step; the
-/// driver waits until that step reports or its backend is seen waiting on
-/// a lock (then others go on, and it reports once released).
-async fn mixed_round(
-    race: &Interleaving,
-    sessions: &[pgonce_testkit::Session],
-    strategy: AppendStrategy,
-    round: usize,
-    plans: Vec<MixedTx>,
-    rng: &mut impl Rng,
-) -> Vec<MixedTx> {
-    let tags = [format!("r{round}:x"), format!("r{round}:y")];
-    let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
-    let mut go = Vec::new();
-    let mut tasks = Vec::new();
-    // Steps left per transaction; its last one (COMMIT or ROLLBACK) waits on
-    // no lock another transaction of the round holds.
-    let mut left: Vec<usize> = plans
-        .iter()
-        .map(|p| match p.kind {
-            MixedKind::ConditionSame | MixedKind::ConditionOther => 3,
-            _ => 2,
-        })
-        .collect();
-    for (i, plan) in plans.into_iter().enumerate() {
-        let (g, rx) = tokio::sync::mpsc::unbounded_channel();
-        go.push(g);
-        tasks.push(tokio::spawn(mixed_tx(
-            i,
-            EventStore::new(
-                sessions[i].pool().clone(),
-                EventStoreConfig {
-                    strategy,
-                    notify: false,
-                    ..Default::default()
-                },
-            )
-            .unwrap(),
-            plan,
-            tags.clone(),
-            rx,
-            done_tx.clone(),
-        )));
-    }
-    // Per transaction: Some(true) running, Some(false) ready, None over.
-    let mut running: Vec<Option<bool>> = vec![Some(false); tasks.len()];
-    let record = |running: &mut Vec<Option<bool>>, (i, over): (usize, bool)| {
-        running[i] = if over { None } else { Some(false) };
-    };
-    loop {
-        let ready: Vec<usize> = (0..running.len())
-            .filter(|&i| running[i] == Some(false))
-            .collect();
-        if ready.is_empty() {
-            if running.iter().all(Option::is_none) {
-                break;
-            }
-            let m = done.recv().await.unwrap();
-            record(&mut running, m);
-            continue;
-        }
-        let i = ready[rng.random_range(0..ready.len())];
-        running[i] = Some(true);
-        left[i] -= 1;
-        go[i].send(()).unwrap();
-        while running[i] == Some(true) {
-            if left[i] == 0 {
-                let m = done.recv().await.unwrap();
-                record(&mut running, m);
-                continue;
-            }
-            tokio::select! {
-                m = done.recv() => record(&mut running, m.unwrap()),
-                _ = tokio::time::sleep(Duration::from_millis(2)) => {
-                    if race.blockers_of(&sessions[i]).await.unwrap().is_some() {
-                        break;
-                    }
-                }
-            }
-        }
-    }
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
-}
-
-/// The oracle: once every transaction ended, no committed conditional
-/// append has a committed event matching its condition at a lower
-/// position above its `after`. Also: exactly the committed appends are in
-/// `log`. Returns the violations as (append's position, event's position).
-fn mixed_violations(log: &[StoredEvent], txs: &[MixedTx]) -> Vec<(i64, i64)> {
-    let committed: BTreeSet<i64> = txs
-        .iter()
-        .filter(|t| t.committed)
-        .flat_map(|t| t.positions.iter().copied())
-        .collect();
-    let logged: BTreeSet<i64> = log.iter().map(|e| e.position).collect();
-    assert_eq!(committed, logged, "exactly the committed appends: {txs:?}");
-    let mut violations = Vec::new();
-    for t in txs.iter().filter(|t| t.committed) {
-        let Some((tag, after)) = &t.condition else {
-            continue;
-        };
-        let lowest = t.positions[0];
-        for e in log {
-            if e.position > after.unwrap_or(0)
-                && e.position < lowest
-                && tag_query(tag).matches(&e.event)
-            {
-                violations.push((lowest, e.position));
-            }
-        }
-    }
-    violations
+    MixedTx::new(kind, rng.random_bool(0.15))
 }
 
 /// Randomized mixed writers, each strategy: rounds of three or four
@@ -1278,7 +1021,8 @@ async fn mixed_rounds(
             for r in (g..MIXED_ROUNDS).step_by(GROUPS) {
                 let n = rng.random_range(3..=4);
                 let plans = (0..n).map(|_| mixed_plan(&mut rng, strategy)).collect();
-                let txs = mixed_round(&race, &sessions, strategy, r, plans, &mut rng).await;
+                let mut choose = |n| rng.random_range(0..n);
+                let txs = mixed_round(&race, &sessions, strategy, r, plans, &mut choose).await;
                 let log = store(&pool, strategy)
                     .read(&tag_query(&format!("r{r}:x")), ReadOptions::default())
                     .await

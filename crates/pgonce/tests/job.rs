@@ -964,6 +964,24 @@ async fn complete_many_completes_each_job_only_under_its_current_lease() {
     job::complete(&pool, &new, &json!("new")).await.unwrap();
 }
 
+/// A stale lease handed to `complete_many` beside its job's current lease
+/// is lost, not completed: the current one completes the job, the stale
+/// one's caller is told it lost (so it rolls back its side effect).
+#[tokio::test]
+async fn complete_many_reports_a_stale_lease_lost_beside_the_current_one() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let stale = job::claim(&pool, id, LEASE).await.unwrap();
+    expire_lease(&pool, id).await;
+    reaper(&pool).run_once().await.unwrap();
+    let current = job::claim(&pool, id, LEASE).await.unwrap();
+    let done = [(current.clone(), json!("current")), (stale, json!("stale"))];
+    let lost = job::complete_many(&pool, &done).await.unwrap();
+    assert_eq!(lost, vec![id]);
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.result, Some(json!("current")));
+}
+
 #[tokio::test]
 async fn the_reaper_service_loop_reaps_until_shutdown() {
     let (_db, pool) = setup().await;

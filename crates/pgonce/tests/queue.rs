@@ -3,6 +3,8 @@
 //! then what only this backend offers: transactional enqueue, one-statement
 //! receives under racing sessions, typed errors for bad input.
 
+mod support;
+
 use std::time::Duration;
 
 use pgonce::queue::conformance::*;
@@ -732,7 +734,7 @@ mod receipts {
 /// Receipts of every delivery are kept, and presented late, to the wrong
 /// queue, and mixed in batches; a few never-issued receipts too.
 ///
-/// `PGONCE_PROPTEST_CASES` sets the number of cases (default 128).
+/// `PGONCE_PROPTEST_CASES` sets the number of cases (default 64; see docs/testing.md).
 mod model {
     use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -1182,10 +1184,6 @@ mod model {
 
     #[test]
     fn receipts_act_only_on_their_own_delivery_in_their_own_queue() {
-        let cases: u32 = std::env::var("PGONCE_PROPTEST_CASES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(128);
         let rt = tokio::runtime::Runtime::new().unwrap();
         let db = rt.block_on(fresh_database());
         let pool = rt.block_on(async {
@@ -1197,7 +1195,7 @@ mod model {
         let steps = AtomicU64::new(0);
         let tally = std::sync::Mutex::new(Tally::default());
         let started = std::time::Instant::now();
-        proptest!(ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() },
+        proptest!(crate::support::model_config(64),
         |(ops in proptest::collection::vec(op(), 1..80))| {
             let n = case.fetch_add(1, Ordering::Relaxed);
             steps.fetch_add(ops.len() as u64, Ordering::Relaxed);

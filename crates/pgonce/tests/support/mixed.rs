@@ -1,0 +1,297 @@
+//! Mixed writers of the event store, driven step by step: the
+//! transactions of a round (conditional appends on the query under test or
+//! on other tags, unconditional appends, `append_in` in a caller's
+//! transaction, rollbacks), an interleaving of their steps that waits until
+//! a step is seen blocked (pg_locks) before others go on, and the oracle
+//! that judges a round. Used by the randomized rounds of tests/events.rs
+//! and by the model of tests/events_model.rs.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use pgonce::Error;
+use pgonce::events::{
+    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query, StoredEvent,
+};
+use pgonce_testkit::Interleaving;
+
+/// A query for events carrying `tag`.
+pub fn tag_query(tag: &str) -> Query {
+    Query::item(Vec::<String>::new(), [tag]).unwrap()
+}
+
+/// An event carrying `tag`.
+pub fn course(tag: &str) -> Event {
+    Event::new("CourseDefined").tag(tag)
+}
+
+/// Why an append in a race did not commit, as a race table shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// `AppendConditionFailed`: a matching event after `after`.
+    Condition,
+    /// `SerializationFailure` (40001), at the check or at COMMIT.
+    Serialization,
+    /// `WrongIsolation`: the strategy refuses the caller's transaction.
+    WrongIsolation,
+    Other(String),
+}
+
+impl From<&Error> for Refused {
+    fn from(e: &Error) -> Refused {
+        match e {
+            Error::AppendConditionFailed { .. } => Refused::Condition,
+            Error::SerializationFailure { .. } => Refused::Serialization,
+            Error::WrongIsolation { .. } => Refused::WrongIsolation,
+            e => Refused::Other(e.to_string()),
+        }
+    }
+}
+
+/// The writers of a mixed round. Every event carries the round's tag `x`;
+/// the conditions are on `x` (the query under test), on `y`, or on both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MixedKind {
+    /// Decides on `x`, appends an `x` event under "no `x` after".
+    ConditionSame,
+    /// Decides on `y`, appends an event tagged `x` and `y` under "no `y`
+    /// after": a condition on other tags whose event matches `x`.
+    ConditionOther,
+    /// Decides on events carrying both `x` and `y`, appends one under "none
+    /// after": a condition whose tags overlap both others'.
+    ConditionBoth,
+    /// `begin_append` of an `x` event without a condition.
+    Unconditional,
+    /// `append_in` of an `x` event in the caller's transaction, begun at
+    /// this isolation level.
+    AppendIn(&'static str),
+}
+
+/// One transaction of a mixed round and what became of it.
+#[derive(Debug, Clone)]
+pub struct MixedTx {
+    pub kind: MixedKind,
+    /// Ends with ROLLBACK instead of COMMIT.
+    pub rollback: bool,
+    /// The condition's tag and `after`, for conditional kinds.
+    pub condition: Option<(Query, Option<i64>)>,
+    pub positions: Vec<i64>,
+    pub committed: bool,
+    pub refused: Option<Refused>,
+    /// The positions a failed condition named (`AppendConditionFailed`).
+    pub matching: Vec<i64>,
+}
+
+impl MixedTx {
+    /// A transaction of `kind` not yet run.
+    pub fn new(kind: MixedKind, rollback: bool) -> MixedTx {
+        MixedTx {
+            kind,
+            rollback,
+            condition: None,
+            positions: Vec::new(),
+            committed: false,
+            refused: None,
+            matching: Vec::new(),
+        }
+    }
+}
+
+/// Runs `plan` one step per `go` (decide, append, end), reporting each step
+/// on `done` with whether the transaction is over.
+pub async fn mixed_tx(
+    index: usize,
+    store: EventStore,
+    mut plan: MixedTx,
+    [x, y]: [String; 2],
+    mut go: tokio::sync::mpsc::UnboundedReceiver<()>,
+    done: tokio::sync::mpsc::UnboundedSender<(usize, bool)>,
+) -> MixedTx {
+    enum Held {
+        Pending(pgonce::events::PendingAppend),
+        Caller(sqlx::Transaction<'static, sqlx::Postgres>),
+    }
+    let query = match plan.kind {
+        MixedKind::ConditionSame => Some(tag_query(&x)),
+        MixedKind::ConditionOther => Some(tag_query(&y)),
+        MixedKind::ConditionBoth => Some(Query::item(Vec::<String>::new(), [&x, &y]).unwrap()),
+        _ => None,
+    };
+    let mut event = course(&x);
+    if matches!(
+        plan.kind,
+        MixedKind::ConditionOther | MixedKind::ConditionBoth
+    ) {
+        event = event.tag(&y);
+    }
+    let mut condition = None;
+    if let Some(query) = query {
+        go.recv().await.unwrap();
+        let decision = store.decide(&query).await.unwrap();
+        plan.condition = Some((query.clone(), decision.after));
+        condition = Some(AppendCondition::new(query, decision.after));
+        done.send((index, false)).unwrap();
+    }
+    go.recv().await.unwrap();
+    let held = match plan.kind {
+        MixedKind::AppendIn(begin) => {
+            let mut tx = store.pool().begin_with(begin).await.unwrap();
+            match store.append_in(&mut tx, &[event]).await {
+                Ok(p) => {
+                    plan.positions = p;
+                    Ok(Held::Caller(tx))
+                }
+                Err(e) => Err(e),
+            }
+        }
+        _ => store
+            .begin_append(&[event], condition.as_ref())
+            .await
+            .map(|p| {
+                plan.positions = p.positions().to_vec();
+                Held::Pending(p)
+            }),
+    };
+    let held = match held {
+        Ok(h) => h,
+        Err(e) => {
+            if let Error::AppendConditionFailed { matching, .. } = &e {
+                plan.matching = matching.clone();
+            }
+            plan.refused = Some(Refused::from(&e));
+            done.send((index, true)).unwrap();
+            return plan;
+        }
+    };
+    done.send((index, false)).unwrap();
+    go.recv().await.unwrap();
+    let ended = match (held, plan.rollback) {
+        (Held::Pending(p), true) => p.rollback().await,
+        (Held::Pending(p), false) => p.commit().await.map(|_| ()),
+        (Held::Caller(tx), true) => tx.rollback().await.map_err(Error::from),
+        (Held::Caller(tx), false) => tx.commit().await.map_err(Error::from),
+    };
+    match ended {
+        Ok(()) => plan.committed = !plan.rollback,
+        Err(e) => plan.refused = Some(Refused::from(&e)),
+    }
+    done.send((index, true)).unwrap();
+    plan
+}
+
+/// One interleaving of `plans` on `sessions` (one each): repeatedly the
+/// transaction `choose(n)` picks among the `n` that are not running takes
+/// its next step; the driver waits until that step reports or its backend
+/// is seen waiting on a lock (then others go on, and it reports once
+/// released).
+pub async fn mixed_round(
+    race: &Interleaving,
+    sessions: &[pgonce_testkit::Session],
+    strategy: AppendStrategy,
+    round: usize,
+    plans: Vec<MixedTx>,
+    choose: &mut impl FnMut(usize) -> usize,
+) -> Vec<MixedTx> {
+    let tags = [format!("r{round}:x"), format!("r{round}:y")];
+    let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+    let mut go = Vec::new();
+    let mut tasks = Vec::new();
+    // Steps left per transaction; its last one (COMMIT or ROLLBACK) waits on
+    // no lock another transaction of the round holds.
+    let mut left: Vec<usize> = plans
+        .iter()
+        .map(|p| match p.kind {
+            MixedKind::ConditionSame | MixedKind::ConditionOther | MixedKind::ConditionBoth => 3,
+            _ => 2,
+        })
+        .collect();
+    for (i, plan) in plans.into_iter().enumerate() {
+        let (g, rx) = tokio::sync::mpsc::unbounded_channel();
+        go.push(g);
+        tasks.push(tokio::spawn(mixed_tx(
+            i,
+            EventStore::new(
+                sessions[i].pool().clone(),
+                EventStoreConfig {
+                    strategy,
+                    notify: false,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+            plan,
+            tags.clone(),
+            rx,
+            done_tx.clone(),
+        )));
+    }
+    // Per transaction: Some(true) running, Some(false) ready, None over.
+    let mut running: Vec<Option<bool>> = vec![Some(false); tasks.len()];
+    let record = |running: &mut Vec<Option<bool>>, (i, over): (usize, bool)| {
+        running[i] = if over { None } else { Some(false) };
+    };
+    loop {
+        let ready: Vec<usize> = (0..running.len())
+            .filter(|&i| running[i] == Some(false))
+            .collect();
+        if ready.is_empty() {
+            if running.iter().all(Option::is_none) {
+                break;
+            }
+            let m = done.recv().await.unwrap();
+            record(&mut running, m);
+            continue;
+        }
+        let i = ready[choose(ready.len())];
+        running[i] = Some(true);
+        left[i] -= 1;
+        go[i].send(()).unwrap();
+        while running[i] == Some(true) {
+            if left[i] == 0 {
+                let m = done.recv().await.unwrap();
+                record(&mut running, m);
+                continue;
+            }
+            tokio::select! {
+                m = done.recv() => record(&mut running, m.unwrap()),
+                _ = tokio::time::sleep(Duration::from_millis(2)) => {
+                    if race.blockers_of(&sessions[i]).await.unwrap().is_some() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// The oracle: once every transaction ended, no committed conditional
+/// append has a committed event matching its condition at a lower
+/// position above its `after`. Also: exactly the committed appends are in
+/// `log`. Returns the violations as (append's position, event's position).
+pub fn mixed_violations(log: &[StoredEvent], txs: &[MixedTx]) -> Vec<(i64, i64)> {
+    let committed: BTreeSet<i64> = txs
+        .iter()
+        .filter(|t| t.committed)
+        .flat_map(|t| t.positions.iter().copied())
+        .collect();
+    let logged: BTreeSet<i64> = log.iter().map(|e| e.position).collect();
+    assert_eq!(committed, logged, "exactly the committed appends: {txs:?}");
+    let mut violations = Vec::new();
+    for t in txs.iter().filter(|t| t.committed) {
+        let Some((query, after)) = &t.condition else {
+            continue;
+        };
+        let lowest = t.positions[0];
+        for e in log {
+            if e.position > after.unwrap_or(0) && e.position < lowest && query.matches(&e.event) {
+                violations.push((lowest, e.position));
+            }
+        }
+    }
+    violations
+}
