@@ -37,14 +37,16 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use indicatif::ProgressBar;
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
-use pgonce::{PgQueue, Queue, QueueStats, SendMessage, WorkerConfig, WorkerCounters};
+use pgonce::{
+    Listen, PgQueue, PgQueueOptions, Queue, QueueStats, SendMessage, WorkerConfig, WorkerCounters,
+};
 use pgonce_incidents::invariants::{InvariantReport, NotNotifiedOnce, Tallies};
 use pgonce_incidents::model::{
     Declaration, IncidentFilter, Lifecycle, Observation, Op, Rule, Singleton,
 };
 use pgonce_incidents::pipeline::{PipelineCounters, PipelineSnapshot, SimulatedEvaluatorConfig};
 use pgonce_incidents::runtime::{
-    OBSERVATIONS_DEAD_LETTERS, OBSERVATIONS_QUEUE, Runtime, RuntimeConfig, observations_queue,
+    OBSERVATIONS_DEAD_LETTERS, OBSERVATIONS_QUEUE, Runtime, RuntimeConfig, observations_queue_with,
 };
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
 use pgonce_incidents::webhook::{ReceiverFaults, ReceiverStats, WebhookReceiver};
@@ -82,6 +84,10 @@ pub struct IncidentRunConfig {
     pub kill_after: f64,
     /// How long the pipeline may take to drain, from the start.
     pub drain_deadline: Duration,
+    /// Where the queue's long polls LISTEN: [`Listen::Direct`] or
+    /// [`Listen::Off`] when the run's pool goes through a transaction-mode
+    /// pooler. Default [`Listen::Pool`].
+    pub listen: Listen,
 }
 
 impl IncidentRunConfig {
@@ -152,6 +158,7 @@ impl IncidentRunConfig {
             },
             kill_after: 0.4,
             drain_deadline: Duration::from_secs(100),
+            listen: Listen::Pool,
         }
     }
 
@@ -857,7 +864,17 @@ pub async fn run(
     let service = Service::new(pool.clone(), ServiceConfig::default())?;
     let setup = set_up(pool, config).await?;
     let receiver = WebhookReceiver::start(config.receiver).await?;
-    let queue = observations_queue(pool, config.visibility, config.max_receive_count).await?;
+    let queue_options = PgQueueOptions {
+        listen: config.listen.clone(),
+        ..PgQueueOptions::default()
+    };
+    let queue = observations_queue_with(
+        pool,
+        config.visibility,
+        config.max_receive_count,
+        queue_options,
+    )
+    .await?;
 
     // Two worker runtimes (each what one `pgonce worker` process runs, in
     // this process); the second also runs the notifier, and is killed
