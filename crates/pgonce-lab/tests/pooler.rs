@@ -16,6 +16,8 @@ use sqlx::postgres::PgPoolOptions;
 use tracing_subscriber::fmt::MakeWriter;
 
 /// Every warning and error logged in this test process, one per line.
+/// Process-wide: only one test of this file may look at it, or it would
+/// see the other's lines.
 #[derive(Clone, Default)]
 struct Logged(Arc<Mutex<Vec<u8>>>);
 
@@ -106,7 +108,6 @@ async fn the_demo_runs_behind_a_pgbouncer_it_starts_itself() {
         #[command(flatten)]
         demo: demo::DemoArgs,
     }
-    let logged = Logged::collect();
     let server = pgonce_testkit::shared_for_tests().unwrap();
     let url = match std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()) {
         Some(url) => url,
@@ -144,6 +145,4 @@ async fn the_demo_runs_behind_a_pgbouncer_it_starts_itself() {
         connections.as_deref(),
         Some("through PgBouncer (transaction mode); LISTEN on a direct connection")
     );
-    let problems = logged.pooler_problems();
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

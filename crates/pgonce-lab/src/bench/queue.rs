@@ -401,7 +401,6 @@ async fn pg_queue(
         notify: s.notify,
         poll_interval: Duration::from_millis(50),
         listen,
-        ..PgQueueOptions::default()
     };
     let q = PgQueue::create(pool, name, attributes, options).await?;
     let label = format!("{name} b{}", s.batch);
