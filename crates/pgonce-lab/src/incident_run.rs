@@ -38,7 +38,8 @@ use anyhow::Context;
 use indicatif::ProgressBar;
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
 use pgonce::{
-    Listen, PgQueue, PgQueueOptions, Queue, QueueStats, SendMessage, WorkerConfig, WorkerCounters,
+    Listen, PgQueue, PgQueueOptions, PoolerProblem, Queue, QueueStats, SendMessage, WorkerConfig,
+    WorkerCounters,
 };
 use pgonce_incidents::invariants::{InvariantReport, NotNotifiedOnce, Tallies};
 use pgonce_incidents::model::{
@@ -270,9 +271,29 @@ const POLICIES: [(&str, Singleton, &str, Op, f64); 3] = [
 /// or was cut (I/O, protocol, pool timeout while the server is away), an
 /// administrator or a restart ended the session (57P01, 57P02), the server
 /// is starting up or shutting down (57P03), or any connection exception
-/// (08xxx).
+/// (08xxx), or a pooler in between cannot reach the server or take
+/// another client now.
 pub fn is_transient(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| {
+        // A pooler that cannot reach the server (it is restarting) or has
+        // no room for another client now is a wait, not a set-up mistake.
+        let pooler = |e: &pgonce::Error| {
+            matches!(
+                e,
+                pgonce::Error::Pooler {
+                    problem: PoolerProblem::ServerUnreachable | PoolerProblem::ClientLimit,
+                    ..
+                }
+            )
+        };
+        if cause.downcast_ref::<pgonce::Error>().is_some_and(pooler)
+            || matches!(
+                cause.downcast_ref::<pgonce_incidents::Error>(),
+                Some(pgonce_incidents::Error::Pgonce(e)) if pooler(e)
+            )
+        {
+            return true;
+        }
         let sqlx = cause
             .downcast_ref::<sqlx::Error>()
             .or(match cause.downcast_ref::<pgonce::Error>() {

@@ -8,7 +8,7 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use pgonce::Listen;
+use pgonce::{Listen, PoolerProblem};
 use pgonce_lab::demo;
 use pgonce_lab::incident_run::{self, IncidentRunConfig};
 use pgonce_testkit::fresh_database_behind_pooler;
@@ -145,4 +145,30 @@ async fn the_demo_runs_behind_a_pgbouncer_it_starts_itself() {
         connections.as_deref(),
         Some("through PgBouncer (transaction mode); LISTEN on a direct connection")
     );
+}
+
+/// The run's drivers wait out a pooler that cannot reach the server (it is
+/// restarting) or has no room for another client, and give up at once on
+/// a pooler set up wrongly.
+#[test]
+fn a_pooler_waiting_for_the_server_is_transient_and_a_misconfigured_one_is_not() {
+    let pooler = |problem| {
+        anyhow::Error::new(pgonce::Error::Pooler {
+            problem,
+            message: "from the pooler".into(),
+        })
+        .context("a driver's call")
+    };
+    assert!(incident_run::is_transient(&pooler(
+        PoolerProblem::ServerUnreachable
+    )));
+    assert!(incident_run::is_transient(&pooler(
+        PoolerProblem::ClientLimit
+    )));
+    assert!(!incident_run::is_transient(&pooler(
+        PoolerProblem::PreparedStatements
+    )));
+    assert!(!incident_run::is_transient(&pooler(
+        PoolerProblem::Notifications
+    )));
 }
