@@ -37,7 +37,11 @@ impl Database {
                 )
             })?
             .map_err(|e| {
-                let e = pgonce::error::describe(&e);
+                // A pooler set up wrongly is named with its fix.
+                let e = match pgonce::Error::from(e) {
+                    pgonce::Error::Database(e) => pgonce::error::describe(&e),
+                    other => other.to_string(),
+                };
                 anyhow::anyhow!("cannot connect to PostgreSQL at {address}: {e}")
             })?;
         let _ = connection.close().await;

@@ -68,6 +68,9 @@ impl Error {
             Error::Pgonce(pgonce::Error::LockTimeout { .. }) => "busy",
             Error::Pgonce(pgonce::Error::SerializationFailure { .. }) => "busy",
             Error::Pgonce(pgonce::Error::Unavailable { .. }) => "unavailable",
+            // The pooler in front of PostgreSQL is set up wrongly: an
+            // operator's to fix, named in the message; not this request's.
+            Error::Pgonce(pgonce::Error::Pooler { .. }) => "pooler",
             // No connection within the pool's acquire timeout: the database
             // is down or refusing connections (the pool retries a refused
             // connect until then), or every connection is taken. Either way

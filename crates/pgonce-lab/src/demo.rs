@@ -22,6 +22,7 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::behind_pooler::{BehindPooler, ListenMode};
 use crate::incident_run::{self, IncidentRunConfig, IncidentRunOutcome};
 use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
@@ -67,6 +68,18 @@ pub struct DemoArgs {
     /// invariant checked. Needs the throwaway cluster (no --database-url).
     #[arg(long, value_name = "SECONDS")]
     restart_at: Option<f64>,
+    /// Run every pool (pipeline, people, notifier, maintenance) through a
+    /// PgBouncer in transaction mode that the demo starts in front of the
+    /// database and stops at the end (the binary: PGONCE_PGBOUNCER or
+    /// `pgbouncer` on the PATH, 1.21 or newer; scripts/ensure-pgbouncer.sh
+    /// builds one).
+    #[arg(long)]
+    pooler: bool,
+    /// Where the queue's long polls LISTEN: `direct` (a direct connection,
+    /// around the pooler), `off` (polling only) or `pool`. Default: `direct`
+    /// with --pooler, else `pool`.
+    #[arg(long, value_enum)]
+    listen: Option<ListenMode>,
 }
 
 impl DemoArgs {
@@ -117,7 +130,7 @@ async fn run_checked(
     database_url: Option<&str>,
     environment: &mut Option<Environment>,
 ) -> anyhow::Result<Report> {
-    let config = args.run_config();
+    let mut config = args.run_config();
     let restart_at = match args.restart_at {
         Some(s) if !(s.is_finite() && s >= 0.0) => {
             anyhow::bail!("--restart-at must be a number of seconds, at least 0")
@@ -144,16 +157,48 @@ async fn run_checked(
             .progress_chars("=> "),
     );
     bar.set_prefix("pipeline");
-    let outcome = incident_run::run(db.pool(), &config, restart, Some(&bar)).await;
+    let listen = args.listen.unwrap_or(match args.pooler {
+        true => ListenMode::Direct,
+        false => ListenMode::Pool,
+    });
+    config.listen = listen.listen(&db);
+    let pooler = match args.pooler {
+        true => Some(BehindPooler::start(&db, 40).await?),
+        false => None,
+    };
+    let pool = pooler.as_ref().map_or(db.pool(), BehindPooler::pool);
+    let outcome = incident_run::run(pool, &config, restart, Some(&bar)).await;
     bar.finish_and_clear();
     let outcome = outcome?;
-    let report = render(
+    let mut report = render(
         &outcome,
         args.rollout,
         environment.clone().expect("read above"),
     );
+    report.results.push(
+        Row::new("run")
+            .with("figure", "connections")
+            .with("value", connections(args.pooler, listen)),
+    );
+    if let Some(pooler) = pooler {
+        pooler.close().await;
+    }
     db.close().await?;
     Ok(report)
+}
+
+/// How the run reached PostgreSQL, for its report.
+fn connections(pooler: bool, listen: ListenMode) -> String {
+    let pools = match pooler {
+        true => "through PgBouncer (transaction mode)",
+        false => "direct",
+    };
+    let listen = match listen {
+        ListenMode::Pool => "on a pooled connection",
+        ListenMode::Direct => "on a direct connection",
+        ListenMode::Off => "off (polling)",
+    };
+    format!("{pools}; LISTEN {listen}")
 }
 
 /// At most this many pending jobs or messages are listed in a verdict.

@@ -37,14 +37,17 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use indicatif::ProgressBar;
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
-use pgonce::{PgQueue, Queue, QueueStats, SendMessage, WorkerConfig, WorkerCounters};
+use pgonce::{
+    Listen, PgQueue, PgQueueOptions, PoolerProblem, Queue, QueueStats, SendMessage, WorkerConfig,
+    WorkerCounters,
+};
 use pgonce_incidents::invariants::{InvariantReport, NotNotifiedOnce, Tallies};
 use pgonce_incidents::model::{
     Declaration, IncidentFilter, Lifecycle, Observation, Op, Rule, Singleton,
 };
 use pgonce_incidents::pipeline::{PipelineCounters, PipelineSnapshot, SimulatedEvaluatorConfig};
 use pgonce_incidents::runtime::{
-    OBSERVATIONS_DEAD_LETTERS, OBSERVATIONS_QUEUE, Runtime, RuntimeConfig, observations_queue,
+    OBSERVATIONS_DEAD_LETTERS, OBSERVATIONS_QUEUE, Runtime, RuntimeConfig, observations_queue_with,
 };
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
 use pgonce_incidents::webhook::{ReceiverFaults, ReceiverStats, WebhookReceiver};
@@ -82,6 +85,10 @@ pub struct IncidentRunConfig {
     pub kill_after: f64,
     /// How long the pipeline may take to drain, from the start.
     pub drain_deadline: Duration,
+    /// Where the queue's long polls LISTEN: [`Listen::Direct`] or
+    /// [`Listen::Off`] when the run's pool goes through a transaction-mode
+    /// pooler. Default [`Listen::Pool`].
+    pub listen: Listen,
 }
 
 impl IncidentRunConfig {
@@ -152,6 +159,7 @@ impl IncidentRunConfig {
             },
             kill_after: 0.4,
             drain_deadline: Duration::from_secs(100),
+            listen: Listen::Pool,
         }
     }
 
@@ -263,9 +271,29 @@ const POLICIES: [(&str, Singleton, &str, Op, f64); 3] = [
 /// or was cut (I/O, protocol, pool timeout while the server is away), an
 /// administrator or a restart ended the session (57P01, 57P02), the server
 /// is starting up or shutting down (57P03), or any connection exception
-/// (08xxx).
+/// (08xxx), or a pooler in between cannot reach the server or take
+/// another client now.
 pub fn is_transient(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| {
+        // A pooler that cannot reach the server (it is restarting) or has
+        // no room for another client now is a wait, not a set-up mistake.
+        let pooler = |e: &pgonce::Error| {
+            matches!(
+                e,
+                pgonce::Error::Pooler {
+                    problem: PoolerProblem::ServerUnreachable | PoolerProblem::ClientLimit,
+                    ..
+                }
+            )
+        };
+        if cause.downcast_ref::<pgonce::Error>().is_some_and(pooler)
+            || matches!(
+                cause.downcast_ref::<pgonce_incidents::Error>(),
+                Some(pgonce_incidents::Error::Pgonce(e)) if pooler(e)
+            )
+        {
+            return true;
+        }
         let sqlx = cause
             .downcast_ref::<sqlx::Error>()
             .or(match cause.downcast_ref::<pgonce::Error>() {
@@ -857,7 +885,17 @@ pub async fn run(
     let service = Service::new(pool.clone(), ServiceConfig::default())?;
     let setup = set_up(pool, config).await?;
     let receiver = WebhookReceiver::start(config.receiver).await?;
-    let queue = observations_queue(pool, config.visibility, config.max_receive_count).await?;
+    let queue_options = PgQueueOptions {
+        listen: config.listen.clone(),
+        ..PgQueueOptions::default()
+    };
+    let queue = observations_queue_with(
+        pool,
+        config.visibility,
+        config.max_receive_count,
+        queue_options,
+    )
+    .await?;
 
     // Two worker runtimes (each what one `pgonce worker` process runs, in
     // this process); the second also runs the notifier, and is killed

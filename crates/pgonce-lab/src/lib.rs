@@ -14,6 +14,7 @@
 //! [`report::Report`]: tables for people, one JSON object for machines.
 //! The `pgonce` command exposes all three when built with its `lab` feature.
 
+pub mod behind_pooler;
 pub mod bench;
 pub mod demo;
 pub mod guard_strategy;

@@ -18,7 +18,7 @@ pub mod server;
 
 pub use cluster::{Cluster, ClusterError, ShutdownMode};
 pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Step, StepEvent};
-pub use pooler::Pooler;
+pub use pooler::{Pooler, PoolerSetup};
 pub use server::{
     ScratchDatabase, Server, ServerError, fresh_database, fresh_database_behind_pooler,
     shared_for_tests, shared_pooler_for_tests,

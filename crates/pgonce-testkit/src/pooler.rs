@@ -29,6 +29,24 @@ pub const PGBOUNCER_ENV: &str = "PGONCE_PGBOUNCER";
 /// How long PgBouncer gets to accept connections after it was started.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// How a [`Pooler`] is configured: the set-up pgonce supports, or one
+/// deliberate mistake, to see what a misconfigured pooler does to a client.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PoolerSetup {
+    /// Transaction mode, `max_prepared_statements = 200`,
+    /// `ignore_startup_parameters = extra_float_digits,options`.
+    #[default]
+    Supported,
+    /// As `Supported` without `max_prepared_statements`: sqlx's named
+    /// prepared statements meet server connections that did not prepare
+    /// them (what PgBouncer older than 1.21 always does).
+    NoPreparedStatements,
+    /// As `Supported` without `ignore_startup_parameters`: PgBouncer
+    /// refuses the `extra_float_digits` sqlx sends when connecting.
+    StrictStartupParameters,
+}
+
 /// A running PgBouncer in transaction mode. Dropping it stops the pooler and
 /// removes its directory.
 #[derive(Debug)]
@@ -45,6 +63,14 @@ impl Pooler {
     /// `upstream` points at. Every database on that server is reachable
     /// through it under its own name, logged in as `upstream`'s user.
     pub fn start(upstream: &PgConnectOptions) -> Result<Pooler, ClusterError> {
+        Pooler::start_with(upstream, PoolerSetup::Supported)
+    }
+
+    /// [`Pooler::start`] configured as `setup` says.
+    pub fn start_with(
+        upstream: &PgConnectOptions,
+        setup: PoolerSetup,
+    ) -> Result<Pooler, ClusterError> {
         let binary = binary();
         let run_as = RunAs::detect()?;
         let dir = tempfile::Builder::new()
@@ -60,7 +86,7 @@ impl Pooler {
         for _ in 0..5 {
             let port = free_port()?;
             let config = dir.path().join("pgbouncer.ini");
-            write_config(&config, upstream, port, dir.path())?;
+            write_config(&config, upstream, port, dir.path(), setup)?;
             let mut cmd = Command::new(&binary);
             if run_as.is_other_user() {
                 // PgBouncer refuses to run as root; `-u` makes it switch
@@ -84,7 +110,7 @@ impl Pooler {
             match wait_until_listening(&mut process, port) {
                 Ok(()) => {
                     let watchdog = spawn_watchdog(process.id(), dir.path())?;
-                    tracing::info!(port, "started PgBouncer in transaction mode");
+                    tracing::info!(port, ?setup, "started PgBouncer in transaction mode");
                     return Ok(Pooler {
                         dir: Some(dir),
                         process: Some(process),
@@ -158,12 +184,14 @@ fn binary() -> PathBuf {
 
 /// PgBouncer's configuration: transaction pooling, prepared statements
 /// carried across server connections (`max_prepared_statements`), every
-/// database of the upstream server by its own name.
+/// database of the upstream server by its own name; less what `setup`
+/// leaves out.
 fn write_config(
     path: &std::path::Path,
     upstream: &PgConnectOptions,
     port: u16,
     dir: &std::path::Path,
+    setup: PoolerSetup,
 ) -> Result<(), ClusterError> {
     let io = |source| ClusterError::Io {
         doing: "writing the pooler configuration",
@@ -184,16 +212,25 @@ fn write_config(
          unix_socket_dir =\n\
          auth_type = any\n\
          pool_mode = transaction\n\
-         max_prepared_statements = 200\n\
+         max_prepared_statements = {prepared}\n\
          default_pool_size = 20\n\
          max_client_conn = 1000\n\
-         ignore_startup_parameters = extra_float_digits,options\n\
+         ignore_startup_parameters = {ignored}\n\
          server_reset_query =\n\
          logfile = {log}\n\
          pidfile =\n",
         upstream_port = upstream.get_port(),
         user = upstream.get_username(),
         log = dir.join("pgbouncer.log").display(),
+        // 0 turns prepared statement tracking off.
+        prepared = match setup {
+            PoolerSetup::NoPreparedStatements => 0,
+            _ => 200,
+        },
+        ignored = match setup {
+            PoolerSetup::StrictStartupParameters => "",
+            _ => "extra_float_digits,options",
+        },
     )
     .map_err(io)?;
     Ok(())

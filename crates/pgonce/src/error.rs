@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::guard::ReadSet;
 use crate::job::JobStatus;
 use crate::lock::LockKey;
+use crate::pooler::PoolerProblem;
 
 /// Errors of every pgonce operation.
 #[derive(Debug, thiserror::Error)]
@@ -165,6 +166,19 @@ pub enum Error {
         message: String,
     },
 
+    /// A connection pooler between pgonce and PostgreSQL is not set up the
+    /// way pgonce needs (see [`PoolerProblem`]): not a bug of the caller's
+    /// and not cured by retrying; the text names the cause, the fix, and the
+    /// message that showed it (PgBouncer's, PostgreSQL's or sqlx's). Whether
+    /// the failed call took effect is unknown only for
+    /// [`PoolerProblem::Notifications`] (the answer was lost mid-query);
+    /// the others failed before the statement ran.
+    #[error("connection pooler: {problem} ({message}); {}", problem.fix())]
+    Pooler {
+        problem: PoolerProblem,
+        message: String,
+    },
+
     /// Any other database error. Its text is PostgreSQL's message and
     /// SQLSTATE, once (see [`describe`]); the `sqlx::Error` is in the
     /// variant, not repeated as the error's source.
@@ -224,6 +238,12 @@ pub fn sqlstate_of(e: &sqlx::Error) -> Option<String> {
 impl From<sqlx::Error> for Error {
     /// The one place SQLSTATEs become variants.
     fn from(e: sqlx::Error) -> Error {
+        if let Some(problem) = PoolerProblem::of(&e) {
+            return Error::Pooler {
+                problem,
+                message: describe(&e),
+            };
+        }
         match sqlstate_of(&e).as_deref() {
             Some(code @ (sqlstate::SERIALIZATION_FAILURE | sqlstate::DEADLOCK_DETECTED)) => {
                 Error::SerializationFailure {

@@ -19,6 +19,8 @@
 //! * [`job`]: conditional transitions, fenced leases, the reaper and DB-driven
 //!   retry (P3).
 //! * [`dedupe`]: processed-message keys and idempotency keys (P4).
+//! * `pooler`: how a connection pooler set up wrongly shows
+//!   ([`PoolerProblem`], [`Error::Pooler`]).
 //! * [`maintenance`]: the loop that deletes rows past their retention
 //!   (finished jobs, dead-letter messages, dedup claims, keys).
 //!
@@ -35,6 +37,7 @@ mod listen;
 pub mod lock;
 pub mod maintenance;
 pub mod migrate;
+mod pooler;
 pub mod queue;
 mod sequence;
 mod service;
@@ -48,6 +51,7 @@ pub use guard::{Guard, GuardConfig, GuardedTransaction, Isolation, ReadSet};
 pub use listen::Listen;
 pub use lock::LockKey;
 pub use migrate::{MIGRATOR, migrate};
+pub use pooler::PoolerProblem;
 pub use queue::{
     AckPolicy, Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes, QueueStats,
     Receipt, ReceiveRequest, Received, SendMessage, Sent, Worker, WorkerConfig, WorkerCounters,

@@ -16,7 +16,9 @@ pub struct ApiError {
     pub status: StatusCode,
     /// Stable, machine-readable: `not_found`, `invalid`, `malformed_json`,
     /// `unauthorized`, `invalid_transition`, `conflict`, `already_exists`,
-    /// `payload_too_large`, `busy`, `unavailable`, `no_route`,
+    /// `payload_too_large`, `busy`, `unavailable`, `pooler` (the connection
+    /// pooler in front of PostgreSQL is set up wrongly; the message names
+    /// the cause and the fix), `no_route`,
     /// `method_not_allowed`, `internal`.
     pub code: &'static str,
     pub message: String,
@@ -71,12 +73,17 @@ impl From<Error> for ApiError {
             "invalid" => StatusCode::UNPROCESSABLE_ENTITY,
             "payload_too_large" => StatusCode::PAYLOAD_TOO_LARGE,
             "unauthorized" => StatusCode::UNAUTHORIZED,
-            "busy" | "unavailable" | "evaluation_failed" => StatusCode::SERVICE_UNAVAILABLE,
+            "busy" | "unavailable" | "pooler" | "evaluation_failed" => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             tracing::error!(error = %e, "API request failed");
             return ApiError::new(status, "internal", "internal error");
+        }
+        if code == "pooler" {
+            tracing::error!(error = %e, "API request failed: the connection pooler is misconfigured");
         }
         if status == StatusCode::CONFLICT {
             tracing::warn!(error = %e, "API request refused");

@@ -254,7 +254,7 @@ fn error_statuses(r: &Route) -> Vec<(u16, &'static str)> {
     ));
     statuses.push((
         503,
-        "the database is busy or unavailable (`busy`, `unavailable`)",
+        "the database is busy or unavailable, or the connection pooler in front of it is set up wrongly (`busy`, `unavailable`, `pooler`)",
     ));
     statuses
 }

@@ -17,12 +17,15 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use pgonce::{PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest, SendMessage};
+use pgonce::{
+    Listen, PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest, SendMessage,
+};
 use sqlx::PgPool;
 
 use super::BenchArgs;
 use super::measure::{new_histogram, progress_bar, round2};
 use super::peers;
+use crate::behind_pooler::bench_listen;
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
@@ -203,6 +206,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         .execute(db.pool())
         .await?;
     let mut report = Report::new("bench", "queue", db.environment().await?);
+    let (listen, listen_off) = bench_listen(db.pool()).await?;
     let scenarios = [
         (
             "pgonce-standard-b1",
@@ -243,7 +247,14 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     ];
     let mut ours = Vec::new();
     for (i, (strategy, scenario)) in scenarios.into_iter().enumerate() {
-        let flow = pg_queue(db.pool(), &format!("bench{i}"), shape, scenario).await?;
+        let flow = pg_queue(
+            db.pool(),
+            &format!("bench{i}"),
+            shape,
+            scenario,
+            listen.clone(),
+        )
+        .await?;
         check(&mut report, strategy, &flow);
         report
             .results
@@ -262,7 +273,10 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     report.results.push(raw.row("raw-insert-delete", &shape, 1));
 
     let mut peer_rates = Vec::new();
-    for (strategy, batch, flow) in peers::queue_peers(db, shape).await? {
+    // apalis-postgres LISTENs on its pool's connections, which only works
+    // where sessions survive.
+    let with_listen = listen_off.is_none();
+    for (strategy, batch, flow) in peers::queue_peers(db, shape, with_listen).await? {
         check(&mut report, &strategy, &flow);
         report.results.push(flow.row(&strategy, &shape, batch));
         peer_rates.push((strategy, flow.per_sec()));
@@ -335,6 +349,19 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         );
     }
     report.ratio("pgonce_best_vs_raw", best_ours, raw.per_sec());
+    if let Some(reason) = listen_off {
+        report.sections.insert(
+            "skipped behind a transaction-mode pooler".into(),
+            vec![
+                Row::new("pgonce LISTEN").with("reason", reason),
+                Row::new("apalis-postgres").with(
+                    "reason",
+                    "it LISTENs on its pool's connections, which a transaction-mode pooler \
+                     hands to other clients",
+                ),
+            ],
+        );
+    }
     Ok(report)
 }
 
@@ -359,7 +386,13 @@ fn check(report: &mut Report, strategy: &str, flow: &Flow) {
     );
 }
 
-async fn pg_queue(pool: &PgPool, name: &str, shape: Shape, s: PgScenario) -> anyhow::Result<Flow> {
+async fn pg_queue(
+    pool: &PgPool,
+    name: &str,
+    shape: Shape,
+    s: PgScenario,
+    listen: Listen,
+) -> anyhow::Result<Flow> {
     let attributes = QueueAttributes {
         fifo: s.fifo,
         ..QueueAttributes::default()
@@ -367,7 +400,7 @@ async fn pg_queue(pool: &PgPool, name: &str, shape: Shape, s: PgScenario) -> any
     let options = PgQueueOptions {
         notify: s.notify,
         poll_interval: Duration::from_millis(50),
-        ..PgQueueOptions::default()
+        listen,
     };
     let q = PgQueue::create(pool, name, attributes, options).await?;
     let label = format!("{name} b{}", s.batch);

@@ -10,16 +10,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use pgonce::{PgQueue, Queue, SendMessage, SequenceStrategy, WorkerConfig};
+use pgonce::{PgQueue, PgQueueOptions, Queue, SendMessage, SequenceStrategy, WorkerConfig};
 use pgonce_incidents::model::{Declaration, Observation, Op, Rule, Singleton};
 use pgonce_incidents::pipeline::SimulatedEvaluatorConfig;
-use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue};
+use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue_with};
 use pgonce_incidents::{Service, ServiceConfig, invariants, store};
 use serde_json::json;
 use sqlx::PgPool;
 
 use super::BenchArgs;
 use super::measure::{closed_loop, median, round2, runs_row};
+use crate::behind_pooler::bench_listen;
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
@@ -197,7 +198,18 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     pgonce_incidents::migrate(&pool).await?;
     let mut report = Report::new("bench", "service", db.environment().await?);
     let phase = args.phase();
-    let queue = observations_queue(&pool, Duration::from_secs(30), 10).await?;
+    let (listen, listen_off) = bench_listen(&pool).await?;
+    let options = PgQueueOptions {
+        listen,
+        ..PgQueueOptions::default()
+    };
+    let queue = observations_queue_with(&pool, Duration::from_secs(30), 10, options).await?;
+    if let Some(reason) = listen_off {
+        report.sections.insert(
+            "skipped behind a transaction-mode pooler".into(),
+            vec![Row::new("pgonce LISTEN").with("reason", reason)],
+        );
+    }
 
     // The pipeline alone: a backlog of observations, drained end to end.
     let org = organization(&pool, "bench-pipeline").await?;

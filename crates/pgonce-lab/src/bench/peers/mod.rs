@@ -40,6 +40,7 @@ pub async fn sqlx08_pool(
 pub async fn queue_peers(
     db: &RunDatabase,
     shape: Shape,
+    with_listen: bool,
 ) -> anyhow::Result<Vec<(String, usize, Flow)>> {
     let mut rows = Vec::new();
     let clients = (shape.producers + shape.consumers) as u32;
@@ -50,7 +51,8 @@ pub async fn queue_peers(
     }
     let flow = pgmq.run(shape, 1, pgmq::Mode::Pop).await?;
     rows.push(("pgmq-pop-b1".to_string(), 1, flow));
-    for batch in [1, 10] {
+    // `with_listen: false`: not apalis-postgres, which LISTENs on its pool.
+    for batch in [1, 10].into_iter().filter(|_| with_listen) {
         let flow = apalis::run(db.pool(), shape, batch).await?;
         rows.push((format!("apalis-postgres-b{batch}"), batch, flow));
     }
