@@ -14,8 +14,8 @@
 //! * `sequence`: per-scope gapless numbers taken inside the caller's
 //!   transaction ([`Sequence`], P2).
 //! * [`queue`]: the [`Queue`] trait (SQS semantics), the PostgreSQL queue
-//!   [`PgQueue`], the worker runtime [`Worker`], and the conformance suite
-//!   every backend runs.
+//!   [`PgQueue`], the worker runtime [`Worker`], and (feature
+//!   `conformance`) the conformance suite every backend runs.
 //! * [`job`]: conditional transitions, fenced leases, the reaper and DB-driven
 //!   retry (P3).
 //! * [`dedupe`]: processed-message keys and idempotency keys (P4).
