@@ -23,6 +23,7 @@
 
 use std::time::Duration;
 
+use pgonce::IsolationLevel;
 use pgonce::events::{AppendStrategy, Event, Query, QueryItem, ReadOptions, StoredEvent};
 use pgonce::job::{self, NewJob};
 use pgonce::{
@@ -454,10 +455,7 @@ impl Service {
     }
 
     async fn begin(&self) -> Result<Transaction<'static, Postgres>> {
-        Ok(self
-            .pool
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-            .await?)
+        Ok(pgonce::begin(&self.pool, IsolationLevel::ReadCommitted).await?)
     }
 
     /// Steps 2 and 3 of the module docs: the id, the notification job, the

@@ -3,6 +3,7 @@
 //! [`set_entity_singleton`], which takes the entity's lock because the
 //! guarded incident write reads what it changes.
 
+use pgonce::IsolationLevel;
 use rand::RngCore;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -249,9 +250,7 @@ pub async fn set_entity_singleton(
     entity_id: i64,
     singleton: bool,
 ) -> Result<()> {
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
     pgonce::lock::lock(&mut tx, entity_lock_key(entity_id)?).await?;
     let done = sqlx::query(include_str!("store/sql/set_entity_singleton.sql"))
         .bind(organization_id)

@@ -88,9 +88,7 @@ pub async fn apply_once<T>(
     message_id: &str,
     effect: impl AsyncFnOnce(&mut PgConnection) -> Result<T>,
 ) -> Result<Option<T>> {
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
     if !mark_processed(&mut tx, consumer, message_id).await? {
         tx.rollback().await?;
         return Ok(None);

@@ -21,6 +21,8 @@
 //! * [`dedupe`]: processed-message keys and idempotency keys (P4).
 //! * [`maintenance`]: the loop that deletes rows past their retention
 //!   (finished jobs, dead-letter messages, dedup claims, keys).
+//! * [`begin`]: a transaction begun at a stated [`IsolationLevel`], never
+//!   at the database's default.
 //!
 //! The patterns (advisory locks, guarded writes, scoped sequences, jobs,
 //! idempotency keys, the event store and the queue) each live in a module of
@@ -38,6 +40,7 @@ pub mod migrate;
 pub mod queue;
 mod sequence;
 mod service;
+mod transaction;
 
 pub use error::{Error, Result};
 pub use events::{
@@ -56,3 +59,4 @@ pub use sequence::{
     Numbered, NumberedTable, ScopeValue, Sequence, SequenceConfig, Strategy as SequenceStrategy,
     Taken,
 };
+pub use transaction::{IsolationLevel, begin, begin_read_only};

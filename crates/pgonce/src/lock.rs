@@ -24,7 +24,7 @@
 //!
 //! ```no_run
 //! # async fn f(pool: sqlx::PgPool) -> pgonce::Result<()> {
-//! let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+//! let mut tx = pgonce::begin(&pool, pgonce::IsolationLevel::ReadCommitted).await?;
 //! pgonce::lock::lock(&mut tx, pgonce::LockKey::new("entity", "42")?).await?;
 //! // ... the short critical section ...
 //! tx.commit().await?; // releases the lock

@@ -62,7 +62,7 @@
 //!     NumberedTable::new("public.incidents", "organization_id", "number")?,
 //!     SequenceConfig::default(), // advisory lock per scope + max + 1
 //! )?;
-//! let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+//! let mut tx = pgonce::begin(&pool, pgonce::IsolationLevel::ReadCommitted).await?;
 //! // ... the declaration's other work, in the same transaction ...
 //! let declared = incidents
 //!     .commit_numbered(tx, &org, async |conn: &mut sqlx::PgConnection, number: i64| {

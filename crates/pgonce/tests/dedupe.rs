@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::dedupe::{self, Acquired, Collector, CollectorConfig};
 use pgonce_testkit::{Interleaving, fresh_database};
 use serde_json::json;
@@ -101,9 +102,7 @@ async fn two_concurrent_deliveries_of_one_message_bump_the_counter_once() {
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     let first = race
@@ -123,9 +122,7 @@ async fn two_concurrent_deliveries_of_one_message_bump_the_counter_once() {
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "mark msg-1", async move {
-            let mut tx = pool_b
-                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?;
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::ReadCommitted).await?;
             let first = dedupe::mark_processed(&mut tx, "c", "msg-1").await?;
             if first {
                 bump(&mut tx).await?;
@@ -350,9 +347,7 @@ async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_sk
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     race.step(&a, "mark m", dedupe::mark_processed(&mut tx_a, "c", "m"))
@@ -362,9 +357,7 @@ async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_sk
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "mark m under REPEATABLE READ", async move {
-            let mut tx = pool_b
-                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-                .await?;
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::RepeatableRead).await?;
             let out = dedupe::mark_processed(&mut tx, "c", "m").await;
             let _ = tx.rollback().await;
             out
@@ -377,8 +370,7 @@ async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_sk
         .unwrap();
     let first = waiting.resume().await.unwrap();
     assert!(matches!(&first, Err(e) if e.is_retryable()), "{first:?}");
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    let mut tx = pgonce::begin(&pool, IsolationLevel::RepeatableRead)
         .await
         .unwrap();
     assert!(!dedupe::mark_processed(&mut tx, "c", "m").await.unwrap());

@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::events::{
     AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, PollHook, PollPoint,
     Query, QueryItem, ReadOptions, StoredEvent, SubscriptionConfig,
@@ -804,13 +805,17 @@ async fn late_lower_writer(strategy: AppendStrategy, writer: LowerWriter) -> Lat
             }
         }
         LowerWriter::AppendInSerializable | LowerWriter::AppendInReadCommitted => {
-            let begin = if writer == LowerWriter::AppendInSerializable {
-                "BEGIN ISOLATION LEVEL SERIALIZABLE"
+            let level = if writer == LowerWriter::AppendInSerializable {
+                IsolationLevel::Serializable
             } else {
-                "BEGIN ISOLATION LEVEL READ COMMITTED"
+                IsolationLevel::ReadCommitted
             };
             let mut tx = race
-                .step(&a, begin, a.pool().begin_with(begin))
+                .step(
+                    &a,
+                    &format!("BEGIN ISOLATION LEVEL {level}"),
+                    pgonce::begin(a.pool(), level),
+                )
                 .await
                 .unwrap()
                 .unwrap();
@@ -988,7 +993,7 @@ enum MixedKind {
     Unconditional,
     /// `append_in` of an `x` event in the caller's transaction, begun at
     /// this isolation level.
-    AppendIn(&'static str),
+    AppendIn(IsolationLevel),
 }
 
 /// One transaction of a mixed round and what became of it.
@@ -1010,10 +1015,10 @@ fn mixed_plan(rng: &mut impl Rng, strategy: AppendStrategy) -> MixedTx {
         3 => MixedKind::ConditionOther,
         4 | 5 => MixedKind::Unconditional,
         _ => MixedKind::AppendIn(match (strategy, rng.random_range(0..4)) {
-            (AppendStrategy::Serializable, 0) => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            (AppendStrategy::Serializable, _) | (_, 0) => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-            (_, 1) => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            _ => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            (AppendStrategy::Serializable, 0) => IsolationLevel::ReadCommitted,
+            (AppendStrategy::Serializable, _) | (_, 0) => IsolationLevel::Serializable,
+            (_, 1) => IsolationLevel::RepeatableRead,
+            _ => IsolationLevel::ReadCommitted,
         }),
     };
     MixedTx {
@@ -1059,8 +1064,8 @@ async fn mixed_tx(
     }
     go.recv().await.unwrap();
     let held = match plan.kind {
-        MixedKind::AppendIn(begin) => {
-            let mut tx = store.pool().begin_with(begin).await.unwrap();
+        MixedKind::AppendIn(level) => {
+            let mut tx = pgonce::begin(store.pool(), level).await.unwrap();
             match store.append_in(&mut tx, &[event]).await {
                 Ok(p) => {
                     plan.positions = p;

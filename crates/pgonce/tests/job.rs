@@ -7,6 +7,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::job::{
     self, DeadJobFilter, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver,
     RedriverConfig, RetryPolicy,
@@ -544,9 +545,7 @@ async fn repeatable_read_loser_gets_40001_then_job_busy_on_retry() {
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     race.step(
@@ -560,9 +559,7 @@ async fn repeatable_read_loser_gets_40001_then_job_busy_on_retry() {
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "claim under REPEATABLE READ", async move {
-            let mut tx = pool_b
-                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-                .await?;
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::RepeatableRead).await?;
             let out = job::claim(&mut *tx, id, Duration::from_secs(60)).await;
             let _ = tx.rollback().await;
             out
@@ -579,9 +576,7 @@ async fn repeatable_read_loser_gets_40001_then_job_busy_on_retry() {
         "{first:?}"
     );
     // The documented remedy: run the transaction again.
-    let mut tx = b
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    let mut tx = pgonce::begin(b.pool(), IsolationLevel::RepeatableRead)
         .await
         .unwrap();
     let retry = job::claim(&mut *tx, id, Duration::from_secs(60)).await;

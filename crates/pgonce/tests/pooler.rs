@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use pgonce::IsolationLevel;
 use pgonce::guard::{Guard, GuardConfig, ReadSet};
 use pgonce::queue::conformance::*;
 use pgonce::{
@@ -101,9 +102,7 @@ async fn numbers_taken_through_the_pooler_are_1_to_n() {
     for _ in 0..40 {
         let (pool, seq) = (pool.clone(), seq.clone());
         declarers.push(tokio::spawn(async move {
-            let tx = pool
-                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?;
+            let tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
             seq.commit_numbered(tx, &"acme", async |conn: &mut PgConnection, n| {
                 sqlx::query("INSERT INTO public.tickets (org, number) VALUES ('acme', $1)")
                     .bind(n)

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use pgonce::IsolationLevel;
 use pgonce::queue::conformance::*;
 use pgonce::{
     Error, PgQueue, PgQueueOptions, Queue, QueueAttributes, Receipt, ReceiveRequest, SendMessage,
@@ -231,8 +232,7 @@ async fn the_heartbeat_keeps_a_running_message_invisible() {
 async fn transactional_enqueue_sends_only_on_commit() {
     let pool = pool().await;
     let q = queue(&pool, "q", QueueAttributes::default()).await;
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     q.send_in(&mut tx, SendMessage::new("rolled back"))
@@ -245,8 +245,7 @@ async fn transactional_enqueue_sends_only_on_commit() {
         "rolled back: nothing sent"
     );
 
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     q.send_batch_in(&mut tx, vec![SendMessage::new("a"), SendMessage::new("b")])
@@ -387,9 +386,7 @@ async fn a_send_racing_an_uncommitted_dedup_claim_waits_and_then_agrees() {
 
     for commit in [true, false] {
         let key = format!("k-{commit}");
-        let mut tx = a
-            .pool()
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
             .await
             .unwrap();
         let sent_a = race

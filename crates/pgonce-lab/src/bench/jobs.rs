@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::job::{self, JobStatus};
 use serde_json::json;
 use sqlx::PgPool;
@@ -385,9 +386,7 @@ async fn deliver(
             Err(e) => Err(e.into()),
         },
         Guard::DedupeKey => {
-            let mut tx = pool
-                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?;
+            let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
             if !pgonce::dedupe::mark_processed(&mut tx, "bench-jobs", &id.to_string()).await? {
                 tx.rollback().await?;
                 return Ok(Delivery::AlreadyHandled);
