@@ -256,6 +256,24 @@ pub async fn fresh_database() -> ScratchDatabase {
         .unwrap_or_else(|e| panic!("cannot create a test database: {e}"))
 }
 
+/// A fresh database on the shared test server, `migrate` applied to it, and
+/// a pool of at most `max` connections on it: what a test that needs a
+/// schema starts from. `migrate` is the crate's own (`pgonce::migrate`,
+/// `pgonce_incidents::migrate`), run once before the test gets the pool;
+/// the test kit knows no schema. Panics with the reason when there is no
+/// server, or when the migration fails: a test cannot go on without either.
+pub async fn fresh_migrated_database<E: std::fmt::Display>(
+    max: u32,
+    migrate: impl AsyncFnOnce(&PgPool) -> Result<(), E>,
+) -> (ScratchDatabase, PgPool) {
+    let database = fresh_database().await;
+    let pool = fresh_pool(&database, max).await;
+    migrate(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("cannot migrate a test database: {e}"));
+    (database, pool)
+}
+
 /// PgBouncer in transaction mode in front of the shared test server
 /// ([`shared_for_tests`]), started on first use and stopped by its watchdog
 /// when the test process exits.
@@ -279,4 +297,35 @@ pub async fn fresh_database_behind_pooler() -> (ScratchDatabase, PgConnectOption
         shared_pooler_for_tests().unwrap_or_else(|e| panic!("no PgBouncer for tests: {e}"));
     let options = pooler.options(database.name());
     (database, options)
+}
+
+/// [`fresh_migrated_database`] behind the shared pooler: `migrate` runs over
+/// a direct connection (a migration is not what a pooler test is about),
+/// and the pool of at most `max` connections goes through PgBouncer in
+/// transaction mode, so every statement of the code under test may land on
+/// another server connection.
+pub async fn fresh_migrated_database_behind_pooler<E: std::fmt::Display>(
+    max: u32,
+    migrate: impl AsyncFnOnce(&PgPool) -> Result<(), E>,
+) -> (ScratchDatabase, PgPool) {
+    let (database, through_pooler) = fresh_database_behind_pooler().await;
+    let direct = fresh_pool(&database, 1).await;
+    migrate(&direct)
+        .await
+        .unwrap_or_else(|e| panic!("cannot migrate a test database: {e}"));
+    direct.close().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(through_pooler)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect through the pooler: {e}"));
+    (database, pool)
+}
+
+async fn fresh_pool(database: &ScratchDatabase, max: u32) -> PgPool {
+    database
+        .pool(max)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to a test database: {e}"))
 }

@@ -8,14 +8,12 @@ use std::time::Duration;
 use pgonce::Error;
 use pgonce::IsolationLevel;
 use pgonce::dedupe::{self, Acquired, Collector, CollectorConfig};
-use pgonce_testkit::{Interleaving, fresh_database};
+use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(8).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(8, pgonce::migrate).await;
     sqlx::query("CREATE TABLE counter (id int PRIMARY KEY, n int NOT NULL)")
         .execute(&pool)
         .await

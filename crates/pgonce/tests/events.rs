@@ -12,15 +12,13 @@ use pgonce::events::{
     AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, PollHook, PollPoint,
     Query, QueryItem, ReadOptions, StoredEvent, SubscriptionConfig,
 };
-use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_database};
+use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_migrated_database};
 use rand::Rng;
 use serde_json::json;
 use sqlx::PgPool;
 
 async fn db() -> (ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(24).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(24, pgonce::migrate).await;
     (db, pool)
 }
 

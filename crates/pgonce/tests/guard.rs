@@ -5,7 +5,7 @@
 
 use pgonce::guard::{Guard, GuardConfig, ReadSet};
 use pgonce::{Error, LockKey};
-use pgonce_testkit::{Interleaving, fresh_database};
+use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 
@@ -13,9 +13,7 @@ const SCHEMA: &str = "CREATE TABLE things (id bigint GENERATED ALWAYS AS IDENTIT
                       entity text NOT NULL, open boolean NOT NULL DEFAULT true)";
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(8).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(8, pgonce::migrate).await;
     sqlx::query(SCHEMA).execute(&pool).await.unwrap();
     (db, pool)
 }

@@ -12,16 +12,14 @@ use pgonce::job::{
     self, DeadJobFilter, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver,
     RedriverConfig, RetryPolicy,
 };
-use pgonce_testkit::{Interleaving, fresh_database};
+use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
 
 const LEASE: Duration = Duration::from_secs(60);
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(16).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(16, pgonce::migrate).await;
     (db, pool)
 }
 

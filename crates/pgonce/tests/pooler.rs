@@ -12,7 +12,9 @@ use pgonce::{
     Listen, LockKey, NumberedTable, PgQueue, PgQueueOptions, QueueAttributes, Sequence,
     SequenceConfig,
 };
-use pgonce_testkit::{ScratchDatabase, fresh_database_behind_pooler};
+use pgonce_testkit::{
+    ScratchDatabase, fresh_database_behind_pooler, fresh_migrated_database_behind_pooler,
+};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
 
@@ -26,17 +28,12 @@ CREATE TABLE public.tickets (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
 /// A migrated scratch database, and a pool of `max` connections to it
 /// through the pooler.
 async fn setup(max: u32) -> (ScratchDatabase, PgPool) {
-    let (db, through_pooler) = fresh_database_behind_pooler().await;
-    let direct = db.pool(1).await.unwrap();
-    pgonce::migrate(&direct).await.unwrap();
-    sqlx::raw_sql(SCHEMA).execute(&direct).await.unwrap();
-    direct.close().await;
-    let pool = PgPoolOptions::new()
-        .max_connections(max)
-        .connect_with(through_pooler)
-        .await
-        .unwrap();
-    (db, pool)
+    fresh_migrated_database_behind_pooler(max, async |direct: &PgPool| {
+        pgonce::migrate(direct).await?;
+        sqlx::raw_sql(SCHEMA).execute(direct).await?;
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })
+    .await
 }
 
 async fn open_things(conn: &mut PgConnection, entity: &str) -> pgonce::Result<ReadSet> {

@@ -10,12 +10,11 @@ use pgonce::queue::conformance::*;
 use pgonce::{
     Error, PgQueue, PgQueueOptions, Queue, QueueAttributes, Receipt, ReceiveRequest, SendMessage,
 };
-use pgonce_testkit::fresh_database;
+use pgonce_testkit::{fresh_database, fresh_migrated_database};
 use sqlx::PgPool;
 
 async fn pool() -> PgPool {
-    let pool = fresh_database().await.pool(20).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (_db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
     pool
 }
 
@@ -504,9 +503,7 @@ impl pgonce::Handler for AllAtOnce {
 /// only finish together all run at once on a pool of two connections.
 #[tokio::test]
 async fn handlers_hold_no_database_connection() {
-    let db = fresh_database().await;
-    let pool = db.pool(2).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (_db, pool) = fresh_migrated_database(2, pgonce::migrate).await;
     let q = queue(&pool, "q", QueueAttributes::default()).await;
     let batch: Vec<_> = (0..8).map(|i| SendMessage::new(format!("{i}"))).collect();
     q.send_batch(batch).await.unwrap();
@@ -1228,9 +1225,7 @@ async fn listeners(pool: &PgPool) -> Vec<String> {
 /// transaction-mode pooler, the pool's connections cannot LISTEN).
 #[tokio::test]
 async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
-    let db = fresh_database().await;
-    let pool = db.pool(4).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(4, pgonce::migrate).await;
     let poll = ReceiveRequest::up_to(1).wait(Duration::from_millis(30));
 
     let off = PgQueueOptions {

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use pgonce::IsolationLevel;
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
-use pgonce_testkit::{Interleaving, Session, fresh_database};
+use pgonce_testkit::{Interleaving, Session, fresh_migrated_database};
 use sqlx::{PgConnection, PgPool};
 
 // Tables go to `public` explicitly: the test role is called `pgonce`, so
@@ -24,9 +24,7 @@ CREATE TABLE public.declaration_work (org text NOT NULL, note text NOT NULL);
 ";
 
 async fn setup(max: u32) -> (PgPool, pgonce_testkit::ScratchDatabase) {
-    let db = fresh_database().await;
-    let pool = db.pool(max).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(max, pgonce::migrate).await;
     sqlx::raw_sql(SCHEMA).execute(&pool).await.unwrap();
     (pool, db)
 }
