@@ -1,7 +1,9 @@
-//! Jobs against a real PostgreSQL: the conditional transition, two-phase
-//! claims fenced by leases, heartbeat, the reaper, DB-driven retry, 40001
-//! under REPEATABLE READ, a connection killed mid-claim, and a property test
-//! of the state machine.
+//! Jobs against a real PostgreSQL: two-phase claims fenced by leases,
+//! heartbeat, the reaper, DB-driven retry, 40001 under REPEATABLE READ, a
+//! connection killed mid-claim, and a property test of the state machine.
+//! One job delivered twice under each guard (the conditional transition's
+//! `AlreadyHandled`, the claim loser's `JobBusy`) is replayed step by step
+//! by `pgonce race jobs` and asserted on in `crates/pgonce-lab/tests/races.rs`.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -82,60 +84,6 @@ fn reaper(pool: &PgPool) -> Reaper {
     Reaper::new(pool.clone(), ReaperConfig::default()).unwrap()
 }
 
-#[tokio::test]
-async fn a_conditional_transition_applies_once_and_the_duplicate_is_already_handled() {
-    let (_db, pool) = setup().await;
-    let id = new_job(&pool, 5).await;
-    let race = Interleaving::new(_db.options()).await.unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await
-        .unwrap();
-    let r = json!({"by": "A"});
-    race.step(
-        &a,
-        "pending -> completed",
-        job::transition(
-            &mut *tx_a,
-            id,
-            JobStatus::Pending,
-            JobStatus::Completed,
-            Some(&r),
-            None,
-        ),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    let pool_b = b.pool().clone();
-    let waiting = race
-        .step_blocks(&b, "pending -> completed", async move {
-            job::transition(
-                &pool_b,
-                id,
-                JobStatus::Pending,
-                JobStatus::Completed,
-                Some(&json!({"by": "B"})),
-                None,
-            )
-            .await
-        })
-        .await
-        .unwrap();
-    let second = commit_a_then_resume(&race, &a, tx_a, waiting).await;
-    assert!(
-        matches!(second, Err(Error::AlreadyHandled { job_id, .. }) if job_id == id),
-        "{second:?}"
-    );
-    let row = job::get(&pool, id).await.unwrap().unwrap();
-    assert_eq!(row.status, "completed");
-    assert_eq!(row.result, Some(json!({"by": "A"})));
-}
-
 /// Two deliveries claim job `id`: A claims in a transaction, B's claim is
 /// seen waiting for A's row lock, A commits, B's claim returns. Gives A's
 /// session and lease and B's outcome.
@@ -166,34 +114,6 @@ async fn claim_race(
         .unwrap();
     let b_claim = commit_a_then_resume(race, &a, tx_a, waiting).await;
     (a, lease, b_claim)
-}
-
-#[tokio::test]
-async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
-    let (db, pool) = setup().await;
-    let id = new_job(&pool, 5).await;
-    let race = Interleaving::new(db.options()).await.unwrap();
-    let (_a, lease, b_claim) = claim_race(&race, id).await;
-    assert!(
-        matches!(
-            b_claim,
-            Err(Error::JobBusy {
-                status: JobStatus::Processing,
-                ..
-            })
-        ),
-        "{b_claim:?}"
-    );
-    // Only the winner runs the side effect and completes.
-    job::complete(&pool, &lease, &json!({"sent": 1}))
-        .await
-        .unwrap();
-    assert_eq!(status(&pool, id).await, JobStatus::Completed);
-    // A later duplicate delivery cannot claim a completed job.
-    assert!(matches!(
-        job::claim(&pool, id, LEASE).await,
-        Err(Error::AlreadyHandled { .. })
-    ));
 }
 
 /// A duplicate delivery that loses the claim to a delivery still at work
