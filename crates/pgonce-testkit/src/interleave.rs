@@ -292,7 +292,7 @@ impl Interleaving {
         &self,
         session: &Session,
     ) -> Result<Option<Vec<String>>, HarnessError> {
-        let rows: Vec<(Option<String>, i32)> = sqlx::query_as(include_str!("sql/blockers.sql"))
+        let rows: Vec<Blocker> = sqlx::query_as(include_str!("sql/blockers.sql"))
             .bind(&session.application_name)
             .fetch_all(&self.observer)
             .await?;
@@ -303,9 +303,15 @@ impl Interleaving {
         let mut names: Vec<String> = rows
             .into_iter()
             .map(
-                |(app, pid)| match app.as_deref().and_then(|a| a.strip_prefix(&prefix)) {
+                |Blocker {
+                     application_name,
+                     blocker_pid,
+                 }| match application_name
+                    .as_deref()
+                    .and_then(|a| a.strip_prefix(&prefix))
+                {
                     Some(name) => name.to_string(),
-                    None => format!("pid {pid}"),
+                    None => format!("pid {blocker_pid}"),
                 },
             )
             .collect();
@@ -411,4 +417,12 @@ impl<T> Blocked<T> {
         });
         Ok(out)
     }
+}
+
+/// A backend blocking a session, as `sql/blockers.sql` returns it: its
+/// `application_name` (ours carry the harness's prefix) and its pid.
+#[derive(sqlx::FromRow)]
+struct Blocker {
+    application_name: Option<String>,
+    blocker_pid: i32,
 }

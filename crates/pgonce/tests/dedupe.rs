@@ -330,7 +330,7 @@ async fn a_released_key_starts_afresh_and_bad_input_is_rejected() {
         Err(Error::Invalid { .. })
     ));
     drop(tx);
-    let (n,): (i64,) = sqlx::query_as(
+    let n: i64 = sqlx::query_scalar(
         "SELECT (SELECT count(*) FROM pgonce.idempotency_keys WHERE key = 'k2') + (SELECT count(*) FROM pgonce.processed_messages)",
     )
     .fetch_one(&pool)

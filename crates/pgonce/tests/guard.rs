@@ -432,7 +432,7 @@ async fn the_lock_is_released_on_commit_on_conflict_on_error_and_on_connection_d
     let (inserted_tx, inserted) = oneshot::channel();
     let (_go, go_rx) = oneshot::channel::<()>();
     let seen = ReadSet::from_ids([1]);
-    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(w1.pool())
         .await
         .unwrap();
@@ -706,7 +706,7 @@ async fn a_lock_timeout_is_typed_and_leaves_the_connection_clean() {
         "{timed_out:?}"
     );
     assert_eq!(clean_between_uses(w.pool()).await, (true, 0));
-    let (setting,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+    let setting: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
         .fetch_one(w.pool())
         .await
         .unwrap();
@@ -716,7 +716,7 @@ async fn a_lock_timeout_is_typed_and_leaves_the_connection_clean() {
     // Inside the guarded transaction the caller's writes run with the
     // session's lock_timeout, not the guard's.
     let mut tx = guard.begin_for(w.pool(), key).await.unwrap();
-    let (setting,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+    let setting: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
         .fetch_one(&mut **tx)
         .await
         .unwrap();

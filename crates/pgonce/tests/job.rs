@@ -53,7 +53,7 @@ async fn expire_lease(pool: &PgPool, id: i64) {
 
 /// Terminates the backend of `session`'s connection, as a crash would.
 async fn kill_session(pool: &PgPool, session: &pgonce_testkit::Session) {
-    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(session.pool())
         .await
         .unwrap();
@@ -520,7 +520,7 @@ async fn a_connection_killed_in_the_middle_of_a_claim_loses_neither_the_job_nor_
 
     // A claims inside its transaction and dies before COMMIT.
     let mut tx_a = a.pool().begin().await.unwrap();
-    let (a_pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let a_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *tx_a)
         .await
         .unwrap();
@@ -593,8 +593,8 @@ async fn concurrent_batch_claims_take_every_job_exactly_once() {
     let unique: HashSet<i64> = all.iter().copied().collect();
     assert_eq!(all.len(), 300, "no job claimed twice");
     assert_eq!(unique.len(), 300, "no job missed");
-    let (completed,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM pgonce.jobs WHERE status = 'completed'")
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs WHERE status = 'completed'")
             .fetch_one(&pool)
             .await
             .unwrap();
@@ -612,7 +612,7 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
         job::enqueue(&pool, &NewJob::new("k", json!(1)).max_attempts(0)).await,
         Err(Error::Invalid { .. })
     ));
-    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM pgonce.jobs")
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs")
         .fetch_one(&pool)
         .await
         .unwrap();

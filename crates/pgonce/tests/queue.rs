@@ -51,7 +51,7 @@ async fn with_dead_letters(pool: &PgPool) -> (PgQueue, PgQueue) {
 async fn at_least_once_when_a_consumer_dies_mid_handler() {
     let pool = pool().await;
     conformance_at_least_once_when_consumer_dies(&queue(&pool, "q", one_second()).await).await;
-    let (left,): (i64,) = sqlx::query_as("SELECT count(*) FROM pgonce.queue_message")
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.queue_message")
         .fetch_one(&pool)
         .await
         .unwrap();

@@ -207,12 +207,17 @@ fn check_errors(report: &mut Report, strategy: &str, m: &Measured) {
 }
 
 async fn prefill(pool: &PgPool, kind: &str, n: i64) -> anyhow::Result<(i64, i64)> {
-    let (first, last): (Option<i64>, Option<i64>) =
-        sqlx::query_as(include_str!("sql/jobs_prefill.sql"))
-            .bind(kind)
-            .bind(n)
-            .fetch_one(pool)
-            .await?;
+    /// The first and last id `sql/jobs_prefill.sql` inserted.
+    #[derive(sqlx::FromRow)]
+    struct Prefilled {
+        first: Option<i64>,
+        last: Option<i64>,
+    }
+    let Prefilled { first, last } = sqlx::query_as(include_str!("sql/jobs_prefill.sql"))
+        .bind(kind)
+        .bind(n)
+        .fetch_one(pool)
+        .await?;
     Ok((first.unwrap_or(0), last.unwrap_or(-1)))
 }
 

@@ -82,6 +82,13 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     Ok(report(&race, db.environment().await?))
 }
 
+/// The policy `sql/guard_policy.sql` creates, with its organization.
+#[derive(sqlx::FromRow)]
+struct PolicyRow {
+    organization_id: i64,
+    id: i64,
+}
+
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
     pgonce_incidents::migrate(db.pool()).await?;
     sqlx::raw_sql(include_str!("sql/guard_setup.sql"))
@@ -89,7 +96,10 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
         .await?;
     let mut cases = Vec::new();
     for strategy in RACED {
-        let (org, policy): (i64, i64) = sqlx::query_as(include_str!("sql/guard_policy.sql"))
+        let PolicyRow {
+            organization_id: org,
+            id: policy,
+        } = sqlx::query_as(include_str!("sql/guard_policy.sql"))
             .bind(format!("one-open-incident/{}", strategy.name()))
             .fetch_one(db.pool())
             .await?;

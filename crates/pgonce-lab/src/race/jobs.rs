@@ -620,7 +620,7 @@ async fn crash(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outcome>
             job::claim(a.pool(), id, LEASE),
         )
         .await??;
-    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(a.pool())
         .await?;
     race.step(

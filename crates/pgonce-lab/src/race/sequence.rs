@@ -340,26 +340,34 @@ fn show(out: &Result<i64, String>) -> String {
     }
 }
 
+/// One scope's committed numbers, in order.
+#[derive(sqlx::FromRow)]
+struct ScopeNumbers {
+    org: String,
+    numbers: Vec<i64>,
+}
+
 /// Committed numbers per scope, duplicates and gaps, read from the table.
 async fn check(
     pool: &PgPool,
     seq: &Sequence,
 ) -> anyhow::Result<(BTreeMap<String, Vec<i64>>, i64, i64)> {
     let sql = format!(
-        "SELECT org, array_agg(number ORDER BY number) FROM {} GROUP BY org ORDER BY org",
+        "SELECT org, array_agg(number ORDER BY number) AS numbers FROM {} GROUP BY org ORDER BY org",
         seq.table().name()
     );
-    let rows: Vec<(String, Vec<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+    let rows: Vec<ScopeNumbers> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .fetch_all(pool)
         .await?;
     let (mut duplicates, mut gaps) = (0, 0);
-    for (_, ns) in &rows {
+    for ScopeNumbers { numbers: ns, .. } in &rows {
         let mut distinct = ns.clone();
         distinct.dedup();
         duplicates += (ns.len() - distinct.len()) as i64;
         gaps += distinct.last().copied().unwrap_or(0) - distinct.len() as i64;
     }
-    Ok((rows.into_iter().collect(), duplicates, gaps))
+    let committed = rows.into_iter().map(|r| (r.org, r.numbers)).collect();
+    Ok((committed, duplicates, gaps))
 }
 
 /// Each strategy's `next` in a REPEATABLE READ transaction: refused or not.
