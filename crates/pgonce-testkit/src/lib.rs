@@ -12,6 +12,8 @@
 //! * [`interleave`]: step-by-step interleavings whose blocking steps are
 //!   confirmed through `pg_blocking_pids`, never through sleeps.
 
+#![warn(missing_docs)]
+
 pub mod cluster;
 pub mod interleave;
 pub mod pooler;

@@ -20,15 +20,26 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServerError {
+    /// `DATABASE_URL` could not be parsed.
     #[error("DATABASE_URL is not a valid PostgreSQL URL: {0}")]
     BadUrl(#[source] sqlx::Error),
+    /// The server did not accept a connection.
     #[error("cannot connect to PostgreSQL at {address}: {reason}")]
-    Unreachable { address: String, reason: String },
+    Unreachable {
+        /// `host:port` (or the socket directory) tried.
+        address: String,
+        /// Why the connection failed.
+        reason: String,
+    },
+    /// The throwaway cluster could not be set up.
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    /// A statement on the server failed (creating or dropping a database).
     #[error("database error while {doing}: {source}")]
     Database {
+        /// What the server was asked to do.
         doing: &'static str,
+        /// The database error.
         #[source]
         source: sqlx::Error,
     },
@@ -180,6 +191,8 @@ pub struct ScratchDatabase {
 }
 
 impl ScratchDatabase {
+    /// The database's name on its server (unique: a prefix and a random
+    /// suffix), which a pooler also routes by.
     pub fn name(&self) -> &str {
         &self.name
     }
