@@ -176,7 +176,7 @@ pub async fn check(
 }
 
 /// Totals for a report over `organizations`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct Tallies {
     pub incidents: i64,
     pub open: i64,
@@ -193,25 +193,8 @@ pub struct Tallies {
 }
 
 pub async fn tallies(pool: &PgPool, organizations: &[i64]) -> Result<Tallies> {
-    let (
-        incidents,
-        open,
-        notifications,
-        deliveries_processed,
-        messages_processed,
-        opened_twice_for_one_message,
-        declared,
-    ) = sqlx::query_as(include_str!("invariants/sql/tallies.sql"))
+    Ok(sqlx::query_as(include_str!("invariants/sql/tallies.sql"))
         .bind(organizations)
         .fetch_one(pool)
-        .await?;
-    Ok(Tallies {
-        incidents,
-        open,
-        notifications,
-        deliveries_processed,
-        messages_processed,
-        opened_twice_for_one_message,
-        declared,
-    })
+        .await?)
 }

@@ -119,7 +119,18 @@ pub struct Notifier {
     config: NotifierConfig,
 }
 
-type IncidentSummary = (i64, i64, String, i64, String, String, OffsetDateTime);
+/// What a notification says about an incident, as
+/// `notifier/sql/incident.sql` returns it.
+#[derive(sqlx::FromRow)]
+struct IncidentSummary {
+    id: i64,
+    organization_id: i64,
+    organization_name: String,
+    number: i64,
+    title: String,
+    lifecycle: String,
+    opened_at: OffsetDateTime,
+}
 
 enum Sent {
     Delivered(u16),
@@ -257,15 +268,24 @@ impl Notifier {
                 .bind(incident_id)
                 .fetch_optional(&self.pool)
                 .await?;
-        let Some((id, org, org_name, number, title, lifecycle, opened_at)) = row else {
+        let Some(IncidentSummary {
+            id,
+            organization_id,
+            organization_name,
+            number,
+            title,
+            lifecycle,
+            opened_at,
+        }) = row
+        else {
             return Ok(Sent::Failed(format!(
                 "incident {incident_id} does not exist"
             )));
         };
         let body = json!({
             "incident_id": id,
-            "organization_id": org,
-            "organization": org_name,
+            "organization_id": organization_id,
+            "organization": organization_name,
             "number": number,
             "title": title,
             "lifecycle": lifecycle,

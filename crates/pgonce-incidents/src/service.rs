@@ -23,6 +23,7 @@
 
 use std::time::Duration;
 
+use pgonce::IsolationLevel;
 use pgonce::events::{AppendStrategy, Event, Query, QueryItem, ReadOptions, StoredEvent};
 use pgonce::job::{self, NewJob};
 use pgonce::{
@@ -168,38 +169,49 @@ struct NewIncident<'a> {
     one_at_a_time: bool,
 }
 
-type IncidentRow = (
-    i64,
-    i64,
-    i64,
-    Option<i64>,
-    Option<i64>,
-    String,
-    String,
-    String,
-    OffsetDateTime,
-    Option<String>,
-    Option<OffsetDateTime>,
-    Option<String>,
-    Option<OffsetDateTime>,
-);
+/// An incident as `service/sql/*.sql` return it (the columns of
+/// `incidents.incidents` an [`Incident`] shows).
+#[derive(sqlx::FromRow)]
+struct IncidentRow {
+    id: i64,
+    organization_id: i64,
+    number: i64,
+    policy_id: Option<i64>,
+    entity_id: Option<i64>,
+    lifecycle: String,
+    title: String,
+    opened_by: String,
+    opened_at: OffsetDateTime,
+    acknowledged_by: Option<String>,
+    acknowledged_at: Option<OffsetDateTime>,
+    resolved_by: Option<String>,
+    resolved_at: Option<OffsetDateTime>,
+}
 
 fn incident(r: IncidentRow) -> Result<Incident> {
     Ok(Incident {
-        id: r.0,
-        organization_id: r.1,
-        number: r.2,
-        policy_id: r.3,
-        entity_id: r.4,
-        lifecycle: r.5.parse()?,
-        title: r.6,
-        opened_by: r.7,
-        opened_at: r.8,
-        acknowledged_by: r.9,
-        acknowledged_at: r.10,
-        resolved_by: r.11,
-        resolved_at: r.12,
+        id: r.id,
+        organization_id: r.organization_id,
+        number: r.number,
+        policy_id: r.policy_id,
+        entity_id: r.entity_id,
+        lifecycle: r.lifecycle.parse()?,
+        title: r.title,
+        opened_by: r.opened_by,
+        opened_at: r.opened_at,
+        acknowledged_by: r.acknowledged_by,
+        acknowledged_at: r.acknowledged_at,
+        resolved_by: r.resolved_by,
+        resolved_at: r.resolved_at,
     })
+}
+
+/// What `service/sql/observe.sql` reads about a (policy, entity) pair.
+#[derive(sqlx::FromRow)]
+struct ObservedRow {
+    singleton: bool,
+    open_ids: Vec<i64>,
+    from_message_ids: Vec<i64>,
 }
 
 async fn read_observed(
@@ -208,14 +220,13 @@ async fn read_observed(
     entity_id: i64,
     message_id: &str,
 ) -> pgonce::Result<Observed> {
-    let row: Option<(bool, Vec<i64>, Vec<i64>)> =
-        sqlx::query_as(include_str!("service/sql/observe.sql"))
-            .bind(policy_id)
-            .bind(entity_id)
-            .bind(message_id)
-            .fetch_optional(conn)
-            .await?;
-    let (singleton, open, from_message) = row.ok_or_else(|| pgonce::Error::Invalid {
+    let row: Option<ObservedRow> = sqlx::query_as(include_str!("service/sql/observe.sql"))
+        .bind(policy_id)
+        .bind(entity_id)
+        .bind(message_id)
+        .fetch_optional(conn)
+        .await?;
+    let row = row.ok_or_else(|| pgonce::Error::Invalid {
         what: "policy and entity",
         why: format!("no policy {policy_id} with entity {entity_id} in its organization"),
     })?;
@@ -223,9 +234,9 @@ async fn read_observed(
         policy_id,
         entity_id,
         message_id: message_id.to_owned(),
-        singleton,
-        open,
-        from_message,
+        singleton: row.singleton,
+        open: row.open_ids,
+        from_message: row.from_message_ids,
     })
 }
 
@@ -454,10 +465,7 @@ impl Service {
     }
 
     async fn begin(&self) -> Result<Transaction<'static, Postgres>> {
-        Ok(self
-            .pool
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-            .await?)
+        Ok(pgonce::begin(&self.pool, IsolationLevel::ReadCommitted).await?)
     }
 
     /// Steps 2 and 3 of the module docs: the id, the notification job, the

@@ -3,6 +3,7 @@
 //! [`set_entity_singleton`], which takes the entity's lock because the
 //! guarded incident write reads what it changes.
 
+use pgonce::IsolationLevel;
 use rand::RngCore;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -17,9 +18,21 @@ use crate::service::entity_lock_key;
 /// incident write, 0 to 100 (percent of entities on the guarded path).
 pub const ROLLOUT_SETTING: &str = "guard_rollout_percent";
 
-type OrgRow = (i64, String, OffsetDateTime);
+/// An organization as `store/sql/*organization*.sql` return it.
+#[derive(sqlx::FromRow)]
+struct OrgRow {
+    id: i64,
+    name: String,
+    created_at: OffsetDateTime,
+}
 
-fn organization((id, name, created_at): OrgRow) -> Organization {
+fn organization(
+    OrgRow {
+        id,
+        name,
+        created_at,
+    }: OrgRow,
+) -> Organization {
     Organization {
         id,
         name,
@@ -126,6 +139,13 @@ pub fn api_key_prefix(key: &str) -> Option<&str> {
     }
 }
 
+/// A live API key as `store/sql/authenticate.sql` returns it.
+#[derive(sqlx::FromRow)]
+struct ApiKeyRow {
+    organization_id: i64,
+    sha256: Vec<u8>,
+}
+
 /// The organization an API key belongs to; [`Error::Unauthorized`] for a
 /// malformed, unknown or revoked key (the same error for each, so a caller
 /// learns nothing about which).
@@ -139,22 +159,39 @@ pub async fn authenticate(db: impl PgExecutor<'_>, key: &str) -> Result<i64> {
     if prefix.len() != 12 || secret.len() != 64 {
         return Err(REFUSED);
     }
-    let row: Option<(i64, Vec<u8>)> = sqlx::query_as(include_str!("store/sql/authenticate.sql"))
+    let row: Option<ApiKeyRow> = sqlx::query_as(include_str!("store/sql/authenticate.sql"))
         .bind(prefix)
         .fetch_optional(db)
         .await?;
     match row {
         // Digests of a 256-bit random secret: comparing them leaks nothing
         // an attacker could use to guess the secret.
-        Some((org, digest)) if digest == Sha256::digest(key.as_bytes()).as_slice() => Ok(org),
+        Some(ApiKeyRow {
+            organization_id,
+            sha256,
+        }) if sha256 == Sha256::digest(key.as_bytes()).as_slice() => Ok(organization_id),
         _ => Err(REFUSED),
     }
 }
 
-type EntityRow = (i64, i64, String, Value, bool);
+/// An entity as `store/sql/*entit*.sql` return it.
+#[derive(sqlx::FromRow)]
+struct EntityRow {
+    id: i64,
+    organization_id: i64,
+    external_id: String,
+    attributes: Value,
+    singleton_incidents: bool,
+}
 
 fn entity(
-    (id, organization_id, external_id, attributes, singleton_incidents): EntityRow,
+    EntityRow {
+        id,
+        organization_id,
+        external_id,
+        attributes,
+        singleton_incidents,
+    }: EntityRow,
 ) -> Entity {
     Entity {
         id,
@@ -249,9 +286,7 @@ pub async fn set_entity_singleton(
     entity_id: i64,
     singleton: bool,
 ) -> Result<()> {
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
     pgonce::lock::lock(&mut tx, entity_lock_key(entity_id)?).await?;
     let done = sqlx::query(include_str!("store/sql/set_entity_singleton.sql"))
         .bind(organization_id)
@@ -266,9 +301,26 @@ pub async fn set_entity_singleton(
     Ok(())
 }
 
-type PolicyRow = (i64, i64, String, String, Value);
+/// A policy as `store/sql/*polic*.sql` return it; `singleton` and `rule`
+/// are parsed into their types by [`policy`].
+#[derive(sqlx::FromRow)]
+struct PolicyRow {
+    id: i64,
+    organization_id: i64,
+    name: String,
+    singleton: String,
+    rule: Value,
+}
 
-fn policy((id, organization_id, name, singleton, rule): PolicyRow) -> Result<Policy> {
+fn policy(
+    PolicyRow {
+        id,
+        organization_id,
+        name,
+        singleton,
+        rule,
+    }: PolicyRow,
+) -> Result<Policy> {
     Ok(Policy {
         id,
         organization_id,

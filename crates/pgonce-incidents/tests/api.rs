@@ -43,9 +43,7 @@ impl Answer {
 }
 
 async fn api_with(config: ApiConfig, metrics: bool) -> Api {
-    let db = pgonce_testkit::fresh_database().await;
-    let pool = db.pool(8).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
+    let (db, pool) = pgonce_testkit::fresh_migrated_database(8, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let queue = observations_queue(&pool, Duration::from_secs(30), 5)
         .await

@@ -59,9 +59,7 @@ async fn schemathesis_finds_nothing() {
         return;
     };
 
-    let db = pgonce_testkit::fresh_database().await;
-    let pool = db.pool(8).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
+    let (_db, pool) = pgonce_testkit::fresh_migrated_database(8, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let (_, key) = store::create_organization(&pool, "fuzzed").await.unwrap();
     let queue = observations_queue(&pool, Duration::from_secs(30), 5)

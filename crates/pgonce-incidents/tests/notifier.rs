@@ -8,16 +8,14 @@ use pgonce_incidents::notifier::NotifyCounts;
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
 use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_incidents::{Notifier, NotifierConfig, Service, ServiceConfig, store};
-use pgonce_testkit::{ScratchDatabase, fresh_database};
+use pgonce_testkit::{ScratchDatabase, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
 
 /// A migrated database where alice declared one incident per title in
 /// organization `acme` (each with its notification job).
 async fn declared(titles: &[&str]) -> (ScratchDatabase, PgPool, Service, Vec<Incident>) {
-    let db = fresh_database().await;
-    let pool = db.pool(10).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(10, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
     let mut incidents = Vec::new();

@@ -13,7 +13,7 @@ use pgonce_incidents::pipeline::SimulatedEvaluatorConfig;
 use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue};
 use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_incidents::{NotifierConfig, Service, ServiceConfig, invariants, store};
-use pgonce_testkit::fresh_database;
+use pgonce_testkit::fresh_migrated_database;
 use serde_json::json;
 
 fn config(webhook: &str, visibility: Duration) -> RuntimeConfig {
@@ -106,9 +106,7 @@ async fn receive_one(queue: &pgonce::PgQueue) -> pgonce::Received {
 }
 
 async fn acme_with_policy(name: &str, rule: &Rule) -> Acme {
-    let db = fresh_database().await;
-    let pool = db.pool(20).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(20, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
     store::create_policy(&pool, org.id, name, Singleton::Always, rule)

@@ -29,9 +29,7 @@ struct Served {
 const TIMEOUT: Duration = Duration::from_millis(300);
 
 async fn serve() -> Served {
-    let db = pgonce_testkit::fresh_database().await;
-    let pool = db.pool(4).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
+    let (db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let (_, key) = pgonce_incidents::store::create_organization(&pool, "acme")
         .await

@@ -8,7 +8,7 @@ use std::time::Duration;
 use pgonce_incidents::model::{Declaration, IncidentFilter, Lifecycle, Op, Rule, Singleton};
 use pgonce_incidents::service::{Decision, Observed};
 use pgonce_incidents::{Error, Service, ServiceConfig, WritePath, invariants, store};
-use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_database};
+use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
 
@@ -20,9 +20,7 @@ struct World {
 }
 
 async fn world() -> World {
-    let db = fresh_database().await;
-    let pool = db.pool(16).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(16, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let (org, _key) = store::create_organization(&pool, "acme").await.unwrap();
     World {

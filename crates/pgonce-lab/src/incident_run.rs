@@ -1082,3 +1082,27 @@ pub async fn run(
     };
     Ok(outcome)
 }
+
+/// Waits until the pipeline has processed `expected` observations of
+/// `organizations` (counted in the database, so a redelivered message
+/// counts once), or until `deadline`; returns how many it processed. What
+/// `pgonce bench service` drains its backlog with; the run above drains the
+/// same way, with a runtime killed and notifications checked on the way.
+pub async fn drain(
+    pool: &PgPool,
+    organizations: &[i64],
+    expected: u64,
+    deadline: Instant,
+    retrier: &Retrier,
+) -> anyhow::Result<u64> {
+    loop {
+        let tallies = retrier
+            .run("counting", || invariants::tallies(pool, organizations))
+            .await?;
+        let done = tallies.messages_processed as u64;
+        if done >= expected || Instant::now() >= deadline {
+            return Ok(done);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -32,9 +32,21 @@ pub struct Environment {
 impl Environment {
     /// Reads the server's settings through `pool`.
     pub async fn read(pool: &PgPool, throwaway: bool) -> anyhow::Result<Environment> {
-        let (version, fsync, sync_commit): (String, String, String) = sqlx::query_as(
-            "SELECT current_setting('server_version'), current_setting('fsync'), \
-             current_setting('synchronous_commit')",
+        /// The server settings a report names.
+        #[derive(sqlx::FromRow)]
+        struct Settings {
+            version: String,
+            fsync: String,
+            synchronous_commit: String,
+        }
+        let Settings {
+            version,
+            fsync,
+            synchronous_commit: sync_commit,
+        } = sqlx::query_as(
+            "SELECT current_setting('server_version') AS version, \
+             current_setting('fsync') AS fsync, \
+             current_setting('synchronous_commit') AS synchronous_commit",
         )
         .fetch_one(pool)
         .await?;

@@ -23,7 +23,7 @@ use pgonce_lab::incident_run::{
 };
 use pgonce_lab::report::Environment;
 use pgonce_lab::scratch::RunDatabase;
-use pgonce_testkit::fresh_database;
+use pgonce_testkit::{fresh_database, fresh_migrated_database};
 
 /// Guarded (rollout 100): every invariant holds although messages are
 /// delivered twice, concurrently, and a worker process dies.
@@ -91,9 +91,7 @@ async fn the_incident_run_survives_a_database_restart_mid_run() {
 /// the notifier, which alone would leave both unfinished.
 #[tokio::test]
 async fn settling_finishes_claimed_and_failed_notifications() {
-    let db = fresh_database().await;
-    let pool = db.pool(20).await.unwrap();
-    pgonce_incidents::migrate(&pool).await.unwrap();
+    let (_db, pool) = fresh_migrated_database(20, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let (org, _) = store::create_organization(&pool, "acme").await.unwrap();
     for n in 0..2 {

@@ -4,11 +4,14 @@
 
 use pgonce::SequenceStrategy;
 use pgonce::events::AppendStrategy;
+use pgonce::job::JobStatus;
 use pgonce_lab::guard_strategy::GuardStrategy;
 use pgonce_lab::race::events::{self, AppendOutcome};
 use pgonce_lab::race::events_late_writer::{self, LateWriter};
+use pgonce_lab::race::jobs::{self, Delivery, JobCaseName};
 use pgonce_lab::race::{guard, lock_wait, sequence};
 use pgonce_lab::scratch::RunDatabase;
+use serde_json::json;
 
 /// The event-store seed's three writers (A and C on booking:123, B on
 /// booking:456), all decided "no booking yet" before anyone appended.
@@ -261,5 +264,71 @@ async fn guard_two_workers_one_entity_under_each_strategy() -> anyhow::Result<()
         .find(|c| c.strategy == GuardStrategy::SessionLock)
         .expect("the session lock is raced");
     assert!(session_lock.held_during_evaluation);
+    db.close().await
+}
+
+/// The SQS worker seed's duplicate execution, one job delivered twice. With
+/// no guard both deliveries transition and run the side effect; the
+/// conditional UPDATE transitions once, the second delivery is told
+/// `AlreadyHandled` and the first result stands, but both ran the side
+/// effect; the two-phase claim's loser sees `JobBusy` and skips it; the
+/// dedupe key skips the duplicate's effect. A crashed claimer's job is
+/// `JobBusy` to the redelivery until the reaper returns it, then that
+/// message completes it; a worker whose lease was taken over cannot
+/// overwrite the new owner's result; a heartbeat keeps the lease.
+#[tokio::test]
+async fn jobs_one_job_delivered_twice_under_each_guard() -> anyhow::Result<()> {
+    let db = RunDatabase::for_tests("races").await?;
+    let race = jobs::replay(&db).await?;
+    assert_eq!(race.cases.len(), JobCaseName::ALL.len());
+    let busy = Delivery::JobBusy(JobStatus::Processing);
+
+    let no_guard = race.case(JobCaseName::NoGuard);
+    assert_eq!((no_guard.transitions, no_guard.side_effects), (2, 2));
+    assert!(!no_guard.invariant_held());
+
+    let where_status = race.case(JobCaseName::WhereStatus);
+    assert_eq!(
+        (where_status.transitions, where_status.side_effects),
+        (1, 2)
+    );
+    assert_eq!(where_status.second, Delivery::AlreadyHandled);
+    assert_eq!(where_status.final_status, "completed");
+    assert_eq!(where_status.final_result, Some(json!({"by": "A"})));
+
+    let two_phase = race.case(JobCaseName::TwoPhase);
+    assert_eq!((two_phase.transitions, two_phase.side_effects), (1, 1));
+    assert_eq!(two_phase.second, busy);
+    assert_eq!(two_phase.final_status, "completed");
+    assert!(two_phase.invariant_held());
+
+    let dedupe_key = race.case(JobCaseName::DedupeKey);
+    assert_eq!((dedupe_key.transitions, dedupe_key.side_effects), (1, 1));
+    assert_eq!(dedupe_key.second, Delivery::SkippedDuplicateKey);
+
+    let crash = race.case(JobCaseName::Crash);
+    assert_eq!(crash.redelivery_while_stuck, Some(busy));
+    assert_eq!(crash.reaped, Some(1));
+    assert_eq!(crash.second, Delivery::Applied);
+    assert_eq!(
+        (crash.final_status.as_str(), crash.side_effects),
+        ("completed", 1)
+    );
+
+    let late = race.case(JobCaseName::LateCompletion);
+    assert_eq!(late.reaped, Some(1));
+    assert_eq!(late.second, Delivery::LeaseLost);
+    assert_eq!(late.final_result, Some(json!({"by": "B"})));
+    assert_eq!(late.transitions, 1);
+
+    let heartbeat = race.case(JobCaseName::LateCompletionHeartbeat);
+    assert_eq!(heartbeat.reaped, Some(0));
+    assert_eq!(heartbeat.second, Delivery::Applied);
+    assert_eq!(heartbeat.final_result, Some(json!({"by": "A"})));
+    assert_eq!(heartbeat.side_effects, 1);
+
+    for case in &race.cases {
+        assert!(case.as_expected(), "{:?}", case.name);
+    }
     db.close().await
 }

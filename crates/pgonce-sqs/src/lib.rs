@@ -38,6 +38,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 mod config;
 mod error;
 mod queue;

@@ -56,7 +56,10 @@ pub enum ClusterError {
          (Debian/Ubuntu: `apt-get install postgresql`), set {BINDIR_ENV} to their directory, \
          or set DATABASE_URL to use a server you already run"
     )]
-    NoBinaries { looked_in: String },
+    NoBinaries {
+        /// The places searched, in the order they were searched.
+        looked_in: String,
+    },
     /// We run as root, which `initdb` refuses, and there is no `postgres` user
     /// to run the server as.
     #[error(
@@ -68,13 +71,19 @@ pub enum ClusterError {
     /// or `initdb` printed.
     #[error("{step} failed: {detail}{}", if log.is_empty() { String::new() } else { format!("\n--- output ---\n{log}") })]
     Setup {
+        /// The step: `initdb`, starting the server, waiting for it...
         step: &'static str,
+        /// Why it failed.
         detail: String,
+        /// What the server or `initdb` printed (may be empty).
         log: String,
     },
+    /// A file-system or process operation failed.
     #[error("I/O error while {doing}: {source}")]
     Io {
+        /// What the cluster was doing.
         doing: &'static str,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },
@@ -87,6 +96,7 @@ fn io(doing: &'static str) -> impl FnOnce(std::io::Error) -> ClusterError {
 /// Where the server binaries are, and which major version they are.
 #[derive(Debug, Clone)]
 pub struct Binaries {
+    /// The directory holding `initdb`, `postgres` and `pg_ctl`.
     pub bindir: PathBuf,
 }
 

@@ -55,31 +55,60 @@ const POLL_EVERY: Duration = Duration::from_millis(2);
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HarnessError {
+    /// A step run with [`Interleaving::step_blocks`] finished instead of
+    /// waiting for a lock: the race did not happen as written.
     #[error("session {session}: step `{step}` was expected to block on a lock, but it finished")]
-    DidNotBlock { session: String, step: String },
+    DidNotBlock {
+        /// The session's name.
+        session: String,
+        /// The step's description.
+        step: String,
+    },
+    /// A step expected to block was neither seen waiting for a lock nor
+    /// finished within the harness's timeout.
     #[error("session {session}: step `{step}` was not seen blocked within {waited:?}")]
     NotBlocked {
+        /// The session's name.
         session: String,
+        /// The step's description.
         step: String,
+        /// How long the harness watched for it.
         waited: Duration,
     },
+    /// A step (or a resumed blocked step) did not finish within the
+    /// harness's timeout: a deadlock in the scenario, or a lock nobody
+    /// releases.
     #[error("session {session}: step `{step}` did not finish within {waited:?}")]
     StepTimeout {
+        /// The session's name.
         session: String,
+        /// The step's description.
         step: String,
+        /// How long the harness waited.
         waited: Duration,
     },
+    /// A step's future panicked in the task the harness ran it in.
     #[error("session {session}: step `{step}` panicked")]
-    StepPanicked { session: String, step: String },
+    StepPanicked {
+        /// The session's name.
+        session: String,
+        /// The step's description.
+        step: String,
+    },
     /// A step run with [`Interleaving::try_step`] (or resumed with
     /// [`Blocked::try_resume`]) returned an error of its own.
     #[error("session {session}: step `{step}` failed: {source}")]
     StepFailed {
+        /// The session's name.
         session: String,
+        /// The step's description.
         step: String,
+        /// The step's own error.
         #[source]
         source: BoxError,
     },
+    /// The harness's own query (opening a session, watching `pg_locks`)
+    /// failed.
     #[error("harness database error: {0}")]
     Database(#[from] sqlx::Error),
 }
@@ -94,17 +123,24 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub struct Step {
     /// 0, 1, 2, ... in the order the harness saw the events.
     pub at: usize,
+    /// The session the step ran in.
     pub session: String,
+    /// The step's description, as the scenario gave it.
     pub what: String,
+    /// What happened to the step.
     pub event: StepEvent,
 }
 
+/// What happened to a step, in the order the harness saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StepEvent {
     /// The step ran to completion.
     Ran,
     /// The step was seen waiting for a lock held by these sessions.
-    Blocked { by: Vec<String> },
+    Blocked {
+        /// The blockers: session names, or `pid N` for other backends.
+        by: Vec<String>,
+    },
     /// A step that was blocked finished.
     Resumed,
     /// A remark added by the scenario (`Interleaving::note`).
@@ -131,6 +167,8 @@ pub struct Session {
 }
 
 impl Session {
+    /// The name the scenario gave the session (`A`, `B`...), as the
+    /// timeline and the blockers name it.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -292,7 +330,7 @@ impl Interleaving {
         &self,
         session: &Session,
     ) -> Result<Option<Vec<String>>, HarnessError> {
-        let rows: Vec<(Option<String>, i32)> = sqlx::query_as(include_str!("sql/blockers.sql"))
+        let rows: Vec<Blocker> = sqlx::query_as(include_str!("sql/blockers.sql"))
             .bind(&session.application_name)
             .fetch_all(&self.observer)
             .await?;
@@ -303,9 +341,15 @@ impl Interleaving {
         let mut names: Vec<String> = rows
             .into_iter()
             .map(
-                |(app, pid)| match app.as_deref().and_then(|a| a.strip_prefix(&prefix)) {
+                |Blocker {
+                     application_name,
+                     blocker_pid,
+                 }| match application_name
+                    .as_deref()
+                    .and_then(|a| a.strip_prefix(&prefix))
+                {
                     Some(name) => name.to_string(),
-                    None => format!("pid {pid}"),
+                    None => format!("pid {blocker_pid}"),
                 },
             )
             .collect();
@@ -411,4 +455,12 @@ impl<T> Blocked<T> {
         });
         Ok(out)
     }
+}
+
+/// A backend blocking a session, as `sql/blockers.sql` returns it: its
+/// `application_name` (ours carry the harness's prefix) and its pid.
+#[derive(sqlx::FromRow)]
+struct Blocker {
+    application_name: Option<String>,
+    blocker_pid: i32,
 }

@@ -6,10 +6,13 @@
 //! * [`cluster`]: a throwaway PostgreSQL cluster from the installed
 //!   binaries, removed on drop and when the process dies.
 //! * [`server`]: the server to use (`DATABASE_URL` or a throwaway cluster)
-//!   and scratch databases on it; [`fresh_database`] for tests.
+//!   and scratch databases on it; [`fresh_database`] for tests, and
+//!   [`fresh_migrated_database`] for tests that start from a schema.
 //! * [`pooler`]: PgBouncer in transaction mode in front of a server.
 //! * [`interleave`]: step-by-step interleavings whose blocking steps are
 //!   confirmed through `pg_blocking_pids`, never through sleeps.
+
+#![warn(missing_docs)]
 
 pub mod cluster;
 pub mod interleave;
@@ -21,5 +24,6 @@ pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Ste
 pub use pooler::{Pooler, PoolerSetup};
 pub use server::{
     ScratchDatabase, Server, ServerError, fresh_database, fresh_database_behind_pooler,
-    shared_for_tests, shared_pooler_for_tests,
+    fresh_migrated_database, fresh_migrated_database_behind_pooler, shared_for_tests,
+    shared_pooler_for_tests,
 };

@@ -20,15 +20,26 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServerError {
+    /// `DATABASE_URL` could not be parsed.
     #[error("DATABASE_URL is not a valid PostgreSQL URL: {0}")]
     BadUrl(#[source] sqlx::Error),
+    /// The server did not accept a connection.
     #[error("cannot connect to PostgreSQL at {address}: {reason}")]
-    Unreachable { address: String, reason: String },
+    Unreachable {
+        /// `host:port` (or the socket directory) tried.
+        address: String,
+        /// Why the connection failed.
+        reason: String,
+    },
+    /// The throwaway cluster could not be set up.
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    /// A statement on the server failed (creating or dropping a database).
     #[error("database error while {doing}: {source}")]
     Database {
+        /// What the server was asked to do.
         doing: &'static str,
+        /// The database error.
         #[source]
         source: sqlx::Error,
     },
@@ -180,6 +191,8 @@ pub struct ScratchDatabase {
 }
 
 impl ScratchDatabase {
+    /// The database's name on its server (unique: a prefix and a random
+    /// suffix), which a pooler also routes by.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -256,6 +269,24 @@ pub async fn fresh_database() -> ScratchDatabase {
         .unwrap_or_else(|e| panic!("cannot create a test database: {e}"))
 }
 
+/// A fresh database on the shared test server, `migrate` applied to it, and
+/// a pool of at most `max` connections on it: what a test that needs a
+/// schema starts from. `migrate` is the crate's own (`pgonce::migrate`,
+/// `pgonce_incidents::migrate`), run once before the test gets the pool;
+/// the test kit knows no schema. Panics with the reason when there is no
+/// server, or when the migration fails: a test cannot go on without either.
+pub async fn fresh_migrated_database<E: std::fmt::Display>(
+    max: u32,
+    migrate: impl AsyncFnOnce(&PgPool) -> Result<(), E>,
+) -> (ScratchDatabase, PgPool) {
+    let database = fresh_database().await;
+    let pool = fresh_pool(&database, max).await;
+    migrate(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("cannot migrate a test database: {e}"));
+    (database, pool)
+}
+
 /// PgBouncer in transaction mode in front of the shared test server
 /// ([`shared_for_tests`]), started on first use and stopped by its watchdog
 /// when the test process exits.
@@ -279,4 +310,35 @@ pub async fn fresh_database_behind_pooler() -> (ScratchDatabase, PgConnectOption
         shared_pooler_for_tests().unwrap_or_else(|e| panic!("no PgBouncer for tests: {e}"));
     let options = pooler.options(database.name());
     (database, options)
+}
+
+/// [`fresh_migrated_database`] behind the shared pooler: `migrate` runs over
+/// a direct connection (a migration is not what a pooler test is about),
+/// and the pool of at most `max` connections goes through PgBouncer in
+/// transaction mode, so every statement of the code under test may land on
+/// another server connection.
+pub async fn fresh_migrated_database_behind_pooler<E: std::fmt::Display>(
+    max: u32,
+    migrate: impl AsyncFnOnce(&PgPool) -> Result<(), E>,
+) -> (ScratchDatabase, PgPool) {
+    let (database, through_pooler) = fresh_database_behind_pooler().await;
+    let direct = fresh_pool(&database, 1).await;
+    migrate(&direct)
+        .await
+        .unwrap_or_else(|e| panic!("cannot migrate a test database: {e}"));
+    direct.close().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(through_pooler)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect through the pooler: {e}"));
+    (database, pool)
+}
+
+async fn fresh_pool(database: &ScratchDatabase, max: u32) -> PgPool {
+    database
+        .pool(max)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to a test database: {e}"))
 }

@@ -15,6 +15,7 @@ mod support;
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::dedupe::{self, Acquired};
 use serde_json::{Value, json};
 use sqlx::PgConnection;
@@ -48,9 +49,7 @@ async fn with_key(pool: &sqlx::PgPool, key: &str, request: &Value) -> pgonce::Re
         Acquired::Replay(response) => return Ok(response),
     };
     // The handler's writes and the stored response commit together.
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
     let response = match create_payment(&mut tx, request).await {
         Ok(response) => response,
         Err(e) => {

@@ -17,6 +17,7 @@ mod support;
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::job::{self, Lease, NewJob, Reaper, ReaperConfig};
 use serde_json::json;
 use sqlx::PgPool;
@@ -28,9 +29,7 @@ const SCHEMA: &str = "CREATE TABLE receipts_sent (job_id bigint NOT NULL, sent_b
 
 /// Does the work under `lease` and completes the job, in one transaction.
 async fn finish(pool: &PgPool, worker: &str, lease: &Lease) -> pgonce::Result<()> {
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
     sqlx::query("INSERT INTO receipts_sent (job_id, sent_by) VALUES ($1, $2)")
         .bind(lease.job_id)
         .bind(worker)

@@ -11,6 +11,7 @@
 
 mod support;
 
+use pgonce::IsolationLevel;
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig};
 use sqlx::PgPool;
 use support::Result;
@@ -34,9 +35,7 @@ async fn invoice(
     // READ COMMITTED: the default strategy reads max(number) after taking the
     // customer's lock, which needs a fresh snapshot per statement. Under
     // REPEATABLE READ pgonce refuses with Error::WrongIsolation.
-    let tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
     // ... the invoice's other writes go here, before the customer is locked ...
     let numbered = numbers
         .commit_numbered(

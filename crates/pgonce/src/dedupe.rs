@@ -88,9 +88,7 @@ pub async fn apply_once<T>(
     message_id: &str,
     effect: impl AsyncFnOnce(&mut PgConnection) -> Result<T>,
 ) -> Result<Option<T>> {
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
     if !mark_processed(&mut tx, consumer, message_id).await? {
         tx.rollback().await?;
         return Ok(None);
@@ -142,6 +140,24 @@ pub enum Acquired {
     Replay(Value),
 }
 
+/// A hold `dedupe/sql/key_acquire.sql` took: on a new key (`inserted`) or
+/// on one whose earlier holder's hold ran out.
+#[derive(sqlx::FromRow)]
+struct HeldRow {
+    hold_token: Uuid,
+    held_until: OffsetDateTime,
+    inserted: bool,
+}
+
+/// A key someone else holds or finished, as `dedupe/sql/key_read.sql`
+/// returns it.
+#[derive(sqlx::FromRow)]
+struct KeyRow {
+    fingerprint: Vec<u8>,
+    status: String,
+    response: Option<Value>,
+}
+
 /// Uses idempotency key `key` in `scope` for a request with `fingerprint`
 /// (see [`fingerprint`]), holding it for `hold_for` if it is new or its
 /// previous holder's hold expired. See the module docs for the outcomes.
@@ -162,15 +178,19 @@ pub async fn acquire(
     }
     // Two rounds at most: the row may be collected between the two statements.
     for _ in 0..2 {
-        let held: Option<(Uuid, OffsetDateTime, bool)> =
-            sqlx::query_as(include_str!("dedupe/sql/key_acquire.sql"))
-                .bind(scope)
-                .bind(key)
-                .bind(fingerprint)
-                .bind(hold_for.as_secs_f64())
-                .fetch_optional(pool)
-                .await?;
-        if let Some((token, held_until, inserted)) = held {
+        let held: Option<HeldRow> = sqlx::query_as(include_str!("dedupe/sql/key_acquire.sql"))
+            .bind(scope)
+            .bind(key)
+            .bind(fingerprint)
+            .bind(hold_for.as_secs_f64())
+            .fetch_optional(pool)
+            .await?;
+        if let Some(HeldRow {
+            hold_token: token,
+            held_until,
+            inserted,
+        }) = held
+        {
             if !inserted {
                 tracing::warn!(scope, key, "idempotency key recovered from a dead holder");
                 metrics::counter!("pgonce_dedupe_keys_recovered_total").increment(1);
@@ -183,13 +203,17 @@ pub async fn acquire(
                 first_use: inserted,
             }));
         }
-        let row: Option<(Vec<u8>, String, Option<Value>)> =
-            sqlx::query_as(include_str!("dedupe/sql/key_read.sql"))
-                .bind(scope)
-                .bind(key)
-                .fetch_optional(pool)
-                .await?;
-        let Some((stored, status, response)) = row else {
+        let row: Option<KeyRow> = sqlx::query_as(include_str!("dedupe/sql/key_read.sql"))
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(pool)
+            .await?;
+        let Some(KeyRow {
+            fingerprint: stored,
+            status,
+            response,
+        }) = row
+        else {
             continue;
         };
         if stored != fingerprint {

@@ -102,6 +102,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use crate::error::{Error, Result, sqlstate, sqlstate_of};
 use crate::lock::{self, LockKey};
+use crate::transaction::IsolationLevel;
 
 /// What a decision saw: a set of ids, each optionally with a version. Owned,
 /// so it outlives the connection that read it.
@@ -330,12 +331,8 @@ impl Guard {
     /// then write, then commit (or hand the transaction on with
     /// [`GuardedTransaction::into_inner`]).
     pub async fn begin<'p>(&self, pool: &'p PgPool) -> Result<GuardedTransaction<'p>> {
-        let begin = match self.config.isolation {
-            Isolation::ReadCommitted => include_str!("guard/sql/begin_read_committed.sql"),
-            Isolation::Serializable => include_str!("guard/sql/begin_serializable.sql"),
-        };
         Ok(GuardedTransaction {
-            tx: pool.begin_with(begin.trim()).await?,
+            tx: crate::begin(pool, self.config.isolation.into()).await?,
             guard: self.clone(),
             locked: None,
         })
@@ -362,10 +359,7 @@ impl Guard {
         pool: &'p PgPool,
         key: LockKey,
     ) -> Result<GuardedTransaction<'p>> {
-        let isolation = match self.config.isolation {
-            Isolation::ReadCommitted => "READ COMMITTED",
-            Isolation::Serializable => "SERIALIZABLE",
-        };
+        let isolation = IsolationLevel::from(self.config.isolation).as_sql();
         let sql = match self.config.lock_timeout {
             None => BEGIN_LOCKED.as_str(),
             Some(_) => BEGIN_LOCKED_TIMEOUT.as_str(),

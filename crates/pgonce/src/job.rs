@@ -405,7 +405,16 @@ pub async fn claim_batch<'c>(
             why: format!("must be at least 1, got {limit}"),
         });
     }
-    type Row = (i64, String, Value, i32, Uuid, OffsetDateTime);
+    /// A job `job/sql/claim_batch.sql` claimed, with its new lease.
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        id: i64,
+        kind: String,
+        payload: Value,
+        attempts: i32,
+        lease_token: Uuid,
+        lease_expires_at: OffsetDateTime,
+    }
     let rows: Vec<Row> = sqlx::query_as(include_str!("job/sql/claim_batch.sql"))
         .bind(kind)
         .bind(limit)
@@ -415,18 +424,16 @@ pub async fn claim_batch<'c>(
     metrics::counter!("pgonce_job_claimed_total").increment(rows.len() as u64);
     Ok(rows
         .into_iter()
-        .map(
-            |(job_id, kind, payload, attempts, token, expires_at)| ClaimedJob {
-                kind,
-                payload,
-                attempts,
-                lease: Lease {
-                    job_id,
-                    token,
-                    expires_at,
-                },
+        .map(|row| ClaimedJob {
+            kind: row.kind,
+            payload: row.payload,
+            attempts: row.attempts,
+            lease: Lease {
+                job_id: row.id,
+                token: row.lease_token,
+                expires_at: row.lease_expires_at,
             },
-        )
+        })
         .collect())
 }
 
@@ -561,17 +568,28 @@ pub async fn fail<'c>(
     policy: &RetryPolicy,
 ) -> Result<FailOutcome> {
     policy.validate()?;
-    let row: Option<(String, i32, OffsetDateTime)> =
-        sqlx::query_as(include_str!("job/sql/fail.sql"))
-            .bind(lease.job_id)
-            .bind(lease.token)
-            .bind(error)
-            .bind(policy.base.as_secs_f64())
-            .bind(policy.max.as_secs_f64())
-            .bind(policy.jitter)
-            .fetch_optional(db)
-            .await?;
-    let Some((status, attempts, run_at)) = row else {
+    /// The job after `job/sql/fail.sql` recorded the failed attempt.
+    #[derive(sqlx::FromRow)]
+    struct Failed {
+        status: String,
+        attempts: i32,
+        run_at: OffsetDateTime,
+    }
+    let row: Option<Failed> = sqlx::query_as(include_str!("job/sql/fail.sql"))
+        .bind(lease.job_id)
+        .bind(lease.token)
+        .bind(error)
+        .bind(policy.base.as_secs_f64())
+        .bind(policy.max.as_secs_f64())
+        .bind(policy.jitter)
+        .fetch_optional(db)
+        .await?;
+    let Some(Failed {
+        status,
+        attempts,
+        run_at,
+    }) = row
+    else {
         return Err(lease.lost());
     };
     if status == "dead" {

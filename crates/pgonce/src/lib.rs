@@ -14,8 +14,8 @@
 //! * `sequence`: per-scope gapless numbers taken inside the caller's
 //!   transaction ([`Sequence`], P2).
 //! * [`queue`]: the [`Queue`] trait (SQS semantics), the PostgreSQL queue
-//!   [`PgQueue`], the worker runtime [`Worker`], and the conformance suite
-//!   every backend runs.
+//!   [`PgQueue`], the worker runtime [`Worker`], and (feature
+//!   `conformance`) the conformance suite every backend runs.
 //! * [`job`]: conditional transitions, fenced leases, the reaper and DB-driven
 //!   retry (P3).
 //! * [`dedupe`]: processed-message keys and idempotency keys (P4).
@@ -23,6 +23,8 @@
 //!   ([`PoolerProblem`], [`Error::Pooler`]).
 //! * [`maintenance`]: the loop that deletes rows past their retention
 //!   (finished jobs, dead-letter messages, dedup claims, keys).
+//! * [`begin`]: a transaction begun at a stated [`IsolationLevel`], never
+//!   at the database's default.
 //!
 //! The patterns (advisory locks, guarded writes, scoped sequences, jobs,
 //! idempotency keys, the event store and the queue) each live in a module of
@@ -41,6 +43,7 @@ mod pooler;
 pub mod queue;
 mod sequence;
 mod service;
+mod transaction;
 
 pub use error::{Error, Result};
 pub use events::{
@@ -60,3 +63,4 @@ pub use sequence::{
     Numbered, NumberedTable, ScopeValue, Sequence, SequenceConfig, Strategy as SequenceStrategy,
     Taken,
 };
+pub use transaction::{IsolationLevel, begin, begin_read_only};

@@ -24,7 +24,7 @@
 //!
 //! ```no_run
 //! # async fn f(pool: sqlx::PgPool) -> pgonce::Result<()> {
-//! let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+//! let mut tx = pgonce::begin(&pool, pgonce::IsolationLevel::ReadCommitted).await?;
 //! pgonce::lock::lock(&mut tx, pgonce::LockKey::new("entity", "42")?).await?;
 //! // ... the short critical section ...
 //! tx.commit().await?; // releases the lock
@@ -168,11 +168,10 @@ pub async fn lock(tx: &mut Transaction<'_, Postgres>, key: LockKey) -> Result<()
 /// Takes the lock if nobody holds it; never waits. `true` when taken (held
 /// until `tx` ends).
 pub async fn try_lock(tx: &mut Transaction<'_, Postgres>, key: LockKey) -> Result<bool> {
-    let (taken,): (bool,) = sqlx::query_as(include_str!("lock/sql/try_lock.sql"))
+    Ok(sqlx::query_scalar(include_str!("lock/sql/try_lock.sql"))
         .bind(key.as_i64())
         .fetch_one(&mut **tx)
-        .await?;
-    Ok(taken)
+        .await?)
 }
 
 /// Waits at most `timeout` for the lock; [`Error::LockTimeout`] after that.
@@ -186,7 +185,7 @@ pub async fn lock_timeout(
     timeout: Duration,
 ) -> Result<()> {
     let millis = timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
-    let (previous,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+    let previous: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
         .fetch_one(&mut **tx)
         .await?;
     let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;

@@ -39,9 +39,10 @@
 //! this, and `conformance::Caveats::fences_receipts` skips those checks.
 //!
 //! Backends: [`PgQueue`] (this crate) and `SqsQueue` (crate `pgonce-sqs`,
-//! Amazon SQS). The worker runtime: [`Worker`]. [`conformance`] holds the
-//! test suite every backend must pass; `conformance::Caveats` is where a
-//! backend states what its server cannot do.
+//! Amazon SQS). The worker runtime: [`Worker`]. `conformance` (with this
+//! crate's `conformance` feature) holds the test suite every backend must
+//! pass; `conformance::Caveats` is where a backend states what its server
+//! cannot do.
 //!
 //! ```no_run
 //! use pgonce::{Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes};
@@ -71,6 +72,7 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "conformance")]
 pub mod conformance;
 mod postgres;
 mod worker;

@@ -62,7 +62,7 @@
 //!     NumberedTable::new("public.incidents", "organization_id", "number")?,
 //!     SequenceConfig::default(), // advisory lock per scope + max + 1
 //! )?;
-//! let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+//! let mut tx = pgonce::begin(&pool, pgonce::IsolationLevel::ReadCommitted).await?;
 //! // ... the declaration's other work, in the same transaction ...
 //! let declared = incidents
 //!     .commit_numbered(tx, &org, async |conn: &mut sqlx::PgConnection, number: i64| {
@@ -297,6 +297,17 @@ pub trait ScopeValue: for<'q> Encode<'q, Postgres> + Type<Postgres> + fmt::Displ
 impl<T> ScopeValue for T where T: for<'q> Encode<'q, Postgres> + Type<Postgres> + fmt::Display + Sync
 {}
 
+/// What `sequence/sql/take.sql` returns: the transaction's isolation
+/// level, the number (`None`: the level is wrong for the strategy and
+/// nothing was locked), and the seconds from the lock's grant to the
+/// statement's end.
+#[derive(sqlx::FromRow)]
+struct TakeRow {
+    isolation: String,
+    number: Option<i64>,
+    after_grant: Option<f64>,
+}
+
 /// Gapless numbers per scope in a caller's table. Cheap to clone; build it
 /// once and share it.
 #[derive(Debug, Clone)]
@@ -460,12 +471,15 @@ impl Sequence {
             Strategy::AdvisoryLock => self.lock_key(scope)?.as_i64(),
             _ => 0,
         };
-        let (isolation, number, after_grant): (String, Option<i64>, Option<f64>) =
-            sqlx::query_as(AssertSqlSafe(self.sql.take.as_str()))
-                .bind(key)
-                .bind(scope)
-                .fetch_one(&mut **tx)
-                .await?;
+        let TakeRow {
+            isolation,
+            number,
+            after_grant,
+        } = sqlx::query_as(AssertSqlSafe(self.sql.take.as_str()))
+            .bind(key)
+            .bind(scope)
+            .fetch_one(&mut **tx)
+            .await?;
         let returned = Instant::now();
         let Some(number) = number else {
             // The function locked nothing: the level is wrong.

@@ -6,15 +6,14 @@
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::dedupe::{self, Acquired, Collector, CollectorConfig};
-use pgonce_testkit::{Interleaving, fresh_database};
+use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(8).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(8, pgonce::migrate).await;
     sqlx::query("CREATE TABLE counter (id int PRIMARY KEY, n int NOT NULL)")
         .execute(&pool)
         .await
@@ -101,9 +100,7 @@ async fn two_concurrent_deliveries_of_one_message_bump_the_counter_once() {
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     let first = race
@@ -123,9 +120,7 @@ async fn two_concurrent_deliveries_of_one_message_bump_the_counter_once() {
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "mark msg-1", async move {
-            let mut tx = pool_b
-                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?;
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::ReadCommitted).await?;
             let first = dedupe::mark_processed(&mut tx, "c", "msg-1").await?;
             if first {
                 bump(&mut tx).await?;
@@ -335,7 +330,7 @@ async fn a_released_key_starts_afresh_and_bad_input_is_rejected() {
         Err(Error::Invalid { .. })
     ));
     drop(tx);
-    let (n,): (i64,) = sqlx::query_as(
+    let n: i64 = sqlx::query_scalar(
         "SELECT (SELECT count(*) FROM pgonce.idempotency_keys WHERE key = 'k2') + (SELECT count(*) FROM pgonce.processed_messages)",
     )
     .fetch_one(&pool)
@@ -350,9 +345,7 @@ async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_sk
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     race.step(&a, "mark m", dedupe::mark_processed(&mut tx_a, "c", "m"))
@@ -362,9 +355,7 @@ async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_sk
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "mark m under REPEATABLE READ", async move {
-            let mut tx = pool_b
-                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-                .await?;
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::RepeatableRead).await?;
             let out = dedupe::mark_processed(&mut tx, "c", "m").await;
             let _ = tx.rollback().await;
             out
@@ -377,8 +368,7 @@ async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_sk
         .unwrap();
     let first = waiting.resume().await.unwrap();
     assert!(matches!(&first, Err(e) if e.is_retryable()), "{first:?}");
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    let mut tx = pgonce::begin(&pool, IsolationLevel::RepeatableRead)
         .await
         .unwrap();
     assert!(!dedupe::mark_processed(&mut tx, "c", "m").await.unwrap());

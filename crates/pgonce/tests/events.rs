@@ -8,11 +8,12 @@ mod support;
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::events::{
     AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, PollHook, PollPoint,
     Query, QueryItem, ReadOptions, StoredEvent, SubscriptionConfig,
 };
-use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_database};
+use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_migrated_database};
 use rand::Rng;
 use serde_json::json;
 use sqlx::PgPool;
@@ -21,9 +22,7 @@ use support::mixed::{
 };
 
 async fn db() -> (ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(24).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(24, pgonce::migrate).await;
     (db, pool)
 }
 
@@ -777,13 +776,17 @@ async fn late_lower_writer(strategy: AppendStrategy, writer: LowerWriter) -> Lat
             }
         }
         LowerWriter::AppendInSerializable | LowerWriter::AppendInReadCommitted => {
-            let begin = if writer == LowerWriter::AppendInSerializable {
-                "BEGIN ISOLATION LEVEL SERIALIZABLE"
+            let level = if writer == LowerWriter::AppendInSerializable {
+                IsolationLevel::Serializable
             } else {
-                "BEGIN ISOLATION LEVEL READ COMMITTED"
+                IsolationLevel::ReadCommitted
             };
             let mut tx = race
-                .step(&a, begin, a.pool().begin_with(begin))
+                .step(
+                    &a,
+                    &format!("BEGIN ISOLATION LEVEL {level}"),
+                    pgonce::begin(a.pool(), level),
+                )
                 .await
                 .unwrap()
                 .unwrap();
@@ -954,10 +957,10 @@ fn mixed_plan(rng: &mut impl Rng, strategy: AppendStrategy) -> MixedTx {
         3 => MixedKind::ConditionOther,
         4 | 5 => MixedKind::Unconditional,
         _ => MixedKind::AppendIn(match (strategy, rng.random_range(0..4)) {
-            (AppendStrategy::Serializable, 0) => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            (AppendStrategy::Serializable, _) | (_, 0) => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-            (_, 1) => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            _ => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            (AppendStrategy::Serializable, 0) => IsolationLevel::ReadCommitted,
+            (AppendStrategy::Serializable, _) | (_, 0) => IsolationLevel::Serializable,
+            (_, 1) => IsolationLevel::RepeatableRead,
+            _ => IsolationLevel::ReadCommitted,
         }),
     };
     MixedTx::new(kind, rng.random_bool(0.15))

@@ -34,6 +34,7 @@ mod support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use pgonce::IsolationLevel;
 use pgonce::events::{AppendStrategy, EventStore, EventStoreConfig, Query, QueryItem, ReadOptions};
 use pgonce_testkit::{Interleaving, Session, fresh_database};
 use proptest::prelude::*;
@@ -45,9 +46,9 @@ use support::mixed::{
 /// Rounds per run unless `PGONCE_PROPTEST_CASES` says otherwise.
 const DEFAULT_ROUNDS: u64 = 128;
 
-const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
-const REPEATABLE_READ: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ";
-const SERIALIZABLE: &str = "BEGIN ISOLATION LEVEL SERIALIZABLE";
+const READ_COMMITTED: IsolationLevel = IsolationLevel::ReadCommitted;
+const REPEATABLE_READ: IsolationLevel = IsolationLevel::RepeatableRead;
+const SERIALIZABLE: IsolationLevel = IsolationLevel::Serializable;
 
 fn strategy() -> impl Strategy<Value = AppendStrategy> {
     prop_oneof![

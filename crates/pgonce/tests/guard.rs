@@ -5,7 +5,7 @@
 
 use pgonce::guard::{Guard, GuardConfig, ReadSet};
 use pgonce::{Error, LockKey};
-use pgonce_testkit::{Interleaving, fresh_database};
+use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 
@@ -13,9 +13,7 @@ const SCHEMA: &str = "CREATE TABLE things (id bigint GENERATED ALWAYS AS IDENTIT
                       entity text NOT NULL, open boolean NOT NULL DEFAULT true)";
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(8).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(8, pgonce::migrate).await;
     sqlx::query(SCHEMA).execute(&pool).await.unwrap();
     (db, pool)
 }
@@ -434,7 +432,7 @@ async fn the_lock_is_released_on_commit_on_conflict_on_error_and_on_connection_d
     let (inserted_tx, inserted) = oneshot::channel();
     let (_go, go_rx) = oneshot::channel::<()>();
     let seen = ReadSet::from_ids([1]);
-    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(w1.pool())
         .await
         .unwrap();
@@ -708,7 +706,7 @@ async fn a_lock_timeout_is_typed_and_leaves_the_connection_clean() {
         "{timed_out:?}"
     );
     assert_eq!(clean_between_uses(w.pool()).await, (true, 0));
-    let (setting,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+    let setting: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
         .fetch_one(w.pool())
         .await
         .unwrap();
@@ -718,7 +716,7 @@ async fn a_lock_timeout_is_typed_and_leaves_the_connection_clean() {
     // Inside the guarded transaction the caller's writes run with the
     // session's lock_timeout, not the guard's.
     let mut tx = guard.begin_for(w.pool(), key).await.unwrap();
-    let (setting,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+    let setting: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
         .fetch_one(&mut **tx)
         .await
         .unwrap();

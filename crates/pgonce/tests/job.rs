@@ -1,26 +1,27 @@
-//! Jobs against a real PostgreSQL: the conditional transition, two-phase
-//! claims fenced by leases, heartbeat, the reaper, DB-driven retry, 40001
-//! under REPEATABLE READ, a connection killed mid-claim, and a property test
-//! of the state machine.
+//! Jobs against a real PostgreSQL: two-phase claims fenced by leases,
+//! heartbeat, the reaper, DB-driven retry, 40001 under REPEATABLE READ, a
+//! connection killed mid-claim, and a property test of the state machine.
+//! One job delivered twice under each guard (the conditional transition's
+//! `AlreadyHandled`, the claim loser's `JobBusy`) is replayed step by step
+//! by `pgonce race jobs` and asserted on in `crates/pgonce-lab/tests/races.rs`.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::job::{
     self, DeadJobFilter, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver,
     RedriverConfig, RetryPolicy,
 };
-use pgonce_testkit::{Interleaving, fresh_database};
+use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
 
 const LEASE: Duration = Duration::from_secs(60);
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(16).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(16, pgonce::migrate).await;
     (db, pool)
 }
 
@@ -52,7 +53,7 @@ async fn expire_lease(pool: &PgPool, id: i64) {
 
 /// Terminates the backend of `session`'s connection, as a crash would.
 async fn kill_session(pool: &PgPool, session: &pgonce_testkit::Session) {
-    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(session.pool())
         .await
         .unwrap();
@@ -81,60 +82,6 @@ async fn commit_a_then_resume<T: Send + 'static>(
 
 fn reaper(pool: &PgPool) -> Reaper {
     Reaper::new(pool.clone(), ReaperConfig::default()).unwrap()
-}
-
-#[tokio::test]
-async fn a_conditional_transition_applies_once_and_the_duplicate_is_already_handled() {
-    let (_db, pool) = setup().await;
-    let id = new_job(&pool, 5).await;
-    let race = Interleaving::new(_db.options()).await.unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await
-        .unwrap();
-    let r = json!({"by": "A"});
-    race.step(
-        &a,
-        "pending -> completed",
-        job::transition(
-            &mut *tx_a,
-            id,
-            JobStatus::Pending,
-            JobStatus::Completed,
-            Some(&r),
-            None,
-        ),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    let pool_b = b.pool().clone();
-    let waiting = race
-        .step_blocks(&b, "pending -> completed", async move {
-            job::transition(
-                &pool_b,
-                id,
-                JobStatus::Pending,
-                JobStatus::Completed,
-                Some(&json!({"by": "B"})),
-                None,
-            )
-            .await
-        })
-        .await
-        .unwrap();
-    let second = commit_a_then_resume(&race, &a, tx_a, waiting).await;
-    assert!(
-        matches!(second, Err(Error::AlreadyHandled { job_id, .. }) if job_id == id),
-        "{second:?}"
-    );
-    let row = job::get(&pool, id).await.unwrap().unwrap();
-    assert_eq!(row.status, "completed");
-    assert_eq!(row.result, Some(json!({"by": "A"})));
 }
 
 /// Two deliveries claim job `id`: A claims in a transaction, B's claim is
@@ -167,34 +114,6 @@ async fn claim_race(
         .unwrap();
     let b_claim = commit_a_then_resume(race, &a, tx_a, waiting).await;
     (a, lease, b_claim)
-}
-
-#[tokio::test]
-async fn only_one_of_two_concurrent_claims_wins_so_the_side_effect_runs_once() {
-    let (db, pool) = setup().await;
-    let id = new_job(&pool, 5).await;
-    let race = Interleaving::new(db.options()).await.unwrap();
-    let (_a, lease, b_claim) = claim_race(&race, id).await;
-    assert!(
-        matches!(
-            b_claim,
-            Err(Error::JobBusy {
-                status: JobStatus::Processing,
-                ..
-            })
-        ),
-        "{b_claim:?}"
-    );
-    // Only the winner runs the side effect and completes.
-    job::complete(&pool, &lease, &json!({"sent": 1}))
-        .await
-        .unwrap();
-    assert_eq!(status(&pool, id).await, JobStatus::Completed);
-    // A later duplicate delivery cannot claim a completed job.
-    assert!(matches!(
-        job::claim(&pool, id, LEASE).await,
-        Err(Error::AlreadyHandled { .. })
-    ));
 }
 
 /// A duplicate delivery that loses the claim to a delivery still at work
@@ -544,9 +463,7 @@ async fn repeatable_read_loser_gets_40001_then_job_busy_on_retry() {
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     race.step(
@@ -560,9 +477,7 @@ async fn repeatable_read_loser_gets_40001_then_job_busy_on_retry() {
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "claim under REPEATABLE READ", async move {
-            let mut tx = pool_b
-                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-                .await?;
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::RepeatableRead).await?;
             let out = job::claim(&mut *tx, id, Duration::from_secs(60)).await;
             let _ = tx.rollback().await;
             out
@@ -579,9 +494,7 @@ async fn repeatable_read_loser_gets_40001_then_job_busy_on_retry() {
         "{first:?}"
     );
     // The documented remedy: run the transaction again.
-    let mut tx = b
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    let mut tx = pgonce::begin(b.pool(), IsolationLevel::RepeatableRead)
         .await
         .unwrap();
     let retry = job::claim(&mut *tx, id, Duration::from_secs(60)).await;
@@ -607,7 +520,7 @@ async fn a_connection_killed_in_the_middle_of_a_claim_loses_neither_the_job_nor_
 
     // A claims inside its transaction and dies before COMMIT.
     let mut tx_a = a.pool().begin().await.unwrap();
-    let (a_pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let a_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *tx_a)
         .await
         .unwrap();
@@ -680,8 +593,8 @@ async fn concurrent_batch_claims_take_every_job_exactly_once() {
     let unique: HashSet<i64> = all.iter().copied().collect();
     assert_eq!(all.len(), 300, "no job claimed twice");
     assert_eq!(unique.len(), 300, "no job missed");
-    let (completed,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM pgonce.jobs WHERE status = 'completed'")
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs WHERE status = 'completed'")
             .fetch_one(&pool)
             .await
             .unwrap();
@@ -699,7 +612,7 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
         job::enqueue(&pool, &NewJob::new("k", json!(1)).max_attempts(0)).await,
         Err(Error::Invalid { .. })
     ));
-    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM pgonce.jobs")
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs")
         .fetch_one(&pool)
         .await
         .unwrap();

@@ -29,12 +29,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use pgonce::Error;
 use pgonce::job::{
     self, FailOutcome, JobStatus, Lease, NewJob, Reaper, ReaperConfig, Redriver, RedriverConfig,
     RetryBy, RetryPolicy,
 };
 use pgonce::maintenance::{self, MaintenanceConfig};
+use pgonce::{Error, IsolationLevel};
 use pgonce_testkit::{Interleaving, Session, fresh_database};
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -45,7 +45,6 @@ use uuid::Uuid;
 /// Leases long enough that only the model's `Expire` ends one.
 const LEASE: Duration = Duration::from_secs(3600);
 const KIND: &str = "model";
-const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// A retry an hour away: only the model's `MakeDue` brings it closer.
 fn policy() -> RetryPolicy {
@@ -351,7 +350,7 @@ impl Harness<'_> {
     /// Completes under `lease` and records the side effect in the same
     /// transaction; commits only if the completion took.
     async fn complete(&self, lease: &Lease) -> pgonce::Result<()> {
-        let mut tx = self.pool.begin_with(READ_COMMITTED).await?;
+        let mut tx = pgonce::begin(&self.pool, IsolationLevel::ReadCommitted).await?;
         record_effect(&mut tx, lease.job_id).await?;
         match job::complete(&mut *tx, lease, &json!(lease.token)).await {
             Ok(()) => Ok(tx.commit().await?),
@@ -476,7 +475,9 @@ impl Harness<'_> {
                     .filter(|&&l| !m.current(l))
                     .map(|&l| m.leases[l].job_id)
                     .collect();
-                let mut tx = pool.begin_with(READ_COMMITTED).await.map_err(sql)?;
+                let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+                    .await
+                    .map_err(sql)?;
                 let lost = job::complete_many(&mut *tx, &done).await.map_err(db)?;
                 for &l in ls.iter().filter(|&&l| m.current(l)) {
                     record_effect(&mut tx, m.leases[l].job_id)
@@ -545,7 +546,9 @@ impl Harness<'_> {
                 };
                 let want = m.jobs[j].as_ref().is_some_and(|job| job.status == from);
                 let result = json!("transition");
-                let mut tx = pool.begin_with(READ_COMMITTED).await.map_err(sql)?;
+                let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+                    .await
+                    .map_err(sql)?;
                 if to == JobStatus::Completed {
                     record_effect(&mut tx, m.ids[j]).await.map_err(db)?;
                 }
@@ -727,9 +730,7 @@ impl Harness<'_> {
         let id = m.ids[j];
         let want = m.claim_outcome(j);
         let harness = |e: pgonce_testkit::HarnessError| e.to_string();
-        let mut tx = a
-            .pool()
-            .begin_with(READ_COMMITTED)
+        let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
             .await
             .map_err(|e| e.to_string())?;
         let got_a = race

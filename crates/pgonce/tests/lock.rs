@@ -89,7 +89,7 @@ async fn a_nul_in_namespace_or_key_is_refused_as_sql_cannot_derive_it() {
 }
 
 async fn held_by_anyone(pool: &PgPool, key: LockKey) -> bool {
-    let (held,): (bool,) = sqlx::query_as(
+    let held: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
          AND granted AND (classid::bigint << 32 | objid::bigint) = $1)",
     )
@@ -130,7 +130,7 @@ async fn the_lock_is_released_when_the_holders_connection_is_killed() {
 
     let mut tx_a = a.pool().begin().await.unwrap();
     lock::lock(&mut tx_a, key).await.unwrap();
-    let (pid_a,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let pid_a: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *tx_a)
         .await
         .unwrap();
@@ -193,7 +193,7 @@ async fn a_bounded_wait_times_out_with_a_typed_error_and_leaves_the_transaction_
         "{err}"
     );
     // Still usable, earlier work intact, the session's lock_timeout restored.
-    let (setting,): (String,) = sqlx::query_as("SELECT current_setting('lock_timeout')")
+    let setting: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
         .fetch_one(&mut *waiter)
         .await
         .unwrap();

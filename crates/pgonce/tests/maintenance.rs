@@ -10,13 +10,11 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce::maintenance::{self, CleanedCounts, Maintenance, MaintenanceConfig};
-use pgonce_testkit::{Interleaving, fresh_database};
+use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use sqlx::PgPool;
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let pool = db.pool(8).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(8, pgonce::migrate).await;
     (db, pool)
 }
 

@@ -5,13 +5,16 @@
 
 use std::time::Duration;
 
+use pgonce::IsolationLevel;
 use pgonce::guard::{Guard, GuardConfig, ReadSet};
 use pgonce::queue::conformance::*;
 use pgonce::{
     Listen, LockKey, NumberedTable, PgQueue, PgQueueOptions, QueueAttributes, Sequence,
     SequenceConfig,
 };
-use pgonce_testkit::{ScratchDatabase, fresh_database_behind_pooler};
+use pgonce_testkit::{
+    ScratchDatabase, fresh_database_behind_pooler, fresh_migrated_database_behind_pooler,
+};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
 
@@ -25,17 +28,12 @@ CREATE TABLE public.tickets (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
 /// A migrated scratch database, and a pool of `max` connections to it
 /// through the pooler.
 async fn setup(max: u32) -> (ScratchDatabase, PgPool) {
-    let (db, through_pooler) = fresh_database_behind_pooler().await;
-    let direct = db.pool(1).await.unwrap();
-    pgonce::migrate(&direct).await.unwrap();
-    sqlx::raw_sql(SCHEMA).execute(&direct).await.unwrap();
-    direct.close().await;
-    let pool = PgPoolOptions::new()
-        .max_connections(max)
-        .connect_with(through_pooler)
-        .await
-        .unwrap();
-    (db, pool)
+    fresh_migrated_database_behind_pooler(max, async |direct: &PgPool| {
+        pgonce::migrate(direct).await?;
+        sqlx::raw_sql(SCHEMA).execute(direct).await?;
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })
+    .await
 }
 
 async fn open_things(conn: &mut PgConnection, entity: &str) -> pgonce::Result<ReadSet> {
@@ -101,9 +99,7 @@ async fn numbers_taken_through_the_pooler_are_1_to_n() {
     for _ in 0..40 {
         let (pool, seq) = (pool.clone(), seq.clone());
         declarers.push(tokio::spawn(async move {
-            let tx = pool
-                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?;
+            let tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
             seq.commit_numbered(tx, &"acme", async |conn: &mut PgConnection, n| {
                 sqlx::query("INSERT INTO public.tickets (org, number) VALUES ('acme', $1)")
                     .bind(n)

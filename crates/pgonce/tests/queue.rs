@@ -7,16 +7,16 @@ mod support;
 
 use std::time::Duration;
 
+use pgonce::IsolationLevel;
 use pgonce::queue::conformance::*;
 use pgonce::{
     Error, PgQueue, PgQueueOptions, Queue, QueueAttributes, Receipt, ReceiveRequest, SendMessage,
 };
-use pgonce_testkit::fresh_database;
+use pgonce_testkit::{fresh_database, fresh_migrated_database};
 use sqlx::PgPool;
 
 async fn pool() -> PgPool {
-    let pool = fresh_database().await.pool(20).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (_db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
     pool
 }
 
@@ -53,7 +53,7 @@ async fn with_dead_letters(pool: &PgPool) -> (PgQueue, PgQueue) {
 async fn at_least_once_when_a_consumer_dies_mid_handler() {
     let pool = pool().await;
     conformance_at_least_once_when_consumer_dies(&queue(&pool, "q", one_second()).await).await;
-    let (left,): (i64,) = sqlx::query_as("SELECT count(*) FROM pgonce.queue_message")
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.queue_message")
         .fetch_one(&pool)
         .await
         .unwrap();
@@ -233,8 +233,7 @@ async fn the_heartbeat_keeps_a_running_message_invisible() {
 async fn transactional_enqueue_sends_only_on_commit() {
     let pool = pool().await;
     let q = queue(&pool, "q", QueueAttributes::default()).await;
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     q.send_in(&mut tx, SendMessage::new("rolled back"))
@@ -247,8 +246,7 @@ async fn transactional_enqueue_sends_only_on_commit() {
         "rolled back: nothing sent"
     );
 
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
         .await
         .unwrap();
     q.send_batch_in(&mut tx, vec![SendMessage::new("a"), SendMessage::new("b")])
@@ -389,9 +387,7 @@ async fn a_send_racing_an_uncommitted_dedup_claim_waits_and_then_agrees() {
 
     for commit in [true, false] {
         let key = format!("k-{commit}");
-        let mut tx = a
-            .pool()
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
             .await
             .unwrap();
         let sent_a = race
@@ -509,9 +505,7 @@ impl pgonce::Handler for AllAtOnce {
 /// only finish together all run at once on a pool of two connections.
 #[tokio::test]
 async fn handlers_hold_no_database_connection() {
-    let db = fresh_database().await;
-    let pool = db.pool(2).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (_db, pool) = fresh_migrated_database(2, pgonce::migrate).await;
     let q = queue(&pool, "q", QueueAttributes::default()).await;
     let batch: Vec<_> = (0..8).map(|i| SendMessage::new(format!("{i}"))).collect();
     q.send_batch(batch).await.unwrap();
@@ -1229,9 +1223,7 @@ async fn listeners(pool: &PgPool) -> Vec<String> {
 /// transaction-mode pooler, the pool's connections cannot LISTEN).
 #[tokio::test]
 async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
-    let db = fresh_database().await;
-    let pool = db.pool(4).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(4, pgonce::migrate).await;
     let poll = ReceiveRequest::up_to(1).wait(Duration::from_millis(30));
 
     let off = PgQueueOptions {

@@ -5,11 +5,10 @@
 
 use std::collections::BTreeMap;
 
+use pgonce::IsolationLevel;
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
-use pgonce_testkit::{Interleaving, Session, fresh_database};
+use pgonce_testkit::{Interleaving, Session, fresh_migrated_database};
 use sqlx::{PgConnection, PgPool};
-
-const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 // Tables go to `public` explicitly: the test role is called `pgonce`, so
 // with the default search_path ("$user", public) an unqualified CREATE
@@ -25,9 +24,7 @@ CREATE TABLE public.declaration_work (org text NOT NULL, note text NOT NULL);
 ";
 
 async fn setup(max: u32) -> (PgPool, pgonce_testkit::ScratchDatabase) {
-    let db = fresh_database().await;
-    let pool = db.pool(max).await.unwrap();
-    pgonce::migrate(&pool).await.unwrap();
+    let (db, pool) = fresh_migrated_database(max, pgonce::migrate).await;
     sqlx::raw_sql(SCHEMA).execute(&pool).await.unwrap();
     (pool, db)
 }
@@ -51,7 +48,7 @@ async fn insert_incident(conn: &mut PgConnection, org: &str, number: i64) -> pgo
 
 /// A whole declaration: other work first, the number last, one commit.
 async fn declare(seq: &Sequence, pool: &PgPool, org: &str) -> pgonce::Result<i64> {
-    let mut tx = pool.begin_with(READ_COMMITTED).await?;
+    let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
     sqlx::query("INSERT INTO declaration_work (org, note) VALUES ($1, 'paged the on-call')")
         .bind(org)
         .execute(&mut *tx)
@@ -106,7 +103,9 @@ async fn numbers_are_unique_and_gapless_under_concurrency_with_rollbacks() {
                 let org = format!("org-{}", worker % 3);
                 let mut kept = 0usize;
                 for i in 0..8usize {
-                    let mut tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+                    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+                        .await
+                        .unwrap();
                     let taken = seq.next(&mut tx, &org).await.unwrap();
                     insert_incident(&mut tx, &org, taken.number).await.unwrap();
                     // Every third declaration fails late and rolls back.
@@ -141,7 +140,9 @@ async fn a_rolled_back_declaration_frees_its_number() {
         let seq = sequence(strategy);
         assert_eq!(declare(&seq, &pool, "acme").await.unwrap(), 1);
 
-        let mut tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+        let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
         let taken = seq.next(&mut tx, &"acme").await.unwrap();
         assert_eq!(taken.number, 2);
         insert_incident(&mut tx, "acme", 2).await.unwrap();
@@ -171,7 +172,11 @@ async fn other_scope_runs_same_scope_waits(strategy: Strategy) {
     let c = race.session("C").await.unwrap();
 
     let mut tx_a = race
-        .step(&a, "BEGIN", a.pool().begin_with(READ_COMMITTED))
+        .step(
+            &a,
+            "BEGIN",
+            pgonce::begin(a.pool(), IsolationLevel::ReadCommitted),
+        )
         .await
         .unwrap()
         .unwrap();
@@ -229,7 +234,9 @@ async fn under_the_table_lock_a_declarer_in_another_scope_waits_too() {
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let c = race.session("C").await.unwrap();
-    let mut tx_a = a.pool().begin_with(READ_COMMITTED).await.unwrap();
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
     seq.next(&mut tx_a, &"acme").await.unwrap();
 
     let (seq_c, pool_c) = (seq.clone(), c.pool().clone());
@@ -258,7 +265,9 @@ async fn a_holds_acme(
     let race = Interleaving::new(db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
-    let mut tx_a = a.pool().begin_with(READ_COMMITTED).await.unwrap();
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
     let taken = seq.next(&mut tx_a, &"acme").await.unwrap();
     insert_incident(&mut tx_a, "acme", taken.number)
         .await
@@ -304,7 +313,9 @@ async fn the_declarations_other_work_commits_atomically_with_its_number() {
 
     // The write that stores the number fails after the other work was done:
     // neither the work nor the number is committed.
-    let mut tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
     sqlx::query("INSERT INTO declaration_work (org, note) VALUES ('acme', 'slack channel')")
         .execute(&mut *tx)
         .await
@@ -330,15 +341,10 @@ async fn the_declarations_other_work_commits_atomically_with_its_number() {
 #[tokio::test]
 async fn the_wrong_isolation_level_is_a_typed_error_and_takes_no_lock() {
     let (pool, _db) = setup(4).await;
-    for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+    for level in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable] {
         for strategy in Strategy::ALL {
             let seq = sequence(strategy);
-            let mut tx = pool
-                .begin_with(sqlx::AssertSqlSafe(format!(
-                    "BEGIN ISOLATION LEVEL {level}"
-                )))
-                .await
-                .unwrap();
+            let mut tx = pgonce::begin(&pool, level).await.unwrap();
             let outcome = seq.next(&mut tx, &"acme").await;
             if strategy == Strategy::CounterRow {
                 // A row lock plus snapshot isolation aborts instead of
@@ -350,7 +356,7 @@ async fn the_wrong_isolation_level_is_a_typed_error_and_takes_no_lock() {
             let err = outcome.unwrap_err();
             assert!(
                 matches!(&err, Error::WrongIsolation { needed: "read committed", found, .. }
-                    if *found == level.to_lowercase()),
+                    if *found == level.as_sql().to_lowercase()),
                 "{strategy} {level}: {err}"
             );
             assert_eq!(
@@ -375,9 +381,7 @@ async fn without_the_check_repeatable_read_would_compute_a_duplicate() {
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "lock + max under RR", async move {
-            let mut tx = pool_b
-                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-                .await?;
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::RepeatableRead).await?;
             sqlx::query("SELECT pg_advisory_xact_lock($1)")
                 .bind(key)
                 .execute(&mut *tx)
@@ -437,7 +441,9 @@ async fn a_scope_typed_as_the_column_binds_with_its_own_type() {
         .unwrap();
         seq.check_schema(&pool).await.unwrap();
         let org = 7i64;
-        let tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+        let tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
         let done = seq
             .commit_numbered(tx, &org, async |conn: &mut PgConnection, n| {
                 sqlx::query("INSERT INTO app_tickets (org, n) VALUES ($1, $2::int)")
@@ -481,7 +487,9 @@ async fn another_unique_index_of_the_table_is_not_a_taken_number() {
         SequenceConfig::default(),
     )
     .unwrap();
-    let tx = pool.begin_with(READ_COMMITTED).await.unwrap();
+    let tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
     let err = seq
         .commit_numbered(tx, &"acme", async |conn: &mut PgConnection, n| {
             sqlx::query("INSERT INTO public.tickets VALUES ('acme', $1, 'r-1')")
@@ -505,7 +513,9 @@ async fn commit_numbered_refuses_a_savepoint_as_its_release_commits_nothing() {
     let (pool, _db) = setup(4).await;
     for strategy in Strategy::ALL {
         let seq = sequence(strategy);
-        let mut outer = pool.begin_with(READ_COMMITTED).await.unwrap();
+        let mut outer = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
         sqlx::query("INSERT INTO declaration_work (org, note) VALUES ('acme', 'outer')")
             .execute(&mut *outer)
             .await

@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
+use pgonce::IsolationLevel;
 use pgonce::{Error, Guard, GuardConfig, LockKey, ReadSet};
 use rand::Rng;
 use sqlx::postgres::PgPoolOptions;
@@ -393,9 +394,7 @@ async fn decide(
             let seen = latest(&mut *pool.acquire().await?, entity).await?;
             tokio::time::sleep(shape.eval).await;
             let t = Instant::now();
-            let mut tx = pool
-                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?;
+            let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
             let c = act(&mut tx, entity, seen).await?;
             tx.commit().await?;
             created(extra, c);
@@ -480,9 +479,7 @@ async fn decide(
         Strategy::Serializable => {
             for _attempt in 0..50 {
                 let result: Result<(), sqlx::Error> = async {
-                    let mut tx = pool
-                        .begin_with("BEGIN ISOLATION LEVEL SERIALIZABLE")
-                        .await?;
+                    let mut tx = pgonce::begin(pool, IsolationLevel::Serializable).await?;
                     let seen = latest(&mut tx, entity).await?;
                     tokio::time::sleep(shape.eval).await; // connection held
                     let t = Instant::now();

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::job::{self, JobStatus};
 use serde_json::json;
 use sqlx::PgPool;
@@ -206,12 +207,17 @@ fn check_errors(report: &mut Report, strategy: &str, m: &Measured) {
 }
 
 async fn prefill(pool: &PgPool, kind: &str, n: i64) -> anyhow::Result<(i64, i64)> {
-    let (first, last): (Option<i64>, Option<i64>) =
-        sqlx::query_as(include_str!("sql/jobs_prefill.sql"))
-            .bind(kind)
-            .bind(n)
-            .fetch_one(pool)
-            .await?;
+    /// The first and last id `sql/jobs_prefill.sql` inserted.
+    #[derive(sqlx::FromRow)]
+    struct Prefilled {
+        first: Option<i64>,
+        last: Option<i64>,
+    }
+    let Prefilled { first, last } = sqlx::query_as(include_str!("sql/jobs_prefill.sql"))
+        .bind(kind)
+        .bind(n)
+        .fetch_one(pool)
+        .await?;
     Ok((first.unwrap_or(0), last.unwrap_or(-1)))
 }
 
@@ -385,9 +391,7 @@ async fn deliver(
             Err(e) => Err(e.into()),
         },
         Guard::DedupeKey => {
-            let mut tx = pool
-                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?;
+            let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
             if !pgonce::dedupe::mark_processed(&mut tx, "bench-jobs", &id.to_string()).await? {
                 tx.rollback().await?;
                 return Ok(Delivery::AlreadyHandled);

@@ -2,6 +2,7 @@
 //! short write transaction (BEGIN, INSERT, COMMIT with fsync on), with a key
 //! per worker and with one key shared by all workers.
 
+use pgonce::IsolationLevel;
 use sqlx::PgPool;
 
 use super::BenchArgs;
@@ -55,9 +56,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
 }
 
 async fn write(pool: &PgPool, worker: usize, keys: Keys) -> anyhow::Result<Option<&'static str>> {
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
     let key = match keys {
         Keys::None => None,
         Keys::PerWorker => Some(worker as i64),

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
+use pgonce::IsolationLevel;
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
 use sqlx::{PgConnection, PgPool};
 
@@ -24,7 +25,6 @@ use super::measure::{Measured, closed_loop, median, new_histogram, round2, runs_
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
-const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 const TABLE: &str = "public.bench_seq_incidents";
 /// The seed's service-level objective for a declaration.
 const SLO_MS: f64 = 3000.0;
@@ -368,7 +368,7 @@ async fn declare(ctx: &Phase, worker: usize) -> anyhow::Result<Option<&'static s
 
 /// The seed's shape: number first, then everything else, then COMMIT.
 async fn early(ctx: &Phase, org: i64) -> pgonce::Result<(Duration, Duration)> {
-    let mut tx = ctx.pool.begin_with(READ_COMMITTED).await?;
+    let mut tx = pgonce::begin(&ctx.pool, IsolationLevel::ReadCommitted).await?;
     let taken = ctx.seq.next(&mut tx, &org).await?;
     if let Err(e) = insert_incident(&mut tx, org, taken.number).await {
         return Err(ctx.seq.number_taken(e, &org, taken.number));
@@ -380,7 +380,7 @@ async fn early(ctx: &Phase, org: i64) -> pgonce::Result<(Duration, Duration)> {
 
 /// The short window: everything else first, the number last.
 async fn late(ctx: &Phase, org: i64) -> pgonce::Result<(Duration, Duration)> {
-    let mut tx = ctx.pool.begin_with(READ_COMMITTED).await?;
+    let mut tx = pgonce::begin(&ctx.pool, IsolationLevel::ReadCommitted).await?;
     other_work(&mut tx, org).await?;
     let done = ctx
         .seq
@@ -418,10 +418,20 @@ async fn other_work(conn: &mut PgConnection, org: i64) -> pgonce::Result<()> {
 /// I2 checked in the database: gaps and duplicates per scope, and committed
 /// rows that differ from the declarations reported as committed.
 async fn violations(pool: &PgPool, m: &Measured) -> anyhow::Result<i64> {
-    let (gaps, duplicates, rows): (i64, i64, i64) =
-        sqlx::query_as(include_str!("sql/sequence_violations.sql"))
-            .fetch_one(pool)
-            .await?;
+    /// I2 in the table, as `sql/sequence_violations.sql` counts it.
+    #[derive(sqlx::FromRow)]
+    struct Violations {
+        gaps: i64,
+        duplicates: i64,
+        rows: i64,
+    }
+    let Violations {
+        gaps,
+        duplicates,
+        rows,
+    } = sqlx::query_as(include_str!("sql/sequence_violations.sql"))
+        .fetch_one(pool)
+        .await?;
     let conflicts = m.counters.get("conflicts").copied().unwrap_or(0);
     let aborts = m.counters.get("aborts").copied().unwrap_or(0);
     let declared = (m.ops - conflicts - aborts) as i64;

@@ -21,6 +21,7 @@ use sqlx::PgPool;
 use super::BenchArgs;
 use super::measure::{closed_loop, median, round2, runs_row};
 use crate::behind_pooler::bench_listen;
+use crate::incident_run::{self, Retrier};
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
@@ -223,11 +224,9 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     }
     let started = Instant::now();
     let runtime = Runtime::start(&service, queue.clone(), runtime_config())?;
+    let retrier = Retrier::new(Duration::from_secs(10));
     let deadline = started + Duration::from_secs(120);
-    while processed(&pool, org).await? < backlog as i64 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let drained = processed(&pool, org).await?;
+    let drained = incident_run::drain(&pool, &[org], backlog as u64, deadline, &retrier).await?;
     let elapsed = started.elapsed();
     runtime.shutdown().await?;
     let pipeline_rate = drained as f64 / elapsed.as_secs_f64();
@@ -238,7 +237,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             .with("evaluation_ms", "10-20"),
     );
     report.verdict.check(
-        drained == backlog as i64,
+        drained == backlog as u64,
         format!("the pipeline drained {drained} of {backlog} observations"),
     );
 

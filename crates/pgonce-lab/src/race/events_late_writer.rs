@@ -16,6 +16,7 @@
 //! `begin_append`, and through `append_in` inside a caller's SERIALIZABLE
 //! transaction.
 
+use pgonce::IsolationLevel;
 use pgonce::events::{AppendCondition, AppendStrategy, Event, PendingAppend};
 use pgonce_testkit::Step;
 use serde_json::json;
@@ -260,7 +261,7 @@ pub async fn replay_case(
                 .try_step(
                     &a,
                     "BEGIN ISOLATION LEVEL SERIALIZABLE",
-                    a.pool().begin_with("BEGIN ISOLATION LEVEL SERIALIZABLE"),
+                    pgonce::begin(a.pool(), IsolationLevel::Serializable),
                 )
                 .await?;
             let positions = race

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce_incidents::{Service, ServiceConfig, WritePath};
 use pgonce_testkit::{HarnessError, Interleaving, Session, Step};
 use sqlx::PgPool;
@@ -81,6 +82,13 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     Ok(report(&race, db.environment().await?))
 }
 
+/// The policy `sql/guard_policy.sql` creates, with its organization.
+#[derive(sqlx::FromRow)]
+struct PolicyRow {
+    organization_id: i64,
+    id: i64,
+}
+
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
     pgonce_incidents::migrate(db.pool()).await?;
     sqlx::raw_sql(include_str!("sql/guard_setup.sql"))
@@ -88,7 +96,10 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
         .await?;
     let mut cases = Vec::new();
     for strategy in RACED {
-        let (org, policy): (i64, i64) = sqlx::query_as(include_str!("sql/guard_policy.sql"))
+        let PolicyRow {
+            organization_id: org,
+            id: policy,
+        } = sqlx::query_as(include_str!("sql/guard_policy.sql"))
             .bind(format!("one-open-incident/{}", strategy.name()))
             .fetch_one(db.pool())
             .await?;
@@ -117,8 +128,10 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
         }
         let outcome = match strategy {
             Strategy::TwoTransactions => two_transactions(&ctx, false).await?,
-            Strategy::RepeatableRead => one_transaction(&ctx, Level::RepeatableRead).await?,
-            Strategy::Serializable => one_transaction(&ctx, Level::Serializable).await?,
+            Strategy::RepeatableRead => {
+                one_transaction(&ctx, IsolationLevel::RepeatableRead).await?
+            }
+            Strategy::Serializable => one_transaction(&ctx, IsolationLevel::Serializable).await?,
             Strategy::SessionLock => session_lock(&ctx).await?,
             Strategy::UniqueIndex => two_transactions(&ctx, true).await?,
             Strategy::Guard => guard(&ctx).await?,
@@ -267,10 +280,7 @@ async fn insert(conn: &mut sqlx::PgConnection, ctx: &Ctx, who: &str) -> sqlx::Re
 async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Counts> {
     let mut outcome = Counts::default();
     let read = async |w: &Session| -> sqlx::Result<Vec<i64>> {
-        let mut tx = w
-            .pool()
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY")
-            .await?;
+        let mut tx = pgonce::begin_read_only(w.pool(), IsolationLevel::ReadCommitted).await?;
         let ids = read_open(&mut tx, ctx).await?;
         tx.commit().await?;
         Ok(ids)
@@ -286,10 +296,7 @@ async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Count
         .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
     let write = async |w: &Session, who: &str| -> sqlx::Result<()> {
-        let mut tx = w
-            .pool()
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-            .await?;
+        let mut tx = pgonce::begin(w.pool(), IsolationLevel::ReadCommitted).await?;
         insert(&mut tx, ctx, who).await?;
         tx.commit().await
     };
@@ -321,30 +328,21 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
     pgonce::error::sqlstate_of(e).as_deref() == Some(pgonce::error::sqlstate::UNIQUE_VIOLATION)
 }
 
-#[derive(Clone, Copy)]
-enum Level {
-    RepeatableRead,
-    Serializable,
-}
-
 /// Read, evaluate and write in one transaction at `level`; under
 /// SERIALIZABLE, an aborted worker retries the whole transaction once.
-async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Counts> {
-    let begin = match level {
-        Level::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-        Level::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-    };
+async fn one_transaction(ctx: &Ctx, level: IsolationLevel) -> anyhow::Result<Counts> {
+    let begin = &format!("BEGIN ISOLATION LEVEL {level}");
     let mut outcome = Counts::default();
     let race = &ctx.race;
     let mut tx1 = race
-        .try_step(&ctx.w1, begin, ctx.w1.pool().begin_with(begin))
+        .try_step(&ctx.w1, begin, pgonce::begin(ctx.w1.pool(), level))
         .await?;
     let seen1 = race
         .try_step(&ctx.w1, "T01 read open incidents", read_open(&mut tx1, ctx))
         .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let mut tx2 = race
-        .try_step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
+        .try_step(&ctx.w2, begin, pgonce::begin(ctx.w2.pool(), level))
         .await?;
     let seen2 = race
         .try_step(&ctx.w2, "T05 read open incidents", read_open(&mut tx2, ctx))
@@ -370,7 +368,7 @@ async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Counts> {
         Ok(()) => {}
         Err(e) => {
             let e = Error::from(e);
-            if !(matches!(level, Level::Serializable) && e.is_retryable()) {
+            if !(level == IsolationLevel::Serializable && e.is_retryable()) {
                 return Err(e.into());
             }
             outcome.aborts += 1;
@@ -379,7 +377,7 @@ async fn one_transaction(ctx: &Ctx, level: Level) -> anyhow::Result<Counts> {
             // evaluation included.
             outcome.retries += 1;
             let mut tx = race
-                .try_step(&ctx.w2, begin, ctx.w2.pool().begin_with(begin))
+                .try_step(&ctx.w2, begin, pgonce::begin(ctx.w2.pool(), level))
                 .await?;
             let seen = race
                 .try_step(

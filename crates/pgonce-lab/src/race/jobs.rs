@@ -30,128 +30,296 @@
 //! Lease expiry is simulated by moving `lease_expires_at` into the past: the
 //! race is about the order of events, not about waiting for a clock.
 
+use std::fmt;
 use std::time::Duration;
 
 use pgonce::Error;
+use pgonce::IsolationLevel;
 use pgonce::job::{self, JobStatus, NewJob, Reaper, ReaperConfig};
 use pgonce_testkit::{Interleaving, Session};
 use serde_json::json;
 use sqlx::PgPool;
 
 use super::timeline_rows;
-use crate::report::{Report, Row};
+use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
 
 const LEASE: Duration = Duration::from_secs(300);
 
-/// What one strategy's interleaving produced.
-struct Outcome {
-    transitions: u32,
-    side_effects: i64,
-    second: String,
-    final_status: String,
-    extra: Vec<(&'static str, serde_json::Value)>,
+/// The guards raced against one job's duplicate delivery, and the failure
+/// cases of the two-phase claim, in the order `pgonce race jobs` runs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JobCaseName {
+    /// Read, side effect, unconditional UPDATE.
+    NoGuard,
+    /// The single conditional UPDATE after the side effect.
+    WhereStatus,
+    /// Claim first; only the claim's winner runs the side effect.
+    TwoPhase,
+    /// The message marked processed in the transaction of a database effect.
+    DedupeKey,
+    /// The claimer dies; its lease expires and the reaper returns the job.
+    Crash,
+    /// The claimer is slow, its lease is taken over, it completes late.
+    LateCompletion,
+    /// The same slow claimer, heartbeating.
+    LateCompletionHeartbeat,
+}
+
+impl JobCaseName {
+    /// Every case, in the order they run.
+    pub const ALL: [JobCaseName; 7] = [
+        JobCaseName::NoGuard,
+        JobCaseName::WhereStatus,
+        JobCaseName::TwoPhase,
+        JobCaseName::DedupeKey,
+        JobCaseName::Crash,
+        JobCaseName::LateCompletion,
+        JobCaseName::LateCompletionHeartbeat,
+    ];
+
+    /// The case's name in the report (`no-guard`, `two-phase`...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            JobCaseName::NoGuard => "no-guard",
+            JobCaseName::WhereStatus => "where-status",
+            JobCaseName::TwoPhase => "two-phase",
+            JobCaseName::DedupeKey => "dedupe-key",
+            JobCaseName::Crash => "crash",
+            JobCaseName::LateCompletion => "late-completion",
+            JobCaseName::LateCompletionHeartbeat => "late-completion-heartbeat",
+        }
+    }
+}
+
+/// What a delivery's call into `pgonce::job` (or the dedupe key) returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivery {
+    /// The transition or claim applied.
+    Applied,
+    /// An unconditional UPDATE applied over the first delivery's result.
+    Overwrote,
+    /// The job was already terminal: acknowledge the message.
+    AlreadyHandled,
+    /// The job is in another delivery's hands: keep the message.
+    JobBusy(JobStatus),
+    /// The lease was reaped and taken over: nothing written.
+    LeaseLost,
+    /// The message id was already processed: the effect was skipped.
+    SkippedDuplicateKey,
+    /// Any other error, in words.
+    Failed(String),
+}
+
+impl Delivery {
+    fn of<T>(r: &pgonce::Result<T>) -> Delivery {
+        match r {
+            Ok(_) => Delivery::Applied,
+            Err(Error::AlreadyHandled { .. }) => Delivery::AlreadyHandled,
+            Err(Error::JobBusy { status, .. }) => Delivery::JobBusy(*status),
+            Err(Error::LeaseLost { .. }) => Delivery::LeaseLost,
+            Err(e) => Delivery::Failed(e.to_string()),
+        }
+    }
+}
+
+impl fmt::Display for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Delivery::Applied => f.write_str("applied"),
+            Delivery::Overwrote => f.write_str("applied (overwrote A's result)"),
+            Delivery::AlreadyHandled => f.write_str("AlreadyHandled"),
+            Delivery::JobBusy(status) => write!(f, "JobBusy ({status})"),
+            Delivery::LeaseLost => f.write_str("LeaseLost"),
+            Delivery::SkippedDuplicateKey => f.write_str("skipped (duplicate key)"),
+            Delivery::Failed(e) => write!(f, "error: {e}"),
+        }
+    }
+}
+
+/// What one case's interleaving produced.
+#[derive(Debug, Clone)]
+pub struct JobCase {
+    pub name: JobCaseName,
+    /// Transitions whose UPDATE matched the job's row.
+    pub transitions: u32,
+    /// Side effects recorded (the remote call's stand-in).
+    pub side_effects: i64,
+    /// What the second delivery (or the late or redelivered one) got.
+    pub second: Delivery,
+    /// The job's status at the end.
+    pub final_status: String,
+    /// The job's stored result at the end.
+    pub final_result: Option<serde_json::Value>,
+    /// Jobs the reaper returned to pending, where the case runs it.
+    pub reaped: Option<u64>,
+    /// `crash`: what the redelivery got while the dead claimer held the job.
+    pub redelivery_while_stuck: Option<Delivery>,
+    pub timeline: Vec<pgonce_testkit::Step>,
+}
+
+impl JobCase {
+    /// I3: one transition and one side effect, or, for the failure cases,
+    /// the job completed by the delivery that still held it.
+    pub fn invariant_held(&self) -> bool {
+        match self.name {
+            JobCaseName::NoGuard | JobCaseName::WhereStatus | JobCaseName::DedupeKey => {
+                self.transitions == 1 && self.side_effects == 1
+            }
+            JobCaseName::TwoPhase => {
+                self.transitions == 1
+                    && self.side_effects == 1
+                    && self.second == Delivery::JobBusy(JobStatus::Processing)
+            }
+            JobCaseName::Crash => {
+                self.final_status == "completed"
+                    && self.side_effects == 1
+                    && self.redelivery_while_stuck == Some(Delivery::JobBusy(JobStatus::Processing))
+            }
+            JobCaseName::LateCompletion => {
+                self.final_status == "completed" && self.second == Delivery::LeaseLost
+            }
+            JobCaseName::LateCompletionHeartbeat => {
+                self.final_status == "completed" && self.side_effects == 1
+            }
+        }
+    }
+
+    /// Whether the case showed what it is there to show: the guards hold,
+    /// `no-guard` and `where-status` break in their known way.
+    pub fn as_expected(&self) -> bool {
+        match self.name {
+            JobCaseName::NoGuard => self.transitions == 2 && self.side_effects == 2,
+            JobCaseName::WhereStatus => self.transitions == 1 && self.side_effects == 2,
+            _ => self.invariant_held(),
+        }
+    }
+
+    fn reason(&self) -> &'static str {
+        match self.name {
+            JobCaseName::NoGuard => {
+                "no-guard: both deliveries transition and run the side effect (shown, as expected)"
+            }
+            JobCaseName::WhereStatus => {
+                "where-status: one transition, but the side effect ran twice (the seed's caveat, shown)"
+            }
+            JobCaseName::TwoPhase => {
+                "two-phase: exactly one transition and exactly one side effect; the loser sees JobBusy and keeps its message"
+            }
+            JobCaseName::DedupeKey => "dedupe-key: the duplicate skips the effect: exactly one",
+            JobCaseName::Crash => {
+                "crash: the redelivery seeing JobBusy kept its message; after the reaper returned the dead claimer's job, that message completed it"
+            }
+            JobCaseName::LateCompletion => {
+                "late-completion: the worker whose lease was taken over cannot overwrite the new owner's result"
+            }
+            JobCaseName::LateCompletionHeartbeat => {
+                "late-completion-heartbeat: a heartbeat keeps the slow worker's lease: one side effect"
+            }
+        }
+    }
+
+    fn row(&self) -> Row {
+        let mut row = Row::new(self.name.name())
+            .with("transitions_applied", self.transitions)
+            .with("side_effects", self.side_effects)
+            .with("second_delivery", self.second.to_string())
+            .with("final_status", &self.final_status)
+            .with("invariant_held", self.invariant_held());
+        if let Some(reaped) = self.reaped {
+            row.set("reaped", json!(reaped));
+        }
+        if let Some(stuck) = &self.redelivery_while_stuck {
+            row.set("redelivery_while_stuck", json!(stuck.to_string()));
+        }
+        if matches!(
+            self.name,
+            JobCaseName::NoGuard
+                | JobCaseName::LateCompletion
+                | JobCaseName::LateCompletionHeartbeat
+        ) {
+            row.set("result", json!(self.final_result));
+        }
+        row
+    }
+}
+
+/// Everything `pgonce race jobs` replays.
+#[derive(Debug, Clone)]
+pub struct JobsRace {
+    pub cases: Vec<JobCase>,
+}
+
+impl JobsRace {
+    /// The case `name`.
+    pub fn case(&self, name: JobCaseName) -> &JobCase {
+        self.cases
+            .iter()
+            .find(|c| c.name == name)
+            .expect("every case is replayed")
+    }
 }
 
 pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+    let race = replay(db).await?;
+    Ok(report(&race, db.environment().await?))
+}
+
+/// Replays every case, each on a job of its own.
+pub async fn replay(db: &RunDatabase) -> anyhow::Result<JobsRace> {
     sqlx::raw_sql(include_str!("sql/seed003_schema.sql"))
         .execute(db.pool())
         .await?;
-    let mut report = Report::new("race", "jobs", db.environment().await?);
-
-    type Expect = fn(&Outcome) -> (bool, bool, &'static str);
-    let strategies: [(&str, Expect); 7] = [
-        ("no-guard", |o| {
-            let held = o.transitions == 1 && o.side_effects == 1;
-            (
-                held,
-                o.transitions == 2 && o.side_effects == 2,
-                "no-guard: both deliveries transition and run the side effect (shown, as expected)",
-            )
-        }),
-        ("where-status", |o| {
-            let held = o.transitions == 1 && o.side_effects == 1;
-            (
-                held,
-                o.transitions == 1 && o.side_effects == 2,
-                "where-status: one transition, but the side effect ran twice (the seed's caveat, shown)",
-            )
-        }),
-        ("two-phase", |o| {
-            let held =
-                o.transitions == 1 && o.side_effects == 1 && o.second == "JobBusy (processing)";
-            (
-                held,
-                held,
-                "two-phase: exactly one transition and exactly one side effect; the loser sees JobBusy and keeps its message",
-            )
-        }),
-        ("dedupe-key", |o| {
-            let held = o.transitions == 1 && o.side_effects == 1;
-            (
-                held,
-                held,
-                "dedupe-key: the duplicate skips the effect: exactly one",
-            )
-        }),
-        ("crash", |o| {
-            let held = o.final_status == "completed"
-                && o.side_effects == 1
-                && o.extra
-                    .iter()
-                    .any(|(k, v)| *k == "redelivery_while_stuck" && v == "JobBusy (processing)");
-            (
-                held,
-                held,
-                "crash: the redelivery seeing JobBusy kept its message; after the reaper returned the dead claimer's job, that message completed it",
-            )
-        }),
-        ("late-completion", |o| {
-            let held = o.final_status == "completed" && o.second == "LeaseLost";
-            (
-                held,
-                held,
-                "late-completion: the worker whose lease was taken over cannot overwrite the new owner's result",
-            )
-        }),
-        ("late-completion-heartbeat", |o| {
-            let held = o.final_status == "completed" && o.side_effects == 1;
-            (
-                held,
-                held,
-                "late-completion-heartbeat: a heartbeat keeps the slow worker's lease: one side effect",
-            )
-        }),
-    ];
-    for (name, expect) in strategies {
+    let mut cases = Vec::new();
+    for name in JobCaseName::ALL {
         let race = Interleaving::new(db.options()).await?;
         let outcome = match name {
-            "no-guard" => no_guard(db, &race).await?,
-            "where-status" => where_status(db, &race).await?,
-            "two-phase" => two_phase(db, &race).await?,
-            "dedupe-key" => dedupe_key(db, &race).await?,
-            "crash" => crash(db, &race).await?,
-            "late-completion" => late_completion(db, &race, false).await?,
-            _ => late_completion(db, &race, true).await?,
+            JobCaseName::NoGuard => no_guard(db, &race).await?,
+            JobCaseName::WhereStatus => where_status(db, &race).await?,
+            JobCaseName::TwoPhase => two_phase(db, &race).await?,
+            JobCaseName::DedupeKey => dedupe_key(db, &race).await?,
+            JobCaseName::Crash => crash(db, &race).await?,
+            JobCaseName::LateCompletion => late_completion(db, &race, false).await?,
+            JobCaseName::LateCompletionHeartbeat => late_completion(db, &race, true).await?,
         };
-        let (held, as_expected, reason) = expect(&outcome);
-        let mut row = Row::new(name)
-            .with("transitions_applied", outcome.transitions)
-            .with("side_effects", outcome.side_effects)
-            .with("second_delivery", &outcome.second)
-            .with("final_status", &outcome.final_status)
-            .with("invariant_held", held);
-        for (k, v) in outcome.extra {
-            row.set(k, v);
-        }
-        report.results.push(row);
-        report.sections.insert(
-            format!("timeline: {name}"),
-            timeline_rows(name, &race.timeline()),
-        );
-        report.verdict.check(as_expected, reason);
+        cases.push(JobCase {
+            name,
+            transitions: outcome.transitions,
+            side_effects: side_effects(db.pool(), outcome.job).await?,
+            second: outcome.second,
+            final_status: final_status(db.pool(), outcome.job).await?,
+            final_result: job::get(db.pool(), outcome.job)
+                .await?
+                .and_then(|r| r.result),
+            reaped: outcome.reaped,
+            redelivery_while_stuck: outcome.redelivery_while_stuck,
+            timeline: race.timeline(),
+        });
     }
-    Ok(report)
+    Ok(JobsRace { cases })
+}
+
+pub fn report(race: &JobsRace, environment: Environment) -> Report {
+    let mut report = Report::new("race", "jobs", environment);
+    for case in &race.cases {
+        report.results.push(case.row());
+        report.sections.insert(
+            format!("timeline: {}", case.name.name()),
+            timeline_rows(case.name.name(), &case.timeline),
+        );
+        report.verdict.check(case.as_expected(), case.reason());
+    }
+    report
+}
+
+/// What one interleaving reports back; [`replay`] reads the rest from the
+/// database.
+struct Outcome {
+    job: i64,
+    transitions: u32,
+    second: Delivery,
+    reaped: Option<u64>,
+    redelivery_while_stuck: Option<Delivery>,
 }
 
 async fn new_job(pool: &PgPool) -> anyhow::Result<i64> {
@@ -193,16 +361,6 @@ async fn read_status(s: &Session, id: i64) -> anyhow::Result<String> {
     )
 }
 
-fn describe<T>(r: &pgonce::Result<T>) -> String {
-    match r {
-        Ok(_) => "applied".into(),
-        Err(Error::AlreadyHandled { .. }) => "AlreadyHandled".into(),
-        Err(Error::JobBusy { status, .. }) => format!("JobBusy ({status})"),
-        Err(Error::LeaseLost { .. }) => "LeaseLost".into(),
-        Err(e) => format!("error: {e}"),
-    }
-}
-
 async fn sessions(race: &Interleaving) -> anyhow::Result<(Session, Session)> {
     Ok((race.session("A").await?, race.session("B").await?))
 }
@@ -238,13 +396,12 @@ async fn no_guard(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outco
             .await??;
         transitions += done.rows_affected() as u32;
     }
-    let result = job::get(pool, id).await?.and_then(|r| r.result);
     Ok(Outcome {
+        job: id,
         transitions,
-        side_effects: side_effects(pool, id).await?,
-        second: "applied (overwrote A's result)".into(),
-        final_status: final_status(pool, id).await?,
-        extra: vec![("result", json!(result))],
+        second: Delivery::Overwrote,
+        reaped: None,
+        redelivery_while_stuck: None,
     })
 }
 
@@ -260,10 +417,7 @@ async fn where_status(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<O
         .await??;
     race.step(&b, "side effect", side_effect(pool, id, "B"))
         .await??;
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted).await?;
     let first = race
         .step(
             &a,
@@ -294,13 +448,13 @@ async fn where_status(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<O
         .await?;
     race.step(&a, "COMMIT", tx_a.commit()).await??;
     let second = waiting.resume().await?;
-    race.note(&b, &format!("0 rows: {}", describe(&second)));
+    race.note(&b, &format!("0 rows: {}", Delivery::of(&second)));
     Ok(Outcome {
+        job: id,
         transitions: first.is_ok() as u32 + second.is_ok() as u32,
-        side_effects: side_effects(pool, id).await?,
-        second: describe(&second),
-        final_status: final_status(pool, id).await?,
-        extra: vec![],
+        second: Delivery::of(&second),
+        reaped: None,
+        redelivery_while_stuck: None,
     })
 }
 
@@ -308,10 +462,7 @@ async fn two_phase(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outc
     let pool = db.pool();
     let id = new_job(pool).await?;
     let (a, b) = sessions(race).await?;
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted).await?;
     let lease = race
         .step(
             &a,
@@ -336,7 +487,7 @@ async fn two_phase(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outc
             &b,
             &format!(
                 "claim lost ({}): skips the side effect, keeps its message",
-                describe(&second)
+                Delivery::of(&second)
             ),
         );
     }
@@ -351,11 +502,11 @@ async fn two_phase(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outc
         .await?;
     transitions += done.is_ok() as u32;
     Ok(Outcome {
+        job: id,
         transitions,
-        side_effects: side_effects(pool, id).await?,
-        second: describe(&second),
-        final_status: final_status(pool, id).await?,
-        extra: vec![],
+        second: Delivery::of(&second),
+        reaped: None,
+        redelivery_while_stuck: None,
     })
 }
 
@@ -364,10 +515,7 @@ async fn dedupe_key(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Out
     let id = new_job(pool).await?;
     let message_id = format!("msg-{id}");
     let (a, b) = sessions(race).await?;
-    let mut tx_a = a
-        .pool()
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted).await?;
     let first = race
         .step(
             &a,
@@ -403,9 +551,7 @@ async fn dedupe_key(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Out
     let msg = message_id.clone();
     let waiting = race
         .step_blocks(&b, "mark message processed", async move {
-            let mut tx = pool_b
-                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?;
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::ReadCommitted).await?;
             let first = pgonce::dedupe::mark_processed(&mut tx, "seed003", &msg).await?;
             let mut transitioned = false;
             if first {
@@ -441,16 +587,15 @@ async fn dedupe_key(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Out
         },
     );
     Ok(Outcome {
+        job: id,
         transitions: t_a.is_ok() as u32 + b_transitioned as u32,
-        side_effects: side_effects(pool, id).await?,
         second: if b_first {
-            "applied"
+            Delivery::Applied
         } else {
-            "skipped (duplicate key)"
-        }
-        .into(),
-        final_status: final_status(pool, id).await?,
-        extra: vec![],
+            Delivery::SkippedDuplicateKey
+        },
+        reaped: None,
+        redelivery_while_stuck: None,
     })
 }
 
@@ -475,7 +620,7 @@ async fn crash(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outcome>
             job::claim(a.pool(), id, LEASE),
         )
         .await??;
-    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(a.pool())
         .await?;
     race.step(
@@ -492,13 +637,13 @@ async fn crash(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outcome>
     anyhow::ensure!(
         matches!(stuck, Err(Error::JobBusy { .. })),
         "a redelivery facing a claimed job must not be told to acknowledge: {}",
-        describe(&stuck)
+        Delivery::of(&stuck)
     );
     race.note(
         &b,
         &format!(
             "job stuck in processing: {}: message not acknowledged, it comes back",
-            describe(&stuck)
+            Delivery::of(&stuck)
         ),
     );
     race.step(&b, "lease expires", expire_lease(pool, id))
@@ -524,14 +669,11 @@ async fn crash(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Outcome>
         )
         .await?;
     Ok(Outcome {
+        job: id,
         transitions: done.is_ok() as u32,
-        side_effects: side_effects(pool, id).await?,
-        second: describe(&done),
-        final_status: final_status(pool, id).await?,
-        extra: vec![
-            ("reaped", json!(reaped.returned)),
-            ("redelivery_while_stuck", json!(describe(&stuck))),
-        ],
+        second: Delivery::of(&done),
+        reaped: Some(reaped.returned),
+        redelivery_while_stuck: Some(Delivery::of(&stuck)),
     })
 }
 
@@ -576,7 +718,7 @@ async fn late_completion(
             .await?;
         transitions += done.is_ok() as u32;
     } else {
-        race.note(&b, &format!("claim: {}", describe(&b_claim)));
+        race.note(&b, &format!("claim: {}", Delivery::of(&b_claim)));
     }
     let late = race
         .step(
@@ -585,17 +727,13 @@ async fn late_completion(
             job::complete(a.pool(), &lease_a, &json!({"by": "A"})),
         )
         .await?;
-    race.note(&a, &describe(&late));
+    race.note(&a, &Delivery::of(&late).to_string());
     transitions += late.is_ok() as u32;
-    let result = job::get(pool, id).await?.and_then(|r| r.result);
     Ok(Outcome {
+        job: id,
         transitions,
-        side_effects: side_effects(pool, id).await?,
-        second: describe(&late),
-        final_status: final_status(pool, id).await?,
-        extra: vec![
-            ("reaped", json!(reaped.returned)),
-            ("result", json!(result)),
-        ],
+        second: Delivery::of(&late),
+        reaped: Some(reaped.returned),
+        redelivery_while_stuck: None,
     })
 }

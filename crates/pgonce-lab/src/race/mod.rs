@@ -4,7 +4,7 @@
 pub mod events;
 pub mod events_late_writer;
 pub mod guard;
-mod jobs;
+pub mod jobs;
 pub mod lock_wait;
 pub mod sequence;
 

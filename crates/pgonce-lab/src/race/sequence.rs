@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Context;
+use pgonce::IsolationLevel;
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
 use pgonce_testkit::Interleaving;
 use sqlx::{PgConnection, PgPool};
@@ -15,8 +16,6 @@ use sqlx::{PgConnection, PgPool};
 use super::{maybe_blocks, timeline_rows};
 use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
-
-const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// Everything `pgonce race sequence` replays.
 #[derive(Debug, Clone)]
@@ -227,7 +226,7 @@ async fn insert(seq: &Sequence, conn: &mut PgConnection, org: &str, n: i64) -> p
 /// number, in one transaction.
 async fn declare(seq: Sequence, pool: PgPool, org: &'static str) -> Result<i64, String> {
     let outcome = async {
-        let mut tx = pool.begin_with(READ_COMMITTED).await?;
+        let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
         sqlx::query("INSERT INTO public.seed004_work (org, note) VALUES ($1, 'paged on-call')")
             .bind(org)
             .execute(&mut *tx)
@@ -254,7 +253,11 @@ async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Seq
     let d = race.session("D").await?;
 
     let mut tx_a = race
-        .try_step(&a, "BEGIN", a.pool().begin_with(READ_COMMITTED))
+        .try_step(
+            &a,
+            "BEGIN",
+            pgonce::begin(a.pool(), IsolationLevel::ReadCommitted),
+        )
         .await?;
     let taken = race
         .try_step(&a, "next(acme)", seq.next(&mut tx_a, &"acme"))
@@ -288,7 +291,11 @@ async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Seq
 
     // A declaration that fails late: its number must be free again.
     let mut tx_d = race
-        .try_step(&d, "BEGIN", d.pool().begin_with(READ_COMMITTED))
+        .try_step(
+            &d,
+            "BEGIN",
+            pgonce::begin(d.pool(), IsolationLevel::ReadCommitted),
+        )
         .await?;
     let rolled_back = race
         .try_step(&d, "next(acme)", seq.next(&mut tx_d, &"acme"))
@@ -333,26 +340,34 @@ fn show(out: &Result<i64, String>) -> String {
     }
 }
 
+/// One scope's committed numbers, in order.
+#[derive(sqlx::FromRow)]
+struct ScopeNumbers {
+    org: String,
+    numbers: Vec<i64>,
+}
+
 /// Committed numbers per scope, duplicates and gaps, read from the table.
 async fn check(
     pool: &PgPool,
     seq: &Sequence,
 ) -> anyhow::Result<(BTreeMap<String, Vec<i64>>, i64, i64)> {
     let sql = format!(
-        "SELECT org, array_agg(number ORDER BY number) FROM {} GROUP BY org ORDER BY org",
+        "SELECT org, array_agg(number ORDER BY number) AS numbers FROM {} GROUP BY org ORDER BY org",
         seq.table().name()
     );
-    let rows: Vec<(String, Vec<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+    let rows: Vec<ScopeNumbers> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .fetch_all(pool)
         .await?;
     let (mut duplicates, mut gaps) = (0, 0);
-    for (_, ns) in &rows {
+    for ScopeNumbers { numbers: ns, .. } in &rows {
         let mut distinct = ns.clone();
         distinct.dedup();
         duplicates += (ns.len() - distinct.len()) as i64;
         gaps += distinct.last().copied().unwrap_or(0) - distinct.len() as i64;
     }
-    Ok((rows.into_iter().collect(), duplicates, gaps))
+    let committed = rows.into_iter().map(|r| (r.org, r.numbers)).collect();
+    Ok((committed, duplicates, gaps))
 }
 
 /// Each strategy's `next` in a REPEATABLE READ transaction: refused or not.
@@ -360,10 +375,7 @@ async fn wrong_isolation(db: &RunDatabase) -> anyhow::Result<Vec<(Strategy, bool
     let mut out = Vec::new();
     for strategy in Strategy::ALL {
         let seq = sequence(strategy)?;
-        let mut tx = db
-            .pool()
-            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            .await?;
+        let mut tx = pgonce::begin(db.pool(), IsolationLevel::RepeatableRead).await?;
         let refused = match seq.next(&mut tx, &"initech").await {
             Err(Error::WrongIsolation { .. }) => true,
             Ok(_) => false,

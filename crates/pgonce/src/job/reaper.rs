@@ -44,6 +44,14 @@ pub struct Reaper {
     config: ReaperConfig,
 }
 
+/// A job whose lease `sql/reap.sql` found expired, with where it went
+/// (`pending`, or `dead` on its last attempt).
+#[derive(sqlx::FromRow)]
+struct Reaped {
+    id: i64,
+    status: String,
+}
+
 impl Reaper {
     /// Validates `config`.
     pub fn new(pool: PgPool, config: ReaperConfig) -> Result<Reaper> {
@@ -55,11 +63,11 @@ impl Reaper {
     pub async fn run_once(&self) -> Result<ReapCounts> {
         let mut counts = ReapCounts::default();
         loop {
-            let rows: Vec<(i64, String)> = sqlx::query_as(include_str!("sql/reap.sql"))
+            let rows: Vec<Reaped> = sqlx::query_as(include_str!("sql/reap.sql"))
                 .bind(self.config.batch_size)
                 .fetch_all(&self.pool)
                 .await?;
-            for (id, status) in &rows {
+            for Reaped { id, status } in &rows {
                 if status == "dead" {
                     counts.dead += 1;
                     tracing::warn!(job_id = id, "lease expired on the last attempt: job dead");

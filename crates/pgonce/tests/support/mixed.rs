@@ -9,10 +9,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use pgonce::Error;
 use pgonce::events::{
     AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query, StoredEvent,
 };
+use pgonce::{Error, IsolationLevel};
 use pgonce_testkit::Interleaving;
 
 /// A query for events carrying `tag`.
@@ -64,7 +64,7 @@ pub enum MixedKind {
     Unconditional,
     /// `append_in` of an `x` event in the caller's transaction, begun at
     /// this isolation level.
-    AppendIn(&'static str),
+    AppendIn(IsolationLevel),
 }
 
 /// One transaction of a mixed round and what became of it.
@@ -134,8 +134,8 @@ pub async fn mixed_tx(
     }
     go.recv().await.unwrap();
     let held = match plan.kind {
-        MixedKind::AppendIn(begin) => {
-            let mut tx = store.pool().begin_with(begin).await.unwrap();
+        MixedKind::AppendIn(level) => {
+            let mut tx = pgonce::begin(store.pool(), level).await.unwrap();
             match store.append_in(&mut tx, &[event]).await {
                 Ok(p) => {
                     plan.positions = p;

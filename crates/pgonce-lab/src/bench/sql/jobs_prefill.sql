@@ -5,4 +5,4 @@ WITH inserted AS (
     FROM generate_series(1, $2) AS n
     RETURNING id
 )
-SELECT min(id), max(id) FROM inserted
+SELECT min(id) AS first, max(id) AS last FROM inserted

@@ -1,0 +1,138 @@
+//! Beginning a transaction at a stated isolation level: the one way the
+//! library, its service, its lab and its tests open a transaction.
+//!
+//! Every pattern in pgonce is correct only at a given isolation level (the
+//! guard and the max + 1 sequences need READ COMMITTED's per-statement
+//! snapshot, the `Serializable` append strategy needs SERIALIZABLE), and a
+//! database's `default_transaction_isolation` is whatever its operator set.
+//! So nothing inherits it: [`begin`] sends the level with the BEGIN, in the
+//! same round trip, and the transaction runs at that level from its first
+//! statement.
+//!
+//! Statements that combine BEGIN with a lock in one round trip (the guard's
+//! and the event store's `begin_locked` SQL) state their level in that
+//! statement instead; they are one round trip on purpose.
+//!
+//! ```no_run
+//! # async fn f(pool: sqlx::PgPool) -> sqlx::Result<()> {
+//! use pgonce::IsolationLevel;
+//!
+//! let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
+//! sqlx::query("SELECT 1").execute(&mut *tx).await?;
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+
+use sqlx::{PgPool, Postgres, Transaction};
+
+/// A transaction isolation level of PostgreSQL, as a BEGIN states it.
+/// READ UNCOMMITTED is left out: PostgreSQL runs it as READ COMMITTED.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IsolationLevel {
+    /// Each statement sees what was committed before it started: a re-read
+    /// after a lock was granted sees the previous holder's writes.
+    ReadCommitted,
+    /// One snapshot for the whole transaction, taken at its first
+    /// statement; a write to a row changed since is a serialization
+    /// failure (SQLSTATE 40001).
+    RepeatableRead,
+    /// REPEATABLE READ plus the detection of dangerous read/write cycles
+    /// among SERIALIZABLE transactions, each aborted with SQLSTATE 40001.
+    Serializable,
+}
+
+impl IsolationLevel {
+    /// Every level, weakest first.
+    pub const ALL: [IsolationLevel; 3] = [
+        IsolationLevel::ReadCommitted,
+        IsolationLevel::RepeatableRead,
+        IsolationLevel::Serializable,
+    ];
+
+    /// The level as SQL spells it (`READ COMMITTED`), and as
+    /// `current_setting('transaction_isolation')` reports it in upper case.
+    pub const fn as_sql(self) -> &'static str {
+        match self {
+            IsolationLevel::ReadCommitted => "READ COMMITTED",
+            IsolationLevel::RepeatableRead => "REPEATABLE READ",
+            IsolationLevel::Serializable => "SERIALIZABLE",
+        }
+    }
+
+    /// The BEGIN statement that opens a read-write transaction at this level.
+    const fn begin(self) -> &'static str {
+        match self {
+            IsolationLevel::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            IsolationLevel::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            IsolationLevel::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        }
+    }
+
+    /// The BEGIN statement that opens a read-only transaction at this level.
+    const fn begin_read_only(self) -> &'static str {
+        match self {
+            IsolationLevel::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY",
+            IsolationLevel::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
+            IsolationLevel::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE READ ONLY",
+        }
+    }
+}
+
+impl fmt::Display for IsolationLevel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_sql())
+    }
+}
+
+impl From<crate::guard::Isolation> for IsolationLevel {
+    fn from(isolation: crate::guard::Isolation) -> IsolationLevel {
+        match isolation {
+            crate::guard::Isolation::ReadCommitted => IsolationLevel::ReadCommitted,
+            crate::guard::Isolation::Serializable => IsolationLevel::Serializable,
+        }
+    }
+}
+
+/// Begins a read-write transaction on a connection of `pool` at `level`,
+/// stated in the BEGIN itself, so no statement of the transaction runs at
+/// the database's default level. Dropped without a commit, the transaction
+/// rolls back before its connection is reused (sqlx's [`Transaction`]).
+///
+/// Errors are sqlx's: only the pool (no connection) or the server (BEGIN
+/// refused) can fail here.
+pub async fn begin(
+    pool: &PgPool,
+    level: IsolationLevel,
+) -> sqlx::Result<Transaction<'static, Postgres>> {
+    pool.begin_with(level.begin()).await
+}
+
+/// [`begin`], read-only: PostgreSQL refuses every write in it (SQLSTATE
+/// 25006), so a reader that must not write cannot by mistake.
+pub async fn begin_read_only(
+    pool: &PgPool,
+    level: IsolationLevel,
+) -> sqlx::Result<Transaction<'static, Postgres>> {
+    pool.begin_with(level.begin_read_only()).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IsolationLevel;
+
+    #[test]
+    fn each_begin_states_its_level() {
+        for level in IsolationLevel::ALL {
+            assert_eq!(
+                level.begin(),
+                format!("BEGIN ISOLATION LEVEL {}", level.as_sql())
+            );
+            assert_eq!(
+                level.begin_read_only(),
+                format!("BEGIN ISOLATION LEVEL {} READ ONLY", level.as_sql())
+            );
+        }
+    }
+}
