@@ -350,7 +350,7 @@ impl Harness<'_> {
     /// Completes under `lease` and records the side effect in the same
     /// transaction; commits only if the completion took.
     async fn complete(&self, lease: &Lease) -> pgonce::Result<()> {
-        let mut tx = pgonce::begin(&self.pool, IsolationLevel::ReadCommitted).await?;
+        let mut tx = pgonce::begin(self.pool, IsolationLevel::ReadCommitted).await?;
         record_effect(&mut tx, lease.job_id).await?;
         match job::complete(&mut *tx, lease, &json!(lease.token)).await {
             Ok(()) => Ok(tx.commit().await?),
@@ -475,7 +475,7 @@ impl Harness<'_> {
                     .filter(|&&l| !m.current(l))
                     .map(|&l| m.leases[l].job_id)
                     .collect();
-                let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+                let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted)
                     .await
                     .map_err(sql)?;
                 let lost = job::complete_many(&mut *tx, &done).await.map_err(db)?;
@@ -546,7 +546,7 @@ impl Harness<'_> {
                 };
                 let want = m.jobs[j].as_ref().is_some_and(|job| job.status == from);
                 let result = json!("transition");
-                let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+                let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted)
                     .await
                     .map_err(sql)?;
                 if to == JobStatus::Completed {
