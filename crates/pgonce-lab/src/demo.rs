@@ -79,9 +79,12 @@ pub struct DemoArgs {
     /// duplicate the pipeline makes stays OPEN for the check).
     #[arg(long)]
     no_people: bool,
-    /// Give up waiting for the pipeline after this many seconds.
-    #[arg(long, default_value_t = 100)]
-    deadline_secs: u64,
+    /// Give up waiting for the pipeline after this many seconds. Default
+    /// 100; 300 with `--queue sqs` (a local moto server answers far slower
+    /// than PostgreSQL, and each malformed message needs
+    /// `max_receive_count` deliveries before SQS dead-letters it).
+    #[arg(long)]
+    deadline_secs: Option<u64>,
     /// Restart the throwaway PostgreSQL cluster (a fast shutdown, as
     /// `pg_ctl restart -m fast`) this many seconds into the run: every
     /// session is cut off mid-work, and the run must still end with every
@@ -103,7 +106,11 @@ impl DemoArgs {
         c.entities = self.entities;
         c.duplicates = self.duplicates;
         c.people = !self.no_people;
-        c.drain_deadline = Duration::from_secs(self.deadline_secs);
+        let deadline = match self.queue {
+            QueueChoice::Postgres => 100,
+            QueueChoice::Sqs => 300,
+        };
+        c.drain_deadline = Duration::from_secs(self.deadline_secs.unwrap_or(deadline));
         match self.queue {
             QueueChoice::Postgres => c,
             QueueChoice::Sqs => c.whole_second_visibility(),
