@@ -7,7 +7,8 @@
 //! starts. Both commands migrate on start (over `database.direct_url` when
 //! set), install the Prometheus recorder, and stop gracefully on Ctrl-C or
 //! SIGTERM: stop accepting, finish in-flight requests, then
-//! [`Runtime::shutdown`]. `serve` has `/metrics`, `/healthz` and `/readyz`
+//! [`Runtime::shutdown`]. The observations queue is `[queue] backend`'s:
+//! the PostgreSQL queue in the same database, or Amazon SQS. `serve` has `/metrics`, `/healthz` and `/readyz`
 //! beside the API; `worker` serves them alone on `api.metrics_listen` when
 //! it is set.
 
@@ -17,11 +18,13 @@ use std::time::Duration;
 
 use anyhow::Context;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use pgonce::Queue;
 use pgonce::maintenance::Maintenance;
 use pgonce_incidents::Service;
 use pgonce_incidents::api::{self, ApiState};
-use pgonce_incidents::config::Config;
-use pgonce_incidents::runtime::{Runtime, observations_queue_with};
+use pgonce_incidents::config::{Config, QueueBackend};
+use pgonce_incidents::runtime::{Runtime, observations_queue_with, sqs_observations_queue};
+use pgonce_sqs::SqsClient;
 use sqlx::PgPool;
 
 use crate::database::Database;
@@ -125,13 +128,46 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
     let metrics = install_metrics()?;
     let pool = connect(&config).await?;
     let service = Service::new(pool.clone(), config.service_config())?;
-    let queue = observations_queue_with(
-        &pool,
+    let (visibility, max_receive_count) = (
         config.pipeline.visibility_timeout,
         config.pipeline.max_receive_count,
-        config.queue_options(),
-    )
-    .await?;
+    );
+    match config.queue.backend {
+        QueueBackend::Postgres => {
+            let queue = observations_queue_with(
+                &pool,
+                visibility,
+                max_receive_count,
+                config.queue_options(),
+            )
+            .await?;
+            run_on(&config, metrics, pool, service, queue, api).await
+        }
+        QueueBackend::Sqs => {
+            let section = &config.queue.sqs;
+            let sqs = SqsClient::connect(section.sqs_config()).await?;
+            let queue = sqs_observations_queue(&sqs, section, visibility, max_receive_count)
+                .await
+                .with_context(|| format!("opening the SQS queue {}", section.queue_name()))?;
+            tracing::info!(queue = %queue.url(), "observations on Amazon SQS");
+            run_on(&config, metrics, pool, service, queue, api).await
+        }
+    }
+}
+
+/// The rest of `serve`/`worker`, on either queue: the runtime, the API and
+/// the pipeline are generic over [`Queue`] and behave the same on both.
+async fn run_on<Q>(
+    config: &Config,
+    metrics: PrometheusHandle,
+    pool: PgPool,
+    service: Service,
+    queue: Q,
+    api: bool,
+) -> anyhow::Result<()>
+where
+    Q: Queue + Clone + 'static,
+{
     // Bind before any worker starts: a port in use stops `serve` with one
     // line and nothing received, rather than aborting workers mid-message.
     let bind = async |address: SocketAddr| {

@@ -4,6 +4,10 @@ use std::time::{Duration, Instant};
 
 use assert_cmd::Command;
 
+mod common;
+
+use common::{free_port, fresh_database_url, http_get, wait_for_200};
+
 fn pgonce() -> Command {
     let mut cmd = Command::cargo_bin("pgonce").unwrap();
     cmd.env_remove("DATABASE_URL").env("RUST_LOG", "warn");
@@ -32,77 +36,6 @@ fn migrate_without_a_database_says_what_to_pass() {
     let out = pgonce().arg("migrate").output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--database-url"));
-}
-
-/// A URL for a fresh test database (the shared test server, or the
-/// DATABASE_URL server with the database name swapped).
-fn fresh_database_url() -> (
-    tokio::runtime::Runtime,
-    pgonce_testkit::ScratchDatabase,
-    String,
-) {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(pgonce_testkit::fresh_database());
-    let url = match std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()) {
-        Some(base) => {
-            let (head, query) = base.split_once('?').unwrap_or((&base, ""));
-            let head = head.rsplit_once('/').map_or(head, |(h, _)| h);
-            let query = if query.is_empty() {
-                String::new()
-            } else {
-                format!("?{query}")
-            };
-            format!("{head}/{}{query}", db.name())
-        }
-        None => {
-            let o = db.options();
-            format!(
-                "postgres://{}@{}:{}/{}",
-                o.get_username(),
-                o.get_host(),
-                o.get_port(),
-                db.name()
-            )
-        }
-    };
-    (rt, db, url)
-}
-
-/// A free local port (bound, then released for the child to take).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `GET path` on the local port, the whole HTTP/1.1 answer, if any.
-fn http_get(port: u16, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out)
-}
-
-/// Waits until `GET path` on `port` answers 200 (migrations done, pool
-/// up) and returns the answer; the child must not exit meanwhile.
-fn wait_for_200(child: &mut std::process::Child, port: u16, path: &str) -> String {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(a) = http_get(port, path).filter(|a| a.starts_with("HTTP/1.1 200")) {
-            return a;
-        }
-        assert!(Instant::now() < deadline, "{path} never answered 200");
-        assert!(child.try_wait().unwrap().is_none(), "exited early");
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 /// Sends SIGTERM and expects exit 0 within 30 s, having said it stopped.

@@ -1,5 +1,5 @@
 //! The service's deployable configuration: one [`Config`] in nested
-//! sections (`database`, `api`, `pipeline`, `notifier`, `service`,
+//! sections (`database`, `queue`, `api`, `pipeline`, `notifier`, `service`,
 //! `maintenance`), loaded in layers, lowest to highest precedence:
 //!
 //! 1. the defaults documented on each field;
@@ -32,6 +32,10 @@ use pgonce::maintenance::MaintenanceConfig;
 use pgonce::{Listen, PgQueueOptions, WorkerConfig};
 use serde::Deserialize;
 use sqlx::postgres::PgConnectOptions;
+
+mod queue;
+
+pub use queue::{QueueBackend, QueueSection, SqsSection};
 
 use crate::api::ApiConfig;
 use crate::notifier::NotifierConfig;
@@ -67,6 +71,7 @@ fn invalid(key: &'static str, why: impl ToString) -> ConfigError {
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub database: DatabaseSection,
+    pub queue: QueueSection,
     pub api: ApiSection,
     pub pipeline: PipelineSection,
     pub notifier: NotifierSection,
@@ -526,6 +531,10 @@ const TEXT_KEYS: &[&str] = &[
     "database.direct_url",
     "api.admin_token",
     "notifier.webhook_url",
+    "queue.sqs.queue",
+    "queue.sqs.dead_letter_queue",
+    "queue.sqs.region",
+    "queue.sqs.endpoint_url",
 ];
 
 /// `PGONCE_` variables that are not the service's configuration but the
@@ -749,6 +758,12 @@ impl Config {
         }
         if self.pipeline.max_receive_count == 0 {
             return Err(invalid("pipeline.max_receive_count", "must be at least 1"));
+        }
+        if self.queue.backend == QueueBackend::Sqs {
+            self.queue.sqs.validate(
+                self.pipeline.max_receive_count,
+                self.pipeline.visibility_timeout,
+            )?;
         }
         if self.pipeline.poll_interval < Duration::from_millis(1) {
             return Err(invalid("pipeline.poll_interval", "must be at least 1ms"));

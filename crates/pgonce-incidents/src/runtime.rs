@@ -10,10 +10,12 @@ use pgonce::job::{Reaper, ReaperConfig, Redriver, RedriverConfig};
 use pgonce::{
     PgQueue, PgQueueOptions, Queue, QueueAttributes, Worker, WorkerConfig, WorkerCounters,
 };
+use pgonce_sqs::{SqsClient, SqsQueue};
 use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::config::SqsSection;
 use crate::error::{Error, Result};
 use crate::notifier::{Notifier, NotifierConfig, NotifyCounts};
 use crate::pipeline::{
@@ -67,6 +69,42 @@ pub async fn observations_queue_with(
         options,
     )
     .await?)
+}
+
+/// The observations queue on Amazon SQS, as `[queue.sqs]` names it: FIFO
+/// (group: the entity, as on PostgreSQL), the given visibility timeout,
+/// dead-lettered after `max_receive_count` deliveries. With
+/// `section.create`, both queues are created when missing (SQS keeps an
+/// existing queue whose attributes match, and refuses different ones);
+/// otherwise opened, [`pgonce::Error::QueueNotFound`] when missing.
+///
+/// The pipeline keeps its invariants on SQS with what SQS lacks carried by
+/// the database: no receipt fencing (a redelivery's first, stale worker may
+/// still delete the message; it does so only after its own work committed,
+/// and the guard caught the second), and a fixed 5-minute deduplication
+/// window (a later resend is a new message: the pipeline keys what a
+/// message opened by the observation's own `message_id` when the producer
+/// gives one, and the guard keeps singleton policies at one OPEN incident
+/// whatever the queue delivers).
+pub async fn sqs_observations_queue(
+    sqs: &SqsClient,
+    section: &SqsSection,
+    visibility: Duration,
+    max_receive_count: u32,
+) -> Result<SqsQueue> {
+    if !section.create {
+        return Ok(sqs.open(section.queue_name()).await?);
+    }
+    sqs.create_queue(section.dead_letter_name(), QueueAttributes::fifo())
+        .await?;
+    Ok(sqs
+        .create_queue(
+            section.queue_name(),
+            QueueAttributes::fifo()
+                .visibility_timeout(visibility)
+                .dead_letter(section.dead_letter_name(), max_receive_count),
+        )
+        .await?)
 }
 
 /// What to run.

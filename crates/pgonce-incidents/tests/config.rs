@@ -315,3 +315,76 @@ fn the_cleaners_retention_is_configurable_and_keep_names_known_kinds() {
     let err = typo.validate().unwrap_err().to_string();
     assert!(err.contains("maintenance.cleaner.keep"), "{err}");
 }
+
+/// `[queue]`: the backend and the SQS section from the file, overridden
+/// from the environment; SQS's limits refused with the key named.
+#[test]
+fn the_queue_backend_and_sqs_section_load_and_are_checked() {
+    use pgonce_incidents::config::QueueBackend;
+
+    let none = Config::load(None, env(&[])).unwrap();
+    assert_eq!(none.queue.backend, QueueBackend::Postgres);
+
+    let f = file(
+        r#"
+[database]
+url = "postgres://file/db"
+[queue]
+backend = "sqs"
+[queue.sqs]
+queue = "https://sqs.eu-west-1.amazonaws.com/123456789012/obs.fifo"
+region = "eu-west-1"
+operation_timeout = "3s"
+"#,
+    );
+    let c = Config::load(
+        Some(f.path()),
+        env(&[
+            ("PGONCE_QUEUE__SQS__ENDPOINT_URL", "http://127.0.0.1:5000"),
+            ("PGONCE_QUEUE__SQS__DEAD_LETTER_QUEUE", "1234.fifo"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.queue.backend, QueueBackend::Sqs);
+    assert_eq!(c.queue.sqs.queue_name(), "obs.fifo");
+    // A name of digits stays a name, not a number.
+    assert_eq!(c.queue.sqs.dead_letter_name(), "1234.fifo");
+    let sqs = c.queue.sqs.sqs_config();
+    assert_eq!(sqs.endpoint_url.as_deref(), Some("http://127.0.0.1:5000"));
+    assert_eq!(sqs.region.as_deref(), Some("eu-west-1"));
+    assert_eq!(sqs.operation_timeout, Duration::from_secs(3));
+    c.validate().unwrap();
+
+    let refused = |change: &dyn Fn(&mut Config)| {
+        let mut c = c.clone();
+        change(&mut c);
+        match c.validate() {
+            Err(ConfigError::Invalid { key, .. }) => key,
+            other => panic!("accepted: {other:?}"),
+        }
+    };
+    assert_eq!(
+        refused(&|c| c.queue.sqs.queue = "standard".into()),
+        "queue.sqs.queue"
+    );
+    assert_eq!(
+        refused(&|c| c.queue.sqs.dead_letter_queue = "obs.fifo".into()),
+        "queue.sqs.dead_letter_queue"
+    );
+    assert_eq!(
+        refused(&|c| c.queue.sqs.operation_timeout = Duration::from_millis(10)),
+        "queue.sqs"
+    );
+    assert_eq!(
+        refused(&|c| c.pipeline.max_receive_count = 1001),
+        "pipeline.max_receive_count"
+    );
+    // The PostgreSQL backend does not read [queue.sqs].
+    let mut pg = c.clone();
+    pg.queue.backend = QueueBackend::Postgres;
+    pg.queue.sqs.queue = "standard".into();
+    pg.validate().unwrap();
+
+    let e = load_err("[queue]\nbackend = \"kafka\"\n", &[]);
+    assert!(e.contains("backend"), "{e}");
+}

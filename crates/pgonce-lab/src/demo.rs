@@ -11,7 +11,10 @@
 //! people declaring, acknowledging and resolving incidents by hand; and,
 //! part-way, one worker runtime killed (its tasks aborted mid-message; its
 //! messages and claimed notifications must come back); with `--restart-at`,
-//! the database server restarted mid-run. The run itself is
+//! the database server restarted mid-run. With `--queue sqs` the
+//! observations go through Amazon SQS instead, on a local moto server the
+//! demo starts and stops, and the report says which safeguard keeps each
+//! invariant where SQS is weaker than the PostgreSQL queue. The run itself is
 //! [`crate::incident_run`]; this module renders its outcome. The report counts
 //! what happened and checks I1, I2, I3 and I6, telling violations apart
 //! from work still pending at the deadline; the exit code is 0 iff all
@@ -19,16 +22,34 @@
 
 use std::time::Duration;
 
-use clap::Args;
+use anyhow::Context;
+use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use pgonce_incidents::config::SqsSection;
+use pgonce_incidents::runtime::sqs_observations_queue;
+use pgonce_sqs::{SqsClient, SqsConfig};
+use pgonce_testkit::Moto;
 
 use crate::behind_pooler::{BehindPooler, ListenMode};
-use crate::incident_run::{self, IncidentRunConfig, IncidentRunOutcome};
+use crate::incident_run::{self, IncidentRunConfig, IncidentRunOutcome, SqsAudit};
 use crate::report::{Environment, Report, Row};
 use crate::scratch::RunDatabase;
 
+/// Where the demo's observations are queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QueueChoice {
+    /// The PostgreSQL queue, in the demo's database.
+    Postgres,
+    /// Amazon SQS's protocol, on a local moto server the demo starts (and
+    /// stops); `moto_server` must be installed (scripts/ensure-moto.sh).
+    Sqs,
+}
+
 #[derive(Debug, Args)]
 pub struct DemoArgs {
+    /// The observations queue: `postgres`, or `sqs` on a local moto server.
+    #[arg(long, value_enum, default_value_t = QueueChoice::Postgres)]
+    queue: QueueChoice,
     /// Percent of entities whose incidents take the guarded write; the rest
     /// take the plain two-transaction path. 0 shows what breaks without it.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u8).range(0..=100))]
@@ -59,9 +80,12 @@ pub struct DemoArgs {
     /// duplicate the pipeline makes stays OPEN for the check).
     #[arg(long)]
     no_people: bool,
-    /// Give up waiting for the pipeline after this many seconds.
-    #[arg(long, default_value_t = 100)]
-    deadline_secs: u64,
+    /// Give up waiting for the pipeline after this many seconds. Default
+    /// 100; 300 with `--queue sqs` (a local moto server answers far slower
+    /// than PostgreSQL, and each malformed message needs
+    /// `max_receive_count` deliveries before SQS dead-letters it).
+    #[arg(long)]
+    deadline_secs: Option<u64>,
     /// Restart the throwaway PostgreSQL cluster (a fast shutdown, as
     /// `pg_ctl restart -m fast`) this many seconds into the run: every
     /// session is cut off mid-work, and the run must still end with every
@@ -95,8 +119,15 @@ impl DemoArgs {
         c.entities = self.entities;
         c.duplicates = self.duplicates;
         c.people = !self.no_people;
-        c.drain_deadline = Duration::from_secs(self.deadline_secs);
-        c
+        let deadline = match self.queue {
+            QueueChoice::Postgres => 100,
+            QueueChoice::Sqs => 300,
+        };
+        c.drain_deadline = Duration::from_secs(self.deadline_secs.unwrap_or(deadline));
+        match self.queue {
+            QueueChoice::Postgres => c,
+            QueueChoice::Sqs => c.whole_second_visibility(),
+        }
     }
 }
 
@@ -167,7 +198,10 @@ async fn run_checked(
         false => None,
     };
     let pool = pooler.as_ref().map_or(db.pool(), BehindPooler::pool);
-    let outcome = incident_run::run(pool, &config, restart, Some(&bar)).await;
+    let outcome = match args.queue {
+        QueueChoice::Postgres => incident_run::run(pool, &config, restart, Some(&bar)).await,
+        QueueChoice::Sqs => run_on_moto(pool, &config, restart, &bar).await,
+    };
     bar.finish_and_clear();
     let outcome = outcome?;
     let mut report = render(
@@ -201,6 +235,65 @@ fn connections(pooler: bool, listen: ListenMode) -> String {
     format!("{pools}; LISTEN {listen}")
 }
 
+/// The incident run with its observations on SQS: a moto server started
+/// here and stopped when the run ends (on every path: [`Moto`] stops it
+/// when dropped), the FIFO observations queue and its dead-letter queue
+/// created on it as `pgonce serve` creates them from `[queue.sqs]`.
+async fn run_on_moto(
+    pool: &sqlx::PgPool,
+    config: &IncidentRunConfig,
+    restart: Option<(Duration, crate::scratch::Restarter)>,
+    bar: &ProgressBar,
+) -> anyhow::Result<IncidentRunOutcome> {
+    let moto = tokio::task::spawn_blocking(Moto::start)
+        .await
+        .context("starting moto")??;
+    bar.println(format!(
+        "demo: SQS on a local moto server at {}",
+        moto.endpoint()
+    ));
+    let sqs = SqsClient::connect(SqsConfig::local(moto.endpoint())).await?;
+    let section = SqsSection::default();
+    let observations =
+        sqs_observations_queue(&sqs, &section, config.visibility, config.max_receive_count).await?;
+    let dead_letters = sqs.open(section.dead_letter_name()).await?;
+    let audit = SqsAudit {
+        observations: observations.clone(),
+        dead_letters,
+    };
+    let outcome = incident_run::run_on(pool, config, observations, audit, restart, Some(bar)).await;
+    drop(moto);
+    outcome
+}
+
+/// Which safeguard keeps each invariant on each queue: the same database
+/// safeguards on both, and on SQS they also carry what SQS does not do
+/// (fence stale receipts, deduplicate past 5 minutes).
+fn kept_by(backend: &str, invariant: &str) -> &'static str {
+    match (backend, invariant) {
+        ("sqs", "I1") => {
+            "the guarded write alone: SQS lets a stale receipt delete, so a redelivery and its \
+             first delivery both evaluate and both reach the guard; the re-read under the \
+             entity lock lets one open"
+        }
+        (_, "I1") => "the guarded write (entity lock, re-read, compare)",
+        (_, "I2") => "the per-organization sequence, number taken last (no queue involved)",
+        (_, "I3") => {
+            "the notification job enqueued with the incident, in PostgreSQL on either queue: \
+             two-phase claim, lease and reaper, idempotency key"
+        }
+        ("sqs", "I6") => {
+            "delete only after the work committed (a stale delete then removes a message \
+             already processed); a killed worker's messages come back after the visibility \
+             timeout; SQS dead-letters after the maximum receives"
+        }
+        _ => {
+            "delete only after success; stale receipts refused; a killed worker's messages \
+             come back after the visibility timeout"
+        }
+    }
+}
+
 /// At most this many pending jobs or messages are listed in a verdict.
 const LISTED: usize = 5;
 
@@ -221,7 +314,7 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
         ),
         (
             "pipeline",
-            "dropped by the queue's dedup",
+            "dropped by the queue's dedup (null: the queue does not say)",
             o.produced.dropped_by_dedup.into(),
         ),
         ("pipeline", "deliveries handled", o.pipeline.messages.into()),
@@ -309,6 +402,7 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
             "left in the queue",
             (o.queue.depth + o.queue.in_flight).into(),
         ),
+        ("queue", "backend", o.backend.into()),
         ("run", "guard rollout (percent)", rollout.into()),
     ];
     if let Some(r) = &o.restart {
@@ -328,6 +422,7 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
     }
     let invariant_rows = vec![
         Row::new("I1")
+            .with("kept by", kept_by(o.backend, "I1"))
             .with(
                 "invariant",
                 "a singleton policy never has two OPEN incidents for one entity",
@@ -335,10 +430,12 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
             .with("held", checked.i1())
             .with("violations", checked.i1_duplicate_open.len()),
         Row::new("I2")
+            .with("kept by", kept_by(o.backend, "I2"))
             .with("invariant", "incident numbers are 1..n per organization")
             .with("held", checked.i2())
             .with("violations", checked.i2_number_gaps.len()),
         Row::new("I3")
+            .with("kept by", kept_by(o.backend, "I3"))
             .with("invariant", "each incident is notified exactly once")
             .with("held", o.notifications.holds() && checked.i3())
             .with(
@@ -347,12 +444,18 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
             )
             .with("pending", o.notifications.pending_at_deadline.len()),
         Row::new("I6")
+            .with("kept by", kept_by(o.backend, "I6"))
             .with("invariant", "no observation lost")
             .with("held", o.observations.holds() && checked.i6())
             .with("violations", o.observations.lost.len())
             .with("pending", o.observations.pending_at_deadline.len()),
     ];
     report.sections.insert("invariants".into(), invariant_rows);
+    if o.backend == "sqs" {
+        report
+            .sections
+            .insert("where SQS is weaker".into(), sqs_gaps(o));
+    }
     let pending_jobs: Vec<Row> = o
         .notifications
         .pending_at_deadline
@@ -495,6 +598,49 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
         ),
     );
     report
+}
+
+/// What SQS does not do that the PostgreSQL queue does, and what this run
+/// saw of each.
+fn sqs_gaps(o: &IncidentRunOutcome) -> Vec<Row> {
+    vec![
+        Row::new("stale receipts")
+            .with(
+                "sqs",
+                "a delete with an earlier delivery's receipt succeeds",
+            )
+            .with(
+                "carried by",
+                "the guard (I1); delete only after commit (I6)",
+            )
+            .with(
+                "exercised",
+                format!("{} redeliveries", o.pipeline.redeliveries),
+            ),
+        Row::new("at least once")
+            .with(
+                "sqs",
+                "a killed worker's messages come back after the visibility timeout",
+            )
+            .with(
+                "carried by",
+                "the guard (I1); the notification job's claim and lease (I3)",
+            )
+            .with("exercised", "one runtime killed mid-message"),
+        Row::new("5-minute dedup window")
+            .with("sqs", "a resend later than 5 minutes is a new message")
+            .with(
+                "carried by",
+                "the guard (I1); the incident's source message id (the dedupe key)",
+            )
+            .with(
+                "exercised",
+                format!(
+                    "{} duplicate sends within the window",
+                    o.produced.duplicate_sends
+                ),
+            ),
+    ]
 }
 
 /// `: a; b; c (and 4 more)`, or nothing when `items` is empty.

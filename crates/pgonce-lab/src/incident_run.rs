@@ -38,7 +38,7 @@ use anyhow::Context;
 use indicatif::ProgressBar;
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
 use pgonce::{
-    Listen, PgQueue, PgQueueOptions, PoolerProblem, Queue, QueueStats, SendMessage, WorkerConfig,
+    Listen, PgQueueOptions, PoolerProblem, Queue, QueueStats, SendMessage, WorkerConfig,
     WorkerCounters,
 };
 use pgonce_incidents::invariants::{InvariantReport, NotNotifiedOnce, Tallies};
@@ -47,7 +47,7 @@ use pgonce_incidents::model::{
 };
 use pgonce_incidents::pipeline::{PipelineCounters, PipelineSnapshot, SimulatedEvaluatorConfig};
 use pgonce_incidents::runtime::{
-    OBSERVATIONS_DEAD_LETTERS, OBSERVATIONS_QUEUE, Runtime, RuntimeConfig, observations_queue_with,
+    OBSERVATIONS_DEAD_LETTERS, Runtime, RuntimeConfig, observations_queue_with,
 };
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
 use pgonce_incidents::webhook::{ReceiverFaults, ReceiverStats, WebhookReceiver};
@@ -58,6 +58,10 @@ use serde_json::json;
 use sqlx::PgPool;
 
 use crate::scratch::Restarter;
+
+mod audit;
+
+pub use audit::{PgAudit, QueueAudit, SqsAudit};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -201,6 +205,17 @@ impl IncidentRunConfig {
         r.redriver.interval = Duration::from_millis(50);
         c.drain_deadline = Duration::from_secs(60);
         c
+    }
+
+    /// The visibility timeout rounded up to whole seconds, as SQS takes it,
+    /// and the slow tail kept the same margin past it (so slow messages are
+    /// still delivered again while being evaluated).
+    pub fn whole_second_visibility(mut self) -> IncidentRunConfig {
+        let evaluator = &mut self.runtime.evaluator;
+        let margin = evaluator.slow_latency.saturating_sub(self.visibility);
+        self.visibility = Duration::from_secs(self.visibility.as_secs_f64().ceil().max(1.0) as u64);
+        evaluator.slow_latency = self.visibility + margin;
+        self
     }
 
     fn validate(&self) -> anyhow::Result<()> {
@@ -412,7 +427,8 @@ pub struct Produced {
     /// Ids of the valid observations accepted by the queue (I6 checks each).
     pub sent: BTreeSet<String>,
     pub duplicate_sends: u64,
-    pub dropped_by_dedup: u64,
+    /// `None` when the queue does not say (SQS drops a duplicate silently).
+    pub dropped_by_dedup: Option<u64>,
     pub malformed: u64,
     /// Ids of the malformed messages: each must end in the dead-letter
     /// queue.
@@ -434,13 +450,17 @@ fn observation(rng: &mut impl Rng, org: i64, entity: &str) -> Observation {
 
 /// Sends every observation, each with a deduplication id, so a send
 /// retried after a lost answer keeps one message.
-async fn produce(
-    queue: &PgQueue,
+async fn produce<Q: Queue>(
+    queue: &Q,
     setup: &Setup,
     config: &IncidentRunConfig,
     retrier: &Retrier,
+    reports_duplicates: bool,
 ) -> anyhow::Result<Produced> {
-    let mut produced = Produced::default();
+    let mut produced = Produced {
+        dropped_by_dedup: reports_duplicates.then_some(0),
+        ..Produced::default()
+    };
     for i in 0..config.observations {
         let (m, twice) = {
             let mut rng = rand::rng();
@@ -464,8 +484,8 @@ async fn produce(
             let again = retrier
                 .run("sending an observation again", || queue.send(m.clone()))
                 .await?;
-            if again.duplicate {
-                produced.dropped_by_dedup += 1;
+            if let (true, Some(dropped)) = (again.duplicate, &mut produced.dropped_by_dedup) {
+                *dropped += 1;
             }
         }
         if i % 10 == 9 {
@@ -730,6 +750,8 @@ pub struct RestartOutcome {
 /// What an incident run did and found.
 #[derive(Debug, Clone)]
 pub struct IncidentRunOutcome {
+    /// The queue the run used: `postgres` or `sqs`.
+    pub backend: &'static str,
     pub produced: Produced,
     pub pipeline: PipelineSnapshot,
     pub workers: WorkerCounters,
@@ -779,17 +801,6 @@ async fn notification_jobs(
         .await
 }
 
-/// Where the messages `ids` are now.
-async fn unprocessed_messages(
-    pool: &PgPool,
-    ids: &[String],
-) -> sqlx::Result<Vec<UnprocessedMessage>> {
-    sqlx::query_as(include_str!("incident_run/sql/unprocessed_messages.sql"))
-        .bind(ids)
-        .fetch_all(pool)
-        .await
-}
-
 /// What [`settle`] saw.
 #[derive(Debug, Clone)]
 pub struct Settled {
@@ -807,9 +818,9 @@ pub struct Settled {
 /// backoff is over, a job claimed by a notifier that stopped needs the
 /// reaper once its lease has run out; so this runs all three, as a runtime
 /// with no pipeline workers (`runtime` must name a notifier).
-pub async fn settle(
+pub async fn settle<Q: Queue + Clone + 'static>(
     service: &Service,
-    queue: &PgQueue,
+    queue: &Q,
     runtime: &RuntimeConfig,
     organizations: &[i64],
     retrier: &Retrier,
@@ -860,7 +871,8 @@ pub async fn settle(
     })
 }
 
-/// Runs the incident run on `pool` (a migrated, empty scratch database).
+/// Runs the incident run on `pool` (a migrated, empty scratch database),
+/// its observations on the PostgreSQL queue in the same database.
 /// `restart`: restart the server this many seconds after production
 /// starts. `progress`: a bar to move, for people watching.
 pub async fn run(
@@ -869,6 +881,43 @@ pub async fn run(
     restart: Option<(Duration, Restarter)>,
     progress: Option<&ProgressBar>,
 ) -> anyhow::Result<IncidentRunOutcome> {
+    pgonce_incidents::migrate(pool)
+        .await
+        .context("applying the service's migrations")?;
+    let queue_options = PgQueueOptions {
+        listen: config.listen.clone(),
+        ..PgQueueOptions::default()
+    };
+    let queue = observations_queue_with(
+        pool,
+        config.visibility,
+        config.max_receive_count,
+        queue_options,
+    )
+    .await?;
+    let audit = PgAudit {
+        dead_letter_queue: OBSERVATIONS_DEAD_LETTERS.to_owned(),
+    };
+    run_on(pool, config, queue, audit, restart, progress).await
+}
+
+/// [`run`] on any observations queue (`queue`, created with
+/// `config.visibility` and `config.max_receive_count`, and empty), with
+/// `audit` to find its messages afterwards: the PostgreSQL queue or SQS.
+/// The faults are the same on both; what keeps each invariant where SQS
+/// is weaker is said in `pgonce demo`'s report.
+pub async fn run_on<Q, A>(
+    pool: &PgPool,
+    config: &IncidentRunConfig,
+    queue: Q,
+    audit: A,
+    restart: Option<(Duration, Restarter)>,
+    progress: Option<&ProgressBar>,
+) -> anyhow::Result<IncidentRunOutcome>
+where
+    Q: Queue + Clone + 'static,
+    A: QueueAudit,
+{
     config.validate()?;
     let started = Instant::now();
     // Long enough for a restart under load; a server gone for good fails
@@ -885,17 +934,6 @@ pub async fn run(
     let service = Service::new(pool.clone(), ServiceConfig::default())?;
     let setup = set_up(pool, config).await?;
     let receiver = WebhookReceiver::start(config.receiver).await?;
-    let queue_options = PgQueueOptions {
-        listen: config.listen.clone(),
-        ..PgQueueOptions::default()
-    };
-    let queue = observations_queue_with(
-        pool,
-        config.visibility,
-        config.max_receive_count,
-        queue_options,
-    )
-    .await?;
 
     // Two worker runtimes (each what one `pgonce worker` process runs, in
     // this process); the second also runs the notifier, and is killed
@@ -938,7 +976,7 @@ pub async fn run(
         })
     });
 
-    let produced = produce(&queue, &setup, config, &retrier).await?;
+    let produced = produce(&queue, &setup, config, &retrier, audit.reports_duplicates()).await?;
     let expected = produced.sent.len() as u64;
     if let Some(bar) = progress {
         bar.set_length(expected);
@@ -1034,34 +1072,34 @@ pub async fn run(
     let notifications = NotificationAudit::classify(checked.i3_not_notified_once.clone(), &jobs);
     let unprocessed = retrier
         .run("auditing unprocessed messages", || {
-            unprocessed_messages(pool, &checked.i6_unprocessed)
+            audit.locate(pool, &checked.i6_unprocessed)
         })
         .await?;
     let poison = retrier
         .run("auditing malformed messages", || {
-            unprocessed_messages(pool, &produced.poison)
+            audit.locate(pool, &produced.poison)
         })
         .await?;
+    let dead_letters = audit.dead_letter_queue();
     let mut observations = ObservationAudit {
         malformed_dead_lettered: poison
             .iter()
-            .filter(|m| m.queue.as_deref() == Some(OBSERVATIONS_DEAD_LETTERS))
+            .filter(|m| m.queue.as_deref() == Some(dead_letters))
             .count() as u64,
         malformed_sent: produced.malformed,
         dead_lettered: queue_stats.dead_letter_depth.unwrap_or(0),
         ..ObservationAudit::default()
     };
     for m in unprocessed {
-        if m.queue.as_deref() == Some(OBSERVATIONS_QUEUE) {
+        if m.queue.as_deref() == Some(queue.name()) {
             observations.pending_at_deadline.push(m);
         } else {
-            debug_assert!(
-                m.queue.is_none() || m.queue.as_deref() == Some(OBSERVATIONS_DEAD_LETTERS)
-            );
+            debug_assert!(m.queue.is_none() || m.queue.as_deref() == Some(dead_letters));
             observations.lost.push(m);
         }
     }
     let outcome = IncidentRunOutcome {
+        backend: audit.backend(),
         produced,
         pipeline: snapshot_sum(&counters),
         workers,

@@ -22,9 +22,8 @@ use support::Moto;
 
 /// A fresh moto with one queue; keep the `Moto` alive for the test.
 async fn started(name: &str, attributes: QueueAttributes) -> (Moto, SqsQueue) {
-    let moto = Moto::start();
-    let q = moto
-        .client()
+    let moto = support::start();
+    let q = support::client(&moto)
         .await
         .create_queue(name, attributes)
         .await
@@ -100,8 +99,8 @@ async fn a_stale_receipt_deletes_and_extends_nothing() {
 
 #[tokio::test]
 async fn dead_letter_and_redrive() {
-    let moto = Moto::start();
-    let (q, dlq) = with_dead_letters(&moto.client().await).await;
+    let moto = support::start();
+    let (q, dlq) = with_dead_letters(&support::client(&moto).await).await;
     conformance_dead_letter_and_redrive_with(&q, &dlq, SQS).await;
 }
 
@@ -140,8 +139,8 @@ async fn graceful_shutdown() {
 
 #[tokio::test]
 async fn malformed_bodies_reach_dead_letters() {
-    let moto = Moto::start();
-    let (q, dlq) = with_dead_letters(&moto.client().await).await;
+    let moto = support::start();
+    let (q, dlq) = with_dead_letters(&support::client(&moto).await).await;
     conformance_malformed_bodies_reach_dead_letters(&q, &dlq).await;
 }
 
@@ -178,9 +177,9 @@ async fn assert_unavailable<T: std::fmt::Debug>(
 /// timeout, retries included.
 #[tokio::test]
 async fn a_closed_endpoint_fails_typed_within_the_timeout() {
-    let moto = Moto::start();
+    let moto = support::start();
     let timeout = Duration::from_secs(2);
-    let sqs = SqsClient::connect(SqsConfig::local(&moto.endpoint).operation_timeout(timeout))
+    let sqs = SqsClient::connect(SqsConfig::local(moto.endpoint()).operation_timeout(timeout))
         .await
         .unwrap();
     let q = sqs
@@ -212,8 +211,8 @@ async fn a_silent_endpoint_fails_typed_at_the_timeout() {
 /// `QueueNotFound`.
 #[tokio::test]
 async fn bad_input_is_rejected_before_any_request() {
-    let moto = Moto::start();
-    let sqs = moto.client().await;
+    let moto = support::start();
+    let sqs = support::client(&moto).await;
     let q = sqs
         .create_queue("q", QueueAttributes::default())
         .await

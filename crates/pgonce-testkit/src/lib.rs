@@ -9,6 +9,7 @@
 //!   and scratch databases on it; [`fresh_database`] for tests, and
 //!   [`fresh_migrated_database`] for tests that start from a schema.
 //! * [`pooler`]: PgBouncer in transaction mode in front of a server.
+//! * [`moto`]: a throwaway SQS server (moto) on a loopback port.
 //! * [`interleave`]: step-by-step interleavings whose blocking steps are
 //!   confirmed through `pg_blocking_pids`, never through sleeps.
 
@@ -16,11 +17,13 @@
 
 pub mod cluster;
 pub mod interleave;
+pub mod moto;
 pub mod pooler;
 pub mod server;
 
 pub use cluster::{Cluster, ClusterError, ShutdownMode};
 pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Step, StepEvent};
+pub use moto::{Moto, MotoError};
 pub use pooler::{Pooler, PoolerSetup};
 pub use server::{
     ScratchDatabase, Server, ServerError, fresh_database, fresh_database_behind_pooler,

@@ -1,0 +1,76 @@
+//! What the CLI's tests share: a fresh database's URL, a free port, and
+//! plain HTTP probes of a child process's endpoints.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+/// A URL for a fresh test database (the shared test server, or the
+/// DATABASE_URL server with the database name swapped).
+pub fn fresh_database_url() -> (
+    tokio::runtime::Runtime,
+    pgonce_testkit::ScratchDatabase,
+    String,
+) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(pgonce_testkit::fresh_database());
+    let url = match std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()) {
+        Some(base) => {
+            let (head, query) = base.split_once('?').unwrap_or((&base, ""));
+            let head = head.rsplit_once('/').map_or(head, |(h, _)| h);
+            let query = if query.is_empty() {
+                String::new()
+            } else {
+                format!("?{query}")
+            };
+            format!("{head}/{}{query}", db.name())
+        }
+        None => {
+            let o = db.options();
+            format!(
+                "postgres://{}@{}:{}/{}",
+                o.get_username(),
+                o.get_host(),
+                o.get_port(),
+                db.name()
+            )
+        }
+    };
+    (rt, db, url)
+}
+
+/// A free local port (bound, then released for the child to take).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET path` on the local port, the whole HTTP/1.1 answer, if any.
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// Waits until `GET path` on `port` answers 200 (migrations done, pool
+/// up) and returns the answer; the child must not exit meanwhile.
+pub fn wait_for_200(child: &mut std::process::Child, port: u16, path: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(a) = http_get(port, path).filter(|a| a.starts_with("HTTP/1.1 200")) {
+            return a;
+        }
+        assert!(Instant::now() < deadline, "{path} never answered 200");
+        assert!(child.try_wait().unwrap().is_none(), "exited early");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
