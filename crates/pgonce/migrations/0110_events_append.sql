@@ -58,6 +58,22 @@ LANGUAGE sql IMMUTABLE AS $$
     ) END
 $$;
 
+-- Refuses (SQLSTATE PO110, before anything is done) to run the functions
+-- below in a transaction that is not READ COMMITTED: their checks and reads
+-- rely on each statement taking a fresh snapshot after the locks. pgonce
+-- then takes its transaction path, which sets the isolation itself.
+CREATE FUNCTION pgonce.events_require_read_committed()
+RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'pgonce.events_append and events_decide run under READ COMMITTED only, not %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'PO110';
+    END IF;
+END
+$$;
+
 -- Takes advisory keys in the order given, each exclusive or shared.
 CREATE FUNCTION pgonce.events_lock(keys bigint[], exclusive boolean[])
 RETURNS void
@@ -86,11 +102,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     filter text;
 BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pgonce.events_append runs under READ COMMITTED only, not %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'PO110';
-    END IF;
+    PERFORM pgonce.events_require_read_committed();
     PERFORM pgonce.events_lock(keys, exclusive);
     IF table_lock THEN
         LOCK TABLE pgonce.events IN EXCLUSIVE MODE;
@@ -126,11 +138,7 @@ CREATE FUNCTION pgonce.events_decide(keys bigint[], exclusive boolean[], items j
 RETURNS TABLE (head bigint, "position" bigint, type text, tags text[], data jsonb, metadata jsonb)
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pgonce.events_decide runs under READ COMMITTED only, not %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'PO110';
-    END IF;
+    PERFORM pgonce.events_require_read_committed();
     PERFORM pgonce.events_lock(keys, exclusive);
     RETURN QUERY EXECUTE format(
         'SELECT h.head, e.position, e.type, e.tags, e.data, e.metadata

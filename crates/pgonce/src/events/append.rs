@@ -244,6 +244,17 @@ pub(crate) async fn begin(
     })
 }
 
+/// An append's events: at least one, each valid.
+fn validate_events(events: &[Event]) -> Result<()> {
+    if events.is_empty() {
+        return Err(Error::Invalid {
+            what: "append",
+            why: "at least one event is needed".into(),
+        });
+    }
+    events.iter().try_for_each(Event::validate)
+}
+
 /// Validates an append and returns the keys its strategy takes: the
 /// publishing keys, and under the advisory strategy the condition's keys.
 fn validated_keys(
@@ -251,15 +262,7 @@ fn validated_keys(
     events: &[Event],
     condition: Option<&AppendCondition>,
 ) -> Result<AppendKeys> {
-    if events.is_empty() {
-        return Err(Error::Invalid {
-            what: "append",
-            why: "at least one event is needed".into(),
-        });
-    }
-    for e in events {
-        e.validate()?;
-    }
+    validate_events(events)?;
     if let Some(c) = condition {
         c.fail_if_events_match.validate()?;
     }
@@ -449,15 +452,7 @@ pub(crate) async fn append_in(
     notify: bool,
     events: &[Event],
 ) -> Result<Vec<i64>> {
-    if events.is_empty() {
-        return Err(Error::Invalid {
-            what: "append",
-            why: "at least one event is needed".into(),
-        });
-    }
-    for e in events {
-        e.validate()?;
-    }
+    validate_events(events)?;
     if strategy == AppendStrategy::Serializable {
         let isolation: String = sqlx::query_scalar(include_str!("sql/isolation.sql"))
             .fetch_one(&mut **tx)
