@@ -633,6 +633,44 @@ async fn a_failed_lock_leaves_the_connection_usable() {
     assert_eq!(positions(&read), appended.positions);
 }
 
+/// The lock strategies decide and append in one statement each, which runs
+/// only under READ COMMITTED; on sessions that default to another isolation
+/// level they take the transaction path instead, and conditions still hold:
+/// a decision and an append go through, and an append on the stale decision
+/// is refused.
+#[tokio::test]
+async fn sessions_defaulting_to_repeatable_read_take_the_transaction_path() {
+    let (db, _pool) = db().await;
+    let rr = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            db.options()
+                .options([("default_transaction_isolation", "repeatable read")]),
+        )
+        .await
+        .unwrap();
+    for strategy in [AppendStrategy::AdvisoryLocks, AppendStrategy::TableLock] {
+        let tag = format!("rr:{}", strategy.name());
+        let events = store(&rr, strategy);
+        let decision = events.decide(&tag_query(&tag)).await.unwrap();
+        let condition = AppendCondition::new(tag_query(&tag), decision.after);
+        events
+            .append(&[booked(&tag)], Some(&condition))
+            .await
+            .unwrap();
+        let stale = events.append(&[booked(&tag)], Some(&condition)).await;
+        assert!(
+            matches!(stale, Err(Error::AppendConditionFailed { .. })),
+            "{strategy:?}: {stale:?}"
+        );
+        let read = events
+            .read(&tag_query(&tag), ReadOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(read.len(), 1, "{strategy:?}");
+    }
+}
+
 /// An append given up while it waits for its locks (its caller's client
 /// went away) leaves nothing behind: once the holder commits, the waiting
 /// statement finishes on the server, and its connection goes back to the

@@ -148,6 +148,49 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         .get("advisory_locks_of_unconditioned_disjoint_16w")
         .copied();
 
+    // The same advisory cell on the transaction path (BEGIN with the locks,
+    // check + insert, COMMIT; the decision read likewise): a pool whose
+    // sessions default to REPEATABLE READ makes the one-statement functions
+    // refuse, and pgonce then takes the path that sets READ COMMITTED itself.
+    // Side by side with the one-statement cell above, in one run.
+    let transaction_path = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(workers as u32 + 4)
+        .connect_with(
+            db.options()
+                .options([("default_transaction_isolation", "repeatable read")]),
+        )
+        .await?;
+    let three_messages = measure(
+        &transaction_path,
+        AppendStrategy::AdvisoryLocks,
+        false,
+        Overlap::Disjoint,
+        workers,
+        phase,
+        TRANSACTION_PATH,
+    )
+    .await?;
+    transaction_path.close().await;
+    report.results.push(row(
+        TRANSACTION_PATH,
+        Overlap::Disjoint,
+        workers,
+        &three_messages,
+    ));
+    no_errors(&mut report, TRANSACTION_PATH, &three_messages.m);
+    if let Some((_, limit)) = limits.first() {
+        report.ratio(
+            "advisory_locks_transaction_path_of_unconditioned_disjoint_16w",
+            committed_per_sec(&three_messages),
+            *limit,
+        );
+    }
+    report.ratio(
+        "advisory_one_statement_vs_transaction_path_disjoint_16w",
+        committed_per_sec(get_cell(&cells, AppendStrategy::AdvisoryLocks, "disjoint")),
+        committed_per_sec(&three_messages),
+    );
+
     let notify = measure(
         db.pool(),
         AppendStrategy::AdvisoryLocks,
@@ -187,13 +230,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         peer_cells.push((overlap, cell));
     }
 
-    let get = |s: AppendStrategy, o: &str| {
-        cells
-            .iter()
-            .find(|(cs, co, _)| *cs == s && co.name() == o)
-            .map(|(_, _, c)| c)
-            .expect("measured")
-    };
+    let get = |s: AppendStrategy, o: &str| get_cell(&cells, s, o);
     let adv = get(AppendStrategy::AdvisoryLocks, "disjoint")
         .m
         .ops_per_sec();
@@ -271,6 +308,22 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
 
 /// The strategy name of the limit: the same rows, no condition, no lock.
 const UNCONDITIONED: &str = "unconditioned-insert";
+
+/// The advisory strategy on its transaction path (three messages per
+/// append and per decision read instead of one statement each).
+const TRANSACTION_PATH: &str = "advisory-locks-transaction-path";
+
+fn get_cell<'a>(
+    cells: &'a [(AppendStrategy, Overlap, Cell)],
+    strategy: AppendStrategy,
+    overlap: &str,
+) -> &'a Cell {
+    cells
+        .iter()
+        .find(|(s, o, _)| *s == strategy && o.name() == overlap)
+        .map(|(_, _, c)| c)
+        .expect("measured")
+}
 
 /// The limit at one overlap: each operation one autocommitted INSERT of the
 /// row a conditional append would write, on this cell's own tags.
@@ -443,13 +496,7 @@ async fn deadlocks(pool: &PgPool) -> anyhow::Result<i64> {
 }
 
 fn comparison(cells: &[(AppendStrategy, Overlap, Cell)]) -> Vec<Row> {
-    let cell = |s: AppendStrategy, o: &str| {
-        &cells
-            .iter()
-            .find(|(cs, co, _)| *cs == s && co.name() == o)
-            .expect("measured")
-            .2
-    };
+    let cell = |s: AppendStrategy, o: &str| get_cell(cells, s, o);
     let per = |f: &dyn Fn(AppendStrategy) -> String, aspect: &str| {
         let mut row = Row::new(aspect);
         for s in AppendStrategy::ALL {

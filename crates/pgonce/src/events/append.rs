@@ -123,14 +123,22 @@ impl AppendKeys {
     }
 
     async fn take_with(&self, tx: &mut Transaction<'_, Postgres>, sql: &'static str) -> Result<()> {
-        let keys: Vec<i64> = self.0.keys().map(|k| k.as_i64()).collect();
-        let modes: Vec<bool> = self.0.values().copied().collect();
+        let (keys, modes) = self.arrays();
         sqlx::query(sql)
             .bind(keys)
             .bind(modes)
             .execute(&mut **tx)
             .await?;
         Ok(())
+    }
+
+    /// The keys in ascending order and, for each, whether it is exclusive:
+    /// the `keys` and `exclusive` arguments of the SQL functions that lock.
+    pub(crate) fn arrays(&self) -> (Vec<i64>, Vec<bool>) {
+        (
+            self.0.keys().map(|k| k.as_i64()).collect(),
+            self.0.values().copied().collect(),
+        )
     }
 }
 
@@ -181,24 +189,7 @@ pub(crate) async fn begin(
     events: &[Event],
     condition: Option<&AppendCondition>,
 ) -> Result<PendingAppend> {
-    if events.is_empty() {
-        return Err(Error::Invalid {
-            what: "append",
-            why: "at least one event is needed".into(),
-        });
-    }
-    for e in events {
-        e.validate()?;
-    }
-    if let Some(c) = condition {
-        c.fail_if_events_match.validate()?;
-    }
-    let mut keys = AppendKeys::publishing(events)?;
-    if strategy == AppendStrategy::AdvisoryLocks
-        && let Some(c) = condition
-    {
-        keys = keys.merge(AppendKeys::condition(&c.fail_if_events_match)?);
-    }
+    let keys = validated_keys(strategy, events, condition)?;
     let isolation = match strategy {
         AppendStrategy::Serializable => Isolation::Serializable,
         AppendStrategy::TableLock | AppendStrategy::AdvisoryLocks => Isolation::ReadCommitted,
@@ -242,23 +233,139 @@ pub(crate) async fn begin(
         )
         .fetch_one(&mut *tx)
         .await?;
-    {
-        if !matching.is_empty() {
-            tracing::warn!(strategy = strategy.name(), after = ?c.after, ?matching, "append condition failed");
-            metrics::counter!("pgonce_events_conflicts_total", "strategy" => strategy.name())
-                .increment(1);
-            tx.rollback().await?;
-            return Err(Error::AppendConditionFailed {
-                after: c.after,
-                matching,
-            });
-        }
+    if !matching.is_empty() {
+        tx.rollback().await?;
+        return Err(refused(strategy, c, matching));
     }
     Ok(PendingAppend {
         tx,
         positions,
         strategy,
     })
+}
+
+/// An append's events: at least one, each valid.
+fn validate_events(events: &[Event]) -> Result<()> {
+    if events.is_empty() {
+        return Err(Error::Invalid {
+            what: "append",
+            why: "at least one event is needed".into(),
+        });
+    }
+    events.iter().try_for_each(Event::validate)
+}
+
+/// Validates an append and returns the keys its strategy takes: the
+/// publishing keys, and under the advisory strategy the condition's keys.
+fn validated_keys(
+    strategy: AppendStrategy,
+    events: &[Event],
+    condition: Option<&AppendCondition>,
+) -> Result<AppendKeys> {
+    validate_events(events)?;
+    if let Some(c) = condition {
+        c.fail_if_events_match.validate()?;
+    }
+    let mut keys = AppendKeys::publishing(events)?;
+    if strategy == AppendStrategy::AdvisoryLocks
+        && let Some(c) = condition
+    {
+        keys = keys.merge(AppendKeys::condition(&c.fail_if_events_match)?);
+    }
+    Ok(keys)
+}
+
+/// The error of a failed condition, logged and counted.
+fn refused(strategy: AppendStrategy, c: &AppendCondition, matching: Vec<i64>) -> Error {
+    tracing::warn!(strategy = strategy.name(), after = ?c.after, ?matching, "append condition failed");
+    metrics::counter!("pgonce_events_conflicts_total", "strategy" => strategy.name()).increment(1);
+    Error::AppendConditionFailed {
+        after: c.after,
+        matching,
+    }
+}
+
+/// SQLSTATE the one-statement functions of migration 0110 raise when the
+/// transaction they would run in is not READ COMMITTED (the session's
+/// `default_transaction_isolation` says otherwise): the caller then takes
+/// the path that sets the isolation itself.
+const NOT_READ_COMMITTED: &str = "PO110";
+
+/// Whether `e` is [`NOT_READ_COMMITTED`].
+pub(crate) fn not_read_committed(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == NOT_READ_COMMITTED)
+}
+
+/// A condition's query as pgonce.events_filter takes it: its items as a
+/// JSON array of {types, tags}, or NULL for [`Query::All`].
+pub(crate) fn items_json(query: &Query) -> Result<Option<serde_json::Value>> {
+    match query {
+        Query::All => Ok(None),
+        Query::Items(items) => serde_json::to_value(items)
+            .map(Some)
+            .map_err(|e| Error::Invalid {
+                what: "query",
+                why: e.to_string(),
+            }),
+    }
+}
+
+/// What pgonce.events_append returns: the first positions matching the
+/// condition (empty when it held) and the positions drawn (empty when not).
+#[derive(Debug, sqlx::FromRow)]
+struct OneStatementAppend {
+    matching: Vec<i64>,
+    positions: Vec<i64>,
+}
+
+/// A whole append under a lock strategy in one statement, its own
+/// transaction, one round trip (pgonce.events_append, migration 0110, says
+/// why it is as safe as begin + check + insert + commit). `None` when the
+/// session is not at READ COMMITTED (see [`NOT_READ_COMMITTED`]): nothing
+/// was done, and the caller takes the transaction path.
+///
+/// Unlike [`begin`], a call given up (its future dropped) after the
+/// statement was sent may still commit, as any commit whose reply is lost:
+/// the statement runs to its end on the server.
+async fn append_one_statement(
+    pool: &PgPool,
+    strategy: AppendStrategy,
+    notify: bool,
+    events: &[Event],
+    condition: Option<&AppendCondition>,
+) -> Result<Option<Vec<i64>>> {
+    let keys = validated_keys(strategy, events, condition)?;
+    let (keys, modes) = keys.arrays();
+    let items = match condition {
+        Some(c) => items_json(&c.fail_if_events_match)?,
+        None => None,
+    };
+    let row: std::result::Result<OneStatementAppend, sqlx::Error> =
+        sqlx::query_as(include_str!("sql/append.sql"))
+            .bind(events_json(events)?)
+            .bind(notify.then_some(NOTIFY_CHANNEL))
+            .bind(keys)
+            .bind(modes)
+            .bind(strategy == AppendStrategy::TableLock)
+            .bind(condition.is_some())
+            .bind(items)
+            .bind(condition.and_then(|c| c.after).unwrap_or(0))
+            .fetch_one(pool)
+            .await;
+    let OneStatementAppend {
+        matching,
+        positions,
+    } = match row {
+        Ok(row) => row,
+        Err(e) if not_read_committed(&e) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    match condition {
+        Some(c) if !matching.is_empty() => Err(refused(strategy, c, matching)),
+        _ => Ok(Some(positions)),
+    }
 }
 
 /// What insert_checked.sql returns: the first positions matching the
@@ -345,15 +452,7 @@ pub(crate) async fn append_in(
     notify: bool,
     events: &[Event],
 ) -> Result<Vec<i64>> {
-    if events.is_empty() {
-        return Err(Error::Invalid {
-            what: "append",
-            why: "at least one event is needed".into(),
-        });
-    }
-    for e in events {
-        e.validate()?;
-    }
+    validate_events(events)?;
     if strategy == AppendStrategy::Serializable {
         let isolation: String = sqlx::query_scalar(include_str!("sql/isolation.sql"))
             .fetch_one(&mut **tx)
@@ -385,6 +484,14 @@ pub(crate) async fn append(
     let mut retries = 0;
     loop {
         let attempt = async {
+            // The lock strategies in one round trip; the serializable one
+            // needs its own isolation level, set by begin.
+            if strategy != AppendStrategy::Serializable
+                && let Some(positions) =
+                    append_one_statement(pool, strategy, notify, events, condition).await?
+            {
+                return Ok(positions);
+            }
             begin(pool, strategy, notify, events, condition)
                 .await?
                 .commit()

@@ -3,7 +3,7 @@
 use serde_json::Value;
 use sqlx::PgPool;
 
-use super::append::{AppendKeys, Isolation, begin_locked};
+use super::append::{AppendKeys, Isolation, begin_locked, items_json, not_read_committed};
 use super::model::{Decision, Event, Query, ReadOptions, StoredEvent};
 use super::query::Filter;
 use crate::error::Result;
@@ -85,15 +85,34 @@ pub(crate) async fn decide(pool: &PgPool, query: &Query) -> Result<Decision> {
     // start later draw positions above the head read next. No transaction
     // id: a read-only transaction commits without a WAL flush.
     let keys = AppendKeys::condition(query)?;
-    let mut tx = begin_locked(pool, Isolation::ReadCommitted, &keys, false, false).await?;
-    let filter = Filter::new(query, 1);
-    let rows: Vec<DecideRow> = filter
-        .bind_as(sqlx::query_as(
-            filter.statement(include_str!("sql/decide.sql")),
-        ))
-        .fetch_all(&mut *tx)
-        .await?;
-    tx.commit().await?;
+    // In one round trip (pgonce.events_decide, migration 0110): locks, then
+    // the same read from a snapshot taken after them, in the statement's own
+    // transaction. A session whose default isolation is not READ COMMITTED
+    // takes the transaction path, which sets it.
+    let (key_array, modes) = keys.arrays();
+    let one: std::result::Result<Vec<DecideRow>, sqlx::Error> =
+        sqlx::query_as(include_str!("sql/decide_one_statement.sql"))
+            .bind(key_array)
+            .bind(modes)
+            .bind(items_json(query)?)
+            .fetch_all(pool)
+            .await;
+    let rows = match one {
+        Ok(rows) => rows,
+        Err(e) if not_read_committed(&e) => {
+            let mut tx = begin_locked(pool, Isolation::ReadCommitted, &keys, false, false).await?;
+            let filter = Filter::new(query, 1);
+            let rows: Vec<DecideRow> = filter
+                .bind_as(sqlx::query_as(
+                    filter.statement(include_str!("sql/decide.sql")),
+                ))
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            rows
+        }
+        Err(e) => return Err(e.into()),
+    };
     let after = rows.first().and_then(|r| r.head);
     let events = rows
         .into_iter()

@@ -18,6 +18,9 @@ use crate::error::{Error, Result};
 use crate::listen::Listen;
 use crate::lock::LockKey;
 
+mod notifier;
+use notifier::Notifier;
+
 /// The channel every send notifies, with the queue name as payload.
 const CHANNEL: &str = "pgonce_queue";
 
@@ -186,6 +189,9 @@ struct Inner {
     options: PgQueueOptions,
     waker: OnceCell<Waker>,
     parked: AtomicUsize,
+    /// Notifies after sends that committed on the pool (started by the
+    /// first one).
+    notifier: std::sync::OnceLock<Notifier>,
 }
 
 /// The LISTEN side: one task per handle family, turning notifications for
@@ -291,6 +297,7 @@ impl PgQueue {
                 options,
                 waker: OnceCell::new(),
                 parked: AtomicUsize::new(0),
+                notifier: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -321,7 +328,7 @@ impl PgQueue {
         tx: &mut Transaction<'_, Postgres>,
         message: SendMessage,
     ) -> Result<Sent> {
-        self.send_on(tx, message).await
+        self.send_on(tx, message, Wake::InTransaction).await
     }
 
     /// Sends several messages inside the caller's transaction.
@@ -330,7 +337,7 @@ impl PgQueue {
         tx: &mut Transaction<'_, Postgres>,
         messages: Vec<SendMessage>,
     ) -> Result<Vec<Sent>> {
-        self.send_batch_on(tx, messages).await
+        self.send_batch_on(tx, messages, Wake::InTransaction).await
     }
 
     /// The queue a message is in now and its history of dead-letter moves
@@ -370,7 +377,28 @@ impl PgQueue {
         Ok(keys)
     }
 
-    async fn send_on(&self, conn: &mut PgConnection, message: SendMessage) -> Result<Sent> {
+    /// Whether the send statements notify (inside the transaction), per
+    /// the handle's options and `wake`.
+    fn notify_in_statement(&self, wake: Wake) -> bool {
+        self.inner.options.notify && wake == Wake::InTransaction
+    }
+
+    /// After a send committed on the pool: wakes the receivers (notifier.rs).
+    fn sent(&self) {
+        if self.inner.options.notify {
+            self.inner
+                .notifier
+                .get_or_init(|| Notifier::start(self.inner.pool.clone(), self.inner.name.clone()))
+                .sent();
+        }
+    }
+
+    async fn send_on(
+        &self,
+        conn: &mut PgConnection,
+        message: SendMessage,
+        wake: Wake,
+    ) -> Result<Sent> {
         let message = self.prepare(message)?;
         let group_lock = self.group_lock_keys(std::iter::once(message.group_id.as_deref()))?;
         // A dedup claim committed by a concurrent sender after this
@@ -383,7 +411,7 @@ impl PgQueue {
                 .bind(&message.group_id)
                 .bind(&message.dedup_id)
                 .bind(message.delay.map(millis))
-                .bind(self.inner.options.notify)
+                .bind(self.notify_in_statement(wake))
                 .bind(&group_lock)
                 .fetch_optional(&mut *conn)
                 .await?;
@@ -422,6 +450,7 @@ impl PgQueue {
         &self,
         conn: &mut PgConnection,
         messages: Vec<SendMessage>,
+        wake: Wake,
     ) -> Result<Vec<Sent>> {
         if messages.is_empty() || messages.len() > MAX_BATCH {
             return Err(Error::Invalid {
@@ -453,7 +482,7 @@ impl PgQueue {
             }
             let mut sent = Vec::with_capacity(messages.len());
             for m in messages {
-                sent.push(self.send_on(&mut tx, m).await?);
+                sent.push(self.send_on(&mut tx, m, wake).await?);
             }
             tx.commit().await?;
             return Ok(sent);
@@ -476,7 +505,7 @@ impl PgQueue {
             .bind(attributes)
             .bind(groups)
             .bind(delays)
-            .bind(self.inner.options.notify)
+            .bind(self.notify_in_statement(wake))
             .bind(&group_locks)
             .fetch_all(&mut *conn)
             .await?;
@@ -622,12 +651,22 @@ impl Queue for PgQueue {
 
     async fn send(&self, message: SendMessage) -> Result<Sent> {
         let mut conn = self.inner.pool.acquire().await?;
-        self.send_on(&mut conn, message).await
+        let sent = self.send_on(&mut conn, message, Wake::AfterCommit).await?;
+        if !sent.duplicate {
+            self.sent();
+        }
+        Ok(sent)
     }
 
     async fn send_batch(&self, messages: Vec<SendMessage>) -> Result<Vec<Sent>> {
         let mut conn = self.inner.pool.acquire().await?;
-        self.send_batch_on(&mut conn, messages).await
+        let sent = self
+            .send_batch_on(&mut conn, messages, Wake::AfterCommit)
+            .await?;
+        if sent.iter().any(|s| !s.duplicate) {
+            self.sent();
+        }
+        Ok(sent)
     }
 
     /// Long polling: the handle LISTENs (one connection per handle family)
@@ -861,6 +900,15 @@ impl<'a> ReceiptParts<'a> {
 
 /// depth, in flight, delayed, oldest ms, dead-letter depth, dead-letter queue.
 type StatsRow = (i64, i64, i64, Option<i64>, i64, Option<String>);
+
+/// When a send wakes the receivers: by a NOTIFY inside its transaction
+/// (delivered at the caller's commit), or after the statement committed on
+/// the pool, through the handle's [`Notifier`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    InTransaction,
+    AfterCommit,
+}
 
 struct Unpark<'a>(&'a AtomicUsize);
 
