@@ -15,6 +15,7 @@
 //! The `pgonce` command exposes all three when built with its `lab` feature.
 
 pub mod bench;
+pub mod chaos;
 pub mod demo;
 pub mod guard_strategy;
 pub mod incident_run;
