@@ -37,14 +37,32 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
             programs[0].push(Action::Send { group, seq });
         }
     }
+    // A consumer's delivery may expire while it works (then another
+    // consumer, or itself, receives the message again) and it may ack
+    // late with an earlier receipt: both placed in the consumer's own
+    // program, so they hit a delivery it holds.
+    let expiry = faults.contains(&FaultKind::Expiry);
+    let stale_ack = faults.contains(&FaultKind::StaleAck);
+    let fault = |fault| Action::Fault { fault, target: 0 };
     for program in programs.iter_mut().skip(1) {
         for _ in 0..rng.random_range(1..=3) {
-            program.extend([Action::Receive, Action::Ack]);
+            program.push(Action::Receive);
+            if expiry && rng.random_bool(0.4) {
+                program.push(fault(FaultKind::Expiry));
+            }
+            program.push(Action::Ack);
+            if stale_ack && rng.random_bool(0.3) {
+                program.push(fault(FaultKind::StaleAck));
+            }
         }
     }
     let mut steps = interleave(rng, programs);
-    let kinds: Vec<FaultKind> = faults.to_vec();
-    sprinkle_faults(rng, &mut steps, &kinds, TASKS, GROUPS, 4);
+    let kinds: Vec<FaultKind> = faults
+        .iter()
+        .copied()
+        .filter(|f| FaultKind::GENERIC.contains(f) || *f == FaultKind::DuplicateSend)
+        .collect();
+    sprinkle_faults(rng, &mut steps, &kinds, TASKS, GROUPS, 3);
     steps
 }
 
