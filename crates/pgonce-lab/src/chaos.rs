@@ -21,9 +21,10 @@
 //!
 //! Layout: [`schedule`] (steps, RNG, shrinking), [`history`], [`faults`],
 //! [`round`] (sessions and the step driver), [`checker`], and one file per
-//! scenario: [`guard`], [`sequence`], [`jobs`], [`idempotency`], [`queue`].
+//! scenario: [`guard`], [`sequence`], [`jobs`], [`idempotency`], [`queue`], [`events`].
 
 pub mod checker;
+pub mod events;
 pub mod faults;
 pub mod guard;
 pub mod history;
@@ -77,15 +78,18 @@ pub enum ScenarioKind {
     Idempotency,
     /// I6 through the FIFO queue.
     Queue,
+    /// I5 through conditional appends, under a strategy drawn per round.
+    Events,
 }
 
 impl ScenarioKind {
-    pub const ALL: [ScenarioKind; 5] = [
+    pub const ALL: [ScenarioKind; 6] = [
         ScenarioKind::Guard,
         ScenarioKind::Sequence,
         ScenarioKind::Jobs,
         ScenarioKind::Idempotency,
         ScenarioKind::Queue,
+        ScenarioKind::Events,
     ];
 
     pub fn name(self) -> &'static str {
@@ -95,6 +99,7 @@ impl ScenarioKind {
             ScenarioKind::Jobs => "jobs",
             ScenarioKind::Idempotency => "idempotency",
             ScenarioKind::Queue => "queue",
+            ScenarioKind::Events => "events",
         }
     }
 
@@ -105,6 +110,7 @@ impl ScenarioKind {
             ScenarioKind::Jobs => jobs::TASKS,
             ScenarioKind::Idempotency => idempotency::TASKS,
             ScenarioKind::Queue => queue::TASKS,
+            ScenarioKind::Events => events::TASKS,
         }
     }
 
@@ -117,6 +123,7 @@ impl ScenarioKind {
             ScenarioKind::Jobs => jobs::plan(rng, faults),
             ScenarioKind::Idempotency => idempotency::plan(rng, faults),
             ScenarioKind::Queue => queue::plan(rng, faults),
+            ScenarioKind::Events => events::plan(rng, faults),
         }
     }
 
@@ -127,6 +134,7 @@ impl ScenarioKind {
             ScenarioKind::Jobs => jobs::run(round, steps).await,
             ScenarioKind::Idempotency => idempotency::run(round, steps).await,
             ScenarioKind::Queue => queue::run(round, steps).await,
+            ScenarioKind::Events => events::run(round, steps).await,
         }
     }
 }

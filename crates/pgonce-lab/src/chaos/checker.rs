@@ -24,6 +24,7 @@ pub const I1: &str = "I1 one OPEN incident per singleton entity";
 pub const I2: &str = "I2 numbers 1..n per scope";
 pub const I3: &str = "I3 a job's side effect exactly once";
 pub const I4: &str = "I4 a key's side effect once, one response";
+pub const I5: &str = "I5 no conditional append above an event its condition forbids";
 pub const I6: &str = "I6 queue: no loss, fenced receipts, FIFO";
 pub const ATOMIC: &str = "a failed operation writes nothing";
 pub const TYPED: &str = "an exhausted pool fails with a typed error";
@@ -47,6 +48,7 @@ pub async fn check(scenario: ScenarioKind, round: &Round) -> anyhow::Result<Vec<
         ScenarioKind::Jobs => jobs(round, &mut found).await?,
         ScenarioKind::Idempotency => keys(round, entries, &mut found).await?,
         ScenarioKind::Queue => queue(round, entries, &mut found).await?,
+        ScenarioKind::Events => events(round, entries, &mut found).await?,
     }
     Ok(found)
 }
@@ -472,6 +474,43 @@ async fn queue(round: &Round, entries: &[Entry], found: &mut Vec<Violation>) -> 
             I6,
             format!("{left} messages left in the queue after the drain"),
         ));
+    }
+    Ok(())
+}
+
+async fn events(
+    round: &Round,
+    entries: &[Entry],
+    found: &mut Vec<Violation>,
+) -> anyhow::Result<()> {
+    let tag = vec![super::events::claim_tag(&round.scope)];
+    for e in entries {
+        if e.action != Action::Append {
+            continue;
+        }
+        let Some(position) = e
+            .outcome
+            .value()
+            .and_then(|v| v.get("positions"))
+            .and_then(|p| p.get(0))
+            .and_then(Value::as_i64)
+        else {
+            continue;
+        };
+        let after = e.input.get("after").and_then(Value::as_i64).unwrap_or(0);
+        let forbidden: Vec<i64> = sqlx::query_scalar(include_str!("sql/check_events.sql"))
+            .bind(super::events::CLAIM)
+            .bind(&tag)
+            .bind(after)
+            .bind(position)
+            .fetch_all(round.control())
+            .await?;
+        if !forbidden.is_empty() {
+            found.push(violation(
+                I5,
+                format!("op {} appended at {position} on the condition \"no claim after {after}\", above claims {forbidden:?}", e.op),
+            ));
+        }
     }
     Ok(())
 }

@@ -49,6 +49,20 @@ pub enum Action {
     Receive,
     /// queue: delete the current delivery by its receipt.
     Ack,
+    /// events: the round's append strategy (index into
+    /// `AppendStrategy::ALL`), the schedule's first step.
+    UseStrategy { strategy: u8 },
+    /// events: the decision read of the round's claims.
+    Decide,
+    /// events: append a claim on the decision's condition.
+    Append,
+    /// events: append with no condition, a claim or (`other_tag`) an event
+    /// under another tag.
+    AppendPlain { other_tag: bool },
+    /// events: a claim through `append_in`, in a transaction begun at
+    /// isolation `isolation` (0 READ COMMITTED, 1 REPEATABLE READ, 2
+    /// SERIALIZABLE).
+    AppendIn { isolation: u8 },
     /// A fault; `target` names the job, key or group it aims at where the
     /// fault needs one.
     Fault { fault: FaultKind, target: usize },
