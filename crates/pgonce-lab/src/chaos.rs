@@ -21,7 +21,7 @@
 //!
 //! Layout: [`schedule`] (steps, RNG, shrinking), [`history`], [`faults`],
 //! [`round`] (sessions and the step driver), [`checker`], and one file per
-//! scenario: [`guard`], [`sequence`], [`jobs`], [`idempotency`], [`queue`], [`events`].
+//! scenario: [`guard`], [`sequence`], [`jobs`], [`idempotency`], [`queue`], [`events`], [`pipeline`].
 
 pub mod checker;
 pub mod events;
@@ -30,6 +30,7 @@ pub mod guard;
 pub mod history;
 pub mod idempotency;
 pub mod jobs;
+pub mod pipeline;
 pub mod queue;
 pub mod round;
 pub mod schedule;
@@ -80,16 +81,20 @@ pub enum ScenarioKind {
     Queue,
     /// I5 through conditional appends, under a strategy drawn per round.
     Events,
+    /// I1, I2, I3 and I6 through the whole incident service (heavy: one
+    /// round in `pipeline::EVERY`).
+    Pipeline,
 }
 
 impl ScenarioKind {
-    pub const ALL: [ScenarioKind; 6] = [
+    pub const ALL: [ScenarioKind; 7] = [
         ScenarioKind::Guard,
         ScenarioKind::Sequence,
         ScenarioKind::Jobs,
         ScenarioKind::Idempotency,
         ScenarioKind::Queue,
         ScenarioKind::Events,
+        ScenarioKind::Pipeline,
     ];
 
     pub fn name(self) -> &'static str {
@@ -100,6 +105,7 @@ impl ScenarioKind {
             ScenarioKind::Idempotency => "idempotency",
             ScenarioKind::Queue => "queue",
             ScenarioKind::Events => "events",
+            ScenarioKind::Pipeline => "pipeline",
         }
     }
 
@@ -111,6 +117,7 @@ impl ScenarioKind {
             ScenarioKind::Idempotency => idempotency::TASKS,
             ScenarioKind::Queue => queue::TASKS,
             ScenarioKind::Events => events::TASKS,
+            ScenarioKind::Pipeline => pipeline::TASKS,
         }
     }
 
@@ -124,6 +131,7 @@ impl ScenarioKind {
             ScenarioKind::Idempotency => idempotency::plan(rng, faults),
             ScenarioKind::Queue => queue::plan(rng, faults),
             ScenarioKind::Events => events::plan(rng, faults),
+            ScenarioKind::Pipeline => pipeline::plan(rng, faults),
         }
     }
 
@@ -135,6 +143,7 @@ impl ScenarioKind {
             ScenarioKind::Idempotency => idempotency::run(round, steps).await,
             ScenarioKind::Queue => queue::run(round, steps).await,
             ScenarioKind::Events => events::run(round, steps).await,
+            ScenarioKind::Pipeline => pipeline::run(round, steps).await,
         }
     }
 }
@@ -233,9 +242,21 @@ impl ChaosConfig {
         }
     }
 
-    /// The scenario of round `round`: the selected ones in rotation.
+    /// The scenario of round `round`: the selected ones in rotation, the
+    /// heavy pipeline only once every `pipeline::EVERY` rounds (every
+    /// round when it is the only one).
     pub fn scenario_of(&self, round: u64) -> ScenarioKind {
-        self.scenarios[(round % self.scenarios.len() as u64) as usize]
+        let light: Vec<ScenarioKind> = self
+            .scenarios
+            .iter()
+            .copied()
+            .filter(|s| *s != ScenarioKind::Pipeline)
+            .collect();
+        let pipeline = self.scenarios.contains(&ScenarioKind::Pipeline);
+        if pipeline && (light.is_empty() || round % pipeline::EVERY == pipeline::EVERY - 1) {
+            return ScenarioKind::Pipeline;
+        }
+        light[(round % light.len() as u64) as usize]
     }
 }
 

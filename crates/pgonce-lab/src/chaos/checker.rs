@@ -26,6 +26,7 @@ pub const I3: &str = "I3 a job's side effect exactly once";
 pub const I4: &str = "I4 a key's side effect once, one response";
 pub const I5: &str = "I5 no conditional append above an event its condition forbids";
 pub const I6: &str = "I6 queue: no loss, fenced receipts, FIFO";
+pub const PIPELINE: &str = "the incident pipeline drains and settles";
 pub const ATOMIC: &str = "a failed operation writes nothing";
 pub const TYPED: &str = "an exhausted pool fails with a typed error";
 
@@ -49,6 +50,7 @@ pub async fn check(scenario: ScenarioKind, round: &Round) -> anyhow::Result<Vec<
         ScenarioKind::Idempotency => keys(round, entries, &mut found).await?,
         ScenarioKind::Queue => queue(round, entries, &mut found).await?,
         ScenarioKind::Events => events(round, entries, &mut found).await?,
+        ScenarioKind::Pipeline => pipeline(entries, &mut found),
     }
     Ok(found)
 }
@@ -513,4 +515,40 @@ async fn events(
         }
     }
     Ok(())
+}
+
+/// The incident run checks its invariants in the database with the
+/// service's own audit queries (`pgonce_incidents::invariants`), over
+/// history (I1 at every moment, not only at the end); this reads their
+/// verdicts from the history.
+fn pipeline(entries: &[Entry], found: &mut Vec<Violation>) {
+    for e in entries {
+        if !matches!(e.action, Action::Pipeline { .. }) {
+            continue;
+        }
+        let Some(v) = e.outcome.value() else {
+            found.push(violation(
+                PIPELINE,
+                format!("the incident run failed: {:?}", e.outcome),
+            ));
+            continue;
+        };
+        let detail = text(v, "detail").unwrap_or_default();
+        for (field, invariant) in [("i1", I1), ("i2", I2), ("i3", I3), ("i6", I6)] {
+            if v.get(field).and_then(Value::as_bool) != Some(true) {
+                found.push(violation(
+                    invariant,
+                    format!("the incident run broke {field}: {detail}"),
+                ));
+            }
+        }
+        for field in ["drained", "settled"] {
+            if v.get(field).and_then(Value::as_bool) != Some(true) {
+                found.push(violation(
+                    PIPELINE,
+                    format!("the incident run was not {field} in time"),
+                ));
+            }
+        }
+    }
 }

@@ -41,16 +41,20 @@ pub enum FaultKind {
     DuplicateSend,
     /// A late ack with an earlier delivery's receipt.
     StaleAck,
+    /// The pipeline's webhook receiver fails some requests and answers
+    /// others after the sender's timeout.
+    Webhook,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 6] = [
+    pub const ALL: [FaultKind; 7] = [
         FaultKind::Terminate,
         FaultKind::Restart,
         FaultKind::PoolExhaustion,
         FaultKind::Expiry,
         FaultKind::DuplicateSend,
         FaultKind::StaleAck,
+        FaultKind::Webhook,
     ];
 
     pub fn name(self) -> &'static str {
@@ -61,6 +65,7 @@ impl FaultKind {
             FaultKind::Expiry => "expiry",
             FaultKind::DuplicateSend => "duplicate-send",
             FaultKind::StaleAck => "stale-ack",
+            FaultKind::Webhook => "webhook",
         }
     }
 

@@ -46,6 +46,7 @@ pub struct Round {
     sessions: Vec<PgPool>,
     names: Vec<String>,
     control: PgPool,
+    options: PgConnectOptions,
 }
 
 impl Round {
@@ -80,6 +81,7 @@ impl Round {
             sessions,
             names,
             control,
+            options: options.clone(),
         })
     }
 
@@ -95,6 +97,11 @@ impl Round {
     /// Its `application_name`.
     pub fn session_name(&self, task: usize) -> &str {
         &self.names[task]
+    }
+
+    /// Options for the round's database, for pools of a scenario's own.
+    pub fn options(&self) -> &PgConnectOptions {
+        &self.options
     }
 
     /// A pool outside every task, for faults, drains and checks.

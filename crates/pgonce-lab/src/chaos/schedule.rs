@@ -63,6 +63,14 @@ pub enum Action {
     /// isolation `isolation` (0 READ COMMITTED, 1 REPEATABLE READ, 2
     /// SERIALIZABLE).
     AppendIn { isolation: u8 },
+    /// pipeline: one incident run of `observations` observations; with the
+    /// webhook receiver failing and answering late; a restart (when the
+    /// schedule has one) `restart_after_ms` into the run.
+    Pipeline {
+        observations: u16,
+        webhook_faults: bool,
+        restart_after_ms: u32,
+    },
     /// A fault; `target` names the job, key or group it aims at where the
     /// fault needs one.
     Fault { fault: FaultKind, target: usize },
