@@ -135,8 +135,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                     .history
                     .invoke(task, step.action, json!({ "after": after }));
                 let condition = AppendCondition::new(query.clone(), after);
-                let _ = &condition;
-                let appended = store.append(&[claim()], None).await; // BROKEN ON PURPOSE
+                let appended = store.append(&[claim()], Some(&condition)).await;
                 round.history.finish(
                     op,
                     &appended
