@@ -217,13 +217,13 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     // The drain: every consumer acks what it holds, then whatever is left
     // is received and acked until the queue is empty.
     let drain = round.tasks();
-    for task in 0..consumers.len() {
-        let held: Vec<Receipt> = consumers[task]
+    for consumer in &mut consumers {
+        let held: Vec<Receipt> = consumer
             .current
             .take()
             .map(|d| d.receipt)
             .into_iter()
-            .chain(consumers[task].earlier.drain(..))
+            .chain(consumer.earlier.drain(..))
             .collect();
         for receipt in held {
             ack(round, &control, drain, Action::Ack, &receipt).await;

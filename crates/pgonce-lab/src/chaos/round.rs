@@ -127,7 +127,7 @@ impl Round {
     pub async fn settle<T: Send + 'static>(
         &self,
         task: usize,
-        mut step: JoinHandle<T>,
+        step: JoinHandle<T>,
     ) -> anyhow::Result<Settled<T>> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -147,8 +147,6 @@ impl Round {
             }
             // Polling the lock table; the verdict never rests on this pause.
             tokio::time::sleep(Duration::from_millis(2)).await;
-            // A finished step is collected at the top of the loop.
-            let _ = &mut step;
         }
     }
 

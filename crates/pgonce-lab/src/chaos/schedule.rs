@@ -177,17 +177,18 @@ where
             tries += 1;
             if still_fails(&candidate).await {
                 current = candidate;
-                parts = (parts - 1).max(2);
                 reduced = true;
                 break;
             }
         }
-        if !reduced {
-            if parts >= current.len() {
-                break;
-            }
-            parts = (parts * 2).min(current.len());
+        if reduced {
+            parts = (parts - 1).max(2);
+            continue;
         }
+        if parts >= current.len() {
+            break;
+        }
+        parts = (parts * 2).min(current.len());
     }
     current
 }
