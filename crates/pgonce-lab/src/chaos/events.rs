@@ -49,12 +49,7 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
         })
         .collect();
     let mut steps = interleave(rng, programs);
-    let kinds: Vec<FaultKind> = faults
-        .iter()
-        .copied()
-        .filter(|f| FaultKind::GENERIC.contains(f))
-        .collect();
-    sprinkle_faults(rng, &mut steps, &kinds, TASKS, 1, 2);
+    sprinkle_faults(rng, &mut steps, faults, &[], TASKS, 1, 2);
     // The round's strategy, first, so a replay uses the same one.
     let strategy = rng.random_range(0..AppendStrategy::ALL.len() as u8);
     steps.insert(

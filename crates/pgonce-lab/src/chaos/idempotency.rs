@@ -38,12 +38,15 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
         })
         .collect();
     let mut steps = interleave(rng, programs);
-    let kinds: Vec<FaultKind> = faults
-        .iter()
-        .copied()
-        .filter(|f| FaultKind::GENERIC.contains(f) || *f == FaultKind::Expiry)
-        .collect();
-    sprinkle_faults(rng, &mut steps, &kinds, TASKS, KEYS, 3);
+    sprinkle_faults(
+        rng,
+        &mut steps,
+        faults,
+        &[FaultKind::Expiry],
+        TASKS,
+        KEYS,
+        3,
+    );
     steps
 }
 

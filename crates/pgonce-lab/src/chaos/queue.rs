@@ -57,12 +57,15 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
         }
     }
     let mut steps = interleave(rng, programs);
-    let kinds: Vec<FaultKind> = faults
-        .iter()
-        .copied()
-        .filter(|f| FaultKind::GENERIC.contains(f) || *f == FaultKind::DuplicateSend)
-        .collect();
-    sprinkle_faults(rng, &mut steps, &kinds, TASKS, GROUPS, 3);
+    sprinkle_faults(
+        rng,
+        &mut steps,
+        faults,
+        &[FaultKind::DuplicateSend],
+        TASKS,
+        GROUPS,
+        3,
+    );
     steps
 }
 

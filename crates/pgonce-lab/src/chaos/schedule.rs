@@ -112,18 +112,24 @@ pub fn interleave(rng: &mut StdRng, programs: Vec<Vec<Action>>) -> Vec<Step> {
     steps
 }
 
-/// Inserts up to `max` faults drawn from `kinds` (those the scenario can
-/// use, already filtered by the run's `--faults`) at random points, each
-/// aimed at a random task and target. A restart is rarer than the rest:
-/// it costs seconds.
+/// Inserts up to `max` faults at random points, each aimed at a random
+/// task and target, drawn from those of the run's `faults` that every
+/// scenario takes ([`FaultKind::GENERIC`]) or that are in the scenario's
+/// `extra`. A restart is rarer than the rest: it costs seconds.
 pub fn sprinkle_faults(
     rng: &mut StdRng,
     steps: &mut Vec<Step>,
-    kinds: &[FaultKind],
+    faults: &[FaultKind],
+    extra: &[FaultKind],
     tasks: usize,
     targets: usize,
     max: usize,
 ) {
+    let kinds: Vec<FaultKind> = faults
+        .iter()
+        .copied()
+        .filter(|f| FaultKind::GENERIC.contains(f) || extra.contains(f))
+        .collect();
     if kinds.is_empty() {
         return;
     }
