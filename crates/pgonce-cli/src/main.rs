@@ -2,7 +2,7 @@
 //! logging and hands over to the library; nothing here decides anything.
 //!
 //! The product's commands (`migrate`, `serve`, `worker`, `rollout`) are
-//! always here. The lab's (`demo`, `race`, `bench`) come with the `lab`
+//! always here. The lab's (`demo`, `race`, `bench`, `chaos`) come with the `lab`
 //! feature, from the `pgonce-lab` crate: one command for users, and a
 //! deployed server that links no benchmark peer, no second sqlx and no
 //! test kit.
@@ -18,7 +18,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 #[cfg(feature = "lab")]
-use pgonce_lab::{bench, demo, race, report::Report};
+use pgonce_lab::{bench, chaos, demo, race, report::Report};
 
 use crate::database::Database;
 
@@ -64,6 +64,10 @@ enum Command {
     /// database, under redeliveries, duplicates and a killed worker, and
     /// check every invariant. Exit 0 iff all hold.
     Demo(demo::DemoArgs),
+    #[cfg(feature = "lab")]
+    /// An adversary: concurrent workloads under injected faults, their
+    /// history checked against the invariants. Exit 0 iff none broke.
+    Chaos(chaos::ChaosArgs),
     /// Run the incident service: HTTP API and background workers, until
     /// Ctrl-C or SIGTERM.
     Serve(serve::ServeArgs),
@@ -91,6 +95,10 @@ fn main() -> ExitCode {
     let default_filter = match cli.command {
         #[cfg(feature = "lab")]
         Command::Demo(_) => "error,pgonce_lab=info",
+        // The adversary causes terminated backends, stale receipts and lost
+        // leases on purpose; its history and report hold each one.
+        #[cfg(feature = "lab")]
+        Command::Chaos(_) => "error",
         _ => "warn,pgonce=info,sqlx::query=error",
     };
     tracing_subscriber::fmt()
@@ -192,6 +200,8 @@ async fn run(cli: &Cli, flag_url: bool) -> anyhow::Result<Option<Report>> {
         Command::Bench(args) => bench::run(args, url).await.map(Some),
         #[cfg(feature = "lab")]
         Command::Demo(args) => demo::run(args, url).await.map(Some),
+        #[cfg(feature = "lab")]
+        Command::Chaos(args) => chaos::run(args, url).await.map(Some),
         Command::Serve(args) => serve::run(args, service_url, true).await.map(|()| None),
         Command::Worker(args) => serve::run(args, service_url, false).await.map(|()| None),
         Command::Rollout(args) => serve::rollout(args, service_url).await.map(|()| None),

@@ -16,6 +16,7 @@
 
 pub mod behind_pooler;
 pub mod bench;
+pub mod chaos;
 pub mod demo;
 pub mod guard_strategy;
 pub mod incident_run;

@@ -1,0 +1,172 @@
+//! Scenario `jobs` (I3): two jobs, three workers claiming and completing
+//! them with leases, a lease that runs out while its worker is busy (then
+//! the reaper returns the job), and at the end a drain that finishes every
+//! job. Each job's side effect, recorded with its job id in the
+//! transaction that completes it, must exist exactly once.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rand::Rng;
+use rand::rngs::StdRng;
+use serde_json::{Value, json};
+
+use pgonce::job::{self, Lease, NewJob, Reaper, ReaperConfig};
+
+use super::faults::{self, FaultKind};
+use super::history::Outcome;
+use super::round::Round;
+use super::schedule::{Action, Step, interleave, sprinkle_faults};
+
+pub const TASKS: usize = 3;
+const JOBS: usize = 2;
+/// Long enough never to run out by itself: leases expire only by fault.
+const LEASE: Duration = Duration::from_secs(300);
+const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+    let programs = (0..TASKS)
+        .map(|_| {
+            let mut program = Vec::new();
+            for _ in 0..rng.random_range(1..=2) {
+                let job = rng.random_range(0..JOBS);
+                program.extend([Action::Claim { job }, Action::Complete { job }]);
+            }
+            program
+        })
+        .collect();
+    let mut steps = interleave(rng, programs);
+    sprinkle_faults(
+        rng,
+        &mut steps,
+        faults,
+        &[FaultKind::Expiry],
+        TASKS,
+        JOBS,
+        3,
+    );
+    steps
+}
+
+pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+    let mut ids = Vec::with_capacity(JOBS);
+    for n in 0..JOBS {
+        let new = NewJob::new(&round.scope, json!({ "n": n })).max_attempts(1000);
+        ids.push(job::enqueue(round.control(), &new).await?);
+    }
+    let reaper = Reaper::new(round.control().clone(), ReaperConfig::default())?;
+    let mut leases: Vec<BTreeMap<usize, Lease>> = vec![BTreeMap::new(); round.tasks()];
+    for step in steps {
+        let task = step.task;
+        let pool = round.session(task).clone();
+        match step.action {
+            Action::Fault {
+                fault: FaultKind::Expiry,
+                target,
+            } => {
+                let expired = expire(round, &reaper, ids[target % JOBS]).await;
+                round.stats.fault(FaultKind::Expiry);
+                round.history.record(
+                    task,
+                    step.action,
+                    json!({ "job": ids[target % JOBS] }),
+                    expired,
+                );
+            }
+            Action::Fault { fault, target } => {
+                faults::inject_generic(round, task, fault, target).await;
+            }
+            Action::Claim { job } => {
+                let id = ids[job % JOBS];
+                let op = round
+                    .history
+                    .invoke(task, step.action, json!({ "job": id }));
+                let claimed = job::claim(&pool, id, LEASE).await;
+                round.history.finish(op, &claimed.as_ref().map(|l| l.token));
+                round.after_operation(task, claimed.is_ok());
+                if let Ok(lease) = claimed {
+                    leases[task].insert(job % JOBS, lease);
+                }
+            }
+            Action::Complete { job } => {
+                let Some(lease) = leases[task].remove(&(job % JOBS)) else {
+                    round
+                        .history
+                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    continue;
+                };
+                let op = round
+                    .history
+                    .invoke(task, step.action, json!({ "job": lease.job_id }));
+                let done = work(&pool, &round.scope, &lease, op).await;
+                round.history.finish(op, &done);
+                round.after_operation(task, done.is_ok());
+            }
+            _ => {
+                round
+                    .history
+                    .record(task, step.action, Value::Null, Outcome::Skipped);
+            }
+        }
+    }
+    // The drain: what a surviving worker and the reaper do eventually.
+    let drain = round.tasks();
+    for &id in &ids {
+        for _ in 0..3 {
+            let op = round
+                .history
+                .invoke(drain, Action::Claim { job: 0 }, json!({ "job": id }));
+            let claimed = job::claim(round.control(), id, LEASE).await;
+            round.history.finish(op, &claimed.as_ref().map(|l| l.token));
+            match claimed {
+                Ok(lease) => {
+                    let op = round.history.invoke(
+                        drain,
+                        Action::Complete { job: 0 },
+                        json!({ "job": id }),
+                    );
+                    let done = work(round.control(), &round.scope, &lease, op).await;
+                    round.history.finish(op, &done);
+                    if done.is_ok() {
+                        break;
+                    }
+                }
+                Err(pgonce::Error::AlreadyHandled { .. }) => break,
+                Err(_) => {
+                    let _ = expire(round, &reaper, id).await;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The side effect and the completion, in one transaction.
+async fn work(pool: &sqlx::PgPool, scope: &str, lease: &Lease, op: i64) -> pgonce::Result<()> {
+    let mut tx = pool.begin_with(READ_COMMITTED).await?;
+    sqlx::query(include_str!("sql/job_effect.sql"))
+        .bind(scope)
+        .bind(lease.job_id)
+        .bind(op)
+        .execute(&mut *tx)
+        .await?;
+    job::complete(&mut *tx, lease, &json!({ "op": op })).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Runs job `id`'s lease out and lets the reaper return it.
+async fn expire(round: &Round, reaper: &Reaper, id: i64) -> Outcome {
+    let expired = async {
+        sqlx::query(include_str!("sql/job_expire.sql"))
+            .bind(id)
+            .execute(round.control())
+            .await?;
+        reaper.run_once().await
+    }
+    .await;
+    match expired {
+        Ok(counts) => Outcome::ok(json!({ "returned": counts.returned, "dead": counts.dead })),
+        Err(e) => Outcome::error(&e),
+    }
+}

@@ -1,0 +1,141 @@
+//! Scenario `pipeline` (I1, I2, I3, I6 together): the whole incident
+//! service at a small size, through [`crate::incident_run`], the run
+//! `pgonce demo` renders: observations on the FIFO queue with duplicate
+//! sends, a visibility timeout shorter than the slow evaluations, people
+//! declaring and resolving, one worker runtime killed part-way (its tasks
+//! aborted mid-message) and replaced, a webhook receiver that fails and
+//! answers late, and (with the `restart` fault, on the run's own cluster)
+//! the server restarted mid-run. Heavy: the rotation runs it once every
+//! [`EVERY`] rounds.
+
+use std::time::Duration;
+
+use rand::Rng;
+use rand::rngs::StdRng;
+use serde_json::json;
+use sqlx::postgres::PgPoolOptions;
+
+use pgonce_incidents::webhook::ReceiverFaults;
+
+use super::faults::FaultKind;
+use super::history::Outcome;
+use super::round::Round;
+use super::schedule::{Action, Step};
+use crate::incident_run::{self, IncidentRunConfig};
+
+pub const TASKS: usize = 1;
+/// One round in this many is the pipeline's, when it is selected with
+/// others.
+pub const EVERY: u64 = 25;
+
+pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+    let mut steps = Vec::new();
+    if faults.contains(&FaultKind::Restart) && rng.random_bool(0.5) {
+        steps.push(Step {
+            task: 0,
+            action: Action::Fault {
+                fault: FaultKind::Restart,
+                target: 0,
+            },
+        });
+    }
+    steps.push(Step {
+        task: 0,
+        action: Action::Pipeline {
+            observations: rng.random_range(40..=80),
+            webhook_faults: faults.contains(&FaultKind::Webhook),
+            restart_after_ms: rng.random_range(200..=1500),
+        },
+    });
+    steps
+}
+
+pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+    let restart_wanted = steps.iter().any(|s| {
+        matches!(
+            s.action,
+            Action::Fault {
+                fault: FaultKind::Restart,
+                ..
+            }
+        )
+    });
+    for step in steps {
+        let Action::Pipeline {
+            observations,
+            webhook_faults,
+            restart_after_ms,
+        } = step.action
+        else {
+            continue;
+        };
+        let mut config = IncidentRunConfig::quick();
+        config.observations = observations as usize;
+        config.receiver = if webhook_faults {
+            round.stats.fault(FaultKind::Webhook);
+            config.receiver
+        } else {
+            ReceiverFaults {
+                fail_rate: 0.0,
+                late_rate: 0.0,
+                late_by: Duration::ZERO,
+            }
+        };
+        let restart = match restart_wanted.then(|| round.restarters.pop()).flatten() {
+            Some(restarter) => {
+                round.stats.fault(FaultKind::Restart);
+                Some((Duration::from_millis(restart_after_ms as u64), restarter))
+            }
+            None => None,
+        };
+        // The incident run wants an empty database: one of its own, on
+        // the same server, dropped afterwards.
+        let name = format!("pgonce_chaos_{}", round.scope.replace('-', "_"));
+        let sql = |template: &str| sqlx::AssertSqlSafe(template.replace("{name}", &name));
+        sqlx::raw_sql(sql(include_str!("sql/pipeline_create_database.sql")))
+            .execute(round.control())
+            .await?;
+        let input = json!({ "restart": restart.is_some(), "database": name });
+        let op = round.history.invoke(0, step.action, input);
+        let outcome = async {
+            let pool = PgPoolOptions::new()
+                .max_connections(30)
+                .connect_with(round.options().clone().database(&name))
+                .await?;
+            let outcome = incident_run::run(&pool, &config, restart, None).await;
+            pool.close().await;
+            outcome
+        }
+        .await;
+        sqlx::raw_sql(sql(include_str!("sql/pipeline_drop_database.sql")))
+            .execute(round.control())
+            .await?;
+        let recorded = match outcome {
+            Ok(o) => {
+                if let Some(r) = &o.restart {
+                    round.stats.recoveries.push(super::Recovery {
+                        after: "restart",
+                        millis: (r.took_secs * 1000.0) as u64,
+                    });
+                }
+                Outcome::ok(json!({
+                    "i1": o.invariants.i1(),
+                    "i2": o.invariants.i2(),
+                    "i3": o.invariants.i3() && o.notifications.holds(),
+                    "i6": o.invariants.i6() && o.observations.holds(),
+                    "drained": o.drained,
+                    "settled": o.settled,
+                    "incidents": o.tallies.incidents,
+                    "notifications": o.tallies.notifications,
+                    "detail": format!("{:?}", o.invariants),
+                }))
+            }
+            Err(e) => Outcome::Err {
+                kind: super::history::ErrorKind::Other,
+                message: format!("{e:#}"),
+            },
+        };
+        round.history.complete(op, recorded);
+    }
+    Ok(())
+}

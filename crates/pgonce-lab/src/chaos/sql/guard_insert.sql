@@ -1,0 +1,1 @@
+INSERT INTO public.chaos_incident (scope, entity, op) VALUES ($1, $2, $3)
