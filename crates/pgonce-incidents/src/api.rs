@@ -95,6 +95,9 @@ impl Default for ApiConfig {
 }
 
 impl ApiConfig {
+    /// Checks the admin token (at least 16 bytes when set), the header and body
+    /// timeouts (above zero) and the body limit (at least 1024 bytes);
+    /// otherwise [`Error::Invalid`].
     pub fn validate(&self) -> crate::Result<()> {
         if let Some(token) = &self.admin_token
             && token.len() < 16
@@ -173,10 +176,12 @@ impl ApiState {
         })
     }
 
+    /// The incident service the handlers call.
     pub fn service(&self) -> &Service {
         &self.inner.service
     }
 
+    /// The settings the API was built with.
     pub fn config(&self) -> &ApiConfig {
         &self.inner.config
     }

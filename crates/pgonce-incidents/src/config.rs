@@ -49,14 +49,24 @@ use crate::service::ServiceConfig;
 pub enum ConfigError {
     /// The named file could not be read.
     #[error("configuration file {path}: {reason}")]
-    File { path: PathBuf, reason: String },
+    File {
+        /// The file, as given.
+        path: PathBuf,
+        /// Why it could not be read.
+        reason: String,
+    },
     /// A key unknown, or a value of the wrong type, in the file or the
     /// environment. The message names the key and where it came from.
     #[error("{0}")]
     Load(String),
     /// A value of the right type that cannot work.
     #[error("{key}: {why}")]
-    Invalid { key: &'static str, why: String },
+    Invalid {
+        /// The key at fault (`pipeline.visibility_timeout`).
+        key: &'static str,
+        /// Why its value cannot work.
+        why: String,
+    },
 }
 
 fn invalid(key: &'static str, why: impl ToString) -> ConfigError {
@@ -70,12 +80,19 @@ fn invalid(key: &'static str, why: impl ToString) -> ConfigError {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
+    /// `[database]`.
     pub database: DatabaseSection,
+    /// `[queue]`.
     pub queue: QueueSection,
+    /// `[api]`.
     pub api: ApiSection,
+    /// `[pipeline]`.
     pub pipeline: PipelineSection,
+    /// `[notifier]`.
     pub notifier: NotifierSection,
+    /// `[service]`.
     pub service: ServiceSection,
+    /// `[maintenance]`.
     pub maintenance: MaintenanceSection,
 }
 
@@ -822,6 +839,7 @@ impl Config {
             .or(self.database.url.as_deref())
     }
 
+    /// The [`ServiceConfig`] of `[service]`.
     pub fn service_config(&self) -> ServiceConfig {
         ServiceConfig {
             numbering: self.service.numbering.into(),
@@ -830,6 +848,7 @@ impl Config {
         }
     }
 
+    /// The [`ApiConfig`] of `[api]`.
     pub fn api_config(&self) -> ApiConfig {
         ApiConfig {
             admin_token: self.api.admin_token.clone(),
@@ -870,6 +889,10 @@ impl Config {
         }
     }
 
+    /// The [`WorkerConfig`] of `[pipeline]`. The heartbeat extends a
+    /// message's visibility by a whole `visibility_timeout` every third of
+    /// one, so a message still being handled stays hidden from other
+    /// workers however short the timeout.
     pub fn worker_config(&self) -> WorkerConfig {
         let visibility = self.pipeline.visibility_timeout;
         WorkerConfig {
@@ -906,6 +929,8 @@ impl Config {
         })
     }
 
+    /// The [`RuntimeConfig`] of `[pipeline]`, `[notifier]` (no notifier
+    /// without a `webhook_url`) and `[maintenance]`.
     pub fn runtime_config(&self) -> RuntimeConfig {
         let e = &self.pipeline.evaluator;
         RuntimeConfig {

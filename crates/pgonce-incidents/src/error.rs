@@ -8,31 +8,52 @@ pub enum Error {
     /// No such row in the caller's organization (a row of another
     /// organization is reported the same way: its existence is not revealed).
     #[error("{what} {id} not found")]
-    NotFound { what: &'static str, id: String },
+    NotFound {
+        /// What was looked for (`incident`, `entity`, `policy`).
+        what: &'static str,
+        /// The id asked for, as given.
+        id: String,
+    },
 
     /// The incident is not in a state from which this transition is allowed
     /// (acknowledging a resolved incident, resolving one twice).
     #[error("incident {id} is {from}; cannot {action} it")]
     InvalidTransition {
+        /// The incident's id.
         id: i64,
+        /// Its lifecycle state when the transition was refused (`RESOLVED`).
         from: String,
+        /// The refused transition (`acknowledge`, `resolve`).
         action: &'static str,
     },
 
     /// Input that can never succeed (an empty name, a malformed rule, a body
     /// that is not an observation).
     #[error("invalid {what}: {why}")]
-    Invalid { what: &'static str, why: String },
+    Invalid {
+        /// What was rejected (`title`, `rule value`, `observation`).
+        what: &'static str,
+        /// Why, in words a caller can show.
+        why: String,
+    },
 
     /// A policy's evaluation failed (its evaluator returned an error: a
     /// remote call refused or timed out). Transient: the pipeline leaves the
     /// message on the queue, and its redelivery evaluates again.
     #[error("evaluating policy {policy:?} failed: {why}")]
-    Evaluation { policy: String, why: String },
+    Evaluation {
+        /// The policy's name.
+        policy: String,
+        /// The evaluator's error.
+        why: String,
+    },
 
     /// A name or key that must be unique already exists.
     #[error("{what} already exists")]
-    AlreadyExists { what: &'static str },
+    AlreadyExists {
+        /// What already exists (`organization`, `policy`).
+        what: &'static str,
+    },
 
     /// A missing, malformed or revoked API key.
     #[error("unauthorized: {0}")]
@@ -109,6 +130,7 @@ impl Error {
     }
 }
 
+/// `Result` with the incident service's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[cfg(test)]

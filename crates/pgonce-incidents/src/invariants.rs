@@ -25,7 +25,9 @@ use crate::error::Result;
 /// though the policy allowed one at a time for that entity then.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DuplicateOpen {
+    /// The singleton policy.
     pub policy_id: i64,
+    /// The entity it had two OPEN incidents for.
     pub entity_id: i64,
     /// The incident that should not have opened.
     pub incident_id: i64,
@@ -38,45 +40,63 @@ pub struct DuplicateOpen {
 /// One organization whose numbers are not 1..n.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct NumberGap {
+    /// The organization.
     pub organization_id: i64,
+    /// How many incidents it has (n).
     pub count: i64,
+    /// Its lowest number (1 when I2 holds).
     pub min: i64,
+    /// Its highest number (`count` when I2 holds).
     pub max: i64,
+    /// How many distinct numbers it has (`count` when I2 holds).
     pub distinct: i64,
 }
 
 /// One incident not notified exactly once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct NotNotifiedOnce {
+    /// The incident.
     pub incident_id: i64,
+    /// Its `notifications` rows (1 when I3 holds).
     pub notifications: i64,
+    /// Its notification jobs still in `pgonce.jobs` (0 or 1 when I3 holds).
     pub jobs: i64,
+    /// Those of its notification jobs that are completed (all of them when I3
+    /// holds).
     pub completed_jobs: i64,
 }
 
 /// The outcome of every check. Each list is empty when its invariant holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct InvariantReport {
+    /// I1's violations, over the whole database.
     pub i1_duplicate_open: Vec<DuplicateOpen>,
+    /// I2's violations, over the whole database.
     pub i2_number_gaps: Vec<NumberGap>,
+    /// I3's violations, for the organizations checked.
     pub i3_not_notified_once: Vec<NotNotifiedOnce>,
     /// Message ids sent but never processed.
     pub i6_unprocessed: Vec<String>,
 }
 
 impl InvariantReport {
+    /// Whether I1 holds.
     pub fn i1(&self) -> bool {
         self.i1_duplicate_open.is_empty()
     }
+    /// Whether I2 holds.
     pub fn i2(&self) -> bool {
         self.i2_number_gaps.is_empty()
     }
+    /// Whether I3 holds.
     pub fn i3(&self) -> bool {
         self.i3_not_notified_once.is_empty()
     }
+    /// Whether I6 holds.
     pub fn i6(&self) -> bool {
         self.i6_unprocessed.is_empty()
     }
+    /// Whether I1, I2, I3 and I6 all hold.
     pub fn all_hold(&self) -> bool {
         self.i1() && self.i2() && self.i3() && self.i6()
     }
@@ -178,8 +198,11 @@ pub async fn check(
 /// Totals for a report over `organizations`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct Tallies {
+    /// Incidents, in any lifecycle state.
     pub incidents: i64,
+    /// Incidents still OPEN.
     pub open: i64,
+    /// `notifications` rows: notifications delivered.
     pub notifications: i64,
     /// Deliveries the pipeline finished (first and repeated).
     pub deliveries_processed: i64,
@@ -192,6 +215,7 @@ pub struct Tallies {
     pub declared: i64,
 }
 
+/// The [`Tallies`] of `organizations`, read in one statement.
 pub async fn tallies(pool: &PgPool, organizations: &[i64]) -> Result<Tallies> {
     Ok(sqlx::query_as(include_str!("invariants/sql/tallies.sql"))
         .bind(organizations)

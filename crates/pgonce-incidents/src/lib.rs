@@ -32,6 +32,8 @@
 //!   organization, JSON errors, `/openapi.json`.
 //! * [`migrate`](migrate()): the service's schema (`incidents`, versions 1001+).
 
+#![warn(missing_docs)]
+
 pub mod api;
 pub mod config;
 pub mod error;

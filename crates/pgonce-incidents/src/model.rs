@@ -197,19 +197,30 @@ pub fn check_attributes(attributes: &Value) -> Result<()> {
     Ok(())
 }
 
+/// A tenant: everything else (API keys, entities, policies, incidents)
+/// belongs to exactly one organization.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Organization {
+    /// The organization's id.
     pub id: i64,
+    /// Its name, 1 to 200 characters.
     pub name: String,
+    /// When it was created (RFC 3339).
     #[serde(with = "time::serde::rfc3339")]
     #[schemars(with = "String")]
     pub created_at: OffsetDateTime,
 }
 
+/// Something observed (a host, a service), created on its first observation
+/// and identified within its organization by its external id.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Entity {
+    /// The entity's id, assigned by the service.
     pub id: i64,
+    /// The organization it belongs to.
     pub organization_id: i64,
+    /// The producer's id of the entity, unique within the organization
+    /// (an observation's `entity`).
     pub external_id: String,
     /// The latest observation's attributes.
     #[schemars(with = "AttributesSchema")]
@@ -233,6 +244,8 @@ pub enum Singleton {
 }
 
 impl Singleton {
+    /// The name stored in the database and used in JSON: `never`, `always`,
+    /// `per_entity`.
     pub fn as_str(self) -> &'static str {
         match self {
             Singleton::Never => "never",
@@ -261,11 +274,17 @@ impl FromStr for Singleton {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Op {
+    /// Violated when the attribute is greater than the value.
     Gt,
+    /// Violated when the attribute is greater than or equal to the value.
     Gte,
+    /// Violated when the attribute is less than the value.
     Lt,
+    /// Violated when the attribute is less than or equal to the value.
     Lte,
+    /// Violated when the attribute equals the value.
     Eq,
+    /// Violated when the attribute differs from the value.
     Ne,
 }
 
@@ -274,13 +293,18 @@ pub enum Op {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Rule {
+    /// The observation attribute compared, 1 to 200 characters.
     #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     pub attribute: String,
+    /// How the attribute is compared with `value`.
     pub op: Op,
+    /// The threshold; a finite number.
     pub value: f64,
 }
 
 impl Rule {
+    /// Checks the attribute name ([`check_name`]) and that `value` is finite and
+    /// stored exactly by the database; otherwise [`Error::Invalid`].
     pub fn validate(&self) -> Result<()> {
         check_name("rule attribute", &self.attribute)?;
         let exact =
@@ -310,12 +334,20 @@ impl Rule {
     }
 }
 
+/// What an organization watches for: a rule evaluated against each
+/// observation, and whether the incidents it opens are singletons (I1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Policy {
+    /// The policy's id.
     pub id: i64,
+    /// The organization it belongs to.
     pub organization_id: i64,
+    /// Its name, 1 to 200 characters; incidents it opens are titled
+    /// `<name> violated on <entity>`.
     pub name: String,
+    /// How many OPEN incidents it may have per entity.
     pub singleton: Singleton,
+    /// The rule an observation violates to open an incident.
     pub rule: Rule,
 }
 
@@ -325,12 +357,17 @@ pub struct Policy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Lifecycle {
+    /// Opened, nobody has acknowledged it yet. Counts for I1.
     Open,
+    /// Someone is on it. No longer counts as OPEN for I1.
     Acknowledged,
+    /// Closed; final.
     Resolved,
 }
 
 impl Lifecycle {
+    /// The name stored in the database and used in JSON: `OPEN`,
+    /// `ACKNOWLEDGED`, `RESOLVED`.
     pub fn as_str(self) -> &'static str {
         match self {
             Lifecycle::Open => "OPEN",
@@ -361,25 +398,39 @@ impl FromStr for Lifecycle {
     }
 }
 
+/// An incident: opened by the pipeline for a policy and an entity, or declared
+/// by hand, numbered per organization.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Incident {
+    /// The incident's id, unique across organizations.
     pub id: i64,
+    /// The organization it belongs to.
     pub organization_id: i64,
     /// The organization's number: 1, 2, 3... without gaps (I2).
     pub number: i64,
+    /// The policy whose rule opened it; none for a declared incident.
     pub policy_id: Option<i64>,
+    /// The entity it is about; none for a declaration that named no entity.
     pub entity_id: Option<i64>,
+    /// Where it is in its lifecycle.
     pub lifecycle: Lifecycle,
+    /// Its title, 1 to 1000 characters.
     pub title: String,
+    /// Who opened it: `pipeline`, or the declaring actor.
     pub opened_by: String,
+    /// When it was opened (RFC 3339).
     #[serde(with = "time::serde::rfc3339")]
     #[schemars(with = "String")]
     pub opened_at: OffsetDateTime,
+    /// Who acknowledged it, once someone has.
     pub acknowledged_by: Option<String>,
+    /// When it was acknowledged (RFC 3339), once it has been.
     #[serde(with = "time::serde::rfc3339::option")]
     #[schemars(with = "Option<String>")]
     pub acknowledged_at: Option<OffsetDateTime>,
+    /// Who resolved it, once someone has.
     pub resolved_by: Option<String>,
+    /// When it was resolved (RFC 3339), once it has been.
     #[serde(with = "time::serde::rfc3339::option")]
     #[schemars(with = "Option<String>")]
     pub resolved_at: Option<OffsetDateTime>,
@@ -389,6 +440,8 @@ pub struct Incident {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Observation {
+    /// The organization the observation belongs to; an integer (JSON may spell
+    /// `38` as `38.0`).
     #[serde(deserialize_with = "integral")]
     #[schemars(with = "i64")]
     pub organization_id: i64,
@@ -417,6 +470,8 @@ impl Observation {
         Ok(o)
     }
 
+    /// Checks the entity, the message id and the attributes
+    /// ([`check_attributes`]); otherwise [`Error::Invalid`].
     pub fn validate(&self) -> Result<()> {
         check_name("entity", &self.entity)?;
         if let Some(id) = &self.message_id {
@@ -470,8 +525,11 @@ fn scoped_id(organization_id: i64, text: &str) -> String {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IncidentFilter {
+    /// Only incidents in this lifecycle state.
     pub lifecycle: Option<Lifecycle>,
+    /// Only incidents opened by this policy.
     pub policy_id: Option<i64>,
+    /// Only incidents about this entity.
     pub entity_id: Option<i64>,
     /// Only numbers below this one.
     pub before: Option<i64>,
@@ -505,6 +563,7 @@ impl IncidentFilter {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Declaration {
+    /// The incident's title, 1 to 1000 characters, not only white space.
     pub title: String,
     /// Optional entity (external id) the incident is about.
     #[serde(default)]
@@ -516,6 +575,8 @@ pub struct Declaration {
 }
 
 impl Declaration {
+    /// Checks the title ([`check_title`]), the entity and the idempotency key
+    /// ([`check_name`]); otherwise [`Error::Invalid`].
     pub fn validate(&self) -> Result<()> {
         check_title(&self.title)?;
         if let Some(e) = &self.entity {

@@ -53,6 +53,8 @@ pub struct NotifierConfig {
 }
 
 impl NotifierConfig {
+    /// Settings that post to `webhook_url`, every other field at its default.
+    /// Checked by [`NotifierConfig::validate`], not here.
     pub fn new(webhook_url: impl Into<String>) -> NotifierConfig {
         NotifierConfig {
             webhook_url: webhook_url.into(),
@@ -64,6 +66,9 @@ impl NotifierConfig {
         }
     }
 
+    /// Checks the URL (http or https), the batch (at least 1), that the lease
+    /// exceeds the timeout, that idle is above zero, and the retry policy;
+    /// otherwise [`Error::Invalid`].
     pub fn validate(&self) -> Result<()> {
         let url = reqwest::Url::parse(&self.webhook_url)
             .map_err(|e| Error::invalid("webhook_url", e.to_string()))?;
@@ -138,6 +143,8 @@ enum Sent {
 }
 
 impl Notifier {
+    /// A notifier on the service's pool. [`Error::Invalid`] for a config that
+    /// fails [`NotifierConfig::validate`] or an HTTP client that cannot be built.
     pub fn new(service: &Service, config: NotifierConfig) -> Result<Notifier> {
         config.validate()?;
         let client = reqwest::Client::builder()

@@ -30,6 +30,9 @@ use crate::store;
 /// Decides whether an observation violates a policy. Implementations may be
 /// slow (remote calls, model calls): nothing is held while they run.
 pub trait Evaluator: Send + Sync + 'static {
+    /// Whether `observation` of `entity` violates `policy`. An error is an
+    /// evaluation failure: the pipeline counts it and leaves the message on the
+    /// queue, so its redelivery evaluates again.
     fn evaluate(
         &self,
         policy: &Policy,
@@ -75,6 +78,8 @@ pub struct SimulatedEvaluator {
 }
 
 impl SimulatedEvaluator {
+    /// An evaluator with `config`; [`Error::Invalid`] if a rate is outside
+    /// 0 to 1.
     pub fn new(config: SimulatedEvaluatorConfig) -> Result<SimulatedEvaluator> {
         for rate in [config.failure_rate, config.slow_rate] {
             if !(0.0..=1.0).contains(&rate) {
@@ -122,32 +127,48 @@ pub fn on_guarded_path(entity_id: i64, percent: u8) -> bool {
 /// What the pipeline did, summed over every message handled.
 #[derive(Debug, Default)]
 pub struct PipelineCounters {
+    /// Deliveries handled, redeliveries included.
     pub messages: AtomicU64,
     /// Deliveries after the first of a message.
     pub redeliveries: AtomicU64,
+    /// Incidents opened, on either write path.
     pub incidents_opened: AtomicU64,
     /// Guarded writes refused because the state changed since the decision.
     pub conflicts: AtomicU64,
     /// Violations with an incident already open (singleton) or already
     /// opened by an earlier delivery of the message.
     pub already_open: AtomicU64,
+    /// Deliveries whose evaluation failed and were left on the queue.
     pub evaluation_failures: AtomicU64,
+    /// Deliveries refused as malformed: a body that is not an observation, or
+    /// an organization that does not exist.
     pub malformed: AtomicU64,
+    /// Incidents opened on the guarded path ([`WritePath::Guarded`]).
     pub guarded_writes: AtomicU64,
+    /// Incidents opened on the plain path ([`WritePath::Plain`]).
     pub plain_writes: AtomicU64,
 }
 
 /// A plain copy of [`PipelineCounters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PipelineSnapshot {
+    /// As [`PipelineCounters::messages`].
     pub messages: u64,
+    /// As [`PipelineCounters::redeliveries`].
     pub redeliveries: u64,
+    /// As [`PipelineCounters::incidents_opened`].
     pub incidents_opened: u64,
+    /// As [`PipelineCounters::conflicts`].
     pub conflicts: u64,
+    /// As [`PipelineCounters::already_open`].
     pub already_open: u64,
+    /// As [`PipelineCounters::evaluation_failures`].
     pub evaluation_failures: u64,
+    /// As [`PipelineCounters::malformed`].
     pub malformed: u64,
+    /// As [`PipelineCounters::guarded_writes`].
     pub guarded_writes: u64,
+    /// As [`PipelineCounters::plain_writes`].
     pub plain_writes: u64,
 }
 
@@ -167,6 +188,9 @@ impl std::ops::AddAssign for PipelineSnapshot {
 }
 
 impl PipelineCounters {
+    /// The counters' current values. Each is read on its own (relaxed), so a
+    /// snapshot taken while messages are handled need not be consistent across
+    /// counters.
     pub fn snapshot(&self) -> PipelineSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         PipelineSnapshot {
@@ -207,6 +231,8 @@ impl<E> Clone for ObservationHandler<E> {
 }
 
 impl<E: Evaluator> ObservationHandler<E> {
+    /// A handler that evaluates with `evaluator` and writes through `service`,
+    /// with counters at zero.
     pub fn new(service: Service, evaluator: E) -> ObservationHandler<E> {
         ObservationHandler {
             service,
@@ -215,6 +241,7 @@ impl<E: Evaluator> ObservationHandler<E> {
         }
     }
 
+    /// The counters, shared with every clone of this handler.
     pub fn counters(&self) -> Arc<PipelineCounters> {
         self.counters.clone()
     }

@@ -113,13 +113,20 @@ pub struct RuntimeConfig {
     /// Pipeline workers (each a [`Worker`] with `worker.concurrency`
     /// handlers). Default 2; 0 runs no pipeline.
     pub workers: usize,
+    /// Settings of each pipeline worker. Default [`WorkerConfig::default`].
     pub worker: WorkerConfig,
+    /// The policy evaluator the pipeline uses. Default
+    /// [`SimulatedEvaluatorConfig::default`].
     pub evaluator: SimulatedEvaluatorConfig,
     /// `None`: no notifier in this process.
     pub notifier: Option<NotifierConfig>,
     /// Run the job reaper and re-driver here. Default true.
     pub job_maintenance: bool,
+    /// The job reaper's settings (with `job_maintenance`). Default
+    /// [`ReaperConfig::default`].
     pub reaper: ReaperConfig,
+    /// The job re-driver's settings (with `job_maintenance`). Default
+    /// [`RedriverConfig::default`].
     pub redriver: RedriverConfig,
 }
 
@@ -140,7 +147,9 @@ impl Default for RuntimeConfig {
 /// What a runtime did, when it stopped.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RuntimeSummary {
+    /// The pipeline workers' counters, summed over every worker.
     pub workers: WorkerCounters,
+    /// The notifier's counts, summed over its passes; zero without a notifier.
     pub notifications: NotifyCounts,
 }
 

@@ -94,8 +94,12 @@ pub struct Service {
 /// What a pipeline decision saw for one (policy, entity, message).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Observed {
+    /// The policy evaluated.
     pub policy_id: i64,
+    /// The entity it was evaluated on.
     pub entity_id: i64,
+    /// The observation's id ([`crate::model::Observation::id_or`]), under which
+    /// the incidents it creates are recorded.
     pub message_id: String,
     /// Whether the policy allowed at most one OPEN incident for this entity.
     pub singleton: bool,
@@ -295,6 +299,7 @@ impl Service {
         })
     }
 
+    /// The pool the service runs its transactions on.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
@@ -305,6 +310,7 @@ impl Service {
         Ok(self.numbers.lock_key(&organization_id)?)
     }
 
+    /// The settings this service was built with.
     pub fn config(&self) -> &ServiceConfig {
         &self.config
     }

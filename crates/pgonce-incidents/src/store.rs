@@ -58,6 +58,7 @@ pub async fn create_organization(pool: &PgPool, name: &str) -> Result<(Organizat
     Ok((org, key))
 }
 
+/// Organization `id`; [`Error::NotFound`] if there is none.
 pub async fn get_organization(db: impl PgExecutor<'_>, id: i64) -> Result<Organization> {
     let row: Option<OrgRow> = sqlx::query_as(include_str!("store/sql/get_organization.sql"))
         .bind(id)
@@ -67,6 +68,7 @@ pub async fn get_organization(db: impl PgExecutor<'_>, id: i64) -> Result<Organi
         .ok_or_else(|| Error::not_found("organization", id))
 }
 
+/// Every organization, by id.
 pub async fn list_organizations(db: impl PgExecutor<'_>) -> Result<Vec<Organization>> {
     let rows: Vec<OrgRow> = sqlx::query_as(include_str!("store/sql/list_organizations.sql"))
         .fetch_all(db)
@@ -234,6 +236,8 @@ fn unknown_organization(e: sqlx::Error, organization_id: i64) -> Error {
     }
 }
 
+/// Entity `id` of `organization_id`; [`Error::NotFound`] if that organization has
+/// none by that id, another organization's entity included.
 pub async fn get_entity(db: impl PgExecutor<'_>, organization_id: i64, id: i64) -> Result<Entity> {
     let row: Option<EntityRow> = sqlx::query_as(include_str!("store/sql/get_entity.sql"))
         .bind(organization_id)
@@ -244,6 +248,8 @@ pub async fn get_entity(db: impl PgExecutor<'_>, organization_id: i64, id: i64) 
         .ok_or_else(|| Error::not_found("entity", id))
 }
 
+/// The entity of `organization_id` whose external id is `external_id`;
+/// [`Error::NotFound`] if there is none.
 pub async fn find_entity(
     db: impl PgExecutor<'_>,
     organization_id: i64,
@@ -361,6 +367,7 @@ pub async fn create_policy(
     })
 }
 
+/// The policies of `organization_id`, by id.
 pub async fn list_policies(db: impl PgExecutor<'_>, organization_id: i64) -> Result<Vec<Policy>> {
     let rows: Vec<PolicyRow> = sqlx::query_as(include_str!("store/sql/list_policies.sql"))
         .bind(organization_id)
@@ -369,6 +376,8 @@ pub async fn list_policies(db: impl PgExecutor<'_>, organization_id: i64) -> Res
     rows.into_iter().map(policy).collect()
 }
 
+/// Policy `id` of `organization_id`; [`Error::NotFound`] if that organization has
+/// none by that id, another organization's policy included.
 pub async fn get_policy(db: impl PgExecutor<'_>, organization_id: i64, id: i64) -> Result<Policy> {
     let row: Option<PolicyRow> = sqlx::query_as(include_str!("store/sql/get_policy.sql"))
         .bind(organization_id)

@@ -101,10 +101,13 @@ impl WebhookReceiver {
         })
     }
 
+    /// The URL to post notifications to (`http://127.0.0.1:<port>/hook`),
+    /// for [`NotifierConfig::new`](crate::NotifierConfig::new).
     pub fn url(&self) -> &str {
         &self.url
     }
 
+    /// The counts so far.
     pub fn stats(&self) -> ReceiverStats {
         self.shared.seen.lock().expect("not poisoned").stats
     }

@@ -113,9 +113,15 @@ pub fn fingerprint(request: &impl Serialize) -> Result<Vec<u8>> {
 /// Pass it to [`finish`] (store the response) or [`release`] (give up).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyHold {
+    /// The scope the key belongs to, as passed to [`acquire`].
     pub scope: String,
+    /// The idempotency key, unique within its scope.
     pub key: String,
+    /// Identifies this hold: [`finish`] and [`release`] succeed only while the
+    /// key is still held under this token.
     pub token: Uuid,
+    /// When the hold runs out (database clock); after it, another request may
+    /// take the key over and this hold is lost.
     pub held_until: OffsetDateTime,
     /// `false` when this hold recovered a key whose previous holder died.
     pub first_use: bool,
@@ -294,7 +300,10 @@ impl Default for CollectorConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CollectCounts {
+    /// Processed-message keys deleted (older than
+    /// [`CollectorConfig::processed_retention`]).
     pub processed_messages: u64,
+    /// Idempotency keys deleted (older than [`CollectorConfig::key_retention`]).
     pub idempotency_keys: u64,
 }
 

@@ -16,7 +16,12 @@ pub enum Error {
     /// A bounded lock wait ran out. The transaction is still usable: the wait
     /// ran in a savepoint that was rolled back.
     #[error("advisory lock {key} not granted within {waited:?}")]
-    LockTimeout { key: LockKey, waited: Duration },
+    LockTimeout {
+        /// The advisory key that was not granted.
+        key: LockKey,
+        /// The bounded wait that ran out (the configured timeout).
+        waited: Duration,
+    },
 
     /// A guarded write found the read set changed since the decision and
     /// wrote nothing. Not a bug: another worker acted first; re-evaluate.
@@ -24,8 +29,11 @@ pub enum Error {
         "guard {guard}: read set changed (expected {expected}, found {found}); nothing written"
     )]
     Conflict {
+        /// The guard's name ([`crate::Guard::name`]).
         guard: String,
+        /// The read set the decision was based on.
         expected: ReadSet,
+        /// The read set re-read under the entity's lock.
         found: ReadSet,
     },
 
@@ -33,7 +41,12 @@ pub enum Error {
     /// 40001) or broke a deadlock (40P01). Retrying the whole transaction is
     /// the remedy.
     #[error("transaction aborted by PostgreSQL ({sqlstate}); retry it: {message}")]
-    SerializationFailure { sqlstate: String, message: String },
+    SerializationFailure {
+        /// `40001` (serialization failure) or `40P01` (deadlock detected).
+        sqlstate: String,
+        /// PostgreSQL's message.
+        message: String,
+    },
 
     /// The transaction's isolation level cannot make the operation correct
     /// (a scoped sequence's max + 1 under a snapshot that may predate its
@@ -41,8 +54,12 @@ pub enum Error {
     /// `needed` and retry.
     #[error("{strategy} needs isolation level {needed}, the transaction runs at {found}")]
     WrongIsolation {
+        /// The strategy that refused, by its name.
         strategy: &'static str,
+        /// The isolation level it needs, upper case (`READ COMMITTED`).
         needed: &'static str,
+        /// The transaction's level, as `current_setting('transaction_isolation')`
+        /// reports it.
         found: String,
     },
 
@@ -53,7 +70,9 @@ pub enum Error {
     /// Call it with the top-level transaction.
     #[error("{operation} needs the top-level transaction, got a savepoint at depth {depth}")]
     NestedTransaction {
+        /// The operation that refused.
         operation: &'static str,
+        /// The transaction's nesting depth (1 is the top level).
         depth: usize,
     },
 
@@ -62,8 +81,11 @@ pub enum Error {
     /// rolled back; nothing of it is committed.
     #[error("number {number} of scope {scope} in {sequence} is already taken")]
     NumberTaken {
+        /// The sequence's name.
         sequence: String,
+        /// The scope the number was taken in, as text.
         scope: String,
+        /// The number already committed.
         number: i64,
     },
 
@@ -75,7 +97,9 @@ pub enum Error {
         "append condition failed: events {matching:?} match the condition's query after position {after:?}"
     )]
     AppendConditionFailed {
+        /// The condition's `after` position.
         after: Option<i64>,
+        /// Positions of matching events, lowest first, at most 16.
         matching: Vec<i64>,
     },
     /// A conditional transition matched no row: the job was not in the
@@ -85,7 +109,12 @@ pub enum Error {
     /// `dead`) or does not exist; a job merely in someone else's hands is
     /// [`Error::JobBusy`] instead.
     #[error("job {job_id} already handled (it was not {expected})")]
-    AlreadyHandled { job_id: i64, expected: &'static str },
+    AlreadyHandled {
+        /// The job.
+        job_id: i64,
+        /// The status the transition required (`pending` for a claim).
+        expected: &'static str,
+    },
 
     /// A claim found the job not terminal but not claimable either: another
     /// delivery holds it (`processing`), it waits for a retry (`failed`), or
@@ -96,8 +125,12 @@ pub enum Error {
     /// crashes the reaped job still has a message to drive it.
     #[error("job {job_id} is {status}, not claimable before {not_before}; keep the message")]
     JobBusy {
+        /// The job.
         job_id: i64,
+        /// Its status when the claim lost.
         status: JobStatus,
+        /// The earliest time it can be claimed: its lease's end or its
+        /// `run_at` (database clock).
         not_before: time::OffsetDateTime,
     },
 
@@ -106,7 +139,9 @@ pub enum Error {
     /// that got there first leaves the job `pending` (or further along).
     #[error("job {job_id} is not dead ({status:?}); nothing retried")]
     JobNotDead {
+        /// The job.
         job_id: i64,
+        /// Its status; `None` when no such job exists.
         status: Option<JobStatus>,
     },
 
@@ -114,21 +149,35 @@ pub enum Error {
     /// current one: it expired and was reaped or taken over. Nothing was
     /// written; the new owner's outcome stands.
     #[error("lease lost on {resource}: it was taken over or released")]
-    LeaseLost { resource: String },
+    LeaseLost {
+        /// What the lease was on (`job 17`, `idempotency key scope/key`).
+        resource: String,
+    },
 
     /// An idempotency key was reused for a different request (another
     /// fingerprint). The stored request is untouched.
     #[error("idempotency key {key:?} was used for a different request")]
-    IdempotencyMismatch { key: String },
+    IdempotencyMismatch {
+        /// The reused key.
+        key: String,
+    },
 
     /// An idempotency key is held by a request still in progress (its hold
     /// has not expired). Retry after the hold expires.
     #[error("idempotency key {key:?} is held by a request in progress")]
-    IdempotencyInProgress { key: String },
+    IdempotencyInProgress {
+        /// The held key.
+        key: String,
+    },
 
     /// A value was rejected before reaching the database.
     #[error("invalid {what}: {why}")]
-    Invalid { what: &'static str, why: String },
+    Invalid {
+        /// What was rejected (`job kind`, `message`, `guard name`).
+        what: &'static str,
+        /// Why, in words a caller can show.
+        why: String,
+    },
 
     /// A queue receipt handle no longer names the delivery it was issued for:
     /// the message was received again since (its visibility timeout ran
@@ -136,16 +185,27 @@ pub enum Error {
     /// for a receipt another queue issued, or a malformed one. Nothing was
     /// deleted or extended. Another consumer may now own the message.
     #[error("stale receipt {receipt}: the message was redelivered, moved or deleted since")]
-    StaleReceipt { receipt: String },
+    StaleReceipt {
+        /// The receipt as given.
+        receipt: String,
+    },
 
     /// The named queue does not exist.
     #[error("queue {name:?} does not exist")]
-    QueueNotFound { name: String },
+    QueueNotFound {
+        /// The queue's name.
+        name: String,
+    },
 
     /// A message body (or a batch) over the backend's size limit; nothing
     /// was sent.
     #[error("message of {size} bytes exceeds the limit of {max} bytes")]
-    MessageTooLarge { size: usize, max: usize },
+    MessageTooLarge {
+        /// The body's (or the batch's) size in bytes.
+        size: usize,
+        /// The limit in bytes.
+        max: usize,
+    },
 
     /// A queue backend other than PostgreSQL could not be reached or did not
     /// answer within its operation timeout (connection refused, DNS, TLS,
@@ -153,7 +213,9 @@ pub enum Error {
     /// happened, so retry with a deduplication id where that matters.
     #[error("{backend} unavailable: {reason}")]
     Unavailable {
+        /// The backend (`sqs`).
         backend: &'static str,
+        /// What went wrong, as the client library reported it.
         reason: String,
     },
 
@@ -161,8 +223,11 @@ pub enum Error {
     /// has no variant for (`code` is the backend's own error code).
     #[error("{backend} refused the request ({code}): {message}")]
     Backend {
+        /// The backend (`sqs`).
         backend: &'static str,
+        /// The backend's error code.
         code: String,
+        /// The backend's message.
         message: String,
     },
 
@@ -175,7 +240,10 @@ pub enum Error {
     /// the others failed before the statement ran.
     #[error("connection pooler: {problem} ({message}); {}", problem.fix())]
     Pooler {
+        /// Which misconfiguration it is.
         problem: PoolerProblem,
+        /// The message that showed it, as the pooler, PostgreSQL or sqlx
+        /// worded it.
         message: String,
     },
 

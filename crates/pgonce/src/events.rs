@@ -163,12 +163,15 @@ pub enum AppendStrategy {
 }
 
 impl AppendStrategy {
+    /// Every strategy, in a fixed order, for runs that compare them side by side.
     pub const ALL: [AppendStrategy; 3] = [
         AppendStrategy::Serializable,
         AppendStrategy::TableLock,
         AppendStrategy::AdvisoryLocks,
     ];
 
+    /// The strategy's stable kebab-case name, as printed by benches and used
+    /// in metric labels.
     pub fn name(self) -> &'static str {
         match self {
             AppendStrategy::Serializable => "serializable",
@@ -210,6 +213,8 @@ pub struct EventStore {
 }
 
 impl EventStore {
+    /// An event store on `pool`. [`Error::Invalid`] if
+    /// [`EventStoreConfig::max_retries`] exceeds 1000; touches no connection.
     pub fn new(pool: PgPool, config: EventStoreConfig) -> Result<EventStore> {
         if config.max_retries > 1000 {
             return Err(Error::Invalid {
@@ -220,10 +225,12 @@ impl EventStore {
         Ok(EventStore { pool, config })
     }
 
+    /// The settings this store was built with.
     pub fn config(&self) -> &EventStoreConfig {
         &self.config
     }
 
+    /// The pool appends and reads run on.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }

@@ -147,10 +147,12 @@ impl ReadSet {
         self
     }
 
+    /// The number of distinct ids in the set.
     pub fn len(&self) -> usize {
         self.0.len()
     }
 
+    /// Whether the set holds no id (a decision that read nothing).
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -254,10 +256,12 @@ impl Guard {
         Ok(Guard { name, config })
     }
 
+    /// The name given to [`Guard::new`], used as the `guard` metric label.
     pub fn name(&self) -> &str {
         &self.name
     }
 
+    /// The settings this guard was built with.
     pub fn config(&self) -> &GuardConfig {
         &self.config
     }

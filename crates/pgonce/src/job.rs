@@ -165,6 +165,8 @@ pub struct NewJob {
 }
 
 impl NewJob {
+    /// A job of `kind` with `payload`, runnable now, allowed 5 failed attempts.
+    /// Checked only by [`enqueue`].
     pub fn new(kind: impl Into<String>, payload: Value) -> NewJob {
         NewJob {
             kind: kind.into(),
@@ -174,6 +176,7 @@ impl NewJob {
         }
     }
 
+    /// Sets [`NewJob::max_attempts`]; [`enqueue`] rejects `n < 1`.
     pub fn max_attempts(mut self, n: i32) -> NewJob {
         self.max_attempts = n;
         self
@@ -264,8 +267,14 @@ pub async fn transition<'c>(
 /// [`fail`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
+    /// The claimed job's id.
     pub job_id: i64,
+    /// The claim's token: completion, failure and heartbeat match it against
+    /// the job's stored token and fail with [`Error::LeaseLost`] once the lease
+    /// was taken over.
     pub token: Uuid,
+    /// When the lease ends (database clock); after it the [`Reaper`] may hand
+    /// the job to another worker.
     pub expires_at: OffsetDateTime,
 }
 
@@ -382,10 +391,13 @@ struct ClaimRow {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ClaimedJob {
+    /// The job's kind, as given to [`enqueue`].
     pub kind: String,
+    /// The job's input, as given to [`enqueue`].
     pub payload: Value,
     /// Failed attempts so far.
     pub attempts: i32,
+    /// The claim: pass it to [`complete`], [`fail`] or [`heartbeat`].
     pub lease: Lease,
 }
 
@@ -550,11 +562,16 @@ pub enum FailOutcome {
     /// Scheduled for another attempt at `run_at` (the [`Redriver`] will make
     /// it pending then).
     Retry {
+        /// Failed attempts so far, this one included.
         attempts: i32,
+        /// When the retry is due (database clock).
         run_at: OffsetDateTime,
     },
     /// Past its maximum attempts.
-    Dead { attempts: i32 },
+    Dead {
+        /// Failed attempts, this one included (at least the job's `max_attempts`).
+        attempts: i32,
+    },
 }
 
 /// Records a failed attempt under `lease`: the error goes to `last_error`,
@@ -630,20 +647,33 @@ pub async fn heartbeat<'c>(
 #[derive(Debug, Clone, sqlx::FromRow)]
 #[non_exhaustive]
 pub struct JobRow {
+    /// The job's id, as [`enqueue`] returned it.
     pub id: i64,
+    /// What kind of work it is.
     pub kind: String,
+    /// The work's input.
     pub payload: Value,
+    /// The stored status name; [`JobRow::status`] parses it.
     pub status: String,
+    /// Failed attempts so far (reaped leases count as failures).
     pub attempts: i32,
+    /// Failed attempts allowed before the job is dead.
     pub max_attempts: i32,
+    /// The current claim's token; `None` unless the job is processing.
     pub lease_token: Option<Uuid>,
+    /// When the current claim's lease ends; `None` unless the job is processing.
     pub lease_expires_at: Option<OffsetDateTime>,
+    /// Not runnable before this time: the enqueue time or the next retry.
     pub run_at: OffsetDateTime,
+    /// What the completing worker stored; `None` until completed.
     pub result: Option<Value>,
+    /// The last failure's message, if any attempt failed.
     pub last_error: Option<String>,
 }
 
 impl JobRow {
+    /// The status as a [`JobStatus`]; [`Error::Invalid`] for a name this
+    /// version does not know.
     pub fn status(&self) -> Result<JobStatus> {
         JobStatus::parse(&self.status)
     }

@@ -30,6 +30,8 @@
 //! idempotency keys, the event store and the queue) each live in a module of
 //! their own, with their SQL beside them.
 
+#![warn(missing_docs)]
+
 pub mod dedupe;
 pub mod error;
 pub mod events;

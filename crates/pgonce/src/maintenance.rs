@@ -135,11 +135,17 @@ impl MaintenanceConfig {
 /// One kind of row the loop cleans.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cleaner {
+    /// Completed jobs past [`MaintenanceConfig::completed_jobs`].
     CompletedJobs,
+    /// Dead jobs past [`MaintenanceConfig::dead_jobs`].
     DeadJobs,
+    /// Queue deduplication claims past [`MaintenanceConfig::queue_dedup`].
     QueueDedup,
+    /// Dead-letter messages past [`MaintenanceConfig::dead_letter_messages`].
     DeadLetterMessages,
+    /// Idempotency keys past [`MaintenanceConfig::idempotency_keys`].
     IdempotencyKeys,
+    /// Processed-message keys past [`MaintenanceConfig::processed_messages`].
     ProcessedMessages,
 }
 
@@ -174,11 +180,17 @@ impl Cleaner {
 /// What one pass deleted, per cleaner, and how many statements it took.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CleanedCounts {
+    /// Completed jobs deleted.
     pub completed_jobs: u64,
+    /// Dead jobs deleted.
     pub dead_jobs: u64,
+    /// Queue deduplication claims deleted.
     pub queue_dedup: u64,
+    /// Messages deleted from dead-letter queues.
     pub dead_letter_messages: u64,
+    /// Idempotency keys deleted.
     pub idempotency_keys: u64,
+    /// Processed-message keys deleted.
     pub processed_messages: u64,
     /// DELETE statements run (cleaners set to `None` run none).
     pub batches: u64,

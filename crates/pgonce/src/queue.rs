@@ -258,9 +258,13 @@ impl fmt::Display for Receipt {
 /// A delivered message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Received {
+    /// The message id, the same on every delivery (as [`Sent::id`] returned it).
     pub id: String,
+    /// The body as sent.
     pub body: String,
+    /// The attributes the message was sent with.
     pub attributes: BTreeMap<String, String>,
+    /// The message group on a FIFO queue; `None` on a standard queue.
     pub group_id: Option<String>,
     /// How many times this message has been delivered, this time included.
     pub receive_count: u32,

@@ -13,6 +13,7 @@ use crate::error::Error;
 /// An error answer of the API.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
+    /// The HTTP status of the answer.
     pub status: StatusCode,
     /// Stable, machine-readable: `not_found`, `invalid`, `malformed_json`,
     /// `unauthorized`, `invalid_transition`, `conflict`, `already_exists`,
@@ -21,10 +22,13 @@ pub struct ApiError {
     /// the cause and the fix), `no_route`,
     /// `method_not_allowed`, `internal`.
     pub code: &'static str,
+    /// What went wrong, for a person; never database detail.
     pub message: String,
 }
 
 impl ApiError {
+    /// An answer with `status`, `code` (one of [`ApiError::code`]'s) and
+    /// `message`.
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             status,

@@ -18,6 +18,7 @@ use crate::store;
 /// to every read and write: a key never reaches another organization's rows.
 #[derive(Debug, Clone, Copy)]
 pub struct Caller {
+    /// The organization the key belongs to.
     pub organization_id: i64,
 }
 

@@ -30,12 +30,15 @@ pub enum Auth {
 /// One documented route.
 #[derive(Debug, Clone, Copy)]
 pub struct Route {
+    /// The HTTP method, upper case (`GET`).
     pub method: &'static str,
     /// axum syntax: `{id}` is a path parameter.
     pub path: &'static str,
+    /// The credentials the route needs.
     pub auth: Auth,
     /// The success status.
     pub status: u16,
+    /// One line for the OpenAPI operation's `summary`.
     pub summary: &'static str,
     /// Query parameters (all optional; their types are set by name).
     pub query: &'static [&'static str],
@@ -48,7 +51,9 @@ pub struct Route {
 /// Whether a request body is required.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Need {
+    /// The body must be sent (`requestBody.required` is true).
     Required,
+    /// The body may be left out (`requestBody.required` is false).
     Optional,
 }
 

@@ -88,6 +88,7 @@ pub struct JsonErrors<T> {
 }
 
 impl<T> JsonErrors<T> {
+    /// Wraps `inner`, with no answer pending.
     pub fn new(inner: T) -> JsonErrors<T> {
         JsonErrors {
             inner,

@@ -11,9 +11,15 @@ use super::{AppendStrategy, NOTIFY_CHANNEL};
 use crate::error::{Error, Result};
 use crate::lock::LockKey;
 
-/// Namespaces of the event store's advisory keys ([`LockKey::new`]).
+/// Namespace of the advisory key per event tag: an append publishing an
+/// event tagged `t` holds `LockKey::new(TAG_NAMESPACE, t)` shared, and a
+/// condition on `t` takes it exclusive ([`LockKey::new`]).
 pub const TAG_NAMESPACE: &str = "pgonce.events.tag";
+/// Namespace of the advisory key per event type, keyed by the type name;
+/// taken exclusive by a condition item that names types and no tags.
 pub const TYPE_NAMESPACE: &str = "pgonce.events.type";
+/// Namespace of the single "all" advisory key (key `""`), held shared by
+/// every append and taken exclusive by a [`Query::All`] condition.
 pub const ALL_NAMESPACE: &str = "pgonce.events.all";
 
 /// The keys an append takes, each shared (publishing an event) or exclusive
@@ -66,6 +72,8 @@ impl AppendKeys {
         Ok(keys)
     }
 
+    /// The union of both sets; a key in both is exclusive if either wants it
+    /// exclusive.
     pub fn merge(mut self, other: AppendKeys) -> AppendKeys {
         for (k, exclusive) in other.0 {
             self.add(k, exclusive);
@@ -77,10 +85,12 @@ impl AppendKeys {
         *self.0.entry(key).or_default() |= exclusive;
     }
 
+    /// The number of distinct keys.
     pub fn len(&self) -> usize {
         self.0.len()
     }
 
+    /// Whether there is no key to take (no events and no condition).
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -174,6 +184,8 @@ impl PendingAppend {
         Ok(self.positions)
     }
 
+    /// Rolls back: nothing of the append is written and its locks are
+    /// released.
     pub async fn rollback(self) -> Result<()> {
         self.tx.rollback().await?;
         Ok(())

@@ -11,10 +11,15 @@ use crate::error::{Error, Result};
 /// type says what happened (`BookingPlaced`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Event {
+    /// What happened (`BookingPlaced`); non-empty. Serialized as `type`.
     #[serde(rename = "type")]
     pub event_type: String,
+    /// The tags queries and conditions match on (`booking:123`); each non-empty.
     pub tags: Vec<String>,
+    /// The event's payload, stored as `jsonb`.
     pub data: Value,
+    /// Data about the event rather than of it (who, why, correlation ids),
+    /// stored as `jsonb`; matched by no query.
     pub metadata: Value,
 }
 
@@ -29,16 +34,19 @@ impl Event {
         }
     }
 
+    /// Adds a tag; an empty tag is rejected when the event is appended.
     pub fn tag(mut self, tag: impl Into<String>) -> Event {
         self.tags.push(tag.into());
         self
     }
 
+    /// Sets the payload.
     pub fn data(mut self, data: Value) -> Event {
         self.data = data;
         self
     }
 
+    /// Sets the metadata.
     pub fn metadata(mut self, metadata: Value) -> Event {
         self.metadata = metadata;
         self
@@ -61,6 +69,7 @@ pub struct StoredEvent {
     /// Position in the log: drawn at insert, so positions increase with
     /// insert order, not commit order (see the module docs on I5).
     pub position: i64,
+    /// The event as appended; its fields serialize inline beside `position`.
     #[serde(flatten)]
     pub event: Event,
 }
@@ -69,20 +78,26 @@ pub struct StoredEvent {
 /// (or any type when `types` is empty) and which carries all of `tags`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QueryItem {
+    /// Event types any of which matches; empty matches every type.
     pub types: Vec<String>,
+    /// Tags an event must all carry; empty matches any tags.
     pub tags: Vec<String>,
 }
 
 impl QueryItem {
+    /// An empty item, to be narrowed with [`QueryItem::types`] and
+    /// [`QueryItem::tags`]; a query rejects an item left empty.
     pub fn new() -> QueryItem {
         QueryItem::default()
     }
 
+    /// Adds types to the item's alternatives.
     pub fn types<S: Into<String>>(mut self, types: impl IntoIterator<Item = S>) -> QueryItem {
         self.types.extend(types.into_iter().map(Into::into));
         self
     }
 
+    /// Adds tags the event must carry.
     pub fn tags<S: Into<String>>(mut self, tags: impl IntoIterator<Item = S>) -> QueryItem {
         self.tags.extend(tags.into_iter().map(Into::into));
         self
@@ -163,11 +178,15 @@ impl Query {
 /// exists after position `after` (anywhere, when `after` is `None`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AppendCondition {
+    /// The events whose existence makes the append fail.
     pub fail_if_events_match: Query,
+    /// The position the decision was made at ([`Decision::after`]): only events
+    /// above it count; `None` counts every event.
     pub after: Option<i64>,
 }
 
 impl AppendCondition {
+    /// The condition "no event matching `fail_if_events_match` after `after`".
     pub fn new(fail_if_events_match: Query, after: Option<i64>) -> AppendCondition {
         AppendCondition {
             fail_if_events_match,
@@ -193,6 +212,7 @@ pub struct ReadOptions {
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct Decision {
+    /// The events matching the decision's query, in position order.
     pub events: Vec<StoredEvent>,
     /// The head of the log when the events were read; `None` for an empty
     /// log. Every event matching the query at or below it is in `events`.

@@ -174,6 +174,9 @@ pub struct Subscription {
 }
 
 impl Subscription {
+    /// A subscription reading from just above [`SubscriptionConfig::after`].
+    /// [`Error::Invalid`] for a bad config; with [`Listen`](crate::Listen)
+    /// on, connects its listener now, so an unreachable server fails here.
     pub async fn new(pool: PgPool, config: SubscriptionConfig) -> Result<Subscription> {
         config.validate()?;
         let listener = config.listen.listener(&pool, NOTIFY_CHANNEL).await?;

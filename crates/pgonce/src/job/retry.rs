@@ -62,10 +62,15 @@ pub struct RetryBy<'a> {
 /// One row of `pgonce.job_retries`.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct JobRetry {
+    /// The audit row's id.
     pub id: i64,
+    /// The dead job that was made pending again.
     pub job_id: i64,
+    /// The operator, as given in [`RetryBy::who`].
     pub retried_by: String,
+    /// Why, as given in [`RetryBy::reason`].
     pub reason: Option<String>,
+    /// When the retry was recorded (database clock).
     pub retried_at: OffsetDateTime,
     /// Failed attempts the job had when it was retried.
     pub previous_attempts: i32,
