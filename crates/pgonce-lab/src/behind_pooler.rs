@@ -90,7 +90,7 @@ const PROBES: usize = 8;
 /// id: a transaction pooler handed that server session to another client.
 /// A pooler that hands out its most recently used server connection first
 /// (PgBouncer's default) does so at the first probe; one that goes round
-/// robin within [`PROBES`] as long as its pool is no bigger. Directly, no
+/// robin within `PROBES` probes as long as its pool is no bigger. Directly, no
 /// other client can ever see the first one's process id. All through the
 /// simple query protocol, which any pooler carries.
 pub async fn sessions_survive(pool: &PgPool) -> anyhow::Result<bool> {
