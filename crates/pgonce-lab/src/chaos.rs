@@ -222,6 +222,9 @@ pub struct ChaosConfig {
     /// Stop at the first failing round.
     pub stop_at_first: bool,
     pub progress: bool,
+    /// The `pgonce` executable, for the `worker-kill` fault's child
+    /// processes; `None` leaves that fault out.
+    pub worker_program: Option<PathBuf>,
 }
 
 impl ChaosConfig {
@@ -239,6 +242,7 @@ impl ChaosConfig {
             shrink_budget: 24,
             stop_at_first: false,
             progress: false,
+            worker_program: None,
         }
     }
 
@@ -318,6 +322,9 @@ pub async fn run(args: &ChaosArgs, database_url: Option<&str>) -> anyhow::Result
     config.failures_dir = Some(args.failures_dir.clone());
     config.mutant = args.mutant;
     config.progress = true;
+    // This process is `pgonce` itself: the worker-kill fault starts
+    // `pgonce worker` children from it.
+    config.worker_program = std::env::current_exe().ok();
     if let Some(path) = &args.replay {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -472,6 +479,7 @@ pub async fn play(
         restarters,
     )
     .await?;
+    r.worker_program = config.worker_program.clone();
     let ran = scenario.run(&mut r, steps).await;
     let violations = match ran {
         Ok(()) => checker::check(scenario, &r).await?,

@@ -44,10 +44,15 @@ pub enum FaultKind {
     /// The pipeline's webhook receiver fails some requests and answers
     /// others after the sender's timeout.
     Webhook,
+    /// SIGKILL of a child `pgonce worker` process while it works the
+    /// pipeline's queue: no ack, no heartbeat, no completion. Only the
+    /// `pgonce` command can start such a child (it runs itself); elsewhere
+    /// the fault is not injected and not counted.
+    WorkerKill,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 7] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::Terminate,
         FaultKind::Restart,
         FaultKind::PoolExhaustion,
@@ -55,6 +60,7 @@ impl FaultKind {
         FaultKind::DuplicateSend,
         FaultKind::StaleAck,
         FaultKind::Webhook,
+        FaultKind::WorkerKill,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +72,7 @@ impl FaultKind {
             FaultKind::DuplicateSend => "duplicate-send",
             FaultKind::StaleAck => "stale-ack",
             FaultKind::Webhook => "webhook",
+            FaultKind::WorkerKill => "worker-kill",
         }
     }
 

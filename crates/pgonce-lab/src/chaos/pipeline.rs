@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+use anyhow::Context;
 use rand::Rng;
 use rand::rngs::StdRng;
 use serde_json::json;
@@ -45,6 +46,9 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
             observations: rng.random_range(40..=80),
             webhook_faults: faults.contains(&FaultKind::Webhook),
             restart_after_ms: rng.random_range(200..=1500),
+            worker_kill_after_ms: faults
+                .contains(&FaultKind::WorkerKill)
+                .then(|| rng.random_range(300..=2500)),
         },
     });
     steps
@@ -65,11 +69,18 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             observations,
             webhook_faults,
             restart_after_ms,
+            worker_kill_after_ms,
         } = step.action
         else {
             continue;
         };
+        let worker_kill = worker_kill_after_ms.zip(round.worker_program.clone());
         let mut config = IncidentRunConfig::quick();
+        if worker_kill.is_some() {
+            // `pgonce worker` takes whole seconds, and its queue settings
+            // must be the run's: it creates the same queue on start.
+            config = config.whole_second_visibility();
+        }
         config.observations = observations as usize;
         config.receiver = if webhook_faults {
             round.stats.fault(FaultKind::Webhook);
@@ -95,18 +106,37 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
         sqlx::raw_sql(sql(include_str!("sql/pipeline_create_database.sql")))
             .execute(round.control())
             .await?;
-        let input = json!({ "restart": restart.is_some(), "database": name });
+        let input = json!({
+            "restart": restart.is_some(),
+            "worker_kill": worker_kill.is_some(),
+            "database": name,
+        });
         let op = round.history.invoke(0, step.action, input);
+        let options = round.options().clone().database(&name);
+        let child = match worker_kill {
+            Some((after_ms, program)) => Some(WorkerChild::start(
+                &program,
+                &options,
+                &config,
+                Duration::from_millis(after_ms as u64),
+            )?),
+            None => None,
+        };
         let outcome = async {
             let pool = PgPoolOptions::new()
                 .max_connections(30)
-                .connect_with(round.options().clone().database(&name))
+                .connect_with(options.clone())
                 .await?;
             let outcome = incident_run::run(&pool, &config, restart, None).await;
             pool.close().await;
             outcome
         }
         .await;
+        if let Some(child) = child
+            && child.killed().await
+        {
+            round.stats.fault(FaultKind::WorkerKill);
+        }
         sqlx::raw_sql(sql(include_str!("sql/pipeline_drop_database.sql")))
             .execute(round.control())
             .await?;
@@ -138,4 +168,60 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
         round.history.complete(op, recorded);
     }
     Ok(())
+}
+
+/// A child `pgonce worker` process working the run's observations queue
+/// beside the run's own runtimes, SIGKILLed after a while: the kill a
+/// deployment sees when a machine dies, with the process's connections
+/// cut by the kernel rather than closed.
+struct WorkerChild {
+    kill: tokio::task::JoinHandle<bool>,
+}
+
+impl WorkerChild {
+    /// Starts `program worker` on the database `options` names, with the
+    /// run's queue settings (the worker creates or updates the queue on
+    /// start, so they must be the run's), and arms the kill.
+    fn start(
+        program: &std::path::Path,
+        options: &sqlx::postgres::PgConnectOptions,
+        config: &IncidentRunConfig,
+        after: Duration,
+    ) -> anyhow::Result<WorkerChild> {
+        use sqlx::ConnectOptions;
+        let visibility = format!("{}s", config.visibility.as_secs().max(1));
+        let mut child = tokio::process::Command::new(program)
+            .arg("worker")
+            .env("PGONCE_DATABASE__URL", options.to_url_lossy().as_str())
+            .env("PGONCE_PIPELINE__WORKERS", "1")
+            .env("PGONCE_PIPELINE__CONCURRENCY", "4")
+            .env("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", visibility)
+            .env(
+                "PGONCE_PIPELINE__MAX_RECEIVE_COUNT",
+                config.max_receive_count.to_string(),
+            )
+            .env("RUST_LOG", "error")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {} worker", program.display()))?;
+        let kill = tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            // Still running: the kill lands mid-work. Already exited (it
+            // could not start): nothing was killed, and nothing counts.
+            let alive = matches!(child.try_wait(), Ok(None));
+            // `start_kill` sends SIGKILL on Unix.
+            let killed = alive && child.start_kill().is_ok();
+            let _ = child.wait().await;
+            killed
+        });
+        Ok(WorkerChild { kill })
+    }
+
+    /// Waits for the kill; whether it landed on a running process.
+    async fn killed(self) -> bool {
+        self.kill.await.unwrap_or(false)
+    }
 }

@@ -43,6 +43,9 @@ pub struct Round {
     /// Restarters of the run's throwaway cluster, one per restart left
     /// in the schedule; empty on any other server.
     pub restarters: Vec<Restarter>,
+    /// The `pgonce` executable, to start child `pgonce worker` processes
+    /// from; `None` where this process is not `pgonce` (tests).
+    pub worker_program: Option<std::path::PathBuf>,
     sessions: Vec<PgPool>,
     names: Vec<String>,
     control: PgPool,
@@ -78,6 +81,7 @@ impl Round {
             exhausted: (0..tasks).map(|_| None).collect(),
             recovering: None,
             restarters,
+            worker_program: None,
             sessions,
             names,
             control,

@@ -70,6 +70,10 @@ pub enum Action {
         observations: u16,
         webhook_faults: bool,
         restart_after_ms: u32,
+        /// A child `pgonce worker` joins the run and is SIGKILLed this
+        /// long after it started.
+        #[serde(default)]
+        worker_kill_after_ms: Option<u32>,
     },
     /// A fault; `target` names the job, key or group it aims at where the
     /// fault needs one.
