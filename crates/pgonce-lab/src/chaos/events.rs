@@ -15,6 +15,7 @@ use rand::Rng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
 
+use pgonce::IsolationLevel;
 use pgonce::{AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, Query};
 
 use super::faults::{self, FaultKind};
@@ -67,11 +68,7 @@ pub fn claim_tag(scope: &str) -> String {
     format!("claim:{scope}")
 }
 
-const ISOLATIONS: [&str; 3] = [
-    "BEGIN ISOLATION LEVEL READ COMMITTED",
-    "BEGIN ISOLATION LEVEL REPEATABLE READ",
-    "BEGIN ISOLATION LEVEL SERIALIZABLE",
-];
+const ISOLATIONS: [IsolationLevel; 3] = IsolationLevel::ALL;
 
 pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     // A schedule shrunk past its first step runs the default strategy.
@@ -158,16 +155,18 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             Action::AppendIn { isolation } => {
                 // SERIALIZABLE only under the Serializable strategy, which
                 // refuses anything else; any level under the others.
-                let begin = if strategy == AppendStrategy::Serializable {
-                    ISOLATIONS[2]
+                let level = if strategy == AppendStrategy::Serializable {
+                    IsolationLevel::Serializable
                 } else {
                     ISOLATIONS[isolation as usize % ISOLATIONS.len()]
                 };
-                let op = round
-                    .history
-                    .invoke(task, step.action, json!({ "begin": begin }));
+                let op = round.history.invoke(
+                    task,
+                    step.action,
+                    json!({ "isolation": level.to_string() }),
+                );
                 let appended = async {
-                    let mut tx = round.session(task).begin_with(begin).await?;
+                    let mut tx = pgonce::begin(round.session(task), level).await?;
                     let positions = store.append_in(&mut tx, &[claim()]).await?;
                     tx.commit().await?;
                     Ok::<_, pgonce::Error>(positions)

@@ -24,7 +24,6 @@ pub const TASKS: usize = 3;
 const KEYS: usize = 2;
 /// Long enough never to run out by itself: holds expire only by fault.
 const HOLD: Duration = Duration::from_secs(300);
-const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let programs = (0..TASKS)
@@ -161,7 +160,7 @@ async fn acquire(
 /// The handler: its side effect and the stored response, in one
 /// transaction.
 async fn handle(pool: &sqlx::PgPool, scope: &str, hold: &KeyHold, op: i64) -> pgonce::Result<()> {
-    let mut tx = pool.begin_with(READ_COMMITTED).await?;
+    let mut tx = pgonce::begin(pool, pgonce::IsolationLevel::ReadCommitted).await?;
     sqlx::query(include_str!("sql/key_effect.sql"))
         .bind(scope)
         .bind(&hold.key)

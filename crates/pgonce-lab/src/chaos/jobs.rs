@@ -22,7 +22,6 @@ pub const TASKS: usize = 3;
 const JOBS: usize = 2;
 /// Long enough never to run out by itself: leases expire only by fault.
 const LEASE: Duration = Duration::from_secs(300);
-const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let programs = (0..TASKS)
@@ -143,7 +142,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
 
 /// The side effect and the completion, in one transaction.
 async fn work(pool: &sqlx::PgPool, scope: &str, lease: &Lease, op: i64) -> pgonce::Result<()> {
-    let mut tx = pool.begin_with(READ_COMMITTED).await?;
+    let mut tx = pgonce::begin(pool, pgonce::IsolationLevel::ReadCommitted).await?;
     sqlx::query(include_str!("sql/job_effect.sql"))
         .bind(scope)
         .bind(lease.job_id)

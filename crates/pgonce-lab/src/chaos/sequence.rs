@@ -22,7 +22,6 @@ use super::round::{Round, Settled};
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
 
 pub const TASKS: usize = 3;
-const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 type Tx = Transaction<'static, Postgres>;
 type NumberStep = JoinHandle<(Tx, pgonce::Result<i64>)>;
@@ -185,7 +184,8 @@ impl Declarations {
                     return Ok(());
                 }
                 let op = round.history.invoke(task, step.action, Value::Null);
-                let begun = round.session(task).begin_with(READ_COMMITTED).await;
+                let begun =
+                    pgonce::begin(round.session(task), pgonce::IsolationLevel::ReadCommitted).await;
                 let outcome = match &begun {
                     Ok(_) => Outcome::ok("begun"),
                     Err(e) => Outcome::sqlx(e),

@@ -229,10 +229,7 @@ impl Subscription {
     /// or a subscription resumed from [`Subscription::horizon`], reads the
     /// same positions again and no event is lost.
     pub async fn run_once(&mut self) -> Result<(Vec<StoredEvent>, PollCounters)> {
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            .await?;
+        let mut tx = crate::begin(&self.pool, crate::IsolationLevel::RepeatableRead).await?;
         let HorizonRow { xmin, positions } = sqlx::query_as(include_str!("sql/horizon.sql"))
             .bind(self.horizon)
             .bind(self.config.batch)
