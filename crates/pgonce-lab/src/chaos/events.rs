@@ -118,9 +118,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             }
             Action::Append => {
                 let Some(after) = decisions[task].take() else {
-                    round
-                        .history
-                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    round.history.skip(task, step.action);
                     continue;
                 };
                 let op = round
@@ -186,9 +184,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                 );
             }
             _ => {
-                round
-                    .history
-                    .record(task, step.action, Value::Null, Outcome::Skipped);
+                round.history.skip(task, step.action);
             }
         }
     }

@@ -85,9 +85,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             }
             Action::Write => {
                 let Some(read) = seen[task].take() else {
-                    round
-                        .history
-                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    round.history.skip(task, step.action);
                     continue;
                 };
                 if !read.is_empty() {
@@ -138,9 +136,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                 round.after_operation(task, closed.is_ok());
             }
             _ => {
-                round
-                    .history
-                    .record(task, step.action, Value::Null, Outcome::Skipped);
+                round.history.skip(task, step.action);
             }
         };
     }

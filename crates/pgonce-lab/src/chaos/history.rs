@@ -145,6 +145,13 @@ impl History {
         op
     }
 
+    /// Records a step the task could not run (what it acts on is not
+    /// held, or the step does not belong to the scenario): no input, and
+    /// not counted as an operation.
+    pub fn skip(&mut self, task: usize, action: Action) -> i64 {
+        self.record(task, action, Value::Null, Outcome::Skipped)
+    }
+
     pub fn entries(&self) -> &[Entry] {
         &self.entries
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use rand::Rng;
 use rand::rngs::StdRng;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use pgonce::dedupe::{self, Acquired, KeyHold};
 
@@ -82,9 +82,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             }
             Action::Finish { key } => {
                 let Some(hold) = holds[task].remove(&(key % KEYS)) else {
-                    round
-                        .history
-                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    round.history.skip(task, step.action);
                     continue;
                 };
                 let op = round
@@ -95,9 +93,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                 round.after_operation(task, done.is_ok());
             }
             _ => {
-                round
-                    .history
-                    .record(task, step.action, Value::Null, Outcome::Skipped);
+                round.history.skip(task, step.action);
             }
         }
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use rand::Rng;
 use rand::rngs::StdRng;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use pgonce::job::{self, Lease, NewJob, Reaper, ReaperConfig};
 
@@ -89,9 +89,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             }
             Action::Complete { job } => {
                 let Some(lease) = leases[task].remove(&(job % JOBS)) else {
-                    round
-                        .history
-                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    round.history.skip(task, step.action);
                     continue;
                 };
                 let op = round
@@ -102,9 +100,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                 round.after_operation(task, done.is_ok());
             }
             _ => {
-                round
-                    .history
-                    .record(task, step.action, Value::Null, Outcome::Skipped);
+                round.history.skip(task, step.action);
             }
         }
     }

@@ -19,7 +19,6 @@ use pgonce::{
 
 use super::Mutant;
 use super::faults::{self, FaultKind};
-use super::history::Outcome;
 use super::round::Round;
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
 
@@ -113,9 +112,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                 ..
             } => {
                 let Some(delivery) = &consumers[task].current else {
-                    round
-                        .history
-                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    round.history.skip(task, step.action);
                     continue;
                 };
                 let input = json!({ "id": delivery.id, "receipt": delivery.receipt.0 });
@@ -132,9 +129,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             } => {
                 let group = target % GROUPS;
                 let Some(seq) = last_sent[group] else {
-                    round
-                        .history
-                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    round.history.skip(task, step.action);
                     continue;
                 };
                 let message = SendMessage::new(body(group, seq))
@@ -158,9 +153,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                 ..
             } => {
                 let Some(receipt) = consumers[task].earlier.last().cloned() else {
-                    round
-                        .history
-                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    round.history.skip(task, step.action);
                     continue;
                 };
                 round.stats.fault(FaultKind::StaleAck);
@@ -200,9 +193,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             }
             Action::Ack => {
                 let Some(delivery) = consumers[task].current.take() else {
-                    round
-                        .history
-                        .record(task, step.action, Value::Null, Outcome::Skipped);
+                    round.history.skip(task, step.action);
                     continue;
                 };
                 let handle = consumers[task].handle.clone();
@@ -211,9 +202,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                 consumers[task].earlier.push(delivery.receipt);
             }
             _ => {
-                round
-                    .history
-                    .record(task, step.action, Value::Null, Outcome::Skipped);
+                round.history.skip(task, step.action);
             }
         }
     }

@@ -170,9 +170,7 @@ impl Declarations {
     async fn run_step(&mut self, round: &mut Round, step: Step) -> anyhow::Result<()> {
         let task = step.task;
         let skipped = |round: &mut Round| {
-            round
-                .history
-                .record(task, step.action, Value::Null, Outcome::Skipped);
+            round.history.skip(task, step.action);
         };
         match step.action {
             Action::Fault { fault, target } => {
