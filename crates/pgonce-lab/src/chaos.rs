@@ -20,7 +20,8 @@
 //!   `--replay FILE` runs it again.
 //!
 //! Layout: [`schedule`] (steps, RNG, shrinking), [`history`], [`faults`],
-//! [`round`] (sessions and the step driver), [`checker`], and one file per
+//! [`round`] (sessions and the step driver), `stepwise.rs` (the driver of
+//! scenarios that hold transactions open across steps), [`checker`], and one file per
 //! scenario: [`guard`], [`sequence`], [`jobs`], [`idempotency`], [`queue`], [`events`], [`pipeline`].
 
 pub mod checker;
@@ -35,6 +36,7 @@ pub mod queue;
 pub mod round;
 pub mod schedule;
 pub mod sequence;
+mod stepwise;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -159,6 +161,9 @@ pub enum Mutant {
     SequenceForUpdate,
     /// A queue delete by message id that ignores the receipt's generation.
     QueueStaleDelete,
+    /// A writer with no condition that inserts into the event log directly,
+    /// taking none of the strategy's publishing keys.
+    EventsRawInsert,
 }
 
 /// How long a recovery took (a restart until an operation succeeded).

@@ -93,6 +93,19 @@ async fn a_queue_delete_that_ignores_the_receipts_generation_is_caught() {
     .await;
 }
 
+/// Caught only because appends are interleaved step by step: the raw
+/// writer's insert must be in flight while a conditional append checks
+/// and commits.
+#[tokio::test]
+async fn a_writer_that_skips_the_publishing_keys_is_caught_under_a_condition() {
+    mutant_is_caught(
+        ScenarioKind::Events,
+        Mutant::EventsRawInsert,
+        chaos::checker::I5,
+    )
+    .await;
+}
+
 /// Without a mutant, 20 rounds of each light scenario under every fault
 /// find nothing.
 #[tokio::test]
