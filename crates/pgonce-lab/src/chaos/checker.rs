@@ -503,14 +503,13 @@ async fn events(
         let forbidden: Vec<i64> = sqlx::query_scalar(include_str!("sql/check_events.sql"))
             .bind(super::events::CLAIM)
             .bind(&tag)
-            .bind(after)
             .bind(position)
             .fetch_all(round.control())
             .await?;
         if !forbidden.is_empty() {
             found.push(violation(
                 I5,
-                format!("op {} appended at {position} on the condition \"no claim after {after}\", above claims {forbidden:?}", e.op),
+                format!("op {} appended at {position} on a decision that saw no claim up to {after}, above claims {forbidden:?}", e.op),
             ));
         }
     }

@@ -235,9 +235,9 @@ impl Stepwise for Writers {
                 return Ok(Ran::Finished);
             }
             Action::Decide => {
-                let op = round.history.invoke(task, step.action, Value::Null);
                 let store = self.store(round, task)?;
                 let query = self.query.clone();
+                let op = round.history.invoke(task, step.action, Value::Null);
                 let step =
                     tokio::spawn(async move { Finished::Decided(store.decide(&query).await) });
                 Ran::Spawned { op, step }
@@ -247,10 +247,10 @@ impl Stepwise for Writers {
                     round.history.skip(task, step.action);
                     return Ok(Ran::Finished);
                 };
+                let store = self.store(round, task)?;
                 let op = round
                     .history
                     .invoke(task, step.action, json!({ "after": after }));
-                let store = self.store(round, task)?;
                 let condition = AppendCondition::new(self.query.clone(), after);
                 let claim = self.claim(task);
                 let step = tokio::spawn(async move {
@@ -264,6 +264,7 @@ impl Stepwise for Writers {
                 } else {
                     self.claim(task)
                 };
+                let store = self.store(round, task)?;
                 let op = round.history.invoke(task, step.action, Value::Null);
                 let step = if round.mutant == Some(Mutant::EventsRawInsert) {
                     let session = round.session(task).clone();
@@ -277,7 +278,6 @@ impl Stepwise for Writers {
                         }
                     })
                 } else {
-                    let store = self.store(round, task)?;
                     tokio::spawn(async move {
                         Finished::Begun(store.begin_append(&[event], None).await)
                     })
@@ -292,12 +292,12 @@ impl Stepwise for Writers {
                 } else {
                     ISOLATIONS[isolation as usize % ISOLATIONS.len()]
                 };
+                let store = self.store(round, task)?;
                 let op = round.history.invoke(
                     task,
                     step.action,
                     json!({ "isolation": level.to_string() }),
                 );
-                let store = self.store(round, task)?;
                 let claim = self.claim(task);
                 let session = round.session(task).clone();
                 let step = tokio::spawn(async move {

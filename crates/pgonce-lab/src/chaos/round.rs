@@ -126,8 +126,13 @@ impl Round {
     }
 
     /// Runs `step` (spawned) until it finishes or its session is seen
-    /// waiting on a lock. Only the database's lock table decides, so where
-    /// a step stops does not depend on timing.
+    /// waiting on a lock. Only the database's lock table decides, so a
+    /// step waiting on another task's lock stops there on every run. A
+    /// lock held by something on its way out (a terminated backend still
+    /// exiting, a dropped transaction's rollback not yet sent) can make a
+    /// step wait briefly on one run and not on another; that changes the
+    /// order of later steps, never a verdict, which rests on the history
+    /// and the tables.
     pub async fn settle<T: Send + 'static>(
         &self,
         task: usize,

@@ -7,6 +7,7 @@
 //! closing step, which lets every waiting step finish.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
@@ -91,7 +92,10 @@ pub async fn run<S: Stepwise>(
         deferred: VecDeque::new(),
     };
     for step in steps {
-        if !d.runnable(scenario, round, step.task).await? {
+        // A task with a step deferred defers the rest too, so its steps
+        // keep their order even when its wait ended on its own.
+        let behind = d.deferred.iter().any(|s| s.task == step.task);
+        if behind || !d.runnable(scenario, round, step.task).await? {
             d.deferred.push_back(*step);
             continue;
         }
@@ -100,6 +104,7 @@ pub async fn run<S: Stepwise>(
     }
     // The end of the round: whatever is still open is closed, which lets
     // every waiting step finish.
+    let mut stuck_since: Option<Instant> = None;
     loop {
         d.run_deferred(scenario, round).await?;
         let idle_open = (0..tasks).find(|&t| d.open.is_open(t) && d.waiting[t].is_none());
@@ -109,17 +114,44 @@ pub async fn run<S: Stepwise>(
                 action: S::CLOSE,
             };
             d.run_step(scenario, round, close).await?;
+            stuck_since = None;
             continue;
         }
-        let Some(task) = (0..tasks).find(|&t| d.waiting[t].is_some()) else {
+        let waiting: Vec<usize> = (0..tasks).filter(|&t| d.waiting[t].is_some()).collect();
+        if waiting.is_empty() {
             break;
-        };
-        if !d.runnable(scenario, round, task).await? {
-            anyhow::bail!("task {task} waits on a lock nobody in the round holds");
         }
+        // Collect every waiting step: one that finished may hold what the
+        // others wait for (an append begun, not yet ended).
+        let mut progressed = false;
+        for task in waiting {
+            progressed |= d.runnable(scenario, round, task).await?;
+        }
+        if progressed {
+            stuck_since = None;
+            continue;
+        }
+        // Every step left waits, and no task of the round holds anything
+        // open: what they wait for is on its way out (a terminated
+        // backend still exiting, a dropped transaction's rollback not yet
+        // sent, an autovacuum giving way to a table lock). Look again,
+        // for a bounded time.
+        let since = *stuck_since.get_or_insert_with(Instant::now);
+        if since.elapsed() > OUTSIDE_HOLDER_PATIENCE {
+            anyhow::bail!(
+                "tasks wait on a lock no task of the round holds, for over {} s",
+                OUTSIDE_HOLDER_PATIENCE.as_secs()
+            );
+        }
+        // Polling the lock table again; no verdict rests on this pause.
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     Ok(())
 }
+
+/// How long the end of a round waits for a lock held by no task of the
+/// round to go away before it gives up.
+const OUTSIDE_HOLDER_PATIENCE: Duration = Duration::from_secs(60);
 
 impl<S: Stepwise> Driver<S> {
     /// Whether `task` can take its next step: no step of it still waits.
