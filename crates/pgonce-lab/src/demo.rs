@@ -567,9 +567,22 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
             obs.lost.len(),
             expected,
             listed(obs.lost.iter().map(|m| format!(
-                "message {}: {}",
+                "message {}: {}{}",
                 m.message_id,
-                m.queue.as_deref().unwrap_or("deleted")
+                m.queue.as_deref().unwrap_or("deleted"),
+                o.produced
+                    .retried_sends
+                    .get(&m.message_id)
+                    .map(|r| format!(
+                        " (its send was retried after {}; {})",
+                        r.errors.join(", then "),
+                        if r.answered_as_duplicate {
+                            "the last attempt was answered as a duplicate of an earlier one"
+                        } else {
+                            "the last attempt inserted it"
+                        }
+                    ))
+                    .unwrap_or_default()
             )))
         ),
     );

@@ -360,7 +360,22 @@ impl Retrier {
 
     /// Runs `call` until it succeeds, fails for good, or transient errors
     /// have lasted `give_up_after`. `call` must be safe to repeat.
-    pub async fn run<T, E, F, Fut>(&self, what: &str, mut call: F) -> anyhow::Result<T>
+    pub async fn run<T, E, F, Fut>(&self, what: &str, call: F) -> anyhow::Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: Into<anyhow::Error>,
+    {
+        Ok(self.run_noting_errors(what, call).await?.0)
+    }
+
+    /// [`Retrier::run`], also handing back the transient errors it
+    /// retried after, in order.
+    pub async fn run_noting_errors<T, E, F, Fut>(
+        &self,
+        what: &str,
+        mut call: F,
+    ) -> anyhow::Result<(T, Vec<String>)>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -368,9 +383,10 @@ impl Retrier {
     {
         let started = Instant::now();
         let mut pause = Duration::from_millis(50);
+        let mut errors = Vec::new();
         loop {
             match call().await {
-                Ok(v) => return Ok(v),
+                Ok(v) => return Ok((v, errors)),
                 Err(e) => {
                     let e: anyhow::Error = e.into();
                     if !is_transient(&e) || started.elapsed() >= self.give_up_after {
@@ -378,6 +394,7 @@ impl Retrier {
                     }
                     self.retried.fetch_add(1, Ordering::Relaxed);
                     tracing::info!("{what}: retrying after a transient database error: {e:#}");
+                    errors.push(format!("{e:#}"));
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(1));
                 }
@@ -433,6 +450,21 @@ pub struct Produced {
     /// Ids of the malformed messages: each must end in the dead-letter
     /// queue.
     pub poison: Vec<String>,
+    /// Valid observations whose send met a transient error before it was
+    /// accepted, by the id the queue finally gave: how the send went.
+    /// A lost message found here points at the send, not the pipeline.
+    pub retried_sends: BTreeMap<String, RetriedSend>,
+}
+
+/// A send the producer had to repeat (the database restarted under it).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RetriedSend {
+    /// The transient errors of the failed attempts, in order.
+    pub errors: Vec<String>,
+    /// Whether the attempt that succeeded was answered as a duplicate:
+    /// then an earlier attempt had committed though its client saw an
+    /// error, and the id is that attempt's message.
+    pub answered_as_duplicate: bool,
 }
 
 fn observation(rng: &mut impl Rng, org: i64, entity: &str) -> Observation {
@@ -473,9 +505,18 @@ async fn produce<Q: Queue>(
                 .dedup(format!("obs-{i}"));
             (m, twice)
         };
-        let sent = retrier
-            .run("sending an observation", || queue.send(m.clone()))
+        let (sent, errors) = retrier
+            .run_noting_errors("sending an observation", || queue.send(m.clone()))
             .await?;
+        if !errors.is_empty() {
+            produced.retried_sends.insert(
+                sent.id.clone(),
+                RetriedSend {
+                    errors,
+                    answered_as_duplicate: sent.duplicate,
+                },
+            );
+        }
         produced.sent.insert(sent.id);
         if twice {
             // The producer retries a send it thinks failed: same
