@@ -230,7 +230,8 @@ impl Notifier {
         let key = Service::notified_incident(&claimed.payload).map(idempotency_key);
         match sent {
             Sent::Delivered(status) => {
-                let mut tx = self.pool.begin().await?;
+                let mut tx =
+                    pgonce::begin(&self.pool, pgonce::IsolationLevel::ReadCommitted).await?;
                 match job::complete(&mut *tx, lease, &json!({ "status": status })).await {
                     Ok(()) => {}
                     Err(pgonce::Error::LeaseLost { .. }) => {

@@ -45,7 +45,7 @@ fn organization(
 /// name is taken.
 pub async fn create_organization(pool: &PgPool, name: &str) -> Result<(Organization, String)> {
     check_name("organization name", name)?;
-    let mut tx = pool.begin().await?;
+    let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
     let row: Option<OrgRow> = sqlx::query_as(include_str!("store/sql/create_organization.sql"))
         .bind(name)
         .fetch_optional(&mut *tx)

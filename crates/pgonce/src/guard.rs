@@ -378,7 +378,7 @@ impl Guard {
                 .map_or(0, |t| t.as_millis().clamp(1, i32::MAX as u128))
                 .to_string(),
         );
-        let tx = match crate::lock::begin_detached(pool, sql).await {
+        let tx = match crate::transaction::begin_detached(pool, sql).await {
             Ok(tx) => tx,
             Err(e) if sqlstate_of(&e).as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE) => {
                 return Err(Error::LockTimeout {

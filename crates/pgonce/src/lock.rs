@@ -48,29 +48,6 @@ use sqlx::{Postgres, Transaction};
 
 use crate::error::{Error, Result, sqlstate, sqlstate_of};
 
-/// Runs `sql`, a BEGIN that also takes locks (one simple-query round trip),
-/// and returns the open transaction; for the guard's and the event store's
-/// `begin_locked` statements.
-///
-/// Cancel safety: the round trip runs in a task of its own. sqlx counts a
-/// transaction as open only once its BEGIN statement has returned, so a
-/// future dropped while the statement waited for a lock would leave the
-/// connection to go back to the pool inside the transaction, locks held,
-/// once the statement finished. The task instead receives the transaction
-/// and drops it, which rolls it back before the connection is reused.
-pub(crate) async fn begin_detached(
-    pool: &sqlx::PgPool,
-    sql: String,
-) -> std::result::Result<Transaction<'static, Postgres>, sqlx::Error> {
-    let pool = pool.clone();
-    let task = tokio::spawn(async move { pool.begin_with(sqlx::AssertSqlSafe(sql)).await });
-    match task.await {
-        Ok(begun) => begun,
-        // The task only panics if sqlx does; carry the panic on.
-        Err(join) => std::panic::resume_unwind(join.into_panic()),
-    }
-}
-
 /// The documented SQL derivation of [`LockKey::new`]: one row, one `bigint`
 /// column `key`, for namespace `$1` and key `$2` (both `text`). Lets any
 /// client, a migration or a `psql` session compute the same key.

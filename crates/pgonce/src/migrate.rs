@@ -73,7 +73,7 @@ struct AppliedRow {
 }
 
 async fn apply_one(pool: &PgPool, key: LockKey, migration: &Migration) -> Result<(), MigrateError> {
-    let mut tx = pool.begin().await?;
+    let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(key.as_i64())
         .execute(&mut *tx)

@@ -100,13 +100,18 @@ impl From<crate::guard::Isolation> for IsolationLevel {
 /// the database's default level. Dropped without a commit, the transaction
 /// rolls back before its connection is reused (sqlx's [`Transaction`]).
 ///
+/// Cancel safe: a caller dropped while the BEGIN is on its way leaves no
+/// transaction open on the pooled connection. The BEGIN's round trip runs
+/// in a task of its own, which drops (rolls back) the transaction if
+/// nobody waits for it any more.
+///
 /// Errors are sqlx's: only the pool (no connection) or the server (BEGIN
 /// refused) can fail here.
 pub async fn begin(
     pool: &PgPool,
     level: IsolationLevel,
 ) -> sqlx::Result<Transaction<'static, Postgres>> {
-    pool.begin_with(level.begin()).await
+    begin_detached(pool, level.begin().to_owned()).await
 }
 
 /// [`begin`], read-only: PostgreSQL refuses every write in it (SQLSTATE
@@ -115,7 +120,36 @@ pub async fn begin_read_only(
     pool: &PgPool,
     level: IsolationLevel,
 ) -> sqlx::Result<Transaction<'static, Postgres>> {
-    pool.begin_with(level.begin_read_only()).await
+    begin_detached(pool, level.begin_read_only().to_owned()).await
+}
+
+/// Runs `sql`, a BEGIN statement (possibly followed by statements that take
+/// locks, in one simple-query round trip), on a connection of `pool` and
+/// returns the open transaction. Every transaction the crate opens on a
+/// pool begins here: [`begin`], and the guard's and the event store's
+/// `begin_locked` statements.
+///
+/// Cancel safety: the round trip runs in a task of its own. sqlx counts a
+/// transaction as open only once its BEGIN statement has returned: a
+/// future dropped after the BEGIN was sent and before its answer was read
+/// (however short that window, and for as long as a lock in the same
+/// statement is waited for) would let the connection go back to the pool
+/// inside the transaction, locks held, with sqlx believing it idle. Every
+/// later statement on it would then join that transaction and never
+/// commit, while its caller saw success. The task instead receives the
+/// transaction and, if nobody waits for it any more, drops it, which rolls
+/// it back before the connection is reused.
+pub(crate) async fn begin_detached(
+    pool: &PgPool,
+    sql: String,
+) -> sqlx::Result<Transaction<'static, Postgres>> {
+    let pool = pool.clone();
+    let task = tokio::spawn(async move { pool.begin_with(sqlx::AssertSqlSafe(sql)).await });
+    match task.await {
+        Ok(begun) => begun,
+        // The task only panics if sqlx does; carry the panic on.
+        Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
 }
 
 #[cfg(test)]

@@ -407,7 +407,7 @@ pub(crate) enum Isolation {
 /// trip (begin_locked.sql). With `assign_xid` the transaction id is
 /// assigned too, before any position is drawn. If a lock fails, the error is
 /// returned and the session is left idle (no transaction open).
-/// Cancel safe ([`crate::lock::begin_detached`]).
+/// Cancel safe ([`crate::transaction::begin_detached`]).
 pub(crate) async fn begin_locked(
     pool: &PgPool,
     isolation: Isolation,
@@ -433,7 +433,7 @@ pub(crate) async fn begin_locked(
             },
         );
     // Trusted parts only: our SQL and integer literals.
-    Ok(crate::lock::begin_detached(pool, sql).await?)
+    Ok(crate::transaction::begin_detached(pool, sql).await?)
 }
 
 /// Inserts `events` (validated, keys taken) without a condition and returns
