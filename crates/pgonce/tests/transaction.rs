@@ -17,6 +17,24 @@ use sqlx::{PgPool, Postgres, Transaction};
 
 const APP: &str = "pgonce-begin-dropped";
 
+/// A database with a `ledger` table; a pool of one connection named
+/// [`APP`], and a control pool to look at it from outside.
+async fn pool_of_one_and_control() -> (PgPool, PgPool) {
+    let db = fresh_database().await;
+    let control = db.pool(2).await.unwrap();
+    sqlx::query("CREATE TABLE ledger (id int PRIMARY KEY)")
+        .execute(&control)
+        .await
+        .unwrap();
+    let options: PgConnectOptions = db.options().application_name(APP);
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .unwrap();
+    (pool, control)
+}
+
 /// The state of the pool's one backend, as the server sees it.
 async fn backend_state(control: &PgPool) -> Option<String> {
     sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE application_name = $1")
@@ -68,18 +86,7 @@ async fn drop_begin_after_the_server_ran_it(
 
 #[tokio::test]
 async fn a_begin_dropped_after_the_server_ran_it_leaves_no_transaction_behind() {
-    let db = fresh_database().await;
-    let control = db.pool(2).await.unwrap();
-    sqlx::query("CREATE TABLE ledger (id int PRIMARY KEY)")
-        .execute(&control)
-        .await
-        .unwrap();
-    let options: PgConnectOptions = db.options().application_name(APP);
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .unwrap();
+    let (pool, control) = pool_of_one_and_control().await;
     // The pool's one connection exists before the race, so the begin's
     // first poll goes straight to the BEGIN.
     sqlx::query("SELECT 1").execute(&pool).await.unwrap();
@@ -112,4 +119,41 @@ async fn a_begin_dropped_after_the_server_ran_it_leaves_no_transaction_behind() 
             "{level}: the pooled connection is still in a transaction"
         );
     }
+}
+
+/// The other place a begin can be dropped: still waiting for a connection
+/// of an exhausted pool. The BEGIN then runs later, when the connection is
+/// free, with nobody waiting for it; it must be rolled back, not left open
+/// on the connection for the next user. (Before begins ran in a task of
+/// their own this held too: the BEGIN was never sent. Now it is sent, and
+/// this is what shows the task's transaction is rolled back.)
+#[tokio::test]
+async fn a_begin_dropped_while_it_waits_for_a_connection_leaves_no_transaction_behind() {
+    let (pool, control) = pool_of_one_and_control().await;
+    let held = pool.acquire().await.unwrap();
+    {
+        let begin = pgonce::begin(&pool, IsolationLevel::ReadCommitted);
+        tokio::pin!(begin);
+        assert!(futures::poll!(begin.as_mut()).is_pending());
+        // Let it reach the pool's queue before it is given up.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+            assert!(futures::poll!(begin.as_mut()).is_pending());
+        }
+    }
+    drop(held);
+
+    sqlx::query("INSERT INTO ledger (id) VALUES (1)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let committed: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM ledger WHERE id = 1)")
+        .fetch_one(&control)
+        .await
+        .unwrap();
+    assert!(
+        committed,
+        "an autocommit INSERT after a begin dropped in the pool's queue is not committed: {:?}",
+        backend_state(&control).await
+    );
 }
