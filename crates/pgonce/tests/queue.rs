@@ -1252,3 +1252,120 @@ async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
     assert!(q.receive(poll).await.unwrap().is_empty());
     assert_eq!(listeners(&pool).await, ["pgonce_direct_listener"]);
 }
+
+/// The statements a receipt runs, each with its parameters for one receipt
+/// of `queue` (id, generation) or all of them: delete, change visibility,
+/// delete several.
+fn receipt_statements(queue: &str, receipts: &[(i64, i64)]) -> Vec<(&'static str, String)> {
+    let (id, generation) = receipts[0];
+    let ids: Vec<String> = receipts.iter().map(|r| r.0.to_string()).collect();
+    let generations: Vec<String> = receipts.iter().map(|r| r.1.to_string()).collect();
+    vec![
+        (
+            include_str!("../src/queue/sql/delete.sql"),
+            format!("'{queue}', {id}, {generation}"),
+        ),
+        (
+            include_str!("../src/queue/sql/change_visibility.sql"),
+            format!("'{queue}', {id}, {generation}, 1000"),
+        ),
+        (
+            include_str!("../src/queue/sql/delete_batch.sql"),
+            format!(
+                "'{queue}', '{{{}}}'::bigint[], '{{{}}}'::bigint[]",
+                ids.join(","),
+                generations.join(",")
+            ),
+        ),
+    ]
+}
+
+/// Rows a plan node and its children read from `pgonce.queue_message`:
+/// returned plus removed by a filter (the DELETE or UPDATE node itself
+/// reads nothing).
+fn message_rows_read(node: &serde_json::Value) -> f64 {
+    let own = if node["Relation Name"] == "queue_message" && node["Node Type"] != "ModifyTable" {
+        node["Actual Rows"].as_f64().unwrap_or(0.0)
+            + node["Rows Removed by Filter"].as_f64().unwrap_or(0.0)
+            + node["Rows Removed by Index Recheck"]
+                .as_f64()
+                .unwrap_or(0.0)
+    } else {
+        0.0
+    };
+    let children = node["Plans"]
+        .as_array()
+        .map(|plans| plans.iter().map(message_rows_read).sum())
+        .unwrap_or(0.0);
+    own + children
+}
+
+#[tokio::test]
+async fn a_receipt_finds_its_message_by_primary_key_on_stale_statistics() {
+    // Statistics taken while the queue held 5 messages, then 3,000 more
+    // (autovacuum off, so they stay stale): the state a busy queue is in
+    // between two ANALYZE runs. A receipt's statement must still read its
+    // own message, not every message of the queue.
+    let pool = pool().await;
+    let q = queue(&pool, "busy", QueueAttributes::default()).await;
+    sqlx::raw_sql(
+        "ALTER TABLE pgonce.queue_message SET (autovacuum_enabled = false);
+         INSERT INTO pgonce.queue_message (queue, body, visible_at)
+         SELECT 'busy', 'early', now() FROM generate_series(1, 5);
+         ANALYZE pgonce.queue_message;
+         INSERT INTO pgonce.queue_message (queue, body, visible_at)
+         SELECT 'busy', 'later', now() FROM generate_series(1, 3000);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(got.len(), 10);
+    let receipts: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT id, generation FROM pgonce.queue_message WHERE receive_count = 1 ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(receipts.len(), 10);
+
+    let mut conn = pool.acquire().await.unwrap();
+    // Both plans a prepared statement can get: one made for its values
+    // (the first five runs) and the generic one reused after them.
+    for plan_mode in ["force_custom_plan", "force_generic_plan"] {
+        for (n, (statement, values)) in receipt_statements("busy", &receipts)
+            .into_iter()
+            .enumerate()
+        {
+            let types = match n {
+                0 => "text, bigint, bigint",
+                1 => "text, bigint, bigint, bigint",
+                _ => "text, bigint[], bigint[]",
+            };
+            // The statements and values are the test's own constants.
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "BEGIN; SET LOCAL plan_cache_mode = {plan_mode};
+                 PREPARE receipt_statement ({types}) AS {statement};"
+            )))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+            let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE receipt_statement({values})"
+            )))
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+            sqlx::raw_sql("ROLLBACK; DEALLOCATE receipt_statement;")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let read = message_rows_read(&plan[0]["Plan"]);
+            let expected = if n == 2 { receipts.len() } else { 1 } as f64;
+            assert!(
+                read <= expected,
+                "{plan_mode}: statement {n} read {read} message rows for {expected} receipts:\n{plan:#}"
+            );
+        }
+    }
+}

@@ -1,4 +1,12 @@
 -- Delete by receipt: $1 queue (the receipt's, which is the handle's), $2
 -- id, $3 the generation the receipt was issued at. 0 rows: the receipt is
 -- stale (redelivered since, moved, redriven, deleted).
-DELETE FROM pgonce.queue_message WHERE queue = $1 AND id = $2 AND generation = $3
+-- The row is found by its primary key alone: `queue IS NOT DISTINCT FROM`
+-- (the same as `=` on this NOT NULL column) cannot drive an index, so the
+-- planner never reads the message through queue_message_visible, whose
+-- only usable column here is `queue`: on statistics taken while the queue
+-- was small, it chose that index and read every message of the queue to
+-- find one (tests/queue.rs,
+-- `a_receipt_finds_its_message_by_primary_key_on_stale_statistics`).
+DELETE FROM pgonce.queue_message
+WHERE id = $2 AND generation = $3 AND queue IS NOT DISTINCT FROM $1
