@@ -2,16 +2,17 @@
 -- generations of the receipts. Returns (id, generation) of each delivery
 -- deleted: a receipt whose pair is missing was stale, even when another
 -- receipt in the batch deleted its message.
--- One primary-key probe per id (`id = ANY`), each row then matched against
--- the batch's generations for its id (a correlated sub-select, which the
--- planner keeps per row instead of joining): a join with the unnested
--- receipts let the planner hash-join against every message of the queue,
--- read through queue_message_visible, and the queue check is not an
--- index condition for the reason delete.sql gives.
+-- The messages are read by primary key (`id = ANY`), the only condition on
+-- them an index can drive: the queue check cannot, for the reason
+-- delete.sql gives. Without `id = ANY`, the planner hash-joined the
+-- receipts against every message of the queue, read through
+-- queue_message_visible. The join with the receipts stays a join (linear
+-- in the batch; a sub-select per message would scan the batch once per
+-- message), and its re-check after a concurrent update pairs the new row
+-- version with the receipt it matched.
 DELETE FROM pgonce.queue_message m
+USING unnest($2::bigint[], $3::bigint[]) AS r(id, generation)
 WHERE m.id = ANY($2::bigint[])
-  AND m.generation = ANY (
-      SELECT r.generation FROM unnest($2::bigint[], $3::bigint[]) AS r(id, generation)
-      WHERE r.id = m.id)
+  AND m.id = r.id AND m.generation = r.generation
   AND m.queue IS NOT DISTINCT FROM $1
 RETURNING m.id, m.generation
