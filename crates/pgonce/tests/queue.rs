@@ -1305,6 +1305,39 @@ fn rows_handled(node: &serde_json::Value, relation: Option<&str>) -> f64 {
     own + children
 }
 
+/// `EXPLAIN (ANALYZE, FORMAT JSON)` of `statement` run as a prepared
+/// statement with `types` and `values`, under `plan_mode`
+/// (`force_custom_plan`: the plan made for these values, as the first five
+/// runs get; `force_generic_plan`: the one reused after them), in a
+/// transaction rolled back afterwards. The statements are the library's
+/// own text and the values the test's constants.
+async fn explain_prepared(
+    conn: &mut sqlx::PgConnection,
+    plan_mode: &str,
+    types: &str,
+    statement: &str,
+    values: &str,
+) -> serde_json::Value {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SET LOCAL plan_cache_mode = {plan_mode};
+         PREPARE explained ({types}) AS {statement};"
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE explained({values})"
+    )))
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::raw_sql("ROLLBACK; DEALLOCATE explained;")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    plan
+}
+
 #[tokio::test]
 async fn a_receipt_finds_its_message_by_primary_key_on_stale_statistics() {
     // Statistics taken while the queue held 5 messages, then 3,000 more
@@ -1347,24 +1380,7 @@ async fn a_receipt_finds_its_message_by_primary_key_on_stale_statistics() {
                 1 => "text, bigint, bigint, bigint",
                 _ => "text, bigint[], bigint[]",
             };
-            // The statements and values are the test's own constants.
-            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                "BEGIN; SET LOCAL plan_cache_mode = {plan_mode};
-                 PREPARE receipt_statement ({types}) AS {statement};"
-            )))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-            let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE receipt_statement({values})"
-            )))
-            .fetch_one(&mut *conn)
-            .await
-            .unwrap();
-            sqlx::raw_sql("ROLLBACK; DEALLOCATE receipt_statement;")
-                .execute(&mut *conn)
-                .await
-                .unwrap();
+            let plan = explain_prepared(&mut conn, plan_mode, types, statement, &values).await;
             let read = rows_handled(&plan[0]["Plan"], Some("queue_message"));
             let expected = if n == 2 { receipts.len() } else { 1 } as f64;
             assert!(
@@ -1513,4 +1529,60 @@ async fn delete_batch_rechecks_the_matched_receipt_after_a_concurrent_delivery()
         .await
         .unwrap();
     assert_eq!(left, 1, "the message is kept");
+}
+
+#[tokio::test]
+async fn a_fifo_receive_probes_each_head_on_stale_statistics() {
+    // A FIFO queue that was drained (3,000 messages deleted), analyzed at
+    // 5 messages, then took a burst of 2,000 more over 1,000 groups, 80 of
+    // them in flight (autovacuum off, so the statistics stay stale: the
+    // planner expects a handful of messages). Finding the groups' heads
+    // must cost a probe per candidate, not a comparison of every pair of
+    // messages.
+    let pool = pool().await;
+    let q = queue(&pool, "f.fifo", QueueAttributes::fifo()).await;
+    sqlx::raw_sql(
+        "ALTER TABLE pgonce.queue_message SET (autovacuum_enabled = false);
+         INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         SELECT 'f.fifo', 'drained', 'g' || i, now() FROM generate_series(1, 3000) AS i;
+         DELETE FROM pgonce.queue_message;
+         INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         SELECT 'f.fifo', 'early', 'g' || (i % 5), now() FROM generate_series(1, 5) AS i;
+         ANALYZE pgonce.queue_message;
+         INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         SELECT 'f.fifo', 'later', 'g' || (i % 1000),
+                CASE WHEN i <= 80 THEN now() + interval '1 hour' ELSE now() END
+         FROM generate_series(1, 2000) AS i;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let receive = concat!(
+        include_str!("../src/queue/sql/receive_head.sql"),
+        include_str!("../src/queue/sql/pick_fifo.sql"),
+        include_str!("../src/queue/sql/receive_tail.sql")
+    );
+    let mut conn = pool.acquire().await.unwrap();
+    for plan_mode in ["force_custom_plan", "force_generic_plan"] {
+        let plan = explain_prepared(
+            &mut conn,
+            plan_mode,
+            "text, bigint, bigint",
+            receive,
+            "'f.fifo', 10, NULL",
+        )
+        .await;
+        let handled = rows_handled(&plan[0]["Plan"], None);
+        assert!(
+            handled <= 10.0 * 2005.0,
+            "{plan_mode}: {handled} rows handled to find 10 heads among 2,005 messages:\n{plan:#}"
+        );
+    }
+    // And the receive itself still takes each group's head only.
+    let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(got.len(), 10);
+    let mut groups: Vec<_> = got.iter().map(|m| m.group_id.clone()).collect();
+    groups.sort();
+    groups.dedup();
+    assert_eq!(groups.len(), 10, "one message per group");
 }
