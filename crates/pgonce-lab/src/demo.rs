@@ -41,7 +41,7 @@ pub enum QueueChoice {
     /// The PostgreSQL queue, in the demo's database.
     Postgres,
     /// Amazon SQS's protocol, on a local moto server the demo starts (and
-    /// stops); `moto_server` must be installed (scripts/ensure-moto.sh).
+    /// stops); moto must be installed (scripts/ensure-moto.sh).
     Sqs,
 }
 

@@ -1,4 +1,4 @@
-//! The SQS backend against moto's server mode (one throwaway `moto_server`
+//! The SQS backend against moto's server mode (one throwaway moto server
 //! per test, on a free loopback port, stopped on drop): the same
 //! conformance functions `crates/pgonce/tests/queue.rs` runs on PostgreSQL,
 //! so the worker runtime is proven on both backends; then what is SQS's own:

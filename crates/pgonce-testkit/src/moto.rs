@@ -1,6 +1,7 @@
-//! A throwaway SQS server: moto's `moto_server` (PyPI `moto[server]`,
-//! installed by `scripts/ensure-moto.sh`) on a free loopback port, in its
-//! own process group, stopped when dropped. The SQS backend's tests, the
+//! A throwaway SQS server: moto's server (PyPI `moto[server]`, installed
+//! by `scripts/ensure-moto.sh`), with one fix applied at start
+//! (`moto_server.py`), on a free loopback port, in its own process group,
+//! stopped when dropped. The SQS backend's tests, the
 //! lab's SQS pipeline test and `pgonce demo --queue sqs` all start it here.
 
 use std::io::{Read, Write};
@@ -19,18 +20,18 @@ const READY_WITHIN: Duration = Duration::from_secs(30);
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MotoError {
-    /// `moto_server` is not on PATH.
+    /// `python3` is not on PATH.
     #[error(
-        "moto_server is not installed: run `source scripts/ensure-moto.sh` \
+        "python3 is not installed; moto needs it: run `source scripts/ensure-moto.sh` \
          (pip install 'moto[server]') or use scripts/test"
     )]
     NotInstalled,
     /// It was found but did not come up.
-    #[error("moto_server did not come up: {0}")]
+    #[error("moto did not come up: {0}")]
     Start(String),
 }
 
-/// A running `moto_server`, listening on 127.0.0.1 only.
+/// A running moto server, listening on 127.0.0.1 only.
 #[derive(Debug)]
 pub struct Moto {
     child: Child,
@@ -47,7 +48,10 @@ impl Moto {
                 .and_then(|l| l.local_addr())
                 .map_err(|e| MotoError::Start(format!("no free loopback port: {e}")))?
                 .port();
-            let child = Command::new("moto_server")
+            // moto's own server, started through a launcher that fixes a
+            // race of its SQS backend (see moto_server.py).
+            let child = Command::new("python3")
+                .args(["-c", include_str!("moto_server.py")])
                 .args(["-H", "127.0.0.1", "-p", &port.to_string()])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -82,7 +86,7 @@ impl Moto {
         let deadline = Instant::now() + READY_WITHIN;
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
-                return Err(format!("moto_server exited: {status}"));
+                return Err(format!("moto exited: {status}"));
             }
             if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
                 let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
@@ -103,7 +107,7 @@ impl Moto {
 
 impl Drop for Moto {
     fn drop(&mut self) {
-        // The whole process group: moto_server may fork helpers.
+        // The whole process group: moto may fork helpers.
         let pid = Pid::from_raw(self.child.id() as i32);
         let _ = killpg(pid, Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(5);
