@@ -175,15 +175,19 @@ fn two_worker_processes_share_one_queue_and_a_sigkill_loses_nothing() {
     let report = loop {
         assert!(Instant::now() < deadline, "the run is stuck");
         assert!(a.0.try_wait().unwrap().is_none(), "worker a exited");
+        // The queue first: once it is drained (b's in flight come back
+        // first, when their visibility timeout ends) no message is being
+        // worked on, so no incident can appear after the check below.
+        // (Checked the other way round, a message finished between the two
+        // looked drained with its incident not yet notified.)
+        let stats = rt.block_on(queue.stats()).unwrap();
         let report = rt
             .block_on(invariants::check(&pool, &[org.id], &sent))
             .unwrap();
-        let stats = rt.block_on(queue.stats()).unwrap();
-        // Drained: every message gone from the queue (b's in flight come
-        // back first, when their visibility timeout ends) and every
-        // incident notified. I1, I2 and I6 are then checked, not waited
-        // for: a message deleted unprocessed fails I6 here.
-        if report.i3() && stats.depth == 0 && stats.in_flight == 0 && stats.delayed == 0 {
+        // Drained, and every incident notified. I1, I2 and I6 are then
+        // checked, not waited for: a message deleted unprocessed fails I6
+        // here.
+        if stats.depth == 0 && stats.in_flight == 0 && stats.delayed == 0 && report.i3() {
             break report;
         }
         std::thread::sleep(Duration::from_millis(300));
