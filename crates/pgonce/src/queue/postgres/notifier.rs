@@ -7,8 +7,11 @@
 //! every send that notified waited for the flush of every other one, and
 //! concurrent senders lost group commit. Here the send commits without
 //! notifying; then one task per handle family sends `pg_notify` in a
-//! transaction of its own, which has no transaction id and so commits
-//! without a WAL flush, holding that lock only briefly. Sends that commit
+//! transaction of its own. That transaction is given a transaction id (a
+//! notification carries its sender's), but it writes no WAL before its
+//! commit record, and PostgreSQL commits such a transaction without
+//! waiting for a flush (`RecordTransactionCommit`), so it holds that lock
+//! only briefly. Sends that commit
 //! while a notification is on its way are covered by the next one: at most
 //! one is in flight, and one is always sent after the last send.
 //!
