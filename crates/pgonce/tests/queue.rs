@@ -1531,66 +1531,6 @@ async fn delete_batch_rechecks_the_matched_receipt_after_a_concurrent_delivery()
     assert_eq!(left, 1, "the message is kept");
 }
 
-/// The FIFO receive of up to 10 messages from `queue` (a name without
-/// quotes), explained under a custom and then a generic plan.
-async fn explain_fifo_receive(
-    pool: &PgPool,
-    queue: &str,
-) -> Vec<(&'static str, serde_json::Value)> {
-    let receive = concat!(
-        include_str!("../src/queue/sql/receive_head.sql"),
-        include_str!("../src/queue/sql/pick_fifo.sql"),
-        include_str!("../src/queue/sql/receive_tail.sql")
-    );
-    let mut conn = pool.acquire().await.unwrap();
-    let mut plans = Vec::new();
-    for plan_mode in ["force_custom_plan", "force_generic_plan"] {
-        let values = format!("'{queue}', 10, NULL");
-        let plan = explain_prepared(
-            &mut conn,
-            plan_mode,
-            "text, bigint, bigint",
-            receive,
-            &values,
-        )
-        .await;
-        plans.push((plan_mode, plan));
-    }
-    plans
-}
-
-#[tokio::test]
-async fn a_fifo_receive_reads_its_own_queue_only() {
-    // Messages of a standard queue with lower ids than a FIFO queue's (as
-    // when the busy queue was there first). Finding the FIFO queue's heads
-    // must read the FIFO queue's messages, not walk every queue's messages
-    // in id order.
-    let pool = pool().await;
-    let q = queue(&pool, "own.fifo", QueueAttributes::fifo()).await;
-    queue(&pool, "busy", QueueAttributes::default()).await;
-    sqlx::raw_sql(
-        "INSERT INTO pgonce.queue_message (queue, body, visible_at)
-         SELECT 'busy', 'other', now() FROM generate_series(1, 3000);
-         INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
-         SELECT 'own.fifo', 'mine', 'g' || (i % 20), now() FROM generate_series(1, 40) AS i;
-         ANALYZE pgonce.queue_message;",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    for (plan_mode, plan) in explain_fifo_receive(&pool, "own.fifo").await {
-        let handled = rows_handled(&plan[0]["Plan"], Some("queue_message"));
-        assert!(
-            handled <= 200.0,
-            "{plan_mode}: {handled} message rows handled to find 10 heads \
-             in a queue of 40:\n{plan:#}"
-        );
-    }
-    let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
-    assert_eq!(got.len(), 10);
-    assert!(got.iter().all(|m| m.body == "mine"));
-}
-
 #[tokio::test]
 async fn a_fifo_receive_probes_each_head_on_stale_statistics() {
     // A FIFO queue that was drained (3,000 messages deleted), analyzed at
@@ -1617,7 +1557,21 @@ async fn a_fifo_receive_probes_each_head_on_stale_statistics() {
     .execute(&pool)
     .await
     .unwrap();
-    for (plan_mode, plan) in explain_fifo_receive(&pool, "f.fifo").await {
+    let receive = concat!(
+        include_str!("../src/queue/sql/receive_head.sql"),
+        include_str!("../src/queue/sql/pick_fifo.sql"),
+        include_str!("../src/queue/sql/receive_tail.sql")
+    );
+    let mut conn = pool.acquire().await.unwrap();
+    for plan_mode in ["force_custom_plan", "force_generic_plan"] {
+        let plan = explain_prepared(
+            &mut conn,
+            plan_mode,
+            "text, bigint, bigint",
+            receive,
+            "'f.fifo', 10, NULL",
+        )
+        .await;
         let handled = rows_handled(&plan[0]["Plan"], None);
         assert!(
             handled <= 10.0 * 2005.0,

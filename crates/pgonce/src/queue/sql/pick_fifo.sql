@@ -9,14 +9,6 @@
     -- million comparisons, 453 ms, for 2,000 messages; 5.7 ms with the
     -- probe). tests/queue.rs,
     -- `a_fifo_receive_probes_each_head_on_stale_statistics`.
-    -- Heads in the order they became visible, as a standard receive takes
-    -- messages (order across groups is not part of FIFO's promise). That
-    -- order is queue_message_visible's, which holds this queue's visible
-    -- messages together; walking the primary key in id order instead
-    -- stepped over every other queue's messages with lower ids, and their
-    -- deleted rows until vacuum (1,422 buffers and 5.3 ms per receive of
-    -- 10 under `pgonce bench queue`). tests/queue.rs,
-    -- `a_fifo_receive_reads_its_own_queue_only`.
     SELECT m.id, m.sent_at, m.receive_count, m.receive_base
     FROM pgonce.queue_message m
     WHERE m.queue = $1 AND m.visible_at <= now()
@@ -24,7 +16,7 @@
           SELECT 1 FROM pgonce.queue_message e
           WHERE e.queue = m.queue AND e.group_id = m.group_id AND e.id < m.id
           OFFSET 0)
-    ORDER BY m.visible_at, m.id
+    ORDER BY m.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 )
