@@ -471,7 +471,7 @@ async fn a_send_racing_an_uncommitted_dedup_claim_waits_and_then_agrees() {
         }
     }
     let got = qa.receive(ReceiveRequest::up_to(10)).await.unwrap();
-    let bodies: Vec<_> = got.iter().map(|m| m.body.as_str()).collect();
+    let bodies = bodies(&got);
     assert_eq!(
         bodies,
         ["a", "b"],
@@ -518,9 +518,9 @@ async fn a_fifo_group_keeps_commit_order_and_one_in_flight_when_a_send_commits_l
 
     // Two consumers: each group's head once, "a" before "b".
     let first = qc.receive(ReceiveRequest::up_to(10)).await.unwrap();
-    let mut bodies: Vec<_> = first.iter().map(|m| m.body.as_str()).collect();
-    bodies.sort();
-    assert_eq!(bodies, ["a", "x"]);
+    let mut heads = bodies(&first);
+    heads.sort();
+    assert_eq!(heads, ["a", "x"]);
     assert!(
         qb.receive(ReceiveRequest::up_to(10))
             .await
@@ -531,10 +531,7 @@ async fn a_fifo_group_keeps_commit_order_and_one_in_flight_when_a_send_commits_l
     let a_msg = first.iter().find(|m| m.body == "a").unwrap();
     qc.delete(&a_msg.receipt).await.unwrap();
     let next = qb.receive(ReceiveRequest::up_to(10)).await.unwrap();
-    assert_eq!(
-        next.iter().map(|m| m.body.as_str()).collect::<Vec<_>>(),
-        ["b"]
-    );
+    assert_eq!(bodies(&next), ["b"]);
 }
 
 /// Waits for all of its kind to be running at once.

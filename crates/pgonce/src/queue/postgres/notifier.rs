@@ -11,9 +11,9 @@
 //! notification carries its sender's), but it writes no WAL before its
 //! commit record, and PostgreSQL commits such a transaction without
 //! waiting for a flush (`RecordTransactionCommit`), so it holds that lock
-//! only briefly. Sends that commit
-//! while a notification is on its way are covered by the next one: at most
-//! one is in flight, and one is always sent after the last send.
+//! only briefly. Sends that commit while a notification is on its way are
+//! covered by the next one: at most one is in flight, and one is always
+//! sent after the last send.
 //!
 //! What it costs: a receiver is woken one round trip after the commit
 //! instead of at it; a process that dies between a commit and its
