@@ -348,13 +348,13 @@ pub trait Queue: Send + Sync {
     fn stats(&self) -> impl Future<Output = Result<QueueStats>> + Send;
 
     /// Called on a dead-letter queue: moves its messages back to the queues
-    /// they came from; returns how many moved.
+    /// they came from; returns how many moved. Messages a consumer of the
+    /// dead-letter queue has in flight stay.
     ///
-    /// Known defect of the PostgreSQL queue (open): a redriven FIFO message
-    /// keeps its id, so it comes back as its group's head. If a later
-    /// message of that group is in flight at the time, both are in flight
-    /// at once (test `a_redriven_fifo_message_waits_for_its_group_in_flight`,
-    /// ignored until fixed). Redrive a FIFO dead-letter queue while its
-    /// source queue's consumers are stopped or drained.
+    /// A redriven FIFO message rejoins its group at the back, behind every
+    /// message of the group sent before the redrive, as SQS re-sends it: it
+    /// waits for the group's message in flight, if any, and for those
+    /// queued. The PostgreSQL queue keeps its id, history and a fresh
+    /// dead-letter count; every receipt from before the move is stale.
     fn redrive(&self) -> impl Future<Output = Result<u64>> + Send;
 }

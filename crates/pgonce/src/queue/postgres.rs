@@ -17,6 +17,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::listen::Listen;
 use crate::lock::LockKey;
+use crate::transaction::{self, IsolationLevel};
 
 mod notifier;
 use notifier::Notifier;
@@ -361,20 +362,53 @@ impl PgQueue {
         Ok(message)
     }
 
-    /// The advisory lock keys of these FIFO groups, ascending, once each:
-    /// namespace `pgonce.queue/<queue>`, key the group id.
+    /// The advisory lock keys of these FIFO groups of this queue
+    /// ([`group_lock_keys`]).
     fn group_lock_keys<'a>(
         &self,
         groups: impl Iterator<Item = Option<&'a str>>,
     ) -> Result<Vec<i64>> {
-        let namespace = format!("pgonce.queue/{}", self.inner.name);
-        let mut keys = groups
-            .flatten()
-            .map(|g| Ok(LockKey::new(&namespace, g)?.as_i64()))
-            .collect::<Result<Vec<i64>>>()?;
-        keys.sort_unstable();
-        keys.dedup();
-        Ok(keys)
+        group_lock_keys(groups.flatten().map(|g| (self.inner.name.as_str(), g)))
+    }
+
+    /// One batch of [`Queue::redrive`], in one transaction: picks up to
+    /// [`MAX_BATCH`] dead-lettered messages, takes their FIFO groups' locks
+    /// in their source queues, then moves back those still dead-lettered.
+    /// Under the group's lock a FIFO message gets a position behind every
+    /// message of its group sent before (redrive.sql), so it cannot come
+    /// back ahead of one in flight. Returns (picked, moved).
+    async fn redrive_batch(&self) -> Result<(usize, u64)> {
+        let mut tx = transaction::begin(&self.inner.pool, IsolationLevel::ReadCommitted).await?;
+        let picked: Vec<DeadLetterRow> = sqlx::query_as(include_str!("sql/redrive_pick.sql"))
+            .bind(&self.inner.name)
+            .bind(MAX_BATCH as i64)
+            .fetch_all(&mut *tx)
+            .await?;
+        if picked.is_empty() {
+            return Ok((0, 0));
+        }
+        let keys = group_lock_keys(picked.iter().filter_map(|m| {
+            m.group_id
+                .as_deref()
+                .map(|group| (m.source.as_str(), group))
+        }))?;
+        if !keys.is_empty() {
+            sqlx::query(include_str!("sql/lock_groups.sql"))
+                .bind(&keys)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let ids: Vec<i64> = picked.iter().map(|m| m.id).collect();
+        let sources: Vec<&str> = picked.iter().map(|m| m.source.as_str()).collect();
+        let moved = sqlx::query(include_str!("sql/redrive.sql"))
+            .bind(&self.inner.name)
+            .bind(&ids)
+            .bind(&sources)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        Ok((picked.len(), moved))
     }
 
     /// Whether the send statements notify (inside the transaction), per
@@ -827,13 +861,9 @@ impl Queue for PgQueue {
     async fn redrive(&self) -> Result<u64> {
         let mut moved = 0u64;
         loop {
-            let rows: Vec<(i64, String)> = sqlx::query_as(include_str!("sql/redrive.sql"))
-                .bind(&self.inner.name)
-                .bind(MAX_BATCH as i64)
-                .fetch_all(&self.inner.pool)
-                .await?;
-            moved += rows.len() as u64;
-            if rows.len() < MAX_BATCH {
+            let (picked, batch_moved) = self.redrive_batch().await?;
+            moved += batch_moved;
+            if picked < MAX_BATCH {
                 break;
             }
         }
@@ -844,6 +874,28 @@ impl Queue for PgQueue {
         }
         Ok(moved)
     }
+}
+
+/// The advisory lock keys of these FIFO groups, as (queue, group id)
+/// pairs, ascending, once each: namespace `pgonce.queue/<queue>`, key the
+/// group id. Ascending, so two transactions taking several cannot
+/// deadlock on them.
+fn group_lock_keys<'a>(groups: impl Iterator<Item = (&'a str, &'a str)>) -> Result<Vec<i64>> {
+    let mut keys = groups
+        .map(|(queue, group)| Ok(LockKey::new(&format!("pgonce.queue/{queue}"), group)?.as_i64()))
+        .collect::<Result<Vec<i64>>>()?;
+    keys.sort_unstable();
+    keys.dedup();
+    Ok(keys)
+}
+
+/// A dead-lettered message picked by a redrive (redrive_pick.sql).
+#[derive(sqlx::FromRow)]
+struct DeadLetterRow {
+    id: i64,
+    /// The queue it came from, where the redrive sends it back.
+    source: String,
+    group_id: Option<String>,
 }
 
 /// One row of a receive statement: a delivery, a dead-letter move or an

@@ -31,3 +31,45 @@ pub fn model_config(default_cases: u32) -> Config {
         ..Config::default()
     }
 }
+
+/// Checks a model of the contract against PostgreSQL: proptest draws
+/// sequences of operations from `ops` ([`model_config`] with
+/// `default_cases`; a failing case persisted beside `source_file`, the
+/// caller's `file!()`), and `run` applies case `n`'s sequence to the model
+/// and to the database, returning the first divergence. A divergence fails
+/// the test with the shrunk sequence. Prints the cases, steps and time,
+/// and returns the tally `run` kept over every case, so the caller can
+/// check the run reached the paths it is about.
+pub fn check_model<Op: std::fmt::Debug + Clone, T: std::fmt::Debug + Copy>(
+    source_file: &'static str,
+    default_cases: u32,
+    ops: impl proptest::strategy::Strategy<Value = Vec<Op>>,
+    tally: T,
+    run: impl Fn(u64, &[Op], &mut T) -> Result<(), String>,
+) -> T {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let mut config = model_config(default_cases);
+    config.source_file = Some(source_file);
+    let cases = AtomicU64::new(0);
+    let steps = AtomicU64::new(0);
+    let tally = std::sync::Mutex::new(tally);
+    let started = std::time::Instant::now();
+    let outcome = proptest::test_runner::TestRunner::new(config).run(&ops, |ops| {
+        let case = cases.fetch_add(1, Ordering::Relaxed);
+        steps.fetch_add(ops.len() as u64, Ordering::Relaxed);
+        let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+        run(case, &ops, &mut tally).map_err(proptest::test_runner::TestCaseError::fail)
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+    let tally = *tally.lock().unwrap_or_else(|e| e.into_inner());
+    eprintln!(
+        "{} cases, {} steps, zero divergence, in {:?}; {tally:?}",
+        cases.load(Ordering::Relaxed),
+        steps.load(Ordering::Relaxed),
+        started.elapsed(),
+    );
+    tally
+}

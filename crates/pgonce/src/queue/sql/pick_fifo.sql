@@ -2,6 +2,11 @@
     -- in flight (or delayed) is not visible, and everything behind it is not
     -- a head: at most one message per group in flight, in order. Other
     -- groups' heads are independent of it.
+    -- "Behind" is by position in the group: the id, or the position a
+    -- redrive gave the message (migration 0130). Within a group positions
+    -- are drawn in commit order, under the group's lock (send.sql,
+    -- redrive.sql), so a receive whose snapshot misses a message that
+    -- committed later misses one behind every message it does see.
     -- OFFSET 0 keeps "is there an earlier message in the group?" a probe of
     -- queue_message_group per candidate: without it the planner may turn it
     -- into an anti-join, and on statistics taken while the queue was small
@@ -14,7 +19,8 @@
     WHERE m.queue = $1 AND m.visible_at <= now()
       AND NOT EXISTS (
           SELECT 1 FROM pgonce.queue_message e
-          WHERE e.queue = m.queue AND e.group_id = m.group_id AND e.id < m.id
+          WHERE e.queue = m.queue AND e.group_id = m.group_id
+            AND coalesce(e.group_position, e.id) < coalesce(m.group_position, m.id)
           OFFSET 0)
     ORDER BY m.id
     LIMIT $2

@@ -1,0 +1,416 @@
+//! A reference model of a FIFO queue with a dead-letter queue, checked step
+//! by step against PostgreSQL.
+//!
+//! Random sequences of sends to a few groups, receives from the queue and
+//! from its dead-letter queue, releases and deletes by receipt (current or
+//! stale), visibility timeouts running out and redrives run against both an
+//! in-memory model of the contract and the database. After every step each
+//! receive must deliver what the model says (each group's head, once it is
+//! visible; a head received too often is moved instead), each receipt must
+//! be honoured or refused as the model says, and every row must be where
+//! the model has it. Independently of the model, no group may have two
+//! messages in flight in one queue (I6).
+//!
+//! The model's order within a group: a sent message goes behind every
+//! message of its group, and so does a redriven one (at the back, as SQS
+//! re-sends it), in the order the dead-letter queue had them.
+//!
+//! Time is moved, never waited for: a visibility timeout runs out by an
+//! `UPDATE` that sets `visible_at` into the past.
+//!
+//! `PGONCE_PROPTEST_CASES` sets the number of cases (default 48); see
+//! docs/testing.md.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use pgonce::{Error, PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest, SendMessage};
+use pgonce_testkit::fresh_migrated_database;
+use proptest::prelude::*;
+use sqlx::PgPool;
+
+const GROUPS: usize = 3;
+/// Receives of the source queue after which the next one dead-letters.
+const MAX_RECEIVES: u32 = 2;
+const LONG: Duration = Duration::from_secs(3600);
+const SOURCE: usize = 0;
+const DLQ: usize = 1;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Send(usize),
+    Receive(usize),
+    /// The receipt (counted from the newest issued) releases its message:
+    /// visibility timeout zero.
+    Release(usize),
+    Delete(usize),
+    /// Every visibility timeout runs out.
+    TimePasses,
+    Redrive,
+}
+
+/// Weighted so that the long path (receive, release, receive again,
+/// dead-letter, the next message delivered, redrive while it is in flight)
+/// comes up often.
+fn op() -> impl Strategy<Value = Op> {
+    let receipt = || prop_oneof![3 => 0..3usize, 1 => 0..32usize];
+    prop_oneof![
+        5 => (0..GROUPS).prop_map(Op::Send),
+        6 => Just(Op::Receive(SOURCE)),
+        2 => Just(Op::Receive(DLQ)),
+        4 => receipt().prop_map(Op::Release),
+        3 => receipt().prop_map(Op::Delete),
+        2 => Just(Op::TimePasses),
+        3 => Just(Op::Redrive),
+    ]
+}
+
+/// A message as the contract says it is.
+#[derive(Debug, Clone)]
+struct Message {
+    group: usize,
+    queue: usize,
+    /// Its place in its group: the model's own counter, drawn at the send
+    /// and again at a redrive.
+    position: u64,
+    visible: bool,
+    receive_count: u32,
+    /// receive_count at the last redrive.
+    base: u32,
+    /// The delivery a receipt must name to act on it; none after a move.
+    delivery: Option<u64>,
+}
+
+/// A receipt handed out by a receive.
+#[derive(Debug, Clone)]
+struct Issued {
+    receipt: pgonce::Receipt,
+    queue: usize,
+    id: String,
+    delivery: u64,
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    messages: BTreeMap<String, Message>,
+    receipts: Vec<Issued>,
+    positions: u64,
+    deliveries: u64,
+}
+
+impl Model {
+    fn next_position(&mut self) -> u64 {
+        self.positions += 1;
+        self.positions
+    }
+
+    /// Ids of the messages in `queue`, each group's in its order.
+    fn in_order(&self, queue: usize) -> Vec<String> {
+        let mut ids: Vec<(&String, &Message)> = self
+            .messages
+            .iter()
+            .filter(|(_, m)| m.queue == queue)
+            .collect();
+        ids.sort_by_key(|(_, m)| (m.group, m.position));
+        ids.into_iter().map(|(id, _)| id.clone()).collect()
+    }
+
+    /// True when `issued` names its message's current delivery.
+    fn valid(&self, issued: &Issued) -> bool {
+        self.messages
+            .get(&issued.id)
+            .is_some_and(|m| m.queue == issued.queue && m.delivery == Some(issued.delivery))
+    }
+}
+
+/// How often the paths under test came up, to show the run reached them.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    delivered: u64,
+    dead_lettered: u64,
+    redriven: u64,
+    /// Redrives that found a message of the group in flight in the source.
+    redriven_beside_in_flight: u64,
+    refused: u64,
+}
+
+/// A row of the queues under test, as the database has it.
+#[derive(Debug, sqlx::FromRow)]
+struct Row {
+    id: i64,
+    queue: String,
+    group_id: Option<String>,
+    visible: bool,
+    receive_count: i32,
+}
+
+fn group_name(group: usize) -> String {
+    format!("g{group}")
+}
+
+async fn step(
+    pool: &PgPool,
+    queues: &[PgQueue; 2],
+    model: &mut Model,
+    op: &Op,
+    tally: &mut Tally,
+) -> Result<(), String> {
+    match op {
+        Op::Send(group) => {
+            let sent = queues[SOURCE]
+                .send(SendMessage::new("m").group(group_name(*group)))
+                .await
+                .map_err(|e| format!("send: {e}"))?;
+            let position = model.next_position();
+            model.messages.insert(
+                sent.id,
+                Message {
+                    group: *group,
+                    queue: SOURCE,
+                    position,
+                    visible: true,
+                    receive_count: 0,
+                    base: 0,
+                    delivery: None,
+                },
+            );
+        }
+        Op::Receive(q) => {
+            let got = queues[*q]
+                .receive(ReceiveRequest::up_to(10))
+                .await
+                .map_err(|e| format!("receive: {e}"))?;
+            // Each group's head, if visible, is delivered or (received too
+            // often from the source) moved; nothing behind it is taken.
+            let mut expected = BTreeMap::new();
+            let mut seen_groups = [false; GROUPS];
+            for id in model.in_order(*q) {
+                let m = model.messages.get_mut(&id).unwrap();
+                if std::mem::replace(&mut seen_groups[m.group], true) || !m.visible {
+                    continue;
+                }
+                if *q == SOURCE && m.receive_count - m.base >= MAX_RECEIVES {
+                    m.queue = DLQ;
+                    m.delivery = None;
+                    tally.dead_lettered += 1;
+                } else {
+                    model.deliveries += 1;
+                    m.receive_count += 1;
+                    m.visible = false;
+                    m.delivery = Some(model.deliveries);
+                    expected.insert(id, (m.receive_count, model.deliveries));
+                }
+            }
+            let delivered: BTreeMap<String, u32> = got
+                .iter()
+                .map(|r| (r.id.clone(), r.receive_count))
+                .collect();
+            let want: BTreeMap<String, u32> = expected
+                .iter()
+                .map(|(id, (c, _))| (id.clone(), *c))
+                .collect();
+            if delivered != want {
+                return Err(format!("delivered {delivered:?}, model {want:?}"));
+            }
+            tally.delivered += got.len() as u64;
+            for r in got {
+                model.receipts.push(Issued {
+                    receipt: r.receipt,
+                    queue: *q,
+                    delivery: expected[&r.id].1,
+                    id: r.id,
+                });
+            }
+        }
+        Op::Release(k) | Op::Delete(k) => {
+            let Some(issued) = model
+                .receipts
+                .len()
+                .checked_sub(1 + k % model.receipts.len().max(1))
+                .map(|i| model.receipts[i].clone())
+            else {
+                return Ok(());
+            };
+            let valid = model.valid(&issued);
+            let queue = &queues[issued.queue];
+            let got = if matches!(op, Op::Release(_)) {
+                queue
+                    .change_visibility(&issued.receipt, Duration::ZERO)
+                    .await
+            } else {
+                queue.delete(&issued.receipt).await
+            };
+            let outcome = match &got {
+                Ok(()) => "ok",
+                Err(Error::StaleReceipt { .. }) => "stale",
+                Err(_) => "other error",
+            };
+            let want = if valid { "ok" } else { "stale" };
+            if outcome != want {
+                return Err(format!("{issued:?}: {got:?}, model {want}"));
+            }
+            if !valid {
+                tally.refused += 1;
+            } else if matches!(op, Op::Release(_)) {
+                model.messages.get_mut(&issued.id).unwrap().visible = true;
+            } else {
+                model.messages.remove(&issued.id);
+            }
+        }
+        Op::TimePasses => {
+            sqlx::query(
+                "UPDATE pgonce.queue_message \
+                 SET visible_at = least(visible_at, now() - interval '1 ms') \
+                 WHERE queue = ANY($1)",
+            )
+            .bind(
+                queues
+                    .iter()
+                    .map(|q| q.name().to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .execute(pool)
+            .await
+            .map_err(|e| format!("time passes: {e}"))?;
+            model.messages.values_mut().for_each(|m| m.visible = true);
+        }
+        Op::Redrive => {
+            let moved = queues[DLQ]
+                .redrive()
+                .await
+                .map_err(|e| format!("redrive: {e}"))?;
+            let mut want = 0;
+            for id in model.in_order(DLQ) {
+                // In the dead-letter queue's order within each group; the
+                // model's groups are independent, so only that order counts.
+                if !model.messages[&id].visible {
+                    continue;
+                }
+                let group = model.messages[&id].group;
+                if model
+                    .messages
+                    .values()
+                    .any(|o| o.queue == SOURCE && o.group == group && !o.visible)
+                {
+                    tally.redriven_beside_in_flight += 1;
+                }
+                let position = model.next_position();
+                let m = model.messages.get_mut(&id).unwrap();
+                m.queue = SOURCE;
+                m.position = position;
+                m.base = m.receive_count;
+                m.delivery = None;
+                want += 1;
+            }
+            if moved != want {
+                return Err(format!("redrove {moved}, model {want}"));
+            }
+            tally.redriven += want;
+        }
+    }
+    Ok(())
+}
+
+/// The rows of the queues under test against the model's messages, and
+/// I6 on the rows alone: at most one message per group in flight per queue.
+async fn compare(pool: &PgPool, names: &[String; 2], model: &Model) -> Result<(), String> {
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT id, queue, group_id, visible_at <= now() AS visible, receive_count \
+         FROM pgonce.queue_message WHERE queue = ANY($1) ORDER BY id",
+    )
+    .bind(names.to_vec())
+    .fetch_all(pool)
+    .await
+    .map_err(|e| format!("read rows: {e}"))?;
+    let mut in_flight: BTreeMap<(&str, Option<&str>), Vec<i64>> = BTreeMap::new();
+    for r in rows.iter().filter(|r| !r.visible) {
+        in_flight
+            .entry((r.queue.as_str(), r.group_id.as_deref()))
+            .or_default()
+            .push(r.id);
+    }
+    if let Some(((queue, group), ids)) = in_flight.iter().find(|(_, ids)| ids.len() > 1) {
+        return Err(format!(
+            "I6: group {group:?} has {} messages in flight in {queue}: {ids:?}",
+            ids.len()
+        ));
+    }
+    let have: BTreeMap<String, (String, bool, u32)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.id.to_string(),
+                (r.queue.clone(), r.visible, r.receive_count as u32),
+            )
+        })
+        .collect();
+    let want: BTreeMap<String, (String, bool, u32)> = model
+        .messages
+        .iter()
+        .map(|(id, m)| {
+            (
+                id.clone(),
+                (names[m.queue].clone(), m.visible, m.receive_count),
+            )
+        })
+        .collect();
+    if have != want {
+        return Err(format!("rows {have:?}, model {want:?}"));
+    }
+    Ok(())
+}
+
+async fn run(pool: &PgPool, case: u64, ops: &[Op], tally: &mut Tally) -> Result<(), String> {
+    let names = [format!("m{case}.fifo"), format!("m{case}-dlq.fifo")];
+    let options = PgQueueOptions::default();
+    let dlq = PgQueue::create(
+        pool,
+        &names[DLQ],
+        QueueAttributes::fifo().visibility_timeout(LONG),
+        options.clone(),
+    )
+    .await
+    .map_err(|e| format!("create: {e}"))?;
+    let source = PgQueue::create(
+        pool,
+        &names[SOURCE],
+        QueueAttributes::fifo()
+            .visibility_timeout(LONG)
+            .dead_letter(names[DLQ].clone(), MAX_RECEIVES),
+        options,
+    )
+    .await
+    .map_err(|e| format!("create: {e}"))?;
+    let queues = [source, dlq];
+    let mut model = Model::default();
+    for (i, op) in ops.iter().enumerate() {
+        step(pool, &queues, &mut model, op, tally)
+            .await
+            .map_err(|e| format!("step {i} {op:?}: {e}"))?;
+        compare(pool, &names, &model)
+            .await
+            .map_err(|e| format!("after step {i} {op:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_fifo_group_has_one_message_in_flight_across_dead_letters_and_redrives() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (db, pool) = rt.block_on(fresh_migrated_database(4, pgonce::migrate));
+    let tally = support::check_model(
+        file!(),
+        48,
+        proptest::collection::vec(op(), 1..80),
+        Tally::default(),
+        |case, ops, tally| rt.block_on(run(&pool, case, ops, tally)),
+    );
+    // The run reached the path under test.
+    assert!(
+        tally.redriven_beside_in_flight > 0,
+        "no redrive met a message of its group in flight: {tally:?}"
+    );
+    drop(db);
+}
