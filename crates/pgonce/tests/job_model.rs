@@ -26,7 +26,6 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use pgonce::job::{
@@ -969,22 +968,12 @@ fn jobs_follow_the_reference_model_step_by_step() {
     if let Err(e) = rt.block_on(run(&h, &scripted_case(), &mut scripted)) {
         panic!("the scripted case: {e}");
     }
-    let cases = AtomicU64::new(0);
-    let steps = AtomicU64::new(0);
-    let tally = std::sync::Mutex::new(scripted);
-    let started = std::time::Instant::now();
-    proptest!(support::model_config(16), |(ops in proptest::collection::vec(op(), 1..60))| {
-        cases.fetch_add(1, Ordering::Relaxed);
-        steps.fetch_add(ops.len() as u64, Ordering::Relaxed);
-        let out = rt.block_on(run(&h, &ops, &mut tally.lock().unwrap()));
-        prop_assert!(out.is_ok(), "{}", out.unwrap_err());
-    });
-    let tally = *tally.lock().unwrap();
-    eprintln!(
-        "{} cases, {} steps, zero divergence, in {:?}; {tally:?}",
-        cases.load(Ordering::Relaxed),
-        steps.load(Ordering::Relaxed),
-        started.elapsed(),
+    let tally = support::check_model(
+        file!(),
+        16,
+        proptest::collection::vec(op(), 1..60),
+        scripted,
+        |_, ops, tally| rt.block_on(run(&h, ops, tally)),
     );
     assert!(
         tally.raced >= 2
