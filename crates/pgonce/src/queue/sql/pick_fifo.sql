@@ -16,7 +16,11 @@
     -- `a_fifo_receive_probes_each_head_on_stale_statistics`.
     SELECT m.id, m.sent_at, m.receive_count, m.receive_base
     FROM pgonce.queue_message m
-    WHERE m.queue = $1 AND m.visible_at <= now()
+    -- `group_id IS NOT NULL` (true of every FIFO message) lets the walk
+    -- in id order read this queue's messages only, from
+    -- queue_message_fifo_walk (migration 0131), not the primary key
+    -- through every queue's.
+    WHERE m.queue = $1 AND m.group_id IS NOT NULL AND m.visible_at <= now()
       AND NOT EXISTS (
           SELECT 1 FROM pgonce.queue_message e
           WHERE e.queue = m.queue AND e.group_id = m.group_id
