@@ -21,9 +21,9 @@ async fn derived_in_sql(pool: &PgPool, namespace: &str, key: &str) -> sqlx::Resu
         .await
 }
 
-#[tokio::test]
-async fn the_documented_sql_computes_the_same_key_for_hostile_strings() {
-    let pool = pool().await;
+/// Namespaces and keys that could trip an encoding, a quote or a hash
+/// block boundary.
+fn hostile_cases() -> Vec<(String, String)> {
     let long = "x".repeat(10_000);
     let long_unicode = "ü🚨\u{0301}".repeat(3_000);
     let mut cases: Vec<(String, String)> = [
@@ -54,6 +54,13 @@ async fn the_documented_sql_computes_the_same_key_for_hostile_strings() {
             .collect();
         cases.push((format!("len-{len}"), key));
     }
+    cases
+}
+
+#[tokio::test]
+async fn the_documented_sql_computes_the_same_key_for_hostile_strings() {
+    let pool = pool().await;
+    let cases = hostile_cases();
     for (namespace, key) in &cases {
         let from_sql = derived_in_sql(&pool, namespace, key).await.unwrap();
         assert_eq!(
@@ -66,6 +73,27 @@ async fn the_documented_sql_computes_the_same_key_for_hostile_strings() {
         LockKey::new("a:b", "c").unwrap(),
         LockKey::new("a", "b:c").unwrap()
     );
+}
+
+/// `pgonce.lock_key`, the same derivation as a function in the schema
+/// (migration 0132), which statements use to lock a key they learn from
+/// their own rows (a dead-letter move locks its message's group).
+#[tokio::test]
+async fn the_schemas_lock_key_function_computes_the_same_key() {
+    let (_db, pool) = pgonce_testkit::fresh_migrated_database(2, pgonce::migrate).await;
+    for (namespace, key) in &hostile_cases() {
+        let from_sql: i64 = sqlx::query_scalar("SELECT pgonce.lock_key($1, $2)")
+            .bind(namespace)
+            .bind(key)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(
+            LockKey::new(namespace, key).unwrap().as_i64(),
+            from_sql,
+            "{namespace:.20}/{key:.20}"
+        );
+    }
 }
 
 /// A NUL byte cannot reach the SQL derivation (PostgreSQL's text refuses

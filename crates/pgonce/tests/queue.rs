@@ -167,22 +167,234 @@ async fn a_redriven_fifo_message_rejoins_its_group_at_the_back_with_its_id() {
     assert_eq!(dlq.redrive().await.unwrap(), 1);
     q.send(SendMessage::new("m4").group("g")).await.unwrap();
     q.delete(&m2.receipt).await.unwrap();
-    let mut order = Vec::new();
-    for _ in 0..3 {
-        let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
-        assert_eq!(
-            got.len(),
-            1,
-            "one message of the group at a time: {:?}",
-            bodies(&got)
+    let order = one_at_a_time(&q, 3).await;
+    assert_eq!(order[1].id, m1_id, "a redrive keeps the message's id");
+    assert_eq!(bodies(&order), ["m3", "m1", "m4"]);
+}
+
+/// A FIFO queue `name` whose dead-letter queue `dead_letter_queue` (which
+/// must exist) takes a message at its second receive.
+async fn fifo_dead_lettering_at_second_receive(
+    pool: &PgPool,
+    name: &str,
+    dead_letter_queue: &str,
+) -> PgQueue {
+    queue(
+        pool,
+        name,
+        QueueAttributes::fifo().dead_letter(dead_letter_queue, 1),
+    )
+    .await
+}
+
+/// `f.fifo` and its dead-letter queue `f-dlq.fifo`: w then x of group g
+/// dead-lettered in that order, and w delivered from the dead-letter queue
+/// (returned, in flight there).
+async fn group_dead_lettered_with_its_head_in_flight(
+    pool: &PgPool,
+) -> (PgQueue, PgQueue, Vec<Received>) {
+    let dlq = queue(pool, "f-dlq.fifo", QueueAttributes::fifo()).await;
+    let q = fifo_dead_lettering_at_second_receive(pool, "f.fifo", "f-dlq.fifo").await;
+    q.send(SendMessage::new("w").group("g")).await.unwrap();
+    q.send(SendMessage::new("x").group("g")).await.unwrap();
+    dead_letter_next(&q, "w").await;
+    dead_letter_next(&q, "x").await;
+    let w = dlq.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&w), ["w"]);
+    (q, dlq, w)
+}
+
+/// Receives `body` from `q` (a queue that dead-letters at the second
+/// receive), releases it, and receives again, which moves it to the
+/// dead-letter queue. Panics if anything else comes.
+async fn dead_letter_next(q: &PgQueue, body: &str) {
+    let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&got), [body], "first delivery from {}", q.name());
+    q.change_visibility(&got[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    let moved = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert!(moved.is_empty(), "{body} was delivered again, not moved");
+}
+
+/// A FIFO dead-letter queue shared by two FIFO queues: y (sent to b.fifo
+/// first, so the smaller id) is dead-lettered while x of the same group,
+/// dead-lettered from a.fifo before it, is in flight in d.fifo. Keeping its
+/// place, y was d.fifo's head of g and was delivered beside x; a move now
+/// puts it at the back of the group there.
+#[tokio::test]
+async fn a_shared_fifo_dead_letter_queue_keeps_one_message_of_a_group_in_flight() {
+    let pool = pool().await;
+    let d = queue(&pool, "d.fifo", QueueAttributes::fifo()).await;
+    let a = fifo_dead_lettering_at_second_receive(&pool, "a.fifo", "d.fifo").await;
+    let b = fifo_dead_lettering_at_second_receive(&pool, "b.fifo", "d.fifo").await;
+    b.send(SendMessage::new("y").group("g")).await.unwrap();
+    a.send(SendMessage::new("x").group("g")).await.unwrap();
+    dead_letter_next(&a, "x").await;
+    let x = d.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&x), ["x"]);
+    dead_letter_next(&b, "y").await;
+    let during = d.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert!(
+        during.is_empty(),
+        "d.fifo delivered {:?} while x of group g is in flight there",
+        bodies(&during)
+    );
+    d.delete(&x[0].receipt).await.unwrap();
+    let next = d.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&next), ["y"]);
+}
+
+/// The same with one source: t.fifo is s.fifo's dead-letter queue and also
+/// takes sends of its own. m (sent to s.fifo first) is dead-lettered while
+/// t.fifo's own n of the same group is in flight: m goes behind n.
+#[tokio::test]
+async fn a_dead_letter_move_waits_behind_the_dead_letter_queues_own_message_in_flight() {
+    let pool = pool().await;
+    let t = queue(&pool, "t.fifo", QueueAttributes::fifo()).await;
+    let s = fifo_dead_lettering_at_second_receive(&pool, "s.fifo", "t.fifo").await;
+    s.send(SendMessage::new("m").group("g")).await.unwrap();
+    t.send(SendMessage::new("n").group("g")).await.unwrap();
+    let n = t.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&n), ["n"]);
+    dead_letter_next(&s, "m").await;
+    let during = t.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert!(
+        during.is_empty(),
+        "t.fifo delivered {:?} while n of group g is in flight there",
+        bodies(&during)
+    );
+}
+
+/// A dead-letter move into a FIFO queue takes the group's lock there, as a
+/// send does, step by step: A sends n to t.fifo's group g in an open
+/// transaction; B's receive of s.fifo, which dead-letters m of group g into
+/// t.fifo, waits for A (seen in pg_blocking_pids); once A commits, m is
+/// behind n. Without the wait m's position was drawn before n's id and
+/// committed first: a receive of t.fifo took m as g's head, then n.
+#[tokio::test]
+async fn a_dead_letter_move_waits_for_a_send_to_the_group_in_flight_and_goes_behind_it() {
+    let db = fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    let t = queue(&setup, "t.fifo", QueueAttributes::fifo()).await;
+    let s = fifo_dead_lettering_at_second_receive(&setup, "s.fifo", "t.fifo").await;
+    s.send(SendMessage::new("m").group("g")).await.unwrap();
+    let first = s.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    s.change_visibility(&first[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    let moved = behind_a_send_in_flight(&db, "t.fifo", "n", "s.fifo", |sb| async move {
+        sb.receive(ReceiveRequest::up_to(10)).await
+    })
+    .await
+    .unwrap();
+    assert!(moved.is_empty(), "m moved, not delivered");
+    let order = one_at_a_time(&t, 2).await;
+    assert_eq!(bodies(&order), ["n", "m"]);
+}
+
+/// A dead-letter queue of the other kind is refused, as in SQS (a FIFO
+/// queue cannot order a standard queue's messages, which have no group),
+/// and so is re-creating a queue as the other kind: a typed error, and the
+/// queue as it was.
+#[tokio::test]
+async fn a_queue_of_the_other_kind_is_refused_and_nothing_is_written() {
+    let pool = pool().await;
+    queue(&pool, "d.fifo", QueueAttributes::fifo()).await;
+    queue(&pool, "d", QueueAttributes::default()).await;
+    for (name, attributes) in [
+        ("s", QueueAttributes::default().dead_letter("d.fifo", 1)),
+        ("f.fifo", QueueAttributes::fifo().dead_letter("d", 1)),
+    ] {
+        let refused = PgQueue::create(&pool, name, attributes, fast_poll()).await;
+        assert!(
+            matches!(refused, Err(Error::Invalid { .. })),
+            "{name}: {refused:?}"
         );
-        order.push(got[0].body.clone());
-        if got[0].body == "m1" {
-            assert_eq!(got[0].id, m1_id, "a redrive keeps the message's id");
-        }
-        q.delete(&got[0].receipt).await.unwrap();
     }
-    assert_eq!(order, ["m3", "m1", "m4"]);
+    let visibility = |name: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT visibility_timeout_ms FROM pgonce.queue WHERE name = $1",
+            )
+            .bind(name)
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(visibility("s").await, None);
+    assert_eq!(visibility("f.fifo").await, None);
+    let before = visibility("d").await;
+    let refused = PgQueue::create(
+        &pool,
+        "d",
+        QueueAttributes::fifo().visibility_timeout(Duration::from_secs(7)),
+        fast_poll(),
+    )
+    .await;
+    assert!(matches!(refused, Err(Error::Invalid { .. })), "{refused:?}");
+    assert_eq!(
+        visibility("d").await,
+        before,
+        "the standard queue d unchanged"
+    );
+}
+
+/// A redrive leaves a dead letter that a consumer of the dead-letter queue
+/// has in flight, and the messages of its group behind it: moved, they ran
+/// in the source queue while it was still in flight, and it came back
+/// behind them. w, x of f.fifo's group g are dead-lettered in that order;
+/// f-dlq.fifo delivers w; a redrive moves nothing. Once w is released, the
+/// next redrive moves both, in their order.
+#[tokio::test]
+async fn a_redrive_keeps_a_group_behind_its_message_in_flight_in_the_dead_letter_queue() {
+    let pool = pool().await;
+    let (q, dlq, w) = group_dead_lettered_with_its_head_in_flight(&pool).await;
+    assert_eq!(dlq.redrive().await.unwrap(), 0, "x stays behind w");
+    assert!(
+        q.receive(ReceiveRequest::up_to(10))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    dlq.change_visibility(&w[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(dlq.redrive().await.unwrap(), 2);
+    let order = one_at_a_time(&q, 2).await;
+    assert_eq!(bodies(&order), ["w", "x"]);
+}
+
+/// The redrive's second statement checks its group's order again, on the
+/// messages it locked: the first step read w and x of group g as movable,
+/// then a consumer of the dead-letter queue took w. The move (run here
+/// directly with the first step's ids, as `redrive` runs it) must leave
+/// both, not move x ahead of w.
+#[tokio::test]
+async fn a_redrive_rechecks_its_groups_order_after_the_dead_letter_queue_delivers() {
+    let pool = pool().await;
+    group_dead_lettered_with_its_head_in_flight(&pool).await;
+    let ids: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM pgonce.queue_message WHERE queue = 'f-dlq.fifo' ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let moved = sqlx::query(include_str!("../src/queue/sql/redrive.sql"))
+        .bind("f-dlq.fifo")
+        .bind(&ids)
+        .bind(["f.fifo", "f.fifo"])
+        .execute(&pool)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert_eq!(
+        moved, 0,
+        "x moved while w is in flight in the dead-letter queue"
+    );
 }
 
 /// What a receive statement did with one message.
@@ -243,6 +455,62 @@ async fn a_receive_from_before_a_redrive_and_one_after_deliver_one_message_of_th
     );
 }
 
+/// Step by step: session A sends `body` to group "g" of `queue` in an
+/// open transaction; then session B runs `then` on its handle of
+/// `b_queue`, which must wait for A (seen in pg_blocking_pids); A commits,
+/// and B's result is returned.
+async fn behind_a_send_in_flight<T, F>(
+    db: &pgonce_testkit::ScratchDatabase,
+    queue: &str,
+    body: &str,
+    b_queue: &str,
+    then: impl FnOnce(PgQueue) -> F,
+) -> pgonce::Result<T>
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = pgonce::Result<T>> + Send + 'static,
+{
+    let race = pgonce_testkit::Interleaving::new(db.options())
+        .await
+        .unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let qa = PgQueue::open(a.pool(), queue, fast_poll()).await.unwrap();
+    let qb = PgQueue::open(b.pool(), b_queue, fast_poll()).await.unwrap();
+    let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    race.step(
+        &a,
+        &format!("send {body} to {queue}/g in tx"),
+        qa.send_in(&mut tx, SendMessage::new(body).group("g")),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let waiting = race
+        .step_blocks(&b, &format!("on {b_queue}"), then(qb))
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    race.step(&a, "commit", tx.commit()).await.unwrap().unwrap();
+    waiting.resume().await.unwrap()
+}
+
+/// Receives and deletes `n` messages from `q`, checking that each receive
+/// delivers exactly one (one message of a group in flight at a time);
+/// returns them in order.
+async fn one_at_a_time(q: &PgQueue, n: usize) -> Vec<Received> {
+    let mut order = Vec::new();
+    for _ in 0..n {
+        let mut got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+        assert_eq!(got.len(), 1, "one at a time: {:?}", bodies(&got));
+        q.delete(&got[0].receipt).await.unwrap();
+        order.push(got.remove(0));
+    }
+    order
+}
+
 /// A redrive takes the FIFO group's lock before it places a message, as a
 /// send does before it draws an id, step by step: A sends m3 to group g in
 /// an open transaction; the redrive of m1 waits for A (seen in
@@ -255,47 +523,16 @@ async fn a_redrive_waits_for_a_send_to_the_group_in_flight_and_goes_behind_it() 
     let db = fresh_database().await;
     let setup = db.pool(2).await.unwrap();
     pgonce::migrate(&setup).await.unwrap();
-    let (q, dlq, _, m2) = fifo_head_dead_lettered(&setup, &["m1", "m2"]).await;
+    let (q, _, _, m2) = fifo_head_dead_lettered(&setup, &["m1", "m2"]).await;
     q.delete(&m2.receipt).await.unwrap();
-    let race = pgonce_testkit::Interleaving::new(db.options())
-        .await
-        .unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-    let qa = PgQueue::open(a.pool(), "f.fifo", fast_poll())
-        .await
-        .unwrap();
-    let dlq_b = PgQueue::open(b.pool(), "f-dlq.fifo", fast_poll())
-        .await
-        .unwrap();
-
-    let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
-        .await
-        .unwrap();
-    race.step(
-        &a,
-        "send m3 to g in tx",
-        qa.send_in(&mut tx, SendMessage::new("m3").group("g")),
-    )
+    let moved = behind_a_send_in_flight(&db, "f.fifo", "m3", "f-dlq.fifo", |dlq| async move {
+        dlq.redrive().await
+    })
     .await
-    .unwrap()
     .unwrap();
-    let waiting = race
-        .step_blocks(&b, "redrive", async move { dlq_b.redrive().await })
-        .await
-        .unwrap();
-    assert_eq!(waiting.blocked_by(), ["A"]);
-    race.step(&a, "commit", tx.commit()).await.unwrap().unwrap();
-    assert_eq!(waiting.resume().await.unwrap().unwrap(), 1);
-    let mut order = Vec::new();
-    for _ in 0..2 {
-        let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
-        assert_eq!(got.len(), 1, "{:?}", bodies(&got));
-        order.push(got[0].body.clone());
-        q.delete(&got[0].receipt).await.unwrap();
-    }
-    assert_eq!(order, ["m3", "m1"]);
-    drop(dlq);
+    assert_eq!(moved, 1);
+    let order = one_at_a_time(&q, 2).await;
+    assert_eq!(bodies(&order), ["m3", "m1"]);
 }
 
 fn bodies(messages: &[Received]) -> Vec<&str> {

@@ -12,8 +12,11 @@
 //! messages in flight in one queue (I6).
 //!
 //! The model's order within a group: a sent message goes behind every
-//! message of its group, and so does a redriven one (at the back, as SQS
-//! re-sends it), in the order the dead-letter queue had them.
+//! message of its group in its queue, and so does one moved to the
+//! dead-letter queue and one redriven back (at the back, as SQS re-sends
+//! it). A redrive moves each group's dead letters from the head of the
+//! group on, stopping at the first that stays (in flight in the
+//! dead-letter queue, or sent to it directly), in their order.
 //!
 //! Time is moved, never waited for: a visibility timeout runs out by an
 //! `UPDATE` that sets `visible_at` into the past.
@@ -40,7 +43,9 @@ const DLQ: usize = 1;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Send(usize),
+    /// A send to (queue, group): the dead-letter queue takes sends of its
+    /// own too, which a redrive never moves.
+    Send(usize, usize),
     Receive(usize),
     /// The receipt (counted from the newest issued) releases its message:
     /// visibility timeout zero.
@@ -57,7 +62,8 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let receipt = || prop_oneof![3 => 0..3usize, 1 => 0..32usize];
     prop_oneof![
-        5 => (0..GROUPS).prop_map(Op::Send),
+        5 => (0..GROUPS).prop_map(|g| Op::Send(SOURCE, g)),
+        1 => (0..GROUPS).prop_map(|g| Op::Send(DLQ, g)),
         6 => Just(Op::Receive(SOURCE)),
         2 => Just(Op::Receive(DLQ)),
         4 => receipt().prop_map(Op::Release),
@@ -79,6 +85,8 @@ struct Message {
     receive_count: u32,
     /// receive_count at the last redrive.
     base: u32,
+    /// Dead-lettered (from the source queue), so a redrive may move it.
+    dead_lettered: bool,
     /// The delivery a receipt must name to act on it; none after a move.
     delivery: Option<u64>,
 }
@@ -158,8 +166,8 @@ async fn step(
     tally: &mut Tally,
 ) -> Result<(), String> {
     match op {
-        Op::Send(group) => {
-            let sent = queues[SOURCE]
+        Op::Send(queue, group) => {
+            let sent = queues[*queue]
                 .send(SendMessage::new("m").group(group_name(*group)))
                 .await
                 .map_err(|e| format!("send: {e}"))?;
@@ -168,11 +176,12 @@ async fn step(
                 sent.id,
                 Message {
                     group: *group,
-                    queue: SOURCE,
+                    queue: *queue,
                     position,
                     visible: true,
                     receive_count: 0,
                     base: 0,
+                    dead_lettered: false,
                     delivery: None,
                 },
             );
@@ -187,12 +196,17 @@ async fn step(
             let mut expected = BTreeMap::new();
             let mut seen_groups = [false; GROUPS];
             for id in model.in_order(*q) {
+                let position = model.positions + 1;
                 let m = model.messages.get_mut(&id).unwrap();
                 if std::mem::replace(&mut seen_groups[m.group], true) || !m.visible {
                     continue;
                 }
                 if *q == SOURCE && m.receive_count - m.base >= MAX_RECEIVES {
+                    // To the back of its group in the dead-letter queue.
                     m.queue = DLQ;
+                    m.position = position;
+                    model.positions = position;
+                    m.dead_lettered = true;
                     m.delivery = None;
                     tally.dead_lettered += 1;
                 } else {
@@ -281,14 +295,19 @@ async fn step(
                 .redrive()
                 .await
                 .map_err(|e| format!("redrive: {e}"))?;
+            // Each group's dead letters from its head on, up to the first
+            // that stays (in flight here, or sent here), in their order.
             let mut want = 0;
+            let mut stopped = [false; GROUPS];
             for id in model.in_order(DLQ) {
-                // In the dead-letter queue's order within each group; the
-                // model's groups are independent, so only that order counts.
-                if !model.messages[&id].visible {
+                let (group, movable) = {
+                    let m = &model.messages[&id];
+                    (m.group, m.visible && m.dead_lettered)
+                };
+                if stopped[group] || !movable {
+                    stopped[group] = true;
                     continue;
                 }
-                let group = model.messages[&id].group;
                 if model
                     .messages
                     .values()
@@ -300,6 +319,7 @@ async fn step(
                 let m = model.messages.get_mut(&id).unwrap();
                 m.queue = SOURCE;
                 m.position = position;
+                m.dead_lettered = false;
                 m.base = m.receive_count;
                 m.delivery = None;
                 want += 1;

@@ -59,7 +59,8 @@ pub struct QueueAttributes {
     /// moves the message to `dead_letter_queue`. Default: none. Both or
     /// neither must be set.
     pub max_receive_count: Option<u32>,
-    /// The dead-letter queue's name; it must exist. Default: none.
+    /// The dead-letter queue's name; it must exist and be of the same kind
+    /// (FIFO or standard), as in SQS. Default: none.
     pub dead_letter_queue: Option<String>,
     /// How long a deduplication id is remembered. Default 5 min.
     pub dedup_window: Duration,
@@ -239,8 +240,31 @@ impl PgQueue {
                     why: "a queue cannot be its own dead-letter queue".into(),
                 });
             }
+            // As in SQS: a FIFO queue's dead letters keep their groups, and
+            // a standard queue's have none, which a FIFO queue cannot order
+            // (its receive walks grouped messages only, pick_fifo.sql). A
+            // queue's kind never changes, so checking first is enough.
+            let dlq_fifo: Option<bool> =
+                sqlx::query_scalar("SELECT fifo FROM pgonce.queue WHERE name = $1")
+                    .bind(dlq)
+                    .fetch_optional(pool)
+                    .await?;
+            match dlq_fifo {
+                None => return Err(Error::QueueNotFound { name: dlq.clone() }),
+                Some(dlq_fifo) if dlq_fifo != attributes.fifo => {
+                    return Err(Error::Invalid {
+                        what: "queue attributes",
+                        why: format!(
+                            "the dead-letter queue {dlq:?} must be of the queue's kind \
+                             ({}), as in SQS",
+                            if attributes.fifo { "FIFO" } else { "standard" }
+                        ),
+                    });
+                }
+                Some(_) => {}
+            }
         }
-        let fifo: std::result::Result<(bool,), sqlx::Error> =
+        let fifo: std::result::Result<Option<(bool,)>, sqlx::Error> =
             sqlx::query_as(include_str!("sql/create_queue.sql"))
                 .bind(name)
                 .bind(attributes.fifo)
@@ -251,9 +275,9 @@ impl PgQueue {
                 .bind(&attributes.dead_letter_queue)
                 .bind(millis(attributes.dedup_window))
                 .bind(attributes.content_based_dedup)
-                .fetch_one(pool)
+                .fetch_optional(pool)
                 .await;
-        let (fifo,) = match fifo {
+        let created = match fifo {
             Err(e)
                 if crate::error::sqlstate_of(&e).as_deref() == Some("23503")
                     && attributes.dead_letter_queue.is_some() =>
@@ -264,10 +288,12 @@ impl PgQueue {
             }
             other => other?,
         };
-        if fifo != attributes.fifo {
+        // No row: the queue exists as the other kind, and nothing was
+        // changed (create_queue.sql).
+        if created.is_none() {
             return Err(Error::Invalid {
                 what: "queue attributes",
-                why: format!("queue {name:?} exists with fifo = {fifo}"),
+                why: format!("queue {name:?} exists with fifo = {}", !attributes.fifo),
             });
         }
         PgQueue::open(pool, name, options).await
@@ -863,7 +889,9 @@ impl Queue for PgQueue {
         loop {
             let (picked, batch_moved) = self.redrive_batch().await?;
             moved += batch_moved;
-            if picked < MAX_BATCH {
+            // A full batch that moved nothing was overtaken by receives of
+            // the dead-letter queue: what they hold stays, as it would have.
+            if picked < MAX_BATCH || batch_moved == 0 {
                 break;
             }
         }

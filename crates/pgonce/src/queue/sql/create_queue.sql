@@ -1,7 +1,8 @@
 -- $1 name, $2 fifo, $3 visibility ms, $4 retention ms, $5 delay ms,
 -- $6 max receive count, $7 dead-letter queue, $8 dedup window ms,
--- $9 content-based dedup. Creates the queue or updates its attributes; the
--- kind (fifo) never changes: the caller compares the returned one.
+-- $9 content-based dedup. Creates the queue or updates its attributes. The
+-- kind (fifo) never changes: a queue of the other kind is left as it is and
+-- no row is returned.
 INSERT INTO pgonce.queue (name, fifo, visibility_timeout_ms, retention_ms, delay_ms,
                           max_receive_count, dead_letter_queue, dedup_window_ms,
                           content_based_dedup)
@@ -14,4 +15,5 @@ SET visibility_timeout_ms = EXCLUDED.visibility_timeout_ms,
     dead_letter_queue     = EXCLUDED.dead_letter_queue,
     dedup_window_ms       = EXCLUDED.dedup_window_ms,
     content_based_dedup   = EXCLUDED.content_based_dedup
+WHERE pgonce.queue.fifo = EXCLUDED.fifo
 RETURNING fifo

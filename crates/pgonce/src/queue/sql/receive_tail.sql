@@ -1,5 +1,5 @@
 , fate AS (
-    SELECT picked.id,
+    SELECT picked.id, picked.group_id,
            CASE WHEN picked.sent_at <= now() - q.retention_ms * interval '1 millisecond' THEN 'expired'
                 WHEN q.max_receive_count IS NOT NULL
                      AND picked.receive_count - picked.receive_base >= q.max_receive_count THEN 'dead_lettered'
@@ -9,18 +9,34 @@
     DELETE FROM pgonce.queue_message m USING fate
     WHERE m.id = fate.id AND fate.fate = 'expired'
     RETURNING m.id
+), dead_letter_groups AS (
+    -- A FIFO message moved to the dead-letter queue goes to the back of its
+    -- group there, as a send to that queue would: under the group's lock
+    -- in the dead-letter queue (send.sql's key), taken here in ascending
+    -- order before any position is drawn (moved refers to this, so it runs
+    -- first) and held until the receive commits. So positions in the
+    -- dead-letter queue's group follow commit order, and a message moved
+    -- there never lands ahead of one in flight (migration 0132).
+    SELECT count(pg_advisory_xact_lock(k)) AS locked
+    FROM (SELECT DISTINCT pgonce.lock_key('pgonce.queue/' || q.dead_letter_queue, fate.group_id) AS k
+          FROM fate, q
+          WHERE fate.fate = 'dead_lettered' AND fate.group_id IS NOT NULL
+          ORDER BY k) AS keys
 ), moved AS (
     UPDATE pgonce.queue_message m
     SET queue = q.dead_letter_queue,
         dead_lettered_from = m.queue,
         generation = m.generation + 1,
         visible_at = now(),
+        group_position = CASE WHEN m.group_id IS NOT NULL
+                              THEN nextval('pgonce.queue_message_id_seq') END,
         history = m.history || jsonb_build_array(jsonb_build_object(
             'event', 'dead_lettered', 'from', m.queue, 'to', q.dead_letter_queue,
             'receive_count', m.receive_count, 'first_received_at', m.first_received_at,
             'at', now()))
     FROM fate, q
     WHERE m.id = fate.id AND fate.fate = 'dead_lettered'
+      AND (SELECT locked FROM dead_letter_groups) >= 0
     RETURNING m.id
 ), delivered AS (
     UPDATE pgonce.queue_message m

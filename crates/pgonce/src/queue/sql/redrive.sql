@@ -12,17 +12,26 @@
 -- redriven together keep the order they had in the dead-letter queue:
 -- positions are drawn in that order.
 WITH picked AS (
-    SELECT m.id, m.group_id
+    SELECT m.id, m.group_id, coalesce(m.group_position, m.id) AS position
     FROM pgonce.queue_message m
     JOIN unnest($2::bigint[], $3::text[]) AS r(id, source) ON r.id = m.id
     WHERE m.id = ANY($2) AND m.queue = $1 AND m.dead_lettered_from = r.source AND m.visible_at <= now()
     ORDER BY coalesce(m.group_position, m.id)
     FOR UPDATE OF m SKIP LOCKED
 ), placed AS (
-    SELECT id,
-           CASE WHEN group_id IS NOT NULL
+    -- A FIFO message moves only with every earlier message of its group in
+    -- this queue (redrive_pick.sql): checked again against the messages
+    -- locked above, since one may have been delivered, or locked by a
+    -- receive, since the first step read it.
+    SELECT p.id,
+           CASE WHEN p.group_id IS NOT NULL
                 THEN nextval('pgonce.queue_message_id_seq') END AS group_position
-    FROM picked
+    FROM picked p
+    WHERE NOT EXISTS (
+        SELECT 1 FROM pgonce.queue_message e
+        WHERE e.queue = $1 AND e.group_id = p.group_id
+          AND coalesce(e.group_position, e.id) < p.position
+          AND e.id NOT IN (SELECT id FROM picked))
 )
 UPDATE pgonce.queue_message m
 SET queue = m.dead_lettered_from,
