@@ -9,7 +9,13 @@
 -- receive that moves a FIFO message takes the dead-letter queue's group
 -- lock (the lock a send to that queue holds while it draws its id) and
 -- gives the message a new position, as a redrive does the other way
--- (migration 0130, receive_tail.sql).
+-- (migration 0130, receive_tail.sql). It only tries the lock: a message
+-- whose group a sender holds there stays for a later receive.
+--
+-- A move also starts the message's dead-letter count afresh
+-- (receive_base), as a redrive does: a dead-letter queue with a
+-- dead-letter queue of its own delivers it max_receive_count times before
+-- moving it on, where it used to move it on at its first receive.
 --
 -- The receive learns the group from its own rows, so it derives the lock
 -- key in SQL: pgonce::LockKey::new, the derivation `lock::DERIVE_KEY_SQL`
@@ -21,3 +27,6 @@ LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
                convert_to(namespace, 'UTF8') || '\x00'::bytea || convert_to(key, 'UTF8')
            ), 'hex'), 16))::bit(64)::bigint
 $$;
+
+COMMENT ON COLUMN pgonce.queue_message.receive_base IS
+    'receive_count when the message came into its queue by a dead-letter move or a redrive (0 when sent): the dead-letter rule counts receive_count - receive_base.';

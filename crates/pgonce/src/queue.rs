@@ -354,10 +354,11 @@ pub trait Queue: Send + Sync {
     /// A redriven FIFO message rejoins its group at the back, behind every
     /// message of the group sent before the redrive, as SQS re-sends it: it
     /// waits for the group's message in flight, if any, and for those
-    /// queued. The PostgreSQL queue moves a group's dead letters from the
-    /// head of the group on, and stops at the first that stays (in flight
-    /// here, or sent here directly), so a later redrive cannot put an
-    /// earlier message behind a later one. It keeps each message's id and
+    /// queued. The PostgreSQL queue moves a group's dead letters in their
+    /// order and stops at the first that stays (in flight here), so a later
+    /// redrive cannot put an earlier dead letter behind a later one; the
+    /// group's messages that are not dead letters stay and hold nothing
+    /// back. It keeps each message's id and
     /// history and gives it a fresh dead-letter count; every receipt from
     /// before the move is stale.
     fn redrive(&self) -> impl Future<Output = Result<u64>> + Send;

@@ -267,13 +267,17 @@ async fn a_dead_letter_move_waits_behind_the_dead_letter_queues_own_message_in_f
 }
 
 /// A dead-letter move into a FIFO queue takes the group's lock there, as a
-/// send does, step by step: A sends n to t.fifo's group g in an open
-/// transaction; B's receive of s.fifo, which dead-letters m of group g into
-/// t.fifo, waits for A (seen in pg_blocking_pids); once A commits, m is
-/// behind n. Without the wait m's position was drawn before n's id and
-/// committed first: a receive of t.fifo took m as g's head, then n.
+/// send does, but never waits for it, step by step: A sends n to t.fifo's
+/// group g in an open transaction. B's receive of s.fifo, where m of group
+/// g is due to be dead-lettered into t.fifo and k of group h to be
+/// delivered, returns at once: k delivered with its whole lease, m held
+/// back in s.fifo. (A receive that waited for A handed out leases counted
+/// from before the wait, already run out if A took longer, and deadlocked
+/// with a sender locking two groups in its own order.) A's transaction
+/// then sends to another group and commits; the next receive moves m,
+/// behind n.
 #[tokio::test]
-async fn a_dead_letter_move_waits_for_a_send_to_the_group_in_flight_and_goes_behind_it() {
+async fn a_dead_letter_move_never_waits_for_a_sender_and_goes_behind_its_send() {
     let db = fresh_database().await;
     let setup = db.pool(2).await.unwrap();
     pgonce::migrate(&setup).await.unwrap();
@@ -284,14 +288,80 @@ async fn a_dead_letter_move_waits_for_a_send_to_the_group_in_flight_and_goes_beh
     s.change_visibility(&first[0].receipt, Duration::ZERO)
         .await
         .unwrap();
-    let moved = behind_a_send_in_flight(&db, "t.fifo", "n", "s.fifo", |sb| async move {
-        sb.receive(ReceiveRequest::up_to(10)).await
-    })
+    s.send(SendMessage::new("k").group("h")).await.unwrap();
+
+    let race = pgonce_testkit::Interleaving::new(db.options())
+        .await
+        .unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let ta = PgQueue::open(a.pool(), "t.fifo", fast_poll())
+        .await
+        .unwrap();
+    let sb = PgQueue::open(b.pool(), "s.fifo", fast_poll())
+        .await
+        .unwrap();
+    let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    race.step(
+        &a,
+        "send n to t.fifo/g in tx",
+        ta.send_in(&mut tx, SendMessage::new("n").group("g")),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let lease = Duration::from_secs(60);
+    let got = race
+        .step(
+            &b,
+            "receive s.fifo",
+            sb.receive(ReceiveRequest::up_to(10).visibility(lease)),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(bodies(&got), ["k"], "k delivered, m held back");
+    let lease_left: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM visible_at - clock_timestamp())::float8 \
+         FROM pgonce.queue_message WHERE body = 'k'",
+    )
+    .fetch_one(&setup)
     .await
     .unwrap();
-    assert!(moved.is_empty(), "m moved, not delivered");
-    let order = one_at_a_time(&t, 2).await;
-    assert_eq!(bodies(&order), ["n", "m"]);
+    assert!(
+        lease_left > 30.0,
+        "k's lease of 60 s has {lease_left} s left"
+    );
+    let m_in: String =
+        sqlx::query_scalar("SELECT queue FROM pgonce.queue_message WHERE body = 'm'")
+            .fetch_one(&setup)
+            .await
+            .unwrap();
+    assert_eq!(m_in, "s.fifo");
+    race.step(
+        &a,
+        "send o to t.fifo/h in the same tx",
+        ta.send_in(&mut tx, SendMessage::new("o").group("h")),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    race.step(&a, "commit", tx.commit()).await.unwrap().unwrap();
+    assert!(
+        s.receive(ReceiveRequest::up_to(10))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // t.fifo: the heads of g and h first, then m behind n.
+    let heads = t.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&heads), ["n", "o"]);
+    for head in &heads {
+        t.delete(&head.receipt).await.unwrap();
+    }
+    assert_eq!(bodies(&one_at_a_time(&t, 1).await), ["m"]);
 }
 
 /// A dead-letter queue of the other kind is refused, as in SQS (a FIFO
@@ -340,6 +410,67 @@ async fn a_queue_of_the_other_kind_is_refused_and_nothing_is_written() {
         visibility("d").await,
         before,
         "the standard queue d unchanged"
+    );
+}
+
+/// A database configured before dead-letter queues had to be of their
+/// source's kind: migration 0131, after which a FIFO queue's receive sees
+/// grouped messages only, stops and names the queues to change, instead of
+/// stranding a standard queue's dead letters in a FIFO queue.
+#[tokio::test]
+async fn the_fifo_walk_migration_stops_on_a_dead_letter_queue_of_the_other_kind() {
+    let pool = pool().await;
+    queue(&pool, "d.fifo", QueueAttributes::fifo()).await;
+    queue(&pool, "s", QueueAttributes::default()).await;
+    sqlx::query(
+        "UPDATE pgonce.queue SET dead_letter_queue = 'd.fifo', max_receive_count = 1 \
+         WHERE name = 's'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let refused = sqlx::raw_sql(include_str!("../migrations/0131_queue_fifo_walk.sql"))
+        .execute(&pool)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("s (standard) -> d.fifo (FIFO)"),
+        "{refused}"
+    );
+}
+
+/// A chain s.fifo -> d.fifo -> e.fifo, each dead-lettering at the second
+/// receive. A message moved into d.fifo starts a fresh count there, so d
+/// delivers it before moving it on (it used to move it on at once, and in
+/// a cycle it bounced without ever being delivered). m1 goes s -> d -> e
+/// and e's redrive brings it back to d, where it is d's own message; m2 of
+/// the same group, dead-lettered from s into d behind it, is still
+/// redriven back to s: only earlier dead letters hold a redrive back.
+#[tokio::test]
+async fn a_chain_of_dead_letter_queues_delivers_in_each_and_redrives_past_a_queues_own_message() {
+    let pool = pool().await;
+    let e = queue(&pool, "e.fifo", QueueAttributes::fifo()).await;
+    let d = fifo_dead_lettering_at_second_receive(&pool, "d.fifo", "e.fifo").await;
+    let s = fifo_dead_lettering_at_second_receive(&pool, "s.fifo", "d.fifo").await;
+    s.send(SendMessage::new("m1").group("g")).await.unwrap();
+    dead_letter_next(&s, "m1").await;
+    dead_letter_next(&d, "m1").await;
+    assert_eq!(e.redrive().await.unwrap(), 1, "m1 back to d.fifo");
+    s.send(SendMessage::new("m2").group("g")).await.unwrap();
+    dead_letter_next(&s, "m2").await;
+    assert_eq!(d.redrive().await.unwrap(), 1, "m2 back to s.fifo");
+    let placed: Vec<(String, String)> =
+        sqlx::query_as("SELECT body, queue FROM pgonce.queue_message ORDER BY body")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        placed,
+        [
+            ("m1".to_owned(), "d.fifo".to_owned()),
+            ("m2".to_owned(), "s.fifo".to_owned())
+        ]
     );
 }
 
@@ -1242,7 +1373,7 @@ mod model {
         queue: usize,
         visible: bool,
         receive_count: u32,
-        /// receive_count at the last redrive.
+        /// receive_count when it came into its queue (a move or a redrive).
         base: u32,
         /// The source queue of a dead-lettered message.
         from: Option<usize>,
@@ -1374,6 +1505,7 @@ mod model {
                     }
                     if *q != DLQ && m.receive_count - m.base >= MAX_RECEIVES[*q] {
                         m.queue = DLQ;
+                        m.base = m.receive_count;
                         m.from = Some(*q);
                         tally.dead_lettered += 1;
                         m.delivery = None;

@@ -14,9 +14,9 @@
 //! The model's order within a group: a sent message goes behind every
 //! message of its group in its queue, and so does one moved to the
 //! dead-letter queue and one redriven back (at the back, as SQS re-sends
-//! it). A redrive moves each group's dead letters from the head of the
-//! group on, stopping at the first that stays (in flight in the
-//! dead-letter queue, or sent to it directly), in their order.
+//! it). A redrive moves each group's dead letters in their order, stopping
+//! at the first that stays (in flight in the dead-letter queue); messages
+//! sent to the dead-letter queue directly stay and hold nothing back.
 //!
 //! Time is moved, never waited for: a visibility timeout runs out by an
 //! `UPDATE` that sets `visible_at` into the past.
@@ -83,7 +83,7 @@ struct Message {
     position: u64,
     visible: bool,
     receive_count: u32,
-    /// receive_count at the last redrive.
+    /// receive_count when it came into its queue (a move or a redrive).
     base: u32,
     /// Dead-lettered (from the source queue), so a redrive may move it.
     dead_lettered: bool,
@@ -206,6 +206,7 @@ async fn step(
                     m.queue = DLQ;
                     m.position = position;
                     model.positions = position;
+                    m.base = m.receive_count;
                     m.dead_lettered = true;
                     m.delivery = None;
                     tally.dead_lettered += 1;
@@ -295,16 +296,20 @@ async fn step(
                 .redrive()
                 .await
                 .map_err(|e| format!("redrive: {e}"))?;
-            // Each group's dead letters from its head on, up to the first
-            // that stays (in flight here, or sent here), in their order.
+            // Each group's dead letters in their order, up to the first
+            // that stays (in flight here); messages sent here are no dead
+            // letters: they stay and hold nothing back.
             let mut want = 0;
             let mut stopped = [false; GROUPS];
             for id in model.in_order(DLQ) {
-                let (group, movable) = {
+                let (group, dead_lettered, visible) = {
                     let m = &model.messages[&id];
-                    (m.group, m.visible && m.dead_lettered)
+                    (m.group, m.dead_lettered, m.visible)
                 };
-                if stopped[group] || !movable {
+                if !dead_lettered {
+                    continue;
+                }
+                if stopped[group] || !visible {
                     stopped[group] = true;
                     continue;
                 }

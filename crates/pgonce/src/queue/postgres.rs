@@ -55,9 +55,10 @@ pub struct QueueAttributes {
     /// Delivery delay of every message without one of its own. Default 0;
     /// at most 15 min.
     pub delay: Duration,
-    /// After this many receives (since the last redrive), the next receive
-    /// moves the message to `dead_letter_queue`. Default: none. Both or
-    /// neither must be set.
+    /// After this many receives in this queue (since it was sent, or moved
+    /// here by a dead-letter move or a redrive), the next receive moves the
+    /// message to `dead_letter_queue`. Default: none. Both or neither must
+    /// be set.
     pub max_receive_count: Option<u32>,
     /// The dead-letter queue's name; it must exist and be of the same kind
     /// (FIFO or standard), as in SQS. Default: none.

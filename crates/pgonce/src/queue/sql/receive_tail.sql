@@ -1,31 +1,36 @@
 , fate AS (
-    SELECT picked.id, picked.group_id,
+    -- A FIFO message moved to the dead-letter queue goes to the back of its
+    -- group there, as a send to that queue would: under the group's lock in
+    -- the dead-letter queue (send.sql's key), held until the receive
+    -- commits, with a position drawn after it was granted (moved). So
+    -- positions in the dead-letter queue's group follow commit order, and
+    -- a moved message never lands ahead of one in flight there (migration
+    -- 0132). The lock is only tried: when a sender holds it, the message
+    -- is held back (neither moved nor delivered, left as it was for a
+    -- later receive), so a receive never waits for another transaction,
+    -- which would let the leases it hands out run while it waits and could
+    -- deadlock with a sender that locks several groups in its own order.
+    SELECT picked.id,
            CASE WHEN picked.sent_at <= now() - q.retention_ms * interval '1 millisecond' THEN 'expired'
                 WHEN q.max_receive_count IS NOT NULL
-                     AND picked.receive_count - picked.receive_base >= q.max_receive_count THEN 'dead_lettered'
+                     AND picked.receive_count - picked.receive_base >= q.max_receive_count
+                THEN CASE WHEN picked.group_id IS NULL
+                            OR pg_try_advisory_xact_lock(pgonce.lock_key(
+                                   'pgonce.queue/' || q.dead_letter_queue, picked.group_id))
+                          THEN 'dead_lettered' ELSE 'held' END
                 ELSE 'delivered' END AS fate
     FROM picked, q
 ), expired AS (
     DELETE FROM pgonce.queue_message m USING fate
     WHERE m.id = fate.id AND fate.fate = 'expired'
     RETURNING m.id
-), dead_letter_groups AS (
-    -- A FIFO message moved to the dead-letter queue goes to the back of its
-    -- group there, as a send to that queue would: under the group's lock
-    -- in the dead-letter queue (send.sql's key), taken here in ascending
-    -- order before any position is drawn (moved refers to this, so it runs
-    -- first) and held until the receive commits. So positions in the
-    -- dead-letter queue's group follow commit order, and a message moved
-    -- there never lands ahead of one in flight (migration 0132).
-    SELECT count(pg_advisory_xact_lock(k)) AS locked
-    FROM (SELECT DISTINCT pgonce.lock_key('pgonce.queue/' || q.dead_letter_queue, fate.group_id) AS k
-          FROM fate, q
-          WHERE fate.fate = 'dead_lettered' AND fate.group_id IS NOT NULL
-          ORDER BY k) AS keys
 ), moved AS (
     UPDATE pgonce.queue_message m
     SET queue = q.dead_letter_queue,
         dead_lettered_from = m.queue,
+        -- A fresh budget in the dead-letter queue, if it has a dead-letter
+        -- queue of its own: received there max_receive_count times first.
+        receive_base = m.receive_count,
         generation = m.generation + 1,
         visible_at = now(),
         group_position = CASE WHEN m.group_id IS NOT NULL
@@ -36,7 +41,6 @@
             'at', now()))
     FROM fate, q
     WHERE m.id = fate.id AND fate.fate = 'dead_lettered'
-      AND (SELECT locked FROM dead_letter_groups) >= 0
     RETURNING m.id
 ), delivered AS (
     UPDATE pgonce.queue_message m

@@ -19,8 +19,8 @@ WITH picked AS (
     ORDER BY coalesce(m.group_position, m.id)
     FOR UPDATE OF m SKIP LOCKED
 ), placed AS (
-    -- A FIFO message moves only with every earlier message of its group in
-    -- this queue (redrive_pick.sql): checked again against the messages
+    -- A FIFO message moves only with every earlier dead letter of its group
+    -- in this queue (redrive_pick.sql): checked again against the messages
     -- locked above, since one may have been delivered, or locked by a
     -- receive, since the first step read it.
     SELECT p.id,
@@ -31,6 +31,7 @@ WITH picked AS (
         SELECT 1 FROM pgonce.queue_message e
         WHERE e.queue = $1 AND e.group_id = p.group_id
           AND coalesce(e.group_position, e.id) < p.position
+          AND e.dead_lettered_from IS NOT NULL
           AND e.id NOT IN (SELECT id FROM picked))
 )
 UPDATE pgonce.queue_message m
