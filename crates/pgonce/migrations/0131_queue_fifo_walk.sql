@@ -15,11 +15,21 @@
 -- dead-lettering into it, which `PgQueue::create` refuses from this
 -- version on, as SQS does. A database configured that way before would
 -- strand those dead letters, so the migration stops and names the queues
--- to change first (their `dead_letter_queue`, to a standard queue).
+-- to change first (their `dead_letter_queue`, to a standard queue), and
+-- the FIFO queues already holding such messages (redrive them to their
+-- standard source, or purge them).
 DO $$
 DECLARE
     mixed text;
+    groupless text;
 BEGIN
+    SELECT string_agg(DISTINCT q.name, ', ') INTO groupless
+    FROM pgonce.queue_message m JOIN pgonce.queue q ON q.name = m.queue
+    WHERE q.fifo AND m.group_id IS NULL;
+    IF groupless IS NOT NULL THEN
+        RAISE EXCEPTION 'FIFO queues holding messages without a group: %', groupless
+            USING HINT = 'These came from a standard queue dead-lettering into a FIFO queue: move them back with PgQueue::redrive on each of these queues, or purge them, then migrate again.';
+    END IF;
     SELECT string_agg(format('%s (%s) -> %s (%s)', s.name,
                              CASE WHEN s.fifo THEN 'FIFO' ELSE 'standard' END, d.name,
                              CASE WHEN d.fifo THEN 'FIFO' ELSE 'standard' END), ', ')

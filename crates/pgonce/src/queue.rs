@@ -161,15 +161,19 @@ impl SendMessage {
         match (&self.group_id, fifo) {
             (None, true) => return Err(invalid("a FIFO queue needs a group id")),
             (Some(_), false) => return Err(invalid("a standard queue takes no group id")),
-            (Some(g), true) if g.is_empty() || g.len() > 128 => {
-                return Err(invalid("the group id must be 1 to 128 characters"));
+            (Some(g), true) if g.is_empty() || g.len() > 128 || g.contains('\0') => {
+                return Err(invalid(
+                    "the group id must be 1 to 128 characters, without NUL",
+                ));
             }
             _ => {}
         }
         if let Some(d) = &self.dedup_id
-            && (d.is_empty() || d.len() > 128)
+            && (d.is_empty() || d.len() > 128 || d.contains('\0'))
         {
-            return Err(invalid("the deduplication id must be 1 to 128 characters"));
+            return Err(invalid(
+                "the deduplication id must be 1 to 128 characters, without NUL",
+            ));
         }
         for (k, v) in &self.attributes {
             if k.is_empty() || k.contains('\0') || v.contains('\0') {

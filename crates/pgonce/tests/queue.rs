@@ -429,15 +429,70 @@ async fn the_fifo_walk_migration_stops_on_a_dead_letter_queue_of_the_other_kind(
     .execute(&pool)
     .await
     .unwrap();
-    let refused = sqlx::raw_sql(include_str!("../migrations/0131_queue_fifo_walk.sql"))
-        .execute(&pool)
-        .await
-        .unwrap_err()
-        .to_string();
+    let migrate_0131 = async || {
+        sqlx::raw_sql(include_str!("../migrations/0131_queue_fifo_walk.sql"))
+            .execute(&pool)
+            .await
+            .unwrap_err()
+            .to_string()
+    };
+    let refused = migrate_0131().await;
     assert!(
         refused.contains("s (standard) -> d.fifo (FIFO)"),
         "{refused}"
     );
+    // A dead letter without a group already in the FIFO queue, its source
+    // since changed: the migration names the queue holding it.
+    sqlx::raw_sql(
+        "UPDATE pgonce.queue SET dead_letter_queue = NULL, max_receive_count = NULL \
+         WHERE name = 's'; \
+         INSERT INTO pgonce.queue_message (queue, body, visible_at, dead_lettered_from) \
+         VALUES ('d.fifo', 'stranded', now(), 's')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let refused = migrate_0131().await;
+    assert!(
+        refused.contains("FIFO queues holding messages without a group: d.fifo"),
+        "{refused}"
+    );
+}
+
+/// A FIFO head due to move to its dead-letter queue, whose group there a
+/// sender holds, is passed over by the pick: it takes no place of the
+/// batch, so a receive of one message gets another group's message (it
+/// used to get nothing, at every receive, while the sender was open).
+/// Once the sender is gone the head moves.
+#[tokio::test]
+async fn a_head_whose_move_waits_for_a_sender_takes_no_place_in_the_batch() {
+    let pool = pool().await;
+    let t = queue(&pool, "t.fifo", QueueAttributes::fifo()).await;
+    let s = fifo_dead_lettering_at_second_receive(&pool, "s.fifo", "t.fifo").await;
+    s.send(SendMessage::new("a").group("g")).await.unwrap();
+    let first = s.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&first), ["a"]);
+    s.change_visibility(&first[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    s.send(SendMessage::new("b").group("h")).await.unwrap();
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    t.send_in(&mut tx, SendMessage::new("n").group("g"))
+        .await
+        .unwrap();
+    let got = s.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&got), ["b"], "a (group g) took the only place");
+    tx.rollback().await.unwrap();
+    assert!(
+        s.receive(ReceiveRequest::up_to(1))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let (now_in, _) = s.history(&first[0].id).await.unwrap().unwrap();
+    assert_eq!(now_in, "t.fifo", "a moved once the sender was gone");
 }
 
 /// A chain s.fifo -> d.fifo -> e.fifo, each dead-lettering at the second
@@ -920,6 +975,68 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
         .await,
         Err(Error::Invalid { .. })
     ));
+}
+
+/// Values at the edge of their types: ids with a NUL (which PostgreSQL's
+/// text cannot hold), a retention or deduplication window PostgreSQL cannot
+/// subtract from now() (every receive or deduplicated send would fail), a
+/// max_receive_count beyond the column's integer. Each is a typed error,
+/// and nothing is written.
+#[tokio::test]
+async fn values_at_the_edge_of_their_types_are_typed_errors_and_write_nothing() {
+    let pool = pool().await;
+    let fifo = queue(&pool, "f.fifo", QueueAttributes::fifo()).await;
+    for message in [
+        SendMessage::new("x").group("g").dedup("a\0b"),
+        SendMessage::new("x").group("g\0h"),
+    ] {
+        let refused = fifo.send(message.clone()).await;
+        assert!(
+            matches!(refused, Err(Error::Invalid { .. })),
+            "{message:?}: {refused:?}"
+        );
+    }
+    assert_eq!(fifo.stats().await.unwrap().depth, 0);
+    let ages = 100_000 * 365 * 24 * 3600;
+    let long_retention = QueueAttributes {
+        retention: Duration::from_secs(ages),
+        ..QueueAttributes::default()
+    };
+    let long_window = QueueAttributes::default().dedup_window(Duration::from_secs(ages));
+    queue(&pool, "dlq", QueueAttributes::default()).await;
+    let mut many_receives = QueueAttributes::default().dead_letter("dlq", 1);
+    many_receives.max_receive_count = Some(u32::MAX);
+    for attributes in [long_retention, long_window, many_receives] {
+        let refused = PgQueue::create(&pool, "edge", attributes.clone(), fast_poll()).await;
+        assert!(
+            matches!(refused, Err(Error::Invalid { .. })),
+            "{attributes:?}: {refused:?}"
+        );
+    }
+    let created: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.queue WHERE name = 'edge'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(created, 0);
+}
+
+/// A receive count at the top of its type (a message bouncing through a
+/// cycle of dead-letter queues is received without end) stays there: the
+/// receive delivers it and the queue's other groups, where adding one
+/// failed the whole receive with an integer overflow.
+#[tokio::test]
+async fn a_receive_count_at_the_top_of_its_type_saturates() {
+    let pool = pool().await;
+    let q = queue(&pool, "f.fifo", QueueAttributes::fifo()).await;
+    q.send(SendMessage::new("worn").group("g")).await.unwrap();
+    q.send(SendMessage::new("new").group("h")).await.unwrap();
+    sqlx::query("UPDATE pgonce.queue_message SET receive_count = 2147483647 WHERE body = 'worn'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&got), ["worn", "new"]);
+    assert_eq!(got[0].receive_count, 2147483647);
 }
 
 /// Queue `q` with `attributes`, and a step-by-step harness with one session

@@ -28,6 +28,9 @@ const CHANNEL: &str = "pgonce_queue";
 /// The most messages one send_batch or receive handles.
 pub const MAX_BATCH: usize = 1000;
 
+/// The longest retention and deduplication window a queue takes.
+const MAX_RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
+
 const RECEIVE_STANDARD: &str = concat!(
     include_str!("sql/receive_head.sql"),
     include_str!("sql/pick_standard.sql"),
@@ -50,7 +53,7 @@ pub struct QueueAttributes {
     /// 12 h.
     pub visibility_timeout: Duration,
     /// Messages older than this are dropped at their next receive. Default
-    /// 4 days; at least 1 s.
+    /// 4 days; at least 1 s, at most 14 days (as in SQS).
     pub retention: Duration,
     /// Delivery delay of every message without one of its own. Default 0;
     /// at most 15 min.
@@ -58,12 +61,13 @@ pub struct QueueAttributes {
     /// After this many receives in this queue (since it was sent, or moved
     /// here by a dead-letter move or a redrive), the next receive moves the
     /// message to `dead_letter_queue`. Default: none. Both or neither must
-    /// be set.
+    /// be set; at most `i32::MAX`.
     pub max_receive_count: Option<u32>,
     /// The dead-letter queue's name; it must exist and be of the same kind
     /// (FIFO or standard), as in SQS. Default: none.
     pub dead_letter_queue: Option<String>,
-    /// How long a deduplication id is remembered. Default 5 min.
+    /// How long a deduplication id is remembered. Default 5 min; at most 14
+    /// days.
     pub dedup_window: Duration,
     /// Use the SHA-256 of the body as deduplication id when a message has
     /// none. Default false.
@@ -127,6 +131,14 @@ impl QueueAttributes {
         if self.retention < Duration::from_secs(1) {
             return invalid("retention is at least 1 second");
         }
+        // SQS's maximum; far longer ones overflow PostgreSQL's timestamps
+        // in every receive (`now() - retention`).
+        if self.retention > MAX_RETENTION {
+            return invalid("retention is at most 14 days");
+        }
+        if self.dedup_window > MAX_RETENTION {
+            return invalid("the deduplication window is at most 14 days");
+        }
         if self.delay > Duration::from_secs(15 * 60) {
             return invalid("delay is at most 15 minutes");
         }
@@ -135,6 +147,12 @@ impl QueueAttributes {
         }
         if self.max_receive_count == Some(0) {
             return invalid("max_receive_count is at least 1");
+        }
+        if self
+            .max_receive_count
+            .is_some_and(|n| i32::try_from(n).is_err())
+        {
+            return invalid("max_receive_count is at most 2147483647");
         }
         Ok(())
     }

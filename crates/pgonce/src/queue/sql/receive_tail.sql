@@ -10,6 +10,8 @@
     -- later receive), so a receive never waits for another transaction,
     -- which would let the leases it hands out run while it waits and could
     -- deadlock with a sender that locks several groups in its own order.
+    -- The FIFO pick has tried it already and passed over such heads; a
+    -- second try of a lock this transaction holds succeeds.
     SELECT picked.id,
            CASE WHEN picked.sent_at <= now() - q.retention_ms * interval '1 millisecond' THEN 'expired'
                 WHEN q.max_receive_count IS NOT NULL
@@ -44,7 +46,11 @@
     RETURNING m.id
 ), delivered AS (
     UPDATE pgonce.queue_message m
-    SET receive_count = m.receive_count + 1,
+    -- Saturates rather than failing the whole receive at the top of the
+    -- column's type (a message bouncing through a cycle of dead-letter
+    -- queues is received without end); receipts fence on generation.
+    SET receive_count = CASE WHEN m.receive_count < 2147483647
+                             THEN m.receive_count + 1 ELSE m.receive_count END,
         generation = m.generation + 1,
         visible_at = now() + coalesce($3, q.visibility_timeout_ms) * interval '1 millisecond',
         first_received_at = coalesce(m.first_received_at, now())
