@@ -3,10 +3,11 @@
     -- a head: at most one message per group in flight, in order. Other
     -- groups' heads are independent of it.
     -- "Behind" is by position in the group: the id, or the position a
-    -- redrive gave the message (migration 0130). Within a group positions
-    -- are drawn in commit order, under the group's lock (send.sql,
-    -- redrive.sql), so a receive whose snapshot misses a message that
-    -- committed later misses one behind every message it does see.
+    -- redrive or a dead-letter move gave the message (migrations 0130,
+    -- 0132). Within a group positions are drawn in commit order, under the
+    -- group's lock (send.sql, redrive.sql, receive_tail.sql), so a receive
+    -- whose snapshot misses a message that committed later misses one
+    -- behind every message it does see.
     -- OFFSET 0 keeps "is there an earlier message in the group?" a probe of
     -- queue_message_group per candidate: without it the planner may turn it
     -- into an anti-join, and on statistics taken while the queue was small
@@ -29,9 +30,12 @@
       -- A head due to move to the dead-letter queue needs its group's lock
       -- there (receive_tail.sql): tried here, so that one a sender holds
       -- is passed over rather than taking a place of the batch at every
-      -- receive while the sender's transaction is open. (Tried last: it
-      -- costs most. The lock is this transaction's until it ends, and
-      -- receive_tail.sql's try takes it again at no cost.)
+      -- receive while the sender's transaction is open. The lock is this
+      -- transaction's until it ends, and receive_tail.sql's try takes it
+      -- again. PostgreSQL may try it before the head probe: a lock taken
+      -- for a row this receive then does not move only makes a sender to
+      -- that group wait until the receive commits, and another receive
+      -- pass over that head once.
       AND ((SELECT max_receive_count FROM q) IS NULL
            OR m.receive_count - m.receive_base < (SELECT max_receive_count FROM q)
            OR pg_try_advisory_xact_lock(pgonce.lock_key(
