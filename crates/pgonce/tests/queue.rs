@@ -16,6 +16,14 @@ use pgonce::{
 use pgonce_testkit::{fresh_database, fresh_migrated_database};
 use sqlx::PgPool;
 
+/// The FIFO receive statement, as `PgQueue::receive` runs it: $1 queue,
+/// $2 batch size, $3 visibility ms (NULL: the queue's), $4 ids to pass over.
+const FIFO_RECEIVE: &str = concat!(
+    include_str!("../src/queue/sql/receive_head.sql"),
+    include_str!("../src/queue/sql/pick_fifo.sql"),
+    include_str!("../src/queue/sql/receive_tail.sql")
+);
+
 async fn pool() -> PgPool {
     let (_db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
     pool
@@ -495,6 +503,60 @@ async fn a_head_whose_move_waits_for_a_sender_takes_no_place_in_the_batch() {
     assert_eq!(now_in, "t.fifo", "a moved once the sender was gone");
 }
 
+/// A receive tries the dead-letter group lock only for the messages it
+/// picked. 2,000 FIFO heads are due to move, with statistics from while
+/// they were in flight, so the plan sorts the visible rows by id above the
+/// scan and the LIMIT does not stop it. A lock tried in the pick's filter
+/// was taken for all 2,000 (their senders then waited on the receive, and
+/// once more heads were due than the shared lock table holds, every
+/// receive failed with "out of shared memory"). Run as a prepared
+/// statement under each plan mode, as sqlx runs it, in a transaction that
+/// counts the locks it holds before rolling back.
+#[tokio::test]
+async fn a_receive_of_one_locks_only_the_dead_letter_group_it_moves_to() {
+    let pool = pool().await;
+    queue(&pool, "t.fifo", QueueAttributes::fifo()).await;
+    fifo_dead_lettering_at_second_receive(&pool, "s.fifo", "t.fifo").await;
+    sqlx::raw_sql(
+        "ALTER TABLE pgonce.queue_message SET (autovacuum_enabled = false);
+         INSERT INTO pgonce.queue_message
+                (queue, body, group_id, visible_at, receive_count, generation, first_received_at)
+         SELECT 's.fifo', 'm' || i, 'g' || i, now() + interval '1 hour', 1, 1, now()
+         FROM generate_series(1, 2000) AS i;
+         ANALYZE pgonce.queue_message;
+         UPDATE pgonce.queue_message SET visible_at = now() - interval '1 second';",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    for plan_mode in ["force_custom_plan", "force_generic_plan"] {
+        prepare_in_transaction(
+            &mut conn,
+            plan_mode,
+            "text, bigint, bigint, bigint[]",
+            FIFO_RECEIVE,
+        )
+        .await;
+        let fates: Vec<String> = sqlx::query_scalar("EXECUTE prepared('s.fifo', 1, NULL, '{}')")
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+        let locks: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        roll_back_prepared(&mut conn).await;
+        assert_eq!(
+            (fates, locks),
+            (vec!["dead_lettered".to_owned()], 1),
+            "{plan_mode}: what a receive of one did, and the advisory locks it held"
+        );
+    }
+}
+
 /// A chain s.fifo -> d.fifo -> e.fifo, each dead-lettering at the second
 /// receive. A message moved into d.fifo starts a fresh count there, so d
 /// delivers it before moving it on (it used to move it on at once, and in
@@ -605,11 +667,6 @@ async fn a_receive_from_before_a_redrive_and_one_after_deliver_one_message_of_th
     q.change_visibility(&m2.receipt, Duration::ZERO)
         .await
         .unwrap();
-    let receive = concat!(
-        include_str!("../src/queue/sql/receive_head.sql"),
-        include_str!("../src/queue/sql/pick_fifo.sql"),
-        include_str!("../src/queue/sql/receive_tail.sql")
-    );
     let mut early = pgonce::begin(&pool, IsolationLevel::RepeatableRead)
         .await
         .unwrap();
@@ -618,10 +675,11 @@ async fn a_receive_from_before_a_redrive_and_one_after_deliver_one_message_of_th
         .await
         .unwrap();
     assert_eq!(dlq.redrive().await.unwrap(), 1);
-    let delivered: Vec<ReceiveOutcome> = sqlx::query_as(receive)
+    let delivered: Vec<ReceiveOutcome> = sqlx::query_as(FIFO_RECEIVE)
         .bind("f.fifo")
         .bind(10i64)
         .bind(None::<i64>)
+        .bind(Vec::<i64>::new())
         .fetch_all(&mut *early)
         .await
         .unwrap();
@@ -1993,24 +2051,40 @@ async fn explain_prepared(
     statement: &str,
     values: &str,
 ) -> serde_json::Value {
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "BEGIN; SET LOCAL plan_cache_mode = {plan_mode};
-         PREPARE explained ({types}) AS {statement};"
-    )))
-    .execute(&mut *conn)
-    .await
-    .unwrap();
+    prepare_in_transaction(conn, plan_mode, types, statement).await;
     let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE explained({values})"
+        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE prepared({values})"
     )))
     .fetch_one(&mut *conn)
     .await
     .unwrap();
-    sqlx::raw_sql("ROLLBACK; DEALLOCATE explained;")
+    roll_back_prepared(conn).await;
+    plan
+}
+
+/// Begins a transaction on `conn` and prepares `statement` (parameter
+/// `types`) in it as `prepared`, planned under `plan_mode`, as sqlx runs a
+/// statement; [`roll_back_prepared`] undoes both.
+async fn prepare_in_transaction(
+    conn: &mut sqlx::PgConnection,
+    plan_mode: &str,
+    types: &str,
+    statement: &str,
+) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SET LOCAL plan_cache_mode = {plan_mode};
+         PREPARE prepared ({types}) AS {statement};"
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+}
+
+async fn roll_back_prepared(conn: &mut sqlx::PgConnection) {
+    sqlx::raw_sql("ROLLBACK; DEALLOCATE prepared;")
         .execute(&mut *conn)
         .await
         .unwrap();
-    plan
 }
 
 #[tokio::test]
@@ -2212,20 +2286,15 @@ async fn explain_fifo_receive(
     pool: &PgPool,
     queue: &str,
 ) -> Vec<(&'static str, serde_json::Value)> {
-    let receive = concat!(
-        include_str!("../src/queue/sql/receive_head.sql"),
-        include_str!("../src/queue/sql/pick_fifo.sql"),
-        include_str!("../src/queue/sql/receive_tail.sql")
-    );
     let mut conn = pool.acquire().await.unwrap();
     let mut plans = Vec::new();
     for plan_mode in ["force_custom_plan", "force_generic_plan"] {
-        let values = format!("'{queue}', 10, NULL");
+        let values = format!("'{queue}', 10, NULL, '{{}}'");
         let plan = explain_prepared(
             &mut conn,
             plan_mode,
-            "text, bigint, bigint",
-            receive,
+            "text, bigint, bigint, bigint[]",
+            FIFO_RECEIVE,
             &values,
         )
         .await;

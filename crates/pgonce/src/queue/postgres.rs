@@ -28,6 +28,10 @@ const CHANNEL: &str = "pgonce_queue";
 /// The most messages one send_batch or receive handles.
 pub const MAX_BATCH: usize = 1000;
 
+/// How many more receive statements one receive runs, each passing over
+/// the FIFO heads held back so far, before it returns what it has.
+const HELD_RETRIES: usize = 3;
+
 /// The longest retention and deduplication window a queue takes.
 const MAX_RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
 
@@ -604,8 +608,44 @@ impl PgQueue {
             .collect())
     }
 
-    /// One receive statement, no waiting.
+    /// One receive, no waiting: a receive statement, then, while its batch
+    /// has room, again passing over the FIFO heads it held back (a move to
+    /// the dead-letter queue whose group a sender holds there), so they
+    /// take no place of the batch. At most [`HELD_RETRIES`] more
+    /// statements: each passes over every head held back so far.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
+        let mut received = Vec::new();
+        let mut passed_over = Vec::new();
+        for _ in 0..=HELD_RETRIES {
+            let room = request.max_messages - received.len();
+            let held = self
+                .receive_statement(request, room, &passed_over, &mut received)
+                .await?;
+            if held.is_empty() || received.len() >= request.max_messages {
+                break;
+            }
+            passed_over.extend(held);
+        }
+        if !received.is_empty() {
+            // SQL order is not guaranteed through UNION ALL; FIFO callers
+            // rely on id order, so restore it.
+            received.sort_by_key(|r| r.id.parse::<i64>().unwrap_or(0));
+            metrics::counter!("pgonce_queue_received_total", "queue" => self.inner.name.clone())
+                .increment(received.len() as u64);
+        }
+        Ok(received)
+    }
+
+    /// One receive statement for up to `room` messages other than
+    /// `passed_over`; appends its deliveries to `received` and returns the
+    /// ids it held back.
+    async fn receive_statement(
+        &self,
+        request: &ReceiveRequest,
+        room: usize,
+        passed_over: &[i64],
+        received: &mut Vec<Received>,
+    ) -> Result<Vec<i64>> {
         let sql = if self.inner.fifo {
             RECEIVE_FIFO
         } else {
@@ -613,12 +653,13 @@ impl PgQueue {
         };
         let rows: Vec<ReceiveRow> = sqlx::query_as(sql)
             .bind(&self.inner.name)
-            .bind(request.max_messages as i64)
+            .bind(room as i64)
             .bind(request.visibility.map(millis))
+            .bind(passed_over)
             .fetch_all(&self.inner.pool)
             .await?;
-        let mut received = Vec::with_capacity(rows.len());
         let (mut dead, mut expired) = (0u64, 0u64);
+        let mut held = Vec::new();
         for row in rows {
             match row.fate.as_str() {
                 "delivered" => received.push(Received {
@@ -639,6 +680,7 @@ impl PgQueue {
                         .unwrap_or(std::time::UNIX_EPOCH),
                 }),
                 "dead_lettered" => dead += 1,
+                "held" => held.push(row.id),
                 _ => expired += 1,
             }
         }
@@ -652,14 +694,12 @@ impl PgQueue {
             metrics::counter!("pgonce_queue_expired_total", "queue" => name.clone())
                 .increment(expired);
         }
-        if !received.is_empty() {
-            // SQL order is not guaranteed through UNION ALL; FIFO callers
-            // rely on id order, so restore it.
-            received.sort_by_key(|r| r.id.parse::<i64>().unwrap_or(0));
-            metrics::counter!("pgonce_queue_received_total", "queue" => name.clone())
-                .increment(received.len() as u64);
+        if !held.is_empty() {
+            tracing::debug!(queue = %name, ?held, "due to move, their dead-letter group held by a sender: left for a later receive");
+            metrics::counter!("pgonce_queue_held_back_total", "queue" => name.clone())
+                .increment(held.len() as u64);
         }
-        Ok(received)
+        Ok(held)
     }
 
     async fn waker(&self) -> Result<&Waker> {

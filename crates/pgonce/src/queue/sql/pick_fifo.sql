@@ -27,19 +27,10 @@
           WHERE e.queue = m.queue AND e.group_id = m.group_id
             AND coalesce(e.group_position, e.id) < coalesce(m.group_position, m.id)
           OFFSET 0)
-      -- A head due to move to the dead-letter queue needs its group's lock
-      -- there (receive_tail.sql): tried here, so that one a sender holds
-      -- is passed over rather than taking a place of the batch at every
-      -- receive while the sender's transaction is open. The lock is this
-      -- transaction's until it ends, and receive_tail.sql's try takes it
-      -- again. PostgreSQL may try it before the head probe: a lock taken
-      -- for a row this receive then does not move only makes a sender to
-      -- that group wait until the receive commits, and another receive
-      -- pass over that head once.
-      AND ((SELECT max_receive_count FROM q) IS NULL
-           OR m.receive_count - m.receive_base < (SELECT max_receive_count FROM q)
-           OR pg_try_advisory_xact_lock(pgonce.lock_key(
-                  'pgonce.queue/' || (SELECT dead_letter_queue FROM q), m.group_id)))
+      -- Heads an earlier statement of this receive held back (a move
+      -- that waits for a sender, receive_tail.sql): passed over, so they
+      -- take no place of the batch.
+      AND m.id <> ALL($4::bigint[])
     ORDER BY m.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED

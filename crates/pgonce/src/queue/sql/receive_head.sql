@@ -1,4 +1,5 @@
--- Receive, in one statement: pick up to $2 receivable messages of queue $1
+-- Receive, in one statement: pick up to $2 receivable messages of queue $1,
+-- other than those of $4 (held back by an earlier statement of the receive)
 -- (FOR UPDATE SKIP LOCKED, so concurrent receivers never get the same one),
 -- then per picked message exactly one of: delete it (past retention), move
 -- it to the dead-letter queue (received max_receive_count times since it

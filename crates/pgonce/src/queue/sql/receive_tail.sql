@@ -10,8 +10,10 @@
     -- later receive), so a receive never waits for another transaction,
     -- which would let the leases it hands out run while it waits and could
     -- deadlock with a sender that locks several groups in its own order.
-    -- The FIFO pick has tried it already and passed over such heads; a
-    -- second try of a lock this transaction holds succeeds.
+    -- Only picked rows get here (after the pick's LIMIT), so the receive
+    -- tries at most one lock per message it picked. A held message is
+    -- returned as such, and the caller runs the statement again passing
+    -- it over ($4), so it takes no place of the batch.
     SELECT picked.id,
            CASE WHEN picked.sent_at <= now() - q.retention_ms * interval '1 millisecond' THEN 'expired'
                 WHEN q.max_receive_count IS NOT NULL
@@ -63,3 +65,5 @@ UNION ALL
 SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL, NULL FROM moved
 UNION ALL
 SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL, NULL FROM expired
+UNION ALL
+SELECT 'held', id, NULL, NULL, NULL, NULL, NULL, NULL FROM fate WHERE fate = 'held'
