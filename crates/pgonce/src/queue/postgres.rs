@@ -28,10 +28,6 @@ const CHANNEL: &str = "pgonce_queue";
 /// The most messages one send_batch or receive handles.
 pub const MAX_BATCH: usize = 1000;
 
-/// How many more receive statements one receive runs, each passing over
-/// the FIFO heads held back so far, before it returns what it has.
-const HELD_RETRIES: usize = 3;
-
 /// The longest retention and deduplication window a queue takes.
 const MAX_RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
 
@@ -608,23 +604,40 @@ impl PgQueue {
             .collect())
     }
 
-    /// One receive, no waiting: a receive statement, then, while its batch
-    /// has room, again passing over the FIFO heads it held back (a move to
-    /// the dead-letter queue whose group a sender holds there), so they
-    /// take no place of the batch. At most [`HELD_RETRIES`] more
-    /// statements: each passes over every head held back so far.
+    /// One receive, no waiting: one receive statement, its own transaction.
+    ///
+    /// A FIFO head due to move to the dead-letter queue, whose group there
+    /// a sender holds, is held back by the statement (receive_tail.sql) and
+    /// still took a place of its batch. While the batch has room, further
+    /// statements pass over every message held back or delivered so far
+    /// (`$4`), until one holds nothing new back: a sender keeping a group
+    /// locked cannot starve the other groups. Each statement commits on
+    /// its own, so if a later one fails, what the earlier ones delivered is
+    /// already leased: it is returned, and the failure logged, rather than
+    /// an error that would leave those leases with nobody.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
         let mut received = Vec::new();
         let mut passed_over = Vec::new();
-        for _ in 0..=HELD_RETRIES {
+        let mut held = self
+            .receive_statement(
+                request,
+                request.max_messages,
+                &mut passed_over,
+                &mut received,
+            )
+            .await?;
+        while held && received.len() < request.max_messages {
             let room = request.max_messages - received.len();
-            let held = self
-                .receive_statement(request, room, &passed_over, &mut received)
-                .await?;
-            if held.is_empty() || received.len() >= request.max_messages {
-                break;
+            match self
+                .receive_statement(request, room, &mut passed_over, &mut received)
+                .await
+            {
+                Ok(more_held) => held = more_held,
+                Err(e) => {
+                    tracing::warn!(queue = %self.inner.name, error = %e, delivered = received.len(), "a receive's follow-up statement failed; returning what it delivered");
+                    break;
+                }
             }
-            passed_over.extend(held);
         }
         if !received.is_empty() {
             // SQL order is not guaranteed through UNION ALL; FIFO callers
@@ -637,15 +650,15 @@ impl PgQueue {
     }
 
     /// One receive statement for up to `room` messages other than
-    /// `passed_over`; appends its deliveries to `received` and returns the
-    /// ids it held back.
+    /// `passed_over`; appends its deliveries to `received`, and the ids it
+    /// delivered or held back to `passed_over`. True when it held one back.
     async fn receive_statement(
         &self,
         request: &ReceiveRequest,
         room: usize,
-        passed_over: &[i64],
+        passed_over: &mut Vec<i64>,
         received: &mut Vec<Received>,
-    ) -> Result<Vec<i64>> {
+    ) -> Result<bool> {
         let sql = if self.inner.fifo {
             RECEIVE_FIFO
         } else {
@@ -655,11 +668,12 @@ impl PgQueue {
             .bind(&self.inner.name)
             .bind(room as i64)
             .bind(request.visibility.map(millis))
-            .bind(passed_over)
+            .bind(&*passed_over)
             .fetch_all(&self.inner.pool)
             .await?;
         let (mut dead, mut expired) = (0u64, 0u64);
         let mut held = Vec::new();
+        let delivered_before = received.len();
         for row in rows {
             match row.fate.as_str() {
                 "delivered" => received.push(Received {
@@ -699,7 +713,14 @@ impl PgQueue {
             metrics::counter!("pgonce_queue_held_back_total", "queue" => name.clone())
                 .increment(held.len() as u64);
         }
-        Ok(held)
+        let any_held = !held.is_empty();
+        passed_over.extend(held);
+        passed_over.extend(
+            received[delivered_before..]
+                .iter()
+                .filter_map(|r| r.id.parse::<i64>().ok()),
+        );
+        Ok(any_held)
     }
 
     async fn waker(&self) -> Result<&Waker> {
