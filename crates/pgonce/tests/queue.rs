@@ -17,7 +17,8 @@ use pgonce_testkit::{fresh_database, fresh_migrated_database};
 use sqlx::PgPool;
 
 /// The FIFO receive statement, as `PgQueue::receive` runs it: $1 queue,
-/// $2 batch size, $3 visibility ms (NULL: the queue's), $4 ids to pass over.
+/// $2 how many to look at, $3 visibility ms (NULL: the queue's), $4 ids to
+/// pass over, $5 how many to deliver at most.
 const FIFO_RECEIVE: &str = concat!(
     include_str!("../src/queue/sql/receive_head.sql"),
     include_str!("../src/queue/sql/pick_fifo.sql"),
@@ -205,8 +206,23 @@ async fn group_dead_lettered_with_its_head_in_flight(
     let q = fifo_dead_lettering_at_second_receive(pool, "f.fifo", "f-dlq.fifo").await;
     q.send(SendMessage::new("w").group("g")).await.unwrap();
     q.send(SendMessage::new("x").group("g")).await.unwrap();
-    dead_letter_next(&q, "w").await;
-    dead_letter_next(&q, "x").await;
+    let w = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&w), ["w"]);
+    q.change_visibility(&w[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    // The receive that moves w looks on and delivers x, now the head.
+    let x = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&x), ["x"]);
+    q.change_visibility(&x[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(
+        q.receive(ReceiveRequest::up_to(10))
+            .await
+            .unwrap()
+            .is_empty()
+    );
     let w = dlq.receive(ReceiveRequest::up_to(10)).await.unwrap();
     assert_eq!(bodies(&w), ["w"]);
     (q, dlq, w)
@@ -554,18 +570,21 @@ async fn a_receive_past_held_heads_delivers_each_message_once() {
     s.delete(&got[0].receipt).await.unwrap();
 }
 
-/// A receive's later statement failing after an earlier one delivered:
-/// the receive returns what was delivered (those leases are taken), not
-/// an error that leaves them with nobody. s.fifo holds a (due, its
-/// dead-letter group held), b (deliverable) and c (due); A holds t.fifo/g
-/// and t.fifo's queue row, so the second statement's move of c waits for
-/// A (seen in pg_blocking_pids), and A cancels it.
-#[tokio::test]
-async fn a_receive_returns_what_it_delivered_when_a_later_statement_fails() {
+/// A receive whose follow-up statement fails, step by step: s.fifo holds
+/// a (due, its dead-letter group held), then, with `deliverable`, b, then
+/// c (due). A holds t.fifo/g and t.fifo's queue row, so the move of c, in
+/// the statement after the one that held a back, waits for A (seen in
+/// pg_blocking_pids), and A cancels it. Returns what B's receive of
+/// `max` returned.
+async fn receive_whose_follow_up_is_cancelled(
+    deliverable: bool,
+    max: usize,
+) -> pgonce::Result<Vec<Received>> {
     let db = fresh_database().await;
     let setup = db.pool(2).await.unwrap();
     pgonce::migrate(&setup).await.unwrap();
-    let (_, s) = heads_due_to_move_then(&setup, &["g"], &["b"]).await;
+    let then: &[&str] = if deliverable { &["b"] } else { &[] };
+    let (_, s) = heads_due_to_move_then(&setup, &["g"], then).await;
     s.send(SendMessage::new("c").group("k")).await.unwrap();
     sqlx::query("UPDATE pgonce.queue_message SET receive_count = 1 WHERE body = 'c'")
         .execute(&setup)
@@ -593,8 +612,8 @@ async fn a_receive_returns_what_it_delivered_when_a_later_statement_fails() {
     .unwrap()
     .unwrap();
     let waiting = race
-        .step_blocks(&b, "receive s.fifo up to 2", async move {
-            sb.receive(ReceiveRequest::up_to(2).visibility(Duration::from_secs(600)))
+        .step_blocks(&b, "receive s.fifo", async move {
+            sb.receive(ReceiveRequest::up_to(max).visibility(Duration::from_secs(600)))
                 .await
         })
         .await
@@ -612,9 +631,127 @@ async fn a_receive_returns_what_it_delivered_when_a_later_statement_fails() {
     .await
     .unwrap()
     .unwrap();
-    let got = waiting.resume().await.unwrap().unwrap();
+    let outcome = waiting.resume().await.unwrap();
     atx.rollback().await.unwrap();
+    outcome
+}
+
+/// A receive's later statement failing after an earlier one delivered:
+/// the receive returns what was delivered (those leases are taken), not an
+/// error that leaves them with nobody. With nothing delivered, the failure
+/// is the receive's error, as a failing first statement's is.
+#[tokio::test]
+async fn a_receive_whose_follow_up_fails_returns_what_it_delivered_or_the_error() {
+    let got = receive_whose_follow_up_is_cancelled(true, 2).await.unwrap();
     assert_eq!(bodies(&got), ["b"], "b's lease is the caller's");
+    let refused = receive_whose_follow_up_is_cancelled(false, 1).await;
+    assert!(matches!(refused, Err(Error::Database(_))), "{refused:?}");
+}
+
+/// A run of heads a receive does not deliver costs it a few statements,
+/// not one each: 200 heads due to move, their dead-letter groups held by a
+/// sender, ahead of b. A receive of one looks twice as far at each
+/// statement, so at most 9 statements hold heads back before it reaches b
+/// (it took 200, the cost growing with the square of the run). Counted
+/// from the metric each such statement records, on this thread.
+#[tokio::test]
+async fn a_run_of_held_heads_costs_a_receive_a_few_statements() {
+    let pool = pool().await;
+    let (t, s) = many_heads_due_to_move_then_b(&pool, 200).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(
+        "SELECT count(pg_advisory_xact_lock(pgonce.lock_key('pgonce.queue/t.fifo', 'g' || i)))
+         FROM generate_series(1, 200) AS i",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let statements = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let recorder = CountsHeldBack(statements.clone());
+    let got = {
+        let _local = metrics::set_default_local_recorder(&recorder);
+        s.receive(ReceiveRequest::up_to(1)).await.unwrap()
+    };
+    tx.rollback().await.unwrap();
+    assert_eq!(bodies(&got), ["b"]);
+    let held_back = statements.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(held_back <= 9, "{held_back} statements held heads back");
+    assert_eq!(t.stats().await.unwrap().depth, 0, "none moved while held");
+}
+
+/// A receive looks past the heads it moves: 40 heads due to move ahead of
+/// b, nothing holding their dead-letter groups. A receive of one moves
+/// them all and delivers b (a move took the batch's only place, so each
+/// receive moved one head and returned nothing).
+#[tokio::test]
+async fn a_receive_looks_past_the_heads_it_moves() {
+    let pool = pool().await;
+    let (t, s) = many_heads_due_to_move_then_b(&pool, 40).await;
+    let got = s.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&got), ["b"]);
+    assert_eq!(t.stats().await.unwrap().depth, 40);
+}
+
+/// As [`heads_due_to_move_then`] for `n` heads (groups g1..gn, written
+/// directly as received once and released), then b of its own group.
+async fn many_heads_due_to_move_then_b(pool: &PgPool, n: i64) -> (PgQueue, PgQueue) {
+    let t = queue(pool, "t.fifo", QueueAttributes::fifo()).await;
+    let s = fifo_dead_lettering_at_second_receive(pool, "s.fifo", "t.fifo").await;
+    sqlx::query(
+        "INSERT INTO pgonce.queue_message
+                (queue, body, group_id, visible_at, receive_count, generation, first_received_at)
+         SELECT 's.fifo', 'due-g' || i, 'g' || i, now() - interval '1 second', 1, 1, now()
+         FROM generate_series(1, $1) AS i",
+    )
+    .bind(n)
+    .execute(pool)
+    .await
+    .unwrap();
+    s.send(SendMessage::new("b").group("b")).await.unwrap();
+    (t, s)
+}
+
+/// Counts the statements that recorded `pgonce_queue_held_back_total`.
+struct CountsHeldBack(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl metrics::Recorder for CountsHeldBack {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() == "pgonce_queue_held_back_total" {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        metrics::Counter::noop()
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
 }
 
 /// A receive tries the dead-letter group lock only for the messages it
@@ -648,11 +785,11 @@ async fn a_receive_of_one_locks_only_the_dead_letter_group_it_moves_to() {
         prepare_in_transaction(
             &mut conn,
             plan_mode,
-            "text, bigint, bigint, bigint[]",
+            "text, bigint, bigint, bigint[], bigint",
             FIFO_RECEIVE,
         )
         .await;
-        let fates: Vec<String> = sqlx::query_scalar("EXECUTE prepared('s.fifo', 1, NULL, '{}')")
+        let fates: Vec<String> = sqlx::query_scalar("EXECUTE prepared('s.fifo', 1, NULL, '{}', 1)")
             .fetch_all(&mut *conn)
             .await
             .unwrap();
@@ -794,6 +931,7 @@ async fn a_receive_from_before_a_redrive_and_one_after_deliver_one_message_of_th
         .bind(10i64)
         .bind(None::<i64>)
         .bind(Vec::<i64>::new())
+        .bind(10i64)
         .fetch_all(&mut *early)
         .await
         .unwrap();
@@ -2403,11 +2541,11 @@ async fn explain_fifo_receive(
     let mut conn = pool.acquire().await.unwrap();
     let mut plans = Vec::new();
     for plan_mode in ["force_custom_plan", "force_generic_plan"] {
-        let values = format!("'{queue}', 10, NULL, '{{}}'");
+        let values = format!("'{queue}', 10, NULL, '{{}}', 10");
         let plan = explain_prepared(
             &mut conn,
             plan_mode,
-            "text, bigint, bigint, bigint[]",
+            "text, bigint, bigint, bigint[], bigint",
             FIFO_RECEIVE,
             &values,
         )

@@ -192,30 +192,39 @@ async fn step(
                 .await
                 .map_err(|e| format!("receive: {e}"))?;
             // Each group's head, if visible, is delivered or (received too
-            // often from the source) moved; nothing behind it is taken.
+            // often from the source) moved; nothing behind it is taken. A
+            // receive that moved a head looks again, as its next statement
+            // does: the message behind it is its group's head now.
             let mut expected = BTreeMap::new();
-            let mut seen_groups = [false; GROUPS];
-            for id in model.in_order(*q) {
-                let position = model.positions + 1;
-                let m = model.messages.get_mut(&id).unwrap();
-                if std::mem::replace(&mut seen_groups[m.group], true) || !m.visible {
-                    continue;
+            loop {
+                let mut moved = false;
+                let mut seen_groups = [false; GROUPS];
+                for id in model.in_order(*q) {
+                    let position = model.positions + 1;
+                    let m = model.messages.get_mut(&id).unwrap();
+                    if std::mem::replace(&mut seen_groups[m.group], true) || !m.visible {
+                        continue;
+                    }
+                    if *q == SOURCE && m.receive_count - m.base >= MAX_RECEIVES {
+                        // To the back of its group in the dead-letter queue.
+                        m.queue = DLQ;
+                        m.position = position;
+                        model.positions = position;
+                        m.base = m.receive_count;
+                        m.dead_lettered = true;
+                        m.delivery = None;
+                        tally.dead_lettered += 1;
+                        moved = true;
+                    } else {
+                        model.deliveries += 1;
+                        m.receive_count += 1;
+                        m.visible = false;
+                        m.delivery = Some(model.deliveries);
+                        expected.insert(id, (m.receive_count, model.deliveries));
+                    }
                 }
-                if *q == SOURCE && m.receive_count - m.base >= MAX_RECEIVES {
-                    // To the back of its group in the dead-letter queue.
-                    m.queue = DLQ;
-                    m.position = position;
-                    model.positions = position;
-                    m.base = m.receive_count;
-                    m.dead_lettered = true;
-                    m.delivery = None;
-                    tally.dead_lettered += 1;
-                } else {
-                    model.deliveries += 1;
-                    m.receive_count += 1;
-                    m.visible = false;
-                    m.delivery = Some(model.deliveries);
-                    expected.insert(id, (m.receive_count, model.deliveries));
+                if !moved {
+                    break;
                 }
             }
             let delivered: BTreeMap<String, u32> = got

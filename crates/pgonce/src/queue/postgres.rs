@@ -606,33 +606,34 @@ impl PgQueue {
 
     /// One receive, no waiting: one receive statement, its own transaction.
     ///
-    /// A FIFO head due to move to the dead-letter queue, whose group there
-    /// a sender holds, is held back by the statement (receive_tail.sql) and
-    /// still took a place of its batch. While the batch has room, further
-    /// statements pass over every message held back or delivered so far
-    /// (`$4`), until one holds nothing new back: a sender keeping a group
-    /// locked cannot starve the other groups. Each statement commits on
-    /// its own, so if a later one fails, what the earlier ones delivered is
-    /// already leased: it is returned, and the failure logged, rather than
-    /// an error that would leave those leases with nobody.
+    /// A statement can pick messages it does not deliver: heads past their
+    /// retention (deleted), received too often (moved to the dead-letter
+    /// queue), or due to move while a sender holds their group there (held
+    /// back, receive_tail.sql). While the batch has room and the last
+    /// statement picked such messages, further statements look again,
+    /// passing over every message held back or delivered so far (`$4`) and
+    /// looking twice as far each time (`$2`; deliveries stay capped by the
+    /// room left, `$5`): a run of such heads costs a few statements, not
+    /// one each, and takes no place of the batch. Each statement commits on
+    /// its own, so if a later one fails after earlier ones delivered, those
+    /// leases are taken: they are returned and the failure logged.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
+        let max = request.max_messages;
         let mut received = Vec::new();
         let mut passed_over = Vec::new();
-        let mut held = self
-            .receive_statement(
-                request,
-                request.max_messages,
-                &mut passed_over,
-                &mut received,
-            )
+        let mut look = max;
+        let mut undelivered = self
+            .receive_statement(request, look, max, &mut passed_over, &mut received)
             .await?;
-        while held && received.len() < request.max_messages {
-            let room = request.max_messages - received.len();
+        while undelivered && received.len() < max {
+            look = (look * 2).min(MAX_BATCH);
+            let room = max - received.len();
             match self
-                .receive_statement(request, room, &mut passed_over, &mut received)
+                .receive_statement(request, look, room, &mut passed_over, &mut received)
                 .await
             {
-                Ok(more_held) => held = more_held,
+                Ok(more) => undelivered = more,
+                Err(e) if received.is_empty() => return Err(e),
                 Err(e) => {
                     tracing::warn!(queue = %self.inner.name, error = %e, delivered = received.len(), "a receive's follow-up statement failed; returning what it delivered");
                     break;
@@ -649,12 +650,15 @@ impl PgQueue {
         Ok(received)
     }
 
-    /// One receive statement for up to `room` messages other than
-    /// `passed_over`; appends its deliveries to `received`, and the ids it
-    /// delivered or held back to `passed_over`. True when it held one back.
+    /// One receive statement: looks at up to `look` messages other than
+    /// `passed_over` and delivers at most `room`; appends its deliveries to
+    /// `received`, and the ids it delivered or held back to `passed_over`.
+    /// True when it picked messages it did not deliver (held back, moved or
+    /// expired), so that looking further may find more.
     async fn receive_statement(
         &self,
         request: &ReceiveRequest,
+        look: usize,
         room: usize,
         passed_over: &mut Vec<i64>,
         received: &mut Vec<Received>,
@@ -666,9 +670,10 @@ impl PgQueue {
         };
         let rows: Vec<ReceiveRow> = sqlx::query_as(sql)
             .bind(&self.inner.name)
-            .bind(room as i64)
+            .bind(look as i64)
             .bind(request.visibility.map(millis))
             .bind(&*passed_over)
+            .bind(room as i64)
             .fetch_all(&self.inner.pool)
             .await?;
         let (mut dead, mut expired) = (0u64, 0u64);
@@ -695,6 +700,7 @@ impl PgQueue {
                 }),
                 "dead_lettered" => dead += 1,
                 "held" => held.push(row.id),
+                "skipped" => {}
                 _ => expired += 1,
             }
         }
@@ -713,14 +719,14 @@ impl PgQueue {
             metrics::counter!("pgonce_queue_held_back_total", "queue" => name.clone())
                 .increment(held.len() as u64);
         }
-        let any_held = !held.is_empty();
+        let undelivered = !held.is_empty() || dead > 0 || expired > 0;
         passed_over.extend(held);
         passed_over.extend(
             received[delivered_before..]
                 .iter()
                 .filter_map(|r| r.id.parse::<i64>().ok()),
         );
-        Ok(any_held)
+        Ok(undelivered)
     }
 
     async fn waker(&self) -> Result<&Waker> {
