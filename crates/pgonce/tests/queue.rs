@@ -22,6 +22,8 @@ use sqlx::PgPool;
 const FIFO_RECEIVE: &str = concat!(
     include_str!("../src/queue/sql/receive_head.sql"),
     include_str!("../src/queue/sql/pick_fifo.sql"),
+    include_str!("../src/queue/sql/receive_judge.sql"),
+    include_str!("../src/queue/sql/receive_fate_capped.sql"),
     include_str!("../src/queue/sql/receive_tail.sql")
 );
 
@@ -690,6 +692,73 @@ async fn a_receive_looks_past_the_heads_it_moves() {
     let got = s.receive(ReceiveRequest::up_to(1)).await.unwrap();
     assert_eq!(bodies(&got), ["b"]);
     assert_eq!(t.stats().await.unwrap().depth, 40);
+}
+
+/// A standard queue's receive takes the earliest visible messages, even
+/// when a statement that moved one looks again: d (due to move, visible
+/// 30 s ago), then a (1 s ago) and b (10 s ago), in id order. A receive of
+/// one moves d and delivers b, as it does without d (it delivered a: the
+/// look-again capped its deliveries in id order).
+#[tokio::test]
+async fn a_receive_that_looks_again_still_takes_the_earliest_visible() {
+    for with_due_head in [false, true] {
+        let pool = pool().await;
+        let (q, _dlq) = with_dead_letters(&pool).await;
+        let due: &[(&str, i32, i32)] = if with_due_head { &[("d", 2, 30)] } else { &[] };
+        for (body, count, ago) in due.iter().chain(&[("a", 0, 1), ("b", 0, 10)]) {
+            sqlx::query(
+                "INSERT INTO pgonce.queue_message (queue, body, visible_at, receive_count, generation)
+                 VALUES ('jobs', $1, now() - $2 * interval '1 second', $3, $3)",
+            )
+            .bind(body)
+            .bind(ago)
+            .bind(count)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+        let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+        assert_eq!(
+            bodies(&got),
+            ["b"],
+            "with a head due to move first: {with_due_head}"
+        );
+    }
+}
+
+/// A receive of one does no more work than a receive of the largest
+/// batch: 5,000 messages past their retention, nothing else. It deletes
+/// at most the first statement's one and MAX_BATCH more, and returns
+/// nothing (it went on until none was left).
+#[tokio::test]
+async fn a_receive_of_one_does_the_work_of_one_batch_at_most() {
+    let pool = pool().await;
+    let q = queue(&pool, "old", QueueAttributes::default()).await;
+    sqlx::query(
+        "INSERT INTO pgonce.queue_message (queue, body, sent_at, visible_at)
+         SELECT 'old', 'x' || i, now() - interval '5 days', now() - interval '5 days'
+         FROM generate_series(1, 5000) AS i",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(
+        q.receive(ReceiveRequest::up_to(1))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgonce.queue_message WHERE queue = 'old'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let limit = 1000; // the largest batch (postgres.rs MAX_BATCH)
+    assert!(
+        (5000 - left) <= 1 + limit,
+        "one receive of one expired {} of 5,000",
+        5000 - left
+    );
 }
 
 /// As [`heads_due_to_move_then`] for `n` heads (groups g1..gn, written

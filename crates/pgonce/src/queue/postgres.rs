@@ -31,16 +31,26 @@ pub const MAX_BATCH: usize = 1000;
 /// The longest retention and deduplication window a queue takes.
 const MAX_RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
 
-const RECEIVE_STANDARD: &str = concat!(
-    include_str!("sql/receive_head.sql"),
-    include_str!("sql/pick_standard.sql"),
-    include_str!("sql/receive_tail.sql")
-);
-const RECEIVE_FIFO: &str = concat!(
-    include_str!("sql/receive_head.sql"),
-    include_str!("sql/pick_fifo.sql"),
-    include_str!("sql/receive_tail.sql")
-);
+/// A receive statement: pick (standard or FIFO), judge each picked
+/// message's fate, then act on it. The first statement of a receive looks
+/// at no more than it may deliver; a follow-up looks further and caps its
+/// deliveries (`receive_fate_capped.sql`, one parameter more).
+macro_rules! receive_sql {
+    ($pick:literal, $fate:literal) => {
+        concat!(
+            include_str!("sql/receive_head.sql"),
+            include_str!($pick),
+            include_str!("sql/receive_judge.sql"),
+            include_str!($fate),
+            include_str!("sql/receive_tail.sql")
+        )
+    };
+}
+const RECEIVE_STANDARD: &str = receive_sql!("sql/pick_standard.sql", "sql/receive_fate.sql");
+const RECEIVE_FIFO: &str = receive_sql!("sql/pick_fifo.sql", "sql/receive_fate.sql");
+const RECEIVE_STANDARD_FURTHER: &str =
+    receive_sql!("sql/pick_standard.sql", "sql/receive_fate_capped.sql");
+const RECEIVE_FIFO_FURTHER: &str = receive_sql!("sql/pick_fifo.sql", "sql/receive_fate_capped.sql");
 
 /// A queue's attributes, fixed per queue in `pgonce.queue` by
 /// [`PgQueue::create`].
@@ -614,19 +624,27 @@ impl PgQueue {
     /// passing over every message held back or delivered so far (`$4`) and
     /// looking twice as far each time (`$2`; deliveries stay capped by the
     /// room left, `$5`): a run of such heads costs a few statements, not
-    /// one each, and takes no place of the batch. Each statement commits on
-    /// its own, so if a later one fails after earlier ones delivered, those
-    /// leases are taken: they are returned and the failure logged.
+    /// one each, and takes no place of the batch. The follow-ups look at
+    /// [`MAX_BATCH`] messages in all at most, so a receive of one does no
+    /// more work than a receive of the largest batch (a backlog of expired
+    /// messages is cleared a batch at a time). A statement that left
+    /// messages untouched past its cap held their row locks while it ran,
+    /// turning other receivers away: it wakes them, as a send does. Each
+    /// statement commits on its own, so if a later one fails after earlier
+    /// ones delivered, those leases are taken: they are returned and the
+    /// failure logged.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
         let max = request.max_messages;
         let mut received = Vec::new();
         let mut passed_over = Vec::new();
         let mut look = max;
+        let mut looked_further = 0;
         let mut undelivered = self
             .receive_statement(request, look, max, &mut passed_over, &mut received)
             .await?;
-        while undelivered && received.len() < max {
-            look = (look * 2).min(MAX_BATCH);
+        while undelivered && received.len() < max && looked_further < MAX_BATCH {
+            look = (look * 2).min(MAX_BATCH - looked_further);
+            looked_further += look;
             let room = max - received.len();
             match self
                 .receive_statement(request, look, room, &mut passed_over, &mut received)
@@ -663,20 +681,23 @@ impl PgQueue {
         passed_over: &mut Vec<i64>,
         received: &mut Vec<Received>,
     ) -> Result<bool> {
-        let sql = if self.inner.fifo {
-            RECEIVE_FIFO
-        } else {
-            RECEIVE_STANDARD
+        let further = look > room;
+        let sql = match (self.inner.fifo, further) {
+            (false, false) => RECEIVE_STANDARD,
+            (true, false) => RECEIVE_FIFO,
+            (false, true) => RECEIVE_STANDARD_FURTHER,
+            (true, true) => RECEIVE_FIFO_FURTHER,
         };
-        let rows: Vec<ReceiveRow> = sqlx::query_as(sql)
+        let mut query = sqlx::query_as(sql)
             .bind(&self.inner.name)
             .bind(look as i64)
             .bind(request.visibility.map(millis))
-            .bind(&*passed_over)
-            .bind(room as i64)
-            .fetch_all(&self.inner.pool)
-            .await?;
-        let (mut dead, mut expired) = (0u64, 0u64);
+            .bind(&*passed_over);
+        if further {
+            query = query.bind(room as i64);
+        }
+        let rows: Vec<ReceiveRow> = query.fetch_all(&self.inner.pool).await?;
+        let (mut dead, mut expired, mut skipped) = (0u64, 0u64, 0u64);
         let mut held = Vec::new();
         let delivered_before = received.len();
         for row in rows {
@@ -700,7 +721,7 @@ impl PgQueue {
                 }),
                 "dead_lettered" => dead += 1,
                 "held" => held.push(row.id),
-                "skipped" => {}
+                "skipped" => skipped += 1,
                 _ => expired += 1,
             }
         }
@@ -718,6 +739,10 @@ impl PgQueue {
             tracing::debug!(queue = %name, ?held, "due to move, their dead-letter group held by a sender: left for a later receive");
             metrics::counter!("pgonce_queue_held_back_total", "queue" => name.clone())
                 .increment(held.len() as u64);
+        }
+        if skipped > 0 {
+            // Their row locks turned concurrent receivers away until now.
+            self.sent();
         }
         let undelivered = !held.is_empty() || dead > 0 || expired > 0;
         passed_over.extend(held);

@@ -15,7 +15,7 @@
     -- million comparisons, 453 ms, for 2,000 messages; 5.7 ms with the
     -- probe). tests/queue.rs,
     -- `a_fifo_receive_probes_each_head_on_stale_statistics`.
-    SELECT m.id, m.group_id, m.sent_at, m.receive_count, m.receive_base
+    SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
     FROM pgonce.queue_message m
     -- `group_id IS NOT NULL` (true of every FIFO message) lets the walk
     -- in id order read this queue's messages only, from

@@ -1,5 +1,5 @@
     -- Standard queue: the earliest visible messages.
-    SELECT m.id, m.group_id, m.sent_at, m.receive_count, m.receive_base
+    SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
     FROM pgonce.queue_message m
     -- $4: messages to pass over; a standard queue holds none back (its
     -- messages have no group), so it is always empty here.
