@@ -726,6 +726,18 @@ async fn a_receive_that_looks_again_still_takes_the_earliest_visible() {
     }
 }
 
+/// 5,000 messages of queue `old` past its retention (4 days).
+async fn five_thousand_expired_in_old(pool: &PgPool) {
+    sqlx::query(
+        "INSERT INTO pgonce.queue_message (queue, body, sent_at, visible_at)
+         SELECT 'old', 'x' || i, now() - interval '5 days', now() - interval '5 days'
+         FROM generate_series(1, 5000) AS i",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// A receive of one does no more work than a receive of the largest
 /// batch: 5,000 messages past their retention, nothing else. It deletes
 /// at most the first statement's one and MAX_BATCH more, and returns
@@ -734,14 +746,7 @@ async fn a_receive_that_looks_again_still_takes_the_earliest_visible() {
 async fn a_receive_of_one_does_the_work_of_one_batch_at_most() {
     let pool = pool().await;
     let q = queue(&pool, "old", QueueAttributes::default()).await;
-    sqlx::query(
-        "INSERT INTO pgonce.queue_message (queue, body, sent_at, visible_at)
-         SELECT 'old', 'x' || i, now() - interval '5 days', now() - interval '5 days'
-         FROM generate_series(1, 5000) AS i",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    five_thousand_expired_in_old(&pool).await;
     assert!(
         q.receive(ReceiveRequest::up_to(1))
             .await
@@ -759,6 +764,34 @@ async fn a_receive_of_one_does_the_work_of_one_batch_at_most() {
         "one receive of one expired {} of 5,000",
         5000 - left
     );
+}
+
+/// A long poll behind a backlog larger than one receive clears looks on
+/// at once: 5,000 expired messages, then b, and a poll interval of an
+/// hour. A long poll of one returns b (it parked after each batch's worth
+/// of expired messages, for the poll interval: here, to its deadline,
+/// after at most three looks, and returned nothing).
+#[tokio::test]
+async fn a_long_poll_goes_on_through_a_backlog_without_parking() {
+    let pool = pool().await;
+    let q = PgQueue::create(
+        &pool,
+        "old",
+        QueueAttributes::default(),
+        PgQueueOptions {
+            poll_interval: Duration::from_secs(3600),
+            ..PgQueueOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    five_thousand_expired_in_old(&pool).await;
+    q.send(SendMessage::new("b")).await.unwrap();
+    let got = q
+        .receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    assert_eq!(bodies(&got), ["b"]);
 }
 
 /// As [`heads_due_to_move_then`] for `n` heads (groups g1..gn, written

@@ -627,13 +627,21 @@ impl PgQueue {
     /// one each, and takes no place of the batch. The follow-ups look at
     /// [`MAX_BATCH`] messages in all at most, so a receive of one does no
     /// more work than a receive of the largest batch (a backlog of expired
-    /// messages is cleared a batch at a time). A statement that left
-    /// messages untouched past its cap held their row locks while it ran,
-    /// turning other receivers away: it wakes them, as a send does. Each
+    /// messages is cleared a batch at a time; a long poll goes on at once).
+    /// A statement that left messages untouched (past its cap, or held
+    /// back) held their row locks while it ran, turning other receivers
+    /// away: it wakes them, as a send does. Each
     /// statement commits on its own, so if a later one fails after earlier
     /// ones delivered, those leases are taken: they are returned and the
     /// failure logged.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
+        Ok(self.receive_looking(request).await?.0)
+    }
+
+    /// [`Self::receive_once`], and whether it stopped at its budget with
+    /// messages it did not deliver still ahead (a long poll looks again at
+    /// once instead of parking).
+    async fn receive_looking(&self, request: &ReceiveRequest) -> Result<(Vec<Received>, bool)> {
         let max = request.max_messages;
         let mut received = Vec::new();
         let mut passed_over = Vec::new();
@@ -665,7 +673,8 @@ impl PgQueue {
             metrics::counter!("pgonce_queue_received_total", "queue" => self.inner.name.clone())
                 .increment(received.len() as u64);
         }
-        Ok(received)
+        let more = undelivered && received.len() < max && looked_further >= MAX_BATCH;
+        Ok((received, more))
     }
 
     /// One receive statement: looks at up to `look` messages other than
@@ -740,7 +749,7 @@ impl PgQueue {
             metrics::counter!("pgonce_queue_held_back_total", "queue" => name.clone())
                 .increment(held.len() as u64);
         }
-        if skipped > 0 {
+        if skipped > 0 || !held.is_empty() {
             // Their row locks turned concurrent receivers away until now.
             self.sent();
         }
@@ -873,10 +882,16 @@ impl Queue for PgQueue {
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let received = self.receive_once(&request).await?;
+            let (received, more) = self.receive_looking(&request).await?;
             let now = Instant::now();
             if !received.is_empty() || now >= deadline {
                 return Ok(received);
+            }
+            if more {
+                // A backlog it did not deliver (expired, moved or held
+                // back) filled its budget: look on now, not at the next
+                // poll.
+                continue;
             }
             let until = deadline.min(now + self.inner.options.poll_interval);
             self.inner.parked.fetch_add(1, Ordering::SeqCst);
