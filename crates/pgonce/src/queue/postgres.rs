@@ -708,26 +708,28 @@ impl PgQueue {
         let rows: Vec<ReceiveRow> = query.fetch_all(&self.inner.pool).await?;
         let (mut dead, mut expired, mut skipped) = (0u64, 0u64, 0u64);
         let mut held = Vec::new();
-        let delivered_before = received.len();
         for row in rows {
             match row.fate.as_str() {
-                "delivered" => received.push(Received {
-                    id: row.id.to_string(),
-                    receipt: ReceiptParts {
-                        queue: &self.inner.name,
-                        id: row.id,
-                        generation: row.generation.unwrap_or(0),
-                    }
-                    .receipt(),
-                    body: row.body.unwrap_or_default(),
-                    attributes: row.attributes.map(|Json(a)| a).unwrap_or_default(),
-                    group_id: row.group_id,
-                    receive_count: row.receive_count.unwrap_or(1) as u32,
-                    sent_at: row
-                        .sent_at
-                        .map(std::time::SystemTime::from)
-                        .unwrap_or(std::time::UNIX_EPOCH),
-                }),
+                "delivered" => {
+                    passed_over.push(row.id);
+                    received.push(Received {
+                        id: row.id.to_string(),
+                        receipt: ReceiptParts {
+                            queue: &self.inner.name,
+                            id: row.id,
+                            generation: row.generation.unwrap_or(0),
+                        }
+                        .receipt(),
+                        body: row.body.unwrap_or_default(),
+                        attributes: row.attributes.map(|Json(a)| a).unwrap_or_default(),
+                        group_id: row.group_id,
+                        receive_count: row.receive_count.unwrap_or(1) as u32,
+                        sent_at: row
+                            .sent_at
+                            .map(std::time::SystemTime::from)
+                            .unwrap_or(std::time::UNIX_EPOCH),
+                    });
+                }
                 "dead_lettered" => dead += 1,
                 "held" => held.push(row.id),
                 "skipped" => skipped += 1,
@@ -755,11 +757,6 @@ impl PgQueue {
         }
         let undelivered = !held.is_empty() || dead > 0 || expired > 0;
         passed_over.extend(held);
-        passed_over.extend(
-            received[delivered_before..]
-                .iter()
-                .filter_map(|r| r.id.parse::<i64>().ok()),
-        );
         Ok(undelivered)
     }
 
