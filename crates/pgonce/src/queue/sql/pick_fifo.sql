@@ -17,11 +17,13 @@
     -- `a_fifo_receive_probes_each_head_on_stale_statistics`.
     SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
     FROM pgonce.queue_message m
-    -- `group_id IS NOT NULL` (true of every FIFO message) lets the walk
-    -- in id order read this queue's messages only, from
-    -- queue_message_fifo_walk (migration 0131), not the primary key
-    -- through every queue's.
-    WHERE m.queue = $1 AND m.group_id IS NOT NULL AND m.visible_at <= now()
+    -- `group_id >= ''` (true of every FIFO message: each has a group) lets
+    -- the walk in id order read this queue's messages only, from
+    -- queue_message_fifo_walk, not the primary key through every queue's.
+    -- It is that index's predicate, in a form the probe below cannot
+    -- prove, so the probe never walks the queue through it (migration
+    -- 0140).
+    WHERE m.queue = $1 AND m.group_id >= '' AND m.visible_at <= now()
       AND NOT EXISTS (
           SELECT 1 FROM pgonce.queue_message e
           WHERE e.queue = m.queue AND e.group_id = m.group_id
