@@ -19,6 +19,14 @@
 -- expression, such as `octet_length(group_id) >= 0`, excludes the probe
 -- too, but the planner then estimates the index at a third of the table,
 -- and a generic plan walked queue_message_group and sorted instead.)
-DROP INDEX pgonce.queue_message_fifo_walk;
-CREATE INDEX queue_message_fifo_walk ON pgonce.queue_message (queue, id)
+--
+-- The new index is built first, under another name, and the old one
+-- dropped after: the build takes a lock that lets reads through (writes
+-- to the messages wait for it, as for migration 0131's build), and the
+-- drop's exclusive lock, which stops reads too, is taken only at the end,
+-- for the moment the transaction takes to commit. Dropped first, the
+-- exclusive lock would be held through the whole build.
+CREATE INDEX queue_message_fifo_walk_0140 ON pgonce.queue_message (queue, id)
     WHERE group_id >= '';
+DROP INDEX pgonce.queue_message_fifo_walk;
+ALTER INDEX pgonce.queue_message_fifo_walk_0140 RENAME TO queue_message_fifo_walk;
