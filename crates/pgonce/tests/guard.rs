@@ -3,6 +3,8 @@
 //! the conflict path writing nothing, hostile keys, and the lock's release
 //! on commit, rollback and connection death.
 
+mod support;
+
 use pgonce::guard::{Guard, GuardConfig, ReadSet};
 use pgonce::{Error, LockKey};
 use pgonce_testkit::{Interleaving, fresh_migrated_database};
@@ -477,29 +479,10 @@ struct ConflictCounter(
     std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::atomic::AtomicU64>)>>,
 );
 
-impl metrics::Recorder for ConflictCounter {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+impl ConflictCounter {
+    /// The counter to record `key` into: a cell of its own for each
+    /// `pgonce_guard_conflicts_total`, none for the rest.
+    fn register(&self, key: &metrics::Key) -> metrics::Counter {
         if key.name() != "pgonce_guard_conflicts_total" {
             return metrics::Counter::noop();
         }
@@ -512,19 +495,7 @@ impl metrics::Recorder for ConflictCounter {
         self.0.lock().unwrap().push((label, cell.clone()));
         metrics::Counter::from_arc(cell)
     }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
 
-impl ConflictCounter {
     fn total(&self, guard: &str) -> u64 {
         self.0
             .lock()
@@ -540,18 +511,19 @@ impl ConflictCounter {
 /// every increment the guard makes.
 #[tokio::test(flavor = "current_thread")]
 async fn conflicts_are_counted_by_guard_name_and_successes_are_not() {
-    let recorder = ConflictCounter::default();
+    let counter = ConflictCounter::default();
+    let recorder = support::OnCounter(|key: &metrics::Key| counter.register(key));
     let _local = metrics::set_default_local_recorder(&recorder);
     let (_db, pool) = setup().await;
     guarded_insert(pool.clone(), "e", "X".into(), ReadSet::new())
         .await
         .unwrap();
-    assert_eq!(recorder.total("things"), 0);
+    assert_eq!(counter.total("things"), 0);
     for _ in 0..2 {
         let outcome = guarded_insert(pool.clone(), "e", "X".into(), ReadSet::new()).await;
         assert!(matches!(outcome, Err(Error::Conflict { .. })));
     }
-    assert_eq!(recorder.total("things"), 2);
+    assert_eq!(counter.total("things"), 2);
 }
 
 /// A guarded transaction opened by `Guard::begin` carries the caller's other

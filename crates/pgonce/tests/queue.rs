@@ -676,8 +676,14 @@ async fn a_run_of_held_heads_costs_a_receive_a_few_statements() {
     .execute(&mut *tx)
     .await
     .unwrap();
-    let statements = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let recorder = CountsHeldBack(statements.clone());
+    // Counts the statements that recorded `pgonce_queue_held_back_total`.
+    let statements = std::sync::atomic::AtomicU64::new(0);
+    let recorder = support::OnCounter(|key: &metrics::Key| {
+        if key.name() == "pgonce_queue_held_back_total" {
+            statements.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        metrics::Counter::noop()
+    });
     let got = {
         let _local = metrics::set_default_local_recorder(&recorder);
         s.receive(ReceiveRequest::up_to(1)).await.unwrap()
@@ -819,49 +825,6 @@ async fn many_heads_due_to_move_then_b(pool: &PgPool, n: i64) -> (PgQueue, PgQue
     .unwrap();
     s.send(SendMessage::new("b").group("b")).await.unwrap();
     (t, s)
-}
-
-/// Counts the statements that recorded `pgonce_queue_held_back_total`.
-struct CountsHeldBack(std::sync::Arc<std::sync::atomic::AtomicU64>);
-
-impl metrics::Recorder for CountsHeldBack {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        if key.name() == "pgonce_queue_held_back_total" {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-        metrics::Counter::noop()
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
 }
 
 /// A receive tries the dead-letter group lock only for the messages it

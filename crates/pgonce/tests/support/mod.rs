@@ -73,3 +73,46 @@ pub fn check_model<Op: std::fmt::Debug + Clone, T: std::fmt::Debug + Copy>(
     );
     tally
 }
+
+/// A metrics recorder that hands each counter's registration to `F` (which
+/// returns the counter to record into) and ignores gauges, histograms and
+/// descriptions: a test installs it with
+/// `metrics::set_default_local_recorder` to watch one counter.
+pub struct OnCounter<F>(pub F);
+
+impl<F: Fn(&metrics::Key) -> metrics::Counter> metrics::Recorder for OnCounter<F> {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        (self.0)(key)
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
