@@ -296,7 +296,14 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                     bump(&self.shared.counters.failed);
                 }
             }
+            // `biased`: shutdown is looked at first. Unbiased, select!
+            // polls its branches in random order, so a shutdown that
+            // was already due could lose to a slot that freed at the same
+            // time (a handler finishing after it), and the worker began a
+            // receive after the shutdown, then dropped it with a message
+            // delivered that nobody handles until its timeout.
             let first = tokio::select! {
+                biased;
                 _ = &mut shutdown => break,
                 permit = slots.clone().acquire_owned() => permit.expect("never closed"),
             };
@@ -310,6 +317,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             let mut request = ReceiveRequest::up_to(permits.len()).wait(config.wait);
             request.visibility = config.visibility;
             let received = tokio::select! {
+                biased;
                 _ = &mut shutdown => break,
                 r = self.shared.queue.receive(request) => r,
             };
@@ -327,6 +335,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                 Err(e) => {
                     tracing::warn!(queue = self.shared.queue.name(), error = %e, "receive failed; retrying");
                     tokio::select! {
+                        biased;
                         _ = &mut shutdown => break,
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                     }
