@@ -2751,6 +2751,91 @@ async fn a_fifo_receive_on_few_groups_probes_the_group_not_the_table() {
     assert_eq!(got.len(), 3, "one head per group");
 }
 
+#[tokio::test]
+async fn a_fifo_receive_on_one_long_group_reads_a_bounded_part_of_it() {
+    // One group of 20,000 messages: a FIFO queue used for one strict
+    // order, with a backlog. A receive of 10 finds the one head; a walk
+    // that went on looking for nine more read the whole backlog (60,000
+    // buffers, 250 ms per receive), and did so again at every poll while
+    // the head was in flight. The walk stops at its window of 32
+    // messages per message asked for; a group's head beyond it is found by the skip, one index
+    // descent per group.
+    let pool = pool().await;
+    let q = queue(&pool, "long.fifo", QueueAttributes::fifo()).await;
+    sqlx::raw_sql(
+        "INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         SELECT 'long.fifo', 'm', 'one', now() FROM generate_series(1, 20000);
+         ANALYZE pgonce.queue_message;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let bound = 2_000.0;
+    assert_a_fifo_receive_handles_at_most(&pool, "long.fifo", bound, "the head of one group").await;
+    let got = q
+        .receive(ReceiveRequest::up_to(10).visibility(Duration::from_secs(3600)))
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 1, "one group, one head");
+    // The head in flight: nothing is receivable, and finding that out is
+    // as cheap.
+    assert_a_fifo_receive_handles_at_most(&pool, "long.fifo", bound, "no head").await;
+    assert!(
+        q.receive(ReceiveRequest::up_to(10))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Deleted, its follower is the head, and is delivered.
+    q.delete(&got[0].receipt).await.unwrap();
+    let next = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(next.len(), 1);
+    assert!(next[0].id.parse::<i64>().unwrap() > got[0].id.parse::<i64>().unwrap());
+}
+
+/// A FIFO receive of 10 from `queue`, explained (both statements, both
+/// plan modes), handles at most `bound` message rows to find `what`.
+async fn assert_a_fifo_receive_handles_at_most(pool: &PgPool, queue: &str, bound: f64, what: &str) {
+    for (plan_mode, plan) in explain_fifo_receive(pool, queue).await {
+        let handled = rows_handled(&plan[0]["Plan"], Some("queue_message"));
+        assert!(
+            handled <= bound,
+            "{plan_mode}: {handled} message rows handled to find {what} in {queue}:\n{plan:#}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_fifo_receive_finds_each_head_once_at_the_edge_of_the_walk() {
+    // A receive of 3 walks the queue's oldest 96 messages, then skips
+    // through the groups for heads newer than those. Group "a" fills the window
+    // but for its last message, its head in flight; the window's last
+    // message is the head of "b", and "c"'s head comes right after. The
+    // walk finds b's head; the skip must find c's, and not b's again.
+    let pool = pool().await;
+    let q = queue(&pool, "edge.fifo", QueueAttributes::fifo()).await;
+    sqlx::raw_sql(
+        "INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         SELECT 'edge.fifo', 'a', 'a',
+                CASE WHEN i = 1 THEN now() + interval '1 hour' ELSE now() END
+         FROM generate_series(1, 95) AS i ORDER BY i;
+         INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         VALUES ('edge.fifo', 'b', 'b', now());
+         INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         VALUES ('edge.fifo', 'c', 'c', now());",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let got = q.receive(ReceiveRequest::up_to(3)).await.unwrap();
+    let bodies: Vec<&str> = got.iter().map(|m| m.body.as_str()).collect();
+    assert_eq!(
+        bodies,
+        ["b", "c"],
+        "b's head from the walk, c's from the skip"
+    );
+}
+
 /// Autovacuum off (so the statistics stay as taken), `before` run, the
 /// message table analyzed, then a burst of 2,000 messages into FIFO queue
 /// `fifo` over 1,000 groups, the first 80 in flight.

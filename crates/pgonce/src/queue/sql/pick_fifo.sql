@@ -7,42 +7,101 @@
     -- 0132). Within a group positions are drawn in commit order, under the
     -- group's lock (send.sql, redrive.sql, receive_tail.sql), so a receive
     -- whose snapshot misses a message that committed later misses one
-    -- behind every message it does see.
-    -- OFFSET 0 keeps "is there an earlier message in the group?" a probe of
-    -- queue_message_group per candidate: without it the planner may turn it
-    -- into an anti-join, and on statistics taken while the queue was small
-    -- it chose a nested loop over every pair of the queue's messages (2.3
-    -- million comparisons, 453 ms, for 2,000 messages; 5.7 ms with the
-    -- probe). tests/queue.rs,
-    -- `a_fifo_receive_probes_each_head_on_stale_statistics`.
-    -- The ORDER BY is that index's order within a group: with few groups,
-    -- each holding a large share of the table, the planner expected a
-    -- sequential scan to find an earlier message at once and scanned the
-    -- table for each candidate (3 groups of 10,000 messages: 30 million
-    -- rows, 2.5 s per receive). A sequential scan would now have to sort
-    -- its rows first (OFFSET 0 keeps the sort), so the probe stays a
-    -- lookup of the group. tests/queue.rs,
-    -- `a_fifo_receive_on_few_groups_probes_the_group_not_the_table`.
+    -- behind every message it does see. So a head in this statement's
+    -- snapshot is still its group's head when the statement locks it,
+    -- unless it was received or moved meanwhile, which the lock sees.
+    --
+    -- Heads are found two ways, the second only when the first falls short
+    -- ($2 heads asked for):
+    --  1. the walk: the queue's oldest 32 * $2 messages in id order,
+    --     each kept if visible and no earlier message of its group exists.
+    --     With
+    --     many groups the oldest messages are mostly heads, and the walk
+    --     stops as soon as it has $2 of them (the top LIMIT pulls no more).
+    --  2. the skip: the queue's groups one by one (an index skip scan of
+    --     queue_message_group, migration 0150's function), each group's
+    --     first message kept if visible and newer than the walk's window,
+    --     up to $2 of them. With few groups and a long
+    --     backlog, the oldest messages are the groups' followers; walking
+    --     on would read the whole backlog (one group of 20,000 messages:
+    --     60,000 buffers, 250 ms per receive, and as much again whenever
+    --     the head is in flight). The skip costs one index descent per
+    --     group, whatever the backlog.
+    -- The walk's window and the skip's `id > boundary` split the queue in
+    -- two, so no head is found twice. Heads found by the skip come in group
+    -- order, not id order: the receive returns them in id order, and no
+    -- order between groups is promised. tests/queue.rs,
+    -- `a_fifo_receive_on_one_long_group_reads_a_bounded_part_of_it`;
+    -- tests/queue_fifo_heads.rs checks random states against the contract.
+    WITH walk_window AS MATERIALIZED (
+        -- The queue's oldest 32 * $2 messages, read as far as a reader
+        -- pulls: the walk stops when it has its heads, and only a skip
+        -- reads the window to its end. A multiple of $2, not a constant:
+        -- on statistics that expect a small queue, a constant window of
+        -- 320 (more than the expected rows) was planned as a bitmap scan
+        -- of the whole queue and a sort; a generic plan, which cannot know
+        -- $2, costs the window as a small part of the queue and walks the
+        -- index in order.
+        SELECT c.id, c.ctid, c.queue, c.group_id, c.group_position, c.visible_at
+        FROM pgonce.queue_message c
+        -- `group_id >= ''` (true of every FIFO message: each has a group)
+        -- lets the walk in id order read this queue's messages only, from
+        -- queue_message_fifo_walk, not the primary key through every
+        -- queue's. It is that index's predicate, in a form the probe below
+        -- cannot prove, so the probe never walks the queue through it
+        -- (migration 0140).
+        WHERE c.queue = $1 AND c.group_id >= ''
+        ORDER BY c.id
+        LIMIT 32 * $2
+    ), boundary AS (
+        -- The window's newest message; none when the window holds the
+        -- whole queue, which the walk then covers.
+        SELECT max(id) AS id FROM walk_window HAVING count(*) = 32 * $2
+    )
     SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
-    FROM pgonce.queue_message m
-    -- `group_id >= ''` (true of every FIFO message: each has a group) lets
-    -- the walk in id order read this queue's messages only, from
-    -- queue_message_fifo_walk, not the primary key through every queue's.
-    -- It is that index's predicate, in a form the probe below cannot
-    -- prove, so the probe never walks the queue through it (migration
-    -- 0140).
-    WHERE m.queue = $1 AND m.group_id >= '' AND m.visible_at <= now()
-      AND NOT EXISTS (
-          SELECT 1 FROM pgonce.queue_message e
-          WHERE e.queue = m.queue AND e.group_id = m.group_id
-            AND coalesce(e.group_position, e.id) < coalesce(m.group_position, m.id)
-          ORDER BY coalesce(e.group_position, e.id)
-          OFFSET 0)
-      -- Heads an earlier statement of this receive held back (a move
-      -- that waits for a sender, receive_tail.sql): passed over, so they
-      -- take no place of the batch.
-      AND m.id <> ALL($4::bigint[])
-    ORDER BY m.id
+    FROM (
+        SELECT w.id, w.ctid FROM walk_window w
+        WHERE w.visible_at <= now()
+          -- Heads an earlier statement of this receive held back (a move
+          -- that waits for a sender, receive_tail.sql) or delivered:
+          -- passed over, so they take no place of the batch.
+          AND w.id <> ALL($4::bigint[])
+          -- OFFSET 0 keeps "is there an earlier message in the group?" a
+          -- probe of queue_message_group per candidate: without it the
+          -- planner may turn it into an anti-join, and on statistics taken
+          -- while the queue was small it chose a nested loop over every
+          -- pair of the queue's messages (2.3 million comparisons, 453 ms,
+          -- for 2,000 messages; 5.7 ms with the probe). tests/queue.rs,
+          -- `a_fifo_receive_probes_each_head_on_stale_statistics`.
+          -- The ORDER BY is that index's order within a group: with few
+          -- groups, each holding a large share of the table, the planner
+          -- expected a sequential scan to find an earlier message at once
+          -- and scanned the table for each candidate (3 groups of 10,000
+          -- messages: 30 million rows, 2.5 s per receive). A sequential
+          -- scan would now have to sort its rows first (OFFSET 0 keeps the
+          -- sort), so the probe stays a lookup of the group.
+          -- tests/queue.rs,
+          -- `a_fifo_receive_on_few_groups_probes_the_group_not_the_table`.
+          AND NOT EXISTS (
+              SELECT 1 FROM pgonce.queue_message e
+              WHERE e.queue = w.queue AND e.group_id = w.group_id
+                AND coalesce(e.group_position, e.id) < coalesce(w.group_position, w.id)
+              ORDER BY coalesce(e.group_position, e.id)
+              OFFSET 0)
+        UNION ALL
+        SELECT h.id, h.row_version FROM boundary b
+        CROSS JOIN LATERAL pgonce.queue_fifo_heads_after($1, b.id, $2, $4::bigint[]) h
+    ) c
+    -- Each head is locked where it was found (its row version, by ctid: no
+    -- second index descent). A head another receiver has locked is
+    -- skipped; one that changed since the snapshot is locked in its newest
+    -- version and kept only if still visible (READ COMMITTED re-checks the
+    -- conditions on it).
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
+        FROM pgonce.queue_message m
+        WHERE m.ctid = c.ctid AND m.id = c.id AND m.visible_at <= now()
+        FOR UPDATE SKIP LOCKED
+    ) m
     LIMIT $2
-    FOR UPDATE SKIP LOCKED
 )
