@@ -7,9 +7,7 @@
     -- 0132). Within a group positions are drawn in commit order, under the
     -- group's lock (send.sql, redrive.sql, receive_tail.sql), so a receive
     -- whose snapshot misses a message that committed later misses one
-    -- behind every message it does see. So a head in this statement's
-    -- snapshot is still its group's head when the statement locks it,
-    -- unless it was received or moved meanwhile, which the lock sees.
+    -- behind every message it does see.
     --
     -- Heads are found two ways, the second only when the first falls short
     -- ($2 heads asked for):
@@ -94,13 +92,23 @@
     ) c
     -- Each head is locked where it was found (its row version, by ctid: no
     -- second index descent). A head another receiver has locked is
-    -- skipped; one that changed since the snapshot is locked in its newest
-    -- version and kept only if still visible (READ COMMITTED re-checks the
-    -- conditions on it).
+    -- skipped. One that changed since the snapshot is locked in its newest
+    -- version, and READ COMMITTED re-checks these conditions on that
+    -- version: kept only if it is still in this queue (not moved to the
+    -- dead-letter queue meanwhile), visible, and still its group's head
+    -- (not redriven back behind a message of its group that may be in
+    -- flight). The probe repeats the walk's, for the newest version.
     CROSS JOIN LATERAL (
         SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
         FROM pgonce.queue_message m
-        WHERE m.ctid = c.ctid AND m.id = c.id AND m.visible_at <= now()
+        WHERE m.ctid = c.ctid AND m.id = c.id
+          AND m.queue = $1 AND m.visible_at <= now()
+          AND NOT EXISTS (
+              SELECT 1 FROM pgonce.queue_message e
+              WHERE e.queue = m.queue AND e.group_id = m.group_id
+                AND coalesce(e.group_position, e.id) < coalesce(m.group_position, m.id)
+              ORDER BY coalesce(e.group_position, e.id)
+              OFFSET 0)
         FOR UPDATE SKIP LOCKED
     ) m
     LIMIT $2
