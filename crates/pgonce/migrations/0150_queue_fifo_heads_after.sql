@@ -15,16 +15,18 @@
 --
 -- It returns, in group order, up to `wanted` first messages of their
 -- groups that are visible, newer than `after` and not in `passed_over`,
--- with their row versions (ctid), which the receive then locks, skipping
--- any another receiver holds. STABLE: its statements read the receive
--- statement's snapshot, so the heads it finds are those the walk would
--- have found there.
+-- with their row versions (ctid and xmin), which the receive then locks,
+-- skipping any another receiver holds or that changed since. The receive
+-- asks for more than it delivers, so that receivers running at once, who
+-- all get the same candidates in the same order, each find some not yet
+-- locked. STABLE: its statements read the receive statement's snapshot,
+-- so the heads it finds are those the walk would have found there.
 CREATE FUNCTION pgonce.queue_fifo_heads_after(
     queue_name text,
     after bigint,
     wanted bigint,
     passed_over bigint[]
-) RETURNS TABLE (id bigint, row_version tid)
+) RETURNS TABLE (id bigint, row_version tid, row_xmin xid)
 LANGUAGE plpgsql STABLE ROWS 10
 AS $$
 DECLARE
@@ -34,7 +36,7 @@ BEGIN
     SELECT min(m.group_id) INTO next_group FROM pgonce.queue_message m
     WHERE m.queue = queue_name AND m.group_id IS NOT NULL;
     WHILE next_group IS NOT NULL AND wanted > 0 LOOP
-        SELECT m.id, m.ctid, m.visible_at INTO head FROM pgonce.queue_message m
+        SELECT m.id, m.ctid, m.xmin, m.visible_at INTO head FROM pgonce.queue_message m
         WHERE m.queue = queue_name AND m.group_id = next_group
         ORDER BY coalesce(m.group_position, m.id)
         LIMIT 1;
@@ -42,6 +44,7 @@ BEGIN
            AND head.id <> ALL(passed_over) THEN
             id := head.id;
             row_version := head.ctid;
+            row_xmin := head.xmin;
             RETURN NEXT;
             wanted := wanted - 1;
         END IF;
@@ -52,4 +55,4 @@ END;
 $$;
 
 COMMENT ON FUNCTION pgonce.queue_fifo_heads_after(text, bigint, bigint, bigint[]) IS
-    'A FIFO receive''s skip over the groups (pick_fifo.sql): up to `wanted` visible group heads newer than `after`, not in `passed_over`, with their ctids.';
+    'A FIFO receive''s skip over the groups (pick_fifo.sql): up to `wanted` visible group heads newer than `after`, not in `passed_over`, with their row versions.';

@@ -2808,25 +2808,13 @@ async fn assert_a_fifo_receive_handles_at_most(pool: &PgPool, queue: &str, bound
 #[tokio::test]
 async fn a_fifo_receive_finds_each_head_once_at_the_edge_of_the_walk() {
     // A receive of 3 walks the queue's oldest 96 messages, then skips
-    // through the groups for heads newer than those. Group "a" fills the window
-    // but for its last message, its head in flight; the window's last
-    // message is the head of "b", and "c"'s head comes right after. The
-    // walk finds b's head; the skip must find c's, and not b's again.
+    // through the groups for heads newer than those. Group "long" fills
+    // the window but for its last message, its head in flight; the
+    // window's last message is the head of "b", and "c"'s head comes right
+    // after. The walk finds b's head; the skip must find c's, and not b's
+    // again.
     let pool = pool().await;
-    let q = queue(&pool, "edge.fifo", QueueAttributes::fifo()).await;
-    sqlx::raw_sql(
-        "INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
-         SELECT 'edge.fifo', 'a', 'a',
-                CASE WHEN i = 1 THEN now() + interval '1 hour' ELSE now() END
-         FROM generate_series(1, 95) AS i ORDER BY i;
-         INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
-         VALUES ('edge.fifo', 'b', 'b', now());
-         INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
-         VALUES ('edge.fifo', 'c', 'c', now());",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    let q = behind_a_long_group(&pool, "edge.fifo", 95, &["b", "c"]).await;
     let got = q.receive(ReceiveRequest::up_to(3)).await.unwrap();
     let bodies: Vec<&str> = got.iter().map(|m| m.body.as_str()).collect();
     assert_eq!(
@@ -2834,6 +2822,59 @@ async fn a_fifo_receive_finds_each_head_once_at_the_edge_of_the_walk() {
         ["b", "c"],
         "b's head from the walk, c's from the skip"
     );
+}
+
+#[tokio::test]
+async fn a_fifo_receive_beyond_the_walk_passes_over_a_head_another_receiver_holds() {
+    // Group "long" fills a receive of 1's window (32 messages), its head
+    // in flight; then one message each to g1, g2, g3, beyond the window.
+    // A receiver holds g1's head locked mid-receive. A receive of 1 must
+    // take g2's head, not come back empty because the one candidate the
+    // skip offered was locked.
+    let pool = pool().await;
+    let q = behind_a_long_group(&pool, "held.fifo", 40, &["g1", "g2", "g3"]).await;
+    let mut other = pool.begin().await.unwrap();
+    sqlx::query(
+        "SELECT 1 FROM pgonce.queue_message WHERE queue = 'held.fifo' AND group_id = 'g1'
+         FOR UPDATE",
+    )
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    let bodies: Vec<&str> = got.iter().map(|m| m.body.as_str()).collect();
+    assert_eq!(bodies, ["g2"], "the next group's head, g1's being held");
+    other.rollback().await.unwrap();
+}
+
+/// FIFO queue `fifo` holding `long` messages of group "long", its head in
+/// flight, then one message to each of `groups` (its body the group's
+/// name): heads beyond a short window.
+async fn behind_a_long_group(pool: &PgPool, fifo: &str, long: i32, groups: &[&str]) -> PgQueue {
+    let q = queue(pool, fifo, QueueAttributes::fifo()).await;
+    sqlx::query(
+        "INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         SELECT $1, 'long', 'long',
+                CASE WHEN i = 1 THEN now() + interval '1 hour' ELSE now() END
+         FROM generate_series(1, $2) AS i ORDER BY i",
+    )
+    .bind(fifo)
+    .bind(long)
+    .execute(pool)
+    .await
+    .unwrap();
+    for group in groups {
+        sqlx::query(
+            "INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+             VALUES ($1, $2, $2, now())",
+        )
+        .bind(fifo)
+        .bind(group)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    q
 }
 
 /// Autovacuum off (so the statistics stay as taken), `before` run, the

@@ -18,8 +18,8 @@
     --     stops as soon as it has $2 of them (the top LIMIT pulls no more).
     --  2. the skip: the queue's groups one by one (an index skip scan of
     --     queue_message_group, migration 0150's function), each group's
-    --     first message kept if visible and newer than the walk's window,
-    --     up to $2 of them. With few groups and a long
+    --     first message kept if visible and newer than the walk's window.
+    --     With few groups and a long
     --     backlog, the oldest messages are the groups' followers; walking
     --     on would read the whole backlog (one group of 20,000 messages:
     --     60,000 buffers, 250 ms per receive, and as much again whenever
@@ -31,16 +31,19 @@
     -- order between groups is promised. tests/queue.rs,
     -- `a_fifo_receive_on_one_long_group_reads_a_bounded_part_of_it`;
     -- tests/queue_fifo_heads.rs checks random states against the contract.
-    WITH walk_window AS MATERIALIZED (
-        -- The queue's oldest 32 * $2 messages, read as far as a reader
-        -- pulls: the walk stops when it has its heads, and only a skip
-        -- reads the window to its end. A multiple of $2, not a constant:
+    WITH walk_window AS NOT MATERIALIZED (
+        -- The queue's oldest 32 * $2 messages. Not materialized: the walk
+        -- reads it only as far as it needs to find its heads, and the
+        -- boundary, which only the skip asks for, reads it again to its
+        -- end (a materialized window cost every receive a copy of the rows
+        -- it walked). A multiple of $2, not a constant:
         -- on statistics that expect a small queue, a constant window of
         -- 320 (more than the expected rows) was planned as a bitmap scan
         -- of the whole queue and a sort; a generic plan, which cannot know
         -- $2, costs the window as a small part of the queue and walks the
         -- index in order.
-        SELECT c.id, c.ctid, c.queue, c.group_id, c.group_position, c.visible_at
+        SELECT c.id, c.ctid, c.xmin AS row_xmin, c.queue, c.group_id, c.group_position,
+               c.visible_at
         FROM pgonce.queue_message c
         -- `group_id >= ''` (true of every FIFO message: each has a group)
         -- lets the walk in id order read this queue's messages only, from
@@ -58,7 +61,7 @@
     )
     SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
     FROM (
-        SELECT w.id, w.ctid FROM walk_window w
+        SELECT w.id, w.ctid, w.row_xmin FROM walk_window w
         WHERE w.visible_at <= now()
           -- Heads an earlier statement of this receive held back (a move
           -- that waits for a sender, receive_tail.sql) or delivered:
@@ -87,28 +90,23 @@
               ORDER BY coalesce(e.group_position, e.id)
               OFFSET 0)
         UNION ALL
-        SELECT h.id, h.row_version FROM boundary b
-        CROSS JOIN LATERAL pgonce.queue_fifo_heads_after($1, b.id, $2, $4::bigint[]) h
+        SELECT h.id, h.row_version, h.row_xmin FROM boundary b
+        CROSS JOIN LATERAL pgonce.queue_fifo_heads_after($1, b.id, 32 * $2, $4::bigint[]) h
     ) c
-    -- Each head is locked where it was found (its row version, by ctid: no
-    -- second index descent). A head another receiver has locked is
-    -- skipped. One that changed since the snapshot is locked in its newest
-    -- version, and READ COMMITTED re-checks these conditions on that
-    -- version: kept only if it is still in this queue (not moved to the
-    -- dead-letter queue meanwhile), visible, and still its group's head
-    -- (not redriven back behind a message of its group that may be in
-    -- flight). The probe repeats the walk's, for the newest version.
+    -- Each head is locked in the row version it was found in (by ctid:
+    -- no second index descent), and only in that version (same xmin): a
+    -- head another receiver has locked is skipped, and so is one that
+    -- changed since the snapshot (received, released, moved to the
+    -- dead-letter queue and perhaps redriven behind a message of its group
+    -- now in flight, which this snapshot cannot see). Whether it is still
+    -- a head could only be judged on a newer snapshot; the next receive
+    -- takes it if it is. The skip offers up to 32 heads per message
+    -- asked for, so concurrent receivers, who get the same candidates in
+    -- the same order, still find unlocked ones.
     CROSS JOIN LATERAL (
         SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
         FROM pgonce.queue_message m
-        WHERE m.ctid = c.ctid AND m.id = c.id
-          AND m.queue = $1 AND m.visible_at <= now()
-          AND NOT EXISTS (
-              SELECT 1 FROM pgonce.queue_message e
-              WHERE e.queue = m.queue AND e.group_id = m.group_id
-                AND coalesce(e.group_position, e.id) < coalesce(m.group_position, m.id)
-              ORDER BY coalesce(e.group_position, e.id)
-              OFFSET 0)
+        WHERE m.ctid = c.ctid AND m.xmin = c.row_xmin AND m.id = c.id
         FOR UPDATE SKIP LOCKED
     ) m
     LIMIT $2
