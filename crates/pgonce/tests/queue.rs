@@ -2847,6 +2847,142 @@ async fn a_fifo_receive_beyond_the_walk_passes_over_a_head_another_receiver_hold
     other.rollback().await.unwrap();
 }
 
+/// A FIFO receive that found a group's head and, before locking it, the
+/// head was moved out of the queue and back behind a message of its group
+/// now in flight (as a dead-letter move and a redrive do). The receive's
+/// snapshot still shows it as its group's head and cannot see the message
+/// ahead of it: it must leave it, not deliver it beside that message.
+///
+/// Step by step: T1 and T2 begin (so their `now()` comes before the
+/// receive's, and the moved head is visible to it). R's receive of 1
+/// finds g's head m through the skip (its window, 32 messages of group
+/// "long", holds no head) and waits inside the skip for an advisory lock H
+/// holds (the function is replaced by a copy that takes that lock first;
+/// seen in pg_blocking_pids). T1 moves m to the dead-letter queue and
+/// commits; f is sent to g and received; T2 moves m back behind f, visible
+/// as of its `now()`, and commits. H lets go; R's receive goes on. (A lock
+/// step that re-checked only the queue and visibility on m's newest
+/// version delivered it: m and f in flight at once.)
+#[tokio::test]
+async fn a_fifo_head_moved_behind_an_in_flight_message_while_a_receive_looks_is_left() {
+    let db = fresh_database().await;
+    let setup = db.pool(4).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    queue(&setup, "moved-dlq.fifo", QueueAttributes::fifo()).await;
+    let q = queue(&setup, "moved.fifo", QueueAttributes::fifo()).await;
+    sqlx::raw_sql(
+        "INSERT INTO pgonce.queue_message (queue, body, group_id, visible_at)
+         SELECT 'moved.fifo', 'long', 'long',
+                CASE WHEN i = 1 THEN now() + interval '1 hour' ELSE now() END
+         FROM generate_series(1, 40) AS i ORDER BY i;
+         DO $$
+         DECLARE definition text;
+         BEGIN
+             definition := pg_get_functiondef(
+                 'pgonce.queue_fifo_heads_after(text, bigint, bigint, bigint[])'::regprocedure);
+             EXECUTE replace(definition, E'BEGIN\n',
+                             E'BEGIN\n    PERFORM pg_advisory_xact_lock_shared(4242);\n');
+         END $$;",
+    )
+    .execute(&setup)
+    .await
+    .unwrap();
+    let m: i64 = q
+        .send(SendMessage::new("m").group("g"))
+        .await
+        .unwrap()
+        .id
+        .parse()
+        .unwrap();
+    let race = pgonce_testkit::Interleaving::new(db.options())
+        .await
+        .unwrap();
+    let (h, r) = (
+        race.session("H").await.unwrap(),
+        race.session("R").await.unwrap(),
+    );
+    let (t1, t2) = (
+        race.session("T1").await.unwrap(),
+        race.session("T2").await.unwrap(),
+    );
+    let mut t1x = race
+        .step(&t1, "begin", t1.pool().begin())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut t2x = race
+        .step(&t2, "begin", t2.pool().begin())
+        .await
+        .unwrap()
+        .unwrap();
+    race.step(
+        &h,
+        "hold the skip's lock",
+        sqlx::query("SELECT pg_advisory_lock(4242)").execute(h.pool()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let qr = PgQueue::open(r.pool(), "moved.fifo", fast_poll())
+        .await
+        .unwrap();
+    let looking = race
+        .step_blocks(&r, "receive 1 (held inside the skip)", async move {
+            qr.receive(ReceiveRequest::up_to(1).visibility(Duration::from_secs(600)))
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(looking.blocked_by(), ["H"]);
+    race.step(
+        &t1,
+        "move m to the dead-letter queue",
+        sqlx::query("UPDATE pgonce.queue_message SET queue = 'moved-dlq.fifo' WHERE id = $1")
+            .bind(m)
+            .execute(&mut *t1x),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    t1x.commit().await.unwrap();
+    q.send(SendMessage::new("f").group("g")).await.unwrap();
+    let f = q
+        .receive(ReceiveRequest::up_to(10).visibility(Duration::from_secs(600)))
+        .await
+        .unwrap();
+    assert_eq!(bodies(&f), ["f"], "f is g's head, in flight");
+    race.step(
+        &t2,
+        "move m back behind f",
+        sqlx::query(
+            "UPDATE pgonce.queue_message
+             SET queue = 'moved.fifo', visible_at = now(),
+                 group_position = nextval(pg_get_serial_sequence('pgonce.queue_message', 'id'))
+             WHERE id = $1",
+        )
+        .bind(m)
+        .execute(&mut *t2x),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    t2x.commit().await.unwrap();
+    race.step(
+        &h,
+        "let go",
+        sqlx::query("SELECT pg_advisory_unlock(4242)").execute(h.pool()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let got = looking.resume().await.unwrap().unwrap();
+    assert!(
+        bodies(&got).is_empty(),
+        "delivered {:?} while f, ahead of m in g, is in flight",
+        bodies(&got)
+    );
+}
+
 /// FIFO queue `fifo` holding `long` messages of group "long", its head in
 /// flight, then one message to each of `groups` (its body the group's
 /// name): heads beyond a short window.
