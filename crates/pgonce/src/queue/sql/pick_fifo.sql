@@ -13,18 +13,17 @@
     -- ($2 heads asked for):
     --  1. the walk: the queue's oldest 32 * $2 messages in id order,
     --     each kept if visible and no earlier message of its group exists.
-    --     With
-    --     many groups the oldest messages are mostly heads, and the walk
-    --     stops as soon as it has $2 of them (the top LIMIT pulls no more).
+    --     With many groups the oldest messages are mostly heads, and the
+    --     walk stops as soon as it has $2 of them (the top LIMIT pulls no
+    --     more).
     --  2. the skip: the queue's groups one by one (an index skip scan of
     --     queue_message_group, migration 0150's function), each group's
     --     first message kept if visible and newer than the walk's window.
-    --     With few groups and a long
-    --     backlog, the oldest messages are the groups' followers; walking
-    --     on would read the whole backlog (one group of 20,000 messages:
-    --     60,000 buffers, 250 ms per receive, and as much again whenever
-    --     the head is in flight). The skip costs one index descent per
-    --     group, whatever the backlog.
+    --     With few groups and a long backlog, the oldest messages are the
+    --     groups' followers; walking on would read the whole backlog (one
+    --     group of 20,000 messages: 60,000 buffers, 250 ms per receive,
+    --     and as much again whenever the head is in flight). The skip
+    --     costs one index descent per group, whatever the backlog.
     -- The walk's window and the skip's `id > boundary` split the queue in
     -- two, so no head is found twice. Heads found by the skip come in group
     -- order, not id order: the receive returns them in id order, and no
@@ -36,12 +35,12 @@
         -- reads it only as far as it needs to find its heads, and the
         -- boundary, which only the skip asks for, reads it again to its
         -- end (a materialized window cost every receive a copy of the rows
-        -- it walked). A multiple of $2, not a constant:
-        -- on statistics that expect a small queue, a constant window of
-        -- 320 (more than the expected rows) was planned as a bitmap scan
-        -- of the whole queue and a sort; a generic plan, which cannot know
-        -- $2, costs the window as a small part of the queue and walks the
-        -- index in order.
+        -- it walked). A multiple of $2, not a constant: on statistics that
+        -- expect a small queue, a constant window of 320 (more than the
+        -- expected rows) was planned as a bitmap scan of the whole queue
+        -- and a sort; a generic plan, which cannot know $2, costs the
+        -- window as a small part of the queue and walks the index in
+        -- order.
         SELECT c.id, c.ctid, c.xmin AS row_xmin, c.queue, c.group_id, c.group_position,
                c.visible_at
         FROM pgonce.queue_message c
