@@ -1,10 +1,8 @@
-    -- Standard queue: the earliest visible messages.
-    SELECT m.id, m.group_id, m.visible_at, m.sent_at, m.receive_count, m.receive_base
-    FROM pgonce.queue_message m
+    -- Standard queue: the earliest visible messages, locked, skipping those
+    -- another receiver holds (migration 0160: a function, so that this
+    -- statement's plan does not depend on the limit and is kept).
     -- $4: messages to pass over; a standard queue holds none back (its
     -- messages have no group), so it is always empty here.
-    WHERE m.queue = $1 AND m.visible_at <= now() AND m.id <> ALL($4::bigint[])
-    ORDER BY m.visible_at, m.id
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
+    SELECT p.id, p.group_id, p.visible_at, p.sent_at, p.receive_count, p.receive_base
+    FROM pgonce.queue_pick_standard($1, $2, $4::bigint[]) AS p
 )
