@@ -54,7 +54,7 @@ enum Command {
     /// Apply pgonce's migrations to the --database-url database.
     Migrate,
     #[cfg(feature = "lab")]
-    /// Replay a seed's race step by step under each strategy.
+    /// Replay a race step by step under each strategy.
     Race(race::RaceArgs),
     #[cfg(feature = "lab")]
     /// Compare strategies side by side under load; prints ratios.

@@ -198,7 +198,7 @@ fn bench_sequence_quick_prints_both_figures_in_one_json_object() {
     let report = json_report(&["bench", "sequence", "--quick", "--json"]);
     assert_eq!(report["verdict"]["ok"], true, "{report:#}");
     assert!(report["ratios"]["advisory_vs_table_lock_s8_early"].is_number());
-    let slo = report["sections"]["one scope, 50 declarers, against the seed's 3 s SLO"]
+    let slo = report["sections"]["one scope, 50 declarers, against the 3 s declaration SLO"]
         .as_array()
         .unwrap();
     assert!(slo.iter().all(|r| r["p99_ms"].is_number()

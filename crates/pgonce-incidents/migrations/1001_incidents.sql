@@ -1,5 +1,6 @@
--- The incident service's schema (seeds 000 and 004). Versions 1001+ are the
--- service's; the library's are 1-999.
+-- The incident service's schema (one OPEN incident per singleton policy and
+-- entity, numbers per organization). Versions 1001+ are the service's; the
+-- library's are 1-999.
 CREATE SCHEMA IF NOT EXISTS incidents;
 
 CREATE TABLE incidents.organizations (

@@ -1,7 +1,9 @@
-//! The incident service built on pgonce (seeds 000 and 004): observations
-//! of entities arrive on a queue; workers evaluate the organization's
-//! policies against them and open incidents, numbered per organization,
-//! notified once, each with a timeline.
+//! The incident service built on pgonce: observations of entities arrive on
+//! a queue; workers evaluate the organization's policies against them and
+//! open incidents, numbered per organization, notified once, each with a
+//! timeline. An observation delivered twice must not open a duplicate
+//! incident, and concurrent declarations in one organization must not share
+//! a number.
 //!
 //! Which pgonce safeguard keeps which invariant:
 //!

@@ -558,8 +558,9 @@ impl IncidentFilter {
     }
 }
 
-/// A manual declaration (seed 004's path): a person declares an incident;
-/// it gets the organization's next number like any other.
+/// A manual declaration: a person declares an incident; it gets the
+/// organization's next number like any other, concurrent declarations in
+/// one organization included.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Declaration {

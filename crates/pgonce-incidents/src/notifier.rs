@@ -1,7 +1,8 @@
-//! Notifications (seed 003): creating an incident enqueued a notification
-//! job in the same transaction; the [`Notifier`] claims such jobs
-//! (two-phase, with a lease), POSTs a webhook carrying an `Idempotency-Key`
-//! header, and completes the job together with the `notifications` row.
+//! Notifications, sent once although their job may be delivered twice:
+//! creating an incident enqueued a notification job in the same transaction;
+//! the [`Notifier`] claims such jobs (two-phase, with a lease), POSTs a
+//! webhook carrying an `Idempotency-Key` header, and completes the job
+//! together with the `notifications` row.
 //!
 //! What it guarantees (I3): each incident's job completes once, and at most
 //! one `notifications` row exists per incident. The POST itself is at least

@@ -1,5 +1,6 @@
-//! The pipeline (seed 000): observations arrive on a FIFO queue grouped by
-//! entity; a [`pgonce::Worker`] runs an [`ObservationHandler`] for each.
+//! The pipeline, where a redelivered observation must not open a duplicate
+//! incident: observations arrive on a FIFO queue grouped by entity; a
+//! [`pgonce::Worker`] runs an [`ObservationHandler`] for each.
 //!
 //! Per message: record the entity's latest attributes, read what each
 //! policy's decision depends on (short reads, connection returned), evaluate

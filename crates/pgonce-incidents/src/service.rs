@@ -154,8 +154,9 @@ impl Observed {
 pub enum WritePath {
     /// Lock the entity, re-read, compare, then write (keeps I1).
     Guarded,
-    /// The seed's original two transactions: read, then write whatever the
-    /// state is now. Kept for the rollout, and to show what it breaks.
+    /// The naive two transactions: read in one, then write in another
+    /// whatever the state is now. Kept for the rollout, and to show what it
+    /// breaks.
     Plain,
 }
 
@@ -386,11 +387,11 @@ impl Service {
         self.insert_numbered(tx, new).await
     }
 
-    /// A declaration by hand (seed 004): the organization's next number,
-    /// like any other incident. With an idempotency key, declaring twice
-    /// returns the first incident (the key is locked, then looked up, in the
-    /// declaring transaction); the same key with another title, entity or
-    /// actor is [`Error::Invalid`].
+    /// A declaration by hand: the organization's next number, like any other
+    /// incident, concurrent declarations in the organization included. With
+    /// an idempotency key, declaring twice returns the first incident (the
+    /// key is locked, then looked up, in the declaring transaction); the same
+    /// key with another title, entity or actor is [`Error::Invalid`].
     pub async fn declare(
         &self,
         organization_id: i64,

@@ -120,8 +120,9 @@ async fn acme_with_policy(name: &str, rule: &Rule) -> Acme {
     }
 }
 
-/// The plain path (rollout 0) is the seed's bug: the same redelivery
-/// pattern leaves a singleton policy with two OPEN incidents for an entity.
+/// The plain path (rollout 0) has the duplicate-incident bug: the same
+/// redelivery pattern leaves a singleton policy with two OPEN incidents for an
+/// entity.
 #[tokio::test]
 async fn without_the_guard_a_redelivered_message_breaks_i1() {
     let Acme {

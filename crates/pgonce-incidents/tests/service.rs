@@ -80,9 +80,10 @@ fn is_conflict(r: &Result<i64, Error>) -> bool {
     matches!(r, Err(Error::Pgonce(pgonce::Error::Conflict { .. })))
 }
 
-/// Seed 000: one message delivered twice, both deliveries decide on the same
-/// state. Guarded: one incident, the second write a conflict. Plain (the
-/// seed's two transactions): two OPEN incidents, I1 broken.
+/// The duplicate-incident race: one message delivered twice, both
+/// deliveries decide on the same state. Guarded: one incident, the second
+/// write a conflict. Plain (the naive two transactions, read in one and write
+/// in another): two OPEN incidents, I1 broken.
 #[tokio::test]
 async fn a_redelivered_message_opens_one_incident_guarded_and_two_plain() {
     let w = world().await;
@@ -246,9 +247,9 @@ async fn the_singleton_flag_waits_for_the_entitys_lock() {
     waiting.resume().await.unwrap().unwrap();
 }
 
-/// Seed 004: declarations of one organization wait for the holder of its
-/// number lock and then take the next number; another organization's
-/// declaration does not wait at all.
+/// Per-organization numbering: declarations of one organization wait for the
+/// holder of its number lock and then take the next number; another
+/// organization's declaration does not wait at all.
 #[tokio::test]
 async fn declarations_wait_only_for_their_own_organization() {
     let w = world().await;

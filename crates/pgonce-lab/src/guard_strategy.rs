@@ -1,4 +1,4 @@
-//! How the incident seed's worker (read "no open incident", evaluate for a
+//! How the incident pipeline's worker (read "no open incident", evaluate for a
 //! while, create one) keeps at most one open incident per entity: the
 //! strategies `pgonce race guard` replays step by step and `pgonce bench
 //! guard` measures under load, defined once for both.
@@ -6,7 +6,7 @@
 /// One way to make the worker's read-evaluate-write safe (or not).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GuardStrategy {
-    /// The seed's code: read in one transaction, write in another.
+    /// The naive code: read in one transaction, write in another.
     TwoTransactions,
     /// Read, evaluate and write in one REPEATABLE READ transaction.
     RepeatableRead,

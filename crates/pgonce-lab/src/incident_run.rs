@@ -129,7 +129,7 @@ impl IncidentRunConfig {
                     wait: Duration::from_millis(500),
                     // No heartbeat: a slow evaluation outlives its
                     // visibility timeout and the message is delivered
-                    // again, as in the seed.
+                    // again, to a second worker: the duplicate-incident race.
                     heartbeat_interval: None,
                     failure_visibility: Some(Duration::from_millis(100)),
                     shutdown_deadline: Duration::from_secs(5),

@@ -13,7 +13,7 @@ use pgonce_lab::race::{guard, lock_wait, sequence};
 use pgonce_lab::scratch::RunDatabase;
 use serde_json::json;
 
-/// The event-store seed's three writers (A and C on booking:123, B on
+/// The DCB event store's three writers (A and C on booking:123, B on
 /// booking:456), all decided "no booking yet" before anyone appended.
 /// Advisory locks: A and B in parallel, C waits for A only and fails its
 /// condition. Table lock: B and C wait for A; C fails. SSI: nobody waits; C
@@ -199,7 +199,7 @@ async fn lock_wait_holds_only_inside_a_transaction() -> anyhow::Result<()> {
     db.close().await
 }
 
-/// The incident-numbering seed: A holds acme's next number; B declares in
+/// Concurrent incident declarations: A holds acme's next number; B declares in
 /// acme, C in globex; A commits; D takes a number, rolls back, declares
 /// again. Under the advisory lock and the counter row numbers are unique
 /// and gapless, B waits for A only and C for nobody; the table lock makes C
@@ -237,9 +237,9 @@ async fn sequence_declarations_under_each_strategy() -> anyhow::Result<()> {
     db.close().await
 }
 
-/// The incident seed's T00-T10: two workers, one entity, both read "none
-/// open", both evaluate, both create. Two transactions and REPEATABLE READ
-/// leave two open incidents; the others one. The guard refuses the second
+/// The duplicate-incident race (T00-T10): two workers, one entity, both read
+/// "none open", both evaluate, both create. Two transactions and REPEATABLE
+/// READ leave two open incidents; the others one. The guard refuses the second
 /// write with one conflict and holds no connection while evaluating.
 #[tokio::test]
 async fn guard_two_workers_one_entity_under_each_strategy() -> anyhow::Result<()> {
@@ -267,7 +267,7 @@ async fn guard_two_workers_one_entity_under_each_strategy() -> anyhow::Result<()
     db.close().await
 }
 
-/// The SQS worker seed's duplicate execution, one job delivered twice. With
+/// An SQS worker's duplicate execution, one job delivered twice. With
 /// no guard both deliveries transition and run the side effect; the
 /// conditional UPDATE transitions once, the second delivery is told
 /// `AlreadyHandled` and the first result stands, but both ran the side

@@ -1,5 +1,5 @@
 //! Once per key, for effects that are not state transitions (pattern P4,
-//! seed 003).
+//! against an SQS worker's duplicate execution).
 //!
 //! `UPDATE accounts SET balance = balance + $1` moves the value on every
 //! delivery; no status column can guard it. Two tools:

@@ -1,4 +1,5 @@
-//! A DCB event store (seed 001; <https://dcb.events/specification>): one
+//! A DCB event store (<https://dcb.events/specification>; three writers on
+//! overlapping tags are replayed against it by `pgonce race events`): one
 //! global log of events with types and tags, read by queries, appended to
 //! under a condition.
 //!

@@ -1,4 +1,5 @@
-//! Jobs whose row is their own state machine (pattern P3, seed 003).
+//! Jobs whose row is their own state machine (pattern P3, against an SQS
+//! worker's duplicate execution).
 //!
 //! A queue delivers a job's message at least once; the `pgonce.jobs` row
 //! decides what a delivery may do. Three guards, weakest first:

@@ -5,7 +5,8 @@
 //! # Layout
 //!
 //! * [`error`]: the one error type; SQLSTATEs mapped in one place.
-//! * [`guard`]: write-if-unchanged: lock, re-read, compare, write (seed 000).
+//! * [`guard`]: write-if-unchanged: lock, re-read, compare, write (P1,
+//!   against the duplicate-incident race).
 //! * [`lock`]: transaction-level advisory locks with 64-bit keys.
 //! * [`events`]: a DCB event store; conditional appends under three
 //!   strategies, decision reads, catch-up subscriptions (P5, I5).

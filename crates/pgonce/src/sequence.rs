@@ -1,5 +1,6 @@
-//! Per-scope gapless numbers (P2, seed 004): incident 1, 2, 3... of each
-//! organization, taken inside the caller's transaction.
+//! Per-scope gapless numbers (P2, for concurrent incident declarations in one
+//! organization): incident 1, 2, 3... of each organization, taken inside the
+//! caller's transaction.
 //!
 //! # The guarantee (I2)
 //!
@@ -34,7 +35,7 @@
 //!
 //! # The numbered table
 //!
-//! The caller keeps its numbers in its own table (the seed's `incidents`),
+//! The caller keeps its numbers in its own table (such as `incidents`),
 //! named by a validated [`NumberedTable`]: table, scope column and number
 //! column, quoted as identifiers in every statement. The scope value is bound
 //! as a parameter of the column's type (`i64`, `uuid::Uuid`, `&str`...).
@@ -43,15 +44,15 @@
 //!
 //! Within one scope, gapless numbers serialize declarations for as long as
 //! the scope's lock is held, and it is held until COMMIT: a number taken at
-//! the start of a long declaration transaction (the seed) makes every other
-//! declaration of that organization wait for all of it. So the natural API,
-//! [`Sequence::commit_numbered`], takes the number as the *last* step: the
-//! caller does its other work in the open transaction, then hands the
-//! transaction over with the one write that needs the number; pgonce locks
-//! the scope, computes the number, runs that write and commits. The lock is
-//! held for the number's return, the write and the COMMIT (two round trips
-//! and a half, and the commit's WAL flush) whatever the rest of the
-//! transaction did. [`Sequence::next`] is the low-level step for callers
+//! the start of a long declaration transaction (the naive order, number
+//! first) makes every other declaration of that organization wait for all of
+//! it. So the natural API, [`Sequence::commit_numbered`], takes the number as
+//! the *last* step: the caller does its other work in the open transaction,
+//! then hands the transaction over with the one write that needs the number;
+//! pgonce locks the scope, computes the number, runs that write and commits.
+//! The lock is held for the number's return, the write and the COMMIT (two
+//! round trips and a half, and the commit's WAL flush) whatever the rest of
+//! the transaction did. [`Sequence::next`] is the low-level step for callers
 //! who must know the number earlier; it holds the scope for the rest of the
 //! transaction, which `pgonce bench sequence` measures.
 //!
@@ -116,9 +117,10 @@ pub enum Strategy {
     /// other write to the table) waits for it. A baseline.
     TableLock,
     /// `SELECT ... FOR UPDATE` of the scope's existing rows, then max + 1:
-    /// the seed's first attempt. Locks nothing in an empty scope, so the
-    /// first declarations of a scope can compute the same number; the unique
-    /// index rejects the losers with [`Error::NumberTaken`]. A baseline.
+    /// the usual first attempt at narrowing the table lock to one scope.
+    /// Locks nothing in an empty scope, so the first declarations of a scope
+    /// can compute the same number; the unique index rejects the losers with
+    /// [`Error::NumberTaken`]. A baseline.
     SelectForUpdate,
 }
 

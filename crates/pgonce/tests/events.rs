@@ -268,10 +268,10 @@ async fn bad_input_is_rejected_whole() {
     assert_eq!(s.head().await.unwrap(), None);
 }
 
-// The event-store seed's three writers and the out-of-order commits (a
-// decision and a catch-up reader facing a lower position still in flight)
-// are replayed once, in the lab: `pgonce race events`, asserted by
-// pgonce-lab's tests/races.rs.
+// The three writers on overlapping tags (A and C on booking:123, B on
+// booking:456) and the out-of-order commits (a decision and a catch-up
+// reader facing a lower position still in flight) are replayed once, in the
+// lab: `pgonce race events`, asserted by pgonce-lab's tests/races.rs.
 
 // ------------------------------------------------------------ randomized
 

@@ -1,7 +1,8 @@
-//! The guarded write against a real PostgreSQL: seed 000's T00-T10 with and
-//! without the guard, the re-read seeing the previous lock holder's write,
-//! the conflict path writing nothing, hostile keys, and the lock's release
-//! on commit, rollback and connection death.
+//! The guarded write against a real PostgreSQL: the duplicate-incident race (a
+//! message redelivered to a second worker, both read "no open incident", both
+//! insert; steps T00-T10) with and without the guard, the re-read seeing the
+//! previous lock holder's write, the conflict path writing nothing, hostile
+//! keys, and the lock's release on commit, rollback and connection death.
 
 mod support;
 
@@ -96,7 +97,7 @@ async fn paused_insert(
 }
 
 #[tokio::test]
-async fn seed_t00_t10_without_a_guard_leaves_two_open() {
+async fn duplicate_incident_t00_t10_without_a_guard_leaves_two_open() {
     let (db, pool) = setup().await;
     let race = Interleaving::new(db.options()).await.unwrap();
     let (w1, w2) = (
@@ -128,11 +129,11 @@ async fn seed_t00_t10_without_a_guard_leaves_two_open() {
         .unwrap()
         .unwrap();
     }
-    assert_eq!(count_open(&pool, "X").await, 2, "the seed's duplicate");
+    assert_eq!(count_open(&pool, "X").await, 2, "the duplicate incident");
 }
 
 #[tokio::test]
-async fn seed_t00_t10_with_the_guard_leaves_one_open_and_a_conflict() {
+async fn duplicate_incident_t00_t10_with_the_guard_leaves_one_open_and_a_conflict() {
     let (db, pool) = setup().await;
     let race = Interleaving::new(db.options()).await.unwrap();
     let (w1, w2) = (

@@ -300,7 +300,8 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         ],
     );
     report.sections.insert(
-        "comparison (seed 001's table, filled with what this run measured)".into(),
+        "comparison of the three strategies, aspect by aspect, filled with what this run measured"
+            .into(),
         comparison(&cells),
     );
     Ok(report)

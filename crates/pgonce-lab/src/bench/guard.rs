@@ -1,15 +1,15 @@
-//! `pgonce bench guard`: seed 000's worker (read, evaluate for L with no
-//! transaction, then create or resolve an incident) under each strategy, in
-//! three scenarios:
+//! `pgonce bench guard`: the incident pipeline's worker (read, evaluate for L
+//! with no transaction, then create or resolve an incident) under each
+//! strategy, in three scenarios:
 //!
 //! * low contention (W=16, E=10,000): guard vs two-transactions, the same
-//!   shape without lock and re-read; goal at least 0.95. Measured twice:
-//!   with the evaluation a remote call of L=50 ms (the seed's shape, and the
-//!   pool-pressure scenario's L: the goal's figure), and with L=5 ms, where
-//!   16 workers keep both cores busy and the ratio shows what the guard's
-//!   extra round trip costs in CPU (5 messages per decision against 4). The
-//!   5 ms run also has `guard-begin-check`, the guard with BEGIN and lock in
-//!   separate round trips (the first version of `Guard::write`);
+//!   shape without lock and re-read; goal at least 0.95. Measured twice: with
+//!   the evaluation a remote call of L=50 ms (a real evaluation's shape, and
+//!   the pool-pressure scenario's L: the goal's figure), and with L=5 ms,
+//!   where 16 workers keep both cores busy and the ratio shows what the
+//!   guard's extra round trip costs in CPU (5 messages per decision against
+//!   4). The 5 ms run also has `guard-begin-check`, the guard with BEGIN and
+//!   lock in separate round trips (the first version of `Guard::write`);
 //! * hot entity (E = 1 to 4): guard vs serializable (read, evaluation and
 //!   write in one SERIALIZABLE transaction, retried on abort);
 //! * pool pressure (P=10, 100 in flight, L=50 ms): guard vs a session-level
@@ -138,7 +138,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         };
         let mut found = Vec::new();
         // Low contention: the guard against the same write unguarded, with
-        // the seed's slow evaluation (the goal's figure)...
+        // a slow remote evaluation (the goal's figure)...
         let low_rates = group(
             "low-contention",
             &[Strategy::Guard, Strategy::TwoTransactions],

@@ -22,11 +22,11 @@ use crate::scratch::RunDatabase;
 pub enum Suite {
     /// Cost of a transaction-level advisory lock in a short write transaction.
     Lock,
-    /// Seed 000's guarded write against two-transactions, serializable and
+    /// The guarded write against two-transactions, serializable and
     /// a session lock: low contention, hot entity, pool pressure.
     Guard,
-    /// Incident declarations per scope under each sequence strategy (seed
-    /// 004): S scopes x C declarers, number taken early or late.
+    /// Concurrent incident declarations per scope under each sequence
+    /// strategy: S scopes x C declarers, number taken early or late.
     Sequence,
     /// DCB appends: three strategies, disjoint to fully conflicting tags.
     Events,
@@ -38,7 +38,7 @@ pub enum Suite {
     Jobs,
     /// The incident service: 50 declarers in one organization while the
     /// pipeline opens incidents there, per numbering strategy; p99 against
-    /// the seed's SLO, and pipeline observations/s.
+    /// the 3 s declaration SLO, and pipeline observations/s.
     Service,
 }
 

@@ -1,10 +1,10 @@
 //! `pgonce bench sequence`: incident declarations under each sequence
 //! strategy. S organizations x C concurrent declarers each; every
 //! declaration transaction also does other work (three inserts and a 5-20 ms
-//! step while it is open, as in seed 004). Two windows:
+//! step while it is open, as an incident declaration does). Two windows:
 //!
-//! * `early`: the number is taken first, as the seed's service did, so the
-//!   scope stays locked for the whole declaration;
+//! * `early`: the number is taken first, the naive order, so the scope stays
+//!   locked for the whole declaration;
 //! * `late`: the other work first, then `Sequence::commit_numbered`, so the
 //!   scope is locked only for number, insert and COMMIT.
 //!
@@ -26,7 +26,7 @@ use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
 const TABLE: &str = "public.bench_seq_incidents";
-/// The seed's service-level objective for a declaration.
+/// The service-level objective for declaring an incident: 3 s.
 const SLO_MS: f64 = 3000.0;
 /// Goals of the issue: advisory vs table lock at S=8, and p99 with one
 /// scope and 50 declarers.
@@ -173,7 +173,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             .push(p99[&Window::Early] / p99[&Window::Late].max(1e-9));
     }
     report.sections.insert(
-        "one scope, 50 declarers, against the seed's 3 s SLO".into(),
+        "one scope, 50 declarers, against the 3 s declaration SLO".into(),
         slo,
     );
     let mut rows = Vec::new();
@@ -192,7 +192,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     report.verdict.check(
         ratio_early > 1.0,
         format!(
-            "with {scopes} scopes the advisory lock declares faster than the table lock ({}x, number taken early as in the seed)",
+            "with {scopes} scopes the advisory lock declares faster than the table lock ({}x, number taken early, the naive order)",
             round2(ratio_early)
         ),
     );
@@ -366,7 +366,7 @@ async fn declare(ctx: &Phase, worker: usize) -> anyhow::Result<Option<&'static s
     }
 }
 
-/// The seed's shape: number first, then everything else, then COMMIT.
+/// The naive order: number first, then everything else, then COMMIT.
 async fn early(ctx: &Phase, org: i64) -> pgonce::Result<(Duration, Duration)> {
     let mut tx = pgonce::begin(&ctx.pool, IsolationLevel::ReadCommitted).await?;
     let taken = ctx.seq.next(&mut tx, &org).await?;

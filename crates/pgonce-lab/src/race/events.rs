@@ -1,4 +1,4 @@
-//! `pgonce race events`: the event-store seed's three writers, step by
+//! `pgonce race events`: the DCB event store's three writers, step by
 //! step, under each append strategy. A appends booking:123, B booking:456,
 //! C booking:123; all three decided "no booking yet" before anyone
 //! appended, so C must fail. Then the out-of-order-commit cases: a decision

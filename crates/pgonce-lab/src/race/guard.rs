@@ -1,9 +1,10 @@
-//! `pgonce race guard`: the incident seed's T00-T10 replayed with the harness. Two
-//! workers get the same message for one entity (the second by redelivery),
-//! both read "no open incident", both evaluate, both try to create one,
-//! under each strategy. The table shows, from the database, how many
-//! incidents are open at the end: two for the unsafe strategies, one for the
-//! safe ones, and for each whether a connection was held while evaluating.
+//! `pgonce race guard`: the duplicate-incident race (steps T00-T10) replayed
+//! with the harness. Two workers get the same message for one entity (the
+//! second by redelivery), both read "no open incident", both evaluate, both
+//! try to create one, under each strategy. The table shows, from the database,
+//! how many incidents are open at the end: two for the unsafe strategies, one
+//! for the safe ones, and for each whether a connection was held while
+//! evaluating.
 
 use std::time::Duration;
 
@@ -194,7 +195,7 @@ pub fn report(race: &GuardRace, environment: Environment) -> Report {
             report.verdict.check(
                 open == 2,
                 format!(
-                    "{}: {open} open incidents, the seed's duplicate shown",
+                    "{}: {open} open incidents, the duplicate shown",
                     strategy.name()
                 ),
             );
@@ -274,9 +275,9 @@ async fn insert(conn: &mut sqlx::PgConnection, ctx: &Ctx, who: &str) -> sqlx::Re
         .map(|_| ())
 }
 
-/// The seed's original code: read in one transaction, write in another.
-/// With `unique_index`, the seed's partial unique index turns W2's insert
-/// into a unique violation, counted as a conflict.
+/// The naive code: read in one transaction, write in another. With
+/// `unique_index`, a partial unique index (one OPEN incident per policy and
+/// entity) turns W2's insert into a unique violation, counted as a conflict.
 async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Counts> {
     let mut outcome = Counts::default();
     let read = async |w: &Session| -> sqlx::Result<Vec<i64>> {
@@ -411,7 +412,7 @@ async fn one_transaction(ctx: &Ctx, level: IsolationLevel) -> anyhow::Result<Cou
 async fn session_lock(ctx: &Ctx) -> anyhow::Result<Counts> {
     let mut outcome = Counts::default();
     let race = &ctx.race;
-    let key = pgonce::LockKey::new("seed000/entity", &ctx.entity.to_string())?.as_i64();
+    let key = pgonce::LockKey::new("race-guard/entity", &ctx.entity.to_string())?.as_i64();
     let mut c1 = race
         .try_step(
             &ctx.w1,

@@ -1,4 +1,4 @@
-//! `pgonce race jobs`: the SQS worker seed's duplicate execution (a crash
+//! `pgonce race jobs`: an SQS worker's duplicate execution (a crash
 //! before the delete, a visibility timeout during the work). One job's
 //! message delivered twice, concurrently, replayed step by step under four
 //! guards, plus the two failure cases the two-phase guard needs a reaper for.
@@ -12,7 +12,8 @@
 //! * `no-guard`: read, side effect, unconditional UPDATE: two transitions,
 //!   two side effects.
 //! * `where-status`: the single conditional UPDATE. One transition, but both
-//!   deliveries ran the side effect before it (the seed's caveat).
+//!   deliveries ran the side effect before it (the pattern's caveat: it
+//!   prevents a duplicate transition, not a duplicate side effect).
 //! * `two-phase`: claim first; the loser of the claim never runs the side
 //!   effect. Exactly one of each. The loser sees `JobBusy` (the job is
 //!   claimed, not done) and keeps its message.
@@ -201,7 +202,7 @@ impl JobCase {
                 "no-guard: both deliveries transition and run the side effect (shown, as expected)"
             }
             JobCaseName::WhereStatus => {
-                "where-status: one transition, but the side effect ran twice (the seed's caveat, shown)"
+                "where-status: one transition, but the side effect ran twice (it guards the transition, not the side effect; shown)"
             }
             JobCaseName::TwoPhase => {
                 "two-phase: exactly one transition and exactly one side effect; the loser sees JobBusy and keeps its message"
@@ -267,7 +268,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
 
 /// Replays every case, each on a job of its own.
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<JobsRace> {
-    sqlx::raw_sql(include_str!("sql/seed003_schema.sql"))
+    sqlx::raw_sql(include_str!("sql/jobs_schema.sql"))
         .execute(db.pool())
         .await?;
     let mut cases = Vec::new();
@@ -328,7 +329,7 @@ async fn new_job(pool: &PgPool) -> anyhow::Result<i64> {
 
 /// The remote call: recorded on its own connection, committed at once.
 async fn side_effect(pool: &PgPool, id: i64, by: &str) -> anyhow::Result<()> {
-    sqlx::query("INSERT INTO seed003_side_effects (job_id, by_session) VALUES ($1, $2)")
+    sqlx::query("INSERT INTO race_jobs_side_effects (job_id, by_session) VALUES ($1, $2)")
         .bind(id)
         .bind(by)
         .execute(pool)
@@ -338,7 +339,7 @@ async fn side_effect(pool: &PgPool, id: i64, by: &str) -> anyhow::Result<()> {
 
 async fn side_effects(pool: &PgPool, id: i64) -> anyhow::Result<i64> {
     Ok(
-        sqlx::query_scalar("SELECT count(*) FROM seed003_side_effects WHERE job_id = $1")
+        sqlx::query_scalar("SELECT count(*) FROM race_jobs_side_effects WHERE job_id = $1")
             .bind(id)
             .fetch_one(pool)
             .await?,
@@ -520,7 +521,7 @@ async fn dedupe_key(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Out
         .step(
             &a,
             "mark message processed",
-            pgonce::dedupe::mark_processed(&mut tx_a, "seed003", &message_id),
+            pgonce::dedupe::mark_processed(&mut tx_a, "race-jobs", &message_id),
         )
         .await??;
     anyhow::ensure!(first, "A is the first delivery");
@@ -528,7 +529,7 @@ async fn dedupe_key(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Out
     race.step(
         &a,
         "side effect (same transaction)",
-        sqlx::query("INSERT INTO seed003_side_effects (job_id, by_session) VALUES ($1, 'A')")
+        sqlx::query("INSERT INTO race_jobs_side_effects (job_id, by_session) VALUES ($1, 'A')")
             .bind(id)
             .execute(&mut *tx_a),
     )
@@ -552,11 +553,11 @@ async fn dedupe_key(db: &RunDatabase, race: &Interleaving) -> anyhow::Result<Out
     let waiting = race
         .step_blocks(&b, "mark message processed", async move {
             let mut tx = pgonce::begin(&pool_b, IsolationLevel::ReadCommitted).await?;
-            let first = pgonce::dedupe::mark_processed(&mut tx, "seed003", &msg).await?;
+            let first = pgonce::dedupe::mark_processed(&mut tx, "race-jobs", &msg).await?;
             let mut transitioned = false;
             if first {
                 sqlx::query(
-                    "INSERT INTO seed003_side_effects (job_id, by_session) VALUES ($1, 'B')",
+                    "INSERT INTO race_jobs_side_effects (job_id, by_session) VALUES ($1, 'B')",
                 )
                 .bind(id)
                 .execute(&mut *tx)

@@ -2,7 +2,8 @@
 //! transaction-level advisory lock taken inside a transaction makes a second
 //! session wait until the first commits; the same call outside a transaction
 //! is released when its statement ends, so the second session does not wait
-//! (seed 000's first failure mode).
+//! (the guarded write's first failure mode: its re-read and compare run
+//! unprotected).
 
 use pgonce_testkit::{HarnessError, Interleaving, Step};
 

@@ -1,4 +1,4 @@
-//! `pgonce race <scenario>`: a seed's interleaving replayed step by step with
+//! `pgonce race <scenario>`: a race's interleaving replayed step by step with
 //! the harness, under each strategy, with what happened to the invariant.
 
 pub mod events;
@@ -22,23 +22,23 @@ pub enum Scenario {
     /// Session B waits for a transaction-level advisory lock that A holds,
     /// and does not when A takes it outside a transaction.
     LockWait,
-    /// The incident seed's duplicate: two workers, one entity, both read
-    /// "none open", both evaluate, both create; under six strategies, the
-    /// guard among them.
+    /// The duplicate incident: two workers, one entity, both read "none
+    /// open", both evaluate, both create; under six strategies, the guard
+    /// among them.
     Guard,
-    /// The event-store seed's three DCB writers (A and C on booking:123, B
-    /// on booking:456) under each append strategy, and out-of-order commits.
+    /// The DCB event store's three writers (A and C on booking:123, B on
+    /// booking:456) under each append strategy, and out-of-order commits.
     Events,
     /// An append without a condition holds a lower position open while a
     /// conditional append that decided before it checks, under each append
     /// strategy, through `begin_append` and through `append_in`.
     EventsLateWriter,
-    /// The SQS worker seed's duplicate execution: one job delivered twice
-    /// under no-guard, where-status, two-phase and dedupe-key; the crashed
-    /// claimer; the late completion.
+    /// An SQS worker's duplicate execution: one job delivered twice under
+    /// no-guard, where-status, two-phase and dedupe-key; the crashed claimer;
+    /// the late completion.
     Jobs,
-    /// The incident-numbering seed: concurrent declarations in one
-    /// organization and across organizations, under each sequence strategy.
+    /// Incident numbering: concurrent declarations in one organization and
+    /// across organizations, under each sequence strategy.
     Sequence,
 }
 

@@ -1,4 +1,4 @@
-//! `pgonce race sequence`: the incident-numbering seed's concurrent declarations, step by step,
+//! `pgonce race sequence`: concurrent incident declarations, step by step,
 //! under each sequence strategy. A takes acme's next number and holds it; B
 //! declares in acme, C in globex; A commits; then D takes a number in acme
 //! and rolls back, and declares again. The table says, per strategy, which
@@ -201,7 +201,7 @@ fn judge(report: &mut Report, strategy: Strategy, o: &SequenceCase) {
 }
 
 fn sequence(strategy: Strategy) -> anyhow::Result<Sequence> {
-    let table = format!("public.seed004_{}", strategy.name().replace('-', "_"));
+    let table = format!("public.race_seq_{}", strategy.name().replace('-', "_"));
     Ok(Sequence::new(
         NumberedTable::new(&table, "org", "number")?,
         SequenceConfig { strategy },
@@ -222,12 +222,12 @@ async fn insert(seq: &Sequence, conn: &mut PgConnection, org: &str, n: i64) -> p
     Ok(())
 }
 
-/// A declaration as the seed's service does it: some other work, then the
+/// A declaration as an incident service does it: some other work, then the
 /// number, in one transaction.
 async fn declare(seq: Sequence, pool: PgPool, org: &'static str) -> Result<i64, String> {
     let outcome = async {
         let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
-        sqlx::query("INSERT INTO public.seed004_work (org, note) VALUES ($1, 'paged on-call')")
+        sqlx::query("INSERT INTO public.race_seq_work (org, note) VALUES ($1, 'paged on-call')")
             .bind(org)
             .execute(&mut *tx)
             .await?;

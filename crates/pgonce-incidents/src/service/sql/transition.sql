@@ -1,5 +1,6 @@
--- A conditional transition (seed 003): changes the lifecycle only from one
--- of the states in $3; 0 rows means the incident is elsewhere (or absent).
+-- A conditional transition (the WHERE-status pattern of pgonce's jobs):
+-- changes the lifecycle only from one of the states in $3; 0 rows means the
+-- incident is elsewhere (or absent).
 -- The timestamps are when this statement ran (clock_timestamp), which is
 -- what the I1 check compares with other incidents' opened_at.
 UPDATE incidents.incidents

@@ -1,4 +1,4 @@
--- The numbered table of `bench sequence` (the seed's `incidents`, with its
+-- The numbered table of `bench sequence` (standing for `incidents`, with its
 -- unique index on (organization, number)) and the declaration's other work.
 -- In `public` explicitly: the role may be named like the `pgonce` schema.
 CREATE TABLE IF NOT EXISTS public.bench_seq_incidents (
