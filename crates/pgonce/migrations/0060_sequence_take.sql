@@ -48,7 +48,8 @@ BEGIN
         -- The sequenced gem: every write to the table, of every scope, waits.
         EXECUTE format('LOCK TABLE %s IN EXCLUSIVE MODE', tbl);
     WHEN 'select-for-update' THEN
-        -- The seed's first attempt: locks the scope's existing rows only.
+        -- The usual first attempt at narrowing the table lock to one scope:
+        -- locks the scope's existing rows only.
         EXECUTE format(
             'SELECT count(*) FROM (SELECT 1 FROM %s WHERE %I = $1 FOR UPDATE) AS locked',
             tbl, scope_column)

@@ -618,8 +618,10 @@ impl PgQueue {
     ///
     /// A statement can pick messages it does not deliver: heads past their
     /// retention (deleted), received too often (moved to the dead-letter
-    /// queue), or due to move while a sender holds their group there (held
-    /// back, receive_tail.sql). While the batch has room and the last
+    /// queue), due to move while a sender holds their group there (held
+    /// back, receive_tail.sql), or, in a standard queue, committed between
+    /// the statement's snapshot and its pick's (unseen: locked, not acted
+    /// on; migration 0160). While the batch has room and the last
     /// statement picked such messages, further statements look again,
     /// passing over every message held back or delivered so far (`$4`) and
     /// looking twice as far each time (`$2`; deliveries stay capped by the
@@ -706,7 +708,7 @@ impl PgQueue {
             query = query.bind(room as i64);
         }
         let rows: Vec<ReceiveRow> = query.fetch_all(&self.inner.pool).await?;
-        let (mut dead, mut expired, mut skipped) = (0u64, 0u64, 0u64);
+        let (mut dead, mut expired, mut skipped, mut unseen) = (0u64, 0u64, 0u64, 0u64);
         let mut held = Vec::new();
         for row in rows {
             match row.fate.as_str() {
@@ -733,6 +735,7 @@ impl PgQueue {
                 "dead_lettered" => dead += 1,
                 "held" => held.push(row.id),
                 "skipped" => skipped += 1,
+                "unseen" => unseen += 1,
                 _ => expired += 1,
             }
         }
@@ -751,11 +754,13 @@ impl PgQueue {
             metrics::counter!("pgonce_queue_held_back_total", "queue" => name.clone())
                 .increment(held.len() as u64);
         }
-        if skipped > 0 || !held.is_empty() {
+        if skipped > 0 || unseen > 0 || !held.is_empty() {
             // Their row locks turned concurrent receivers away until now.
             self.sent();
         }
-        let undelivered = !held.is_empty() || dead > 0 || expired > 0;
+        // An unseen message is receivable now that this statement is over:
+        // looking again finds it.
+        let undelivered = !held.is_empty() || dead > 0 || expired > 0 || unseen > 0;
         passed_over.extend(held);
         Ok(undelivered)
     }

@@ -6,9 +6,10 @@
 -- max_receive_count times since it came into this queue), hold it back for
 -- a later receive (such a FIFO message whose group in the dead-letter queue
 -- a sender has locked), deliver it (receive_count + 1, invisible for $3 ms
--- or the queue's visibility timeout), or, past the first $5 deliveries,
--- leave it untouched. A move and a delivery both bump the generation:
--- every earlier receipt of the message goes stale.
+-- or the queue's visibility timeout), or leave it untouched: past the
+-- first $5 deliveries ('skipped'), or when this statement's snapshot does
+-- not see it ('unseen', receive_tail.sql). A move and a delivery both bump
+-- the generation: every earlier receipt of the message goes stale.
 WITH q AS (
     SELECT name, visibility_timeout_ms, retention_ms, max_receive_count, dead_letter_queue
     FROM pgonce.queue WHERE name = $1
