@@ -28,8 +28,8 @@ use crate::scratch::RunDatabase;
 const TABLE: &str = "public.bench_seq_incidents";
 /// The service-level objective for declaring an incident: 3 s.
 const SLO_MS: f64 = 3000.0;
-/// Goals of the issue: advisory vs table lock at S=8, and p99 with one
-/// scope and 50 declarers.
+/// The goals this bench reports against (not part of its verdict):
+/// advisory vs table lock at S=8, and p99 with one scope and 50 declarers.
 const GOAL_RATIO: f64 = 6.0;
 const GOAL_P99_MS: f64 = 150.0;
 
