@@ -222,3 +222,42 @@ async fn a_message_committed_between_the_snapshots_is_held_then_delivered_once()
             .is_empty()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_killed_after_its_pick_locked_leaves_the_messages_as_they_were() {
+    // R's receive has locked A and B in its pick and not yet updated them
+    // when its backend is terminated: the statement rolls back, the locks
+    // go with it, and the next receive gets both, first delivery each.
+    let t = GatedPick::new().await;
+    let q = t.queue("killed").await;
+    let a = q.send(SendMessage::new("A")).await.unwrap();
+    let b = q.send(SendMessage::new("B")).await.unwrap();
+    t.hold(AFTER_PICK).await;
+    let receiving = t
+        .race
+        .step_blocks(&t.r, "receive", {
+            let handle = PgQueue::open(t.r.pool(), "killed", PgQueueOptions::default())
+                .await
+                .unwrap();
+            async move { handle.receive(ReceiveRequest::up_to(10)).await }
+        })
+        .await
+        .unwrap();
+    t.wait_at(AFTER_PICK).await;
+    let killed: bool = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE application_name LIKE '%:R' AND datname = current_database()
+           AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(&t.setup)
+    .await
+    .unwrap();
+    assert!(killed);
+    let outcome = receiving.resume().await.unwrap();
+    assert!(outcome.is_err(), "the killed receive reported {outcome:?}");
+    assert_eq!(t.counts(&a.id).await, (0, 0));
+    assert_eq!(t.counts(&b.id).await, (0, 0));
+    let next = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&next), ["A", "B"]);
+    assert!(next.iter().all(|m| m.receive_count == 1));
+}
