@@ -37,6 +37,14 @@ fn store(pool: &PgPool, strategy: AppendStrategy) -> EventStore {
     .unwrap()
 }
 
+/// Empties the log and restarts its positions at 1.
+async fn empty_log(pool: &PgPool) {
+    sqlx::query("TRUNCATE pgonce.events RESTART IDENTITY")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 fn booked(tag: &str) -> Event {
     Event::new("BookingPlaced")
         .tag(tag)
@@ -148,10 +156,7 @@ async fn queries_match_as_the_specification_says() {
 async fn a_condition_fails_only_on_matches_after_its_position() {
     let (_db, pool) = db().await;
     for strategy in AppendStrategy::ALL {
-        sqlx::query("TRUNCATE pgonce.events RESTART IDENTITY")
-            .execute(&pool)
-            .await
-            .unwrap();
+        empty_log(&pool).await;
         let s = store(&pool, strategy);
         s.append(&[booked("booking:1")], None).await.unwrap();
         s.append(&[Event::new("Other").tag("x")], None)
@@ -239,6 +244,126 @@ async fn a_condition_fails_only_on_matches_after_its_position() {
     }
 }
 
+/// A condition on one item naming a tag (the one-statement path with kept
+/// plans, migration 0170) finds its matches however far its `after` is
+/// below the head: near it (up to 512 positions) through an ordered walk of
+/// the primary key, further through the GIN on tags; with types, only
+/// events of those types match. The decision read on such a query returns
+/// exactly the matching events.
+#[tokio::test]
+async fn a_tag_item_condition_is_checked_near_and_far_from_the_head() {
+    let (_db, pool) = db().await;
+    for strategy in AppendStrategy::ALL {
+        empty_log(&pool).await;
+        let s = store(&pool, strategy);
+        s.append(&[booked("booking:7")], None).await.unwrap();
+        let filler: Vec<Event> = (0..600)
+            .map(|i| Event::new("Filler").tag(format!("filler:{i}")))
+            .collect();
+        s.append(&filler, None).await.unwrap();
+        assert_eq!(s.head().await.unwrap(), Some(601));
+        let tag = tag_query("booking:7");
+        let typed = |types: &[&str]| {
+            Query::items([QueryItem::new()
+                .types(types.iter().copied())
+                .tags(["booking:7"])])
+            .unwrap()
+        };
+        let cancelled = || Event::new("Cancelled").tag("booking:7");
+        let refused = |r: pgonce::Result<pgonce::events::Appended>| match r {
+            Err(Error::AppendConditionFailed { matching, .. }) => matching,
+            other => panic!("{strategy:?}: expected a failed condition, got {other:?}"),
+        };
+
+        // 601 positions below the head: the GIN.
+        let matching = refused(
+            s.append(
+                &[cancelled()],
+                Some(&AppendCondition::new(tag.clone(), Some(0))),
+            )
+            .await,
+        );
+        assert_eq!(matching, vec![1], "{strategy:?}");
+        let matching = refused(
+            s.append(
+                &[cancelled()],
+                Some(&AppendCondition::new(tag.clone(), Some(i64::MIN))),
+            )
+            .await,
+        );
+        assert_eq!(
+            matching,
+            vec![1],
+            "{strategy:?}: the lowest `after` there is"
+        );
+        let ok = s
+            .append(
+                &[cancelled()],
+                Some(&AppendCondition::new(typed(&["Cancelled"]), Some(0))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(ok.positions, vec![602], "{strategy:?}: no Cancelled yet");
+        let ok = s
+            .append(
+                &[booked("booking:7")],
+                Some(&AppendCondition::new(typed(&["BookingPlaced"]), Some(1))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(ok.positions, vec![603], "{strategy:?}: 602 is Cancelled");
+
+        // A few positions below the head: the walk.
+        let matching = refused(
+            s.append(
+                &[cancelled()],
+                Some(&AppendCondition::new(tag.clone(), Some(601))),
+            )
+            .await,
+        );
+        assert_eq!(matching, vec![602, 603], "{strategy:?}");
+        let matching = refused(
+            s.append(
+                &[cancelled()],
+                Some(&AppendCondition::new(typed(&["BookingPlaced"]), Some(600))),
+            )
+            .await,
+        );
+        assert_eq!(matching, vec![603], "{strategy:?}");
+        let ok = s
+            .append(
+                &[cancelled()],
+                Some(&AppendCondition::new(typed(&["BookingPlaced"]), Some(603))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            ok.positions,
+            vec![604],
+            "{strategy:?}: 603 is not above 603"
+        );
+        let ok = s
+            .append(
+                &[cancelled()],
+                Some(&AppendCondition::new(typed(&["Other"]), Some(600))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(ok.positions, vec![605], "{strategy:?}");
+
+        let decision = s.decide(&tag).await.unwrap();
+        assert_eq!(positions(&decision.events), vec![1, 602, 603, 604, 605]);
+        assert_eq!(decision.after, Some(605));
+        let decision = s.decide(&typed(&["Cancelled", "Other"])).await.unwrap();
+        assert_eq!(
+            positions(&decision.events),
+            vec![602, 604, 605],
+            "{strategy:?}"
+        );
+        assert_eq!(decision.after, Some(605));
+    }
+}
+
 /// Bad input is a typed error and nothing is half-written: an append whose
 /// second event is invalid stores neither.
 #[tokio::test]
@@ -284,10 +409,7 @@ async fn bad_input_is_rejected_whole() {
 async fn randomized_appends_never_violate_a_condition() {
     let (_db, pool) = db().await;
     for strategy in AppendStrategy::ALL {
-        sqlx::query("TRUNCATE pgonce.events RESTART IDENTITY")
-            .execute(&pool)
-            .await
-            .unwrap();
+        empty_log(&pool).await;
         let s = store(&pool, strategy);
         let mut tasks = Vec::new();
         for worker in 0..8 {

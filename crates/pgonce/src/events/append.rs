@@ -350,22 +350,43 @@ async fn append_one_statement(
 ) -> Result<Option<Vec<i64>>> {
     let keys = validated_keys(strategy, events, condition)?;
     let (keys, modes) = keys.arrays();
-    let items = match condition {
-        Some(c) => items_json(&c.fail_if_events_match)?,
-        None => None,
+    let channel = notify.then_some(NOTIFY_CHANNEL);
+    let table_lock = strategy == AppendStrategy::TableLock;
+    let after = condition.and_then(|c| c.after).unwrap_or(0);
+    let tag_item = condition.and_then(|c| c.fail_if_events_match.tag_item());
+    let row: std::result::Result<OneStatementAppend, sqlx::Error> = match tag_item {
+        // The commonest condition, with the plans kept (migration 0170).
+        Some(item) => {
+            sqlx::query_as(include_str!("sql/append_tag_item.sql"))
+                .bind(events_json(events)?)
+                .bind(channel)
+                .bind(keys)
+                .bind(modes)
+                .bind(table_lock)
+                .bind(&item.tags)
+                .bind(&item.types)
+                .bind(after)
+                .fetch_one(pool)
+                .await
+        }
+        None => {
+            let items = match condition {
+                Some(c) => items_json(&c.fail_if_events_match)?,
+                None => None,
+            };
+            sqlx::query_as(include_str!("sql/append.sql"))
+                .bind(events_json(events)?)
+                .bind(channel)
+                .bind(keys)
+                .bind(modes)
+                .bind(table_lock)
+                .bind(condition.is_some())
+                .bind(items)
+                .bind(after)
+                .fetch_one(pool)
+                .await
+        }
     };
-    let row: std::result::Result<OneStatementAppend, sqlx::Error> =
-        sqlx::query_as(include_str!("sql/append.sql"))
-            .bind(events_json(events)?)
-            .bind(notify.then_some(NOTIFY_CHANNEL))
-            .bind(keys)
-            .bind(modes)
-            .bind(strategy == AppendStrategy::TableLock)
-            .bind(condition.is_some())
-            .bind(items)
-            .bind(condition.and_then(|c| c.after).unwrap_or(0))
-            .fetch_one(pool)
-            .await;
     let OneStatementAppend {
         matching,
         positions,

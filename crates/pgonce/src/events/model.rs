@@ -149,6 +149,17 @@ impl Query {
         }
     }
 
+    /// The query's one item, when it has exactly one and that item names
+    /// at least one tag: the shape the one-statement append and decision
+    /// read run with plans kept (migration 0170). `None` for any other
+    /// query, which they run through a query built as text.
+    pub(crate) fn tag_item(&self) -> Option<&QueryItem> {
+        match self {
+            Query::Items(items) if items.len() == 1 && !items[0].tags.is_empty() => items.first(),
+            _ => None,
+        }
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         let Query::Items(items) = self else {
             return Ok(());

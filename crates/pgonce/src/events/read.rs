@@ -90,13 +90,26 @@ pub(crate) async fn decide(pool: &PgPool, query: &Query) -> Result<Decision> {
     // transaction. A session whose default isolation is not READ COMMITTED
     // takes the transaction path, which sets it.
     let (key_array, modes) = keys.arrays();
-    let one: std::result::Result<Vec<DecideRow>, sqlx::Error> =
-        sqlx::query_as(include_str!("sql/decide_one_statement.sql"))
-            .bind(key_array)
-            .bind(modes)
-            .bind(items_json(query)?)
-            .fetch_all(pool)
-            .await;
+    let one: std::result::Result<Vec<DecideRow>, sqlx::Error> = match query.tag_item() {
+        // The commonest query, with the plans kept (migration 0170).
+        Some(item) => {
+            sqlx::query_as(include_str!("sql/decide_tag_item.sql"))
+                .bind(key_array)
+                .bind(modes)
+                .bind(&item.tags)
+                .bind(&item.types)
+                .fetch_all(pool)
+                .await
+        }
+        None => {
+            sqlx::query_as(include_str!("sql/decide_one_statement.sql"))
+                .bind(key_array)
+                .bind(modes)
+                .bind(items_json(query)?)
+                .fetch_all(pool)
+                .await
+        }
+    };
     let rows = match one {
         Ok(rows) => rows,
         Err(e) if not_read_committed(&e) => {
