@@ -287,9 +287,12 @@ fn validated_keys(
     Ok(keys)
 }
 
-/// The error of a failed condition, logged and counted.
+/// The error of a failed condition, logged and counted. Logged at debug:
+/// a refused condition is the outcome a DCB command expects under
+/// contention (the caller decides again), not a fault; the counter
+/// `pgonce_events_conflicts_total` shows how often.
 fn refused(strategy: AppendStrategy, c: &AppendCondition, matching: Vec<i64>) -> Error {
-    tracing::warn!(strategy = strategy.name(), after = ?c.after, ?matching, "append condition failed");
+    tracing::debug!(strategy = strategy.name(), after = ?c.after, ?matching, "append condition failed");
     metrics::counter!("pgonce_events_conflicts_total", "strategy" => strategy.name()).increment(1);
     Error::AppendConditionFailed {
         after: c.after,
