@@ -15,7 +15,11 @@
 //! by the same writers with no decision read, no condition and no lock, one
 //! autocommitted INSERT each (`unconditioned-insert`). Every strategy is
 //! reported as a fraction of it (`*_of_unconditioned_*` ratios: committed
-//! conditional appends/s over plain inserts/s at the same overlap).
+//! conditional appends/s over plain inserts/s at the same overlap). A
+//! second floor, `read-then-insert` (disjoint tags): the decision read's
+//! statement without its lock, then the plain insert, two statements as in
+//! a command that reads before it writes; `advisory_locks_of_read_then_insert`
+//! is the part of the gap that is the safeguard's.
 //!
 //! The peer, disintegrate-postgres (`peers/disintegrate.rs`), runs the same
 //! workload on its own sqlx 0.8 pool on the same database; the
@@ -112,7 +116,7 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         let label = format!("{UNCONDITIONED}/{}", overlap.name());
         let (m, deadlocks, waiting) = observed(
             db.pool(),
-            unconditioned(db.pool(), overlap, workers, phase, &label),
+            unguarded(db.pool(), overlap, false, workers, phase, &label),
         )
         .await?;
         let cell = Cell {
@@ -189,6 +193,43 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         "advisory_one_statement_vs_transaction_path_disjoint_16w",
         committed_per_sec(get_cell(&cells, AppendStrategy::AdvisoryLocks, "disjoint")),
         committed_per_sec(&three_messages),
+    );
+
+    // The same two statements as a DCB command without the safeguard: the
+    // decision read's rows with no lock, then the plain insert. The floor a
+    // command that reads before it writes cannot go below, whatever guards
+    // it: how much of the gap to the one-statement limit is the safeguard's.
+    let label = format!("{READ_THEN_INSERT}/disjoint");
+    let (m, deadlocks, waiting) = observed(
+        db.pool(),
+        unguarded(db.pool(), Overlap::Disjoint, true, workers, phase, &label),
+    )
+    .await?;
+    let unguarded = Cell {
+        m,
+        retries: 0,
+        aborts: 0,
+        deadlocks,
+        waiting,
+    };
+    report.results.push(row(
+        READ_THEN_INSERT,
+        Overlap::Disjoint,
+        workers,
+        &unguarded,
+    ));
+    no_errors(&mut report, &label, &unguarded.m);
+    if let Some((_, limit)) = limits.first() {
+        report.ratio(
+            "read_then_insert_of_unconditioned_disjoint_16w",
+            unguarded.m.ops_per_sec(),
+            *limit,
+        );
+    }
+    report.ratio(
+        "advisory_locks_of_read_then_insert_disjoint_16w",
+        committed_per_sec(get_cell(&cells, AppendStrategy::AdvisoryLocks, "disjoint")),
+        unguarded.m.ops_per_sec(),
     );
 
     let notify = measure(
@@ -310,6 +351,15 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
 /// The strategy name of the limit: the same rows, no condition, no lock.
 const UNCONDITIONED: &str = "unconditioned-insert";
 
+/// The row a conditional append would write, inserted with no condition
+/// and no lock ($1: the tag).
+const PLAIN_INSERT: &str =
+    "INSERT INTO pgonce.events (type, tags, data) VALUES ('Booked', ARRAY[$1], 'null')";
+
+/// A DCB command's two statements without the safeguard: the decision
+/// read's rows (no lock), then the plain insert.
+const READ_THEN_INSERT: &str = "read-then-insert";
+
 /// The advisory strategy on its transaction path (three messages per
 /// append and per decision read instead of one statement each).
 const TRANSACTION_PATH: &str = "advisory-locks-transaction-path";
@@ -326,11 +376,30 @@ fn get_cell<'a>(
         .expect("measured")
 }
 
-/// The limit at one overlap: each operation one autocommitted INSERT of the
-/// row a conditional append would write, on this cell's own tags.
-fn unconditioned(
+/// A row of the unguarded decision read: the columns pgonce's decision read
+/// returns, decoded the same way.
+#[derive(sqlx::FromRow)]
+#[allow(dead_code)] // decoded as pgonce decodes them, then dropped
+struct ReadRow {
+    head: Option<i64>,
+    position: Option<i64>,
+    #[sqlx(rename = "type")]
+    event_type: Option<String>,
+    tags: Option<Vec<String>>,
+    data: Option<serde_json::Value>,
+    metadata: Option<serde_json::Value>,
+}
+
+/// Unguarded writers on this cell's own tags. Each operation is one
+/// autocommitted INSERT of the row a conditional append would write (the
+/// limit); with `read_first`, the rows the decision read returns for the
+/// writer's tag come first (the same statement, without the lock before
+/// it), two autocommitted statements as in a command that reads before it
+/// writes.
+fn unguarded(
     pool: &PgPool,
     overlap: Overlap,
+    read_first: bool,
     workers: usize,
     phase: Duration,
     label: &str,
@@ -341,12 +410,22 @@ fn unconditioned(
         let (pool, cell) = (pool.clone(), cell.clone());
         async move {
             let tag = format!("{cell}/{}", overlap.tag(worker));
-            sqlx::query(
-                "INSERT INTO pgonce.events (type, tags, data) VALUES ('Booked', ARRAY[$1], 'null')",
-            )
-            .bind(&tag)
-            .execute(&pool)
-            .await?;
+            if read_first {
+                let rows: Vec<ReadRow> = sqlx::query_as(
+                    "SELECT h.head, e.position, e.type, e.tags, e.data, e.metadata
+                     FROM (SELECT max(position) AS head FROM pgonce.events) AS h
+                     LEFT JOIN LATERAL (
+                         SELECT position, type, tags, data, metadata FROM pgonce.events e
+                         WHERE e.tags @> ARRAY[$1]
+                     ) AS e ON true
+                     ORDER BY e.position",
+                )
+                .bind(&tag)
+                .fetch_all(&pool)
+                .await?;
+                drop(rows);
+            }
+            sqlx::query(PLAIN_INSERT).bind(&tag).execute(&pool).await?;
             Ok(None)
         }
     })
