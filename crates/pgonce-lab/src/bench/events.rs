@@ -19,15 +19,18 @@
 //! second floor, `read-then-insert` (disjoint tags): the decision read's
 //! statement without its lock, then the plain insert, two statements as in
 //! a command that reads before it writes; `advisory_locks_of_read_then_insert`
-//! is the part of the gap that is the safeguard's.
+//! is the part of the gap that is the safeguard's. And the guarded write
+//! alone, `advisory-locks-kept-decision`: writers that keep their decision
+//! between commands (decide once, then condition each append on the
+//! position the previous one returned), one conditional append per command.
 //!
 //! The peer, disintegrate-postgres (`peers/disintegrate.rs`), runs the same
 //! workload on its own sqlx 0.8 pool on the same database; the
 //! `pgonce_vs_disintegrate_*` ratios compare committed appends/s, pgonce's
 //! best strategy against it at the same overlap and writers.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pgonce::Error;
@@ -195,6 +198,21 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         committed_per_sec(&three_messages),
     );
 
+    // The guarded write alone: the advisory strategy with the decision kept
+    // by each writer between commands, one conditional append per command.
+    let kept = measure_kept_decision(db.pool(), workers, phase, KEPT_DECISION).await?;
+    report
+        .results
+        .push(row(KEPT_DECISION, Overlap::Disjoint, workers, &kept));
+    no_errors(&mut report, KEPT_DECISION, &kept.m);
+    if let Some((_, limit)) = limits.first() {
+        report.ratio(
+            "advisory_locks_kept_decision_of_unconditioned_disjoint_16w",
+            committed_per_sec(&kept),
+            *limit,
+        );
+    }
+
     // The same two statements as a DCB command without the safeguard: the
     // decision read's rows with no lock, then the plain insert. The floor a
     // command that reads before it writes cannot go below, whatever guards
@@ -350,6 +368,10 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
 
 /// The strategy name of the limit: the same rows, no condition, no lock.
 const UNCONDITIONED: &str = "unconditioned-insert";
+
+/// The advisory strategy with each writer keeping its decision between
+/// commands (disjoint tags only).
+const KEPT_DECISION: &str = "advisory-locks-kept-decision";
 
 /// The row a conditional append would write, inserted with no condition
 /// and no lock ($1: the tag).
@@ -528,6 +550,72 @@ async fn measure(
         m,
         retries: retries.load(Ordering::Relaxed),
         aborts: aborts.load(Ordering::Relaxed),
+        deadlocks,
+        waiting,
+    })
+}
+
+/// The advisory strategy on disjoint tags with the decision kept by the
+/// writer, as a command handler that caches its state does: it decides
+/// once, then conditions each append on the position its previous append
+/// returned, and decides again only after a refusal (counted in
+/// `conflicts`). Nobody else writes a writer's tag, so each command is one
+/// conditional append: what the guarded write costs, without the read
+/// before it.
+async fn measure_kept_decision(
+    pool: &PgPool,
+    workers: usize,
+    phase: Duration,
+    label: &str,
+) -> anyhow::Result<Cell> {
+    let store = EventStore::new(
+        pool.clone(),
+        EventStoreConfig {
+            strategy: AppendStrategy::AdvisoryLocks,
+            notify: false,
+            max_retries: 100,
+        },
+    )?;
+    // Per writer: its kept decision's `after`, or None before its first
+    // decision and after a refusal.
+    let kept: Arc<Vec<Mutex<Option<Option<i64>>>>> =
+        Arc::new((0..workers).map(|_| Mutex::new(None)).collect());
+    let cell = Arc::new(label.to_owned());
+    let (m, deadlocks, waiting) = observed(
+        pool,
+        closed_loop(label, workers, phase, move |worker, _| {
+            let (store, kept, cell) = (store.clone(), kept.clone(), cell.clone());
+            async move {
+                let tag = format!("{cell}/{}", Overlap::Disjoint.tag(worker));
+                let query = Query::item(Vec::<String>::new(), [tag.as_str()])?;
+                let known = *kept[worker].lock().unwrap();
+                let after = match known {
+                    Some(after) => after,
+                    None => store.decide(&query).await?.after,
+                };
+                let event = Event::new("Booked").tag(&tag);
+                match store
+                    .append(&[event], Some(&AppendCondition::new(query, after)))
+                    .await
+                {
+                    Ok(appended) => {
+                        *kept[worker].lock().unwrap() = Some(appended.positions.last().copied());
+                        Ok(None)
+                    }
+                    Err(Error::AppendConditionFailed { .. }) => {
+                        *kept[worker].lock().unwrap() = None;
+                        Ok(Some("conflicts"))
+                    }
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }),
+    )
+    .await?;
+    Ok(Cell {
+        m,
+        retries: 0,
+        aborts: 0,
         deadlocks,
         waiting,
     })
