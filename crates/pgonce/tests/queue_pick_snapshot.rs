@@ -244,8 +244,12 @@ async fn a_receive_killed_after_its_pick_locked_leaves_the_messages_as_they_were
         .await
         .unwrap();
     t.wait_at(AFTER_PICK).await;
+    // With a timeout, pg_terminate_backend returns once the backend has
+    // exited, its transaction aborted and its row locks released: the
+    // client hears of the termination before that, so a receive right
+    // after the error could still find A and B locked and skip them.
     let killed: bool = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+        "SELECT pg_terminate_backend(pid, 60000) FROM pg_stat_activity
          WHERE application_name LIKE '%:R' AND datname = current_database()
            AND wait_event_type = 'Lock'",
     )
