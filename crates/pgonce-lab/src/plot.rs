@@ -23,7 +23,6 @@ const GOALS: &[(&str, f64)] = &[
     ("pgonce_vs_best_peer", 1.2),
     ("pgonce_b1_vs_raw", 0.5),
     ("advisory_locks_of_unconditioned_disjoint_16w", 0.7),
-    ("advisory_vs_table_lock_disjoint_16w", 4.0),
     ("pgonce_vs_disintegrate_disjoint_16w", 1.2),
 ];
 
