@@ -364,6 +364,117 @@ async fn a_tag_item_condition_is_checked_near_and_far_from_the_head() {
     }
 }
 
+/// The one-item tag path (migration 0170) answers every query as the
+/// model does and as the general path does (the same item twice, which
+/// takes migration 0110's query built as text): random items of one or two
+/// tags and zero to two types over a log of 800 events, decision reads and
+/// conditions with `after` anywhere from `i64::MIN` to past the head, so
+/// both branches of the check run. A failure names its seed and round.
+#[tokio::test]
+async fn tag_item_queries_answer_as_the_model_and_the_general_path_do() {
+    use rand::SeedableRng;
+    let (_db, pool) = db().await;
+    empty_log(&pool).await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let seed = rand::random::<u64>();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let tags = ["t0", "t1", "t2", "t3", "t4", "t5"];
+    let types = ["A", "B", "C"];
+    for _ in 0..8 {
+        let batch: Vec<Event> = (0..100)
+            .map(|_| {
+                let mut e = Event::new(types[rng.random_range(0..types.len())]);
+                for t in tags {
+                    if rng.random_bool(0.3) {
+                        e = e.tag(t);
+                    }
+                }
+                e
+            })
+            .collect();
+        s.append(&batch, None).await.unwrap();
+    }
+    let mut log = s.read(&Query::all(), ReadOptions::default()).await.unwrap();
+    for round in 0..150 {
+        let pick = |rng: &mut rand::rngs::StdRng, from: &[&'static str], n: usize| {
+            let mut chosen: Vec<&str> = Vec::new();
+            while chosen.len() < n {
+                let x = from[rng.random_range(0..from.len())];
+                if !chosen.contains(&x) {
+                    chosen.push(x);
+                }
+            }
+            chosen
+        };
+        let n_tags = rng.random_range(1..=2);
+        let n_types = rng.random_range(0..=2);
+        let item = QueryItem::new()
+            .tags(pick(&mut rng, &tags, n_tags))
+            .types(pick(&mut rng, &types, n_types));
+        let fast = Query::items([item.clone()]).unwrap();
+        let general = Query::items([item.clone(), item.clone()]).unwrap();
+        let context = format!("seed {seed}, round {round}, {item:?}");
+        let head = log.last().map(|e| e.position);
+        let model: Vec<i64> = log
+            .iter()
+            .filter(|e| item.matches(&e.event))
+            .map(|e| e.position)
+            .collect();
+
+        for query in [&fast, &general] {
+            let decision = s.decide(query).await.unwrap();
+            assert_eq!(positions(&decision.events), model, "{context}");
+            assert_eq!(decision.after, head, "{context}");
+        }
+
+        let head = head.unwrap_or(0);
+        let after = match rng.random_range(0..10) {
+            0 => i64::MIN,
+            1 => head + 5,
+            2..=5 => head - rng.random_range(0..40),
+            _ => rng.random_range(0..=head),
+        };
+        let expected: Vec<i64> = model
+            .iter()
+            .copied()
+            .filter(|&p| p > after)
+            .take(16)
+            .collect();
+        for query in [&fast, &general] {
+            let probe = Event::new("Probe").tag("probe");
+            let outcome = s
+                .append(
+                    &[probe],
+                    Some(&AppendCondition::new(query.clone(), Some(after))),
+                )
+                .await;
+            match outcome {
+                Ok(appended) => {
+                    assert!(
+                        expected.is_empty(),
+                        "{context}, after {after}: accepted over {expected:?}"
+                    );
+                    let probe = s
+                        .read(
+                            &Query::all(),
+                            ReadOptions {
+                                from: appended.positions.first().copied(),
+                                ..Default::default()
+                            },
+                        )
+                        .await
+                        .unwrap();
+                    log.extend(probe);
+                }
+                Err(Error::AppendConditionFailed { matching, .. }) => {
+                    assert_eq!(matching, expected, "{context}, after {after}");
+                }
+                Err(e) => panic!("{context}, after {after}: {e}"),
+            }
+        }
+    }
+}
+
 /// Bad input is a typed error and nothing is half-written: an append whose
 /// second event is invalid stores neither.
 #[tokio::test]
