@@ -227,6 +227,15 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             },
         ),
         (
+            "pgonce-standard-b1-no-notify",
+            PgScenario {
+                fifo: false,
+                batch: 1,
+                groups: 0,
+                notify: false,
+            },
+        ),
+        (
             "pgonce-standard-b10-no-notify",
             PgScenario {
                 fifo: false,
@@ -306,6 +315,25 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             );
         }
     }
+    // Batch 1 with neither side pushing wake-ups: pgmq's consumers poll
+    // (the bench sleeps 1 ms after an empty read), pgonce's without
+    // notifications poll at their 50 ms interval. Against
+    // pgonce_vs_pgmq_b1, the difference is what waking receivers at once
+    // costs in throughput (and buys in latency).
+    let rate_of = |name: &str| {
+        ours.iter()
+            .find(|(strategy, _, _)| *strategy == name)
+            .map(|(_, _, rate)| *rate)
+            .unwrap_or(0.0)
+    };
+    let polling_b1 = rate_of("pgonce-standard-b1-no-notify");
+    report.ratio(
+        "pgonce_no_notify_vs_pgmq_b1",
+        polling_b1,
+        peer_rate("pgmq-b1"),
+    );
+    report.ratio("pgonce_no_notify_b1_vs_raw", polling_b1, raw.per_sec());
+
     // pgmq's pop deletes as it reads (at-most-once): a guarantee pgonce's
     // queue does not trade away, so it is set against the raw limit only.
     report.ratio(
