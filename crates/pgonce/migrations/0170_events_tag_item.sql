@@ -5,13 +5,14 @@
 -- is how the statements inside are planned.
 --
 -- Those functions build the query as text and EXECUTE it, so PostgreSQL
--- parses and plans it at every call: with `perf` on the server, planning
--- was about a quarter of the CPU of a decision read plus an append, and
--- the two together ran at 0.38 of a bare SELECT + INSERT doing the same
--- reads and writes (pgbench, 16 clients). Here the query's values are
--- parameters of static statements, whose plans PL/pgSQL keeps for the
--- session; each statement is written so that its one plan is right for
--- every value, not only for the values it was first planned with:
+-- parses and plans it at every call: with `perf` on the server, parsing
+-- and planning were about a fifth of the CPU of a decision read plus an
+-- append, and the two together ran at 0.38 of a bare SELECT + INSERT
+-- doing the same reads and writes (pgbench, 16 clients). Here the
+-- query's values are parameters of static statements, whose plans
+-- PL/pgSQL keeps for the session; each statement is written so that its
+-- one plan is right for every value, not only for the values it was
+-- first planned with:
 --
 -- * `plan_cache_mode = force_generic_plan`: planned once per session.
 -- * `enable_seqscan = off`: a plan made while the table was small must not
@@ -21,9 +22,9 @@
 --   one index probe):
 --   - near the head (up to 512 positions): the events above `after` in
 --     position order, through the primary key, stopping at the 16th
---     match: at most 512 rows read however long the tag's history. The tag
---     test is written `(...) IS TRUE`, which the GIN cannot answer, so the
---     walk is the only plan;
+--     match: at most 512 rows read (and what was appended since) however
+--     long the tag's history. The tag test is written `(...) IS TRUE`,
+--     which the GIN cannot answer, so the walk is the only plan;
 --   - further: the tag's events through the GIN on `tags`, then those
 --     above `after`: as many rows as the tag has events, the same rows the
 --     decision read reads. `OFFSET 0` keeps the order and limit outside,
