@@ -1,44 +1,44 @@
 -- The one-statement append and decision read (migration 0110) for the
--- commonest DCB query: one item naming at least one tag (and maybe types),
--- such as "every event of booking 42". Same steps, same order, same
--- snapshots as pgonce.events_append and pgonce.events_decide; what changes
--- is how the statements inside are planned.
+-- commonest DCB query: one item naming tags and no types, such as "every
+-- event of booking 42". Same steps, same order, same snapshots as
+-- pgonce.events_append and pgonce.events_decide; what changes is how the
+-- statements inside are planned.
 --
 -- Those functions build the query as text and EXECUTE it, so PostgreSQL
 -- parses and plans it at every call: with `perf` on the server, parsing
 -- and planning were about a fifth of the CPU of a decision read plus an
 -- append, and the two together ran at 0.38 of a bare SELECT + INSERT
--- doing the same reads and writes (pgbench, 16 clients). Here the
--- query's values are parameters of static statements, whose plans
--- PL/pgSQL keeps for the session; each statement is written so that its
--- one plan is right for every value, not only for the values it was
--- first planned with:
+-- doing the same reads and writes (pgbench, 16 clients). Here the tags
+-- are parameters of static statements, whose plans PL/pgSQL keeps for the
+-- session, each written so that its one plan is right for every value,
+-- not only for the values it was first planned with:
 --
 -- * `plan_cache_mode = force_generic_plan`: planned once per session.
 -- * `enable_seqscan = off`: a plan made while the table was small must not
 --   stay a sequential scan once it has grown.
--- * The condition check is one of two statements, chosen by how far the
---   condition's `after` is below the head (the primary key's last entry,
---   one index probe):
---   - near the head (up to 512 positions): the events above `after` in
---     position order, through the primary key, stopping at the 16th
---     match: at most 512 rows read (and what was appended since) however
---     long the tag's history. The tag test is written `(...) IS TRUE`,
---     which the GIN cannot answer, so the walk is the only plan;
---   - further: the tag's events through the GIN on `tags`, then those
---     above `after`: as many rows as the tag has events, the same rows the
---     decision read reads. `OFFSET 0` keeps the order and limit outside,
---     so the planner does not trade the GIN for an ordered walk of the
---     whole primary key (12 ms for a rare tag at 28,000 events).
---   Both statements return the same positions; the choice is only cost.
--- * The decision read has no `after`: the tag's events through the GIN,
---   sorted; the head through the primary key.
+-- * The decision read has no `after`: the tag's events through the GIN on
+--   `tags`, which is what a plan made for any tag would read; the head
+--   through the primary key.
+-- * The condition check near the head (`after` at most 512 below it, the
+--   head being the primary key's last entry, one index probe): the events
+--   above `after` in position order through the primary key, stopping at
+--   the 16th match, so at most 512 rows read (and what was appended
+--   since). The tag test is written `(...) IS TRUE`, which the GIN cannot
+--   answer, so this walk is the only plan. The test is `after >= head -
+--   512`, which no `after` overflows.
+-- * Further below the head the cheapest plan depends on the tag (its
+--   history through the GIN, or the walk when the tag is common), so that
+--   check is planned for its values at each call, as migration 0110 does:
+--   a plan kept for every tag read a common tag's whole history (40 ms at
+--   300,000 events, against 1 ms).
+-- * Items with types stay on migration 0110's path: a kept plan cannot use
+--   the (type, position) index for a rare type on a common tag, and read
+--   the tag's whole history where 0110's plan reads the type's events.
 -- * The isolation check and the locks are one call (events_enter) rather
 --   than two (events_require_read_committed, events_lock): each call is one
 --   more statement for PL/pgSQL to run.
 --
--- item_tags: the item's tags (at least one); item_types: its types, empty
--- for any.
+-- item_tags: the item's tags (at least one).
 
 -- Refuses (SQLSTATE PO110, before anything is done) to run outside READ
 -- COMMITTED, as events_require_read_committed does, then takes the keys in
@@ -69,7 +69,6 @@ CREATE FUNCTION pgonce.events_append_tag_item(
     exclusive boolean[],
     table_lock boolean,
     item_tags text[],
-    item_types text[],
     after bigint,
     OUT matching bigint[],
     OUT positions bigint[]
@@ -93,20 +92,15 @@ BEGIN
             SELECT e.position FROM pgonce.events e
             WHERE e.position > after
               AND (e.tags @> item_tags) IS TRUE
-              AND (cardinality(item_types) = 0 OR e.type = ANY(item_types))
             ORDER BY e.position
             LIMIT 16);
     ELSE
-        matching := ARRAY(
-            SELECT m.position FROM (
-                SELECT e.position FROM pgonce.events e
-                WHERE e.tags @> item_tags
-                  AND (cardinality(item_types) = 0 OR e.type = ANY(item_types))
-                  AND e.position > after
-                OFFSET 0
-            ) AS m
-            ORDER BY m.position
-            LIMIT 16);
+        -- Planned for these values (EXECUTE ... USING), as 0110's check.
+        EXECUTE 'SELECT ARRAY(SELECT e.position FROM pgonce.events e
+                              WHERE e.tags @> $1 AND e.position > $2
+                              ORDER BY e.position LIMIT 16)'
+            INTO matching
+            USING item_tags, after;
     END IF;
     IF cardinality(matching) = 0 THEN
         positions := pgonce.events_insert(events, channel, true, false);
@@ -119,8 +113,7 @@ $$;
 CREATE FUNCTION pgonce.events_decide_tag_item(
     keys bigint[],
     exclusive boolean[],
-    item_tags text[],
-    item_types text[]
+    item_tags text[]
 )
 RETURNS TABLE (head bigint, "position" bigint, type text, tags text[], data jsonb, metadata jsonb)
 LANGUAGE plpgsql VOLATILE
@@ -135,8 +128,6 @@ BEGIN
         LEFT JOIN LATERAL (
             SELECT x.position, x.type, x.tags, x.data, x.metadata FROM pgonce.events x
             WHERE x.tags @> item_tags
-              AND (cardinality(item_types) = 0
-                   OR x.type = ANY(item_types))
         ) AS e ON true
         ORDER BY e.position;
 END

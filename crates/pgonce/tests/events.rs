@@ -247,9 +247,9 @@ async fn a_condition_fails_only_on_matches_after_its_position() {
 /// A condition on one item naming a tag (the one-statement path with kept
 /// plans, migration 0170) finds its matches however far its `after` is
 /// below the head: near it (up to 512 positions) through an ordered walk of
-/// the primary key, further through the GIN on tags; with types, only
-/// events of those types match. The decision read on such a query returns
-/// exactly the matching events.
+/// the primary key, further through a check planned for its values; with
+/// types (migration 0110's path), only events of those types match. The
+/// decision read on such a query returns exactly the matching events.
 #[tokio::test]
 async fn a_tag_item_condition_is_checked_near_and_far_from_the_head() {
     let (_db, pool) = db().await;
@@ -299,11 +299,19 @@ async fn a_tag_item_condition_is_checked_near_and_far_from_the_head() {
         let ok = s
             .append(
                 &[cancelled()],
-                Some(&AppendCondition::new(typed(&["Cancelled"]), Some(0))),
+                Some(&AppendCondition::new(tag.clone(), Some(1))),
             )
             .await
             .unwrap();
-        assert_eq!(ok.positions, vec![602], "{strategy:?}: no Cancelled yet");
+        assert_eq!(ok.positions, vec![602], "{strategy:?}: 1 is not above 1");
+        let matching = refused(
+            s.append(
+                &[cancelled()],
+                Some(&AppendCondition::new(typed(&["Cancelled"]), Some(0))),
+            )
+            .await,
+        );
+        assert_eq!(matching, vec![602], "{strategy:?}");
         let ok = s
             .append(
                 &[booked("booking:7")],
@@ -901,6 +909,70 @@ async fn sessions_defaulting_to_repeatable_read_take_the_transaction_path() {
             .await
             .unwrap();
         assert_eq!(read.len(), 1, "{strategy:?}");
+    }
+}
+
+/// The same promise as above, raced: in sessions defaulting to REPEATABLE
+/// READ, B's conditional append and decision read wait for A's in-flight
+/// append on the tag, and once A commits B sees A's event. The
+/// one-statement functions must refuse such a session (PO110): run there,
+/// their check would read from the snapshot taken when B's statement
+/// began, before A committed, and accept B's append over A's event.
+#[tokio::test]
+async fn a_repeatable_read_session_waiting_for_an_append_sees_it() {
+    let (db, pool) = db().await;
+    let rr = db
+        .options()
+        .options([("default_transaction_isolation", "repeatable read")]);
+    for strategy in [AppendStrategy::AdvisoryLocks, AppendStrategy::TableLock] {
+        for decide in [false, true] {
+            empty_log(&pool).await;
+            store(&pool, strategy)
+                .append(&[booked("booking:1")], None)
+                .await
+                .unwrap();
+            let race = Interleaving::new(rr.clone()).await.unwrap();
+            let a = race.session("A").await.unwrap();
+            let b = race.session("B").await.unwrap();
+            let held = race
+                .step(
+                    &a,
+                    "begin_append",
+                    store(a.pool(), strategy).begin_append(&[booked("booking:1")], None),
+                )
+                .await
+                .unwrap()
+                .unwrap();
+            let sb = store(b.pool(), strategy);
+            let waiting = race
+                .step_blocks(&b, if decide { "decide" } else { "append" }, async move {
+                    let query = tag_query("booking:1");
+                    if decide {
+                        sb.decide(&query).await.map(|d| positions(&d.events))
+                    } else {
+                        let condition = AppendCondition::new(query, Some(1));
+                        sb.append(&[booked("booking:1")], Some(&condition))
+                            .await
+                            .map(|a| a.positions)
+                    }
+                })
+                .await
+                .unwrap();
+            assert_eq!(waiting.blocked_by(), ["A"], "{strategy:?}");
+            held.commit().await.unwrap();
+            let outcome = waiting.resume().await.unwrap();
+            if decide {
+                assert_eq!(outcome.unwrap(), vec![1, 2], "{strategy:?}");
+            } else {
+                assert!(
+                    matches!(
+                        &outcome,
+                        Err(Error::AppendConditionFailed { matching, .. }) if matching == &vec![2]
+                    ),
+                    "{strategy:?}: {outcome:?}"
+                );
+            }
+        }
     }
 }
 

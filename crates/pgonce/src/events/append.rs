@@ -359,15 +359,14 @@ async fn append_one_statement(
     let tag_item = condition.and_then(|c| c.fail_if_events_match.tag_item());
     let row: std::result::Result<OneStatementAppend, sqlx::Error> = match tag_item {
         // The commonest condition, with the plans kept (migration 0170).
-        Some(item) => {
+        Some(tags) => {
             sqlx::query_as(include_str!("sql/append_tag_item.sql"))
                 .bind(events_json(events)?)
                 .bind(channel)
                 .bind(keys)
                 .bind(modes)
                 .bind(table_lock)
-                .bind(&item.tags)
-                .bind(&item.types)
+                .bind(tags)
                 .bind(after)
                 .fetch_one(pool)
                 .await

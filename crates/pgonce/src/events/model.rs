@@ -149,13 +149,18 @@ impl Query {
         }
     }
 
-    /// The query's one item, when it has exactly one and that item names
-    /// at least one tag: the shape the one-statement append and decision
-    /// read run with plans kept (migration 0170). `None` for any other
-    /// query, which they run through a query built as text.
-    pub(crate) fn tag_item(&self) -> Option<&QueryItem> {
+    /// The tags of the query's one item, when it has exactly one and that
+    /// item names tags and no types: the shape the one-statement append
+    /// and decision read run with plans kept (migration 0170). `None` for
+    /// any other query, which they run through a query built as text and
+    /// planned for its values.
+    pub(crate) fn tag_item(&self) -> Option<&[String]> {
         match self {
-            Query::Items(items) if items.len() == 1 && !items[0].tags.is_empty() => items.first(),
+            Query::Items(items)
+                if items.len() == 1 && !items[0].tags.is_empty() && items[0].types.is_empty() =>
+            {
+                Some(&items[0].tags)
+            }
             _ => None,
         }
     }

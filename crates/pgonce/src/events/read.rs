@@ -92,12 +92,11 @@ pub(crate) async fn decide(pool: &PgPool, query: &Query) -> Result<Decision> {
     let (key_array, modes) = keys.arrays();
     let one: std::result::Result<Vec<DecideRow>, sqlx::Error> = match query.tag_item() {
         // The commonest query, with the plans kept (migration 0170).
-        Some(item) => {
+        Some(tags) => {
             sqlx::query_as(include_str!("sql/decide_tag_item.sql"))
                 .bind(key_array)
                 .bind(modes)
-                .bind(&item.tags)
-                .bind(&item.types)
+                .bind(tags)
                 .fetch_all(pool)
                 .await
         }
