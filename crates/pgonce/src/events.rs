@@ -104,14 +104,27 @@
 //!
 //! # Round trips
 //!
-//! A conditional append is three round trips after the pool hands out its
-//! connection: one simple-query message that takes the strategy's locks and
-//! then BEGINs (a lock that fails leaves the session idle, not in an aborted
-//! transaction); one statement that checks the condition and, only if it
-//! holds, inserts (through `pgonce.events_insert`, so the INSERT's plan is
-//! cached while the check is planned for its `after`); COMMIT. A decision
-//! read is the same locks message, the read, COMMIT. Under READ COMMITTED the
-//! check's and the read's snapshots are taken after every lock was granted.
+//! Under the lock strategies, a conditional append and a decision read are
+//! one statement each after the pool hands out its connection: a PL/pgSQL
+//! function run as its own transaction, which takes the keys (and the
+//! table lock), then checks and inserts, or reads. In a READ COMMITTED
+//! transaction each statement such a function runs takes a new snapshot,
+//! so the check and the read see every append the keys waited for. The
+//! commonest query, one item naming tags and no types, runs through
+//! statements whose plans the session keeps (`pgonce.events_append_tag_item`,
+//! `pgonce.events_decide_tag_item`, migration 0170); any other query is
+//! built as text and planned for its values at each call
+//! (`pgonce.events_append`, `pgonce.events_decide`, migration 0110).
+//!
+//! The serializable strategy, and a session whose default isolation is not
+//! READ COMMITTED (the functions refuse it), take the transaction path,
+//! three round trips: one simple-query message that sets the isolation,
+//! takes the strategy's locks and then BEGINs (a lock that fails leaves the
+//! session idle, not in an aborted transaction); one statement that checks
+//! the condition and, only if it holds, inserts (through
+//! `pgonce.events_insert`, so the INSERT's plan is cached while the check
+//! is planned for its `after`); COMMIT. A decision read there is the same
+//! locks message, the read, COMMIT.
 //!
 //! # I5 whatever the commit order
 //!
