@@ -490,6 +490,23 @@ fn row(strategy: &str, overlap: Overlap, workers: usize, c: &Cell) -> Row {
         .with("committed_per_sec", round2(committed_per_sec(c)))
 }
 
+/// The store every cell appends through: the strategy under test, retries
+/// enough that a serialization failure is counted, not reported.
+fn bench_store(
+    pool: &PgPool,
+    strategy: AppendStrategy,
+    notify: bool,
+) -> pgonce::Result<EventStore> {
+    EventStore::new(
+        pool.clone(),
+        EventStoreConfig {
+            strategy,
+            notify,
+            max_retries: 100,
+        },
+    )
+}
+
 async fn measure(
     pool: &PgPool,
     strategy: AppendStrategy,
@@ -499,14 +516,7 @@ async fn measure(
     phase: Duration,
     label: &str,
 ) -> anyhow::Result<Cell> {
-    let store = EventStore::new(
-        pool.clone(),
-        EventStoreConfig {
-            strategy,
-            notify,
-            max_retries: 100,
-        },
-    )?;
+    let store = bench_store(pool, strategy, notify)?;
     let retries = Arc::new(AtomicU64::new(0));
     let aborts = Arc::new(AtomicU64::new(0));
     let (r, a) = (retries.clone(), aborts.clone());
@@ -566,14 +576,7 @@ async fn measure_kept_decision(
     phase: Duration,
     label: &str,
 ) -> anyhow::Result<Cell> {
-    let store = EventStore::new(
-        pool.clone(),
-        EventStoreConfig {
-            strategy: AppendStrategy::AdvisoryLocks,
-            notify: false,
-            max_retries: 100,
-        },
-    )?;
+    let store = bench_store(pool, AppendStrategy::AdvisoryLocks, false)?;
     // Per writer: its kept decision's `after`, or None before its first
     // decision and after a refusal.
     let kept: Arc<Vec<Mutex<Option<Option<i64>>>>> =
