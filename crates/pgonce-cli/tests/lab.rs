@@ -155,21 +155,26 @@ fn bench_events_quick_measures_the_peer_and_prints_both_goal_ratios() {
             "{s} missing: {strategies:?}"
         );
     }
-    let goals = report["sections"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .find(|(k, _)| k.starts_with("goals"))
-        .map(|(_, v)| v.clone())
-        .expect("a goals section");
-    let peer_goal = goals
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r.to_string().contains("pgonce_vs_disintegrate"))
-        .expect("the peer's goal row")
-        .to_string();
-    assert!(!peer_goal.contains("not measured"), "{peer_goal}");
+    // Both goals stated, each beside what the run measured.
+    let goal = |figure: &str| {
+        report["goals"]
+            .as_array()
+            .expect("goals")
+            .iter()
+            .find(|g| g["figure"] == figure)
+            .unwrap_or_else(|| panic!("no goal for {figure}: {report}"))
+            .clone()
+    };
+    for (figure, target) in [
+        ("pgonce_vs_disintegrate_disjoint_16w", 1.2),
+        ("advisory_locks_of_unconditioned_disjoint_16w", 0.7),
+    ] {
+        let g = goal(figure);
+        assert_eq!(g["bound"], "at_least", "{g}");
+        assert_eq!(g["target"], target, "{g}");
+        assert_eq!(g["measured"], report["ratios"][figure], "{g}");
+        assert!(g["met"].is_boolean(), "{g}");
+    }
 }
 
 #[test]
@@ -265,9 +270,12 @@ fn bench_service_quick_prints_the_p99_in_one_json_object() {
     ] {
         assert!(report["ratios"][ratio].as_f64().is_some(), "{ratio}");
     }
-    let goal = &report["sections"]["goals (performance; not part of the verdict)"][0];
-    assert!(goal["measured_ms"].as_f64().is_some(), "{goal}");
-    assert_eq!(goal["goal_ms"], 150.0);
+    let goal = &report["goals"][0];
+    assert_eq!(goal["figure"], "declaration_p99_ms", "{goal}");
+    assert!(goal["measured"].as_f64().is_some(), "{goal}");
+    assert_eq!(goal["bound"], "at_most", "{goal}");
+    assert_eq!(goal["target"], 150.0, "{goal}");
+    assert_eq!(goal["unit"], "ms", "{goal}");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! `pgonce bench ... --plot FILE.svg`: a run's figures as one SVG, drawn
 //! with plotters (SVG backend only): throughput per strategy, latency
-//! percentiles, and each ratio with its goal where the suite states one.
+//! percentiles, each ratio with its goal where the suite states one, and
+//! the goals in milliseconds beside what the run measured.
 //!
 //! Honest by construction: every value axis starts at zero, units are
 //! named on the axes, and the caption describes the machine (CPUs, load
@@ -13,18 +14,7 @@ use anyhow::Context;
 use plotters::coord::ranged1d::{IntoSegmentedCoord, SegmentValue};
 use plotters::prelude::*;
 
-use crate::report::Report;
-
-/// Goals the suites state for their ratios (informational, as in the
-/// reports): drawn as a red mark on the ratio's bar.
-const GOALS: &[(&str, f64)] = &[
-    ("pgonce_vs_pgmq_b1", 1.2),
-    ("pgonce_vs_pgmq_b10", 1.2),
-    ("pgonce_vs_best_peer", 1.2),
-    ("pgonce_b1_vs_raw", 0.5),
-    ("advisory_locks_of_unconditioned_disjoint_16w", 0.7),
-    ("pgonce_vs_disintegrate_disjoint_16w", 1.2),
-];
+use crate::report::{Bound, Report};
 
 const WIDTH: u32 = 1000;
 const BAR_HEIGHT: u32 = 20;
@@ -103,7 +93,11 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
         .ratios
         .iter()
         .map(|(name, value)| {
-            let goal = GOALS.iter().find(|(g, _)| g == name).map(|(_, v)| *v);
+            let goal = report
+                .goals
+                .iter()
+                .find(|g| &g.figure == name && g.unit == "x")
+                .map(|g| g.target);
             (
                 Bar {
                     label: name.clone(),
@@ -114,11 +108,37 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
         })
         .collect();
 
+    // Goals on figures that are not ratios (a p99 in milliseconds): the
+    // measured value, the goal as the red mark.
+    let ms_goals: Vec<(Bar, Option<f64>)> = report
+        .goals
+        .iter()
+        .filter(|g| g.unit == "ms")
+        .map(|g| {
+            let side = match g.bound {
+                Bound::AtLeast => "at least",
+                Bound::AtMost => "at most",
+            };
+            (
+                Bar {
+                    label: format!("{} (goal: {side} {} ms)", g.figure, g.target),
+                    values: vec![g.measured.unwrap_or(0.0)],
+                },
+                Some(g.target),
+            )
+        })
+        .collect();
+
     let height = |n: usize| n.max(1) as u32 * BAR_HEIGHT + PANEL_MARGIN;
     let heights = [
         height(throughput.len()),
         height(latency.len() * 2),
         height(ratios.len()),
+        if ms_goals.is_empty() {
+            0
+        } else {
+            height(ms_goals.len())
+        },
     ];
     let caption_height = 60;
     let total = caption_height + heights.iter().sum::<u32>();
@@ -138,7 +158,8 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
             (10, 36),
         )?;
         let (top, rest) = body.split_vertically(heights[0]);
-        let (middle, bottom) = rest.split_vertically(heights[1]);
+        let (middle, rest) = rest.split_vertically(heights[1]);
+        let (bottom, last) = rest.split_vertically(heights[2]);
         bars(
             &top,
             "Throughput per strategy",
@@ -146,6 +167,7 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
             &throughput,
             &[("ops/s", BLUE)],
             &[],
+            None,
         )?;
         bars(
             &middle,
@@ -154,6 +176,7 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
             &latency,
             &[("p50", GREEN), ("p99", MAGENTA)],
             &[],
+            None,
         )?;
         let goals: Vec<Option<f64>> = ratios.iter().map(|(_, g)| *g).collect();
         let ratio_bars: Vec<Bar> = ratios.into_iter().map(|(b, _)| b).collect();
@@ -164,13 +187,29 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
             &ratio_bars,
             &[("ratio", CYAN)],
             &goals,
+            Some(1.0),
         )?;
+        if !ms_goals.is_empty() {
+            let goals: Vec<Option<f64>> = ms_goals.iter().map(|(_, g)| *g).collect();
+            let goal_bars: Vec<Bar> = ms_goals.into_iter().map(|(b, _)| b).collect();
+            bars(
+                &last,
+                "Goals in milliseconds (red mark: the goal)",
+                "milliseconds, axis from zero",
+                &goal_bars,
+                &[("measured", BLUE)],
+                &goals,
+                None,
+            )?;
+        }
         root.present()?;
     }
     Ok(out)
 }
 
-/// Horizontal bars, one row per bar and series, values from zero.
+/// Horizontal bars, one row per bar and series, values from zero; a red
+/// mark at each bar's goal, and a grey line at `reference` (1.0 on a ratio
+/// axis).
 fn bars<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
@@ -178,6 +217,7 @@ fn bars<DB: DrawingBackend>(
     bars: &[Bar],
     series: &[(&str, RGBColor)],
     goals: &[Option<f64>],
+    reference: Option<f64>,
 ) -> anyhow::Result<()>
 where
     DB::ErrorType: 'static,
@@ -246,11 +286,11 @@ where
             }
         }
     }
-    if !goals.is_empty() && x_max > 1.0 {
+    if let Some(at) = reference.filter(|at| *at < x_max) {
         chart.draw_series(std::iter::once(PathElement::new(
             vec![
-                (1.0, SegmentValue::Exact(0)),
-                (1.0, SegmentValue::Exact(rows.max(1) as i32)),
+                (at, SegmentValue::Exact(0)),
+                (at, SegmentValue::Exact(rows.max(1) as i32)),
             ],
             BLACK.mix(0.4).stroke_width(1),
         )))?;
@@ -261,7 +301,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{Environment, Row};
+    use crate::report::{Environment, Goal, Row};
 
     fn report() -> Report {
         let mut r = Report::new(
@@ -289,11 +329,14 @@ mod tests {
                 .with("p99_ms", 90.0),
         );
         r.ratio("pgonce_vs_pgmq_b1", 830.0, 600.0);
+        r.ratio_goal("pgonce_vs_pgmq_b1", 1.2);
+        r.goal(Goal::ms_at_most("declaration_p99_ms", 150.0).measured(Some(120.0)));
         r
     }
 
-    /// `--plot` writes a well-formed SVG document with the three panels,
-    /// every strategy named, the units and the machine in the caption.
+    /// `--plot` writes a well-formed SVG document with its panels, every
+    /// strategy named, the units and the machine in the caption, and the
+    /// suite's goals as red marks.
     #[test]
     fn plot_writes_a_valid_svg() {
         let dir = std::env::temp_dir().join(format!("pgonce-plot-{}", std::process::id()));
@@ -323,9 +366,17 @@ mod tests {
             "pgmq-b1 <&>",
             "pgonce_vs_pgmq_b1",
             "Machine: 2 CPUs",
+            "Goals in milliseconds",
+            "declaration_p99_ms (goal: at most 150 ms)",
         ] {
             assert!(has(wanted), "no text {wanted:?} in the plot: {texts:?}");
         }
+        // One red mark per goal: the ratio's and the p99's.
+        let red_marks = doc
+            .descendants()
+            .filter(|n| n.attribute("stroke") == Some("#FF0000"))
+            .count();
+        assert_eq!(red_marks, 2, "a red mark per goal");
         assert!(
             doc.descendants()
                 .filter(|n| n.tag_name().name() == "rect")

@@ -3,8 +3,13 @@
 //!
 //! ```text
 //! {"command", "name", "environment", "results": [{"strategy", ...figures}],
-//!  "ratios": {"<a>_vs_<b>": x}, "sections": {...}, "verdict": {"ok", "reasons"}}
+//!  "ratios": {"<a>_vs_<b>": x}, "goals": [{"figure", "bound", "target",
+//!  "unit", "measured", "met", "note"}], "sections": {...},
+//!  "verdict": {"ok", "reasons"}}
 //! ```
+//!
+//! `goals` are the performance goals a suite states, each beside what the
+//! run measured: printed, drawn by `--plot`, never part of the verdict.
 //!
 //! Figures use the shared names where they apply: `ops_per_sec`, `p50_ms`,
 //! `p99_ms`, `max_ms`, `conflicts`, `aborts`, `retries`, `violations`,
@@ -101,6 +106,88 @@ impl Verdict {
     }
 }
 
+/// Which side of its target a goal's figure has to be on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bound {
+    AtLeast,
+    AtMost,
+}
+
+/// A performance goal a suite states for one of its figures, with what the
+/// run measured. Goals are reported, never enforced: the verdict is about
+/// correctness, and a 2-core machine shared with other work cannot promise
+/// a figure. The suite that measures a figure states its goal, so the
+/// table, the JSON and the plot all read it from the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Goal {
+    /// A ratio's name (the plot marks the goal on that ratio's bar), or a
+    /// figure of the results named in words.
+    pub figure: String,
+    pub bound: Bound,
+    pub target: f64,
+    /// The unit of `target` and `measured`: `x` for a ratio.
+    pub unit: &'static str,
+    /// `None` when this run could not measure the figure (`note` says why).
+    pub measured: Option<f64>,
+    /// `None` when not measured.
+    pub met: Option<bool>,
+    /// What the figure is measured under, or why it was not measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+impl Goal {
+    /// A ratio that should be at least `target`.
+    pub fn ratio_at_least(ratio: &str, target: f64) -> Goal {
+        Goal::new(ratio, Bound::AtLeast, target, "x")
+    }
+
+    /// A figure in milliseconds that should be at most `target`.
+    pub fn ms_at_most(figure: &str, target: f64) -> Goal {
+        Goal::new(figure, Bound::AtMost, target, "ms")
+    }
+
+    fn new(figure: &str, bound: Bound, target: f64, unit: &'static str) -> Goal {
+        Goal {
+            figure: figure.into(),
+            bound,
+            target,
+            unit,
+            measured: None,
+            met: None,
+            note: None,
+        }
+    }
+
+    /// What the run measured; whether the goal is met follows from it.
+    pub fn measured(mut self, value: Option<f64>) -> Goal {
+        self.measured = value;
+        self.met = value.map(|v| match self.bound {
+            Bound::AtLeast => v >= self.target,
+            Bound::AtMost => v <= self.target,
+        });
+        self
+    }
+
+    pub fn note(mut self, note: impl Into<String>) -> Goal {
+        self.note = Some(note.into());
+        self
+    }
+
+    /// The goal as a person reads it: `>= 1.2x`, `<= 150 ms`.
+    pub fn target_text(&self) -> String {
+        let sign = match self.bound {
+            Bound::AtLeast => ">=",
+            Bound::AtMost => "<=",
+        };
+        match self.unit {
+            "x" => format!("{sign} {}x", self.target),
+            unit => format!("{sign} {} {unit}", self.target),
+        }
+    }
+}
+
 /// One row of results: `strategy` first, then figures in insertion order.
 #[derive(Debug, Clone, Default)]
 pub struct Row(Map<String, Value>);
@@ -149,6 +236,10 @@ pub struct Report {
     #[serde(serialize_with = "rows")]
     pub results: Vec<Row>,
     pub ratios: BTreeMap<String, f64>,
+    /// The performance goals the suite states, beside what this run
+    /// measured (`Report::goal`, `Report::ratio_goal`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub goals: Vec<Goal>,
     /// Further named tables (a timeline, a comparison table), shown after
     /// the results.
     #[serde(
@@ -182,6 +273,7 @@ impl Report {
             environment,
             results: Vec::new(),
             ratios: BTreeMap::new(),
+            goals: Vec::new(),
             sections: BTreeMap::new(),
             verdict: Verdict::new(),
         }
@@ -195,6 +287,20 @@ impl Report {
         let r = (a / b * 100.0).round() / 100.0;
         self.ratios.insert(name.to_string(), r);
         Some(r)
+    }
+
+    /// States a goal for a figure of this run (its measured value set).
+    pub fn goal(&mut self, goal: Goal) {
+        self.goals.push(goal);
+    }
+
+    /// States that the ratio `name`, if this run measured it, should be at
+    /// least `target`; returns whether it is met (`None`: not measured).
+    pub fn ratio_goal(&mut self, name: &str, target: f64) -> Option<bool> {
+        let goal = Goal::ratio_at_least(name, target).measured(self.ratios.get(name).copied());
+        let met = goal.met;
+        self.goal(goal);
+        met
     }
 
     /// Prints the report: JSON on stdout, or tables.
@@ -225,6 +331,30 @@ impl Report {
                 .set_header(["ratio", "value"]);
             for (k, v) in &self.ratios {
                 t.add_row([k.clone(), format!("{v:.2}")]);
+            }
+            println!("{t}");
+        }
+        if !self.goals.is_empty() {
+            println!();
+            println!("goals (informational, the verdict is about correctness)");
+            let mut t = Table::new();
+            t.load_style(UTF8_FULL_CONDENSED)
+                .set_header(["figure", "goal", "measured", "met", "note"]);
+            for g in &self.goals {
+                t.add_row([
+                    g.figure.clone(),
+                    g.target_text(),
+                    g.measured
+                        .map(|m| format!("{m:.2}"))
+                        .unwrap_or_else(|| "-".into()),
+                    match g.met {
+                        Some(true) => "yes",
+                        Some(false) => "NO",
+                        None => "not measured",
+                    }
+                    .into(),
+                    g.note.clone().unwrap_or_default(),
+                ]);
             }
             println!("{t}");
         }

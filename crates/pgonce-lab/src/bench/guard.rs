@@ -46,7 +46,7 @@ use super::BenchArgs;
 use super::measure::{Outcome, closed_loop, median, new_histogram, round2, runs_row};
 use crate::behind_pooler::sessions_survive;
 use crate::guard_strategy::GuardStrategy as Strategy;
-use crate::report::{Report, Row};
+use crate::report::{Goal, Report, Row};
 use crate::scratch::RunDatabase;
 
 #[derive(Debug, Clone, Copy)]
@@ -211,27 +211,20 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         per_run,
     );
 
-    let ratio = median(&ratios["low_contention_guard_vs_two_transactions"]);
-    let pressure = Row::new("pool_pressure_guard_vs_session_lock").with("goal", ">= 8");
-    let pressure = match ratios.get("pool_pressure_guard_vs_session_lock") {
-        Some(values) => {
-            let pressure_ratio = median(values);
-            pressure
-                .with("measured", round2(pressure_ratio))
-                .with("met", pressure_ratio >= 8.0)
-        }
-        None => pressure.with("skipped", SESSION_LOCK_SKIPPED),
-    };
-    report.sections.insert(
-        "goals (informational, the verdict is about correctness)".into(),
-        vec![
-            Row::new("low_contention_guard_vs_two_transactions (L=50 ms)")
-                .with("goal", ">= 0.95")
-                .with("measured", round2(ratio))
-                .with("met", ratio >= 0.95),
-            pressure,
-        ],
+    let low_contention = "low_contention_guard_vs_two_transactions";
+    report.goal(
+        Goal::ratio_at_least(low_contention, 0.95)
+            .measured(report.ratios.get(low_contention).copied())
+            .note("L = 50 ms"),
     );
+    let pressure = "pool_pressure_guard_vs_session_lock";
+    let pressure_goal =
+        Goal::ratio_at_least(pressure, 8.0).measured(report.ratios.get(pressure).copied());
+    report.goal(if pressure_goal.measured.is_none() {
+        pressure_goal.note(SESSION_LOCK_SKIPPED)
+    } else {
+        pressure_goal
+    });
     if let Some(reason) = session_lock_skipped {
         report.sections.insert(
             "skipped".into(),

@@ -30,7 +30,7 @@ use sqlx::PgPool;
 use super::BenchArgs;
 use super::measure::{Measured, closed_loop, new_histogram, round2};
 use super::peers;
-use crate::report::{Report, Row};
+use crate::report::{Goal, Report, Row};
 use crate::scratch::RunDatabase;
 
 const LEASE: Duration = Duration::from_secs(300);
@@ -166,12 +166,15 @@ pub async fn run(
             ),
         }
     }
-    let goal = Row::new("pgonce_vs_best_peer >= 1.2")
-        .with("best_pgonce_jobs_per_sec", round2(best_pgonce))
-        .with("best_peer_jobs_per_sec", round2(peer_rate))
-        .with("ratio", ratio)
-        .with("met", ratio.is_some_and(|r| r >= 1.2));
-    report.sections.insert("goal".into(), vec![goal]);
+    report.goal(
+        Goal::ratio_at_least("pgonce_vs_best_peer", 1.2)
+            .measured(ratio)
+            .note(format!(
+                "best pgonce guard {} jobs/s against the best peer's {} jobs/s",
+                round2(best_pgonce),
+                round2(peer_rate)
+            )),
+    );
     Ok(report)
 }
 

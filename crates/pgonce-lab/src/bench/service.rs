@@ -23,7 +23,7 @@ use super::BenchArgs;
 use super::measure::{closed_loop, median, round2, runs_row};
 use crate::behind_pooler::bench_listen;
 use crate::incident_run::{self, Retrier};
-use crate::report::{Report, Row};
+use crate::report::{Goal, Report, Row};
 use crate::scratch::RunDatabase;
 
 const DECLARERS: usize = 50;
@@ -316,18 +316,13 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     );
     let default = STRATEGIES[0];
     let p99 = median(&per_run[&format!("{}_p99_ms", figure_name(default))]);
-    let met = p99 <= GOAL_P99_MS;
-    report.sections.insert(
-        "goals (performance; not part of the verdict)".into(),
-        vec![
-            Row::new("declaration p99 (median of runs), 50 declarers + pipeline, one organization")
-                .with("numbering", default.name())
-                .with("measured_ms", round2(p99))
-                .with("runs", runs)
-                .with("goal_ms", GOAL_P99_MS)
-                .with("declaration_slo_ms", SLO_MS)
-                .with("met", met),
-        ],
+    report.goal(
+        Goal::ms_at_most("declaration_p99_ms", GOAL_P99_MS)
+            .measured(Some(round2(p99)))
+            .note(format!(
+                "median of {runs} runs, 50 declarers + pipeline in one organization, numbering {}; declaration SLO {SLO_MS} ms",
+                default.name()
+            )),
     );
     Ok(report)
 }
