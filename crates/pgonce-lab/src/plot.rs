@@ -57,15 +57,23 @@ fn machine(report: &Report) -> String {
 
 /// The plot as an SVG document, `machine` in its caption.
 pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
+    // Suites run with --repeat have a row per strategy and run.
+    let repeated = report
+        .results
+        .iter()
+        .any(|r| r.number("run").is_some_and(|n| n > 1.0));
     let label = |r: &crate::report::Row| {
         let mut l = r.text("strategy").unwrap_or_default();
         if let Some(o) = r.text("overlap") {
             l = format!("{l} / {o}");
         }
-        for k in ["scopes", "declarers", "latency_ms", "shape"] {
+        for k in ["scopes", "declarers", "window", "latency_ms", "shape"] {
             if let Some(v) = r.text(k) {
                 l = format!("{l} {k}={v}");
             }
+        }
+        if repeated && let Some(run) = r.text("run") {
+            l = format!("{l} run={run}");
         }
         l
     };
@@ -73,9 +81,13 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
         .results
         .iter()
         .filter_map(|r| {
+            let (name, value) = rate(r)?;
             Some(Bar {
-                label: label(r),
-                values: vec![r.number("ops_per_sec")?],
+                label: match name.strip_suffix("_per_sec") {
+                    Some("ops") | None => label(r),
+                    Some(unit) => format!("{} ({unit}/s)", label(r)),
+                },
+                values: vec![value],
             })
         })
         .collect();
@@ -83,9 +95,14 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
         .results
         .iter()
         .filter_map(|r| {
+            let (prefix, p50, p99) = percentiles(r)?;
             Some(Bar {
-                label: label(r),
-                values: vec![r.number("p50_ms")?, r.number("p99_ms")?],
+                label: if prefix.is_empty() {
+                    label(r)
+                } else {
+                    format!("{} ({})", label(r), prefix.replace('_', " "))
+                },
+                values: vec![p50, p99],
             })
         })
         .collect();
@@ -163,7 +180,7 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
         bars(
             &top,
             "Throughput per strategy",
-            "operations/s (messages/s in bench queue), axis from zero",
+            "operations per second (messages in bench queue; other units named in the label), axis from zero",
             &throughput,
             &[("ops/s", BLUE)],
             &[],
@@ -205,6 +222,33 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
         root.present()?;
     }
     Ok(out)
+}
+
+/// A row's throughput: `ops_per_sec`, or where a suite names its operation
+/// (`jobs_per_sec`, `declarations_per_sec`) the first such figure.
+fn rate(row: &crate::report::Row) -> Option<(String, f64)> {
+    let name = if row.number("ops_per_sec").is_some() {
+        "ops_per_sec"
+    } else {
+        row.names().find(|n| n.ends_with("_per_sec"))?
+    };
+    Some((name.to_owned(), row.number(name)?))
+}
+
+/// A row's end-to-end latency percentiles: `p50_ms` and `p99_ms`, or where
+/// a suite names what it timed (`claim_to_complete_p50_ms`) the first such
+/// pair; with that name (empty for the shared figures).
+fn percentiles(row: &crate::report::Row) -> Option<(String, f64, f64)> {
+    if let (Some(p50), Some(p99)) = (row.number("p50_ms"), row.number("p99_ms")) {
+        return Some((String::new(), p50, p99));
+    }
+    row.names()
+        .filter_map(|n| n.strip_suffix("_p50_ms"))
+        .find_map(|prefix| {
+            let p50 = row.number(&format!("{prefix}_p50_ms"))?;
+            let p99 = row.number(&format!("{prefix}_p99_ms"))?;
+            Some((prefix.to_owned(), p50, p99))
+        })
 }
 
 /// Horizontal bars, one row per bar and series, values from zero; a red
@@ -328,6 +372,12 @@ mod tests {
                 .with("p50_ms", 30.0)
                 .with("p99_ms", 90.0),
         );
+        r.results.push(
+            Row::new("pgonce-two-phase")
+                .with("jobs_per_sec", 700.0)
+                .with("claim_to_complete_p50_ms", 4.0)
+                .with("claim_to_complete_p99_ms", 12.0),
+        );
         r.ratio("pgonce_vs_pgmq_b1", 830.0, 600.0);
         r.ratio_goal("pgonce_vs_pgmq_b1", 1.2);
         r.goal(Goal::ms_at_most("declaration_p99_ms", 150.0).measured(Some(120.0)));
@@ -360,7 +410,7 @@ mod tests {
             "Throughput per strategy",
             "Latency percentiles",
             "Ratios",
-            "operations/s",
+            "operations per second",
             "milliseconds",
             "pgonce-standard-b1",
             "pgmq-b1 <&>",
@@ -368,6 +418,8 @@ mod tests {
             "Machine: 2 CPUs",
             "Goals in milliseconds",
             "declaration_p99_ms (goal: at most 150 ms)",
+            "pgonce-two-phase (jobs/s)",
+            "pgonce-two-phase (claim to complete) (p99)",
         ] {
             assert!(has(wanted), "no text {wanted:?} in the plot: {texts:?}");
         }

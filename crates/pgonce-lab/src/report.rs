@@ -219,6 +219,11 @@ impl Row {
         }
     }
 
+    /// The names of the row's fields, in insertion order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(String::as_str)
+    }
+
     pub fn set(&mut self, name: &str, value: impl Serialize) {
         self.0.insert(
             name.to_string(),
