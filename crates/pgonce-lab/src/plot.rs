@@ -35,12 +35,10 @@ pub fn write(report: &Report, path: &Path) -> anyhow::Result<()> {
 /// The machine, as the caption says it.
 fn machine(report: &Report) -> String {
     let e = &report.environment;
-    let load = std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "unknown".into());
+    let load = |l: Option<f64>| l.map_or_else(|| "unknown".into(), |l| format!("{l:.2}"));
     format!(
-        "{} CPUs, load {load} (1 min), PostgreSQL {} ({} server), fsync {}, synchronous_commit {}, pgonce {} ({} build)",
+        "{} CPUs, PostgreSQL {} ({} server), fsync {}, synchronous_commit {}, pgonce {} ({} build)\n\
+         Load average (1 min): {} when the run began, {} when it ended (the end counts the run's own clients and server)",
         e.cpus,
         e.postgres_version,
         e.server,
@@ -51,11 +49,14 @@ fn machine(report: &Report) -> String {
             "debug"
         } else {
             "release"
-        }
+        },
+        load(e.load_at_start),
+        load(crate::report::load_average()),
     )
 }
 
-/// The plot as an SVG document, `machine` in its caption.
+/// The plot as an SVG document, `machine` (one or more lines) in its
+/// caption.
 pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
     // Suites run with --repeat have a row per strategy and run.
     let repeated = report
@@ -157,7 +158,7 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
             height(ms_goals.len())
         },
     ];
-    let caption_height = 60;
+    let caption_height = 40 + 18 * machine.lines().count().max(1) as u32;
     let total = caption_height + heights.iter().sum::<u32>();
     let mut out = String::new();
     {
@@ -169,11 +170,18 @@ pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
             &("sans-serif", 20).into_font().color(&BLACK),
             (10, 8),
         )?;
-        head.draw_text(
-            &format!("Machine: {machine}"),
-            &("sans-serif", 13).into_font().color(&BLACK),
-            (10, 36),
-        )?;
+        for (i, line) in machine.lines().enumerate() {
+            let line = if i == 0 {
+                format!("Machine: {line}")
+            } else {
+                line.to_owned()
+            };
+            head.draw_text(
+                &line,
+                &("sans-serif", 13).into_font().color(&BLACK),
+                (10, 36 + 18 * i as i32),
+            )?;
+        }
         let (top, rest) = body.split_vertically(heights[0]);
         let (middle, rest) = rest.split_vertically(heights[1]);
         let (bottom, last) = rest.split_vertically(heights[2]);
@@ -358,6 +366,7 @@ mod tests {
                 synchronous_commit: "on".into(),
                 server: "throwaway",
                 pgonce_version: "0.1.0",
+                load_at_start: Some(0.5),
             },
         );
         r.results.push(
@@ -416,6 +425,7 @@ mod tests {
             "pgmq-b1 <&>",
             "pgonce_vs_pgmq_b1",
             "Machine: 2 CPUs",
+            "Load average (1 min): 0.50 when the run began",
             "Goals in milliseconds",
             "declaration_p99_ms (goal: at most 150 ms)",
             "pgonce-two-phase (jobs/s)",

@@ -32,6 +32,20 @@ pub struct Environment {
     /// `throwaway` (a cluster started for this run) or `external`.
     pub server: &'static str,
     pub pgonce_version: &'static str,
+    /// The machine's 1-minute load average when the report's environment
+    /// was read, before the run's own load: how quiet the machine was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_at_start: Option<f64>,
+}
+
+/// The machine's 1-minute load average (`/proc/loadavg`), where there is one.
+pub fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 impl Environment {
@@ -62,6 +76,7 @@ impl Environment {
             synchronous_commit: sync_commit,
             server: if throwaway { "throwaway" } else { "external" },
             pgonce_version: env!("CARGO_PKG_VERSION"),
+            load_at_start: load_average(),
         })
     }
 }
@@ -76,6 +91,7 @@ impl Environment {
             synchronous_commit: "unknown".into(),
             server: "unknown",
             pgonce_version: env!("CARGO_PKG_VERSION"),
+            load_at_start: load_average(),
         }
     }
 }
@@ -320,12 +336,15 @@ impl Report {
         let env = &self.environment;
         println!("pgonce {} {}", self.command, self.name);
         println!(
-            "PostgreSQL {} ({} server), {} CPUs, fsync {}, synchronous_commit {}",
+            "PostgreSQL {} ({} server), {} CPUs, fsync {}, synchronous_commit {}{}",
             env.postgres_version,
             env.server,
             env.cpus,
             if env.fsync { "on" } else { "OFF" },
-            env.synchronous_commit
+            env.synchronous_commit,
+            env.load_at_start
+                .map(|l| format!(", load average {l:.2} when it began"))
+                .unwrap_or_default()
         );
         println!();
         println!("{}", table(&self.results));
