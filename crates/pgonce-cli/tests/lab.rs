@@ -55,6 +55,56 @@ fn race_events_holds_the_invariant_under_every_strategy() {
     }
 }
 
+/// A `--plot` path that cannot be written is refused before the run, not
+/// after it has measured for minutes: the error names the path, and the
+/// database (here one nothing listens on) is never reached.
+#[test]
+fn bench_refuses_a_plot_path_it_cannot_write_before_running() {
+    let out = pgonce()
+        .args([
+            "bench",
+            "queue",
+            "--database-url",
+            "postgres://pgonce@127.0.0.1:1/nothing",
+            "--plot",
+            "/nonexistent-directory/queue.svg",
+        ])
+        .timeout(Duration::from_secs(30))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--plot: cannot write /nonexistent-directory/queue.svg"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "nothing measured, nothing printed");
+
+    // A run that fails leaves a plot already there as it was, and leaves
+    // no empty file where there was none.
+    let dir = std::env::temp_dir().join(format!("pgonce-lab-kept-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (old, new) = (dir.join("old.svg"), dir.join("new.svg"));
+    std::fs::write(&old, "<svg>an earlier run</svg>").unwrap();
+    for path in [&old, &new] {
+        let out = pgonce()
+            .args(["bench", "queue", "--database-url"])
+            .arg("postgres://pgonce@127.0.0.1:1/nothing")
+            .arg("--plot")
+            .arg(path)
+            .timeout(Duration::from_secs(30))
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+    }
+    assert_eq!(
+        std::fs::read_to_string(&old).unwrap(),
+        "<svg>an earlier run</svg>"
+    );
+    assert!(!new.exists(), "an empty plot was left behind");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
     let dir = std::env::temp_dir().join(format!("pgonce-lab-plot-{}", std::process::id()));

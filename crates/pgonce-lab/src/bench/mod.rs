@@ -13,6 +13,7 @@ mod service;
 
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::{Args, ValueEnum};
 
 use crate::report::Report;
@@ -73,6 +74,21 @@ impl BenchArgs {
 
 pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result<Report> {
     let name = args.suite.to_possible_value().expect("no skipped suites");
+    if let Some(path) = &args.plot {
+        // Before the run, not after it: a path that cannot be written
+        // would otherwise fail the command at its end and lose the run.
+        // Opened to append, so that a plot already there is left as it is
+        // if this run fails, and removed again if this made it.
+        let existed = path.exists();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .with_context(|| format!("--plot: cannot write {}", path.display()))?;
+        if !existed {
+            std::fs::remove_file(path).ok();
+        }
+    }
     let db = RunDatabase::open(database_url, "bench", 200).await?;
     let report = match args.suite {
         Suite::Lock => lock::run(args, &db).await,
