@@ -112,9 +112,11 @@
 //! so the check and the read see every append the keys waited for. The
 //! commonest query, one item naming tags and no types, runs through
 //! statements whose plans the session keeps (`pgonce.events_append_tag_item`,
-//! `pgonce.events_decide_tag_item`, migration 0170); any other query is
-//! built as text and planned for its values at each call
-//! (`pgonce.events_append`, `pgonce.events_decide`, migration 0110).
+//! `pgonce.events_decide_tag_item`, migration 0170; an append of one event
+//! passes its fields as parameters, `pgonce.events_append_one_tag_item`,
+//! migration 0180); any other query is built as text and planned for its
+//! values at each call (`pgonce.events_append`, `pgonce.events_decide`,
+//! migration 0110).
 //!
 //! The serializable strategy, and a session whose default isolation is not
 //! READ COMMITTED (the functions refuse it), take the transaction path,

@@ -372,18 +372,21 @@ async fn a_tag_item_condition_is_checked_near_and_far_from_the_head() {
     }
 }
 
-/// The one-item tag path (migration 0170) answers every query as the
-/// model does and as the general path does (the same item twice, which
+/// The one-item tag path (migrations 0170 and 0180) answers every query as
+/// the model does and as the general path does (the same item twice, which
 /// takes migration 0110's query built as text): random items of one or two
 /// tags and zero to two types over a log of 800 events, decision reads and
 /// conditions with `after` anywhere from `i64::MIN` to past the head, so
-/// both branches of the check run. A failure names its seed and round.
+/// both branches of the check run; appends of one event (its fields as
+/// parameters) and of two (a JSON array), under either lock strategy. A
+/// failure names its seed and round.
 #[tokio::test]
 async fn tag_item_queries_answer_as_the_model_and_the_general_path_do() {
     use rand::SeedableRng;
     let (_db, pool) = db().await;
     empty_log(&pool).await;
     let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let table_lock = store(&pool, AppendStrategy::TableLock);
     let seed = rand::random::<u64>();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let tags = ["t0", "t1", "t2", "t3", "t4", "t5"];
@@ -448,11 +451,19 @@ async fn tag_item_queries_answer_as_the_model_and_the_general_path_do() {
             .filter(|&p| p > after)
             .take(16)
             .collect();
+        let probes: Vec<Event> = (0..rng.random_range(1..=2))
+            .map(|_| Event::new("Probe").tag("probe"))
+            .collect();
+        let appender = if rng.random_bool(0.5) {
+            &s
+        } else {
+            &table_lock
+        };
+        let context = format!("{context}, {} probes", probes.len());
         for query in [&fast, &general] {
-            let probe = Event::new("Probe").tag("probe");
-            let outcome = s
+            let outcome = appender
                 .append(
-                    &[probe],
+                    &probes,
                     Some(&AppendCondition::new(query.clone(), Some(after))),
                 )
                 .await;
@@ -462,6 +473,7 @@ async fn tag_item_queries_answer_as_the_model_and_the_general_path_do() {
                         expected.is_empty(),
                         "{context}, after {after}: accepted over {expected:?}"
                     );
+                    assert_eq!(appended.positions.len(), probes.len(), "{context}");
                     let probe = s
                         .read(
                             &Query::all(),
@@ -484,7 +496,10 @@ async fn tag_item_queries_answer_as_the_model_and_the_general_path_do() {
 }
 
 /// Bad input is a typed error and nothing is half-written: an append whose
-/// second event is invalid stores neither.
+/// second event is invalid stores neither. A NUL character, which neither
+/// PostgreSQL's text nor its jsonb can hold, is refused before the
+/// database is asked, wherever it is: type, tag, a string or a key of the
+/// data or metadata, a query's tag or type.
 #[tokio::test]
 async fn bad_input_is_rejected_whole() {
     let (_db, pool) = db().await;
@@ -493,11 +508,37 @@ async fn bad_input_is_rejected_whole() {
         vec![booked("ok"), Event::new("")],
         vec![booked("ok"), Event::new("T").tag("")],
         vec![],
+        vec![booked("ok"), Event::new("T\0")],
+        vec![booked("ok"), Event::new("T").tag("a\0b")],
+        vec![booked("ok"), Event::new("T").data(json!({ "s": ["x\0"] }))],
+        vec![booked("ok"), Event::new("T").data(json!({ "k\0": 1 }))],
+        vec![
+            booked("ok"),
+            Event::new("T").metadata(json!({ "who": "\0" })),
+        ],
+        vec![Event::new("T").tag("a\0b")],
     ] {
-        assert!(matches!(
-            s.append(&events, None).await,
-            Err(Error::Invalid { .. })
-        ));
+        let outcome = s.append(&events, None).await;
+        assert!(
+            matches!(outcome, Err(Error::Invalid { .. })),
+            "{events:?}: {outcome:?}"
+        );
+        let condition = AppendCondition::new(tag_query("ok"), None);
+        let outcome = s.append(&events, Some(&condition)).await;
+        assert!(
+            matches!(outcome, Err(Error::Invalid { .. })),
+            "{events:?}, conditional: {outcome:?}"
+        );
+    }
+    for item in [
+        QueryItem::new().tags(["a\0"]),
+        QueryItem::new().types(["T\0"]),
+    ] {
+        let outcome = Query::items([item.clone()]);
+        assert!(
+            matches!(outcome, Err(Error::Invalid { .. })),
+            "{item:?}: {outcome:?}"
+        );
     }
     assert!(matches!(Query::items([]), Err(Error::Invalid { .. })));
     assert!(matches!(
@@ -510,6 +551,73 @@ async fn bad_input_is_rejected_whole() {
         Err(Error::Invalid { .. })
     ));
     assert_eq!(s.head().await.unwrap(), None);
+}
+
+/// What an append accepts reads back equal, on each of its paths: one
+/// event under a one-item tag condition (its fields as parameters), two
+/// under it (a JSON array), a condition of two items (the general path),
+/// and no condition; under every strategy. Types, tags and JSON at the
+/// edges of what PostgreSQL stores: quotes, braces, commas, the word NULL,
+/// backslashes, non-ASCII, a 3,000-character tag, integers at the ends of
+/// i64 and u64, nested arrays, JSON null as data.
+#[tokio::test]
+async fn an_event_reads_back_as_it_was_appended_on_every_path() {
+    let (_db, pool) = db().await;
+    let edge = |tag: &str| {
+        Event::new("Ünïcödé \"type\" {x}, 'y'")
+            .tag(tag)
+            .tag("NULL")
+            .tag("{a,b}")
+            .tag("\"q\" \\ ü 🦀")
+            .tag("x".repeat(3000))
+            .data(json!({
+                "none": null,
+                "max": u64::MAX,
+                "min": i64::MIN,
+                "tenth": 0.1,
+                "deep": [[[{ "k": "\\\"'" }]]],
+            }))
+            .metadata(json!({ "who": "ü", "list": [] }))
+    };
+    for strategy in AppendStrategy::ALL {
+        empty_log(&pool).await;
+        let s = store(&pool, strategy);
+        let general = |tag: &str| {
+            Query::items([
+                QueryItem::new().tags([tag]),
+                QueryItem::new().tags([tag]).types(["Other"]),
+            ])
+            .unwrap()
+        };
+        let appends: Vec<(Vec<Event>, Option<AppendCondition>)> = vec![
+            (
+                vec![edge("rt:one")],
+                Some(AppendCondition::new(tag_query("rt:one"), None)),
+            ),
+            (
+                vec![edge("rt:two"), Event::new("Second").tag("rt:two")],
+                Some(AppendCondition::new(tag_query("rt:two"), None)),
+            ),
+            (
+                vec![edge("rt:general")],
+                Some(AppendCondition::new(general("rt:general"), None)),
+            ),
+            (vec![edge("rt:none").data(json!(null))], None),
+        ];
+        let mut appended = Vec::new();
+        for (events, condition) in &appends {
+            s.append(events, condition.as_ref()).await.unwrap();
+            appended.extend(events.iter().cloned());
+        }
+        let stored: Vec<Event> = s
+            .read(&Query::all(), ReadOptions::default())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.event)
+            .collect();
+        assert_eq!(stored, appended, "{strategy:?}");
+    }
 }
 
 // The three writers on overlapping tags (A and C on booking:123, B on
@@ -702,7 +810,9 @@ async fn assert_every_committed_event_once_in_order(pool: &PgPool, seen: &[i64])
 }
 
 /// The subscription wakes on NOTIFY: `next` returns soon after an append
-/// even with a long poll interval.
+/// even with a long poll interval; after an unconditional append, a
+/// conditional one of one event (its own insert, migration 0180) and a
+/// conditional one of two.
 #[tokio::test]
 async fn next_is_woken_by_notify() {
     let (_db, pool) = db().await;
@@ -714,15 +824,29 @@ async fn next_is_woken_by_notify() {
         })
         .await
         .unwrap();
-    let waiter = tokio::spawn(async move { sub.next().await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    s.append(&[booked("x")], None).await.unwrap();
-    let events = tokio::time::timeout(Duration::from_secs(10), waiter)
-        .await
-        .expect("woken long before the 30 s poll")
-        .unwrap()
-        .unwrap();
-    assert_eq!(positions(&events), vec![1]);
+    let (on_y, on_z) = (
+        AppendCondition::new(tag_query("y"), None),
+        AppendCondition::new(tag_query("z"), None),
+    );
+    let appends: [(Vec<Event>, Option<&AppendCondition>, Vec<i64>); 3] = [
+        (vec![booked("x")], None, vec![1]),
+        (vec![booked("y")], Some(&on_y), vec![2]),
+        (vec![booked("z"), booked("z")], Some(&on_z), vec![3, 4]),
+    ];
+    for (events, condition, expected) in appends {
+        let waiter = tokio::spawn(async move {
+            let next = sub.next().await;
+            (sub, next)
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        s.append(&events, condition).await.unwrap();
+        let (back, next) = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("woken long before the 30 s poll")
+            .unwrap();
+        assert_eq!(positions(&next.unwrap()), expected);
+        sub = back;
+    }
 }
 
 // ------------------------------------------------------------------ indexes

@@ -357,9 +357,26 @@ async fn append_one_statement(
     let table_lock = strategy == AppendStrategy::TableLock;
     let after = condition.and_then(|c| c.after).unwrap_or(0);
     let tag_item = condition.and_then(|c| c.fail_if_events_match.tag_item());
-    let row: std::result::Result<OneStatementAppend, sqlx::Error> = match tag_item {
+    let row: std::result::Result<OneStatementAppend, sqlx::Error> = match (tag_item, events) {
+        // The commonest append: one event, on the commonest condition, its
+        // fields as parameters (migration 0180).
+        (Some(tags), [event]) => {
+            sqlx::query_as(include_str!("sql/append_one_tag_item.sql"))
+                .bind(&event.event_type)
+                .bind(&event.tags)
+                .bind(&event.data)
+                .bind(&event.metadata)
+                .bind(channel)
+                .bind(keys)
+                .bind(modes)
+                .bind(table_lock)
+                .bind(tags)
+                .bind(after)
+                .fetch_one(pool)
+                .await
+        }
         // The commonest condition, with the plans kept (migration 0170).
-        Some(tags) => {
+        (Some(tags), _) => {
             sqlx::query_as(include_str!("sql/append_tag_item.sql"))
                 .bind(events_json(events)?)
                 .bind(channel)
@@ -371,7 +388,7 @@ async fn append_one_statement(
                 .fetch_one(pool)
                 .await
         }
-        None => {
+        (None, _) => {
             let items = match condition {
                 Some(c) => items_json(&c.fail_if_events_match)?,
                 None => None,

@@ -59,7 +59,30 @@ impl Event {
         if self.tags.iter().any(String::is_empty) {
             return Err(invalid("event", "a tag must not be empty"));
         }
+        if self.event_type.contains('\0') || self.tags.iter().any(|t| t.contains('\0')) {
+            return Err(invalid(
+                "event",
+                "a type or tag must contain no NUL character (PostgreSQL's text cannot hold it)",
+            ));
+        }
+        if holds_nul(&self.data) || holds_nul(&self.metadata) {
+            return Err(invalid(
+                "event",
+                "data and metadata must contain no NUL character in a string or key \
+                 (PostgreSQL's jsonb cannot hold \\u0000)",
+            ));
+        }
         Ok(())
+    }
+}
+
+/// Whether a string or key anywhere in `value` contains NUL.
+fn holds_nul(value: &Value) -> bool {
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
     }
 }
 
@@ -184,6 +207,17 @@ impl Query {
             }
             if item.types.iter().chain(&item.tags).any(String::is_empty) {
                 return Err(invalid("query item", "types and tags must not be empty"));
+            }
+            if item
+                .types
+                .iter()
+                .chain(&item.tags)
+                .any(|t| t.contains('\0'))
+            {
+                return Err(invalid(
+                    "query item",
+                    "types and tags must contain no NUL character (PostgreSQL's text cannot hold it)",
+                ));
             }
         }
         Ok(())
