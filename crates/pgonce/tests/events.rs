@@ -496,14 +496,20 @@ async fn tag_item_queries_answer_as_the_model_and_the_general_path_do() {
 }
 
 /// Bad input is a typed error and nothing is half-written: an append whose
-/// second event is invalid stores neither. A NUL character, which neither
-/// PostgreSQL's text nor its jsonb can hold, is refused before the
-/// database is asked, wherever it is: type, tag, a string or a key of the
-/// data or metadata, a query's tag or type.
+/// second event is invalid stores neither. Refused before the database is
+/// asked: a NUL character, which neither PostgreSQL's text nor its jsonb
+/// can hold, wherever it is (type, tag, a string or a key of the data or
+/// metadata, a query's tag or type); a type or tag longer than an index
+/// entry may be; JSON nested deeper than can be read back (stored, it
+/// would stop every read that reached it).
 #[tokio::test]
 async fn bad_input_is_rejected_whole() {
     let (_db, pool) = db().await;
     let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let mut too_deep = json!(1);
+    for _ in 0..=pgonce::events::MAX_JSON_NESTING {
+        too_deep = json!([too_deep]);
+    }
     for events in [
         vec![booked("ok"), Event::new("")],
         vec![booked("ok"), Event::new("T").tag("")],
@@ -517,6 +523,19 @@ async fn bad_input_is_rejected_whole() {
             Event::new("T").metadata(json!({ "who": "\0" })),
         ],
         vec![Event::new("T").tag("a\0b")],
+        vec![
+            booked("ok"),
+            Event::new("T").tag("t".repeat(pgonce::events::MAX_NAME_BYTES + 1)),
+        ],
+        vec![
+            booked("ok"),
+            Event::new("é".repeat(pgonce::events::MAX_NAME_BYTES / 2 + 1)),
+        ],
+        vec![booked("ok"), Event::new("T").data(too_deep.clone())],
+        vec![
+            booked("ok"),
+            Event::new("T").metadata(json!({ "k": too_deep.clone() })),
+        ],
     ] {
         let outcome = s.append(&events, None).await;
         assert!(
@@ -557,19 +576,34 @@ async fn bad_input_is_rejected_whole() {
 /// event under a one-item tag condition (its fields as parameters), two
 /// under it (a JSON array), a condition of two items (the general path),
 /// and no condition; under every strategy. Types, tags and JSON at the
-/// edges of what PostgreSQL stores: quotes, braces, commas, the word NULL,
-/// backslashes, non-ASCII, a 3,000-character tag, integers at the ends of
-/// i64 and u64, nested arrays, JSON null as data.
+/// edges of what the API accepts: quotes, braces, commas, the word NULL,
+/// backslashes, non-ASCII, a tag of MAX_NAME_BYTES bytes that do not
+/// compress, integers at the ends of i64 and u64, JSON null as data, and
+/// metadata nested MAX_JSON_NESTING deep.
 #[tokio::test]
 async fn an_event_reads_back_as_it_was_appended_on_every_path() {
     let (_db, pool) = db().await;
+    // As long as a tag may be, in bytes that do not compress.
+    let mut longest_tag = String::new();
+    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    while longest_tag.len() < pgonce::events::MAX_NAME_BYTES {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        longest_tag.push(char::from(b'!' + (x % 94) as u8));
+    }
+    // As deep as data may nest.
+    let mut deepest = json!("bottom");
+    for _ in 0..pgonce::events::MAX_JSON_NESTING {
+        deepest = json!([deepest]);
+    }
     let edge = |tag: &str| {
         Event::new("Ünïcödé \"type\" {x}, 'y'")
             .tag(tag)
             .tag("NULL")
             .tag("{a,b}")
             .tag("\"q\" \\ ü 🦀")
-            .tag("x".repeat(3000))
+            .tag(longest_tag.clone())
             .data(json!({
                 "none": null,
                 "max": u64::MAX,
@@ -603,6 +637,7 @@ async fn an_event_reads_back_as_it_was_appended_on_every_path() {
                 Some(AppendCondition::new(general("rt:general"), None)),
             ),
             (vec![edge("rt:none").data(json!(null))], None),
+            (vec![edge("rt:deep").metadata(deepest.clone())], None),
         ];
         let mut appended = Vec::new();
         for (events, condition) in &appends {
