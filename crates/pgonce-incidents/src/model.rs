@@ -164,29 +164,21 @@ fn numbers_round_trip(v: &Value) -> bool {
     }
 }
 
-/// Checks an entity's attributes: a JSON object whose keys and strings
-/// hold no NUL (`\u0000`), which PostgreSQL's `jsonb` refuses, and whose
-/// numbers read back equal from `jsonb` ([`number_round_trips`]). Refused
-/// here as invalid input, so the API answers 422 and the pipeline counts
-/// the message as malformed, instead of a database error on every delivery
-/// or a row no read can decode.
+/// Checks an entity's attributes: a JSON object that `jsonb` can hold and
+/// pgonce can read back (no NUL in a key or string, nested at most
+/// [`pgonce::json::MAX_JSON_NESTING`] deep: [`pgonce::json::check_storable`]),
+/// and whose numbers read back equal from `jsonb` ([`number_round_trips`]).
+/// Refused here as invalid input, so the API answers 422 and the pipeline
+/// counts the message as malformed, instead of a database error on every
+/// delivery or a row no read can decode.
 pub fn check_attributes(attributes: &Value) -> Result<()> {
-    fn has_nul(v: &Value) -> bool {
-        match v {
-            Value::String(s) => s.contains('\0'),
-            Value::Array(items) => items.iter().any(has_nul),
-            Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
-            Value::Null | Value::Bool(_) | Value::Number(_) => false,
-        }
-    }
     if !attributes.is_object() {
         return Err(Error::invalid("attributes", "must be a JSON object"));
     }
-    if has_nul(attributes) {
-        return Err(Error::invalid(
-            "attributes",
-            "must not contain NUL (\\u0000)",
-        ));
+    if let Err(pgonce::Error::Invalid { why, .. }) =
+        pgonce::json::check_storable("attributes", attributes)
+    {
+        return Err(Error::invalid("attributes", why));
     }
     if !numbers_round_trip(attributes) {
         return Err(Error::invalid(

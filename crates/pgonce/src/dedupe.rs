@@ -240,6 +240,7 @@ pub async fn acquire(
 /// wrote the request's effects, so both commit together). [`Error::LeaseLost`]
 /// if the hold expired and another request took the key over.
 pub async fn finish<'c>(db: impl PgExecutor<'c>, hold: &KeyHold, response: &Value) -> Result<()> {
+    crate::json::check_storable("idempotency response", response)?;
     let done = sqlx::query(include_str!("dedupe/sql/key_finish.sql"))
         .bind(&hold.scope)
         .bind(&hold.key)

@@ -154,10 +154,11 @@ mod subscription;
 
 use sqlx::PgPool;
 
+pub use crate::json::MAX_JSON_NESTING;
 pub use append::{ALL_NAMESPACE, AppendKeys, PendingAppend, TAG_NAMESPACE, TYPE_NAMESPACE};
 pub use model::{
-    AppendCondition, Appended, Decision, Event, MAX_JSON_NESTING, MAX_NAME_BYTES, Query, QueryItem,
-    ReadOptions, StoredEvent,
+    AppendCondition, Appended, Decision, Event, MAX_NAME_BYTES, Query, QueryItem, ReadOptions,
+    StoredEvent,
 };
 pub use subscription::{PollCounters, Subscription, SubscriptionConfig};
 #[doc(hidden)]

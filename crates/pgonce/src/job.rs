@@ -184,8 +184,9 @@ impl NewJob {
     }
 }
 
-/// Inserts a pending job and returns its id. Rejects an empty kind or
-/// `max_attempts < 1` before writing anything.
+/// Inserts a pending job and returns its id. Rejects an empty kind,
+/// `max_attempts < 1`, or a payload jsonb cannot hold or pgonce could not
+/// read back ([`crate::json`]) before writing anything.
 pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
     if job.kind.is_empty() {
         return Err(Error::Invalid {
@@ -199,6 +200,7 @@ pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
             why: format!("must be at least 1, got {}", job.max_attempts),
         });
     }
+    crate::json::check_storable("job payload", &job.payload)?;
     let id = sqlx::query_scalar(include_str!("job/sql/enqueue.sql"))
         .bind(&job.kind)
         .bind(&job.payload)
@@ -455,6 +457,7 @@ pub async fn claim_batch<'c>(
 /// is written. Run it in the transaction that writes the work's outcome so
 /// both commit together.
 pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value) -> Result<()> {
+    crate::json::check_storable("job result", result)?;
     let done = sqlx::query(include_str!("job/sql/complete.sql"))
         .bind(lease.job_id)
         .bind(lease.token)
@@ -475,6 +478,9 @@ pub async fn complete_many<'c>(
     db: impl PgExecutor<'c>,
     done: &[(Lease, Value)],
 ) -> Result<Vec<i64>> {
+    for (_, result) in done {
+        crate::json::check_storable("job result", result)?;
+    }
     let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
     let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
     let results: Vec<Value> = done.iter().map(|(_, r)| r.clone()).collect();

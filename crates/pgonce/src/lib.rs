@@ -38,6 +38,7 @@ pub mod error;
 pub mod events;
 pub mod guard;
 pub mod job;
+pub mod json;
 mod listen;
 pub mod lock;
 pub mod maintenance;

@@ -218,6 +218,18 @@ async fn an_idempotency_key_replays_the_stored_response_and_rejects_another_requ
     // The effect and the stored response commit together.
     let mut tx = pool.begin().await.unwrap();
     bump(&mut tx).await.unwrap();
+    // A response that could not be replayed (nested deeper than can be
+    // read back, or holding a NUL) is refused before it is written.
+    let mut too_deep = json!(1);
+    for _ in 0..=pgonce::json::MAX_JSON_NESTING {
+        too_deep = json!([too_deep]);
+    }
+    for bad in [too_deep, json!({"charge": "ch\u{0}1"})] {
+        assert!(matches!(
+            dedupe::finish(&mut *tx, &hold, &bad).await,
+            Err(Error::Invalid { .. })
+        ));
+    }
     dedupe::finish(&mut *tx, &hold, &json!({"charge": "ch_1"}))
         .await
         .unwrap();

@@ -612,6 +612,18 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
         job::enqueue(&pool, &NewJob::new("k", json!(1)).max_attempts(0)).await,
         Err(Error::Invalid { .. })
     ));
+    // A payload no claim could read back: nested deeper than serde_json
+    // parses (stored, it would fail every claim that picked it), or a NUL.
+    let mut too_deep = json!(1);
+    for _ in 0..=pgonce::json::MAX_JSON_NESTING {
+        too_deep = json!([too_deep]);
+    }
+    for payload in [too_deep.clone(), json!({"k": "a\u{0}b"})] {
+        assert!(matches!(
+            job::enqueue(&pool, &NewJob::new("k", payload)).await,
+            Err(Error::Invalid { .. })
+        ));
+    }
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs")
         .fetch_one(&pool)
         .await
@@ -641,6 +653,14 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
     let lease = job::claim(&pool, id, LEASE).await.unwrap();
     assert!(matches!(
         job::fail(&pool, &lease, "x", &bad).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        job::complete(&pool, &lease, &too_deep).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        job::complete_many(&pool, &[(lease.clone(), too_deep)]).await,
         Err(Error::Invalid { .. })
     ));
     assert_eq!(status(&pool, id).await, JobStatus::Processing);

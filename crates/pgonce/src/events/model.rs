@@ -19,10 +19,10 @@ pub struct Event {
     /// non-empty, at most [`MAX_NAME_BYTES`] bytes, no NUL.
     pub tags: Vec<String>,
     /// The event's payload, stored as `jsonb`: nested at most
-    /// [`MAX_JSON_NESTING`] deep, no NUL in a string or key. Numbers come
-    /// back as jsonb prints them: a float serde_json writes with an
-    /// exponent and that has no fraction (`1e16` and up) reads back as an
-    /// integer.
+    /// [`MAX_JSON_NESTING`](crate::json::MAX_JSON_NESTING) deep, no NUL in a
+    /// string or key ([`crate::json`]). Numbers come back as jsonb prints
+    /// them: a float serde_json writes with an exponent and that has no
+    /// fraction (`1e16` and up) reads back as an integer.
     pub data: Value,
     /// Data about the event rather than of it (who, why, correlation ids),
     /// stored as `jsonb`; matched by no query.
@@ -82,22 +82,8 @@ impl Event {
                 ),
             ));
         }
-        if nesting(&self.data) > MAX_JSON_NESTING || nesting(&self.metadata) > MAX_JSON_NESTING {
-            return Err(invalid(
-                "event",
-                &format!(
-                    "data and metadata nest arrays and objects at most {MAX_JSON_NESTING} deep \
-                     (deeper JSON is stored, but cannot be read back)"
-                ),
-            ));
-        }
-        if holds_nul(&self.data) || holds_nul(&self.metadata) {
-            return Err(invalid(
-                "event",
-                "data and metadata must contain no NUL character in a string or key \
-                 (PostgreSQL's jsonb cannot hold \\u0000)",
-            ));
-        }
+        crate::json::check_storable("event data", &self.data)?;
+        crate::json::check_storable("event metadata", &self.metadata)?;
         Ok(())
     }
 }
@@ -108,32 +94,6 @@ impl Event {
 /// failed the append with a database error (SQLSTATE 54000) depending on
 /// how well it compressed. 2,048 fits whatever the bytes are.
 pub const MAX_NAME_BYTES: usize = 2048;
-
-/// How deep arrays and objects may nest in an event's data and metadata.
-/// PostgreSQL stores deeper JSON, but serde_json refuses to parse more than
-/// 128 levels, so such an event could not be read, decided on or delivered
-/// to a subscription again, and would stop every read that reached it.
-pub const MAX_JSON_NESTING: usize = 127;
-
-/// How deep arrays and objects nest in `value`: 0 for a scalar, 1 for
-/// `[1]` or `{"k": 1}`.
-fn nesting(value: &Value) -> usize {
-    match value {
-        Value::Array(items) => 1 + items.iter().map(nesting).max().unwrap_or(0),
-        Value::Object(map) => 1 + map.values().map(nesting).max().unwrap_or(0),
-        Value::Null | Value::Bool(_) | Value::Number(_) | Value::String(_) => 0,
-    }
-}
-
-/// Whether a string or key anywhere in `value` contains NUL.
-fn holds_nul(value: &Value) -> bool {
-    match value {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(items) => items.iter().any(holds_nul),
-        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
-        Value::Null | Value::Bool(_) | Value::Number(_) => false,
-    }
-}
 
 /// An event as stored, with its position in the global log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -332,39 +292,5 @@ fn invalid(what: &'static str, why: &str) -> Error {
     Error::Invalid {
         what,
         why: why.to_string(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn nested(depth: usize) -> String {
-        format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
-    }
-
-    /// MAX_JSON_NESTING is exactly what serde_json reads back: data at
-    /// that depth round-trips through its text, one level more does not
-    /// parse (and is refused by `Event::validate`).
-    #[test]
-    fn the_nesting_limit_is_the_deepest_json_that_reads_back() {
-        let at_limit: Value = serde_json::from_str(&nested(MAX_JSON_NESTING)).unwrap();
-        assert_eq!(nesting(&at_limit), MAX_JSON_NESTING);
-        assert!(serde_json::from_str::<Value>(&nested(MAX_JSON_NESTING + 1)).is_err());
-        assert!(Event::new("T").data(at_limit.clone()).validate().is_ok());
-
-        // One level deeper, built in memory (it cannot be parsed).
-        let deeper = Value::Array(vec![at_limit]);
-        assert_eq!(nesting(&deeper), MAX_JSON_NESTING + 1);
-        assert!(matches!(
-            Event::new("T").data(deeper.clone()).validate(),
-            Err(Error::Invalid { .. })
-        ));
-        assert!(matches!(
-            Event::new("T")
-                .metadata(serde_json::json!({ "k": deeper }))
-                .validate(),
-            Err(Error::Invalid { .. })
-        ));
     }
 }

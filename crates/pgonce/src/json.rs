@@ -1,0 +1,109 @@
+//! What a `jsonb` column can store and pgonce can read back.
+//!
+//! PostgreSQL's jsonb refuses a NUL character (`\u0000`) in a string or a
+//! key, with SQLSTATE 22P05. And it stores JSON nested deeper than
+//! serde_json will parse (128 levels): a row holding such a value is
+//! written, then every read that decodes it fails. For an event that stops
+//! every read, decision and subscription that reaches it; for a job every
+//! claim that picks it; for an idempotency key every replay. So a value
+//! bound for a jsonb column that pgonce reads back is checked here first,
+//! and refused with [`Error::Invalid`] before the database is asked.
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// How deep arrays and objects may nest in a stored JSON value: the
+/// deepest serde_json reads back (a unit test holds the two together).
+pub const MAX_JSON_NESTING: usize = 127;
+
+/// Refuses `value` (named `what` in the error) if it could not be stored or
+/// could not be read back: a NUL in a string or key, or nesting deeper than
+/// [`MAX_JSON_NESTING`].
+pub fn check_storable(what: &'static str, value: &Value) -> Result<()> {
+    if nesting(value) > MAX_JSON_NESTING {
+        return Err(Error::Invalid {
+            what,
+            why: format!(
+                "arrays and objects nest at most {MAX_JSON_NESTING} deep \
+                 (deeper JSON is stored, but cannot be read back)"
+            ),
+        });
+    }
+    if holds_nul(value) {
+        return Err(Error::Invalid {
+            what,
+            why: "no NUL character in a string or key (PostgreSQL's jsonb cannot hold \\u0000)"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// How deep arrays and objects nest in `value`: 0 for a scalar, 1 for
+/// `[1]` or `{"k": 1}`.
+fn nesting(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => 1 + items.iter().map(nesting).max().unwrap_or(0),
+        Value::Object(map) => 1 + map.values().map(nesting).max().unwrap_or(0),
+        Value::Null | Value::Bool(_) | Value::Number(_) | Value::String(_) => 0,
+    }
+}
+
+/// Whether a string or key anywhere in `value` contains NUL.
+fn holds_nul(value: &Value) -> bool {
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nested(depth: usize) -> String {
+        format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
+    }
+
+    /// MAX_JSON_NESTING is exactly what serde_json reads back: a value at
+    /// that depth round-trips through its text, one level more does not
+    /// parse, and check_storable draws the line in the same place.
+    #[test]
+    fn the_nesting_limit_is_the_deepest_json_that_reads_back() {
+        let at_limit: Value = serde_json::from_str(&nested(MAX_JSON_NESTING)).unwrap();
+        assert_eq!(nesting(&at_limit), MAX_JSON_NESTING);
+        assert!(serde_json::from_str::<Value>(&nested(MAX_JSON_NESTING + 1)).is_err());
+        assert!(check_storable("value", &at_limit).is_ok());
+
+        // One level deeper, built in memory (it cannot be parsed).
+        let deeper = Value::Array(vec![at_limit]);
+        assert_eq!(nesting(&deeper), MAX_JSON_NESTING + 1);
+        assert!(matches!(
+            check_storable("value", &deeper),
+            Err(Error::Invalid { .. })
+        ));
+        assert!(matches!(
+            check_storable("value", &serde_json::json!({ "k": deeper })),
+            Err(Error::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn a_nul_anywhere_is_refused() {
+        for bad in [
+            serde_json::json!("a\0"),
+            serde_json::json!(["ok", ["\0"]]),
+            serde_json::json!({ "k\0": 1 }),
+            serde_json::json!({ "k": { "j": "x\0y" } }),
+        ] {
+            assert!(
+                matches!(check_storable("value", &bad), Err(Error::Invalid { .. })),
+                "{bad}"
+            );
+        }
+        assert!(check_storable("value", &serde_json::json!({ "k": ["\\0 is text"] })).is_ok());
+    }
+}
