@@ -315,13 +315,12 @@ impl Report {
         self.goals.push(goal);
     }
 
-    /// States that the ratio `name`, if this run measured it, should be at
-    /// least `target`; returns whether it is met (`None`: not measured).
-    pub fn ratio_goal(&mut self, name: &str, target: f64) -> Option<bool> {
-        let goal = Goal::ratio_at_least(name, target).measured(self.ratios.get(name).copied());
-        let met = goal.met;
-        self.goal(goal);
-        met
+    /// States that the ratio `name` should be at least `target`, measured
+    /// as this run's ratio of that name (not measured when it has none);
+    /// returns the goal, to add a note.
+    pub fn ratio_goal(&mut self, name: &str, target: f64) -> &mut Goal {
+        self.goal(Goal::ratio_at_least(name, target).measured(self.ratios.get(name).copied()));
+        self.goals.last_mut().expect("a goal was just stated")
     }
 
     /// Prints the report: JSON on stdout, or tables.

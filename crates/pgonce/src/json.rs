@@ -21,48 +21,60 @@ pub const MAX_JSON_NESTING: usize = 127;
 /// could not be read back: a NUL in a string or key, or nesting deeper than
 /// [`MAX_JSON_NESTING`].
 pub fn check_storable(what: &'static str, value: &Value) -> Result<()> {
-    if nesting(value) > MAX_JSON_NESTING {
-        return Err(Error::Invalid {
-            what,
-            why: format!(
-                "arrays and objects nest at most {MAX_JSON_NESTING} deep \
-                 (deeper JSON is stored, but cannot be read back)"
-            ),
-        });
-    }
-    if holds_nul(value) {
-        return Err(Error::Invalid {
-            what,
-            why: "no NUL character in a string or key (PostgreSQL's jsonb cannot hold \\u0000)"
-                .into(),
-        });
-    }
-    Ok(())
+    let why = match unstorable(value, 0) {
+        None => return Ok(()),
+        Some(Unstorable::TooDeep) => format!(
+            "arrays and objects nest at most {MAX_JSON_NESTING} deep \
+             (deeper JSON is stored, but cannot be read back)"
+        ),
+        Some(Unstorable::Nul) => {
+            "no NUL character in a string or key (PostgreSQL's jsonb cannot hold \\u0000)".into()
+        }
+    };
+    Err(Error::Invalid { what, why })
 }
 
-/// How deep arrays and objects nest in `value`: 0 for a scalar, 1 for
-/// `[1]` or `{"k": 1}`.
-fn nesting(value: &Value) -> usize {
-    match value {
-        Value::Array(items) => 1 + items.iter().map(nesting).max().unwrap_or(0),
-        Value::Object(map) => 1 + map.values().map(nesting).max().unwrap_or(0),
-        Value::Null | Value::Bool(_) | Value::Number(_) | Value::String(_) => 0,
-    }
+/// Why a value cannot be stored and read back.
+enum Unstorable {
+    TooDeep,
+    Nul,
 }
 
-/// Whether a string or key anywhere in `value` contains NUL.
-fn holds_nul(value: &Value) -> bool {
+/// The first problem in `value`, found `depth` arrays and objects down. One
+/// walk (it runs on every append and enqueue), which stops at the first
+/// problem and never recurses past MAX_JSON_NESTING levels, however deep
+/// the value.
+fn unstorable(value: &Value, depth: usize) -> Option<Unstorable> {
     match value {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(items) => items.iter().any(holds_nul),
-        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
-        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+        Value::String(s) => s.contains('\0').then_some(Unstorable::Nul),
+        Value::Array(_) | Value::Object(_) if depth == MAX_JSON_NESTING => {
+            Some(Unstorable::TooDeep)
+        }
+        Value::Array(items) => items.iter().find_map(|v| unstorable(v, depth + 1)),
+        Value::Object(map) => map.iter().find_map(|(k, v)| {
+            if k.contains('\0') {
+                Some(Unstorable::Nul)
+            } else {
+                unstorable(v, depth + 1)
+            }
+        }),
+        Value::Null | Value::Bool(_) | Value::Number(_) => None,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// How deep arrays and objects nest in `value`: 0 for a scalar, 1 for
+    /// `[1]` or `{"k": 1}`.
+    fn nesting(value: &Value) -> usize {
+        match value {
+            Value::Array(items) => 1 + items.iter().map(nesting).max().unwrap_or(0),
+            Value::Object(map) => 1 + map.values().map(nesting).max().unwrap_or(0),
+            Value::Null | Value::Bool(_) | Value::Number(_) | Value::String(_) => 0,
+        }
+    }
 
     fn nested(depth: usize) -> String {
         format!("{}1{}", "[".repeat(depth), "]".repeat(depth))

@@ -46,7 +46,7 @@ use super::BenchArgs;
 use super::measure::{Outcome, closed_loop, median, new_histogram, round2, runs_row};
 use crate::behind_pooler::sessions_survive;
 use crate::guard_strategy::GuardStrategy as Strategy;
-use crate::report::{Goal, Report, Row};
+use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
 #[derive(Debug, Clone, Copy)]
@@ -211,20 +211,13 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         per_run,
     );
 
-    let low_contention = "low_contention_guard_vs_two_transactions";
-    report.goal(
-        Goal::ratio_at_least(low_contention, 0.95)
-            .measured(report.ratios.get(low_contention).copied())
-            .note("L = 50 ms"),
-    );
-    let pressure = "pool_pressure_guard_vs_session_lock";
-    let pressure_goal =
-        Goal::ratio_at_least(pressure, 8.0).measured(report.ratios.get(pressure).copied());
-    report.goal(if pressure_goal.measured.is_none() {
-        pressure_goal.note(SESSION_LOCK_SKIPPED)
-    } else {
-        pressure_goal
-    });
+    report
+        .ratio_goal("low_contention_guard_vs_two_transactions", 0.95)
+        .note = Some("L = 50 ms".into());
+    let pressure = report.ratio_goal("pool_pressure_guard_vs_session_lock", 8.0);
+    if pressure.measured.is_none() {
+        pressure.note = Some(SESSION_LOCK_SKIPPED.into());
+    }
     if let Some(reason) = session_lock_skipped {
         report.sections.insert(
             "skipped".into(),

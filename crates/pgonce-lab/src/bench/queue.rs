@@ -26,7 +26,7 @@ use super::BenchArgs;
 use super::measure::{new_histogram, progress_bar, round2};
 use super::peers;
 use crate::behind_pooler::bench_listen;
-use crate::report::{Goal, Report, Row};
+use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
 /// Unconsumed messages at which producers pause.
@@ -304,12 +304,8 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         ("pgonce_vs_pgmq_b1", 0, "pgmq-b1"),
         ("pgonce_vs_pgmq_b10", 1, "pgmq-b10"),
     ] {
-        let r = report.ratio(ratio, ours[ours_i].2, peer_rate(peer));
-        report.goal(
-            Goal::ratio_at_least(ratio, 1.2)
-                .measured(r)
-                .note(format!("{} against {peer}", ours[ours_i].0)),
-        );
+        report.ratio(ratio, ours[ours_i].2, peer_rate(peer));
+        report.ratio_goal(ratio, 1.2).note = Some(format!("{} against {peer}", ours[ours_i].0));
     }
     // Batch 1 with neither side pushing wake-ups: pgmq's consumers poll
     // (the bench sleeps 1 ms after an empty read), pgonce's without
@@ -355,12 +351,9 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .cloned()
     {
-        let r = report.ratio("pgonce_vs_best_peer", best_ours, rate);
-        report.goal(
-            Goal::ratio_at_least("pgonce_vs_best_peer", 1.2)
-                .measured(r)
-                .note(format!("pgonce's best standard shape against {peer}")),
-        );
+        report.ratio("pgonce_vs_best_peer", best_ours, rate);
+        report.ratio_goal("pgonce_vs_best_peer", 1.2).note =
+            Some(format!("pgonce's best standard shape against {peer}"));
     }
     report.ratio("pgonce_best_vs_raw", best_ours, raw.per_sec());
     if let Some(reason) = listen_off {
