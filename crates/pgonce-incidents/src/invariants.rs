@@ -23,7 +23,7 @@ use crate::error::Result;
 
 /// An incident that opened while another of its (policy, entity) was OPEN,
 /// though the policy allowed one at a time for that entity then.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct DuplicateOpen {
     /// The singleton policy.
     pub policy_id: i64,
@@ -38,7 +38,7 @@ pub struct DuplicateOpen {
 }
 
 /// One organization whose numbers are not 1..n.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct NumberGap {
     /// The organization.
     pub organization_id: i64,
@@ -105,40 +105,20 @@ impl InvariantReport {
 /// I1 over the whole database and its whole history: every incident that
 /// opened while another of its singleton (policy, entity) was OPEN.
 pub async fn duplicate_open(pool: &PgPool) -> Result<Vec<DuplicateOpen>> {
-    let rows: Vec<(i64, i64, i64, i64, i64)> =
+    Ok(
         sqlx::query_as(include_str!("invariants/sql/i1_singleton.sql"))
             .fetch_all(pool)
-            .await?;
-    Ok(rows
-        .into_iter()
-        .map(
-            |(policy_id, entity_id, incident_id, while_open_id, open_at_the_time)| DuplicateOpen {
-                policy_id,
-                entity_id,
-                incident_id,
-                while_open_id,
-                open_at_the_time,
-            },
-        )
-        .collect())
+            .await?,
+    )
 }
 
 /// I2 over the whole database.
 pub async fn number_gaps(pool: &PgPool) -> Result<Vec<NumberGap>> {
-    let rows: Vec<(i64, i64, i64, i64, i64)> =
+    Ok(
         sqlx::query_as(include_str!("invariants/sql/i2_gapless.sql"))
             .fetch_all(pool)
-            .await?;
-    Ok(rows
-        .into_iter()
-        .map(|(organization_id, count, min, max, distinct)| NumberGap {
-            organization_id,
-            count,
-            min,
-            max,
-            distinct,
-        })
-        .collect())
+            .await?,
+    )
 }
 
 /// I3 for the incidents of `organizations`.

@@ -110,6 +110,37 @@ async fn a_redelivered_message_opens_one_incident_guarded_and_two_plain() {
     assert!(invariants::number_gaps(&w.pool).await.unwrap().is_empty());
 }
 
+/// I2's check reads a gap back as the organization's figures: numbered
+/// 1, 2, 3, then the last renumbered past a hole.
+#[tokio::test]
+async fn a_gap_in_the_numbers_is_reported_with_its_figures() {
+    let w = world().await;
+    let policy = w.policy("every-time", Singleton::Never).await;
+    for name in ["a", "b", "c"] {
+        let entity = w.entity(name).await;
+        let seen = w.service.observe(&policy, entity, name).await.unwrap();
+        w.open(&seen, WritePath::Guarded).await.unwrap();
+    }
+    assert!(invariants::number_gaps(&w.pool).await.unwrap().is_empty());
+    sqlx::query(
+        "UPDATE incidents.incidents SET number = 7 WHERE organization_id = $1 AND number = 3",
+    )
+    .bind(w.org)
+    .execute(&w.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        invariants::number_gaps(&w.pool).await.unwrap(),
+        [invariants::NumberGap {
+            organization_id: w.org,
+            count: 3,
+            min: 1,
+            max: 7,
+            distinct: 3,
+        }]
+    );
+}
+
 /// I1 is about the whole run, not the final state: a duplicate the plain
 /// path opened still counts after people acknowledged and resolved both
 /// (as the demo's people do while it runs).

@@ -82,7 +82,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-pub use postgres::{PgQueue, PgQueueOptions, QueueAttributes};
+pub use postgres::{MessageHistory, PgQueue, PgQueueOptions, QueueAttributes};
 pub use worker::{AckPolicy, Handler, HandlerError, Worker, WorkerConfig, WorkerCounters};
 
 use crate::error::{Error, Result};

@@ -575,8 +575,8 @@ async fn a_receive_past_held_heads_delivers_each_message_once() {
     assert_eq!(bodies(&got), ["b"]);
     // Nor acts on it again: received once here (the next receive would
     // move it), it is still in s.fifo under the receipt just handed out.
-    let (now_in, _) = s.history(&got[0].id).await.unwrap().unwrap();
-    assert_eq!(now_in, "s.fifo");
+    let now = s.history(&got[0].id).await.unwrap().unwrap();
+    assert_eq!(now.queue, "s.fifo");
     s.delete(&got[0].receipt).await.unwrap();
 }
 
@@ -1125,15 +1125,15 @@ async fn a_dead_lettered_message_keeps_its_history() {
             .unwrap()
             .is_empty()
     );
-    let (now_in, history) = q.history(&sent.id).await.unwrap().unwrap();
-    assert_eq!(now_in, "jobs-dlq");
-    assert_eq!(history[0]["event"], "dead_lettered");
-    assert_eq!(history[0]["from"], "jobs");
-    assert_eq!(history[0]["receive_count"], 2);
+    let now = q.history(&sent.id).await.unwrap().unwrap();
+    assert_eq!(now.queue, "jobs-dlq");
+    assert_eq!(now.history[0]["event"], "dead_lettered");
+    assert_eq!(now.history[0]["from"], "jobs");
+    assert_eq!(now.history[0]["receive_count"], 2);
     assert_eq!(dlq.redrive().await.unwrap(), 1);
-    let (now_in, history) = q.history(&sent.id).await.unwrap().unwrap();
-    assert_eq!(now_in, "jobs");
-    assert_eq!(history[1]["event"], "redriven");
+    let now = q.history(&sent.id).await.unwrap().unwrap();
+    assert_eq!(now.queue, "jobs");
+    assert_eq!(now.history[1]["event"], "redriven");
     // A fresh dead-letter budget after the redrive: two more receives.
     for _ in 0..2 {
         let m = q.receive(ReceiveRequest::up_to(1)).await.unwrap().remove(0);

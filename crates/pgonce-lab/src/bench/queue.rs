@@ -498,12 +498,12 @@ fn raw_consume(
         let pool = pool.clone();
         Box::pin(async move {
             while m.running() {
-                let row: Result<Option<(String,)>, _> =
-                    sqlx::query_as(include_str!("sql/queue_raw_delete.sql"))
+                let body: Result<Option<String>, _> =
+                    sqlx::query_scalar(include_str!("sql/queue_raw_delete.sql"))
                         .fetch_optional(&pool)
                         .await;
-                match row {
-                    Ok(Some((body,))) => m.consumed(&body),
+                match body {
+                    Ok(Some(body)) => m.consumed(&body),
                     // Nothing to take: back off briefly rather than spin.
                     Ok(None) => tokio::time::sleep(Duration::from_millis(1)).await,
                     Err(e) => m.error(e),

@@ -52,6 +52,18 @@ const RECEIVE_STANDARD_FURTHER: &str =
     receive_sql!("sql/pick_standard.sql", "sql/receive_fate_capped.sql");
 const RECEIVE_FIFO_FURTHER: &str = receive_sql!("sql/pick_fifo.sql", "sql/receive_fate_capped.sql");
 
+/// Where a message is now and how it got there ([`PgQueue::history`]).
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct MessageHistory {
+    /// The queue the message is in now: its own, or a dead-letter queue.
+    pub queue: String,
+    /// Its dead-letter moves and redrives, oldest first: a JSON array of
+    /// objects with an `event` (`dead_lettered` or `redriven`), the queues
+    /// it left and entered (`from`, `to`) and when (`at`).
+    #[sqlx(json)]
+    pub history: serde_json::Value,
+}
+
 /// A queue's attributes, fixed per queue in `pgonce.queue` by
 /// [`PgQueue::create`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -293,8 +305,8 @@ impl PgQueue {
                 Some(_) => {}
             }
         }
-        let fifo: std::result::Result<Option<(bool,)>, sqlx::Error> =
-            sqlx::query_as(include_str!("sql/create_queue.sql"))
+        let fifo: std::result::Result<Option<bool>, sqlx::Error> =
+            sqlx::query_scalar(include_str!("sql/create_queue.sql"))
                 .bind(name)
                 .bind(attributes.fifo)
                 .bind(millis(attributes.visibility_timeout))
@@ -336,12 +348,11 @@ impl PgQueue {
                 why: "poll_interval must be positive".into(),
             });
         }
-        let row: Option<(bool, bool, Option<String>)> =
-            sqlx::query_as(include_str!("sql/open_queue.sql"))
-                .bind(name)
-                .fetch_optional(pool)
-                .await?;
-        let Some((fifo, content_based_dedup, _dlq)) = row else {
+        let Some(QueueRow {
+            fifo,
+            content_based_dedup,
+        }) = QueueRow::read(pool, name).await?
+        else {
             return Err(Error::QueueNotFound { name: name.into() });
         };
         Ok(PgQueue {
@@ -398,14 +409,12 @@ impl PgQueue {
 
     /// The queue a message is in now and its history of dead-letter moves
     /// and redrives (a JSON array); `None` once it is deleted.
-    pub async fn history(&self, id: &str) -> Result<Option<(String, serde_json::Value)>> {
+    pub async fn history(&self, id: &str) -> Result<Option<MessageHistory>> {
         let id = parse_id(id)?;
-        let row: Option<(String, Json<serde_json::Value>)> =
-            sqlx::query_as(include_str!("sql/history.sql"))
-                .bind(id)
-                .fetch_optional(&self.inner.pool)
-                .await?;
-        Ok(row.map(|(q, Json(h))| (q, h)))
+        Ok(sqlx::query_as(include_str!("sql/history.sql"))
+            .bind(id)
+            .fetch_optional(&self.inner.pool)
+            .await?)
     }
 
     fn prepare(&self, mut message: SendMessage) -> Result<SendMessage> {
@@ -493,7 +502,7 @@ impl PgQueue {
         // A dedup claim committed by a concurrent sender after this
         // statement's snapshot yields no row; the second attempt sees it.
         for _ in 0..3 {
-            let row: Option<(i64, bool)> = sqlx::query_as(include_str!("sql/send.sql"))
+            let row: Option<SentRow> = sqlx::query_as(include_str!("sql/send.sql"))
                 .bind(&self.inner.name)
                 .bind(&message.body)
                 .bind(Json(&message.attributes))
@@ -504,7 +513,7 @@ impl PgQueue {
                 .bind(&group_lock)
                 .fetch_optional(&mut *conn)
                 .await?;
-            if let Some((id, duplicate)) = row {
+            if let Some(SentRow { id, duplicate }) = row {
                 if duplicate {
                     tracing::debug!(queue = %self.inner.name, id, "duplicate send ignored");
                     metrics::counter!("pgonce_queue_duplicates_total", "queue" => self.inner.name.clone())
@@ -518,12 +527,10 @@ impl PgQueue {
                     duplicate,
                 });
             }
-            let exists: Option<(bool,)> = sqlx::query_as(include_str!("sql/open_queue.sql"))
-                .bind(&self.inner.name)
-                .fetch_optional(&mut *conn)
+            if QueueRow::read(&mut *conn, &self.inner.name)
                 .await?
-                .map(|(fifo, _, _): (bool, bool, Option<String>)| (fifo,));
-            if exists.is_none() {
+                .is_none()
+            {
                 return Err(Error::QueueNotFound {
                     name: self.inner.name.clone(),
                 });
@@ -588,7 +595,7 @@ impl PgQueue {
             delays.push(m.delay.map(millis));
         }
         let n = bodies.len();
-        let ids: Vec<(i64,)> = sqlx::query_as(include_str!("sql/send_batch.sql"))
+        let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/send_batch.sql"))
             .bind(&self.inner.name)
             .bind(bodies)
             .bind(attributes)
@@ -607,7 +614,7 @@ impl PgQueue {
             .increment(n as u64);
         Ok(ids
             .into_iter()
-            .map(|(id,)| Sent {
+            .map(|id| Sent {
                 id: id.to_string(),
                 duplicate: false,
             })
@@ -1066,6 +1073,34 @@ struct ReceiveRow {
     receive_count: Option<i32>,
     generation: Option<i64>,
     sent_at: Option<time::OffsetDateTime>,
+}
+
+/// A queue's row, as much of it as a handle needs (`open_queue.sql`).
+#[derive(sqlx::FromRow)]
+struct QueueRow {
+    fifo: bool,
+    content_based_dedup: bool,
+}
+
+impl QueueRow {
+    /// The queue named `name`, or `None` when there is none.
+    async fn read<'c, E>(executor: E, name: &str) -> Result<Option<QueueRow>>
+    where
+        E: sqlx::PgExecutor<'c>,
+    {
+        Ok(sqlx::query_as(include_str!("sql/open_queue.sql"))
+            .bind(name)
+            .fetch_optional(executor)
+            .await?)
+    }
+}
+
+/// What `send.sql` returns: the message's id, and whether the send was a
+/// duplicate of an earlier one (the id is then that message's).
+#[derive(sqlx::FromRow)]
+struct SentRow {
+    id: i64,
+    duplicate: bool,
 }
 
 /// One delivery deleted by `delete_batch`.
