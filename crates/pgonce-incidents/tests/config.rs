@@ -242,7 +242,7 @@ fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
 fn what_cannot_work_is_refused_with_the_key_named() {
     with_url().validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 12] = [
+    let cases: [(Bad, &str); 13] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -269,6 +269,13 @@ fn what_cannot_work_is_refused_with_the_key_named() {
             |c| {
                 c.notifier.webhook_url = Some("http://x".into());
                 c.notifier.lease = Duration::from_secs(1);
+            },
+            "notifier",
+        ),
+        (
+            |c| {
+                c.notifier.webhook_url = Some("http://x".into());
+                c.notifier.lease = pgonce::job::MAX_LEASE + Duration::from_secs(1);
             },
             "notifier",
         ),

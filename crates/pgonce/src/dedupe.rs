@@ -164,6 +164,13 @@ struct KeyRow {
     response: Option<Value>,
 }
 
+/// The longest hold [`acquire`] takes: a year. The hold's end is written,
+/// committed, then read back, and a timestamp past year 9999 cannot be read
+/// back (sqlx's `time` decoding stops there): a longer hold would commit a
+/// key held by nobody until then, and every retry would find it in
+/// progress. Refused before anything is written instead.
+pub const MAX_HOLD: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Uses idempotency key `key` in `scope` for a request with `fingerprint`
 /// (see [`fingerprint`]), holding it for `hold_for` if it is new or its
 /// previous holder's hold expired. See the module docs for the outcomes.
@@ -176,10 +183,12 @@ pub async fn acquire(
 ) -> Result<Acquired> {
     check_key("idempotency scope", scope)?;
     check_key("idempotency key", key)?;
-    if hold_for.is_zero() || fingerprint.is_empty() {
+    if hold_for.is_zero() || hold_for > MAX_HOLD || fingerprint.is_empty() {
         return Err(Error::Invalid {
             what: "idempotency hold",
-            why: "needs a positive hold and a non-empty fingerprint".into(),
+            why: format!(
+                "needs a hold of at most 365 days and a non-empty fingerprint, got {hold_for:?}"
+            ),
         });
     }
     // Two rounds at most: the row may be collected between the two statements.

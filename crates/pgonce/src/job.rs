@@ -246,6 +246,9 @@ pub async fn transition<'c>(
             why: format!("{from} to {to} is not a conditional transition"),
         });
     }
+    if let Some(result) = result {
+        crate::json::check_storable("job result", result)?;
+    }
     let done = sqlx::query(include_str!("job/sql/transition.sql"))
         .bind(id)
         .bind(from.as_str())
@@ -291,11 +294,19 @@ impl Lease {
     }
 }
 
+/// The longest lease [`claim`], [`claim_batch`] and [`heartbeat`] take: a
+/// year. The lease's end is written, committed, then read back, and a
+/// timestamp past year 9999 cannot be read back (sqlx's `time` decoding
+/// stops there): a longer lease would commit a claim nobody received, and
+/// the job would stay processing under it. Refused before anything is
+/// written instead.
+pub const MAX_LEASE: Duration = Duration::from_secs(365 * 24 * 3600);
+
 fn lease_secs(lease_for: Duration) -> Result<f64> {
-    if lease_for.is_zero() {
+    if lease_for.is_zero() || lease_for > MAX_LEASE {
         return Err(Error::Invalid {
             what: "lease duration",
-            why: "must be positive".into(),
+            why: format!("must be positive and at most 365 days, got {lease_for:?}"),
         });
     }
     Ok(lease_for.as_secs_f64())
@@ -407,6 +418,15 @@ pub struct ClaimedJob {
 /// Claims up to `limit` runnable jobs of `kind` in one statement
 /// (`FOR UPDATE SKIP LOCKED` in a CTE, then `UPDATE ... RETURNING`), so
 /// concurrent workers never claim the same job and never wait for each other.
+///
+/// A job whose payload cannot be read back (written around [`enqueue`],
+/// which refuses such a payload, and nested past
+/// [`crate::json::MAX_JSON_NESTING`]) is claimed but not returned: it is
+/// logged, counted in `pgonce_job_payload_unreadable_total`, and left to
+/// the [`Reaper`] like a job whose worker died, until it is dead. The rest
+/// of the batch is returned: the claim has committed by the time the rows
+/// are read, so failing the whole call would leave every job of the batch
+/// claimed by nobody.
 pub async fn claim_batch<'c>(
     db: impl PgExecutor<'c>,
     kind: &str,
@@ -425,7 +445,8 @@ pub async fn claim_batch<'c>(
     struct Row {
         id: i64,
         kind: String,
-        payload: Value,
+        /// As text, parsed row by row (see above).
+        payload: String,
         attempts: i32,
         lease_token: Uuid,
         lease_expires_at: OffsetDateTime,
@@ -439,15 +460,22 @@ pub async fn claim_batch<'c>(
     metrics::counter!("pgonce_job_claimed_total").increment(rows.len() as u64);
     Ok(rows
         .into_iter()
-        .map(|row| ClaimedJob {
-            kind: row.kind,
-            payload: row.payload,
-            attempts: row.attempts,
-            lease: Lease {
-                job_id: row.id,
-                token: row.lease_token,
-                expires_at: row.lease_expires_at,
-            },
+        .filter_map(|row| match serde_json::from_str(&row.payload) {
+            Ok(payload) => Some(ClaimedJob {
+                kind: row.kind,
+                payload,
+                attempts: row.attempts,
+                lease: Lease {
+                    job_id: row.id,
+                    token: row.lease_token,
+                    expires_at: row.lease_expires_at,
+                },
+            }),
+            Err(e) => {
+                metrics::counter!("pgonce_job_payload_unreadable_total").increment(1);
+                tracing::error!(job_id = row.id, error = %e, "job payload unreadable: left to the reaper");
+                None
+            }
         })
         .collect())
 }

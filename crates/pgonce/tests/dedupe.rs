@@ -351,6 +351,43 @@ async fn a_released_key_starts_afresh_and_bad_input_is_rejected() {
     assert_eq!(n, 0);
 }
 
+/// A hold's end is read back after the key is stored, and a timestamp past
+/// year 9999 cannot be: a longer hold would leave the key in progress for
+/// every retry. Holds past `dedupe::MAX_HOLD` are refused and store
+/// nothing; `MAX_HOLD` itself reads back.
+#[tokio::test]
+async fn a_hold_longer_than_the_longest_is_refused_and_stores_nothing() {
+    let (_db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!({"pay": 1})).unwrap();
+    for hold_for in [
+        dedupe::MAX_HOLD + Duration::from_secs(1),
+        Duration::from_secs(8_000 * 365 * 24 * 3600),
+    ] {
+        assert!(matches!(
+            dedupe::acquire(&pool, "api", "k", &fp, hold_for).await,
+            Err(Error::Invalid { .. })
+        ));
+    }
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.idempotency_keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+    let Acquired::Process(hold) = dedupe::acquire(&pool, "api", "k", &fp, dedupe::MAX_HOLD)
+        .await
+        .unwrap()
+    else {
+        panic!("a new key is processed")
+    };
+    dedupe::finish(&pool, &hold, &json!({"paid": true}))
+        .await
+        .unwrap();
+    assert!(matches!(
+        dedupe::acquire(&pool, "api", "k", &fp, Duration::from_secs(60)).await,
+        Ok(Acquired::Replay(response)) if response == json!({"paid": true})
+    ));
+}
+
 #[tokio::test]
 async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_skips() {
     let (db, pool) = setup().await;

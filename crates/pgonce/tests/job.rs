@@ -676,6 +676,125 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
     );
 }
 
+/// A lease's end is read back after the claim commits, and a timestamp
+/// past year 9999 cannot be: a longer lease would leave the job processing
+/// under a token nobody received. Claims and heartbeats past
+/// `job::MAX_LEASE` are refused with nothing written; `MAX_LEASE` itself
+/// reads back.
+#[tokio::test]
+async fn a_lease_longer_than_the_longest_is_refused_and_writes_nothing() {
+    let (_db, pool) = setup().await;
+    let too_long = job::MAX_LEASE + Duration::from_secs(1);
+    let eons = Duration::from_secs(8_000 * 365 * 24 * 3600);
+    let id = new_job(&pool, 3).await;
+    for lease_for in [too_long, eons] {
+        assert!(matches!(
+            job::claim(&pool, id, lease_for).await,
+            Err(Error::Invalid { .. })
+        ));
+        assert!(matches!(
+            job::claim_batch(&pool, "send", 10, lease_for).await,
+            Err(Error::Invalid { .. })
+        ));
+    }
+    assert_eq!(status(&pool, id).await, JobStatus::Pending);
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    for extend_by in [too_long, eons] {
+        assert!(matches!(
+            job::heartbeat(&pool, &lease, extend_by).await,
+            Err(Error::Invalid { .. })
+        ));
+    }
+    let stored = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(stored.lease_expires_at, Some(lease.expires_at));
+    let longest = job::heartbeat(&pool, &lease, job::MAX_LEASE).await.unwrap();
+    let stored = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(stored.lease_expires_at, Some(longest.expires_at));
+    job::complete(&pool, &longest, &json!("done"))
+        .await
+        .unwrap();
+}
+
+/// `transition` stores its result as `complete` does, so it refuses what
+/// could not be read back: nested past `MAX_JSON_NESTING` (every later read
+/// of the job would fail), or a NUL. The job stays where it was.
+#[tokio::test]
+async fn a_transition_refuses_a_result_it_could_not_read_back() {
+    let (_db, pool) = setup().await;
+    let mut too_deep = json!(1);
+    for _ in 0..=pgonce::json::MAX_JSON_NESTING {
+        too_deep = json!([too_deep]);
+    }
+    let id = new_job(&pool, 3).await;
+    for result in [too_deep, json!({"a\u{0}": 1})] {
+        assert!(matches!(
+            job::transition(
+                &pool,
+                id,
+                JobStatus::Pending,
+                JobStatus::Completed,
+                Some(&result),
+                None
+            )
+            .await,
+            Err(Error::Invalid { .. })
+        ));
+    }
+    assert_eq!(status(&pool, id).await, JobStatus::Pending);
+}
+
+/// A payload written around `enqueue` (raw SQL) that no claim can read back
+/// does not take its batch down: `claim_batch` returns the healthy jobs it
+/// claimed with it, and only the unreadable one goes the way of a job whose
+/// worker died (reaped, then dead at its maximum attempts).
+#[tokio::test]
+async fn an_unreadable_payload_does_not_hold_back_the_jobs_claimed_with_it() {
+    let (_db, pool) = setup().await;
+    let healthy = [new_job(&pool, 2).await, new_job(&pool, 2).await];
+    let depth = pgonce::json::MAX_JSON_NESTING + 3;
+    let poison: i64 = sqlx::query_scalar(
+        "INSERT INTO pgonce.jobs (kind, payload, max_attempts) VALUES ('send', $1::jsonb, 2) \
+         RETURNING id",
+    )
+    .bind(format!("{}1{}", "[".repeat(depth), "]".repeat(depth)))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let claimed = job::claim_batch(&pool, "send", 10, LEASE).await.unwrap();
+    let ids: HashSet<i64> = claimed.iter().map(|c| c.lease.job_id).collect();
+    assert_eq!(ids, HashSet::from(healthy));
+    for c in &claimed {
+        job::complete(&pool, &c.lease, &json!("sent"))
+            .await
+            .unwrap();
+    }
+    // The unreadable job was claimed by nobody: reaped, claimed again, and
+    // dead at its second lost lease.
+    let poison_status = async || -> (String, i32) {
+        sqlx::query_as("SELECT status, attempts FROM pgonce.jobs WHERE id = $1")
+            .bind(poison)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(poison_status().await, ("processing".to_string(), 0));
+    expire_lease(&pool, poison).await;
+    reaper(&pool).run_once().await.unwrap();
+    assert_eq!(poison_status().await, ("pending".to_string(), 1));
+    assert!(
+        job::claim_batch(&pool, "send", 10, LEASE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    expire_lease(&pool, poison).await;
+    reaper(&pool).run_once().await.unwrap();
+    assert_eq!(poison_status().await, ("dead".to_string(), 2));
+    for id in healthy {
+        assert_eq!(status(&pool, id).await, JobStatus::Completed);
+    }
+}
+
 mod state_machine {
     //! Random sequences of calls never reach an illegal state or lose a job.
 

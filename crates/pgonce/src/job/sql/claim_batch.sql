@@ -1,6 +1,7 @@
 -- Claims up to $2 runnable jobs of kind $1. SKIP LOCKED lets concurrent
 -- claimers pass each other's rows instead of queueing behind them; the outer
 -- UPDATE re-checks the status, so a row claimed meanwhile is not taken twice.
+-- The payload comes back as text, parsed row by row (job.rs, claim_batch).
 WITH runnable AS (
     SELECT id
     FROM pgonce.jobs
@@ -19,4 +20,4 @@ SET status = 'processing',
 FROM runnable
 WHERE j.id = runnable.id
   AND j.status = 'pending'
-RETURNING j.id, j.kind, j.payload, j.attempts, j.lease_token, j.lease_expires_at
+RETURNING j.id, j.kind, j.payload::text AS payload, j.attempts, j.lease_token, j.lease_expires_at
