@@ -110,7 +110,9 @@ pub enum Strategy {
     AdvisoryLock,
     /// An upsert that increments the scope's row in
     /// `pgonce.sequence_counters` (created from the table's max on first
-    /// use); the row lock serializes the scope. Any isolation level.
+    /// use, and never left behind it, so the other strategies can number
+    /// the same scope in between); the row lock serializes the scope. Any
+    /// isolation level.
     CounterRow,
     /// `LOCK TABLE ... IN EXCLUSIVE MODE`, then max + 1: what the `sequenced`
     /// gem does. Correct, but every declaration of every scope (and every

@@ -471,6 +471,39 @@ async fn a_scope_typed_as_the_column_binds_with_its_own_type() {
 /// Only the (scope, number) index's violation is a taken number: the write
 /// breaking another unique index of the same table is the caller's error,
 /// not NumberTaken (retrying would take the same number and fail again).
+/// Every strategy numbers the same scope in turn, each several times and
+/// the counter row between each of the others: a strategy changed between
+/// two deploys, or two running side by side during one. The counter row
+/// never falls behind numbers taken under the other locks (it used to,
+/// and then every later counter-row take was refused as taken and rolled
+/// back, for good).
+#[tokio::test]
+async fn strategies_take_turns_on_one_scope_and_continue_one_anothers_numbers() {
+    let (pool, _db) = setup(4).await;
+    let counter = sequence(Strategy::CounterRow);
+    let mut expected = 0;
+    for other in [
+        Strategy::AdvisoryLock,
+        Strategy::TableLock,
+        Strategy::SelectForUpdate,
+    ] {
+        for seq in [
+            &counter,
+            &sequence(other),
+            &sequence(other),
+            &counter,
+            &counter,
+        ] {
+            expected += 1;
+            assert_eq!(declare(seq, &pool, "acme").await.unwrap(), expected);
+        }
+    }
+    assert_eq!(
+        committed(&pool).await["acme"],
+        (1..=expected).collect::<Vec<_>>()
+    );
+}
+
 #[tokio::test]
 async fn another_unique_index_of_the_table_is_not_a_taken_number() {
     let (pool, _db) = setup(2).await;

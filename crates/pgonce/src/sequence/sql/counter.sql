@@ -1,9 +1,23 @@
 -- counter-row: the scope's counter row in pgonce.sequence_counters, created
 -- on first use from the table's max + 1 (so a table with numbers already in
--- it is adopted), else incremented. The row lock taken by the upsert is held
--- until the transaction ends; a rollback undoes the increment.
+-- it is adopted), else moved to one past the greater of itself and the
+-- table's max. The row lock taken by the upsert is held until the
+-- transaction ends; a rollback undoes the move.
+-- Why the max again on every take: the other strategies number the same
+-- scope under other locks and never move the counter, so a scope numbered
+-- by them (a strategy changed between two deploys, or both running during
+-- one) would leave the counter behind, and every later take would hand out
+-- a number already taken, be refused by the unique index and roll back the
+-- counter with it: the scope could never be numbered again by this
+-- strategy. The max is the unique index's last entry for the scope. The
+-- statement's snapshot may predate the counter row's lock, so the max may
+-- miss what a counter-row taker committed meanwhile; that taker moved the
+-- counter, which the upsert reads as it is now.
 -- $1 sequence name, $2 scope as text, $3 scope as the column's type.
 INSERT INTO pgonce.sequence_counters AS c (sequence, scope, last_number)
 SELECT $1, $2, (COALESCE(max({number}), 0) + 1)::bigint FROM {table} WHERE {scope} = $3
-ON CONFLICT (sequence, scope) DO UPDATE SET last_number = c.last_number + 1
+ON CONFLICT (sequence, scope) DO UPDATE
+SET last_number = greatest(
+    c.last_number,
+    (SELECT COALESCE(max({number}), 0)::bigint FROM {table} WHERE {scope} = $3)) + 1
 RETURNING c.last_number
