@@ -127,6 +127,9 @@ fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
         "pgonce_vs_pgmq_b1",
         "pgonce_vs_pgmq_b10",
         "pgmq_pop_b1_vs_raw",
+        "raw_lease_vs_raw",
+        "pgonce_b1_vs_raw_lease",
+        "pgmq_b1_vs_raw_lease",
     ] {
         assert!(report["ratios"][ratio].is_number(), "{ratio}: {report}");
     }
@@ -145,7 +148,9 @@ fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
         .iter()
         .map(|r| r["strategy"].as_str().unwrap().to_string())
         .collect();
-    assert!(strategies.iter().any(|s| s == "raw-insert-delete"));
+    for s in ["raw-insert-delete", "raw-insert-lease-delete"] {
+        assert!(strategies.iter().any(|x| x == s), "{s} missing");
+    }
     assert!(strategies.iter().any(|s| s.starts_with("apalis-postgres")));
     for s in ["pgmq-b1", "pgmq-b10", "pgmq-pop-b1"] {
         assert!(

@@ -1,7 +1,10 @@
 //! `pgonce bench queue`: messages through a queue, send + receive + delete,
 //! with P producers and C consumers, for pgonce's PostgreSQL queue
 //! (standard and FIFO with many groups, batch 1 and 10), the raw limit (a
-//! one-row INSERT then a one-row DELETE per message, same client count) and
+//! one-row INSERT then a one-row DELETE per message, same client count),
+//! the raw at-least-once floor (INSERT, a lease, then DELETE: the three
+//! commits per message of any queue that survives a consumer's death,
+//! with nothing else) and
 //! the queue crates from crates.io doing the same work (`peers/`): pgmq,
 //! the field's most used PostgreSQL queue, compared shape by shape (batch 1
 //! and batch 10, read + delete), and apalis-postgres.
@@ -274,12 +277,23 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let raw = drive(
         "raw-insert-delete",
         shape,
-        raw_produce(db.pool()),
-        raw_consume(db.pool()),
+        raw_produce(db.pool(), include_str!("sql/queue_raw_insert.sql")),
+        raw_consume(db.pool(), take_and_delete),
     )
     .await;
     check(&mut report, "raw-insert-delete", &raw);
     report.results.push(raw.row("raw-insert-delete", &shape, 1));
+    let raw_lease = drive(
+        "raw-insert-lease-delete",
+        shape,
+        raw_produce(db.pool(), include_str!("sql/queue_raw_lease_insert.sql")),
+        raw_consume(db.pool(), lease_then_delete),
+    )
+    .await;
+    check(&mut report, "raw-insert-lease-delete", &raw_lease);
+    report
+        .results
+        .push(raw_lease.row("raw-insert-lease-delete", &shape, 1));
 
     let mut peer_rates = Vec::new();
     // apalis-postgres LISTENs on its pool's connections, which only works
@@ -356,6 +370,23 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
             Some(format!("pgonce's best standard shape against {peer}"));
     }
     report.ratio("pgonce_best_vs_raw", best_ours, raw.per_sec());
+    // The raw limit takes and deletes a message in one statement: a
+    // consumer that dies after it loses the message. Delivering at least
+    // once takes a lease first, a commit more per message; against that
+    // floor, what is left is the price of pgonce's own work (receipt
+    // fencing, the dead-letter and retention decisions, deduplication).
+    report.ratio("raw_lease_vs_raw", raw_lease.per_sec(), raw.per_sec());
+    report.ratio("pgonce_b1_vs_raw_lease", b1, raw_lease.per_sec());
+    report.ratio(
+        "pgonce_no_notify_b1_vs_raw_lease",
+        polling_b1,
+        raw_lease.per_sec(),
+    );
+    report.ratio(
+        "pgmq_b1_vs_raw_lease",
+        peer_rate("pgmq-b1"),
+        raw_lease.per_sec(),
+    );
     if let Some(reason) = listen_off {
         report.sections.insert(
             "skipped behind a transaction-mode pooler".into(),
@@ -470,19 +501,17 @@ async fn pg_queue(
     Ok(flow)
 }
 
+/// Producers of a raw floor: `insert` takes the body as its parameter.
 fn raw_produce(
     pool: &PgPool,
+    insert: &'static str,
 ) -> impl Fn(Arc<Meter>, usize) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
     let pool = pool.clone();
     move |m, _| {
         let pool = pool.clone();
         Box::pin(async move {
             while m.may_send(1).await {
-                if let Err(e) = sqlx::query(include_str!("sql/queue_raw_insert.sql"))
-                    .bind(m.stamp())
-                    .execute(&pool)
-                    .await
-                {
+                if let Err(e) = sqlx::query(insert).bind(m.stamp()).execute(&pool).await {
                     m.error(e);
                 }
             }
@@ -490,19 +519,22 @@ fn raw_produce(
     }
 }
 
-fn raw_consume(
+/// Consumers of a raw floor: `take` consumes one message and returns its
+/// body, or `None` when there was none to take.
+fn raw_consume<T, TF>(
     pool: &PgPool,
-) -> impl Fn(Arc<Meter>, usize) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+    take: T,
+) -> impl Fn(Arc<Meter>, usize) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>
+where
+    T: Fn(PgPool) -> TF + Clone + Send + Sync + 'static,
+    TF: Future<Output = Result<Option<String>, sqlx::Error>> + Send,
+{
     let pool = pool.clone();
     move |m, _| {
-        let pool = pool.clone();
+        let (pool, take) = (pool.clone(), take.clone());
         Box::pin(async move {
             while m.running() {
-                let body: Result<Option<String>, _> =
-                    sqlx::query_scalar(include_str!("sql/queue_raw_delete.sql"))
-                        .fetch_optional(&pool)
-                        .await;
-                match body {
+                match take(pool.clone()).await {
                     Ok(Some(body)) => m.consumed(&body),
                     // Nothing to take: back off briefly rather than spin.
                     Ok(None) => tokio::time::sleep(Duration::from_millis(1)).await,
@@ -511,4 +543,35 @@ fn raw_consume(
             }
         })
     }
+}
+
+/// The raw limit's consumer: takes and deletes a message in one statement
+/// (a consumer that dies after it has lost the message).
+async fn take_and_delete(pool: PgPool) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar(include_str!("sql/queue_raw_delete.sql"))
+        .fetch_optional(&pool)
+        .await
+}
+
+/// A row leased by the raw at-least-once floor.
+#[derive(sqlx::FromRow)]
+struct LeasedRow {
+    id: i64,
+    body: String,
+}
+
+/// The raw at-least-once floor's consumer: leases a message, then deletes
+/// it, two statements each committed on its own.
+async fn lease_then_delete(pool: PgPool) -> Result<Option<String>, sqlx::Error> {
+    let leased: Option<LeasedRow> = sqlx::query_as(include_str!("sql/queue_raw_lease.sql"))
+        .fetch_optional(&pool)
+        .await?;
+    let Some(row) = leased else {
+        return Ok(None);
+    };
+    sqlx::query(include_str!("sql/queue_raw_lease_delete.sql"))
+        .bind(row.id)
+        .execute(&pool)
+        .await?;
+    Ok(Some(row.body))
 }

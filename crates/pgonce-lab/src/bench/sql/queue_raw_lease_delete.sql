@@ -1,0 +1,1 @@
+DELETE FROM bench_queue_raw_lease WHERE id = $1

@@ -1,0 +1,1 @@
+INSERT INTO bench_queue_raw_lease (body) VALUES ($1)
