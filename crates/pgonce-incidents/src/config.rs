@@ -758,6 +758,9 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if let Err(e) = self.maintenance.cleaner.maintenance_config().validate() {
+            return Err(invalid("maintenance.cleaner", e.to_string()));
+        }
         if self.database.acquire_timeout.is_zero() {
             return Err(invalid("database.acquire_timeout", "must be above zero"));
         }

@@ -242,7 +242,7 @@ fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
 fn what_cannot_work_is_refused_with_the_key_named() {
     with_url().validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 13] = [
+    let cases: [(Bad, &str); 14] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -288,6 +288,10 @@ fn what_cannot_work_is_refused_with_the_key_named() {
         (
             |c| c.maintenance.redriver.interval = Duration::ZERO,
             "maintenance.redriver",
+        ),
+        (
+            |c| c.maintenance.cleaner.dead_jobs = Duration::from_secs(10_000 * 365 * 24 * 3600),
+            "maintenance.cleaner",
         ),
     ];
     for (bad, needle) in cases {

@@ -325,9 +325,12 @@ pub struct Collector {
 }
 
 impl Collector {
-    /// Validates `config`.
+    /// Validates `config` (each retention at most
+    /// [`MAX_RETENTION`](crate::maintenance::MAX_RETENTION)).
     pub fn new(pool: PgPool, config: CollectorConfig) -> Result<Collector> {
         crate::service::check_config("collector config", config.interval, config.batch_size)?;
+        crate::service::check_retention("collector config", config.processed_retention)?;
+        crate::service::check_retention("collector config", config.key_retention)?;
         Ok(Collector { pool, config })
     }
 

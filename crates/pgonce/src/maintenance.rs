@@ -93,6 +93,13 @@ pub struct MaintenanceConfig {
     pub processed_messages: Option<Duration>,
 }
 
+/// The longest retention a cleaner takes: a thousand years. A cleaner
+/// deletes what is older than `now()` minus its retention, and PostgreSQL's
+/// timestamps start in 4713 BC: with a retention of several thousand years
+/// every pass would fail ("timestamp out of range") and delete nothing. To
+/// keep a kind of row for good, leave its cleaner out (`None`).
+pub const MAX_RETENTION: Duration = Duration::from_secs(1000 * 365 * DAY);
+
 const HOUR: u64 = 3600;
 const DAY: u64 = 24 * HOUR;
 
@@ -126,9 +133,21 @@ impl MaintenanceConfig {
         }
     }
 
-    /// Checks the interval and the batch size.
+    /// Checks the interval, the batch size and each retention (at most
+    /// [`MAX_RETENTION`]).
     pub fn validate(&self) -> Result<()> {
-        crate::service::check_config("maintenance config", self.interval, self.batch_size)
+        crate::service::check_config("maintenance config", self.interval, self.batch_size)?;
+        [
+            self.completed_jobs,
+            self.dead_jobs,
+            self.queue_dedup,
+            self.dead_letter_messages,
+            self.idempotency_keys,
+            self.processed_messages,
+        ]
+        .into_iter()
+        .flatten()
+        .try_for_each(|retention| crate::service::check_retention("maintenance config", retention))
     }
 }
 

@@ -21,6 +21,21 @@ pub(crate) fn check_config(what: &'static str, interval: Duration, batch_size: i
     Ok(())
 }
 
+/// Checks a cleaner's retention against
+/// [`MAX_RETENTION`](crate::maintenance::MAX_RETENTION).
+pub(crate) fn check_retention(what: &'static str, retention: Duration) -> Result<()> {
+    if retention > crate::maintenance::MAX_RETENTION {
+        return Err(Error::Invalid {
+            what,
+            why: format!(
+                "a retention is at most 1,000 years (leave the cleaner out to keep rows for good), \
+                 got {retention:?}"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Runs `pass` now and then every `interval` until `shutdown` completes.
 /// Cancel-safe at the pass boundary: shutdown drops an unfinished pass, whose
 /// statements are each atomic.

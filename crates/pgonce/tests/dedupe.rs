@@ -336,6 +336,22 @@ async fn a_released_key_starts_afresh_and_bad_input_is_rejected() {
         dedupe::acquire(&pool, "api", "k2", &fp, Duration::ZERO).await,
         Err(Error::Invalid { .. })
     ));
+    let too_long = pgonce::maintenance::MAX_RETENTION + Duration::from_secs(1);
+    for config in [
+        CollectorConfig {
+            key_retention: too_long,
+            ..CollectorConfig::default()
+        },
+        CollectorConfig {
+            processed_retention: too_long,
+            ..CollectorConfig::default()
+        },
+    ] {
+        assert!(matches!(
+            Collector::new(pool.clone(), config),
+            Err(Error::Invalid { .. })
+        ));
+    }
     let mut tx = pool.begin().await.unwrap();
     assert!(matches!(
         dedupe::mark_processed(&mut tx, "c", "").await,

@@ -342,12 +342,27 @@ async fn a_bad_config_is_refused_before_anything_is_deleted() {
         ..MaintenanceConfig::default()
     };
 
-    let err = maintenance::run_once(&pool, &config).await.unwrap_err();
-    assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
-    assert!(matches!(
-        Maintenance::spawn(pool.clone(), config).unwrap_err(),
-        Error::Invalid { .. }
-    ));
+    // A retention whose cutoff falls before PostgreSQL's first timestamp
+    // (4713 BC) would fail every pass: refused up front.
+    let too_long = MaintenanceConfig {
+        completed_jobs: Some(maintenance::MAX_RETENTION + Duration::from_secs(1)),
+        ..MaintenanceConfig::default()
+    };
+    for config in [config, too_long] {
+        let err = maintenance::run_once(&pool, &config).await.unwrap_err();
+        assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
+        assert!(matches!(
+            Maintenance::spawn(pool.clone(), config).unwrap_err(),
+            Error::Invalid { .. }
+        ));
+    }
+    assert_eq!(count(&pool, "pgonce.jobs").await, 1);
+    // The longest retention runs, and keeps the 30-day-old job.
+    let longest = MaintenanceConfig {
+        completed_jobs: Some(maintenance::MAX_RETENTION),
+        ..MaintenanceConfig::default()
+    };
+    maintenance::run_once(&pool, &longest).await.unwrap();
     assert_eq!(count(&pool, "pgonce.jobs").await, 1);
 }
 
