@@ -10,7 +10,7 @@ use aws_sdk_sqs::types::{
     MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
     SendMessageBatchRequestEntry,
 };
-use pgonce::queue::MAX_BODY_BYTES;
+use pgonce::queue::{MAX_BATCH, MAX_BODY_BYTES};
 use pgonce::{
     Error, Queue, QueueAttributes, QueueStats, Receipt, ReceiveRequest, Received, Result,
     SendMessage, Sent,
@@ -396,6 +396,12 @@ impl Queue for SqsQueue {
     }
 
     async fn send_batch(&self, messages: Vec<SendMessage>) -> Result<Vec<Sent>> {
+        if messages.is_empty() || messages.len() > MAX_BATCH {
+            return Err(Error::Invalid {
+                what: "batch",
+                why: format!("a batch holds 1 to {MAX_BATCH} messages"),
+            });
+        }
         for m in &messages {
             self.prepare(m)?;
         }
@@ -468,21 +474,7 @@ impl Queue for SqsQueue {
     }
 
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
-        if request.max_messages == 0 {
-            return Err(Error::Invalid {
-                what: "receive request",
-                why: "max_messages must be at least 1".into(),
-            });
-        }
-        if request
-            .visibility
-            .is_some_and(|v| v > Duration::from_secs(12 * 3600))
-        {
-            return Err(Error::Invalid {
-                what: "receive request",
-                why: "the visibility timeout is at most 12 hours".into(),
-            });
-        }
+        request.validate()?;
         self.inner.receiving.fetch_add(1, Ordering::SeqCst);
         let _guard = Receiving(&self.inner.receiving);
         let deadline = Instant::now() + request.wait;
@@ -514,6 +506,12 @@ impl Queue for SqsQueue {
     }
 
     async fn delete_batch(&self, receipts: &[Receipt]) -> Result<Vec<Receipt>> {
+        if receipts.len() > MAX_BATCH {
+            return Err(Error::Invalid {
+                what: "batch",
+                why: format!("a batch holds at most {MAX_BATCH} receipts"),
+            });
+        }
         let mut stale = Vec::new();
         for chunk in receipts.chunks(SQS_BATCH) {
             let entries = chunk

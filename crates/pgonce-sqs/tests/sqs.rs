@@ -90,6 +90,12 @@ async fn fifo_groups_are_independent() {
 }
 
 #[tokio::test]
+async fn requests_past_the_limits_are_refused() {
+    let (_moto, q) = started("q", one_second()).await;
+    conformance_requests_past_the_limits_are_refused(&q).await;
+}
+
+#[tokio::test]
 #[ignore = "SQS does not fence receipts: an earlier delivery's handle is accepted \
             (moto accepts every handle a message ever had); see Caveats::fences_receipts"]
 async fn a_stale_receipt_deletes_and_extends_nothing() {

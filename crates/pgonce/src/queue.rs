@@ -90,6 +90,18 @@ use crate::error::{Error, Result};
 /// The largest message body, in bytes (as in SQS: 256 KiB).
 pub const MAX_BODY_BYTES: usize = 256 * 1024;
 
+/// The most messages one call sends, receives or deletes: the PostgreSQL
+/// queue's limit. SQS takes 10 per request; its backend splits sends and
+/// deletes into requests of 10 and receives at most 10.
+pub const MAX_BATCH: usize = 1000;
+
+/// The longest visibility timeout (as in SQS: 12 hours).
+pub const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 3600);
+
+/// The longest a receive waits for a message: 12 hours. A receive computes
+/// its deadline from `wait`, so a wait has to be a time that exists.
+pub const MAX_WAIT: Duration = Duration::from_secs(12 * 3600);
+
 /// A message to send.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SendMessage {
@@ -239,6 +251,31 @@ impl ReceiveRequest {
     pub fn visibility(mut self, visibility: Duration) -> ReceiveRequest {
         self.visibility = Some(visibility);
         self
+    }
+
+    /// What every backend requires: 1 to [`MAX_BATCH`] messages (a backend
+    /// may deliver fewer: SQS at most 10), a visibility of at most
+    /// [`MAX_VISIBILITY`] and a wait of at most [`MAX_WAIT`].
+    pub fn validate(&self) -> Result<()> {
+        let why = if self.max_messages == 0 || self.max_messages > MAX_BATCH {
+            format!(
+                "max_messages is 1 to {MAX_BATCH}, got {}",
+                self.max_messages
+            )
+        } else if self.visibility.is_some_and(|v| v > MAX_VISIBILITY) {
+            format!(
+                "the visibility is at most 12 hours, got {:?}",
+                self.visibility
+            )
+        } else if self.wait > MAX_WAIT {
+            format!("the wait is at most 12 hours, got {:?}", self.wait)
+        } else {
+            return Ok(());
+        };
+        Err(Error::Invalid {
+            what: "receive request",
+            why,
+        })
     }
 }
 

@@ -98,6 +98,12 @@ async fn fifo_groups_are_independent() {
 }
 
 #[tokio::test]
+async fn requests_past_the_limits_are_refused() {
+    let pool = pool().await;
+    conformance_requests_past_the_limits_are_refused(&queue(&pool, "q", one_second()).await).await;
+}
+
+#[tokio::test]
 async fn a_stale_receipt_deletes_and_extends_nothing() {
     let pool = pool().await;
     conformance_stale_receipt(&queue(&pool, "q", one_second()).await).await;

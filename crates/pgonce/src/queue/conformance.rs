@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, Semaphore};
 
 use super::{
-    AckPolicy, Handler, HandlerError, Queue, Receipt, ReceiveRequest, Received, SendMessage,
-    Worker, WorkerConfig,
+    AckPolicy, Handler, HandlerError, MAX_BATCH, MAX_VISIBILITY, MAX_WAIT, Queue, Receipt,
+    ReceiveRequest, Received, SendMessage, Worker, WorkerConfig,
 };
 use crate::error::Error;
 
@@ -315,6 +315,89 @@ pub async fn conformance_fifo_groups_are_independent(q: &impl Queue) {
 /// extends nothing and says so ([`Error::StaleReceipt`]); the current one
 /// works.
 ///
+/// Requests outside the limits every backend shares are the same typed
+/// error on each, with nothing sent, received or deleted: an empty batch or
+/// one past [`MAX_BATCH`], a receive of no message or past `MAX_BATCH`, a
+/// visibility past [`MAX_VISIBILITY`], a wait past [`MAX_WAIT`] (whose
+/// deadline used to overflow and panic). A worker whose receives could only
+/// be such requests is refused when it is built. At the limits the same
+/// calls run.
+///
+/// Needs: an empty standard queue.
+pub async fn conformance_requests_past_the_limits_are_refused<Q: Queue + Clone + 'static>(q: &Q) {
+    let invalid = |what: &str, r: Result<(), Error>| {
+        assert!(matches!(r, Err(Error::Invalid { .. })), "{what}: {r:?}");
+    };
+    invalid("empty send batch", q.send_batch(Vec::new()).await.map(drop));
+    let too_many = vec![SendMessage::new("x"); MAX_BATCH + 1];
+    invalid(
+        "send batch past MAX_BATCH",
+        q.send_batch(too_many).await.map(drop),
+    );
+    let receipts = vec![Receipt("stale".into()); MAX_BATCH + 1];
+    invalid(
+        "delete batch past MAX_BATCH",
+        q.delete_batch(&receipts).await.map(drop),
+    );
+    // A message is waiting, so that a receive let through returns at once
+    // (and fails the check) rather than waiting out its wait.
+    q.send(SendMessage::new("probe")).await.unwrap();
+    let over = Duration::from_millis(1);
+    for (what, request) in [
+        ("receive of none", ReceiveRequest::up_to(0)),
+        (
+            "receive past MAX_BATCH",
+            ReceiveRequest::up_to(MAX_BATCH + 1),
+        ),
+        (
+            "visibility past MAX_VISIBILITY",
+            ReceiveRequest::up_to(1).visibility(MAX_VISIBILITY + over),
+        ),
+        (
+            "wait past MAX_WAIT",
+            ReceiveRequest::up_to(1).wait(MAX_WAIT + over),
+        ),
+        (
+            "wait of Duration::MAX",
+            ReceiveRequest::up_to(1).wait(Duration::MAX),
+        ),
+    ] {
+        invalid(what, q.receive(request).await.map(drop));
+    }
+    for config in [
+        WorkerConfig {
+            batch: MAX_BATCH + 1,
+            concurrency: MAX_BATCH + 1,
+            ..WorkerConfig::default()
+        },
+        WorkerConfig {
+            wait: Duration::MAX,
+            ..WorkerConfig::default()
+        },
+        WorkerConfig {
+            visibility: Some(MAX_VISIBILITY + over),
+            heartbeat_interval: None,
+            ..WorkerConfig::default()
+        },
+    ] {
+        let handler = Succeeds(Arc::new(Recording::new()));
+        invalid(
+            "worker config",
+            Worker::new(q.clone(), handler, config).map(drop),
+        );
+    }
+    // At the limits the same calls run, and find the one message sent.
+    let request = ReceiveRequest::up_to(MAX_BATCH)
+        .visibility(MAX_VISIBILITY)
+        .wait(MAX_WAIT);
+    let got = q.receive(request).await.unwrap();
+    assert_eq!(
+        got.iter().map(|m| m.body.as_str()).collect::<Vec<_>>(),
+        ["probe"]
+    );
+    q.delete(&got[0].receipt).await.unwrap();
+}
+
 /// Needs: an empty standard queue with a 1 s visibility timeout.
 pub async fn conformance_stale_receipt(q: &impl Queue) {
     q.send(SendMessage::new("fenced")).await.unwrap();

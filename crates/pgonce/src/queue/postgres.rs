@@ -12,7 +12,8 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{Notify, OnceCell};
 
 use super::{
-    MAX_BODY_BYTES, Queue, QueueStats, Receipt, ReceiveRequest, Received, SendMessage, Sent,
+    MAX_BATCH, MAX_BODY_BYTES, MAX_VISIBILITY, Queue, QueueStats, Receipt, ReceiveRequest,
+    Received, SendMessage, Sent,
 };
 use crate::error::{Error, Result};
 use crate::listen::Listen;
@@ -24,9 +25,6 @@ use notifier::Notifier;
 
 /// The channel every send notifies, with the queue name as payload.
 const CHANNEL: &str = "pgonce_queue";
-
-/// The most messages one send_batch or receive handles.
-pub const MAX_BATCH: usize = 1000;
 
 /// The longest retention and deduplication window a queue takes.
 const MAX_RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
@@ -147,7 +145,7 @@ impl QueueAttributes {
                 why: why.into(),
             })
         };
-        if self.visibility_timeout > Duration::from_secs(12 * 3600) {
+        if self.visibility_timeout > MAX_VISIBILITY {
             return invalid("visibility timeout is at most 12 hours");
         }
         if self.retention < Duration::from_secs(1) {
@@ -863,21 +861,7 @@ impl Queue for PgQueue {
     /// this queue, at `poll_interval`, or at the end of `wait`, whichever
     /// comes first. No connection is held while parked.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
-        if request.max_messages == 0 || request.max_messages > MAX_BATCH {
-            return Err(Error::Invalid {
-                what: "receive request",
-                why: format!("max_messages is 1 to {MAX_BATCH}"),
-            });
-        }
-        if request
-            .visibility
-            .is_some_and(|v| v > Duration::from_secs(12 * 3600))
-        {
-            return Err(Error::Invalid {
-                what: "receive request",
-                why: "visibility is at most 12 hours".into(),
-            });
-        }
+        request.validate()?;
         if request.wait.is_zero() {
             return self.receive_once(&request).await;
         }

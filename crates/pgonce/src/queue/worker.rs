@@ -128,6 +128,18 @@ impl WorkerConfig {
         if self.concurrency == 0 || self.batch == 0 {
             return invalid("concurrency and batch are at least 1");
         }
+        // Each receive asks for up to `batch` messages with this wait and
+        // visibility: a request no backend takes would fail every receive,
+        // and the worker would retry it for ever.
+        let mut largest = ReceiveRequest::up_to(self.batch).wait(self.wait);
+        largest.visibility = self.visibility;
+        largest.validate().map_err(|e| match e {
+            Error::Invalid { why, .. } => Error::Invalid {
+                what: "worker config",
+                why: format!("batch, wait and visibility make receives no backend takes: {why}"),
+            },
+            other => other,
+        })?;
         if self.heartbeat_interval.is_some_and(|h| h.is_zero()) {
             return invalid("heartbeat_interval must be positive");
         }
@@ -143,7 +155,7 @@ impl WorkerConfig {
                 "heartbeat_extension must be longer than heartbeat_interval: each beat must outlast the wait for the next",
             );
         }
-        if self.heartbeat_extension > Duration::from_secs(12 * 3600) {
+        if self.heartbeat_extension > super::MAX_VISIBILITY {
             return invalid("heartbeat_extension must be at most 12 h");
         }
         Ok(())
