@@ -586,6 +586,122 @@ async fn a_receive_past_held_heads_delivers_each_message_once() {
     s.delete(&got[0].receipt).await.unwrap();
 }
 
+/// Content-based deduplication as the queue has it now, also through a
+/// handle opened before `create` changed it (a handle used to keep what it
+/// read at open): turned on, identical bodies sent alone or in a batch are
+/// duplicates of the first; turned off again, the same handle sends them
+/// all.
+#[tokio::test]
+async fn content_based_deduplication_follows_the_queue_on_handles_opened_before() {
+    let pool = pool().await;
+    let old = queue(&pool, "f.fifo", QueueAttributes::fifo()).await;
+    let by_content = |on: bool| QueueAttributes {
+        content_based_dedup: on,
+        ..QueueAttributes::fifo()
+    };
+    queue(&pool, "f.fifo", by_content(true)).await;
+    let first = old.send(SendMessage::new("same").group("g")).await.unwrap();
+    let again = old.send(SendMessage::new("same").group("g")).await.unwrap();
+    assert!(!first.duplicate && again.duplicate, "{first:?} {again:?}");
+    assert_eq!(again.id, first.id);
+    let batch = old
+        .send_batch(vec![
+            SendMessage::new("same").group("g"),
+            SendMessage::new("other").group("g"),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        batch.iter().map(|s| s.duplicate).collect::<Vec<_>>(),
+        [true, false]
+    );
+    assert_eq!(old.stats().await.unwrap().depth, 2);
+    queue(&pool, "f.fifo", by_content(false)).await;
+    let now_off = old.send(SendMessage::new("same").group("g")).await.unwrap();
+    let batch = old
+        .send_batch(vec![
+            SendMessage::new("same").group("g"),
+            SendMessage::new("other").group("g"),
+        ])
+        .await
+        .unwrap();
+    assert!(
+        !now_off.duplicate && batch.iter().all(|s| !s.duplicate),
+        "{now_off:?} {batch:?}"
+    );
+    assert_eq!(old.stats().await.unwrap().depth, 5);
+}
+
+/// Two batches that share deduplication ids in different orders, on FIFO
+/// groups of their own, step by step: X holds the claim of "x" (sent in its
+/// open transaction); A = [a, x, b] waits for X; B = [b, a] waits for A
+/// (each seen in pg_blocking_pids). When X rolls back, A sends its three
+/// and B's two are duplicates of A's. Claims taken in each batch's own
+/// order made B hold b while waiting for a, and A wait for b after x: a
+/// deadlock, B refused with 40P01. The ids' locks, taken first and in one
+/// order, leave nothing to cycle.
+#[tokio::test]
+async fn two_batches_sharing_deduplication_ids_do_not_deadlock() {
+    let db = fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    queue(&setup, "f.fifo", QueueAttributes::fifo()).await;
+    let race = pgonce_testkit::Interleaving::new(db.options())
+        .await
+        .unwrap();
+    let x = race.session("X").await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let open = async |s: &pgonce_testkit::Session| {
+        PgQueue::open(s.pool(), "f.fifo", fast_poll())
+            .await
+            .unwrap()
+    };
+    let (qx, qa, qb) = (open(&x).await, open(&a).await, open(&b).await);
+    let mut xtx = x.pool().begin().await.unwrap();
+    race.step(
+        &x,
+        "send x, open",
+        qx.send_in(&mut xtx, SendMessage::new("x").group("g3").dedup("x")),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let batch = |group: &str, ids: &[&str]| -> Vec<SendMessage> {
+        ids.iter()
+            .map(|id| SendMessage::new(*id).group(group).dedup(*id))
+            .collect()
+    };
+    let a_sends = race
+        .step_blocks(&a, "send [a, x, b]", {
+            let messages = batch("g1", &["a", "x", "b"]);
+            async move { qa.send_batch(messages).await }
+        })
+        .await
+        .unwrap();
+    assert_eq!(a_sends.blocked_by(), ["X"]);
+    let b_sends = race
+        .step_blocks(&b, "send [b, a]", {
+            let messages = batch("g2", &["b", "a"]);
+            async move { qb.send_batch(messages).await }
+        })
+        .await
+        .unwrap();
+    assert_eq!(b_sends.blocked_by(), ["A"]);
+    race.step(&x, "roll back", xtx.rollback())
+        .await
+        .unwrap()
+        .unwrap();
+    let sent_by_a = a_sends.resume().await.unwrap().unwrap();
+    let sent_by_b = b_sends.resume().await.unwrap().unwrap();
+    assert!(sent_by_a.iter().all(|s| !s.duplicate), "{sent_by_a:?}");
+    assert!(sent_by_b.iter().all(|s| s.duplicate), "{sent_by_b:?}");
+    assert_eq!(
+        [&sent_by_b[0].id, &sent_by_b[1].id],
+        [&sent_by_a[2].id, &sent_by_a[0].id]
+    );
+}
+
 /// A receive whose follow-up statement fails, step by step: s.fifo holds
 /// a (due, its dead-letter group held), then, with `deliverable`, b, then
 /// c (due). A holds t.fifo/g and t.fifo's queue row, so the move of c, in

@@ -1,8 +1,9 @@
 //! The PostgreSQL queue: [`Queue`] on the `pgonce.queue_message` table.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -226,7 +227,10 @@ struct Inner {
     pool: PgPool,
     name: String,
     fifo: bool,
-    content_based_dedup: bool,
+    /// The queue's content-based deduplication as last read: sends check
+    /// it against the queue's row (send.sql), and read it again when it
+    /// changed.
+    content_based_dedup: AtomicBool,
     options: PgQueueOptions,
     waker: OnceCell<Waker>,
     parked: AtomicUsize,
@@ -358,7 +362,7 @@ impl PgQueue {
                 pool: pool.clone(),
                 name: name.to_string(),
                 fifo,
-                content_based_dedup,
+                content_based_dedup: AtomicBool::new(content_based_dedup),
                 options,
                 waker: OnceCell::new(),
                 parked: AtomicUsize::new(0),
@@ -384,9 +388,11 @@ impl PgQueue {
     /// On a FIFO queue the message's group stays locked until `tx` ends:
     /// other sends to that group wait, so the group's order is its commit
     /// order and a receive never passes over a message still being sent.
-    /// Keep such a transaction short, and send to several groups in one
-    /// order everywhere (or in one [`PgQueue::send_batch_in`], which locks
-    /// them in a fixed order), or two transactions can deadlock
+    /// Its deduplication id, if any, stays locked as well: another send of
+    /// the same id waits to see whether this one commits. Keep such a
+    /// transaction short, and send to several groups or ids in one order
+    /// everywhere (or in one [`PgQueue::send_batch_in`], which locks them
+    /// in a fixed order), or two transactions can deadlock
     /// ([`Error::SerializationFailure`], retryable).
     pub async fn send_in(
         &self,
@@ -415,22 +421,52 @@ impl PgQueue {
             .await?)
     }
 
-    fn prepare(&self, mut message: SendMessage) -> Result<SendMessage> {
-        message.validate(self.inner.fifo)?;
-        if message.dedup_id.is_none() && self.inner.content_based_dedup {
-            let digest = Sha256::digest(message.body.as_bytes());
-            message.dedup_id = Some(digest.iter().map(|b| format!("{b:02x}")).collect());
+    /// The deduplication id `message` is sent under: its own, or with
+    /// content-based deduplication (as this handle last read it) the
+    /// SHA-256 of its body, as SQS does.
+    fn dedup_id<'m>(&self, message: &'m SendMessage) -> Option<Cow<'m, str>> {
+        match &message.dedup_id {
+            Some(id) => Some(Cow::Borrowed(id)),
+            None if self.inner.content_based_dedup.load(Ordering::SeqCst) => {
+                let digest = Sha256::digest(message.body.as_bytes());
+                Some(Cow::Owned(
+                    digest.iter().map(|b| format!("{b:02x}")).collect(),
+                ))
+            }
+            None => None,
         }
-        Ok(message)
     }
 
-    /// The advisory lock keys of these FIFO groups of this queue
-    /// ([`group_lock_keys`]).
-    fn group_lock_keys<'a>(
+    /// The advisory lock keys a send of `messages` takes first, ascending,
+    /// once each: their FIFO groups' ([`group_lock_keys`]) and their
+    /// deduplication ids' (namespace `pgonce.queue.dedup/<queue>`, key the
+    /// id).
+    ///
+    /// Why a deduplication id has a lock of its own: its claim (send.sql)
+    /// is a row, and a claim waits for another transaction's uncommitted
+    /// claim of the same id. A batch with deduplication ids sends one
+    /// message at a time, so claims taken in the batch's order let two
+    /// batches sharing ids wait for each other: a deadlock. With the ids'
+    /// locks taken first, in the same ascending order as the groups', a
+    /// claim never waits for another sender's: that sender holds the id's
+    /// lock, which this one waited for.
+    fn send_lock_keys<'a>(
         &self,
-        groups: impl Iterator<Item = Option<&'a str>>,
+        messages: impl Iterator<Item = &'a SendMessage> + Clone,
     ) -> Result<Vec<i64>> {
-        group_lock_keys(groups.flatten().map(|g| (self.inner.name.as_str(), g)))
+        let queue = self.inner.name.as_str();
+        let mut keys = group_lock_keys(
+            messages
+                .clone()
+                .filter_map(|m| m.group_id.as_deref())
+                .map(|g| (queue, g)),
+        )?;
+        for dedup_id in messages.filter_map(|m| self.dedup_id(m)) {
+            keys.push(LockKey::new(&format!("pgonce.queue.dedup/{queue}"), &dedup_id)?.as_i64());
+        }
+        keys.sort_unstable();
+        keys.dedup();
+        Ok(keys)
     }
 
     /// One batch of [`Queue::redrive`], in one transaction: picks up to
@@ -479,6 +515,21 @@ impl PgQueue {
         self.inner.options.notify && wake == Wake::InTransaction
     }
 
+    /// After a send found no queue to send to under what this handle knows
+    /// of it: [`Error::QueueNotFound`] if the queue is gone, else its
+    /// content-based deduplication read again for the next attempt.
+    async fn read_again(&self, conn: &mut PgConnection) -> Result<()> {
+        let Some(row) = QueueRow::read(conn, &self.inner.name).await? else {
+            return Err(Error::QueueNotFound {
+                name: self.inner.name.clone(),
+            });
+        };
+        self.inner
+            .content_based_dedup
+            .store(row.content_based_dedup, Ordering::SeqCst);
+        Ok(())
+    }
+
     /// After a send committed on the pool: wakes the receivers (notifier.rs).
     fn sent(&self) {
         if self.inner.options.notify {
@@ -495,20 +546,28 @@ impl PgQueue {
         message: SendMessage,
         wake: Wake,
     ) -> Result<Sent> {
-        let message = self.prepare(message)?;
-        let group_lock = self.group_lock_keys(std::iter::once(message.group_id.as_deref()))?;
-        // A dedup claim committed by a concurrent sender after this
-        // statement's snapshot yields no row; the second attempt sees it.
+        message.validate(self.inner.fifo)?;
+        // No row: a dedup claim committed by a concurrent sender after this
+        // statement's snapshot (the next attempt sees it), or the queue's
+        // content-based deduplication changed since this handle read it
+        // (the next attempt sends under the queue's).
         for _ in 0..3 {
+            let dedup_id = self.dedup_id(&message);
+            let locks = self.send_lock_keys(std::iter::once(&message))?;
+            let by_content = message
+                .dedup_id
+                .is_none()
+                .then(|| self.inner.content_based_dedup.load(Ordering::SeqCst));
             let row: Option<SentRow> = sqlx::query_as(include_str!("sql/send.sql"))
                 .bind(&self.inner.name)
                 .bind(&message.body)
                 .bind(Json(&message.attributes))
                 .bind(&message.group_id)
-                .bind(&message.dedup_id)
+                .bind(dedup_id.as_deref())
                 .bind(message.delay.map(millis))
                 .bind(self.notify_in_statement(wake))
-                .bind(&group_lock)
+                .bind(&locks)
+                .bind(by_content)
                 .fetch_optional(&mut *conn)
                 .await?;
             if let Some(SentRow { id, duplicate }) = row {
@@ -525,14 +584,7 @@ impl PgQueue {
                     duplicate,
                 });
             }
-            if QueueRow::read(&mut *conn, &self.inner.name)
-                .await?
-                .is_none()
-            {
-                return Err(Error::QueueNotFound {
-                    name: self.inner.name.clone(),
-                });
-            }
+            self.read_again(&mut *conn).await?;
         }
         Err(Error::Invalid {
             what: "send",
@@ -552,10 +604,9 @@ impl PgQueue {
                 why: format!("a batch holds 1 to {MAX_BATCH} messages"),
             });
         }
-        let messages = messages
-            .into_iter()
-            .map(|m| self.prepare(m))
-            .collect::<Result<Vec<_>>>()?;
+        for m in &messages {
+            m.validate(self.inner.fifo)?;
+        }
         let total: usize = messages.iter().map(|m| m.body.len()).sum();
         if total > MAX_BODY_BYTES * 16 {
             return Err(Error::MessageTooLarge {
@@ -563,11 +614,11 @@ impl PgQueue {
                 max: MAX_BODY_BYTES * 16,
             });
         }
-        if messages.iter().any(|m| m.dedup_id.is_some()) {
+        if messages.iter().any(|m| self.dedup_id(m).is_some()) {
             // Deduplicated messages go one by one, in a savepoint so the batch
             // stays all or none.
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let keys = self.group_lock_keys(messages.iter().map(|m| m.group_id.as_deref()))?;
+            let keys = self.send_lock_keys(messages.iter())?;
             if !keys.is_empty() {
                 sqlx::query(include_str!("sql/lock_groups.sql"))
                     .bind(&keys)
@@ -581,18 +632,12 @@ impl PgQueue {
             tx.commit().await?;
             return Ok(sent);
         }
-        let group_locks = self.group_lock_keys(messages.iter().map(|m| m.group_id.as_deref()))?;
-        let mut bodies = Vec::with_capacity(messages.len());
-        let mut attributes = Vec::with_capacity(messages.len());
-        let mut groups = Vec::with_capacity(messages.len());
-        let mut delays = Vec::with_capacity(messages.len());
-        for m in messages {
-            bodies.push(m.body);
-            attributes.push(Json(m.attributes));
-            groups.push(m.group_id);
-            delays.push(m.delay.map(millis));
-        }
-        let n = bodies.len();
+        let locks = self.send_lock_keys(messages.iter())?;
+        let bodies: Vec<&str> = messages.iter().map(|m| m.body.as_str()).collect();
+        let attributes: Vec<_> = messages.iter().map(|m| Json(&m.attributes)).collect();
+        let groups: Vec<Option<&str>> = messages.iter().map(|m| m.group_id.as_deref()).collect();
+        let delays: Vec<Option<i64>> = messages.iter().map(|m| m.delay.map(millis)).collect();
+        let n = messages.len();
         let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/send_batch.sql"))
             .bind(&self.inner.name)
             .bind(bodies)
@@ -600,13 +645,15 @@ impl PgQueue {
             .bind(groups)
             .bind(delays)
             .bind(self.notify_in_statement(wake))
-            .bind(&group_locks)
+            .bind(&locks)
             .fetch_all(&mut *conn)
             .await?;
         if ids.len() != n {
-            return Err(Error::QueueNotFound {
-                name: self.inner.name.clone(),
-            });
+            // Nothing was sent (send_batch.sql is all or none): the queue
+            // is gone, or it deduplicates by content now, and the messages
+            // go one by one under the ids of their bodies.
+            self.read_again(&mut *conn).await?;
+            return Box::pin(self.send_batch_on(conn, messages, wake)).await;
         }
         metrics::counter!("pgonce_queue_sent_total", "queue" => self.inner.name.clone())
             .increment(n as u64);

@@ -1,10 +1,17 @@
 -- One message. $1 queue, $2 body, $3 attributes, $4 group id, $5 dedup id,
--- $6 delay ms (NULL: the queue's), $7 notify, $8 the FIFO group's lock key
--- (none without a group).
+-- $6 delay ms (NULL: the queue's), $7 notify, $8 the lock keys of the
+-- message's FIFO group and deduplication id, ascending (none without
+-- either; postgres.rs, send_lock_keys), $9 whether the queue deduplicates
+-- by content as the handle saw it when it chose the dedup id (NULL: the
+-- sender gave the id): no row unless the queue still does, so a handle
+-- opened before the queue changed never sends under the wrong id.
 -- The group's lock is taken before the id is drawn and held until the
 -- sending transaction ends: within a group, ids are drawn in commit order,
 -- so a receive never takes a message as its group's head while an earlier
 -- one is still uncommitted (pick_fifo.sql).
+-- The dedup id's lock, likewise, is taken before its claim: a claim then
+-- never waits for another sender's uncommitted one, whose sender holds the
+-- lock.
 -- With a dedup id, the id is claimed in queue_dedup first; a live claim
 -- (within the window) makes this a duplicate: nothing is inserted and the
 -- original id is returned. No row at all: the queue does not exist, or a
@@ -13,6 +20,7 @@
 WITH q AS (
     SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue
     WHERE name = $1
+      AND ($9::boolean IS NULL OR content_based_dedup = $9)
       AND (SELECT count(pg_advisory_xact_lock(k)) FROM unnest($8::bigint[]) AS k) >= 0
 ), claim AS (
     INSERT INTO pgonce.queue_dedup AS d (queue, dedup_id, message_id, expires_at)
@@ -40,3 +48,4 @@ UNION ALL
 SELECT d.message_id, true
 FROM pgonce.queue_dedup d
 WHERE d.queue = $1 AND d.dedup_id = $5 AND NOT EXISTS (SELECT 1 FROM claim)
+  AND EXISTS (SELECT 1 FROM q)

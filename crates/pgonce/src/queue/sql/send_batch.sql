@@ -3,10 +3,13 @@
 -- $7 the lock keys of the batch's FIFO groups, ascending (see send.sql:
 -- taken before any id is drawn, held until the transaction ends; ascending,
 -- so two batches sharing groups cannot deadlock).
--- Ids are assigned in input order.
+-- Ids are assigned in input order. Only to a queue that does not
+-- deduplicate by content (its messages would each need a dedup id, and go
+-- one by one): no row otherwise, and nothing sent.
 WITH q AS (
     SELECT name, delay_ms FROM pgonce.queue
     WHERE name = $1
+      AND NOT content_based_dedup
       AND (SELECT count(pg_advisory_xact_lock(k)) FROM unnest($7::bigint[]) AS k) >= 0
 ), ins AS (
     INSERT INTO pgonce.queue_message (queue, body, attributes, group_id, visible_at)
