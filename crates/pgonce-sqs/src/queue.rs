@@ -112,12 +112,19 @@ impl SqsClient {
             Some(dlq) => Some(self.queue_url(&dlq).await?),
             None => None,
         };
+        let fifo = name.ends_with(".fifo");
+        let content_based_dedup = fifo
+            && self
+                .attribute(&url, QueueAttributeName::ContentBasedDeduplication)
+                .await?
+                .is_some_and(|on| on == "true");
         Ok(SqsQueue {
             inner: Arc::new(Inner {
                 client: self.clone(),
                 name: name.to_string(),
                 url,
-                fifo: name.ends_with(".fifo"),
+                fifo,
+                content_based_dedup,
                 dead_letter_url,
                 receiving: AtomicUsize::new(0),
             }),
@@ -171,11 +178,16 @@ impl SqsClient {
 ///   invariants true.
 /// * **Deduplication** exists on FIFO queues only (a standard queue rejects
 ///   a `dedup_id` with [`Error::Invalid`]), with SQS's fixed 5-minute window.
+///   Content-based deduplication is read when the handle is opened.
 ///   SQS does not say whether a send was a duplicate: [`Sent::duplicate`] is
 ///   always false and `id` is what SQS returned.
 /// * **FIFO receives** return at most one message per group: SQS may hand
 ///   out several of one group in a batch; the later ones are made visible
-///   again at once (their receive count goes up by one).
+///   again at once. SQS has counted that receive: with a dead-letter queue
+///   and a low `max_receive_count`, a message can be moved there after such
+///   releases without a consumer having seen it. Give FIFO queues whose
+///   groups hold several messages at once a `max_receive_count` well above
+///   the batch sizes receives ask for, or receive one message at a time.
 /// * **Batches** (`send_batch`) go out in requests of 10 and are not atomic
 ///   across requests: on an error, earlier requests' messages stay sent.
 /// * **Stats** have no `oldest_age` (SQS reports it to CloudWatch only).
@@ -194,6 +206,9 @@ struct Inner {
     name: String,
     url: String,
     fifo: bool,
+    /// The FIFO queue derives a deduplication id from each body (read when
+    /// the handle is opened).
+    content_based_dedup: bool,
     dead_letter_url: Option<String>,
     /// Receive calls under way (the tests' "parked" signal).
     receiving: AtomicUsize,
@@ -254,11 +269,13 @@ impl SqsQueue {
             .collect()
     }
 
-    /// FIFO messages need a deduplication id unless the queue derives one;
-    /// a message without one gets a fresh one (no deduplication).
+    /// FIFO messages need a deduplication id unless the queue derives one
+    /// from the body (content-based deduplication: SQS does, given none);
+    /// otherwise a message without one gets a fresh one (no deduplication).
     fn dedup_id(&self, message: &SendMessage) -> Option<String> {
         match (&message.dedup_id, self.inner.fifo) {
             (Some(d), true) => Some(d.clone()),
+            (None, true) if self.inner.content_based_dedup => None,
             (None, true) => Some(fresh_id()),
             _ => None,
         }

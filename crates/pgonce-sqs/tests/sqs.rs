@@ -110,6 +110,29 @@ async fn dead_letter_and_redrive() {
     conformance_dead_letter_and_redrive_with(&q, &dlq, SQS).await;
 }
 
+/// A FIFO queue with content-based deduplication: a message sent without a
+/// deduplication id is deduplicated by its body, as SQS does when it is
+/// given none (the backend used to give every such message a fresh id).
+#[tokio::test]
+async fn content_based_deduplication_deduplicates_by_body() {
+    let attributes = QueueAttributes {
+        content_based_dedup: true,
+        ..QueueAttributes::fifo()
+    };
+    let (_moto, q) = started("c.fifo", attributes).await;
+    for body in ["same", "same", "other"] {
+        q.send(SendMessage::new(body).group("g")).await.unwrap();
+    }
+    let mut bodies = Vec::new();
+    loop {
+        let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+        let Some(m) = got.first() else { break };
+        bodies.push(m.body.clone());
+        q.delete(&m.receipt).await.unwrap();
+    }
+    assert_eq!(bodies, ["same", "other"]);
+}
+
 #[tokio::test]
 async fn dedup_within_the_window_enqueues_once() {
     let (_moto, q) = started("f.fifo", QueueAttributes::fifo()).await;
