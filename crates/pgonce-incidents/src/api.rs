@@ -556,10 +556,20 @@ const DEFAULT_ACTOR: &str = "api";
 /// refused, never taken as a key every request sending one would share.
 /// (Declarations check its length like the body's key; observations hash a
 /// long one into the queue's deduplication id.)
+///
+/// Sent more than once, it is refused: which of the keys would be the
+/// request's is a guess, and a retry sending another of them would run the
+/// request again.
 fn idempotency_header(headers: &HeaderMap) -> ApiResult<Option<String>> {
-    let Some(value) = headers.get("idempotency-key") else {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let Some(value) = values.next() else {
         return Ok(None);
     };
+    if values.next().is_some() {
+        return Err(ApiError::invalid(
+            "the Idempotency-Key header must be sent once",
+        ));
+    }
     let key = value
         .to_str()
         .ok()

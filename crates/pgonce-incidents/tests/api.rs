@@ -1291,6 +1291,88 @@ async fn extreme_doubles_read_back_equal_and_poison_nothing() {
     assert_eq!(a.body["entities"][0]["attributes"], attributes);
 }
 
+/// A number is kept as sent or refused. serde_json parses an integer past
+/// the 64-bit ranges, or a decimal with more digits than a double holds,
+/// into the nearest double, which would be stored and read back changed
+/// (`18446744073709551617` as `1.8446744073709552e19`, `1e-400` as `0`):
+/// such bodies are 422 with nothing written, in attributes and in a rule.
+/// At the edges of what is exact, numbers read back as the same numbers.
+#[tokio::test]
+async fn numbers_that_would_not_read_back_as_sent_are_refused() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let entity = |n: &str| format!(r#"{{"external_id": "e", "attributes": {{"x": {n}}}}}"#);
+    for n in [
+        "18446744073709551616",
+        "18446744073709551617",
+        "-9223372036854775809",
+        "123456789012345678901234567890",
+        "0.10000000000000000001",
+        "1e-400",
+        "[1, 2.00000000000000000000001]",
+    ] {
+        let a = api
+            .send(
+                Method::POST,
+                "/v1/entities",
+                Some(&key),
+                Body::from(entity(n)),
+            )
+            .await;
+        assert_invalid(&a, n);
+    }
+    let policy = r#"{"name": "p", "singleton": "never", "rule": {"attribute": "x", "op": "gt", "value": 1e-400}}"#;
+    let a = api
+        .send(Method::POST, "/v1/policies", Some(&key), Body::from(policy))
+        .await;
+    assert_invalid(&a, "a rule's value");
+    assert_eq!(
+        api.count("SELECT (SELECT count(*) FROM incidents.entities) + (SELECT count(*) FROM incidents.policies)")
+            .await,
+        0
+    );
+    for (n, back) in [
+        ("18446744073709551615", json!(u64::MAX)),
+        ("-9223372036854775808", json!(i64::MIN)),
+        ("0.1", json!(0.1)),
+        ("1E2", json!(100.0)),
+        ("-0", json!(0.0)),
+        ("0.000", json!(0.0)),
+        ("5e-324", json!(5e-324)),
+        ("12.5e-1", json!(1.25)),
+    ] {
+        let a = api
+            .send(
+                Method::POST,
+                "/v1/entities",
+                Some(&key),
+                Body::from(entity(n)),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{n}: {}", a.body);
+        assert_eq!(a.body["attributes"]["x"], back, "{n}");
+    }
+}
+
+/// Two Idempotency-Key headers on one request are refused: which one keys
+/// it would be a guess, and a retry sending the other would run it again.
+#[tokio::test]
+async fn an_idempotency_key_sent_twice_is_refused() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let request = Request::post("/v1/incidents")
+        .header(header::AUTHORIZATION, format!("Bearer {key}"))
+        .header("Idempotency-Key", "first")
+        .header("Idempotency-Key", "second")
+        .body(Body::from(json!({"title": "db down"}).to_string()))
+        .unwrap();
+    assert_invalid(&api.raw(request).await, "two keys");
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.incidents").await,
+        0
+    );
+}
+
 /// An empty Idempotency-Key is refused (422), not shared by every later
 /// request sending one; nothing is queued.
 #[tokio::test]

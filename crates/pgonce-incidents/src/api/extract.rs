@@ -7,6 +7,7 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use serde::de::DeserializeOwned;
+use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -107,7 +108,79 @@ fn parse_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(ApiError::from_json)?;
         return Err(ApiError::invalid("the body must be a JSON object"));
     }
-    serde_json::from_slice(bytes).map_err(ApiError::from_json)
+    let parsed = serde_json::from_slice(bytes).map_err(ApiError::from_json)?;
+    // Parsed above, so valid JSON: only the numbers are left to check.
+    let raw: &RawValue = serde_json::from_slice(bytes).map_err(ApiError::from_json)?;
+    numbers_read_back_as_sent(raw)?;
+    Ok(parsed)
+}
+
+/// Refuses a number in the body that would not read back as sent.
+///
+/// serde_json (without its `arbitrary_precision` feature, which would change
+/// every `Value` of the workspace) parses an integer beyond the 64-bit
+/// ranges, or a decimal with more digits than an `f64` holds, into the
+/// nearest `f64`: `18446744073709551617` would be stored and read back as
+/// `1.8446744073709552e19`, `1e-400` as `0`. The parsed value has no trace
+/// of the text, so the text is read again: serde_json's `RawValue` hands
+/// out each number's token as it was sent (no tokenizer written here), and
+/// each token must denote the same decimal number as what the API will
+/// write back for it (serde_json's shortest round-trip form of the
+/// `f64`). An integer within the 64-bit ranges is kept exactly; `-0` reads
+/// back as `0`, the same number.
+fn numbers_read_back_as_sent(raw: &RawValue) -> Result<(), ApiError> {
+    let text = raw.get();
+    match text.as_bytes().first() {
+        Some(b'{') => {
+            let object: std::collections::BTreeMap<String, &RawValue> =
+                serde_json::from_str(text).map_err(ApiError::from_json)?;
+            object.into_values().try_for_each(numbers_read_back_as_sent)
+        }
+        Some(b'[') => {
+            let items: Vec<&RawValue> = serde_json::from_str(text).map_err(ApiError::from_json)?;
+            items.into_iter().try_for_each(numbers_read_back_as_sent)
+        }
+        Some(b'-' | b'0'..=b'9') => {
+            let number: serde_json::Number =
+                serde_json::from_str(text).map_err(ApiError::from_json)?;
+            let exact = number.is_i64()
+                || number.is_u64()
+                || decimal(text).is_some_and(|sent| decimal(&number.to_string()) == Some(sent));
+            if exact {
+                Ok(())
+            } else {
+                Err(ApiError::invalid(format!(
+                    "the number {text} cannot be kept exactly: it would read back as {number}"
+                )))
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The value of a JSON number's text as (negative, significant digits,
+/// where the point goes): `-0.0120e3` is (true, "12", 2), that is
+/// -0.12 x 10^2. Zero is (false, "", 0) whatever its sign. `None` for an
+/// exponent beyond an `i64` (serde_json refuses such a number anyway).
+fn decimal(text: &str) -> Option<(bool, String, i64)> {
+    let (negative, unsigned) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
+        Some((m, e)) => (m, e.parse::<i64>().ok()?),
+        None => (unsigned, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all = format!("{whole}{fraction}");
+    let significant = all.trim_start_matches('0');
+    let leading_zeros = (all.len() - significant.len()) as i64;
+    let significant = significant.trim_end_matches('0');
+    if significant.is_empty() {
+        return Some((false, String::new(), 0));
+    }
+    let point = exponent.checked_add(whole.len() as i64 - leading_zeros)?;
+    Some((negative, significant.to_string(), point))
 }
 
 /// A JSON object request body, read by `read_body`, parsed whatever the
