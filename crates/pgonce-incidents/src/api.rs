@@ -95,16 +95,19 @@ impl Default for ApiConfig {
 }
 
 impl ApiConfig {
-    /// Checks the admin token (at least 16 bytes when set), the header and body
+    /// Checks the admin token (at least 16 bytes when set, no whitespace
+    /// around it), the header and body
     /// timeouts (above zero) and the body limit (at least 1024 bytes);
     /// otherwise [`Error::Invalid`].
     pub fn validate(&self) -> crate::Result<()> {
+        // A request's token is read trimmed (extract.rs), so a configured
+        // token with whitespace around it could never be matched.
         if let Some(token) = &self.admin_token
-            && token.len() < 16
+            && (token.len() < 16 || token.trim() != token)
         {
             return Err(Error::Invalid {
                 what: "admin token",
-                why: "must be at least 16 bytes".into(),
+                why: "must be at least 16 bytes, without whitespace around it".into(),
             });
         }
         if self.header_timeout.is_zero() || self.body_timeout.is_zero() {

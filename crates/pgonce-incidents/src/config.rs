@@ -69,6 +69,9 @@ pub enum ConfigError {
     },
 }
 
+/// The longest timeout, wait, interval or delay a setting takes.
+const LONGEST_SETTING: Duration = Duration::from_secs(365 * 24 * 3600);
+
 fn invalid(key: &'static str, why: impl ToString) -> ConfigError {
     ConfigError::Invalid {
         key,
@@ -713,6 +716,50 @@ impl Config {
 
     /// Checks what cannot work, naming the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        // Timeouts, waits, intervals and delays are added to clocks (an
+        // `Instant`, a pool's deadline, `now()` in SQL): one long enough to
+        // overflow them was accepted here and then panicked, or failed
+        // every pass, at run time. (Retentions are the cleaner's, checked
+        // with it below.)
+        let p = &self.pipeline;
+        let n = &self.notifier;
+        let m = &self.maintenance;
+        let settings = [
+            ("database.acquire_timeout", self.database.acquire_timeout),
+            ("api.max_wait", self.api.max_wait),
+            ("api.header_timeout", self.api.header_timeout),
+            ("api.body_timeout", self.api.body_timeout),
+            ("pipeline.wait", p.wait),
+            ("pipeline.poll_interval", p.poll_interval),
+            ("pipeline.visibility_timeout", p.visibility_timeout),
+            ("pipeline.shutdown_deadline", p.shutdown_deadline),
+            ("pipeline.evaluator.latency", p.evaluator.latency),
+            ("pipeline.evaluator.jitter", p.evaluator.jitter),
+            ("pipeline.evaluator.slow_latency", p.evaluator.slow_latency),
+            ("notifier.lease", n.lease),
+            ("notifier.timeout", n.timeout),
+            ("notifier.idle", n.idle),
+            ("notifier.retry.base", n.retry.base),
+            ("notifier.retry.max", n.retry.max),
+            (
+                "service.entity_lock_timeout",
+                self.service.entity_lock_timeout,
+            ),
+            ("maintenance.reaper.interval", m.reaper.interval),
+            ("maintenance.redriver.interval", m.redriver.interval),
+            ("maintenance.cleaner.interval", m.cleaner.interval),
+        ];
+        if let Some((key, _)) = settings.iter().find(|(_, d)| *d > LONGEST_SETTING) {
+            return Err(invalid(key, "must be at most a year"));
+        }
+        if p.failure_visibility
+            .is_some_and(|v| v > pgonce::queue::MAX_VISIBILITY)
+        {
+            return Err(invalid(
+                "pipeline.failure_visibility",
+                "must be at most 12h",
+            ));
+        }
         if self.database.url.as_deref().is_none_or(str::is_empty) {
             return Err(invalid(
                 "database.url",

@@ -79,11 +79,15 @@ impl NotifierConfig {
         if self.batch < 1 {
             return Err(Error::invalid("notifier batch", "at least 1"));
         }
-        if self.lease <= self.timeout || self.lease > pgonce::job::MAX_LEASE || self.idle.is_zero()
+        if self.lease <= self.timeout
+            || self.lease > pgonce::job::MAX_LEASE
+            || self.timeout.is_zero()
+            || self.idle.is_zero()
         {
             return Err(Error::invalid(
                 "notifier config",
-                "lease must exceed timeout and be at most 365 days, and idle be above zero",
+                "lease must exceed timeout and be at most 365 days, and timeout and idle be \
+                 above zero",
             ));
         }
         self.retry.validate()?;

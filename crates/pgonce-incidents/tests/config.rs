@@ -242,7 +242,7 @@ fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
 fn what_cannot_work_is_refused_with_the_key_named() {
     with_url().validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 14] = [
+    let cases: [(Bad, &str); 19] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -280,6 +280,26 @@ fn what_cannot_work_is_refused_with_the_key_named() {
             "notifier",
         ),
         (|c| c.api.admin_token = Some("short".into()), "admin token"),
+        (
+            |c| c.api.admin_token = Some("0123456789abcdef ".into()),
+            "admin token",
+        ),
+        (
+            |c| {
+                c.notifier.webhook_url = Some("http://x".into());
+                c.notifier.timeout = Duration::ZERO;
+            },
+            "notifier",
+        ),
+        (|c| c.api.max_wait = Duration::MAX, "api.max_wait"),
+        (
+            |c| c.database.acquire_timeout = Duration::from_secs(400 * 24 * 3600),
+            "database.acquire_timeout",
+        ),
+        (
+            |c| c.pipeline.failure_visibility = Some(Duration::from_secs(13 * 3600)),
+            "pipeline.failure_visibility",
+        ),
         (|c| c.api.body_limit = 10, "body limit"),
         (
             |c| c.maintenance.reaper.batch_size = 0,

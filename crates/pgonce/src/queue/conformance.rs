@@ -379,6 +379,10 @@ pub async fn conformance_requests_past_the_limits_are_refused<Q: Queue + Clone +
             heartbeat_interval: None,
             ..WorkerConfig::default()
         },
+        WorkerConfig {
+            failure_visibility: Some(MAX_VISIBILITY + over),
+            ..WorkerConfig::default()
+        },
     ] {
         let handler = Succeeds(Arc::new(Recording::new()));
         invalid(

@@ -155,6 +155,12 @@ impl WorkerConfig {
                 "heartbeat_extension must be longer than heartbeat_interval: each beat must outlast the wait for the next",
             );
         }
+        if self
+            .failure_visibility
+            .is_some_and(|v| v > super::MAX_VISIBILITY)
+        {
+            return invalid("failure_visibility must be at most 12 h");
+        }
         if self.heartbeat_extension > super::MAX_VISIBILITY {
             return invalid("heartbeat_extension must be at most 12 h");
         }
