@@ -654,7 +654,10 @@ pub async fn fail<'c>(
     }
 }
 
-/// Extends a live lease to `now() + extend_by` and returns the renewed lease;
+/// Extends a live lease to `extend_by` past the start of this call's
+/// statement (not of its transaction: a heartbeat run in a transaction
+/// open for a while extends from now all the same) and returns the renewed
+/// lease;
 /// [`Error::LeaseLost`] if it was taken over. Call it well within the lease
 /// so slow work is not reaped and run twice merely for being slow.
 pub async fn heartbeat<'c>(

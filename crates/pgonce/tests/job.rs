@@ -715,6 +715,48 @@ async fn a_lease_longer_than_the_longest_is_refused_and_writes_nothing() {
         .unwrap();
 }
 
+/// A lease runs from the statement that takes or extends it, not from the
+/// start of its transaction: run in a transaction that has been open for
+/// two seconds, a claim, a batch claim and a heartbeat of one second each
+/// end a second after they ran. (They used to end a second after the
+/// transaction began, already past, and the reaper would take the job
+/// from a worker still holding it once that transaction committed.)
+#[tokio::test]
+async fn a_lease_taken_late_in_a_long_transaction_runs_from_the_statement() {
+    let (_db, pool) = setup().await;
+    let one_second = Duration::from_secs(1);
+    let (claimed, batched) = (new_job(&pool, 3).await, new_job(&pool, 3).await);
+    sqlx::query("UPDATE pgonce.jobs SET kind = 'batch' WHERE id = $1")
+        .bind(batched)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    // Time passing inside the transaction is what this is about.
+    sqlx::query("SELECT pg_sleep(2)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let lease = job::claim(&mut *tx, claimed, one_second).await.unwrap();
+    let batch = job::claim_batch(&mut *tx, "batch", 1, one_second)
+        .await
+        .unwrap();
+    let renewed = job::heartbeat(&mut *tx, &lease, one_second).await.unwrap();
+    let begun: time::OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let not_before = begun + time::Duration::seconds(3);
+    for expires_at in [
+        lease.expires_at,
+        batch[0].lease.expires_at,
+        renewed.expires_at,
+    ] {
+        assert!(expires_at >= not_before, "{expires_at} < {not_before}");
+    }
+}
+
 /// `transition` stores its result as `complete` does, so it refuses what
 /// could not be read back: nested past `MAX_JSON_NESTING` (every later read
 /// of the job would fail), or a NUL. The job stays where it was.

@@ -2,6 +2,7 @@
 -- claimers pass each other's rows instead of queueing behind them; the outer
 -- UPDATE re-checks the status, so a row claimed meanwhile is not taken twice.
 -- The payload comes back as text, parsed row by row (job.rs, claim_batch).
+-- The lease runs from this statement's start (migration 0190).
 WITH runnable AS (
     SELECT id
     FROM pgonce.jobs
@@ -15,7 +16,7 @@ WITH runnable AS (
 UPDATE pgonce.jobs AS j
 SET status = 'processing',
     lease_token = gen_random_uuid(),
-    lease_expires_at = now() + make_interval(secs => $3),
+    lease_expires_at = statement_timestamp() + make_interval(secs => $3),
     claimed_at = now()
 FROM runnable
 WHERE j.id = runnable.id
