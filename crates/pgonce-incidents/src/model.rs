@@ -291,7 +291,29 @@ pub struct Rule {
     /// How the attribute is compared with `value`.
     pub op: Op,
     /// The threshold; a finite number.
+    #[serde(deserialize_with = "exact_double")]
     pub value: f64,
+}
+
+/// A number as a double, refusing an integer a double cannot hold (past
+/// 2^53, such as 9007199254740993): it would be compared, stored and read
+/// back as its neighbour. The request body's own check
+/// (`api::extract`) keeps such an integer exact in an attributes object,
+/// where it stays an integer; here it must become a double.
+fn exact_double<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    let n = serde_json::Number::deserialize(d)?;
+    let f = n
+        .as_f64()
+        .ok_or_else(|| serde::de::Error::custom("not a number"))?;
+    let integer = n.as_i64().map(i128::from).or(n.as_u64().map(i128::from));
+    match integer {
+        // A cast of a finite double to i128 is exact for every double an
+        // i64 or u64 can round to.
+        Some(i) if f as i128 != i => Err(serde::de::Error::custom(format!(
+            "{n} cannot be kept exactly as a double"
+        ))),
+        _ => Ok(f),
+    }
 }
 
 impl Rule {

@@ -1321,11 +1321,17 @@ async fn numbers_that_would_not_read_back_as_sent_are_refused() {
             .await;
         assert_invalid(&a, n);
     }
-    let policy = r#"{"name": "p", "singleton": "never", "rule": {"attribute": "x", "op": "gt", "value": 1e-400}}"#;
-    let a = api
-        .send(Method::POST, "/v1/policies", Some(&key), Body::from(policy))
-        .await;
-    assert_invalid(&a, "a rule's value");
+    // A rule's value is a double: an integer past 2^53 would become its
+    // neighbour, though it fits an i64.
+    for value in ["1e-400", "9007199254740993", "18446744073709551615"] {
+        let policy = format!(
+            r#"{{"name": "p", "singleton": "never", "rule": {{"attribute": "x", "op": "gt", "value": {value}}}}}"#
+        );
+        let a = api
+            .send(Method::POST, "/v1/policies", Some(&key), Body::from(policy))
+            .await;
+        assert_invalid(&a, value);
+    }
     assert_eq!(
         api.count("SELECT (SELECT count(*) FROM incidents.entities) + (SELECT count(*) FROM incidents.policies)")
             .await,
@@ -1340,6 +1346,7 @@ async fn numbers_that_would_not_read_back_as_sent_are_refused() {
         ("0.000", json!(0.0)),
         ("5e-324", json!(5e-324)),
         ("12.5e-1", json!(1.25)),
+        ("0e99999999999999999999", json!(0.0)),
     ] {
         let a = api
             .send(

@@ -702,6 +702,140 @@ async fn two_batches_sharing_deduplication_ids_do_not_deadlock() {
     );
 }
 
+/// The same through a handle that does not know the queue deduplicates
+/// by content (opened before `create` turned it on), step by step. Lock
+/// keys are hashes, so the test picks a group `gx` and an id `e` whose
+/// keys fall, in the order sends take them, after the key of body "B"'s
+/// content id and before the other: X holds gx; B, which knows, sends
+/// [body "B" in gx, "b2" in gx with id e], takes "B"'s content id and
+/// waits for X; A, which does not know, sends ["a1" in ga with id e, body
+/// "B" in ga] and waits for B. A's second message needs the id of its body,
+/// which A learns only when its send finds the setting changed: the batch
+/// used to take that lock then, after e, and deadlocked with B when X let
+/// go (40P01). A batch now locks the content id of every message without
+/// an id of its own up front.
+#[tokio::test]
+async fn a_batch_from_a_handle_behind_the_queues_settings_does_not_deadlock() {
+    let db = fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    queue(&setup, "f.fifo", QueueAttributes::fifo()).await;
+    #[derive(sqlx::FromRow)]
+    struct Names {
+        group: String,
+        id: String,
+    }
+    let Names { group: gx, id: e } = sqlx::query_as(
+        "WITH body AS (
+             SELECT pgonce.lock_key('pgonce.queue.dedup/f.fifo',
+                                    encode(sha256(convert_to('B', 'UTF8')), 'hex')) AS k),
+         groups AS (
+             SELECT 'g' || i AS name, pgonce.lock_key('pgonce.queue/f.fifo', 'g' || i) AS k
+             FROM generate_series(1, 100) AS i),
+         ids AS (
+             SELECT 'e' || i AS name, pgonce.lock_key('pgonce.queue.dedup/f.fifo', 'e' || i) AS k
+             FROM generate_series(1, 100) AS i)
+         SELECT groups.name AS group, ids.name AS id
+         FROM body, groups, ids
+         WHERE body.k < groups.k AND groups.k < ids.k
+         ORDER BY groups.name, ids.name
+         LIMIT 1",
+    )
+    .fetch_one(&setup)
+    .await
+    .unwrap();
+    let race = pgonce_testkit::Interleaving::new(db.options())
+        .await
+        .unwrap();
+    let x = race.session("X").await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let behind = PgQueue::open(a.pool(), "f.fifo", fast_poll())
+        .await
+        .unwrap();
+    let by_content = QueueAttributes {
+        content_based_dedup: true,
+        ..QueueAttributes::fifo()
+    };
+    let knows = PgQueue::create(b.pool(), "f.fifo", by_content, fast_poll())
+        .await
+        .unwrap();
+    let mut xtx = x.pool().begin().await.unwrap();
+    race.step(
+        &x,
+        "hold group gx",
+        sqlx::query("SELECT pg_advisory_xact_lock(pgonce.lock_key('pgonce.queue/f.fifo', $1))")
+            .bind(&gx)
+            .execute(&mut *xtx),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let b_batch = vec![
+        SendMessage::new("B").group(&gx),
+        SendMessage::new("b2").group(&gx).dedup(&e),
+    ];
+    let b_sends = race
+        .step_blocks(&b, "send [B, b2 (e)] in gx", async move {
+            knows.send_batch(b_batch).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(b_sends.blocked_by(), ["X"]);
+    let a_batch = vec![
+        SendMessage::new("a1").group("ga").dedup(&e),
+        SendMessage::new("B").group("ga"),
+    ];
+    let a_sends = race
+        .step_blocks(&a, "send [a1 (e), B] in ga", async move {
+            behind.send_batch(a_batch).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(a_sends.blocked_by(), ["B"]);
+    race.step(&x, "roll back", xtx.rollback())
+        .await
+        .unwrap()
+        .unwrap();
+    let sent_by_b = b_sends.resume().await.unwrap().unwrap();
+    let sent_by_a = a_sends.resume().await.unwrap().unwrap();
+    assert!(sent_by_b.iter().all(|s| !s.duplicate), "{sent_by_b:?}");
+    assert!(sent_by_a.iter().all(|s| s.duplicate), "{sent_by_a:?}");
+    assert_eq!(
+        [&sent_by_a[0].id, &sent_by_a[1].id],
+        [&sent_by_b[1].id, &sent_by_b[0].id]
+    );
+}
+
+/// A deduplication window runs from the send, not from the start of the
+/// transaction it is sent in: an id sent late in a transaction that had
+/// been open longer than the window, then committed, still makes an
+/// immediate resend a duplicate. (It used to be claimed already expired.)
+#[tokio::test]
+async fn a_dedup_window_runs_from_the_send_in_a_long_transaction() {
+    let pool = pool().await;
+    let attributes = QueueAttributes::fifo().dedup_window(Duration::from_secs(2));
+    let q = queue(&pool, "w.fifo", attributes).await;
+    let mut tx = pool.begin().await.unwrap();
+    // Time passing inside the transaction is what this is about.
+    sqlx::query("SELECT pg_sleep(2.5)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let first = q
+        .send_in(&mut tx, SendMessage::new("m").group("g").dedup("x"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let again = q
+        .send(SendMessage::new("m").group("g").dedup("x"))
+        .await
+        .unwrap();
+    assert!(again.duplicate, "{again:?}");
+    assert_eq!(again.id, first.id);
+    assert_eq!(q.stats().await.unwrap().depth, 1);
+}
+
 /// A receive whose follow-up statement fails, step by step: s.fifo holds
 /// a (due, its dead-letter group held), then, with `deliverable`, b, then
 /// c (due). A holds t.fifo/g and t.fifo's queue row, so the move of c, in

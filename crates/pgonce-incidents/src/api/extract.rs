@@ -160,26 +160,28 @@ fn numbers_read_back_as_sent(raw: &RawValue) -> Result<(), ApiError> {
 
 /// The value of a JSON number's text as (negative, significant digits,
 /// where the point goes): `-0.0120e3` is (true, "12", 2), that is
-/// -0.12 x 10^2. Zero is (false, "", 0) whatever its sign. `None` for an
-/// exponent beyond an `i64` (serde_json refuses such a number anyway).
+/// -0.12 x 10^2. Zero is (false, "", 0) whatever its sign and exponent.
+/// `None` for a non-zero number with an exponent beyond an `i64` (serde_json
+/// refuses such a number anyway).
 fn decimal(text: &str) -> Option<(bool, String, i64)> {
     let (negative, unsigned) = match text.strip_prefix('-') {
         Some(rest) => (true, rest),
         None => (false, text),
     };
-    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
-        Some((m, e)) => (m, e.parse::<i64>().ok()?),
-        None => (unsigned, 0),
-    };
+    let (mantissa, exponent) = unsigned.split_once(['e', 'E']).unwrap_or((unsigned, "0"));
     let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
     let all = format!("{whole}{fraction}");
     let significant = all.trim_start_matches('0');
     let leading_zeros = (all.len() - significant.len()) as i64;
     let significant = significant.trim_end_matches('0');
+    // Zero is zero whatever its exponent (`0e99999999999999999999` too).
     if significant.is_empty() {
         return Some((false, String::new(), 0));
     }
-    let point = exponent.checked_add(whole.len() as i64 - leading_zeros)?;
+    let point = exponent
+        .parse::<i64>()
+        .ok()?
+        .checked_add(whole.len() as i64 - leading_zeros)?;
     Some((negative, significant.to_string(), point))
 }
 

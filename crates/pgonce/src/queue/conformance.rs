@@ -383,6 +383,10 @@ pub async fn conformance_requests_past_the_limits_are_refused<Q: Queue + Clone +
             failure_visibility: Some(MAX_VISIBILITY + over),
             ..WorkerConfig::default()
         },
+        WorkerConfig {
+            concurrency: usize::MAX,
+            ..WorkerConfig::default()
+        },
     ] {
         let handler = Succeeds(Arc::new(Recording::new()));
         invalid(

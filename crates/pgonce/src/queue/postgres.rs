@@ -428,10 +428,7 @@ impl PgQueue {
         match &message.dedup_id {
             Some(id) => Some(Cow::Borrowed(id)),
             None if self.inner.content_based_dedup.load(Ordering::SeqCst) => {
-                let digest = Sha256::digest(message.body.as_bytes());
-                Some(Cow::Owned(
-                    digest.iter().map(|b| format!("{b:02x}")).collect(),
-                ))
+                Some(Cow::Owned(content_dedup_id(&message.body)))
             }
             None => None,
         }
@@ -450,9 +447,17 @@ impl PgQueue {
     /// locks taken first, in the same ascending order as the groups', a
     /// claim never waits for another sender's: that sender holds the id's
     /// lock, which this one waited for.
+    ///
+    /// With `every_content_id`, a message without an id of its own also
+    /// locks the id content-based deduplication would give it, whether or
+    /// not this handle knows the queue to deduplicate by content: a batch
+    /// sent one message at a time takes its locks before the first send,
+    /// and a send may find the queue's setting changed and need that id
+    /// (taken then, out of order, it could deadlock).
     fn send_lock_keys<'a>(
         &self,
         messages: impl Iterator<Item = &'a SendMessage> + Clone,
+        every_content_id: bool,
     ) -> Result<Vec<i64>> {
         let queue = self.inner.name.as_str();
         let mut keys = group_lock_keys(
@@ -461,7 +466,11 @@ impl PgQueue {
                 .filter_map(|m| m.group_id.as_deref())
                 .map(|g| (queue, g)),
         )?;
-        for dedup_id in messages.filter_map(|m| self.dedup_id(m)) {
+        let ids = messages.filter_map(|m| match self.dedup_id(m) {
+            None if every_content_id => Some(Cow::Owned(content_dedup_id(&m.body))),
+            id => id,
+        });
+        for dedup_id in ids {
             keys.push(LockKey::new(&format!("pgonce.queue.dedup/{queue}"), &dedup_id)?.as_i64());
         }
         keys.sort_unstable();
@@ -553,7 +562,7 @@ impl PgQueue {
         // (the next attempt sends under the queue's).
         for _ in 0..3 {
             let dedup_id = self.dedup_id(&message);
-            let locks = self.send_lock_keys(std::iter::once(&message))?;
+            let locks = self.send_lock_keys(std::iter::once(&message), false)?;
             let by_content = message
                 .dedup_id
                 .is_none()
@@ -618,7 +627,7 @@ impl PgQueue {
             // Deduplicated messages go one by one, in a savepoint so the batch
             // stays all or none.
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let keys = self.send_lock_keys(messages.iter())?;
+            let keys = self.send_lock_keys(messages.iter(), true)?;
             if !keys.is_empty() {
                 sqlx::query(include_str!("sql/lock_groups.sql"))
                     .bind(&keys)
@@ -632,7 +641,7 @@ impl PgQueue {
             tx.commit().await?;
             return Ok(sent);
         }
-        let locks = self.send_lock_keys(messages.iter())?;
+        let locks = self.send_lock_keys(messages.iter(), false)?;
         let bodies: Vec<&str> = messages.iter().map(|m| m.body.as_str()).collect();
         let attributes: Vec<_> = messages.iter().map(|m| Json(&m.attributes)).collect();
         let groups: Vec<Option<&str>> = messages.iter().map(|m| m.group_id.as_deref()).collect();
@@ -1068,6 +1077,15 @@ impl Queue for PgQueue {
         }
         Ok(moved)
     }
+}
+
+/// The deduplication id content-based deduplication gives a body: its
+/// SHA-256, in hex, as SQS does.
+fn content_dedup_id(body: &str) -> String {
+    Sha256::digest(body.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// The advisory lock keys of these FIFO groups, as (queue, group id)

@@ -128,6 +128,10 @@ impl WorkerConfig {
         if self.concurrency == 0 || self.batch == 0 {
             return invalid("concurrency and batch are at least 1");
         }
+        // The handler slots are a semaphore's permits.
+        if self.concurrency > Semaphore::MAX_PERMITS {
+            return invalid("concurrency is at most tokio's Semaphore::MAX_PERMITS");
+        }
         // Each receive asks for up to `batch` messages with this wait and
         // visibility: a request no backend takes would fail every receive,
         // and the worker would retry it for ever.

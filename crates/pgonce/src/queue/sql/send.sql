@@ -12,6 +12,9 @@
 -- The dedup id's lock, likewise, is taken before its claim: a claim then
 -- never waits for another sender's uncommitted one, whose sender holds the
 -- lock.
+-- The window runs from this statement, not from the start of its
+-- transaction (a send_in late in a long transaction would otherwise claim
+-- an id already expired).
 -- With a dedup id, the id is claimed in queue_dedup first; a live claim
 -- (within the window) makes this a duplicate: nothing is inserted and the
 -- original id is returned. No row at all: the queue does not exist, or a
@@ -25,12 +28,12 @@ WITH q AS (
 ), claim AS (
     INSERT INTO pgonce.queue_dedup AS d (queue, dedup_id, message_id, expires_at)
     SELECT q.name, $5, nextval('pgonce.queue_message_id_seq'),
-           now() + q.dedup_window_ms * interval '1 millisecond'
+           statement_timestamp() + q.dedup_window_ms * interval '1 millisecond'
     FROM q
     WHERE $5::text IS NOT NULL
     ON CONFLICT (queue, dedup_id) DO UPDATE
     SET message_id = EXCLUDED.message_id, expires_at = EXCLUDED.expires_at
-    WHERE d.expires_at <= now()
+    WHERE d.expires_at <= statement_timestamp()
     RETURNING message_id
 ), ins AS (
     INSERT INTO pgonce.queue_message (id, queue, body, attributes, group_id, dedup_id, visible_at)
