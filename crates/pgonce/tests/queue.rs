@@ -11,10 +11,10 @@ use pgonce::IsolationLevel;
 use pgonce::queue::conformance::*;
 use pgonce::{
     Error, PgQueue, PgQueueOptions, Queue, QueueAttributes, Receipt, ReceiveRequest, Received,
-    SendMessage,
+    SendMessage, Sent,
 };
 use pgonce_testkit::{fresh_database, fresh_migrated_database};
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, Transaction};
 
 /// The FIFO receive statement, as `PgQueue::receive` runs it: $1 queue,
 /// $2 how many to look at, $3 visibility ms (NULL: the queue's), $4 ids to
@@ -632,68 +632,96 @@ async fn content_based_deduplication_follows_the_queue_on_handles_opened_before(
     assert_eq!(old.stats().await.unwrap().depth, 5);
 }
 
-/// Two batches that share deduplication ids in different orders, on FIFO
-/// groups of their own, step by step: X holds the claim of "x" (sent in its
-/// open transaction); A = [a, x, b] waits for X; B = [b, a] waits for A
-/// (each seen in pg_blocking_pids). When X rolls back, A sends its three
-/// and B's two are duplicates of A's. Claims taken in each batch's own
-/// order made B hold b while waiting for a, and A wait for b after x: a
-/// deadlock, B refused with 40P01. The ids' locks, taken first and in one
-/// order, leave nothing to cycle.
-#[tokio::test]
-async fn two_batches_sharing_deduplication_ids_do_not_deadlock() {
-    let db = fresh_database().await;
-    let setup = db.pool(2).await.unwrap();
-    pgonce::migrate(&setup).await.unwrap();
-    queue(&setup, "f.fifo", QueueAttributes::fifo()).await;
+/// Two batches queued behind a holder, step by step: X runs `hold` in a
+/// transaction it keeps open; the first batch (session "First") is seen
+/// waiting for X, the second ("Second") for the first; X rolls back.
+/// Returns what each batch answered: a deadlock between them is one of
+/// them answering 40P01. `open` opens the two batches' handles on the two
+/// sessions' pools, so a test chooses what each handle knows of the queue;
+/// `hold` gets a handle on X's.
+async fn batches_queued_behind_a_holder(
+    db: &pgonce_testkit::ScratchDatabase,
+    hold: impl AsyncFnOnce(&PgQueue, &mut Transaction<'static, Postgres>),
+    open: impl AsyncFnOnce(&PgPool, &PgPool) -> (PgQueue, PgQueue),
+    first: Vec<SendMessage>,
+    second: Vec<SendMessage>,
+) -> (pgonce::Result<Vec<Sent>>, pgonce::Result<Vec<Sent>>) {
     let race = pgonce_testkit::Interleaving::new(db.options())
         .await
         .unwrap();
     let x = race.session("X").await.unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-    let open = async |s: &pgonce_testkit::Session| {
-        PgQueue::open(s.pool(), "f.fifo", fast_poll())
-            .await
-            .unwrap()
-    };
-    let (qx, qa, qb) = (open(&x).await, open(&a).await, open(&b).await);
+    let a = race.session("First").await.unwrap();
+    let b = race.session("Second").await.unwrap();
+    let (qa, qb) = open(a.pool(), b.pool()).await;
+    let qx = open_f_fifo(x.pool()).await;
     let mut xtx = x.pool().begin().await.unwrap();
-    race.step(
-        &x,
-        "send x, open",
-        qx.send_in(&mut xtx, SendMessage::new("x").group("g3").dedup("x")),
+    race.step(&x, "hold, open", hold(&qx, &mut xtx))
+        .await
+        .unwrap();
+    let first = race
+        .step_blocks(&a, "send the first batch", async move {
+            qa.send_batch(first).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(first.blocked_by(), ["X"]);
+    let second = race
+        .step_blocks(&b, "send the second batch", async move {
+            qb.send_batch(second).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(second.blocked_by(), ["First"]);
+    race.step(&x, "roll back", xtx.rollback())
+        .await
+        .unwrap()
+        .unwrap();
+    (
+        first.resume().await.unwrap(),
+        second.resume().await.unwrap(),
     )
-    .await
-    .unwrap()
-    .unwrap();
+}
+
+async fn open_f_fifo(pool: &PgPool) -> PgQueue {
+    PgQueue::open(pool, "f.fifo", fast_poll()).await.unwrap()
+}
+
+/// A database with queue f.fifo, for [`batches_queued_behind_a_holder`].
+async fn f_fifo_database() -> (pgonce_testkit::ScratchDatabase, PgPool) {
+    let db = fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    queue(&setup, "f.fifo", QueueAttributes::fifo()).await;
+    (db, setup)
+}
+
+/// Two batches that share deduplication ids in different orders, on FIFO
+/// groups of their own: X holds the claim of "x" (sent in its open
+/// transaction); A = [a, x, b] waits for X; B = [b, a] waits for A. When X
+/// rolls back, A sends its three and B's two are duplicates of A's. Claims
+/// taken in each batch's own order made B hold b while waiting for a, and
+/// A wait for b after x: a deadlock, B refused with 40P01. The ids' locks,
+/// taken first and in one order, leave nothing to cycle.
+#[tokio::test]
+async fn two_batches_sharing_deduplication_ids_do_not_deadlock() {
+    let (db, _setup) = f_fifo_database().await;
     let batch = |group: &str, ids: &[&str]| -> Vec<SendMessage> {
         ids.iter()
             .map(|id| SendMessage::new(*id).group(group).dedup(*id))
             .collect()
     };
-    let a_sends = race
-        .step_blocks(&a, "send [a, x, b]", {
-            let messages = batch("g1", &["a", "x", "b"]);
-            async move { qa.send_batch(messages).await }
-        })
-        .await
-        .unwrap();
-    assert_eq!(a_sends.blocked_by(), ["X"]);
-    let b_sends = race
-        .step_blocks(&b, "send [b, a]", {
-            let messages = batch("g2", &["b", "a"]);
-            async move { qb.send_batch(messages).await }
-        })
-        .await
-        .unwrap();
-    assert_eq!(b_sends.blocked_by(), ["A"]);
-    race.step(&x, "roll back", xtx.rollback())
-        .await
-        .unwrap()
-        .unwrap();
-    let sent_by_a = a_sends.resume().await.unwrap().unwrap();
-    let sent_by_b = b_sends.resume().await.unwrap().unwrap();
+    let (a, b) = batches_queued_behind_a_holder(
+        &db,
+        async |qx, tx| {
+            let x = SendMessage::new("x").group("g3").dedup("x");
+            qx.send_in(tx, x).await.unwrap();
+        },
+        async |a, b| (open_f_fifo(a).await, open_f_fifo(b).await),
+        batch("g1", &["a", "x", "b"]),
+        batch("g2", &["b", "a"]),
+    )
+    .await;
+    let (sent_by_a, sent_by_b) = (a.unwrap(), b.unwrap());
     assert!(sent_by_a.iter().all(|s| !s.duplicate), "{sent_by_a:?}");
     assert!(sent_by_b.iter().all(|s| s.duplicate), "{sent_by_b:?}");
     assert_eq!(
@@ -703,23 +731,20 @@ async fn two_batches_sharing_deduplication_ids_do_not_deadlock() {
 }
 
 /// The same through a handle that does not know the queue deduplicates
-/// by content (opened before `create` turned it on), step by step. Lock
-/// keys are hashes, so the test picks a group `gx` and an id `e` whose
-/// keys fall, in the order sends take them, after the key of body "B"'s
-/// content id and before the other: X holds gx; B, which knows, sends
-/// [body "B" in gx, "b2" in gx with id e], takes "B"'s content id and
-/// waits for X; A, which does not know, sends ["a1" in ga with id e, body
-/// "B" in ga] and waits for B. A's second message needs the id of its body,
-/// which A learns only when its send finds the setting changed: the batch
-/// used to take that lock then, after e, and deadlocked with B when X let
-/// go (40P01). A batch now locks the content id of every message without
-/// an id of its own up front.
+/// by content (opened before `create` turned it on). Lock keys are hashes,
+/// so the test picks a group `gx` and an id `e` whose keys fall, in the
+/// order sends take them, after the key of body "B"'s content id and
+/// before the other: X holds gx; B, which knows, sends [body "B" in gx,
+/// "b2" in gx with id e], takes "B"'s content id and waits for X; A, which
+/// does not know, sends ["a1" in ga with id e, body "B" in ga] and waits
+/// for B. A's second message needs the id of its body, which A learns only
+/// when its send finds the setting changed: the batch used to take that
+/// lock then, after e, and deadlocked with B when X let go (40P01). A
+/// batch now locks the content id of every message without an id of its
+/// own up front.
 #[tokio::test]
 async fn a_batch_from_a_handle_behind_the_queues_settings_does_not_deadlock() {
-    let db = fresh_database().await;
-    let setup = db.pool(2).await.unwrap();
-    pgonce::migrate(&setup).await.unwrap();
-    queue(&setup, "f.fifo", QueueAttributes::fifo()).await;
+    let (db, setup) = f_fifo_database().await;
     #[derive(sqlx::FromRow)]
     struct Names {
         group: String,
@@ -744,61 +769,36 @@ async fn a_batch_from_a_handle_behind_the_queues_settings_does_not_deadlock() {
     .fetch_one(&setup)
     .await
     .unwrap();
-    let race = pgonce_testkit::Interleaving::new(db.options())
-        .await
-        .unwrap();
-    let x = race.session("X").await.unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-    let behind = PgQueue::open(a.pool(), "f.fifo", fast_poll())
-        .await
-        .unwrap();
-    let by_content = QueueAttributes {
-        content_based_dedup: true,
-        ..QueueAttributes::fifo()
-    };
-    let knows = PgQueue::create(b.pool(), "f.fifo", by_content, fast_poll())
-        .await
-        .unwrap();
-    let mut xtx = x.pool().begin().await.unwrap();
-    race.step(
-        &x,
-        "hold group gx",
-        sqlx::query("SELECT pg_advisory_xact_lock(pgonce.lock_key('pgonce.queue/f.fifo', $1))")
-            .bind(&gx)
-            .execute(&mut *xtx),
+    let (b, a) = batches_queued_behind_a_holder(
+        &db,
+        async |_, tx| {
+            sqlx::query("SELECT pg_advisory_xact_lock(pgonce.lock_key('pgonce.queue/f.fifo', $1))")
+                .bind(&gx)
+                .execute(&mut **tx)
+                .await
+                .unwrap();
+        },
+        async |b, a| {
+            // A's handle is open before the queue deduplicates by content.
+            let behind = open_f_fifo(a).await;
+            let by_content = QueueAttributes {
+                content_based_dedup: true,
+                ..QueueAttributes::fifo()
+            };
+            queue(&setup, "f.fifo", by_content).await;
+            (open_f_fifo(b).await, behind)
+        },
+        vec![
+            SendMessage::new("B").group(&gx),
+            SendMessage::new("b2").group(&gx).dedup(&e),
+        ],
+        vec![
+            SendMessage::new("a1").group("ga").dedup(&e),
+            SendMessage::new("B").group("ga"),
+        ],
     )
-    .await
-    .unwrap()
-    .unwrap();
-    let b_batch = vec![
-        SendMessage::new("B").group(&gx),
-        SendMessage::new("b2").group(&gx).dedup(&e),
-    ];
-    let b_sends = race
-        .step_blocks(&b, "send [B, b2 (e)] in gx", async move {
-            knows.send_batch(b_batch).await
-        })
-        .await
-        .unwrap();
-    assert_eq!(b_sends.blocked_by(), ["X"]);
-    let a_batch = vec![
-        SendMessage::new("a1").group("ga").dedup(&e),
-        SendMessage::new("B").group("ga"),
-    ];
-    let a_sends = race
-        .step_blocks(&a, "send [a1 (e), B] in ga", async move {
-            behind.send_batch(a_batch).await
-        })
-        .await
-        .unwrap();
-    assert_eq!(a_sends.blocked_by(), ["B"]);
-    race.step(&x, "roll back", xtx.rollback())
-        .await
-        .unwrap()
-        .unwrap();
-    let sent_by_b = b_sends.resume().await.unwrap().unwrap();
-    let sent_by_a = a_sends.resume().await.unwrap().unwrap();
+    .await;
+    let (sent_by_b, sent_by_a) = (b.unwrap(), a.unwrap());
     assert!(sent_by_b.iter().all(|s| !s.duplicate), "{sent_by_b:?}");
     assert!(sent_by_a.iter().all(|s| s.duplicate), "{sent_by_a:?}");
     assert_eq!(
