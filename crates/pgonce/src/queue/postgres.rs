@@ -421,17 +421,11 @@ impl PgQueue {
             .await?)
     }
 
-    /// The deduplication id `message` is sent under: its own, or with
-    /// content-based deduplication (as this handle last read it) the
-    /// SHA-256 of its body, as SQS does.
-    fn dedup_id<'m>(&self, message: &'m SendMessage) -> Option<Cow<'m, str>> {
-        match &message.dedup_id {
-            Some(id) => Some(Cow::Borrowed(id)),
-            None if self.inner.content_based_dedup.load(Ordering::SeqCst) => {
-                Some(Cow::Owned(content_dedup_id(&message.body)))
-            }
-            None => None,
-        }
+    /// Whether the queue deduplicates by content, as this handle last read
+    /// it. Read once per attempt at a send, so that the ids it chooses and
+    /// the view it asks send.sql to check are the same.
+    fn content_based(&self) -> bool {
+        self.inner.content_based_dedup.load(Ordering::SeqCst)
     }
 
     /// The advisory lock keys a send of `messages` takes first, ascending,
@@ -448,16 +442,16 @@ impl PgQueue {
     /// claim never waits for another sender's: that sender holds the id's
     /// lock, which this one waited for.
     ///
-    /// With `every_content_id`, a message without an id of its own also
-    /// locks the id content-based deduplication would give it, whether or
-    /// not this handle knows the queue to deduplicate by content: a batch
-    /// sent one message at a time takes its locks before the first send,
-    /// and a send may find the queue's setting changed and need that id
-    /// (taken then, out of order, it could deadlock).
+    /// With `content_ids`, a message without an id of its own locks the id
+    /// content-based deduplication gives it: for a send under that setting,
+    /// and for a batch sent one message at a time whatever the handle knows
+    /// of the setting, because the batch takes its locks before the first
+    /// send and a send may find the setting changed and need that id (taken
+    /// then, out of order, it could deadlock).
     fn send_lock_keys<'a>(
         &self,
         messages: impl Iterator<Item = &'a SendMessage> + Clone,
-        every_content_id: bool,
+        content_ids: bool,
     ) -> Result<Vec<i64>> {
         let queue = self.inner.name.as_str();
         let mut keys = group_lock_keys(
@@ -466,10 +460,7 @@ impl PgQueue {
                 .filter_map(|m| m.group_id.as_deref())
                 .map(|g| (queue, g)),
         )?;
-        let ids = messages.filter_map(|m| match self.dedup_id(m) {
-            None if every_content_id => Some(Cow::Owned(content_dedup_id(&m.body))),
-            id => id,
-        });
+        let ids = messages.filter_map(|m| dedup_id(m, content_ids));
         for dedup_id in ids {
             keys.push(LockKey::new(&format!("pgonce.queue.dedup/{queue}"), &dedup_id)?.as_i64());
         }
@@ -561,12 +552,10 @@ impl PgQueue {
         // content-based deduplication changed since this handle read it
         // (the next attempt sends under the queue's).
         for _ in 0..3 {
-            let dedup_id = self.dedup_id(&message);
-            let locks = self.send_lock_keys(std::iter::once(&message), false)?;
-            let by_content = message
-                .dedup_id
-                .is_none()
-                .then(|| self.inner.content_based_dedup.load(Ordering::SeqCst));
+            let content_based = self.content_based();
+            let dedup_id = dedup_id(&message, content_based);
+            let locks = self.send_lock_keys(std::iter::once(&message), content_based)?;
+            let by_content = message.dedup_id.is_none().then_some(content_based);
             let row: Option<SentRow> = sqlx::query_as(include_str!("sql/send.sql"))
                 .bind(&self.inner.name)
                 .bind(&message.body)
@@ -623,7 +612,8 @@ impl PgQueue {
                 max: MAX_BODY_BYTES * 16,
             });
         }
-        if messages.iter().any(|m| self.dedup_id(m).is_some()) {
+        let content_based = self.content_based();
+        if content_based || messages.iter().any(|m| m.dedup_id.is_some()) {
             // Deduplicated messages go one by one, in a savepoint so the batch
             // stays all or none.
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
@@ -1076,6 +1066,16 @@ impl Queue for PgQueue {
                 .increment(moved);
         }
         Ok(moved)
+    }
+}
+
+/// The deduplication id `message` is sent under: its own, or with
+/// content-based deduplication that of its body.
+fn dedup_id(message: &SendMessage, content_based: bool) -> Option<Cow<'_, str>> {
+    match &message.dedup_id {
+        Some(id) => Some(Cow::Borrowed(id)),
+        None if content_based => Some(Cow::Owned(content_dedup_id(&message.body))),
+        None => None,
     }
 }
 
