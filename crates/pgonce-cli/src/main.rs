@@ -116,7 +116,7 @@ fn main() -> ExitCode {
         }
         tokio::select! {
             outcome = run(&cli, flag_url) => outcome,
-            _ = tokio::signal::ctrl_c() => Err(Interrupted.into()),
+            interrupted = interrupted() => Err(interrupted.into()),
         }
         // Leaving the select drops the command's future, and with it any
         // throwaway cluster, which stops the server and removes its files.
@@ -135,14 +135,16 @@ fn main() -> ExitCode {
         #[cfg(not(feature = "lab"))]
         Ok(Some(never)) => match never {},
         Ok(None) => ExitCode::SUCCESS,
-        Err(e) if e.is::<Interrupted>() => {
-            eprintln!("pgonce: interrupted; throwaway database removed");
-            ExitCode::from(130)
-        }
-        Err(e) => {
-            eprintln!("pgonce: error: {}", one_line(&e));
-            ExitCode::FAILURE
-        }
+        Err(e) => match e.downcast_ref::<Interrupted>() {
+            Some(Interrupted { signal, code }) => {
+                eprintln!("pgonce: interrupted ({signal}); throwaway database removed");
+                ExitCode::from(*code)
+            }
+            None => {
+                eprintln!("pgonce: error: {}", one_line(&e));
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 
@@ -164,13 +166,44 @@ fn one_line(e: &anyhow::Error) -> String {
     line.replace('\n', " ")
 }
 
-/// Ctrl-C was pressed; the run was abandoned and cleaned up.
+/// A signal stopped the run; it was abandoned and cleaned up.
 #[derive(Debug)]
-struct Interrupted;
+struct Interrupted {
+    signal: &'static str,
+    /// What a shell reports for a process the signal ended: 128 + its number.
+    code: u8,
+}
 
 impl std::fmt::Display for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("interrupted")
+        write!(f, "interrupted ({})", self.signal)
+    }
+}
+
+/// The first of Ctrl-C (SIGINT) and, on Unix, SIGTERM (what `kill`, a
+/// service manager or a container runtime sends). Either stops a command
+/// the same way: its future is dropped, and with it its throwaway database
+/// or cluster and the child processes it started (`kill_on_drop`). Before
+/// SIGTERM was handled it killed the process outright, leaving those
+/// behind.
+async fn interrupted() -> Interrupted {
+    let sigint = Interrupted {
+        signal: "SIGINT",
+        code: 130,
+    };
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => sigint,
+            _ = term.recv() => Interrupted { signal: "SIGTERM", code: 143 },
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        sigint
     }
 }
 

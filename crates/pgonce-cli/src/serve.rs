@@ -46,17 +46,35 @@ pub struct ServeArgs {
 pub struct RolloutArgs {
     /// Percent of entities (0-100) whose incidents take the guarded write;
     /// without it, prints the current value.
+    #[arg(value_parser = clap::value_parser!(u8).range(0..=100))]
     percent: Option<u8>,
     /// TOML configuration file, for its `[database]` section.
     #[arg(long)]
     config: Option<PathBuf>,
 }
 
+/// The process's environment, for [`Config::load`]. A variable whose name
+/// or value is not UTF-8 is left out (`std::env::vars` would panic on it),
+/// unless it is one the service reads: then it is refused, named.
+fn environment() -> anyhow::Result<Vec<(String, String)>> {
+    let mut vars = Vec::new();
+    for (name, value) in std::env::vars_os() {
+        match (name.into_string(), value.into_string()) {
+            (Ok(name), Ok(value)) => vars.push((name, value)),
+            (Ok(name), Err(_)) if name.starts_with("PGONCE_") || name == "DATABASE_URL" => {
+                anyhow::bail!("{name}: not UTF-8")
+            }
+            _ => {}
+        }
+    }
+    Ok(vars)
+}
+
 /// The configuration of a `serve`/`worker` run: file, environment, flags.
 /// `database_url` is the `--database-url` flag, when given on the command
 /// line.
 fn configure(args: &ServeArgs, database_url: Option<&str>) -> anyhow::Result<Config> {
-    let mut config = Config::load(args.config.as_deref(), std::env::vars())?;
+    let mut config = Config::load(args.config.as_deref(), environment()?)?;
     if let Some(url) = database_url {
         config.database.url = Some(url.to_owned());
     }
@@ -238,7 +256,7 @@ where
 
 /// `pgonce rollout [PERCENT]`: prints, or changes, the guard rollout.
 pub async fn rollout(args: &RolloutArgs, database_url: Option<&str>) -> anyhow::Result<()> {
-    let mut config = Config::load(args.config.as_deref(), std::env::vars())?;
+    let mut config = Config::load(args.config.as_deref(), environment()?)?;
     if let Some(url) = database_url {
         config.database.url = Some(url.to_owned());
     }

@@ -31,6 +31,76 @@ fn migrate_against_a_closed_port_fails_fast_with_one_line_naming_the_address() {
     assert!(lines[0].contains("127.0.0.1:1/x"), "{stderr}");
 }
 
+/// A variable in the environment whose value is not UTF-8 does not crash
+/// `serve`, `worker` or `rollout` (reading the environment used to panic on
+/// any such variable): one that is not the service's is left out, and the
+/// command goes on to its real error here, no database; one of the
+/// service's own is refused, named.
+#[test]
+fn a_variable_that_is_not_utf8_is_left_out_or_named_never_a_panic() {
+    use std::os::unix::ffi::OsStrExt;
+    let not_utf8 = std::ffi::OsStr::from_bytes(b"\xff");
+    for command in ["serve", "worker", "rollout"] {
+        let out = pgonce()
+            .arg(command)
+            .env("JUNK", not_utf8)
+            .timeout(Duration::from_secs(20))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{command}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{command}: {stderr}");
+        assert!(stderr.contains("database"), "{command}: {stderr}");
+        let out = pgonce()
+            .arg(command)
+            .env("PGONCE_API__ADMIN_TOKEN", not_utf8)
+            .timeout(Duration::from_secs(20))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{command}: {stderr}");
+        assert!(
+            stderr.contains("PGONCE_API__ADMIN_TOKEN"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
+/// `rollout` takes a percentage, 0 to 100, and refuses another before it
+/// touches the database (it used to migrate it first); a directory given
+/// as `--config` is refused as not a file, named.
+#[test]
+fn rollout_and_config_refuse_what_cannot_be_before_touching_the_database() {
+    let (rt, db, url) = common::fresh_database_url();
+    for percent in ["101", "255", "-1"] {
+        let out = pgonce()
+            .args(["rollout", "--database-url", &url, percent])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{percent}");
+    }
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    let tables: i64 = rt
+        .block_on(
+            sqlx::query_scalar(
+                "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')",
+            )
+            .fetch_one(&pool),
+        )
+        .unwrap();
+    assert_eq!(tables, 0, "the database was migrated");
+    let dir = std::env::temp_dir();
+    let out = pgonce()
+        .args(["worker", "--database-url", &url, "--config"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("not a file"), "{stderr}");
+    assert!(stderr.contains(&*dir.to_string_lossy()), "{stderr}");
+}
+
 #[test]
 fn migrate_without_a_database_says_what_to_pass() {
     let out = pgonce().arg("migrate").output().unwrap();

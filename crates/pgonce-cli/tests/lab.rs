@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use assert_cmd::Command;
 
+mod common;
+
 fn pgonce() -> Command {
     let mut cmd = Command::cargo_bin("pgonce").unwrap();
     cmd.env_remove("DATABASE_URL").env("RUST_LOG", "warn");
@@ -338,4 +340,113 @@ fn race_events_late_writer_holds_every_condition_under_every_strategy() {
     let report = json_report(&["race", "events-late-writer", "--json"]);
     assert_eq!(report["name"], "events-late-writer");
     assert_eq!(report["verdict"]["ok"], true, "{report:#}");
+}
+
+/// Numbers a lab command turns into durations are refused when no duration
+/// holds them, never a panic: `bench --seconds` by its argument parser
+/// (exit 2, naming the flag), the demo in its JSON report (exit 1).
+#[test]
+fn durations_no_clock_holds_are_refused_without_a_panic() {
+    for seconds in ["inf", "NaN", "1e300", "0", "-1"] {
+        let out = pgonce()
+            .args(["bench", "lock", "--quick", &format!("--seconds={seconds}")])
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{seconds}: {stderr}");
+        assert!(stderr.contains("--seconds"), "{seconds}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{seconds}: {stderr}");
+    }
+    for flags in [
+        ["--deadline-secs", "18446744073709551615"],
+        ["--deadline-secs", "0"],
+        ["--restart-at", "1e300"],
+    ] {
+        let out = pgonce()
+            .args(["demo", "--json"])
+            .args(flags)
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["verdict"]["ok"], false, "{flags:?}: {report}");
+    }
+}
+
+/// SIGTERM (what `kill`, a service manager or a container runtime sends)
+/// stops a lab command as Ctrl-C does: exit 143, one line, and the scratch
+/// database it made on the server it was given is dropped. (SIGTERM used
+/// to kill it outright and leave the database behind, with any child
+/// process still running.)
+#[test]
+fn sigterm_stops_a_lab_command_and_drops_its_scratch_database() {
+    let (rt, db, url) = common::fresh_database_url();
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    let scratch = || -> Vec<String> {
+        rt.block_on(
+            sqlx::query_scalar(
+                "SELECT datname::text FROM pg_database WHERE datname LIKE 'pgonce_bench%' ORDER BY 1",
+            )
+            .fetch_all(&pool),
+        )
+        .unwrap()
+    };
+    let before = scratch();
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+        .args(["bench", "lock", "--quick", "--seconds", "60"])
+        .args(["--database-url", &url])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Waits for the command to have made its scratch database.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while scratch().len() == before.len() {
+        assert!(std::time::Instant::now() < deadline, "no scratch database");
+        assert!(child.try_wait().unwrap().is_none(), "the bench ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(143), "{stderr}");
+    assert!(stderr.contains("SIGTERM"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(scratch(), before, "the scratch database is left: {stderr}");
+}
+
+/// A plot that passes the check before the run but cannot be written after
+/// it (a full disk: /dev/full takes the open, refuses the data) costs the
+/// plot, not the run: the report is printed, its verdict saying the plot
+/// is missing, and the command exits 1.
+#[test]
+fn a_plot_that_fails_to_write_after_the_run_keeps_the_report() {
+    let out = pgonce()
+        .args(["bench", "lock", "--quick", "--seconds", "0.2", "--json"])
+        .args(["--plot", "/dev/full"])
+        .timeout(Duration::from_secs(180))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["verdict"]["ok"], false);
+    assert!(
+        report["verdict"]["reasons"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r.as_str().unwrap().contains("the plot was not written"))
+    );
+    assert!(!report["results"].as_array().unwrap().is_empty());
 }

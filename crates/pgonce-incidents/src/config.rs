@@ -69,6 +69,10 @@ pub enum ConfigError {
     },
 }
 
+/// The most worker loops one process runs (each has its own receives and
+/// handler slots; a billion used to be accepted and exhausted memory).
+const MAX_WORKERS: usize = 1024;
+
 /// The longest timeout, wait, interval or delay a setting takes.
 const LONGEST_SETTING: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -184,7 +188,8 @@ impl Default for ApiSection {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PipelineSection {
-    /// `workers`: pipeline workers in this process. Default 2; 0 runs none.
+    /// `workers`: pipeline workers in this process. Default 2; 0 runs none;
+    /// at most 1024.
     pub workers: usize,
     /// `concurrency`: messages each worker handles at once. Default 4; at
     /// least 1.
@@ -700,10 +705,16 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let mut figment = Figment::new();
         if let Some(path) = file {
-            std::fs::metadata(path).map_err(|e| ConfigError::File {
+            let metadata = std::fs::metadata(path).map_err(|e| ConfigError::File {
                 path: path.to_owned(),
                 reason: e.to_string(),
             })?;
+            if !metadata.is_file() {
+                return Err(ConfigError::File {
+                    path: path.to_owned(),
+                    reason: "not a file".into(),
+                });
+            }
             figment = figment.merge(Toml::file_exact(path));
         }
         figment = figment.merge(Environment::new(env));
@@ -810,6 +821,12 @@ impl Config {
         }
         if self.database.acquire_timeout.is_zero() {
             return Err(invalid("database.acquire_timeout", "must be above zero"));
+        }
+        if self.pipeline.workers > MAX_WORKERS {
+            return Err(invalid(
+                "pipeline.workers",
+                format!("must be at most {MAX_WORKERS}"),
+            ));
         }
         if self.pipeline.concurrency == 0 {
             return Err(invalid("pipeline.concurrency", "must be at least 1"));

@@ -242,7 +242,7 @@ fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
 fn what_cannot_work_is_refused_with_the_key_named() {
     with_url().validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 19] = [
+    let cases: [(Bad, &str); 20] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -292,6 +292,7 @@ fn what_cannot_work_is_refused_with_the_key_named() {
             "notifier",
         ),
         (|c| c.api.max_wait = Duration::MAX, "api.max_wait"),
+        (|c| c.pipeline.workers = 1_000_000_000, "pipeline.workers"),
         (
             |c| c.database.acquire_timeout = Duration::from_secs(400 * 24 * 3600),
             "database.acquire_timeout",

@@ -131,6 +131,9 @@ impl DemoArgs {
     }
 }
 
+/// The longest `--deadline-secs` and `--restart-at`: a day.
+const MAX_SECONDS: f64 = 86_400.0;
+
 /// Runs the demo. A fatal error (the database gone for good, bad
 /// arguments) still ends in a report, whose verdict says what failed, so
 /// that `--json` prints one JSON object on every exit path but Ctrl-C; the
@@ -162,9 +165,17 @@ async fn run_checked(
     environment: &mut Option<Environment>,
 ) -> anyhow::Result<Report> {
     let mut config = args.run_config();
+    // Checked here rather than by clap, so that --json still prints a
+    // report; bounded, because each is added to a clock.
+    if args
+        .deadline_secs
+        .is_some_and(|d| d == 0 || d > MAX_SECONDS as u64)
+    {
+        anyhow::bail!("--deadline-secs must be 1 to {MAX_SECONDS}");
+    }
     let restart_at = match args.restart_at {
-        Some(s) if !(s.is_finite() && s >= 0.0) => {
-            anyhow::bail!("--restart-at must be a number of seconds, at least 0")
+        Some(s) if !(s.is_finite() && (0.0..=MAX_SECONDS).contains(&s)) => {
+            anyhow::bail!("--restart-at must be a number of seconds, 0 to {MAX_SECONDS}")
         }
         Some(s) => Some(Duration::from_secs_f64(s)),
         None => None,

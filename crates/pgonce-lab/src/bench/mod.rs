@@ -50,8 +50,9 @@ pub struct BenchArgs {
     /// The same scenarios, smaller: the whole suite in under 30 seconds.
     #[arg(long)]
     pub quick: bool,
-    /// Seconds to measure each strategy (default: 5, or 1.5 with --quick).
-    #[arg(long)]
+    /// Seconds to measure each strategy (default: 5, or 1.5 with --quick),
+    /// above 0 and at most 3600.
+    #[arg(long, value_parser = phase_seconds)]
     pub seconds: Option<f64>,
     /// Runs the compared strategies this many times, alternating which goes
     /// first, and reports the median of each ratio with every run's value
@@ -62,6 +63,17 @@ pub struct BenchArgs {
     /// ratios against their goals) as an SVG file here.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<std::path::PathBuf>,
+}
+
+/// `--seconds`: a number above 0 and at most an hour (it becomes a
+/// `Duration`, which holds neither infinity nor NaN).
+fn phase_seconds(text: &str) -> Result<f64, String> {
+    let seconds: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    if seconds.is_finite() && seconds > 0.0 && seconds <= 3600.0 {
+        Ok(seconds)
+    } else {
+        Err("a number of seconds above 0 and at most 3600".into())
+    }
 }
 
 impl BenchArgs {
@@ -103,7 +115,14 @@ pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result
     let mut report = report?;
     report.name = name.get_name().to_string();
     if let Some(path) = &args.plot {
-        crate::plot::write(&report, path)?;
+        // A write can still fail after the check above (a full disk, a
+        // file that takes no data): the report is printed all the same,
+        // its verdict saying the plot is missing.
+        if let Err(e) = crate::plot::write(&report, path) {
+            report
+                .verdict
+                .check(false, format!("the plot was not written: {e:#}"));
+        }
     }
     Ok(report)
 }
