@@ -157,8 +157,8 @@ use sqlx::PgPool;
 pub use crate::json::MAX_JSON_NESTING;
 pub use append::{ALL_NAMESPACE, AppendKeys, PendingAppend, TAG_NAMESPACE, TYPE_NAMESPACE};
 pub use model::{
-    AppendCondition, Appended, Decision, Event, MAX_NAME_BYTES, Query, QueryItem, ReadOptions,
-    StoredEvent,
+    AppendCondition, Appended, Decision, Event, MAX_NAME_BYTES, MAX_QUERY_ITEMS, Query, QueryItem,
+    ReadOptions, StoredEvent,
 };
 pub use subscription::{PollCounters, Subscription, SubscriptionConfig};
 #[doc(hidden)]

@@ -790,6 +790,57 @@ fn spawn_writers(
         .collect()
 }
 
+/// A query is sent as one statement's parameters by a read and a
+/// subscription, and PostgreSQL takes at most 65,535: past
+/// `MAX_QUERY_ITEMS` a query is refused by every call that takes it, where
+/// one of 70,000 items used to be accepted and then fail every read and
+/// every poll. At the limit, decide, read and a subscription answer.
+#[tokio::test]
+async fn a_query_past_the_most_items_is_refused_and_one_at_it_answers() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    s.append(&[Event::new("Booked").tag("t/7")], None)
+        .await
+        .unwrap();
+    let items = |n: usize| (0..n).map(|i| QueryItem::new().tags([format!("t/{i}")]));
+    let query = |n: usize| Query::Items(items(n).collect());
+    let too_many = query(pgonce::events::MAX_QUERY_ITEMS + 1);
+    assert!(matches!(
+        Query::items(items(pgonce::events::MAX_QUERY_ITEMS + 1)),
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        s.decide(&too_many).await,
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        s.read(&too_many, ReadOptions::default()).await,
+        Err(Error::Invalid { .. })
+    ));
+    let config = SubscriptionConfig {
+        query: too_many,
+        ..Default::default()
+    };
+    assert!(matches!(
+        s.subscribe(config).await,
+        Err(Error::Invalid { .. })
+    ));
+    let most = query(pgonce::events::MAX_QUERY_ITEMS);
+    assert_eq!(s.decide(&most).await.unwrap().events.len(), 1);
+    assert_eq!(
+        s.read(&most, ReadOptions::default()).await.unwrap().len(),
+        1
+    );
+    let mut sub = s
+        .subscribe(SubscriptionConfig {
+            query: most,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(sub.run_once().await.unwrap().0.len(), 1);
+}
+
 /// Catch-up under concurrent writers that commit out of order (and roll
 /// some back): the subscription delivers every committed event exactly
 /// once, in increasing position order.

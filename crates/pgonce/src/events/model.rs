@@ -95,6 +95,13 @@ impl Event {
 /// how well it compressed. 2,048 fits whatever the bytes are.
 pub const MAX_NAME_BYTES: usize = 2048;
 
+/// The most items a [`Query`] holds. A read and a subscription send each
+/// item's tags and types as parameters of one statement, and PostgreSQL's
+/// protocol takes at most 65,535 parameters: a query of 70,000 items was
+/// accepted, then failed every read and every poll of its subscription.
+/// Two parameters per item at most, so 10,000 items leave room.
+pub const MAX_QUERY_ITEMS: usize = 10_000;
+
 /// An event as stored, with its position in the global log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredEvent {
@@ -205,6 +212,15 @@ impl Query {
             return Err(invalid(
                 "query",
                 "a query needs at least one item; use Query::all() to match every event",
+            ));
+        }
+        if items.len() > MAX_QUERY_ITEMS {
+            return Err(invalid(
+                "query",
+                &format!(
+                    "a query holds at most {MAX_QUERY_ITEMS} items, got {}",
+                    items.len()
+                ),
             ));
         }
         for item in items {

@@ -27,8 +27,14 @@
 //! id is the bound that does.) An id is taken only when a new gap is seen.
 //!
 //! The events delivered are the query's matching events in `(h_old, h_new]`,
-//! read in the same snapshot. A gap costs at most the duration of the
-//! appends in flight when it was seen. Rows inserted into `pgonce.events` by
+//! read in the same snapshot. A gap holds the subscription until every
+//! transaction that had a transaction id when the gap was seen has ended:
+//! `xmin` is the whole server's, not only the appends'. So one session left
+//! idle in a transaction that has written anything (in any database of the
+//! server) holds every subscriber at its next hole (a rolled-back or
+//! retried append) until that transaction ends. Nothing is lost or
+//! reordered, only delayed; `idle_in_transaction_session_timeout` bounds
+//! it. Rows inserted into `pgonce.events` by
 //! anything other than [`crate::EventStore`] must follow the same rule (id
 //! before position).
 //!
