@@ -58,18 +58,21 @@ impl RunDatabase {
             .create_database(&format!("pgonce_{purpose}"))
             .await
             .with_context(|| format!("on {}", server.address()))?;
-        // From here on the database is ours to drop, whatever happens next.
-        let pool = match database.pool(max_connections).await {
-            Ok(pool) => pool,
-            Err(e) => {
-                let _ = database.drop_database().await;
-                return Err(e.into());
-            }
-        };
+        // From here on the database is ours to drop, whatever happens next:
+        // an error, or this future dropped by a signal while the pool
+        // connects (a scratch database was left behind so). Until the run
+        // owns it, the guard drops it.
+        let unclaimed = Unclaimed(Some(database));
+        let pool = unclaimed
+            .0
+            .as_ref()
+            .expect("held")
+            .pool(max_connections)
+            .await?;
         let db = RunDatabase {
             server: None,
             throwaway: server.is_throwaway(),
-            database: Some(database),
+            database: unclaimed.claim(),
             pool,
         };
         pgonce::migrate(&db.pool)
@@ -150,23 +153,47 @@ impl Drop for RunDatabase {
         if !self.outlives_server() {
             return;
         }
-        let Some(database) = self.database.take() else {
-            return;
-        };
-        let name = database.name().to_owned();
-        let dropped = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?
-                .block_on(database.drop_database())
-                .map_err(|e| e.to_string())
-        })
-        .join();
-        match dropped {
-            Ok(Ok(())) => tracing::info!(database = name, "scratch database dropped"),
-            Ok(Err(e)) => eprintln!("pgonce: could not drop scratch database {name}: {e}"),
-            Err(_) => eprintln!("pgonce: could not drop scratch database {name}"),
+        if let Some(database) = self.database.take() {
+            drop_blocking(database);
         }
+    }
+}
+
+/// A scratch database created and not yet owned by a [`RunDatabase`]:
+/// dropped with it unless claimed.
+struct Unclaimed(Option<ScratchDatabase>);
+
+impl Unclaimed {
+    fn claim(mut self) -> Option<ScratchDatabase> {
+        self.0.take()
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        if let Some(database) = self.0.take() {
+            drop_blocking(database);
+        }
+    }
+}
+
+/// Drops `database` from a `Drop`, which cannot await and may run on the
+/// runtime's own thread: a thread of its own with a runtime of its own does
+/// it.
+fn drop_blocking(database: ScratchDatabase) {
+    let name = database.name().to_owned();
+    let dropped = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?
+            .block_on(database.drop_database())
+            .map_err(|e| e.to_string())
+    })
+    .join();
+    match dropped {
+        Ok(Ok(())) => tracing::info!(database = name, "scratch database dropped"),
+        Ok(Err(e)) => eprintln!("pgonce: could not drop scratch database {name}: {e}"),
+        Err(_) => eprintln!("pgonce: could not drop scratch database {name}"),
     }
 }
