@@ -453,16 +453,27 @@ impl PgQueue {
         messages: impl Iterator<Item = &'a SendMessage> + Clone,
         content_ids: bool,
     ) -> Result<Vec<i64>> {
+        let ids: Vec<Cow<'_, str>> = messages
+            .clone()
+            .filter_map(|m| dedup_id(m, content_ids))
+            .collect();
+        self.lock_keys(
+            messages.filter_map(|m| m.group_id.as_deref()),
+            ids.iter().map(|id| id.as_ref()),
+        )
+    }
+
+    /// The lock keys of these groups and deduplication ids of this queue,
+    /// ascending, once each ([`PgQueue::send_lock_keys`]).
+    fn lock_keys<'a>(
+        &self,
+        groups: impl Iterator<Item = &'a str>,
+        dedup_ids: impl Iterator<Item = &'a str>,
+    ) -> Result<Vec<i64>> {
         let queue = self.inner.name.as_str();
-        let mut keys = group_lock_keys(
-            messages
-                .clone()
-                .filter_map(|m| m.group_id.as_deref())
-                .map(|g| (queue, g)),
-        )?;
-        let ids = messages.filter_map(|m| dedup_id(m, content_ids));
-        for dedup_id in ids {
-            keys.push(LockKey::new(&format!("pgonce.queue.dedup/{queue}"), &dedup_id)?.as_i64());
+        let mut keys = group_lock_keys(groups.map(|g| (queue, g)))?;
+        for dedup_id in dedup_ids {
+            keys.push(LockKey::new(&format!("pgonce.queue.dedup/{queue}"), dedup_id)?.as_i64());
         }
         keys.sort_unstable();
         keys.dedup();
@@ -553,8 +564,12 @@ impl PgQueue {
         // (the next attempt sends under the queue's).
         for _ in 0..3 {
             let content_based = self.content_based();
+            // The body's digest is taken once, for the id and its lock.
             let dedup_id = dedup_id(&message, content_based);
-            let locks = self.send_lock_keys(std::iter::once(&message), content_based)?;
+            let locks = self.lock_keys(
+                message.group_id.as_deref().into_iter(),
+                dedup_id.as_deref().into_iter(),
+            )?;
             let by_content = message.dedup_id.is_none().then_some(content_based);
             let row: Option<SentRow> = sqlx::query_as(include_str!("sql/send.sql"))
                 .bind(&self.inner.name)
