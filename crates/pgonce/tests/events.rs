@@ -1505,10 +1505,12 @@ async fn a_lower_unconditional_write_committing_late_never_breaks_a_condition() 
 // ------------------------------------------------- randomized mixed writers
 
 fn mixed_plan(rng: &mut impl Rng, strategy: AppendStrategy) -> MixedTx {
-    let kind = match rng.random_range(0..8) {
+    let kind = match rng.random_range(0..10) {
         0..=2 => MixedKind::ConditionSame,
         3 => MixedKind::ConditionOther,
-        4 | 5 => MixedKind::Unconditional,
+        4 => MixedKind::ConditionType,
+        5 => MixedKind::ConditionSameAppend,
+        6 | 7 => MixedKind::Unconditional,
         _ => MixedKind::AppendIn(match (strategy, rng.random_range(0..4)) {
             (AppendStrategy::Serializable, 0) => IsolationLevel::ReadCommitted,
             (AppendStrategy::Serializable, _) | (_, 0) => IsolationLevel::Serializable,
@@ -1521,16 +1523,17 @@ fn mixed_plan(rng: &mut impl Rng, strategy: AppendStrategy) -> MixedTx {
 
 /// Randomized mixed writers, each strategy: rounds of three or four
 /// transactions (conditional on the query under test, conditional on
-/// another tag with a matching event, unconditional, `append_in` in a
-/// caller's transaction at a random accepted isolation level, some rolled
-/// back), interleaved step by step in a random order. The oracle above
-/// holds after every round.
+/// another tag with a matching event, conditional on the round's type,
+/// conditional through the one-call append, unconditional, `append_in` in
+/// a caller's transaction at a random accepted isolation level, some
+/// rolled back), interleaved step by step in a random order. The oracle
+/// above holds after every round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn randomized_mixed_writers_never_break_a_condition() {
     // The strategies run at once, each on its own database.
     let runs: Vec<_> = AppendStrategy::ALL
         .into_iter()
-        .map(|strategy| tokio::spawn(mixed_rounds(strategy)))
+        .map(|strategy| tokio::spawn(mixed_rounds(strategy, mixed_plan, MIXED_ROUNDS)))
         .collect();
     for run in runs {
         let (strategy, violations, committed, refused) = run.await.unwrap();
@@ -1546,15 +1549,68 @@ async fn randomized_mixed_writers_never_break_a_condition() {
 
 const MIXED_ROUNDS: usize = 2000;
 
+/// A writer of a round whose writers use different strategies on one
+/// database: conditions checked under a lock strategy (either one), the
+/// other writers under any of the three, `append_in` at an isolation level
+/// its strategy accepts.
+fn mixed_strategies_plan(rng: &mut impl Rng, _: AppendStrategy) -> MixedTx {
+    let locking =
+        [AppendStrategy::TableLock, AppendStrategy::AdvisoryLocks][rng.random_range(0..2)];
+    let any = AppendStrategy::ALL[rng.random_range(0..3)];
+    let (kind, strategy) = match rng.random_range(0..10) {
+        0 | 1 => (MixedKind::ConditionSame, locking),
+        2 => (MixedKind::ConditionSameAppend, locking),
+        3 => (MixedKind::ConditionType, locking),
+        4 => (MixedKind::ConditionOther, locking),
+        5 | 6 => (MixedKind::Unconditional, any),
+        _ => {
+            let level = match (any, rng.random_range(0..3)) {
+                (AppendStrategy::Serializable, _) | (_, 0) => IsolationLevel::Serializable,
+                (_, 1) => IsolationLevel::RepeatableRead,
+                _ => IsolationLevel::ReadCommitted,
+            };
+            (MixedKind::AppendIn(level), any)
+        }
+    };
+    let mut tx = MixedTx::new(kind, rng.random_bool(0.15));
+    tx.strategy = Some(strategy);
+    tx
+}
+
+/// Writers of different strategies on one database, as the module docs
+/// allow ("Mixing strategies"): a condition checked under `TableLock` or
+/// `AdvisoryLocks` holds against writers of every strategy (SERIALIZABLE
+/// ones included, which wait for nobody), whatever the interleaving. The
+/// rounds of the test above, each writer with its own strategy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_writers_of_every_strategy_never_break_a_locked_condition() {
+    let (_, violations, committed, refused) = mixed_rounds(
+        AppendStrategy::AdvisoryLocks,
+        mixed_strategies_plan,
+        MIXED_ROUNDS / 2,
+    )
+    .await;
+    assert!(
+        violations.is_empty(),
+        "{} violations, first: {:?}",
+        violations.len(),
+        violations.first()
+    );
+    assert!(committed > MIXED_ROUNDS / 2 && refused > 0);
+}
+
 /// A violation found by [`mixed_rounds`]: the group's seed, the round, the
 /// (append, event) positions, and the round's transactions.
 type MixedViolation = (u64, usize, (i64, i64), Vec<MixedTx>);
 
-/// [`MIXED_ROUNDS`] rounds of `strategy` on a fresh database, in groups of
-/// sessions running side by side (different tags). Returns the violations
-/// and how many appends committed and were refused.
+/// `rounds` rounds of writers planned by `plan` (`strategy` for those it
+/// gives none) on a fresh database, in groups of sessions running side by
+/// side (different tags). Returns the violations and how many appends
+/// committed and were refused.
 async fn mixed_rounds(
     strategy: AppendStrategy,
+    plan: fn(&mut rand::rngs::StdRng, AppendStrategy) -> MixedTx,
+    rounds: usize,
 ) -> (AppendStrategy, Vec<MixedViolation>, usize, usize) {
     const GROUPS: usize = 4;
     let (db, pool) = db().await;
@@ -1574,9 +1630,9 @@ async fn mixed_rounds(
         groups.push(tokio::spawn(async move {
             let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
             let (mut violations, mut committed, mut refused) = (Vec::new(), 0, 0);
-            for r in (g..MIXED_ROUNDS).step_by(GROUPS) {
+            for r in (g..rounds).step_by(GROUPS) {
                 let n = rng.random_range(3..=4);
-                let plans = (0..n).map(|_| mixed_plan(&mut rng, strategy)).collect();
+                let plans = (0..n).map(|_| plan(&mut rng, strategy)).collect();
                 let mut choose = |n| rng.random_range(0..n);
                 let txs = mixed_round(&race, &sessions, strategy, r, plans, &mut choose).await;
                 let log = store(&pool, strategy)
@@ -1600,7 +1656,7 @@ async fn mixed_rounds(
         refused += r;
     }
     println!(
-        "{strategy:?}: {MIXED_ROUNDS} rounds in {:?}, {committed} appends committed, \
+        "{strategy:?}: {rounds} rounds in {:?}, {committed} appends committed, \
          {refused} refused, {} violations",
         started.elapsed(),
         violations.len()

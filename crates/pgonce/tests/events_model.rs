@@ -4,7 +4,9 @@
 //! A round is two to four writers' transactions on one tag (conditional
 //! appends on the query under test, conditional appends on another tag
 //! whose event also carries the tested tag, conditional appends on events
-//! carrying both tags, unconditional appends,
+//! carrying both tags, conditional appends on the round's event type,
+//! conditional appends through the one-call `EventStore::append`,
+//! unconditional appends,
 //! `append_in` in a caller's transaction begun at READ COMMITTED,
 //! REPEATABLE READ or SERIALIZABLE, some ending in ROLLBACK) under one of
 //! the three append strategies. Their steps (decide; append; commit or
@@ -65,6 +67,8 @@ fn writer() -> impl Strategy<Value = MixedTx> {
         3 => Just(MixedKind::ConditionSame),
         1 => Just(MixedKind::ConditionOther),
         1 => Just(MixedKind::ConditionBoth),
+        1 => Just(MixedKind::ConditionType),
+        1 => Just(MixedKind::ConditionSameAppend),
         2 => Just(MixedKind::Unconditional),
         2 => prop_oneof![Just(READ_COMMITTED), Just(REPEATABLE_READ), Just(SERIALIZABLE)]
             .prop_map(MixedKind::AppendIn),

@@ -1,7 +1,9 @@
 //! Mixed writers of the event store, driven step by step: the
-//! transactions of a round (conditional appends on the query under test or
-//! on other tags, unconditional appends, `append_in` in a caller's
-//! transaction, rollbacks), an interleaving of their steps that waits until
+//! transactions of a round (conditional appends on the query under test, on
+//! other tags or on the round's type, by `begin_append` or by the one-call
+//! `append`, unconditional appends, `append_in` in a caller's transaction,
+//! rollbacks; each writer under the round's strategy or its own), an
+//! interleaving of their steps that waits until
 //! a step is seen blocked (pg_locks) before others go on, and the oracle
 //! that judges a round. Used by the randomized rounds of tests/events.rs
 //! and by the model of tests/events_model.rs.
@@ -23,6 +25,13 @@ pub fn tag_query(tag: &str) -> Query {
 /// An event carrying `tag`.
 pub fn course(tag: &str) -> Event {
     Event::new("CourseDefined").tag(tag)
+}
+
+/// The type of the events a mixed round on tag `x` appends: its own, so
+/// that a type-only condition matches the round's events and no other
+/// round's.
+pub fn round_type(x: &str) -> String {
+    format!("{x}:type")
 }
 
 /// Why an append in a race did not commit, as a race table shows it.
@@ -60,6 +69,13 @@ pub enum MixedKind {
     /// Decides on events carrying both `x` and `y`, appends one under "none
     /// after": a condition whose tags overlap both others'.
     ConditionBoth,
+    /// Decides on the round's type (a type-only item), appends an `x`
+    /// event under "none of that type after": every writer's event matches.
+    ConditionType,
+    /// `ConditionSame` through [`EventStore::append`]: the check, the
+    /// insert and the commit in one call (one statement under the lock
+    /// strategies), so its append step also ends it; never rolled back.
+    ConditionSameAppend,
     /// `begin_append` of an `x` event without a condition.
     Unconditional,
     /// `append_in` of an `x` event in the caller's transaction, begun at
@@ -71,6 +87,8 @@ pub enum MixedKind {
 #[derive(Debug, Clone)]
 pub struct MixedTx {
     pub kind: MixedKind,
+    /// The strategy of this writer's store; `None`: the round's.
+    pub strategy: Option<AppendStrategy>,
     /// Ends with ROLLBACK instead of COMMIT.
     pub rollback: bool,
     /// The condition's tag and `after`, for conditional kinds.
@@ -83,17 +101,27 @@ pub struct MixedTx {
 }
 
 impl MixedTx {
-    /// A transaction of `kind` not yet run.
+    /// A transaction of `kind` not yet run (a `ConditionSameAppend` is
+    /// never rolled back).
     pub fn new(kind: MixedKind, rollback: bool) -> MixedTx {
         MixedTx {
             kind,
-            rollback,
+            strategy: None,
+            rollback: rollback && kind != MixedKind::ConditionSameAppend,
             condition: None,
             positions: Vec::new(),
             committed: false,
             refused: None,
             matching: Vec::new(),
         }
+    }
+
+    /// Records why its append failed (and what a failed condition named).
+    fn refuse(&mut self, e: &Error) {
+        if let Error::AppendConditionFailed { matching, .. } = e {
+            self.matching = matching.clone();
+        }
+        self.refused = Some(Refused::from(e));
     }
 }
 
@@ -112,12 +140,15 @@ pub async fn mixed_tx(
         Caller(sqlx::Transaction<'static, sqlx::Postgres>),
     }
     let query = match plan.kind {
-        MixedKind::ConditionSame => Some(tag_query(&x)),
+        MixedKind::ConditionSame | MixedKind::ConditionSameAppend => Some(tag_query(&x)),
         MixedKind::ConditionOther => Some(tag_query(&y)),
         MixedKind::ConditionBoth => Some(Query::item(Vec::<String>::new(), [&x, &y]).unwrap()),
+        MixedKind::ConditionType => {
+            Some(Query::item([round_type(&x)], Vec::<String>::new()).unwrap())
+        }
         _ => None,
     };
-    let mut event = course(&x);
+    let mut event = Event::new(round_type(&x)).tag(&x);
     if matches!(
         plan.kind,
         MixedKind::ConditionOther | MixedKind::ConditionBoth
@@ -133,6 +164,17 @@ pub async fn mixed_tx(
         done.send((index, false)).unwrap();
     }
     go.recv().await.unwrap();
+    if plan.kind == MixedKind::ConditionSameAppend {
+        match store.append(&[event], condition.as_ref()).await {
+            Ok(appended) => {
+                plan.positions = appended.positions;
+                plan.committed = true;
+            }
+            Err(e) => plan.refuse(&e),
+        }
+        done.send((index, true)).unwrap();
+        return plan;
+    }
     let held = match plan.kind {
         MixedKind::AppendIn(level) => {
             let mut tx = pgonce::begin(store.pool(), level).await.unwrap();
@@ -155,10 +197,7 @@ pub async fn mixed_tx(
     let held = match held {
         Ok(h) => h,
         Err(e) => {
-            if let Error::AppendConditionFailed { matching, .. } = &e {
-                plan.matching = matching.clone();
-            }
-            plan.refused = Some(Refused::from(&e));
+            plan.refuse(&e);
             done.send((index, true)).unwrap();
             return plan;
         }
@@ -197,11 +236,19 @@ pub async fn mixed_round(
     let mut go = Vec::new();
     let mut tasks = Vec::new();
     // Steps left per transaction; its last one (COMMIT or ROLLBACK) waits on
-    // no lock another transaction of the round holds.
+    // no lock another transaction of the round holds, except a
+    // `ConditionSameAppend`'s, whose append is its last step.
+    let last_may_wait: Vec<bool> = plans
+        .iter()
+        .map(|p| p.kind == MixedKind::ConditionSameAppend)
+        .collect();
     let mut left: Vec<usize> = plans
         .iter()
         .map(|p| match p.kind {
-            MixedKind::ConditionSame | MixedKind::ConditionOther | MixedKind::ConditionBoth => 3,
+            MixedKind::ConditionSame
+            | MixedKind::ConditionOther
+            | MixedKind::ConditionBoth
+            | MixedKind::ConditionType => 3,
             _ => 2,
         })
         .collect();
@@ -213,7 +260,7 @@ pub async fn mixed_round(
             EventStore::new(
                 sessions[i].pool().clone(),
                 EventStoreConfig {
-                    strategy,
+                    strategy: plan.strategy.unwrap_or(strategy),
                     notify: false,
                     ..Default::default()
                 },
@@ -247,7 +294,7 @@ pub async fn mixed_round(
         left[i] -= 1;
         go[i].send(()).unwrap();
         while running[i] == Some(true) {
-            if left[i] == 0 {
+            if left[i] == 0 && !last_may_wait[i] {
                 let m = done.recv().await.unwrap();
                 record(&mut running, m);
                 continue;
