@@ -102,6 +102,20 @@
 //! switching every writer, or moving to a locking strategy first (safe
 //! against writers of both kinds while they are mixed).
 //!
+//! Rows written into `pgonce.events` other than through an [`EventStore`]
+//! (a plain `INSERT`) are outside every argument above: such a writer
+//! holds no publishing key, so a condition checked under `AdvisoryLocks`
+//! while it is in flight neither waits for it nor sees it, and commits
+//! above its row; under `Serializable` it reads no conditional append, so
+//! SERIALIZABLE finds no cycle. (`TableLock` alone still waits for it, on
+//! its INSERT's ROW EXCLUSIVE lock.) A writer that has to use SQL does
+//! what an append does, in its order: the shared keys of its events' tags
+//! and types and the "all" key, ascending ([`crate::lock::DERIVE_KEY_SQL`]
+//! computes them), its transaction id, then the insert through
+//! `pgonce.events_insert(events, channel, false, read_later)`, with
+//! `read_later` true, in a SERIALIZABLE transaction, where conditions are
+//! checked under `Serializable`.
+//!
 //! # Round trips
 //!
 //! Under the lock strategies, a conditional append and a decision read are
