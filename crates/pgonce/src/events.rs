@@ -169,7 +169,9 @@ mod subscription;
 use sqlx::PgPool;
 
 pub use crate::json::MAX_JSON_NESTING;
-pub use append::{ALL_NAMESPACE, AppendKeys, PendingAppend, TAG_NAMESPACE, TYPE_NAMESPACE};
+pub use append::{
+    ALL_NAMESPACE, AppendKeys, MAX_LOCK_KEYS, PendingAppend, TAG_NAMESPACE, TYPE_NAMESPACE,
+};
 pub use model::{
     AppendCondition, Appended, Decision, Event, MAX_NAME_BYTES, MAX_QUERY_ITEMS, Query, QueryItem,
     ReadOptions, StoredEvent,

@@ -794,15 +794,22 @@ fn spawn_writers(
 /// subscription, and PostgreSQL takes at most 65,535: past
 /// `MAX_QUERY_ITEMS` a query is refused by every call that takes it, where
 /// one of 70,000 items used to be accepted and then fail every read and
-/// every poll. At the limit, decide, read and a subscription answer.
+/// every poll. At the limit, decide, read and a subscription answer (the
+/// items share their tag, so the decision stays within `MAX_LOCK_KEYS`).
 #[tokio::test]
 async fn a_query_past_the_most_items_is_refused_and_one_at_it_answers() {
     let (_db, pool) = db().await;
     let s = store(&pool, AppendStrategy::AdvisoryLocks);
-    s.append(&[Event::new("Booked").tag("t/7")], None)
+    s.append(&[Event::new("Type7").tag("t/7")], None)
         .await
         .unwrap();
-    let items = |n: usize| (0..n).map(|i| QueryItem::new().tags([format!("t/{i}")]));
+    let items = |n: usize| {
+        (0..n).map(|i| {
+            QueryItem::new()
+                .types([format!("Type{i}")])
+                .tags(["t/7".to_string()])
+        })
+    };
     let query = |n: usize| Query::Items(items(n).collect());
     let too_many = query(pgonce::events::MAX_QUERY_ITEMS + 1);
     assert!(matches!(
@@ -839,6 +846,88 @@ async fn a_query_past_the_most_items_is_refused_and_one_at_it_answers() {
         .await
         .unwrap();
     assert_eq!(sub.run_once().await.unwrap().0.len(), 1);
+}
+
+/// Every distinct tag and type an append publishes or a condition checks
+/// is an advisory key, an entry in PostgreSQL's shared lock table: past
+/// `MAX_LOCK_KEYS` an append, a decision, a conditional append whose
+/// events and condition together pass it, and an append in the caller's
+/// transaction are refused before any key is taken, with nothing written,
+/// where a batch of 100,000 keys used to fail with "out of shared memory"
+/// and starve other sessions' locks while it filled the table. At the
+/// limit each of them runs.
+#[tokio::test]
+async fn more_lock_keys_than_the_most_are_refused_and_nothing_is_written() {
+    use pgonce::events::MAX_LOCK_KEYS;
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    // An event publishes its tags, its type and the "all" key.
+    let tagged = |from: usize, n: usize| {
+        (from..from + n).fold(Event::new("Wide"), |e, i| e.tag(format!("k/{i}")))
+    };
+    let one_tag_items =
+        |n: usize| Query::items((0..n).map(|i| QueryItem::new().tags([format!("c/{i}")]))).unwrap();
+    let refused = |r: pgonce::Result<_>| match r {
+        Err(Error::Invalid { why, .. }) => assert!(why.contains("lock keys"), "{why}"),
+        other => panic!("expected the lock-key limit, got {other:?}"),
+    };
+
+    refused(
+        s.append(&[tagged(0, MAX_LOCK_KEYS - 1)], None)
+            .await
+            .map(|_| ()),
+    );
+    refused(
+        s.begin_append(&[tagged(0, MAX_LOCK_KEYS - 1)], None)
+            .await
+            .map(|_| ()),
+    );
+    refused(
+        s.decide(&one_tag_items(MAX_LOCK_KEYS + 1))
+            .await
+            .map(|_| ()),
+    );
+    let mut tx = pool.begin().await.unwrap();
+    refused(
+        s.append_in(&mut tx, &[tagged(0, MAX_LOCK_KEYS - 1)])
+            .await
+            .map(|_| ()),
+    );
+    drop(tx);
+    // Each part within the limit, together past it.
+    let half = MAX_LOCK_KEYS / 2 + 1;
+    let condition = AppendCondition {
+        fail_if_events_match: one_tag_items(half),
+        after: None,
+    };
+    refused(
+        s.append(&[tagged(0, half)], Some(&condition))
+            .await
+            .map(|_| ()),
+    );
+    assert_eq!(s.head().await.unwrap(), None, "nothing was written");
+
+    // At the limit: the event's tags, its type and the "all" key.
+    let widest = tagged(0, MAX_LOCK_KEYS - 2);
+    let at = s.append(std::slice::from_ref(&widest), None).await.unwrap();
+    let decision = s.decide(&one_tag_items(MAX_LOCK_KEYS)).await.unwrap();
+    assert!(decision.events.is_empty());
+    let back = s
+        .read(
+            &Query::items([QueryItem::new().tags(["k/0".to_string()])]).unwrap(),
+            ReadOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(back.len(), 1);
+    assert_eq!(back[0].position, at.positions[0]);
+    assert_eq!(back[0].event, widest);
+    // The table lock takes no condition keys: the same append goes through.
+    let table = store(&pool, AppendStrategy::TableLock);
+    table
+        .append(&[tagged(MAX_LOCK_KEYS, half)], Some(&condition))
+        .await
+        .unwrap();
 }
 
 /// Catch-up under concurrent writers that commit out of order (and roll

@@ -22,8 +22,21 @@ pub const TYPE_NAMESPACE: &str = "pgonce.events.type";
 /// every append and taken exclusive by a [`Query::All`] condition.
 pub const ALL_NAMESPACE: &str = "pgonce.events.all";
 
+/// The most advisory keys one append or decision takes (distinct tags and
+/// types, and the "all" key). Each is an entry in PostgreSQL's shared lock
+/// table, which is sized for `max_locks_per_transaction` (64 by default)
+/// per connection: 6,400 entries on a default server of 100 connections.
+/// A query of 10,000 tagged items, or a batch of as many events with a tag
+/// each, passed every other check and then failed with "out of shared
+/// memory" once the table ran out, and while it was filling other
+/// sessions' locks failed too. A larger batch is split into several
+/// appends; a condition this wide is better checked under
+/// [`AppendStrategy::TableLock`] after a decision read of its own.
+pub const MAX_LOCK_KEYS: usize = 1_000;
+
 /// The keys an append takes, each shared (publishing an event) or exclusive
 /// (checking a condition). A key wanted in both modes is taken exclusive.
+/// A set built from events or a query holds at most [`MAX_LOCK_KEYS`].
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct AppendKeys(BTreeMap<LockKey, bool>);
 
@@ -43,6 +56,7 @@ impl AppendKeys {
         if !events.is_empty() {
             keys.add(LockKey::new(ALL_NAMESPACE, "")?, false);
         }
+        keys.check_limit("append")?;
         Ok(keys)
     }
 
@@ -69,7 +83,25 @@ impl AppendKeys {
                 }
             }
         }
+        keys.check_limit("query")?;
         Ok(keys)
+    }
+
+    /// [`Error::Invalid`] naming `what` if the set holds more than
+    /// [`MAX_LOCK_KEYS`] keys, checked before any of them is taken.
+    fn check_limit(&self, what: &'static str) -> Result<()> {
+        if self.len() > MAX_LOCK_KEYS {
+            return Err(Error::Invalid {
+                what,
+                why: format!(
+                    "an append or decision takes at most {MAX_LOCK_KEYS} lock keys (distinct \
+                     tags and types), this one {}: split the events into several appends, \
+                     or narrow the condition",
+                    self.len()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The union of both sets; a key in both is exclusive if either wants it
@@ -133,6 +165,8 @@ impl AppendKeys {
     }
 
     async fn take_with(&self, tx: &mut Transaction<'_, Postgres>, sql: &'static str) -> Result<()> {
+        // A merged set can pass the limit where each part stays within it.
+        self.check_limit("append")?;
         let (keys, modes) = self.arrays();
         sqlx::query(sql)
             .bind(keys)
@@ -283,6 +317,7 @@ fn validated_keys(
         && let Some(c) = condition
     {
         keys = keys.merge(AppendKeys::condition(&c.fail_if_events_match)?);
+        keys.check_limit("append")?;
     }
     Ok(keys)
 }
