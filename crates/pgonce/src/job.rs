@@ -612,7 +612,10 @@ pub enum FailOutcome {
 /// Records a failed attempt under `lease`: the error goes to `last_error`,
 /// `attempts` is incremented in SQL, and the job is scheduled for a retry by
 /// `policy` or, past `max_attempts`, marked dead. [`Error::LeaseLost`] if the
-/// lease is no longer current (nothing written).
+/// lease is no longer current (nothing written). The backoff runs from the
+/// start of this call's statement, not of its transaction: a failure
+/// recorded in a transaction open for a while waits its whole backoff all
+/// the same.
 pub async fn fail<'c>(
     db: impl PgExecutor<'c>,
     lease: &Lease,

@@ -757,6 +757,45 @@ async fn a_lease_taken_late_in_a_long_transaction_runs_from_the_statement() {
     }
 }
 
+/// A retry's backoff runs from the statement that records the failure,
+/// not from the start of its transaction: a failure recorded in a
+/// transaction that has been open for a second, with a backoff of exactly
+/// one second, is due a second after it ran. (It was due a second after
+/// the transaction began, so a failure recorded later than its backoff in
+/// a long transaction was due at once, and the redriver ran it again
+/// without waiting.)
+#[tokio::test]
+async fn a_retry_recorded_late_in_a_long_transaction_waits_its_whole_backoff() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 3).await;
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    let one_second = RetryPolicy {
+        base: Duration::from_secs(1),
+        max: Duration::from_secs(1),
+        jitter: 0.0,
+    };
+    let mut tx = pool.begin().await.unwrap();
+    // Time passing inside the transaction is what this is about.
+    sqlx::query("SELECT pg_sleep(1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let outcome = job::fail(&mut *tx, &lease, "boom", &one_second)
+        .await
+        .unwrap();
+    let begun: time::OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let FailOutcome::Retry { run_at, .. } = outcome else {
+        panic!("{outcome:?}");
+    };
+    let not_before = begun + time::Duration::seconds(2);
+    assert!(run_at >= not_before, "{run_at} < {not_before}");
+    assert_eq!(job::get(&pool, id).await.unwrap().unwrap().run_at, run_at);
+}
+
 /// `transition` stores its result as `complete` does, so it refuses what
 /// could not be read back: nested past `MAX_JSON_NESTING` (every later read
 /// of the job would fail), or a NUL. The job stays where it was.

@@ -836,6 +836,55 @@ async fn a_dedup_window_runs_from_the_send_in_a_long_transaction() {
     assert_eq!(q.stats().await.unwrap().depth, 1);
 }
 
+/// A delay runs from the send, not from the start of the transaction it
+/// is sent in: messages sent with a delay of one second, by `send_in` and
+/// by `send_batch_in` (with and without a deduplication id, the two ways a
+/// batch is sent), in a transaction that has been open for a second,
+/// become visible a second after they were sent. (They were visible a
+/// second after the transaction began: a delay shorter than the
+/// transaction's age was no delay at all.)
+#[tokio::test]
+async fn a_delay_runs_from_the_send_in_a_long_transaction() {
+    let pool = pool().await;
+    let q = queue(&pool, "delayed", QueueAttributes::default()).await;
+    let one_second = Duration::from_secs(1);
+    let mut tx = pool.begin().await.unwrap();
+    // Time passing inside the transaction is what this is about.
+    sqlx::query("SELECT pg_sleep(1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let mut sent = vec![
+        q.send_in(&mut tx, SendMessage::new("one").delay(one_second))
+            .await
+            .unwrap(),
+    ];
+    for batch in [
+        vec![SendMessage::new("plain").delay(one_second)],
+        vec![SendMessage::new("with id").dedup("d").delay(one_second)],
+    ] {
+        sent.extend(q.send_batch_in(&mut tx, batch).await.unwrap());
+    }
+    let begun: time::OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let not_before = begun + time::Duration::seconds(2);
+    for s in &sent {
+        let visible_at: time::OffsetDateTime =
+            sqlx::query_scalar("SELECT visible_at FROM pgonce.queue_message WHERE id = $1")
+                .bind(s.id.parse::<i64>().unwrap())
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert!(
+            visible_at >= not_before,
+            "{s:?}: {visible_at} < {not_before}"
+        );
+    }
+}
+
 /// A receive whose follow-up statement fails, step by step: s.fifo holds
 /// a (due, its dead-letter group held), then, with `deliverable`, b, then
 /// c (due). A holds t.fifo/g and t.fifo's queue row, so the move of c, in

@@ -383,7 +383,9 @@ impl PgQueue {
     }
 
     /// Sends one message inside the caller's transaction: it is enqueued,
-    /// and receivers are woken, only if `tx` commits.
+    /// and receivers are woken, only if `tx` commits. Its delay and its
+    /// deduplication window run from this send, not from the start of
+    /// `tx`.
     ///
     /// On a FIFO queue the message's group stays locked until `tx` ends:
     /// other sends to that group wait, so the group's order is its commit
@@ -402,7 +404,9 @@ impl PgQueue {
         self.send_on(tx, message, Wake::InTransaction).await
     }
 
-    /// Sends several messages inside the caller's transaction.
+    /// Sends several messages inside the caller's transaction, their
+    /// delays and deduplication windows running from this send (as
+    /// [`PgQueue::send_in`]'s).
     pub async fn send_batch_in(
         &self,
         tx: &mut Transaction<'_, Postgres>,

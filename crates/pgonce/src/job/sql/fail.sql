@@ -1,6 +1,9 @@
 -- A failed attempt, fenced by the lease: attempts is incremented here, in
 -- SQL; past max_attempts the job is dead, otherwise it waits in `failed`
--- until run_at = now() + min(max, base * 2^(attempts-1)) * (1 + jitter * random()).
+-- until run_at = now + min(max, base * 2^(attempts-1)) * (1 + jitter * random()),
+-- now being this statement's start, not its transaction's: a failure
+-- recorded late in a caller's long transaction waits its whole backoff
+-- (from the transaction's start it could be due already).
 -- $3 error, $4 base seconds, $5 max seconds, $6 jitter fraction.
 -- The exponent stops at 60: float8 overflows near 2^1024 (after ~1,000
 -- attempts, which max_attempts allows), and 2^60 x any base is past any max.
@@ -9,7 +12,7 @@ SET attempts = attempts + 1,
     status = CASE WHEN attempts + 1 >= max_attempts THEN 'dead' ELSE 'failed' END,
     last_error = $3,
     run_at = CASE WHEN attempts + 1 >= max_attempts THEN run_at
-             ELSE now() + make_interval(secs =>
+             ELSE statement_timestamp() + make_interval(secs =>
                  least($5, $4 * power(2, least(attempts, 60))) * (1 + $6 * random()))
              END,
     finished_at = CASE WHEN attempts + 1 >= max_attempts THEN now() END,

@@ -12,9 +12,10 @@
 -- The dedup id's lock, likewise, is taken before its claim: a claim then
 -- never waits for another sender's uncommitted one, whose sender holds the
 -- lock.
--- The window runs from this statement, not from the start of its
--- transaction (a send_in late in a long transaction would otherwise claim
--- an id already expired).
+-- The window and the delay run from this statement, not from the start of
+-- its transaction (a send_in late in a long transaction would otherwise
+-- claim an id already expired, and a delay shorter than the transaction's
+-- age would be no delay).
 -- With a dedup id, the id is claimed in queue_dedup first; a live claim
 -- (within the window) makes this a duplicate: nothing is inserted and the
 -- original id is returned. No row at all: the queue does not exist, or a
@@ -39,7 +40,7 @@ WITH q AS (
     INSERT INTO pgonce.queue_message (id, queue, body, attributes, group_id, dedup_id, visible_at)
     SELECT coalesce((SELECT message_id FROM claim), nextval('pgonce.queue_message_id_seq')),
            q.name, $2, $3, $4, $5,
-           now() + coalesce($6, q.delay_ms) * interval '1 millisecond'
+           statement_timestamp() + coalesce($6, q.delay_ms) * interval '1 millisecond'
     FROM q
     WHERE $5::text IS NULL OR EXISTS (SELECT 1 FROM claim)
     RETURNING id

@@ -3,6 +3,8 @@
 -- $7 the lock keys of the batch's FIFO groups, ascending (see send.sql:
 -- taken before any id is drawn, held until the transaction ends; ascending,
 -- so two batches sharing groups cannot deadlock).
+-- The delay runs from this statement, not from the start of its
+-- transaction (send.sql).
 -- Ids are assigned in input order. Only to a queue that does not
 -- deduplicate by content (its messages would each need a dedup id, and go
 -- one by one): no row otherwise, and nothing sent.
@@ -14,7 +16,7 @@ WITH q AS (
 ), ins AS (
     INSERT INTO pgonce.queue_message (queue, body, attributes, group_id, visible_at)
     SELECT q.name, b.body, b.attributes, b.group_id,
-           now() + coalesce(b.delay_ms, q.delay_ms) * interval '1 millisecond'
+           statement_timestamp() + coalesce(b.delay_ms, q.delay_ms) * interval '1 millisecond'
     FROM q, unnest($2::text[], $3::jsonb[], $4::text[], $5::bigint[])
             WITH ORDINALITY AS b(body, attributes, group_id, delay_ms, ord)
     ORDER BY b.ord
