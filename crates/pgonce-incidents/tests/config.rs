@@ -241,11 +241,19 @@ fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
 #[test]
 fn what_cannot_work_is_refused_with_the_key_named() {
     with_url().validate().unwrap();
+    // As large a pool as PostgreSQL's own max_connections allows.
+    let mut largest = with_url();
+    largest.database.max_connections = 262_143;
+    largest.validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 20] = [
+    let cases: [(Bad, &str); 21] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
+            "database.max_connections",
+        ),
+        (
+            |c| c.database.max_connections = u32::MAX,
             "database.max_connections",
         ),
         (

@@ -422,8 +422,9 @@ pub struct ClaimedJob {
 /// A job whose payload cannot be read back (written around [`enqueue`],
 /// which refuses such a payload, and nested past
 /// [`crate::json::MAX_JSON_NESTING`]) is claimed but not returned: it is
-/// logged, counted in `pgonce_job_payload_unreadable_total`, and left to
-/// the [`Reaper`] like a job whose worker died, until it is dead. The rest
+/// logged, counted in `pgonce_job_payload_unreadable_total` (not in
+/// `pgonce_job_claimed_total`, which counts the jobs handed back), and left
+/// to the [`Reaper`] like a job whose worker died, until it is dead. The rest
 /// of the batch is returned: the claim has committed by the time the rows
 /// are read, so failing the whole call would leave every job of the batch
 /// claimed by nobody.
@@ -457,8 +458,7 @@ pub async fn claim_batch<'c>(
         .bind(secs)
         .fetch_all(db)
         .await?;
-    metrics::counter!("pgonce_job_claimed_total").increment(rows.len() as u64);
-    Ok(rows
+    let claimed: Vec<ClaimedJob> = rows
         .into_iter()
         .filter_map(|row| match serde_json::from_str(&row.payload) {
             Ok(payload) => Some(ClaimedJob {
@@ -477,7 +477,10 @@ pub async fn claim_batch<'c>(
                 None
             }
         })
-        .collect())
+        .collect();
+    // The jobs handed back, not the unreadable ones left to the reaper.
+    metrics::counter!("pgonce_job_claimed_total").increment(claimed.len() as u64);
+    Ok(claimed)
 }
 
 /// Phase 2: processing to completed with `result`, only while `lease` is

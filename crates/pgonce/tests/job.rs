@@ -5,7 +5,11 @@
 //! `AlreadyHandled`, the claim loser's `JobBusy`) is replayed step by step
 //! by `pgonce race jobs` and asserted on in `crates/pgonce-lab/tests/races.rs`.
 
+mod support;
+
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use pgonce::Error;
@@ -874,6 +878,41 @@ async fn an_unreadable_payload_does_not_hold_back_the_jobs_claimed_with_it() {
     for id in healthy {
         assert_eq!(status(&pool, id).await, JobStatus::Completed);
     }
+}
+
+/// `pgonce_job_claimed_total` counts the jobs a batch claim hands back,
+/// not a job whose payload cannot be read back: that one is counted in
+/// `pgonce_job_payload_unreadable_total` and left to the reaper. (It was
+/// counted in both.) The test runtime is single-threaded, so a
+/// thread-local recorder sees every increment.
+#[tokio::test(flavor = "current_thread")]
+async fn a_batch_counts_as_claimed_only_the_jobs_it_hands_back() {
+    let (_db, pool) = setup().await;
+    for _ in 0..2 {
+        new_job(&pool, 2).await;
+    }
+    let depth = pgonce::json::MAX_JSON_NESTING + 3;
+    sqlx::query("INSERT INTO pgonce.jobs (kind, payload) VALUES ('send', $1::jsonb)")
+        .bind(format!("{}1{}", "[".repeat(depth), "]".repeat(depth)))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let claimed = Arc::new(AtomicU64::new(0));
+    let unreadable = Arc::new(AtomicU64::new(0));
+    let recorder = support::OnCounter(|key: &metrics::Key| match key.name() {
+        "pgonce_job_claimed_total" => metrics::Counter::from_arc(Arc::clone(&claimed)),
+        "pgonce_job_payload_unreadable_total" => {
+            metrics::Counter::from_arc(Arc::clone(&unreadable))
+        }
+        _ => metrics::Counter::noop(),
+    });
+    let batch = {
+        let _local = metrics::set_default_local_recorder(&recorder);
+        job::claim_batch(&pool, "send", 10, LEASE).await.unwrap()
+    };
+    assert_eq!(batch.len(), 2);
+    assert_eq!(unreadable.load(Ordering::SeqCst), 1);
+    assert_eq!(claimed.load(Ordering::SeqCst), 2);
 }
 
 mod state_machine {
