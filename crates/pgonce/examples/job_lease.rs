@@ -102,7 +102,9 @@ async fn main() -> Result {
         .await?;
     println!(
         "job {id}: {}, attempts {}, result {:?}; receipts sent by {sent:?}",
-        row.status, row.attempts, row.result
+        row.status,
+        row.attempts,
+        row.result.clone().transpose()?
     );
     assert_eq!(row.status()?, job::JobStatus::Completed);
     assert_eq!(sent, ["B"], "the work's effect committed once");

@@ -90,6 +90,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
+use crate::json::UnreadableJson;
 
 pub use reaper::{ReapCounts, Reaper, ReaperConfig};
 pub use redrive::{RedriveCounts, Redriver, RedriverConfig};
@@ -460,7 +461,7 @@ pub async fn claim_batch<'c>(
         .await?;
     let claimed: Vec<ClaimedJob> = rows
         .into_iter()
-        .filter_map(|row| match serde_json::from_str(&row.payload) {
+        .filter_map(|row| match crate::json::read_back(row.payload) {
             Ok(payload) => Some(ClaimedJob {
                 kind: row.kind,
                 payload,
@@ -473,7 +474,7 @@ pub async fn claim_batch<'c>(
             }),
             Err(e) => {
                 metrics::counter!("pgonce_job_payload_unreadable_total").increment(1);
-                tracing::error!(job_id = row.id, error = %e, "job payload unreadable: left to the reaper");
+                tracing::error!(job_id = row.id, error = %e.why, "job payload unreadable: left to the reaper");
                 None
             }
         })
@@ -688,15 +689,21 @@ pub async fn heartbeat<'c>(
 }
 
 /// A job row as stored.
-#[derive(Debug, Clone, sqlx::FromRow)]
+///
+/// A payload or result that cannot be read back (written around
+/// [`enqueue`] or [`complete`], which refuse one, and nested past
+/// [`crate::json::MAX_JSON_NESTING`]) is an [`UnreadableJson`] holding its
+/// text: the rest of the row reads all the same, so an operator can see
+/// what such a job is, where it stands, and what was stored.
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct JobRow {
     /// The job's id, as [`enqueue`] returned it.
     pub id: i64,
     /// What kind of work it is.
     pub kind: String,
-    /// The work's input.
-    pub payload: Value,
+    /// The work's input, or the text of one that cannot be read back.
+    pub payload: std::result::Result<Value, UnreadableJson>,
     /// The stored status name; [`JobRow::status`] parses it.
     pub status: String,
     /// Failed attempts so far (reaped leases count as failures).
@@ -709,8 +716,9 @@ pub struct JobRow {
     pub lease_expires_at: Option<OffsetDateTime>,
     /// Not runnable before this time: the enqueue time or the next retry.
     pub run_at: OffsetDateTime,
-    /// What the completing worker stored; `None` until completed.
-    pub result: Option<Value>,
+    /// What the completing worker stored (or the text of what cannot be
+    /// read back); `None` until completed.
+    pub result: Option<std::result::Result<Value, UnreadableJson>>,
     /// The last failure's message, if any attempt failed.
     pub last_error: Option<String>,
 }
@@ -723,12 +731,42 @@ impl JobRow {
     }
 }
 
-/// Reads job `id`, if it exists.
+/// Reads job `id`, if it exists, even when its payload or result cannot
+/// be read back (see [`JobRow`]).
 pub async fn get<'c>(db: impl PgExecutor<'c>, id: i64) -> Result<Option<JobRow>> {
-    Ok(sqlx::query_as(include_str!("job/sql/get.sql"))
+    /// A row of `job/sql/get.sql`: the JSON columns as text, read back
+    /// one by one.
+    #[derive(sqlx::FromRow)]
+    struct Stored {
+        id: i64,
+        kind: String,
+        payload: String,
+        status: String,
+        attempts: i32,
+        max_attempts: i32,
+        lease_token: Option<Uuid>,
+        lease_expires_at: Option<OffsetDateTime>,
+        run_at: OffsetDateTime,
+        result: Option<String>,
+        last_error: Option<String>,
+    }
+    let row: Option<Stored> = sqlx::query_as(include_str!("job/sql/get.sql"))
         .bind(id)
         .fetch_optional(db)
-        .await?)
+        .await?;
+    Ok(row.map(|row| JobRow {
+        id: row.id,
+        kind: row.kind,
+        payload: crate::json::read_back(row.payload),
+        status: row.status,
+        attempts: row.attempts,
+        max_attempts: row.max_attempts,
+        lease_token: row.lease_token,
+        lease_expires_at: row.lease_expires_at,
+        run_at: row.run_at,
+        result: row.result.map(crate::json::read_back),
+        last_error: row.last_error,
+    }))
 }
 
 #[cfg(test)]

@@ -34,6 +34,30 @@ pub fn check_storable(what: &'static str, value: &Value) -> Result<()> {
     Err(Error::Invalid { what, why })
 }
 
+/// A stored JSON value pgonce cannot read back: nested deeper than
+/// [`MAX_JSON_NESTING`], so written around [`check_storable`] (with raw
+/// SQL). PostgreSQL returns its text all the same, kept here so an
+/// operator can see, and repair, what was stored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("stored JSON that cannot be read back: {why}")]
+#[non_exhaustive]
+pub struct UnreadableJson {
+    /// The value as PostgreSQL prints it (`jsonb::text`).
+    pub text: String,
+    /// Why it does not read back (serde_json's error).
+    pub why: String,
+}
+
+/// Reads back a value from PostgreSQL's text of it (a jsonb column
+/// selected as `text`, so that one unreadable value fails no more than
+/// itself, never its row or its statement).
+pub(crate) fn read_back(text: String) -> std::result::Result<Value, UnreadableJson> {
+    serde_json::from_str(&text).map_err(|e| UnreadableJson {
+        why: e.to_string(),
+        text,
+    })
+}
+
 /// Why a value cannot be stored and read back.
 enum Unstorable {
     TooDeep,

@@ -173,7 +173,7 @@ async fn a_claim_loser_sees_busy_keeps_its_message_and_drives_the_reaped_job_onc
     assert_eq!(side_effects, 1);
     let row = job::get(&pool, id).await.unwrap().unwrap();
     assert_eq!(row.status, "completed");
-    assert_eq!(row.result, Some(json!({"by": "B"})));
+    assert_eq!(row.result, Some(Ok(json!({"by": "B"}))));
     assert_eq!(row.attempts, 1, "the dead claimer's lease counted");
 }
 
@@ -294,7 +294,7 @@ async fn a_worker_whose_lease_was_taken_over_cannot_overwrite_the_new_owners_res
     assert!(matches!(late, Err(Error::LeaseLost { .. })));
     let row = job::get(&pool, id).await.unwrap().unwrap();
     assert_eq!(row.status, "completed");
-    assert_eq!(row.result, Some(json!({"by": "new"})));
+    assert_eq!(row.result, Some(Ok(json!({"by": "new"}))));
     assert_eq!(row.attempts, 1, "the expired lease counted as an attempt");
 }
 
@@ -880,6 +880,49 @@ async fn an_unreadable_payload_does_not_hold_back_the_jobs_claimed_with_it() {
     }
 }
 
+/// An operator can read a job whose payload or result cannot be read back
+/// (nested past `MAX_JSON_NESTING`, written around `enqueue` and
+/// `complete`): `get` returns the row, with each such value as the
+/// `UnreadableJson` it is (its text, and why it does not read back), and
+/// the rest of the row as stored. (`get` failed, so such a job could not
+/// be inspected.)
+#[tokio::test]
+async fn a_job_whose_payload_cannot_be_read_back_can_still_be_inspected() {
+    let (_db, pool) = setup().await;
+    let depth = pgonce::json::MAX_JSON_NESTING + 3;
+    let deep = format!("{}1{}", "[".repeat(depth), "]".repeat(depth));
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO pgonce.jobs (kind, payload) VALUES ('send', $1::jsonb) RETURNING id",
+    )
+    .bind(&deep)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!((row.id, row.kind.as_str()), (id, "send"));
+    assert_eq!(row.status().unwrap(), JobStatus::Pending);
+    let unreadable = row.payload.unwrap_err();
+    assert_eq!(unreadable.text, deep);
+    assert!(unreadable.why.contains("recursion limit"), "{unreadable}");
+    assert_eq!(row.result, None);
+
+    // A readable payload with an unreadable result.
+    let done = new_job(&pool, 1).await;
+    sqlx::query(
+        "UPDATE pgonce.jobs SET status = 'completed', finished_at = now(), result = $2::jsonb \
+         WHERE id = $1",
+    )
+    .bind(done)
+    .bind(&deep)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let row = job::get(&pool, done).await.unwrap().unwrap();
+    assert_eq!(row.payload, Ok(json!({"to": "x"})));
+    assert_eq!(row.status().unwrap(), JobStatus::Completed);
+    assert_eq!(row.result.unwrap().unwrap_err().text, deep);
+}
+
 /// `pgonce_job_claimed_total` counts the jobs a batch claim hands back,
 /// not a job whose payload cannot be read back: that one is counted in
 /// `pgonce_job_payload_unreadable_total` and left to the reaper. (It was
@@ -1075,7 +1118,8 @@ mod state_machine {
                 if (s == JobStatus::Processing) != row.lease_token.is_some() {
                     return Err(format!("job {j}: lease without processing or the reverse"));
                 }
-                if s == JobStatus::Completed && row.result != completed_by[j].map(|t| json!(t)) {
+                if s == JobStatus::Completed && row.result != completed_by[j].map(|t| Ok(json!(t)))
+                {
                     return Err(format!("job {j}: result not from its completing lease"));
                 }
                 if row.attempts == row.max_attempts && !s.is_terminal() {
@@ -1151,7 +1195,7 @@ async fn complete_many_reports_a_stale_lease_lost_beside_the_current_one() {
     let lost = job::complete_many(&pool, &done).await.unwrap();
     assert_eq!(lost, vec![id]);
     let row = job::get(&pool, id).await.unwrap().unwrap();
-    assert_eq!(row.result, Some(json!("current")));
+    assert_eq!(row.result, Some(Ok(json!("current"))));
 }
 
 #[tokio::test]

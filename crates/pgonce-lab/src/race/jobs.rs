@@ -291,7 +291,8 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<JobsRace> {
             final_status: final_status(db.pool(), outcome.job).await?,
             final_result: job::get(db.pool(), outcome.job)
                 .await?
-                .and_then(|r| r.result),
+                .and_then(|r| r.result)
+                .transpose()?,
             reaped: outcome.reaped,
             redelivery_while_stuck: outcome.redelivery_while_stuck,
             timeline: race.timeline(),
