@@ -73,6 +73,12 @@ pub enum ConfigError {
 /// handler slots; a billion used to be accepted and exhausted memory).
 const MAX_WORKERS: usize = 1024;
 
+/// The largest pool: PostgreSQL's own ceiling on its `max_connections`,
+/// past which no server accepts a connection. The pool sets aside a slot
+/// for every connection it may hold as it is built, so a pool of
+/// `u32::MAX` asked for room for four billion connections at start.
+const MAX_CONNECTIONS: u32 = 262_143;
+
 /// The longest timeout, wait, interval or delay a setting takes.
 const LONGEST_SETTING: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -116,7 +122,8 @@ pub struct DatabaseSection {
     /// through a transaction-mode pooler (PgBouncer), where neither works.
     /// Default: none (`url` for everything).
     pub direct_url: Option<String>,
-    /// `max_connections`: pool size. Default 16; at least 2.
+    /// `max_connections`: pool size. Default 16; at least 2, at most
+    /// 262143 (PostgreSQL's own ceiling).
     pub max_connections: u32,
     /// `acquire_timeout`: longest wait for a pooled connection (including
     /// opening one) before a request fails with 503 `unavailable`. Default
@@ -777,8 +784,11 @@ impl Config {
                 "no database: set it in the file, DATABASE_URL or PGONCE_DATABASE__URL, or pass --database-url",
             ));
         }
-        if self.database.max_connections < 2 {
-            return Err(invalid("database.max_connections", "must be at least 2"));
+        if !(2..=MAX_CONNECTIONS).contains(&self.database.max_connections) {
+            return Err(invalid(
+                "database.max_connections",
+                format!("must be 2 to {MAX_CONNECTIONS}"),
+            ));
         }
         if let Some(url) = self
             .database
