@@ -8,11 +8,13 @@
 //! - [`bench`](mod@bench) compares strategies, and peer libraries, side by side in one
 //!   run and prints ratios;
 //! - [`demo`] runs the incident service end to end under redeliveries,
-//!   duplicates and killed workers, and checks every invariant.
+//!   duplicates and killed workers, and checks every invariant;
+//! - [`chaos`] runs concurrent workloads under injected faults from a
+//!   seeded schedule and checks their history against the invariants.
 //!
 //! Every run works in a scratch database ([`scratch`]) and ends in a
 //! [`report::Report`]: tables for people, one JSON object for machines.
-//! The `pgonce` command exposes all three when built with its `lab` feature.
+//! The `pgonce` command exposes all four when built with its `lab` feature.
 
 pub mod behind_pooler;
 pub mod bench;
