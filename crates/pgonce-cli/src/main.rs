@@ -183,9 +183,8 @@ impl std::fmt::Display for Interrupted {
 /// The first of Ctrl-C (SIGINT) and, on Unix, SIGTERM (what `kill`, a
 /// service manager or a container runtime sends). Either stops a command
 /// the same way: its future is dropped, and with it its throwaway database
-/// or cluster and the child processes it started (`kill_on_drop`). Before
-/// SIGTERM was handled it killed the process outright, leaving those
-/// behind.
+/// or cluster and the child processes it started (`kill_on_drop`). An
+/// unhandled SIGTERM would kill the process outright and leave them behind.
 async fn interrupted() -> Interrupted {
     let sigint = Interrupted {
         signal: "SIGINT",

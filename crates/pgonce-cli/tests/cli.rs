@@ -32,8 +32,8 @@ fn migrate_against_a_closed_port_fails_fast_with_one_line_naming_the_address() {
 }
 
 /// A variable in the environment whose value is not UTF-8 does not crash
-/// `serve`, `worker` or `rollout` (reading the environment used to panic on
-/// any such variable): one that is not the service's is left out, and the
+/// `serve`, `worker` or `rollout` (`std::env::vars` would panic on it): one
+/// that is not the service's is left out, and the
 /// command goes on to its real error here, no database; one of the
 /// service's own is refused, named.
 #[test]
@@ -67,7 +67,7 @@ fn a_variable_that_is_not_utf8_is_left_out_or_named_never_a_panic() {
 }
 
 /// `rollout` takes a percentage, 0 to 100, and refuses another before it
-/// touches the database (it used to migrate it first); a directory given
+/// touches the database (neither migrates nor connects); a directory given
 /// as `--config` is refused as not a file, named.
 #[test]
 fn rollout_and_config_refuse_what_cannot_be_before_touching_the_database() {

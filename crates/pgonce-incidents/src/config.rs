@@ -70,7 +70,7 @@ pub enum ConfigError {
 }
 
 /// The most worker loops one process runs (each has its own receives and
-/// handler slots; a billion used to be accepted and exhausted memory).
+/// handler slots, so an unbounded count could exhaust memory).
 const MAX_WORKERS: usize = 1024;
 
 /// The largest pool: PostgreSQL's own ceiling on its `max_connections`,

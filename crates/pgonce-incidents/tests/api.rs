@@ -1257,7 +1257,8 @@ fn assert_invalid(a: &Answer, context: impl std::fmt::Display) {
 
 /// The largest finite double, as a rule value and as an attribute, is
 /// accepted and reads back equal through the API, and the organization's
-/// listings keep working (it used to be stored and then fail every read).
+/// listings keep working (a value stored but not read back would fail
+/// every later read).
 #[tokio::test]
 async fn extreme_doubles_read_back_equal_and_poison_nothing() {
     let api = setup().await;

@@ -24,6 +24,8 @@
 //!   ([`PoolerProblem`], [`Error::Pooler`]).
 //! * [`maintenance`]: the loop that deletes rows past their retention
 //!   (finished jobs, dead-letter messages, dedup claims, keys).
+//! * [`json`]: what a `jsonb` column can store and read back, checked
+//!   before a value is written.
 //! * [`begin`]: a transaction begun at a stated [`IsolationLevel`], never
 //!   at the database's default.
 //!

@@ -292,8 +292,8 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let ssi = get(AppendStrategy::Serializable, "disjoint")
         .m
         .ops_per_sec();
-    // Printed, no longer a goal: two cores cannot make a table lock look
-    // slow (docs/events-indexes.md); the goal is against the bare insert.
+    // Printed, not a goal: two cores cannot make a table lock look slow
+    // (docs/events-indexes.md); the goal is against the bare insert.
     report.ratio("advisory_vs_table_lock_disjoint_16w", adv, table);
     report.ratio("serializable_vs_table_lock_disjoint_16w", ssi, table);
     report.ratio(
