@@ -1310,9 +1310,18 @@ async fn an_append_dropped_while_it_waits_leaves_no_transaction_open() {
 
     // B's one connection, once it is back in its pool.
     let mut conn = b.pool().acquire().await.unwrap();
-    let (in_transaction, advisory_locks): (bool, i64) = sqlx::query_as(
-        "SELECT pg_current_xact_id_if_assigned() IS NOT NULL, \
-                (SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory')",
+    #[derive(sqlx::FromRow)]
+    struct ConnectionState {
+        in_transaction: bool,
+        advisory_locks: i64,
+    }
+    let ConnectionState {
+        in_transaction,
+        advisory_locks,
+    } = sqlx::query_as(
+        "SELECT pg_current_xact_id_if_assigned() IS NOT NULL AS in_transaction, \
+                (SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory') \
+                AS advisory_locks",
     )
     .fetch_one(&mut *conn)
     .await

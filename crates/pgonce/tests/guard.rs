@@ -289,11 +289,16 @@ async fn versions_in_the_read_set_catch_an_update() {
     insert(&mut c, "X").await.unwrap();
     drop(c);
     let versioned = async |c: &mut PgConnection| -> pgonce::Result<ReadSet> {
-        let rows: Vec<(i64, bool)> = sqlx::query_as("SELECT id, open FROM things ORDER BY id")
+        #[derive(sqlx::FromRow)]
+        struct Thing {
+            id: i64,
+            open: bool,
+        }
+        let rows: Vec<Thing> = sqlx::query_as("SELECT id, open FROM things ORDER BY id")
             .fetch_all(c)
             .await?;
         Ok(ReadSet::from_versions(
-            rows.into_iter().map(|(id, open)| (id, open as i64)),
+            rows.into_iter().map(|t| (t.id, t.open as i64)),
         ))
     };
     let seen = guard().read(&pool, versioned).await.unwrap();

@@ -232,8 +232,14 @@ async fn the_worker_keeps_a_busy_jobs_message_which_completes_the_reaped_job() {
     let worker = pgonce::Worker::new(q.clone(), handler, config).unwrap();
     let first = worker.run_once().await.unwrap();
     assert_eq!((first.received, first.deleted), (1, 0), "{first:?}");
-    let (kept, visible_at): (i64, Option<time::OffsetDateTime>) = sqlx::query_as(
-        "SELECT count(*), max(visible_at) FROM pgonce.queue_message WHERE queue = 'jobs'",
+    #[derive(sqlx::FromRow)]
+    struct Kept {
+        kept: i64,
+        visible_at: Option<time::OffsetDateTime>,
+    }
+    let Kept { kept, visible_at } = sqlx::query_as(
+        "SELECT count(*) AS kept, max(visible_at) AS visible_at \
+         FROM pgonce.queue_message WHERE queue = 'jobs'",
     )
     .fetch_one(&pool)
     .await

@@ -842,15 +842,26 @@ async fn compare(pool: &PgPool, m: &Model) -> Result<(), String> {
     if have != want {
         return Err(format!("rows {have:?}, model {want:?}"));
     }
-    let effects: Vec<(i64, i64)> =
-        sqlx::query_as("SELECT job_id, count(*) FROM model_effects GROUP BY job_id")
+    #[derive(sqlx::FromRow)]
+    struct Effects {
+        job_id: i64,
+        effects: i64,
+    }
+    let effects: Vec<Effects> =
+        sqlx::query_as("SELECT job_id, count(*) AS effects FROM model_effects GROUP BY job_id")
             .fetch_all(pool)
             .await
             .map_err(|e| format!("read effects: {e}"))?;
-    if let Some((id, n)) = effects.iter().find(|(_, n)| *n > 1) {
-        return Err(format!("job {id}'s side effect recorded {n} times"));
+    if let Some(e) = effects.iter().find(|e| e.effects > 1) {
+        return Err(format!(
+            "job {}'s side effect recorded {} times",
+            e.job_id, e.effects
+        ));
     }
-    let have: BTreeMap<i64, u32> = effects.into_iter().map(|(id, n)| (id, n as u32)).collect();
+    let have: BTreeMap<i64, u32> = effects
+        .into_iter()
+        .map(|e| (e.job_id, e.effects as u32))
+        .collect();
     let want: BTreeMap<i64, u32> = (0..m.ids.len())
         .filter(|&j| m.effects[j] > 0)
         .map(|j| (m.ids[j], m.effects[j]))

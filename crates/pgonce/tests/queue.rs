@@ -1206,18 +1206,21 @@ async fn a_chain_of_dead_letter_queues_delivers_in_each_and_redrives_past_a_queu
     s.send(SendMessage::new("m2").group("g")).await.unwrap();
     dead_letter_next(&s, "m2").await;
     assert_eq!(d.redrive().await.unwrap(), 1, "m2 back to s.fifo");
-    let placed: Vec<(String, String)> =
+    #[derive(sqlx::FromRow)]
+    struct Placed {
+        body: String,
+        queue: String,
+    }
+    let placed: Vec<Placed> =
         sqlx::query_as("SELECT body, queue FROM pgonce.queue_message ORDER BY body")
             .fetch_all(&pool)
             .await
             .unwrap();
-    assert_eq!(
-        placed,
-        [
-            ("m1".to_owned(), "d.fifo".to_owned()),
-            ("m2".to_owned(), "s.fifo".to_owned())
-        ]
-    );
+    let placed: Vec<(&str, &str)> = placed
+        .iter()
+        .map(|p| (p.body.as_str(), p.queue.as_str()))
+        .collect();
+    assert_eq!(placed, [("m1", "d.fifo"), ("m2", "s.fifo")]);
 }
 
 /// A redrive leaves a dead letter that a consumer of the dead-letter queue
@@ -2616,13 +2619,19 @@ async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
     assert_eq!(listeners(&pool).await, ["pgonce_direct_listener"]);
 }
 
+/// A message's receipt as its row holds it.
+#[derive(Debug, Clone, Copy, sqlx::FromRow)]
+struct ReceiptRow {
+    id: i64,
+    generation: i64,
+}
+
 /// The statements a receipt runs, each with its parameters for one receipt
-/// of `queue` (id, generation) or all of them: delete, change visibility,
-/// delete several.
-fn receipt_statements(queue: &str, receipts: &[(i64, i64)]) -> Vec<(&'static str, String)> {
-    let (id, generation) = receipts[0];
-    let ids: Vec<String> = receipts.iter().map(|r| r.0.to_string()).collect();
-    let generations: Vec<String> = receipts.iter().map(|r| r.1.to_string()).collect();
+/// of `queue` or all of them: delete, change visibility, delete several.
+fn receipt_statements(queue: &str, receipts: &[ReceiptRow]) -> Vec<(&'static str, String)> {
+    let ReceiptRow { id, generation } = receipts[0];
+    let ids: Vec<String> = receipts.iter().map(|r| r.id.to_string()).collect();
+    let generations: Vec<String> = receipts.iter().map(|r| r.generation.to_string()).collect();
     vec![
         (
             include_str!("../src/queue/sql/delete.sql"),
@@ -2738,7 +2747,7 @@ async fn a_receipt_finds_its_message_by_primary_key_on_stale_statistics() {
     .unwrap();
     let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
     assert_eq!(got.len(), 10);
-    let receipts: Vec<(i64, i64)> = sqlx::query_as(
+    let receipts: Vec<ReceiptRow> = sqlx::query_as(
         "SELECT id, generation FROM pgonce.queue_message WHERE receive_count = 1 ORDER BY id",
     )
     .fetch_all(&pool)

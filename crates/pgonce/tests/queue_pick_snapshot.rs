@@ -142,11 +142,19 @@ impl GatedPick {
 
     /// (receive_count, generation) of message `id`.
     async fn counts(&self, id: &str) -> (i32, i64) {
-        sqlx::query_as("SELECT receive_count, generation FROM pgonce.queue_message WHERE id = $1")
-            .bind(id.parse::<i64>().unwrap())
-            .fetch_one(&self.setup)
-            .await
-            .unwrap()
+        #[derive(sqlx::FromRow)]
+        struct Counts {
+            receive_count: i32,
+            generation: i64,
+        }
+        let row: Counts = sqlx::query_as(
+            "SELECT receive_count, generation FROM pgonce.queue_message WHERE id = $1",
+        )
+        .bind(id.parse::<i64>().unwrap())
+        .fetch_one(&self.setup)
+        .await
+        .unwrap();
+        (row.receive_count, row.generation)
     }
 }
 

@@ -75,14 +75,19 @@ async fn scope_locks_held(conn: &mut PgConnection) -> i64 {
 
 /// Numbers per scope, as committed.
 async fn committed(pool: &PgPool) -> BTreeMap<String, Vec<i64>> {
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT org, number FROM incidents ORDER BY 1, 2")
+    #[derive(sqlx::FromRow)]
+    struct Numbered {
+        org: String,
+        number: i64,
+    }
+    let rows: Vec<Numbered> =
+        sqlx::query_as("SELECT org, number FROM incidents ORDER BY org, number")
             .fetch_all(pool)
             .await
             .unwrap();
     let mut map: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    for (org, n) in rows {
-        map.entry(org).or_default().push(n);
+    for Numbered { org, number } in rows {
+        map.entry(org).or_default().push(number);
     }
     map
 }

@@ -9,7 +9,7 @@
 //!   where 16 workers keep both cores busy and the ratio shows what the
 //!   guard's extra round trip costs in CPU (5 messages per decision against
 //!   4). The 5 ms run also has `guard-begin-check`, the guard with BEGIN and
-//!   lock in separate round trips (the first version of `Guard::write`);
+//!   lock in separate round trips (which `Guard::write` sends in one);
 //! * hot entity (E = 1 to 4): guard vs serializable (read, evaluation and
 //!   write in one SERIALIZABLE transaction, retried on abort);
 //! * pool pressure (P=10, 100 in flight, L=50 ms): guard vs a session-level
@@ -325,8 +325,15 @@ async fn measure(
     Ok(m.ops_per_sec())
 }
 
-/// What a decision saw: the latest incident (id, open), if any.
-type Latest = Option<(i64, bool)>;
+/// The entity's latest incident, as `sql/guard_latest.sql` returns it.
+#[derive(Debug, Clone, Copy, sqlx::FromRow)]
+struct LatestRow {
+    id: i64,
+    open: bool,
+}
+
+/// What a decision saw: the latest incident, if any.
+type Latest = Option<LatestRow>;
 
 async fn latest(conn: &mut PgConnection, entity: i32) -> sqlx::Result<Latest> {
     sqlx::query_as(include_str!("sql/guard_latest.sql"))
@@ -336,14 +343,14 @@ async fn latest(conn: &mut PgConnection, entity: i32) -> sqlx::Result<Latest> {
 }
 
 fn read_set(latest: Latest) -> ReadSet {
-    ReadSet::from_versions(latest.map(|(id, open)| (id, open as i64)))
+    ReadSet::from_versions(latest.map(|row| (row.id, row.open as i64)))
 }
 
 /// Acts on the decision: resolve the open incident, or create the next.
 /// True when it created one (counted by the caller once committed).
 async fn act(conn: &mut PgConnection, entity: i32, seen: Latest) -> sqlx::Result<bool> {
     match seen {
-        Some((id, true)) => {
+        Some(LatestRow { id, open: true }) => {
             sqlx::query(include_str!("sql/guard_resolve.sql"))
                 .bind(id)
                 .execute(conn)
@@ -353,7 +360,7 @@ async fn act(conn: &mut PgConnection, entity: i32, seen: Latest) -> sqlx::Result
         _ => {
             sqlx::query(include_str!("sql/guard_insert.sql"))
                 .bind(entity)
-                .bind(seen.map_or(0, |(id, _)| id))
+                .bind(seen.map_or(0, |row| row.id))
                 .execute(conn)
                 .await?;
             Ok(true)
