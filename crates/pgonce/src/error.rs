@@ -328,6 +328,14 @@ impl From<sqlx::Error> for Error {
 }
 
 impl Error {
+    /// An [`Error::Invalid`]: `what` was refused, for `why`.
+    pub(crate) fn invalid(what: &'static str, why: impl Into<String>) -> Error {
+        Error::Invalid {
+            what,
+            why: why.into(),
+        }
+    }
+
     /// True for failures that retrying the whole transaction can cure.
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::SerializationFailure { .. })

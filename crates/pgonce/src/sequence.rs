@@ -200,13 +200,16 @@ impl NumberedTable {
             None => ("public", table),
         };
         if name.contains('.') {
-            return Err(invalid("numbered table", "more than one `.` in the name"));
+            return Err(Error::invalid(
+                "numbered table",
+                "more than one `.` in the name",
+            ));
         }
         for part in [schema, name, scope_column, number_column] {
             identifier(part)?;
         }
         if scope_column == number_column {
-            return Err(invalid(
+            return Err(Error::invalid(
                 "numbered table",
                 "scope and number must be different columns",
             ));
@@ -230,16 +233,9 @@ impl NumberedTable {
     }
 }
 
-fn invalid(what: &'static str, why: impl Into<String>) -> Error {
-    Error::Invalid {
-        what,
-        why: why.into(),
-    }
-}
-
 fn identifier(name: &str) -> Result<()> {
     if name.is_empty() || name.len() > 63 || name.contains('\0') {
-        return Err(invalid(
+        return Err(Error::invalid(
             "identifier",
             format!("{name:?} must be 1 to 63 bytes with no NUL"),
         ));
@@ -425,7 +421,7 @@ impl Sequence {
         if found {
             Ok(())
         } else {
-            Err(invalid(
+            Err(Error::invalid(
                 "numbered table",
                 format!(
                     "{} has no unique index on ({}, {})",

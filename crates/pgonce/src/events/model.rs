@@ -60,13 +60,13 @@ impl Event {
 
     pub(crate) fn validate(&self) -> Result<()> {
         if self.event_type.is_empty() {
-            return Err(invalid("event", "the type must not be empty"));
+            return Err(Error::invalid("event", "the type must not be empty"));
         }
         if self.tags.iter().any(String::is_empty) {
-            return Err(invalid("event", "a tag must not be empty"));
+            return Err(Error::invalid("event", "a tag must not be empty"));
         }
         if self.event_type.contains('\0') || self.tags.iter().any(|t| t.contains('\0')) {
-            return Err(invalid(
+            return Err(Error::invalid(
                 "event",
                 "a type or tag must contain no NUL character (PostgreSQL's text cannot hold it)",
             ));
@@ -74,9 +74,9 @@ impl Event {
         if self.event_type.len() > MAX_NAME_BYTES
             || self.tags.iter().any(|t| t.len() > MAX_NAME_BYTES)
         {
-            return Err(invalid(
+            return Err(Error::invalid(
                 "event",
-                &format!(
+                format!(
                     "a type or tag is at most {MAX_NAME_BYTES} bytes (each is an index entry, \
                      and PostgreSQL's index entries are limited to about a third of a page)"
                 ),
@@ -209,15 +209,15 @@ impl Query {
             return Ok(());
         };
         if items.is_empty() {
-            return Err(invalid(
+            return Err(Error::invalid(
                 "query",
                 "a query needs at least one item; use Query::all() to match every event",
             ));
         }
         if items.len() > MAX_QUERY_ITEMS {
-            return Err(invalid(
+            return Err(Error::invalid(
                 "query",
-                &format!(
+                format!(
                     "a query holds at most {MAX_QUERY_ITEMS} items, got {}",
                     items.len()
                 ),
@@ -225,13 +225,16 @@ impl Query {
         }
         for item in items {
             if item.types.is_empty() && item.tags.is_empty() {
-                return Err(invalid(
+                return Err(Error::invalid(
                     "query item",
                     "an item names at least one type or tag; use Query::all() to match every event",
                 ));
             }
             if item.types.iter().chain(&item.tags).any(String::is_empty) {
-                return Err(invalid("query item", "types and tags must not be empty"));
+                return Err(Error::invalid(
+                    "query item",
+                    "types and tags must not be empty",
+                ));
             }
             if item
                 .types
@@ -239,7 +242,7 @@ impl Query {
                 .chain(&item.tags)
                 .any(|t| t.contains('\0'))
             {
-                return Err(invalid(
+                return Err(Error::invalid(
                     "query item",
                     "types and tags must contain no NUL character (PostgreSQL's text cannot hold it)",
                 ));
@@ -302,11 +305,4 @@ pub struct Appended {
     pub positions: Vec<i64>,
     /// Serialization failures retried before it went through (SSI only).
     pub retries: u32,
-}
-
-fn invalid(what: &'static str, why: &str) -> Error {
-    Error::Invalid {
-        what,
-        why: why.to_string(),
-    }
 }
