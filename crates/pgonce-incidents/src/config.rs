@@ -590,8 +590,17 @@ fn is_configuration(name: &str) -> bool {
 
 /// The environment's layer: the variables given, as nested keys.
 struct Environment {
-    /// Dotted key to (variable name, value), in precedence order.
-    keys: Vec<(String, String, Value)>,
+    /// The keys the variables set, lowest precedence first.
+    keys: Vec<EnvKey>,
+}
+
+/// One key a variable sets.
+struct EnvKey {
+    /// The variable (`PGONCE_API__LISTEN`), for errors.
+    variable: String,
+    /// The dotted key it sets (`api.listen`).
+    key: String,
+    value: Value,
 }
 
 impl Environment {
@@ -630,13 +639,17 @@ impl Environment {
             .into_iter()
             .chain(legacy)
             .chain(generic)
-            .map(|(name, key, value)| {
+            .map(|(variable, key, value)| {
                 let value = if TEXT_KEYS.contains(&key.as_str()) {
                     Value::from(value)
                 } else {
                     value.parse().unwrap_or_else(|e| match e {})
                 };
-                (name, key, value)
+                EnvKey {
+                    variable,
+                    key,
+                    value,
+                }
             })
             .collect();
         Environment { keys }
@@ -669,7 +682,7 @@ impl Provider for Environment {
         let names: Arc<BTreeMap<String, String>> = Arc::new(
             self.keys
                 .iter()
-                .map(|(name, key, _)| (key.clone(), name.clone()))
+                .map(|k| (k.key.clone(), k.variable.clone()))
                 .collect(),
         );
         Metadata::named("the environment").interpolater(move |_: &Profile, path: &[&str]| {
@@ -694,7 +707,7 @@ impl Provider for Environment {
 
     fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
         let mut dict = Dict::new();
-        for (_, key, value) in &self.keys {
+        for EnvKey { key, value, .. } in &self.keys {
             insert(&mut dict, key, value.clone());
         }
         Ok(Profile::Default.collect(dict))
