@@ -4,7 +4,7 @@
 //! expiry while a handler runs, a duplicate send, a late ack with a stale
 //! receipt) by the scenario, through [`super::round::Round`].
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -163,8 +163,3 @@ pub async fn inject_generic(
     }
     true
 }
-
-/// How long a session's pool waits for a connection before its operation
-/// fails with `PoolTimedOut`: long enough for a reconnect after a restart
-/// on a busy machine, short enough that an exhausted pool costs little.
-pub const ACQUIRE_TIMEOUT: Duration = Duration::from_millis(1500);

@@ -11,10 +11,15 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, Postgres};
 use tokio::task::JoinHandle;
 
-use super::faults::{ACQUIRE_TIMEOUT, FaultKind};
+use super::faults::FaultKind;
 use super::history::History;
 use super::{Mutant, Recovery};
 use crate::scratch::Restarter;
+
+/// How long a session's pool waits for a connection before its operation
+/// fails with `PoolTimedOut`: long enough for a reconnect after a restart
+/// on a busy machine, short enough that an exhausted pool costs little.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// What a round counted besides its history.
 #[derive(Debug, Clone, Default)]
