@@ -162,11 +162,11 @@ pub async fn lock_timeout(
     timeout: Duration,
 ) -> Result<()> {
     let millis = timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
-    let previous: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+    let previous: String = sqlx::query_scalar(include_str!("lock/sql/lock_timeout_get.sql"))
         .fetch_one(&mut **tx)
         .await?;
     let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
-    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+    sqlx::query(include_str!("lock/sql/lock_timeout_set.sql"))
         .bind(&millis)
         .execute(&mut *savepoint)
         .await?;
@@ -176,7 +176,7 @@ pub async fn lock_timeout(
         .await;
     match outcome {
         Ok(_) => {
-            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            sqlx::query(include_str!("lock/sql/lock_timeout_set.sql"))
                 .bind(&previous)
                 .execute(&mut *savepoint)
                 .await?;

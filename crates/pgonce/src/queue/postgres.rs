@@ -287,11 +287,10 @@ impl PgQueue {
             // a standard queue's have none, which a FIFO queue cannot order
             // (its receive walks grouped messages only, pick_fifo.sql). A
             // queue's kind never changes, so checking first is enough.
-            let dlq_fifo: Option<bool> =
-                sqlx::query_scalar("SELECT fifo FROM pgonce.queue WHERE name = $1")
-                    .bind(dlq)
-                    .fetch_optional(pool)
-                    .await?;
+            let dlq_fifo: Option<bool> = sqlx::query_scalar(include_str!("sql/queue_fifo.sql"))
+                .bind(dlq)
+                .fetch_optional(pool)
+                .await?;
             match dlq_fifo {
                 None => return Err(Error::QueueNotFound { name: dlq.clone() }),
                 Some(dlq_fifo) if dlq_fifo != attributes.fifo => {
