@@ -16,7 +16,7 @@ use pgonce_incidents::invariants;
 use pgonce_incidents::model::{Observation, Op, Rule, Singleton};
 use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::store;
-use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
+use pgonce_testkit::webhook::{ReceiverFaults, WebhookReceiver};
 use serde_json::json;
 use sqlx::PgPool;
 

@@ -24,7 +24,8 @@
 //! * [`service`]: incidents: creation (guarded or plain), declaration by
 //!   hand, lifecycle, timeline, feed.
 //! * [`pipeline`]: the queue handler and the evaluator.
-//! * [`notifier`]: sends notifications; [`webhook`]: a local receiver.
+//! * [`notifier`]: sends notifications (the test kit has a receiver to send
+//!   them to).
 //! * [`runtime`]: workers, notifier, reaper and re-driver, started and
 //!   stopped together.
 //! * [`invariants`]: I1, I2, I3, I6 checked in the database.
@@ -47,7 +48,6 @@ pub mod pipeline;
 pub mod runtime;
 pub mod service;
 pub mod store;
-pub mod webhook;
 
 pub use error::{Error, Result};
 pub use migrate::{MIGRATOR, migrate};

@@ -6,8 +6,8 @@ use pgonce::job::{self, NewJob};
 use pgonce_incidents::model::{Declaration, Incident};
 use pgonce_incidents::notifier::NotifyCounts;
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
-use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_incidents::{Notifier, NotifierConfig, Service, ServiceConfig, store};
+use pgonce_testkit::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_testkit::{ScratchDatabase, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
@@ -37,6 +37,16 @@ async fn notify_once(service: &Service) -> NotifyCounts {
         .unwrap();
     let notifier = Notifier::new(service, NotifierConfig::new(receiver.url())).unwrap();
     notifier.run_once().await.unwrap()
+}
+
+/// The test kit's receiver deduplicates by the header the notifier sends;
+/// the two crates name it each on its own.
+#[test]
+fn the_receiver_reads_the_header_the_notifier_sends() {
+    assert_eq!(
+        pgonce_testkit::webhook::IDEMPOTENCY_HEADER,
+        pgonce_incidents::notifier::IDEMPOTENCY_HEADER
+    );
 }
 
 #[tokio::test]

@@ -11,9 +11,9 @@ use pgonce::{Queue, SendMessage, WorkerConfig};
 use pgonce_incidents::model::{Observation, Op, Rule, Singleton};
 use pgonce_incidents::pipeline::SimulatedEvaluatorConfig;
 use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue};
-use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_incidents::{NotifierConfig, Service, ServiceConfig, invariants, store};
 use pgonce_testkit::fresh_migrated_database;
+use pgonce_testkit::webhook::{ReceiverFaults, WebhookReceiver};
 use serde_json::json;
 
 fn config(webhook: &str, visibility: Duration) -> RuntimeConfig {

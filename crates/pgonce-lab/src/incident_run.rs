@@ -50,8 +50,8 @@ use pgonce_incidents::runtime::{
     OBSERVATIONS_DEAD_LETTERS, Runtime, RuntimeConfig, observations_queue_with,
 };
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
-use pgonce_incidents::webhook::{ReceiverFaults, ReceiverStats, WebhookReceiver};
 use pgonce_incidents::{NotifierConfig, Service, ServiceConfig, invariants, store};
+use pgonce_testkit::webhook::{ReceiverFaults, ReceiverStats, WebhookReceiver};
 use rand::Rng;
 use serde::Serialize;
 use serde_json::json;

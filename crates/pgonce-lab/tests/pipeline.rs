@@ -15,7 +15,6 @@ use pgonce_incidents::invariants::NotNotifiedOnce;
 use pgonce_incidents::model::Declaration;
 use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::service::NOTIFY_JOB_KIND;
-use pgonce_incidents::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_incidents::{Service, ServiceConfig, store};
 use pgonce_lab::demo;
 use pgonce_lab::incident_run::{
@@ -23,6 +22,7 @@ use pgonce_lab::incident_run::{
 };
 use pgonce_lab::report::Environment;
 use pgonce_lab::scratch::RunDatabase;
+use pgonce_testkit::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_testkit::{fresh_database, fresh_migrated_database};
 
 /// Guarded (rollout 100): every invariant holds although messages are

@@ -12,6 +12,8 @@
 //! * [`moto`]: a throwaway SQS server (moto) on a loopback port.
 //! * [`interleave`]: step-by-step interleavings whose blocking steps are
 //!   confirmed through `pg_blocking_pids`, never through sleeps.
+//! * [`webhook`]: a loopback webhook receiver that deduplicates by
+//!   idempotency key and fails or answers late on purpose.
 
 #![warn(missing_docs)]
 
@@ -20,6 +22,7 @@ pub mod interleave;
 pub mod moto;
 pub mod pooler;
 pub mod server;
+pub mod webhook;
 
 pub use cluster::{Cluster, ClusterError, ShutdownMode};
 pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Step, StepEvent};
@@ -30,3 +33,4 @@ pub use server::{
     fresh_migrated_database, fresh_migrated_database_behind_pooler, shared_for_tests,
     shared_pooler_for_tests,
 };
+pub use webhook::{ReceiverFaults, ReceiverStats, WebhookError, WebhookReceiver};

@@ -16,7 +16,7 @@ use rand::rngs::StdRng;
 use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 
-use pgonce_incidents::webhook::ReceiverFaults;
+use pgonce_testkit::webhook::ReceiverFaults;
 
 use super::faults::FaultKind;
 use super::history::Outcome;

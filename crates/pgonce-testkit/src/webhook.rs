@@ -1,7 +1,9 @@
-//! A local webhook receiver, for the demo and the tests: it deduplicates
-//! deliveries by their `Idempotency-Key` header (as a real receiver should)
-//! and can misbehave on purpose: answer 500, or accept the notification but
-//! answer too late, so the sender times out and retries with the same key.
+//! A local webhook receiver, for the demo and the tests of the incident
+//! service's notifier: it deduplicates deliveries by their
+//! [`IDEMPOTENCY_HEADER`] (as a real receiver should) and can misbehave on
+//! purpose: answer 500, or accept the notification but answer too late, so
+//! the sender times out and retries with the same key. It lives in the test
+//! kit, not in the service, so that a deployed server links none of it.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -15,8 +17,22 @@ use axum::routing::post;
 use rand::Rng;
 use tokio::sync::oneshot;
 
-use crate::error::{Error, Result};
-use crate::notifier::IDEMPOTENCY_HEADER;
+/// The header a notification carries its idempotency key in: the incident
+/// service's `notifier::IDEMPOTENCY_HEADER`, which its tests check this
+/// against (the service does not depend on the test kit, so the name is
+/// written twice).
+pub const IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
+
+/// Why a receiver could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    /// A fault rate outside [0, 1].
+    #[error("receiver fault rate {0} is outside [0, 1]")]
+    FaultRate(f64),
+    /// The loopback listener could not be bound.
+    #[error("webhook receiver: {0}")]
+    Listen(#[from] std::io::Error),
+}
 
 /// How the receiver misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -67,18 +83,14 @@ pub struct WebhookReceiver {
 
 impl WebhookReceiver {
     /// Listens on 127.0.0.1 at a free port.
-    pub async fn start(faults: ReceiverFaults) -> Result<WebhookReceiver> {
+    pub async fn start(faults: ReceiverFaults) -> Result<WebhookReceiver, WebhookError> {
         for rate in [faults.fail_rate, faults.late_rate] {
             if !(0.0..=1.0).contains(&rate) {
-                return Err(Error::invalid("receiver fault rate", "must be in [0, 1]"));
+                return Err(WebhookError::FaultRate(rate));
             }
         }
-        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .await
-            .map_err(|e| Error::invalid("webhook receiver", e.to_string()))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| Error::invalid("webhook receiver", e.to_string()))?;
+        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+        let addr = listener.local_addr()?;
         let shared = Shared {
             faults,
             seen: Arc::default(),
@@ -102,7 +114,7 @@ impl WebhookReceiver {
     }
 
     /// The URL to post notifications to (`http://127.0.0.1:<port>/hook`),
-    /// for [`NotifierConfig::new`](crate::NotifierConfig::new).
+    /// for the incident service's `NotifierConfig::new`.
     pub fn url(&self) -> &str {
         &self.url
     }
