@@ -529,32 +529,96 @@ impl Default for PassSection {
     }
 }
 
-/// Environment variables of earlier versions, flat: (name after `PGONCE_`,
-/// key, unit a bare number is in). They keep working.
-pub const LEGACY_ENV: &[(&str, &str, &str)] = &[
-    ("LISTEN", "api.listen", ""),
-    ("METRICS_LISTEN", "api.metrics_listen", ""),
-    ("ADMIN_TOKEN", "api.admin_token", ""),
-    ("BODY_LIMIT", "api.body_limit", ""),
-    ("MAX_WAIT_SECS", "api.max_wait", "s"),
-    ("DATABASE_URL", "database.url", ""),
-    ("MAX_CONNECTIONS", "database.max_connections", ""),
-    ("WORKERS", "pipeline.workers", ""),
-    ("CONCURRENCY", "pipeline.concurrency", ""),
-    (
-        "VISIBILITY_TIMEOUT_SECS",
-        "pipeline.visibility_timeout",
-        "s",
-    ),
-    ("MAX_RECEIVE_COUNT", "pipeline.max_receive_count", ""),
-    ("EVALUATOR_LATENCY_MS", "pipeline.evaluator.latency", "ms"),
-    ("EVALUATOR_JITTER_MS", "pipeline.evaluator.jitter", "ms"),
-    (
-        "EVALUATOR_FAILURE_RATE",
-        "pipeline.evaluator.failure_rate",
-        "",
-    ),
-    ("WEBHOOK_URL", "notifier.webhook_url", ""),
+/// An environment variable of an earlier version: a flat name standing
+/// for one key. They keep working.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LegacyVariable {
+    /// The name after `PGONCE_` (`MAX_WAIT_SECS`).
+    pub name: &'static str,
+    /// The key it sets (`api.max_wait`).
+    pub key: &'static str,
+    /// The unit a bare number is in (`"s"`, `"ms"`), or `""` when the value
+    /// is taken as it is.
+    pub unit: &'static str,
+}
+
+/// Every [`LegacyVariable`].
+pub const LEGACY_ENV: &[LegacyVariable] = &[
+    LegacyVariable {
+        name: "LISTEN",
+        key: "api.listen",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "METRICS_LISTEN",
+        key: "api.metrics_listen",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "ADMIN_TOKEN",
+        key: "api.admin_token",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "BODY_LIMIT",
+        key: "api.body_limit",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "MAX_WAIT_SECS",
+        key: "api.max_wait",
+        unit: "s",
+    },
+    LegacyVariable {
+        name: "DATABASE_URL",
+        key: "database.url",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "MAX_CONNECTIONS",
+        key: "database.max_connections",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "WORKERS",
+        key: "pipeline.workers",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "CONCURRENCY",
+        key: "pipeline.concurrency",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "VISIBILITY_TIMEOUT_SECS",
+        key: "pipeline.visibility_timeout",
+        unit: "s",
+    },
+    LegacyVariable {
+        name: "MAX_RECEIVE_COUNT",
+        key: "pipeline.max_receive_count",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "EVALUATOR_LATENCY_MS",
+        key: "pipeline.evaluator.latency",
+        unit: "ms",
+    },
+    LegacyVariable {
+        name: "EVALUATOR_JITTER_MS",
+        key: "pipeline.evaluator.jitter",
+        unit: "ms",
+    },
+    LegacyVariable {
+        name: "EVALUATOR_FAILURE_RATE",
+        key: "pipeline.evaluator.failure_rate",
+        unit: "",
+    },
+    LegacyVariable {
+        name: "WEBHOOK_URL",
+        key: "notifier.webhook_url",
+        unit: "",
+    },
 ];
 
 /// Keys whose values stay text even when they look like numbers.
@@ -619,14 +683,14 @@ impl Environment {
             let Some(rest) = name.strip_prefix("PGONCE_") else {
                 continue;
             };
-            match LEGACY_ENV.iter().find(|(flat, _, _)| *flat == rest) {
-                Some((_, key, unit)) => {
+            match LEGACY_ENV.iter().find(|legacy| legacy.name == rest) {
+                Some(&LegacyVariable { key, unit, .. }) => {
                     let value = if !unit.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
                         format!("{value}{unit}")
                     } else {
                         value
                     };
-                    legacy.push((name.clone(), (*key).to_owned(), value));
+                    legacy.push((name.clone(), key.to_owned(), value));
                 }
                 None => {
                     let key = rest.to_ascii_lowercase().replace("__", ".");
