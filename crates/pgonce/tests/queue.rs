@@ -1520,6 +1520,94 @@ async fn a_long_poll_wakes_on_send_not_on_its_timer() {
     conformance_long_poll_wakes_on_send(&q, parked).await;
 }
 
+/// Receivers of one handle family parked in long polls, each for one
+/// message, with no re-polling of their own within the test's wait.
+async fn parked_family(
+    pool: &PgPool,
+    receivers: usize,
+) -> (PgQueue, Vec<tokio::task::JoinHandle<usize>>) {
+    let options = PgQueueOptions {
+        poll_interval: Duration::from_secs(60),
+        ..PgQueueOptions::default()
+    };
+    let q = PgQueue::create(pool, "q", QueueAttributes::default(), options)
+        .await
+        .unwrap();
+    let waiting = (0..receivers)
+        .map(|_| {
+            let q = q.clone();
+            tokio::spawn(async move {
+                let request = ReceiveRequest::up_to(1).wait(Duration::from_secs(20));
+                q.receive(request).await.unwrap().len()
+            })
+        })
+        .collect();
+    while q.parked_receivers() < receivers {
+        tokio::task::yield_now().await;
+    }
+    (q, waiting)
+}
+
+/// A notification wakes one parked receiver of the family, and one that
+/// fills its batch wakes the next: a burst of as many messages as there
+/// are receivers reaches every one of them long before their wait or
+/// poll interval ends. (Waking one and nothing more left all but the
+/// first waiting out their 20 s.)
+#[tokio::test]
+async fn a_burst_wakes_as_many_parked_receivers_as_it_has_messages() {
+    let pool = pool().await;
+    let (q, waiting) = parked_family(&pool, 4).await;
+    let started = std::time::Instant::now();
+    q.send_batch((0..4).map(|i| SendMessage::new(format!("{i}"))).collect())
+        .await
+        .unwrap();
+    for receiver in waiting {
+        assert_eq!(receiver.await.unwrap(), 1, "every receiver got a message");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "woken by the send, not by the end of the wait: {:?}",
+        started.elapsed()
+    );
+}
+
+/// One message wakes one parked receiver, not the whole family: the
+/// others stay parked and do not look, where waking every receiver sent
+/// all of them to an empty receive for each send. The runtime is
+/// single-threaded, so the thread-local recorder sees every receive, and a
+/// receiver woken with the winner has looked by the time it has parked
+/// again. The winner, having filled its batch of one, wakes one more:
+/// at most one empty look.
+#[tokio::test(flavor = "current_thread")]
+async fn one_send_wakes_one_parked_receiver_not_the_family() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let pool = pool().await;
+    let empty = Arc::new(AtomicU64::new(0));
+    let recorder = support::OnCounter(|key: &metrics::Key| match key.name() {
+        "pgonce_queue_empty_receives_total" => metrics::Counter::from_arc(Arc::clone(&empty)),
+        _ => metrics::Counter::noop(),
+    });
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let (q, mut waiting) = parked_family(&pool, 4).await;
+    let looked_before = empty.load(Ordering::SeqCst);
+    q.send(SendMessage::new("one")).await.unwrap();
+    let mut got = 0;
+    while got == 0 {
+        let (done, _, rest) = futures::future::select_all(waiting).await;
+        got = done.unwrap();
+        waiting = rest;
+    }
+    while q.parked_receivers() < 3 {
+        tokio::task::yield_now().await;
+    }
+    let looked = empty.load(Ordering::SeqCst) - looked_before;
+    assert!(looked <= 1, "{looked} parked receivers looked in vain");
+    for receiver in waiting {
+        receiver.abort();
+    }
+}
+
 #[tokio::test]
 async fn a_long_poll_without_a_send_waits_its_time() {
     let pool = pool().await;

@@ -743,6 +743,11 @@ impl PgQueue {
             received.sort_by_key(|r| r.id.parse::<i64>().unwrap_or(0));
             metrics::counter!("pgonce_queue_received_total", "queue" => self.inner.name.clone())
                 .increment(received.len() as u64);
+        } else {
+            // As SQS's NumberOfEmptyReceives: receivers looking more often
+            // than messages arrive.
+            metrics::counter!("pgonce_queue_empty_receives_total", "queue" => self.inner.name.clone())
+                .increment(1);
         }
         let more = undelivered && received.len() < max && looked_further >= MAX_BATCH;
         Ok((received, more))
@@ -878,7 +883,11 @@ impl PgQueue {
 async fn listen(mut listener: PgListener, queue: String, notify: Arc<Notify>) {
     loop {
         match listener.recv().await {
-            Ok(n) if n.payload() == queue => notify.notify_waiters(),
+            // One receiver wakes per notification; one that fills its
+            // batch wakes the next (see `receive`). Waking every receiver
+            // of the family sent all of them to look for what one
+            // notification announced, and all but one found nothing.
+            Ok(n) if n.payload() == queue => notify.notify_one(),
             Ok(_) => {}
             Err(e) => {
                 // The listener reconnects on the next recv; notifications
@@ -923,7 +932,10 @@ impl Queue for PgQueue {
     /// Long polling: the handle LISTENs (one connection per handle family)
     /// and each send NOTIFYs; a parked receive wakes on a notification for
     /// this queue, at `poll_interval`, or at the end of `wait`, whichever
-    /// comes first. No connection is held while parked.
+    /// comes first. No connection is held while parked. A notification
+    /// wakes one receiver of the family, and a receive that fills its
+    /// batch wakes the next, so a burst reaches as many receivers as it
+    /// needs and a single message does not send the whole family looking.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
         request.validate()?;
         if request.wait.is_zero() {
@@ -941,6 +953,12 @@ impl Queue for PgQueue {
             notified.as_mut().enable();
             let (received, more) = self.receive_looking(&request).await?;
             let now = Instant::now();
+            if received.len() >= request.max_messages {
+                // A full batch: there may be more than this receive could
+                // take, and a notification wakes one receiver, so pass it
+                // on. (A receive that took fewer saw the queue drained.)
+                notify.notify_one();
+            }
             if !received.is_empty() || now >= deadline {
                 return Ok(received);
             }
