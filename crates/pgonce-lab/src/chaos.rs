@@ -354,6 +354,9 @@ pub async fn run_on(db: &RunDatabase, config: &ChaosConfig) -> anyhow::Result<Ch
         .execute(db.pool())
         .await
         .context("creating the chaos tables")?;
+    crate::scenario::guard::create_schema(db.pool())
+        .await
+        .context("creating the guard scenario's table")?;
     let started = Instant::now();
     let mut outcome = ChaosOutcome {
         seed: config.seed,

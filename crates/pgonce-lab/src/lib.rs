@@ -12,6 +12,9 @@
 //! - [`chaos`] runs concurrent workloads under injected faults from a
 //!   seeded schedule and checks their history against the invariants.
 //!
+//! The scenarios they drive are written once, in [`scenario`], each with
+//! its schema, its statements and the typed outcome of its writes.
+//!
 //! Every run works in a scratch database ([`scratch`]) and ends in a
 //! [`report::Report`]: tables for people, one JSON object for machines.
 //! The `pgonce` command exposes all four when built with its `lab` feature.
@@ -20,9 +23,9 @@ pub mod behind_pooler;
 pub mod bench;
 pub mod chaos;
 pub mod demo;
-pub mod guard_strategy;
 pub mod incident_run;
 pub mod plot;
 pub mod race;
 pub mod report;
+pub mod scenario;
 pub mod scratch;

@@ -5,11 +5,11 @@
 use pgonce::SequenceStrategy;
 use pgonce::events::AppendStrategy;
 use pgonce::job::JobStatus;
-use pgonce_lab::guard_strategy::GuardStrategy;
 use pgonce_lab::race::events::{self, AppendOutcome};
 use pgonce_lab::race::events_late_writer::{self, LateWriter};
 use pgonce_lab::race::jobs::{self, Delivery, JobCaseName};
 use pgonce_lab::race::{guard, lock_wait, sequence};
+use pgonce_lab::scenario::guard::GuardStrategy;
 use pgonce_lab::scratch::RunDatabase;
 use serde_json::json;
 

@@ -15,9 +15,11 @@
 //! * pool pressure (P=10, 100 in flight, L=50 ms): guard vs a session-level
 //!   lock held across the evaluation; goal at least 8x.
 //!
-//! A decision sees the entity's latest incident; if it is open it resolves
-//! it, otherwise it creates the next one. Violations are counted in the
-//! database afterwards (see `sql/guard_violations.sql`).
+//! The rows and writes are [`crate::scenario::guard`]'s. A decision reads
+//! the entity's OPEN incidents and resolves what is open, or else opens
+//! one ([`Decision::toggle`]), so every decision writes. Violations of I1
+//! are counted afterwards over the whole history: incidents of one entity
+//! OPEN at the same moment ([`scenario::overlaps`]).
 //!
 //! The session lock needs the client's server session to last from one
 //! transaction to the next. Behind a transaction-mode pooler it does not:
@@ -37,16 +39,18 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use pgonce::IsolationLevel;
-use pgonce::{Error, Guard, GuardConfig, LockKey, ReadSet};
+use pgonce::{Error, Guard, GuardConfig};
 use rand::Rng;
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{PgConnection, PgPool};
 
 use super::BenchArgs;
 use super::measure::{Outcome, closed_loop, median, new_histogram, round2, runs_row};
 use crate::behind_pooler::sessions_survive;
-use crate::guard_strategy::GuardStrategy as Strategy;
 use crate::report::{Report, Row};
+use crate::scenario::guard::{
+    self as scenario, Decision, Entity, GuardStrategy as Strategy, Written,
+};
 use crate::scratch::RunDatabase;
 
 #[derive(Debug, Clone, Copy)]
@@ -91,9 +95,7 @@ impl Extra {
 }
 
 pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
-    sqlx::raw_sql(include_str!("sql/guard_schema.sql"))
-        .execute(db.pool())
-        .await?;
+    scenario::create_schema(db.pool()).await?;
     let mut report = Report::new("bench", "guard", db.environment().await?);
     let phase = args.phase();
     let eval_short = Duration::from_millis(5);
@@ -231,6 +233,10 @@ pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     Ok(report)
 }
 
+/// The scope of the bench's rows (the table is emptied before each
+/// measurement).
+const SCOPE: &str = "bench-guard";
+
 /// Why the session lock is not measured behind a transaction-mode pooler.
 const SESSION_LOCK_SKIPPED: &str = "sessions do not survive from one transaction to the next \
      (a transaction-mode pooler is in between): a session-level lock would stay with a \
@@ -247,9 +253,7 @@ async fn measure(
     phase: Duration,
     run: u32,
 ) -> anyhow::Result<f64> {
-    sqlx::query(include_str!("sql/guard_reset.sql"))
-        .execute(db.pool())
-        .await?;
+    scenario::reset(db.pool()).await?;
     // No ping per checkout (sqlx's test_before_acquire, on by default): a
     // round trip of pool upkeep, not of any strategy, that the guard would
     // pay twice per decision (read and write) and the session lock once. A
@@ -274,9 +278,7 @@ async fn measure(
         .await
     };
     pool.close().await;
-    let violations: i64 = sqlx::query_scalar(include_str!("sql/guard_violations.sql"))
-        .fetch_one(db.pool())
-        .await?;
+    let violations = scenario::overlaps(db.pool(), SCOPE).await?.len() as i64;
     let secs = m.elapsed.as_secs_f64().max(1e-9);
     let incidents = extra.incidents.load(Ordering::Relaxed);
     let aborts = extra.aborts.load(Ordering::Relaxed);
@@ -325,52 +327,15 @@ async fn measure(
     Ok(m.ops_per_sec())
 }
 
-/// The entity's latest incident, as `sql/guard_latest.sql` returns it.
-#[derive(Debug, Clone, Copy, sqlx::FromRow)]
-struct LatestRow {
-    id: i64,
-    open: bool,
-}
-
-/// What a decision saw: the latest incident, if any.
-type Latest = Option<LatestRow>;
-
-async fn latest(conn: &mut PgConnection, entity: i32) -> sqlx::Result<Latest> {
-    sqlx::query_as(include_str!("sql/guard_latest.sql"))
-        .bind(entity)
-        .fetch_optional(conn)
-        .await
-}
-
-fn read_set(latest: Latest) -> ReadSet {
-    ReadSet::from_versions(latest.map(|row| (row.id, row.open as i64)))
-}
-
-/// Acts on the decision: resolve the open incident, or create the next.
-/// True when it created one (counted by the caller once committed).
-async fn act(conn: &mut PgConnection, entity: i32, seen: Latest) -> sqlx::Result<bool> {
-    match seen {
-        Some(LatestRow { id, open: true }) => {
-            sqlx::query(include_str!("sql/guard_resolve.sql"))
-                .bind(id)
-                .execute(conn)
-                .await?;
-            Ok(false)
+/// Counts what a committed (or refused) write did.
+fn tally(extra: &Extra, written: &Written) -> Outcome {
+    match written {
+        Written::Opened(_) => {
+            extra.incidents.fetch_add(1, Ordering::Relaxed);
+            None
         }
-        _ => {
-            sqlx::query(include_str!("sql/guard_insert.sql"))
-                .bind(entity)
-                .bind(seen.map_or(0, |row| row.id))
-                .execute(conn)
-                .await?;
-            Ok(true)
-        }
-    }
-}
-
-fn created(extra: &Extra, created: bool) {
-    if created {
-        extra.incidents.fetch_add(1, Ordering::Relaxed);
+        Written::Resolved(_) => None,
+        Written::Refused(_) => Some("conflicts"),
     }
 }
 
@@ -382,80 +347,48 @@ async fn decide(
     shape: Shape,
     entity: i32,
 ) -> anyhow::Result<Outcome> {
+    let entity = Entity::new(SCOPE, entity.to_string());
+    let entity = &entity;
     match strategy {
         Strategy::TwoTransactions => {
-            let seen = latest(&mut *pool.acquire().await?, entity).await?;
+            let seen = scenario::read_open(&mut *pool.acquire().await?, entity).await?;
             tokio::time::sleep(shape.eval).await;
             let t = Instant::now();
-            let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
-            let c = act(&mut tx, entity, seen).await?;
-            tx.commit().await?;
-            created(extra, c);
+            let written = scenario::write_plain(pool, entity, Decision::toggle(&seen), 0).await?;
             Extra::record(&extra.write_tx, t);
-            Ok(None)
+            Ok(tally(extra, &written))
         }
         Strategy::Guard => {
-            let mut seen: Latest = None;
-            guard
-                .read(pool, async |c| {
-                    seen = latest(c, entity).await?;
-                    Ok(read_set(seen))
-                })
-                .await?;
+            let seen = scenario::read_guarded(guard, pool, entity).await?;
             tokio::time::sleep(shape.eval).await;
-            let key = LockKey::new("bench-guard/entity", &entity.to_string())?;
             let t = Instant::now();
-            let mut granted = None;
-            let outcome = guard
-                .write(
-                    pool,
-                    key,
-                    &read_set(seen),
-                    async |c| {
-                        granted = Some(Instant::now());
-                        Ok(read_set(latest(c, entity).await?))
-                    },
-                    async |c| Ok(act(c, entity, seen).await?),
-                )
-                .await;
+            let decision = Decision::toggle(&seen);
+            let guarded = scenario::write_guarded(guard, pool, entity, &seen, decision, 0).await?;
             Extra::record(&extra.write_tx, t);
-            if let Some(g) = granted {
-                Extra::record(&extra.lock_hold, g);
+            if let Some(locked_at) = guarded.locked_at {
+                Extra::record(&extra.lock_hold, locked_at);
             }
-            match outcome {
-                Ok(c) => {
-                    created(extra, c);
-                    Ok(None)
-                }
-                Err(Error::Conflict { .. }) => Ok(Some("conflicts")),
-                Err(e) => Err(e.into()),
-            }
+            Ok(tally(extra, &guarded.written))
         }
         Strategy::GuardBeginCheck => {
-            let mut seen: Latest = None;
-            guard
-                .read(pool, async |c| {
-                    seen = latest(c, entity).await?;
-                    Ok(read_set(seen))
-                })
-                .await?;
+            let seen = scenario::read_guarded(guard, pool, entity).await?;
             tokio::time::sleep(shape.eval).await;
-            let key = LockKey::new("bench-guard/entity", &entity.to_string())?;
+            let key = entity.lock_key()?;
             let t = Instant::now();
             let mut granted = None;
             let mut tx = guard.begin(pool).await?;
             let checked = tx
-                .check(key, &read_set(seen), async |c| {
+                .check(key, &seen, async |c| {
                     granted = Some(Instant::now());
-                    Ok(read_set(latest(c, entity).await?))
+                    scenario::read_open(c, entity).await
                 })
                 .await;
             let outcome = match checked {
                 Ok(()) => {
-                    let c = act(&mut tx, entity, seen).await?;
+                    let written =
+                        scenario::apply(&mut tx, entity, Decision::toggle(&seen), 0).await?;
                     tx.commit().await?;
-                    created(extra, c);
-                    None
+                    tally(extra, &written)
                 }
                 Err(Error::Conflict { .. }) => {
                     tx.into_inner().rollback().await?;
@@ -471,27 +404,24 @@ async fn decide(
         }
         Strategy::Serializable => {
             for _attempt in 0..50 {
-                let result: Result<(), sqlx::Error> = async {
+                let result: pgonce::Result<Outcome> = async {
                     let mut tx = pgonce::begin(pool, IsolationLevel::Serializable).await?;
-                    let seen = latest(&mut tx, entity).await?;
+                    let seen = scenario::read_open(&mut tx, entity).await?;
                     tokio::time::sleep(shape.eval).await; // connection held
                     let t = Instant::now();
-                    let c = act(&mut tx, entity, seen).await?;
+                    let written =
+                        scenario::apply(&mut tx, entity, Decision::toggle(&seen), 0).await?;
                     tx.commit().await?;
-                    created(extra, c);
                     Extra::record(&extra.write_tx, t);
-                    Ok(())
+                    Ok(tally(extra, &written))
                 }
                 .await;
                 match result {
-                    Ok(()) => return Ok(None),
-                    Err(e) => {
-                        let e = Error::from(e);
-                        if !e.is_retryable() {
-                            return Err(e.into());
-                        }
+                    Ok(outcome) => return Ok(outcome),
+                    Err(e) if e.is_retryable() => {
                         extra.aborts.fetch_add(1, Ordering::Relaxed);
                     }
+                    Err(e) => return Err(e.into()),
                 }
             }
             // Starved: 50 aborts in a row. Counted, not an error: it is what
@@ -502,27 +432,19 @@ async fn decide(
             anyhow::bail!("{} is replayed by the race, not measured", strategy.name())
         }
         Strategy::SessionLock => {
-            let key = LockKey::new("bench-guard/entity", &entity.to_string())?.as_i64();
             let mut conn = pool.acquire().await?;
-            sqlx::query("SELECT pg_advisory_lock($1)")
-                .bind(key)
-                .execute(&mut *conn)
-                .await?;
+            scenario::lock_session(&mut conn, entity).await?;
             let granted = Instant::now();
-            let seen = latest(&mut conn, entity).await?;
+            let seen = scenario::read_open(&mut conn, entity).await?;
             tokio::time::sleep(shape.eval).await; // connection and lock held
             let t = Instant::now();
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let c = act(&mut tx, entity, seen).await?;
+            let written = scenario::apply(&mut tx, entity, Decision::toggle(&seen), 0).await?;
             tx.commit().await?;
-            created(extra, c);
             Extra::record(&extra.write_tx, t);
-            sqlx::query("SELECT pg_advisory_unlock($1)")
-                .bind(key)
-                .execute(&mut *conn)
-                .await?;
+            scenario::unlock_session(&mut conn, entity).await?;
             Extra::record(&extra.lock_hold, granted);
-            Ok(None)
+            Ok(tally(extra, &written))
         }
     }
 }

@@ -1,6 +1,8 @@
 //! The checker: written apart from the code under test, it knows only the
 //! invariants. It reads a round's history and, with its own SQL, the
-//! round's rows, and reports every violation it finds.
+//! round's rows, and reports every violation it finds. For I1 it asks the
+//! guard scenario's history check ([`crate::scenario::guard::overlaps`]),
+//! which knows the scenario's table and nothing of the guard.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -112,21 +114,8 @@ fn typed_exhaustion(entries: &[Entry], found: &mut Vec<Violation>) {
     }
 }
 
-#[derive(sqlx::FromRow)]
-struct OverlapRow {
-    entity: String,
-    first: i64,
-    second: i64,
-    first_op: i64,
-    second_op: i64,
-}
-
 async fn guard(round: &Round, found: &mut Vec<Violation>) -> anyhow::Result<()> {
-    let rows: Vec<OverlapRow> = sqlx::query_as(include_str!("sql/check_guard.sql"))
-        .bind(&round.scope)
-        .fetch_all(round.control())
-        .await?;
-    for r in rows {
+    for r in crate::scenario::guard::overlaps(round.control(), &round.scope).await? {
         found.push(violation(
             I1,
             format!(

@@ -2,20 +2,22 @@
 //! each read the entity's OPEN incidents, decide with no connection held,
 //! and open one only if they saw none, through the library's guarded
 //! write; a person resolves what is OPEN now and then. A redelivery that
-//! read before another delivery's write must be refused.
+//! read before another delivery's write must be refused. The scenario's
+//! rows and writes are [`crate::scenario::guard`]'s; this file draws the
+//! schedule and records the history.
 
 use rand::Rng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
-use sqlx::PgConnection;
 
-use pgonce::{Guard, GuardConfig, LockKey, ReadSet};
+use pgonce::{Guard, GuardConfig, ReadSet};
 
 use super::Mutant;
 use super::faults::{self, FaultKind};
 use super::history::Outcome;
 use super::round::Round;
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
+use crate::scenario::guard::{self as scenario, Decision, Entity, Written};
 
 pub const TASKS: usize = 3;
 const ENTITY: &str = "entity-1";
@@ -38,29 +40,9 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     steps
 }
 
-async fn open_incidents(conn: &mut PgConnection, scope: &str) -> pgonce::Result<ReadSet> {
-    let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/guard_open.sql"))
-        .bind(scope)
-        .bind(ENTITY)
-        .fetch_all(conn)
-        .await?;
-    Ok(ReadSet::from_ids(ids))
-}
-
-async fn insert(conn: &mut PgConnection, scope: &str, op: i64) -> pgonce::Result<()> {
-    sqlx::query(include_str!("sql/guard_insert.sql"))
-        .bind(scope)
-        .bind(ENTITY)
-        .bind(op)
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
 pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     let guard = Guard::new("chaos-open-incident", GuardConfig::default())?;
-    let key = LockKey::new("chaos-entity", &format!("{}/{ENTITY}", round.scope))?;
-    let scope = round.scope.clone();
+    let entity = Entity::new(round.scope.clone(), ENTITY);
     let mut seen: Vec<Option<ReadSet>> = vec![None; round.tasks()];
     for step in steps {
         let task = step.task;
@@ -72,9 +54,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
             }
             Action::Read => {
                 let op = round.history.invoke(task, step.action, Value::Null);
-                let read = guard
-                    .read(&pool, async |c| open_incidents(c, &scope).await)
-                    .await;
+                let read = scenario::read_guarded(&guard, &pool, &entity).await;
                 let outcome = match &read {
                     Ok(set) => Outcome::ok(set.ids().collect::<Vec<_>>()),
                     Err(e) => Outcome::error(e),
@@ -88,8 +68,8 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                     round.history.skip(task, step.action);
                     continue;
                 };
-                if !read.is_empty() {
-                    // The decision: something is OPEN, nothing to open.
+                let Some(decision) = Decision::open_if_none(&read) else {
+                    // Something is OPEN: nothing to open.
                     round.history.record(
                         task,
                         step.action,
@@ -97,41 +77,34 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
                         Outcome::Skipped,
                     );
                     continue;
-                }
+                };
                 let op = round
                     .history
                     .invoke(task, step.action, json!({ "seen": 0 }));
                 let written = if round.mutant == Some(Mutant::GuardOff) {
                     // The plain path: write in a transaction of its own,
                     // trusting the earlier read.
-                    async {
-                        let mut conn = pool.acquire().await?;
-                        insert(&mut conn, &scope, op).await
-                    }
-                    .await
+                    scenario::write_plain(&pool, &entity, decision, op).await
                 } else {
-                    guard
-                        .write(
-                            &pool,
-                            key,
-                            &read,
-                            async |c| open_incidents(c, &scope).await,
-                            async |c| insert(c, &scope, op).await,
-                        )
+                    scenario::write_guarded(&guard, &pool, &entity, &read, decision, op)
                         .await
+                        .map(|g| g.written)
                 };
-                round.history.finish(op, &written);
-                round.after_operation(task, written.is_ok());
+                let outcome = match &written {
+                    Ok(Written::Refused(e)) | Err(e) => Outcome::error(e),
+                    Ok(_) => Outcome::ok(Value::Null),
+                };
+                let ok = outcome.is_ok();
+                round.history.complete(op, outcome);
+                round.after_operation(task, ok);
             }
             Action::Close => {
                 let op = round.history.invoke(task, step.action, Value::Null);
-                let closed: pgonce::Result<u64> = sqlx::query(include_str!("sql/guard_close.sql"))
-                    .bind(&scope)
-                    .bind(ENTITY)
-                    .execute(&pool)
-                    .await
-                    .map(|r| r.rows_affected())
-                    .map_err(Into::into);
+                let closed = async {
+                    let mut conn = pool.acquire().await?;
+                    scenario::resolve(&mut conn, &entity).await
+                }
+                .await;
                 round.history.finish(op, &closed);
                 round.after_operation(task, closed.is_ok());
             }

@@ -4,20 +4,21 @@
 //! try to create one, under each strategy. The table shows, from the database,
 //! how many incidents are open at the end: two for the unsafe strategies, one
 //! for the safe ones, and for each whether a connection was held while
-//! evaluating.
+//! evaluating. The rows and statements are [`crate::scenario::guard`]'s;
+//! this file decides which worker runs which of them when.
 
 use std::time::Duration;
 
-use pgonce::Error;
-use pgonce::IsolationLevel;
-use pgonce_incidents::{Service, ServiceConfig, WritePath};
+use pgonce::{Error, Guard, GuardConfig, IsolationLevel, ReadSet};
 use pgonce_testkit::{HarnessError, Interleaving, Session, Step};
-use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres};
 
 use super::timeline_rows;
-use crate::guard_strategy::GuardStrategy as Strategy;
 use crate::report::{Environment, Report, Row};
+use crate::scenario::guard::{
+    self as scenario, Decision, Entity, GuardStrategy as Strategy, Written,
+};
 use crate::scratch::RunDatabase;
 
 /// The strategies raced, in the report's order.
@@ -73,9 +74,12 @@ struct Ctx {
     race: Interleaving,
     w1: Session,
     w2: Session,
-    org: i64,
-    policy: i64,
-    entity: i64,
+    entity: Entity,
+}
+
+/// The op each worker's incident is tagged with.
+fn op_of(w: &Session) -> i64 {
+    if w.name() == "W1" { 1 } else { 2 }
 }
 
 pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
@@ -83,47 +87,23 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     Ok(report(&race, db.environment().await?))
 }
 
-/// The policy `sql/guard_policy.sql` creates, with its organization.
-#[derive(sqlx::FromRow)]
-struct PolicyRow {
-    organization_id: i64,
-    id: i64,
-}
-
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
-    pgonce_incidents::migrate(db.pool()).await?;
-    sqlx::raw_sql(include_str!("sql/guard_setup.sql"))
-        .execute(db.pool())
-        .await?;
+    scenario::create_schema(db.pool()).await?;
     let mut cases = Vec::new();
     for strategy in RACED {
-        let PolicyRow {
-            organization_id: org,
-            id: policy,
-        } = sqlx::query_as(include_str!("sql/guard_policy.sql"))
-            .bind(format!("one-open-incident/{}", strategy.name()))
-            .fetch_one(db.pool())
-            .await?;
-        let entity: i64 = sqlx::query_scalar(include_str!("sql/guard_entity.sql"))
-            .bind(policy)
-            .bind(format!("entity-{}", strategy.name()))
-            .fetch_one(db.pool())
-            .await?;
+        // Each strategy its own scope, so earlier strategies' duplicates
+        // stay as evidence.
+        let entity = Entity::new(format!("race-guard/{}", strategy.name()), "entity-1");
         let race = Interleaving::new(db.options()).await?;
         let ctx = Ctx {
             w1: race.session("W1").await?,
             w2: race.session("W2").await?,
             race,
-            org,
-            policy,
             entity,
         };
         if strategy == Strategy::UniqueIndex {
-            // The index covers this strategy's own policy only, so earlier
-            // strategies' duplicates stay as evidence. The id is ours.
-            let sql =
-                include_str!("sql/guard_unique_index.sql").replace("$policy", &policy.to_string());
-            sqlx::query(sqlx::AssertSqlSafe(sql))
+            // The index covers this strategy's own scope only.
+            sqlx::query(include_str!("sql/guard_unique_index.sql"))
                 .execute(db.pool())
                 .await?;
         }
@@ -147,7 +127,7 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
         }
         cases.push(GuardCase {
             strategy,
-            open_incidents: count_open(db.pool(), policy, entity).await?,
+            open_incidents: count_open(db.pool(), &ctx.entity).await?,
             conflicts: outcome.conflicts,
             aborts: outcome.aborts,
             retries: outcome.retries,
@@ -224,12 +204,9 @@ pub fn report(race: &GuardRace, environment: Environment) -> Report {
     report
 }
 
-async fn count_open(pool: &PgPool, policy: i64, entity: i64) -> sqlx::Result<i64> {
-    sqlx::query_scalar(include_str!("sql/guard_count_open.sql"))
-        .bind(policy)
-        .bind(entity)
-        .fetch_one(pool)
-        .await
+async fn count_open(pool: &PgPool, entity: &Entity) -> pgonce::Result<i64> {
+    let open = scenario::read_open(&mut *pool.acquire().await?, entity).await?;
+    Ok(open.len() as i64)
 }
 
 /// Whether the worker's code holds its session's only connection right now
@@ -257,34 +234,17 @@ async fn evaluate(ctx: &Ctx, w: &Session, at: &str, outcome: &mut Counts) -> any
     Ok(())
 }
 
-async fn read_open(conn: &mut sqlx::PgConnection, ctx: &Ctx) -> sqlx::Result<Vec<i64>> {
-    sqlx::query_scalar(include_str!("sql/guard_read_open.sql"))
-        .bind(ctx.policy)
-        .bind(ctx.entity)
-        .fetch_all(conn)
-        .await
-}
-
-async fn insert(conn: &mut sqlx::PgConnection, ctx: &Ctx, who: &str) -> sqlx::Result<()> {
-    sqlx::query(include_str!("sql/guard_insert.sql"))
-        .bind(ctx.policy)
-        .bind(ctx.entity)
-        .bind(who)
-        .execute(conn)
-        .await
-        .map(|_| ())
-}
-
 /// The naive code: read in one transaction, write in another. With
-/// `unique_index`, a partial unique index (one OPEN incident per policy and
-/// entity) turns W2's insert into a unique violation, counted as a conflict.
+/// `unique_index`, a partial unique index (one OPEN incident per entity of
+/// the scope) turns W2's insert into a unique violation, counted as a
+/// conflict.
 async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Counts> {
     let mut outcome = Counts::default();
-    let read = async |w: &Session| -> sqlx::Result<Vec<i64>> {
+    let read = async |w: &Session| -> pgonce::Result<ReadSet> {
         let mut tx = pgonce::begin_read_only(w.pool(), IsolationLevel::ReadCommitted).await?;
-        let ids = read_open(&mut tx, ctx).await?;
+        let seen = scenario::read_open(&mut tx, &ctx.entity).await?;
         tx.commit().await?;
-        Ok(ids)
+        Ok(seen)
     };
     let seen1 = ctx
         .race
@@ -296,37 +256,25 @@ async fn two_transactions(ctx: &Ctx, unique_index: bool) -> anyhow::Result<Count
         .try_step(&ctx.w2, "T05 read open incidents", read(&ctx.w2))
         .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
-    let write = async |w: &Session, who: &str| -> sqlx::Result<()> {
-        let mut tx = pgonce::begin(w.pool(), IsolationLevel::ReadCommitted).await?;
-        insert(&mut tx, ctx, who).await?;
-        tx.commit().await
-    };
     for (w, seen, at) in [(&ctx.w1, &seen1, "T08"), (&ctx.w2, &seen2, "T10")] {
-        if !seen.is_empty() {
+        let Some(decision) = Decision::open_if_none(seen) else {
             continue;
-        }
-        let done = ctx
+        };
+        let written = ctx
             .race
-            .step(
+            .try_step(
                 w,
                 &format!("{at} insert incident, COMMIT"),
-                write(w, w.name()),
+                scenario::write_plain(w.pool(), &ctx.entity, decision, op_of(w)),
             )
             .await?;
-        match done {
-            Ok(()) => {}
-            Err(e) if unique_index && is_unique_violation(&e) => {
-                outcome.conflicts += 1;
-                ctx.race.note(w, "unique violation: another worker won");
-            }
-            Err(e) => return Err(e.into()),
+        if let Written::Refused(e) = written {
+            anyhow::ensure!(unique_index, "refused with no unique index: {e}");
+            outcome.conflicts += 1;
+            ctx.race.note(w, "unique violation: another worker won");
         }
     }
     Ok(outcome)
-}
-
-fn is_unique_violation(e: &sqlx::Error) -> bool {
-    pgonce::error::sqlstate_of(e).as_deref() == Some(pgonce::error::sqlstate::UNIQUE_VIOLATION)
 }
 
 /// Read, evaluate and write in one transaction at `level`; under
@@ -334,41 +282,60 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
 async fn one_transaction(ctx: &Ctx, level: IsolationLevel) -> anyhow::Result<Counts> {
     let begin = &format!("BEGIN ISOLATION LEVEL {level}");
     let mut outcome = Counts::default();
-    let race = &ctx.race;
+    let (race, entity) = (&ctx.race, &ctx.entity);
     let mut tx1 = race
         .try_step(&ctx.w1, begin, pgonce::begin(ctx.w1.pool(), level))
         .await?;
     let seen1 = race
-        .try_step(&ctx.w1, "T01 read open incidents", read_open(&mut tx1, ctx))
+        .try_step(
+            &ctx.w1,
+            "T01 read open incidents",
+            scenario::read_open(&mut tx1, entity),
+        )
         .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let mut tx2 = race
         .try_step(&ctx.w2, begin, pgonce::begin(ctx.w2.pool(), level))
         .await?;
     let seen2 = race
-        .try_step(&ctx.w2, "T05 read open incidents", read_open(&mut tx2, ctx))
+        .try_step(
+            &ctx.w2,
+            "T05 read open incidents",
+            scenario::read_open(&mut tx2, entity),
+        )
         .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
-    if seen1.is_empty() {
-        race.try_step(&ctx.w1, "T08 insert incident", insert(&mut tx1, ctx, "W1"))
-            .await?;
+    if let Some(decision) = Decision::open_if_none(&seen1) {
+        race.try_step(
+            &ctx.w1,
+            "T08 insert incident",
+            scenario::apply(&mut tx1, entity, decision, 1),
+        )
+        .await?;
     }
     race.try_step(&ctx.w1, "T08 COMMIT", tx1.commit()).await?;
-    let mut w2_result: sqlx::Result<()> = Ok(());
-    if seen2.is_empty() {
+    let mut w2_result: pgonce::Result<()> = Ok(());
+    if let Some(decision) = Decision::open_if_none(&seen2) {
         w2_result = race
-            .step(&ctx.w2, "T10 insert incident", insert(&mut tx2, ctx, "W2"))
-            .await?;
+            .step(
+                &ctx.w2,
+                "T10 insert incident",
+                scenario::apply(&mut tx2, entity, decision, 2),
+            )
+            .await?
+            .map(|_| ());
     }
     if w2_result.is_ok() {
-        w2_result = race.step(&ctx.w2, "T10 COMMIT", tx2.commit()).await?;
+        w2_result = race
+            .step(&ctx.w2, "T10 COMMIT", tx2.commit())
+            .await?
+            .map_err(Error::from);
     } else {
         drop(tx2);
     }
     match w2_result {
         Ok(()) => {}
         Err(e) => {
-            let e = Error::from(e);
             if !(level == IsolationLevel::Serializable && e.is_retryable()) {
                 return Err(e.into());
             }
@@ -384,15 +351,15 @@ async fn one_transaction(ctx: &Ctx, level: IsolationLevel) -> anyhow::Result<Cou
                 .try_step(
                     &ctx.w2,
                     "retry: read open incidents",
-                    read_open(&mut tx, ctx),
+                    scenario::read_open(&mut tx, entity),
                 )
                 .await?;
             evaluate(ctx, &ctx.w2, "retry:", &mut outcome).await?;
-            if seen.is_empty() {
+            if let Some(decision) = Decision::open_if_none(&seen) {
                 race.try_step(
                     &ctx.w2,
                     "retry: insert incident",
-                    insert(&mut tx, ctx, "W2"),
+                    scenario::apply(&mut tx, entity, decision, 2),
                 )
                 .await?;
             } else {
@@ -411,24 +378,27 @@ async fn one_transaction(ctx: &Ctx, level: IsolationLevel) -> anyhow::Result<Cou
 /// write, across the evaluation: W2 waits for W1's whole evaluation.
 async fn session_lock(ctx: &Ctx) -> anyhow::Result<Counts> {
     let mut outcome = Counts::default();
-    let race = &ctx.race;
-    let key = pgonce::LockKey::new("race-guard/entity", &ctx.entity.to_string())?.as_i64();
+    let (race, entity) = (&ctx.race, &ctx.entity);
     let mut c1 = race
         .try_step(
             &ctx.w1,
             "T01 pg_advisory_lock(entity)",
-            session_lock_on(ctx.w1.pool().clone(), key),
+            session_lock_on(ctx.w1.pool().clone(), entity.clone()),
         )
         .await?;
     let seen1 = race
-        .try_step(&ctx.w1, "T01 read open incidents", read_open(&mut c1, ctx))
+        .try_step(
+            &ctx.w1,
+            "T01 read open incidents",
+            scenario::read_open(&mut c1, entity),
+        )
         .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let waiting = race
         .step_blocks(
             &ctx.w2,
             "T05 pg_advisory_lock(entity)",
-            session_lock_on(ctx.w2.pool().clone(), key),
+            session_lock_on(ctx.w2.pool().clone(), entity.clone()),
         )
         .await;
     let waiting = match waiting {
@@ -438,31 +408,37 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Counts> {
         }
         Err(e) => return Err(e.into()),
     };
-    if seen1.is_empty() {
+    if let Some(decision) = Decision::open_if_none(&seen1) {
         race.try_step(
             &ctx.w1,
             "T08 insert incident (autocommit)",
-            insert(&mut c1, ctx, "W1"),
+            scenario::apply(&mut c1, entity, decision, 1),
         )
         .await?;
     }
     race.try_step(
         &ctx.w1,
         "T08 pg_advisory_unlock(entity)",
-        sqlx::query(include_str!("sql/guard_session_unlock.sql"))
-            .bind(key)
-            .execute(&mut *c1),
+        scenario::unlock_session(&mut c1, entity),
     )
     .await?;
     drop(c1);
     let mut c2 = waiting.try_resume().await?;
     let seen2 = race
-        .try_step(&ctx.w2, "T09 read open incidents", read_open(&mut c2, ctx))
+        .try_step(
+            &ctx.w2,
+            "T09 read open incidents",
+            scenario::read_open(&mut c2, entity),
+        )
         .await?;
     evaluate(ctx, &ctx.w2, "T09", &mut outcome).await?;
-    if seen2.is_empty() {
-        race.try_step(&ctx.w2, "T10 insert incident", insert(&mut c2, ctx, "W2"))
-            .await?;
+    if let Some(decision) = Decision::open_if_none(&seen2) {
+        race.try_step(
+            &ctx.w2,
+            "T10 insert incident",
+            scenario::apply(&mut c2, entity, decision, 2),
+        )
+        .await?;
     } else {
         race.note(
             &ctx.w2,
@@ -472,69 +448,70 @@ async fn session_lock(ctx: &Ctx) -> anyhow::Result<Counts> {
     race.try_step(
         &ctx.w2,
         "T10 pg_advisory_unlock(entity)",
-        sqlx::query(include_str!("sql/guard_session_unlock.sql"))
-            .bind(key)
-            .execute(&mut *c2),
+        scenario::unlock_session(&mut c2, entity),
     )
     .await?;
     Ok(outcome)
 }
 
-/// Checks a connection out and takes the session-level lock on it; the
-/// connection stays checked out until the caller drops it.
-async fn session_lock_on(pool: PgPool, key: i64) -> sqlx::Result<PoolConnection<sqlx::Postgres>> {
+/// Checks a connection out and takes the entity's session-level lock on
+/// it; the connection stays checked out until the caller drops it.
+async fn session_lock_on(pool: PgPool, entity: Entity) -> pgonce::Result<PoolConnection<Postgres>> {
     let mut conn = pool.acquire().await?;
-    sqlx::query(include_str!("sql/guard_session_lock.sql"))
-        .bind(key)
-        .execute(&mut *conn)
-        .await?;
+    scenario::lock_session(&mut conn, &entity).await?;
     Ok(conn)
 }
 
-/// pgonce's guard, through the incident service (both workers handle the
-/// same queue message, delivered twice).
+/// pgonce's guard: a short read on a connection released before the
+/// evaluation, then lock, re-read, compare and write (both workers handle
+/// the same message, delivered twice).
 async fn guard(ctx: &Ctx) -> anyhow::Result<Counts> {
     let mut outcome = Counts::default();
-    let race = &ctx.race;
-    let service = |w: &Session| Service::new(w.pool().clone(), ServiceConfig::default());
-    let (s1, s2) = (service(&ctx.w1)?, service(&ctx.w2)?);
-    let policy = pgonce_incidents::store::get_policy(s1.pool(), ctx.org, ctx.policy).await?;
+    let (race, entity) = (&ctx.race, &ctx.entity);
+    let guard = Guard::new("race-guard", GuardConfig::default())?;
     let seen1 = race
         .try_step(
             &ctx.w1,
-            "T01 observe (short read, connection released)",
-            s1.observe(&policy, ctx.entity, "message-1"),
+            "T01 guarded read (short, connection released)",
+            scenario::read_guarded(&guard, ctx.w1.pool(), entity),
         )
         .await?;
     evaluate(ctx, &ctx.w1, "T02", &mut outcome).await?;
     let seen2 = race
         .try_step(
             &ctx.w2,
-            "T05 observe (short read, connection released)",
-            s2.observe(&policy, ctx.entity, "message-1"),
+            "T05 guarded read (short, connection released)",
+            scenario::read_guarded(&guard, ctx.w2.pool(), entity),
         )
         .await?;
     evaluate(ctx, &ctx.w2, "T06", &mut outcome).await?;
-    for (w, s, seen, at) in [(&ctx.w1, &s1, &seen1, "T08"), (&ctx.w2, &s2, &seen2, "T10")] {
+    for (w, seen, at) in [(&ctx.w1, &seen1, "T08"), (&ctx.w2, &seen2, "T10")] {
+        let Some(decision) = Decision::open_if_none(seen) else {
+            race.note(
+                w,
+                &format!("{at} an incident is open already; nothing to create"),
+            );
+            continue;
+        };
         let done = race
-            .step(
+            .try_step(
                 w,
                 &format!("{at} guarded write: lock, re-read, compare, insert, COMMIT"),
-                s.open_from_pipeline(ctx.org, seen, w.name(), WritePath::Guarded),
+                scenario::write_guarded(&guard, w.pool(), entity, seen, decision, op_of(w)),
             )
             .await?;
-        match done {
-            Ok(_) => {}
-            Err(pgonce_incidents::Error::Pgonce(Error::Conflict {
+        match done.written {
+            Written::Refused(Error::Conflict {
                 expected, found, ..
-            })) => {
+            }) => {
                 outcome.conflicts += 1;
                 race.note(
                     w,
                     &format!("Conflict: expected {expected}, found {found}; nothing written"),
                 );
             }
-            Err(e) => return Err(e.into()),
+            Written::Refused(e) => return Err(e.into()),
+            Written::Opened(_) | Written::Resolved(_) => {}
         }
     }
     Ok(outcome)

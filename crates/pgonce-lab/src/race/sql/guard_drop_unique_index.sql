@@ -1,1 +1,1 @@
-DROP INDEX IF EXISTS incidents.race_guard_one_open_incident
+DROP INDEX IF EXISTS public.race_guard_one_open_incident

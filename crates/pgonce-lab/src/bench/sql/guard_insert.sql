@@ -1,1 +1,0 @@
-INSERT INTO bench_guard_incidents (entity, prev) VALUES ($1, $2)

@@ -1,1 +1,0 @@
-TRUNCATE bench_guard_incidents RESTART IDENTITY

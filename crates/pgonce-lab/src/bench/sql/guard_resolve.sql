@@ -1,1 +1,0 @@
-UPDATE bench_guard_incidents SET open = false WHERE id = $1

@@ -1,4 +1,0 @@
--- The guard scenario's read set: the entity's OPEN incidents.
-SELECT id FROM public.chaos_incident
-WHERE scope = $1 AND entity = $2 AND closed_at IS NULL
-ORDER BY id

@@ -1,0 +1,1 @@
+TRUNCATE public.guard_incident RESTART IDENTITY
