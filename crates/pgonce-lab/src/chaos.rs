@@ -357,6 +357,9 @@ pub async fn run_on(db: &RunDatabase, config: &ChaosConfig) -> anyhow::Result<Ch
     crate::scenario::guard::create_schema(db.pool())
         .await
         .context("creating the guard scenario's table")?;
+    crate::scenario::sequence::create_schema(db.pool())
+        .await
+        .context("creating the sequence scenario's tables")?;
     let started = Instant::now();
     let mut outcome = ChaosOutcome {
         seed: config.seed,

@@ -9,23 +9,24 @@
 //!   scope is locked only for number, insert and COMMIT.
 //!
 //! Per strategy: declarations/s, latency, lock wait, lock hold, conflicts,
-//! and violations of I2 counted in the database afterwards.
+//! and violations of I2 counted in the database afterwards. The declarations,
+//! their table and the check are the sequence scenario's
+//! ([`crate::scenario::sequence`]); the table is emptied before each phase.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
-use pgonce::IsolationLevel;
-use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
+use pgonce::{Sequence, SequenceStrategy as Strategy};
 use sqlx::{PgConnection, PgPool};
 
 use super::BenchArgs;
 use super::measure::{Measured, closed_loop, median, new_histogram, round2, runs_row};
 use crate::report::{Goal, Report, Row};
+use crate::scenario::sequence::{self as scenario, Declared};
 use crate::scratch::RunDatabase;
 
-const TABLE: &str = "public.bench_seq_incidents";
 /// The service-level objective for declaring an incident: 3 s.
 const SLO_MS: f64 = 3000.0;
 /// The goals this bench reports against (not part of its verdict):
@@ -58,7 +59,8 @@ struct Phase {
     pool: PgPool,
     seq: Sequence,
     window: Window,
-    scopes: usize,
+    /// The organizations' scopes; worker `w` declares in `w % len`.
+    scopes: Vec<String>,
     times: Mutex<LockTimes>,
 }
 
@@ -77,9 +79,7 @@ struct Figures {
 }
 
 pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
-    sqlx::raw_sql(include_str!("sql/sequence_schema.sql"))
-        .execute(db.pool())
-        .await?;
+    scenario::create_schema(db.pool()).await?;
     let mut report = Report::new("bench", "sequence", db.environment().await?);
     let (scopes, declarers) = (8, 4);
 
@@ -237,22 +237,14 @@ async fn phase(
     scopes: usize,
     declarers: usize,
 ) -> anyhow::Result<Figures> {
-    sqlx::raw_sql(
-        "TRUNCATE public.bench_seq_incidents, public.bench_seq_work; \
-         DELETE FROM pgonce.sequence_counters",
-    )
-    .execute(db.pool())
-    .await?;
-    let seq = Sequence::new(
-        NumberedTable::new(TABLE, "org", "number")?,
-        SequenceConfig { strategy },
-    )?;
+    scenario::reset(db.pool()).await?;
+    let seq = scenario::sequence(strategy)?;
     seq.check_schema(db.pool()).await?;
     let ctx = Arc::new(Phase {
         pool: db.pool().clone(),
         seq,
         window,
-        scopes,
+        scopes: (0..scopes).map(|org| format!("org-{org}")).collect(),
         times: Mutex::new(LockTimes {
             wait: new_histogram(),
             hold: new_histogram(),
@@ -272,7 +264,7 @@ async fn phase(
         )
         .await
     };
-    let violations = violations(db.pool(), &m).await?;
+    let violations = violations(db.pool(), &ctx.scopes, &m).await?;
     let times = ctx.times.lock().expect("lock times");
     Ok(figures(
         &m, strategy, window, scopes, declarers, &times, violations,
@@ -332,9 +324,7 @@ async fn commit_probe(pool: &PgPool) -> anyhow::Result<f64> {
     let mut times = Vec::new();
     for _ in 0..30 {
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        sqlx::query("INSERT INTO public.bench_seq_work (org, what) VALUES (-1, 'commit probe')")
-            .execute(&mut *tx)
-            .await?;
+        scenario::other_work(&mut tx, "commit-probe", "commit probe").await?;
         let t = std::time::Instant::now();
         tx.commit().await?;
         times.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -345,67 +335,59 @@ async fn commit_probe(pool: &PgPool) -> anyhow::Result<f64> {
 /// One declaration: the other work and the number, in the order `window`
 /// says, in one READ COMMITTED transaction.
 async fn declare(ctx: &Phase, worker: usize) -> anyhow::Result<Option<&'static str>> {
-    let org = (worker % ctx.scopes) as i64;
+    let scope = &ctx.scopes[worker % ctx.scopes.len()];
+    let op = worker as i64;
     let outcome = match ctx.window {
-        Window::Early => early(ctx, org).await,
-        Window::Late => late(ctx, org).await,
+        Window::Early => early(ctx, scope, op).await?,
+        Window::Late => late(ctx, scope, op).await?,
     };
     match outcome {
-        Ok((waited, held)) => {
+        Declared::Numbered((waited, held)) => {
             let mut times = ctx.times.lock().expect("lock times");
             let _ = times.wait.record(waited.as_micros().max(1) as u64);
             let _ = times.hold.record(held.as_micros().max(1) as u64);
             Ok(None)
         }
-        Err(Error::NumberTaken { .. }) => Ok(Some("conflicts")),
-        Err(e) if e.is_retryable() => Ok(Some("aborts")),
-        Err(e) => Err(e.into()),
+        Declared::NumberTaken(_) => Ok(Some("conflicts")),
+        Declared::Aborted(_) => Ok(Some("aborts")),
     }
 }
 
+/// Lock wait and lock hold of a declaration.
+type LockTime = (Duration, Duration);
+
 /// The naive order: number first, then everything else, then COMMIT.
-async fn early(ctx: &Phase, org: i64) -> pgonce::Result<(Duration, Duration)> {
-    let mut tx = pgonce::begin(&ctx.pool, IsolationLevel::ReadCommitted).await?;
-    let taken = ctx.seq.next(&mut tx, &org).await?;
-    if let Err(e) = insert_incident(&mut tx, org, taken.number).await {
-        return Err(ctx.seq.number_taken(e, &org, taken.number));
-    }
-    other_work(&mut tx, org).await?;
+async fn early(ctx: &Phase, scope: &str, op: i64) -> pgonce::Result<Declared<LockTime>> {
+    let mut tx = scenario::begin(&ctx.pool).await?;
+    let taken = match scenario::number(&ctx.seq, &mut tx, scope, op)
+        .await?
+        .numbered()
+    {
+        Ok(taken) => taken,
+        Err(refused) => return Ok(refused),
+    };
+    other_work(&mut tx, scope).await?;
     tx.commit().await?;
-    Ok((taken.waited, taken.granted_at.elapsed()))
+    Ok(Declared::Numbered((
+        taken.waited,
+        taken.granted_at.elapsed(),
+    )))
 }
 
 /// The short window: everything else first, the number last.
-async fn late(ctx: &Phase, org: i64) -> pgonce::Result<(Duration, Duration)> {
-    let mut tx = pgonce::begin(&ctx.pool, IsolationLevel::ReadCommitted).await?;
-    other_work(&mut tx, org).await?;
-    let done = ctx
-        .seq
-        .commit_numbered(tx, &org, async |conn: &mut PgConnection, n| {
-            insert_incident(conn, org, n).await
-        })
-        .await?;
-    Ok((done.waited, done.held))
-}
-
-async fn insert_incident(conn: &mut PgConnection, org: i64, number: i64) -> pgonce::Result<()> {
-    sqlx::query(include_str!("sql/sequence_insert_incident.sql"))
-        .bind(org)
-        .bind(number)
-        .execute(conn)
-        .await?;
-    Ok(())
+async fn late(ctx: &Phase, scope: &str, op: i64) -> pgonce::Result<Declared<LockTime>> {
+    let mut tx = scenario::begin(&ctx.pool).await?;
+    other_work(&mut tx, scope).await?;
+    Ok(scenario::commit_numbered(&ctx.seq, tx, scope, op)
+        .await?
+        .map(|done| (done.waited, done.held)))
 }
 
 /// Three inserts and a 5-20 ms step (a remote call) while the transaction
 /// is open.
-async fn other_work(conn: &mut PgConnection, org: i64) -> pgonce::Result<()> {
+async fn other_work(conn: &mut PgConnection, scope: &str) -> pgonce::Result<()> {
     for what in ["channel", "responders", "timeline"] {
-        sqlx::query("INSERT INTO public.bench_seq_work (org, what) VALUES ($1, $2)")
-            .bind(org)
-            .bind(what)
-            .execute(&mut *conn)
-            .await?;
+        scenario::other_work(&mut *conn, scope, what).await?;
     }
     let ms: u64 = rand::random_range(5..=20);
     tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -414,21 +396,11 @@ async fn other_work(conn: &mut PgConnection, org: i64) -> pgonce::Result<()> {
 
 /// I2 checked in the database: gaps and duplicates per scope, and committed
 /// rows that differ from the declarations reported as committed.
-async fn violations(pool: &PgPool, m: &Measured) -> anyhow::Result<i64> {
-    /// I2 in the table, as `sql/sequence_violations.sql` counts it.
-    #[derive(sqlx::FromRow)]
-    struct Violations {
-        gaps: i64,
-        duplicates: i64,
-        rows: i64,
-    }
-    let Violations {
-        gaps,
-        duplicates,
-        rows,
-    } = sqlx::query_as(include_str!("sql/sequence_violations.sql"))
-        .fetch_one(pool)
-        .await?;
+async fn violations(pool: &PgPool, scopes: &[String], m: &Measured) -> anyhow::Result<i64> {
+    let numbers = scenario::numbers(pool, scopes).await?;
+    let gaps: i64 = numbers.iter().map(|s| s.gaps()).sum();
+    let duplicates: i64 = numbers.iter().map(|s| s.duplicates()).sum();
+    let rows: i64 = numbers.iter().map(|s| s.numbers.len() as i64).sum();
     let conflicts = m.counters.get("conflicts").copied().unwrap_or(0);
     let aborts = m.counters.get("aborts").copied().unwrap_or(0);
     let declared = (m.ops - conflicts - aborts) as i64;

@@ -2,7 +2,10 @@
 //! invariants. It reads a round's history and, with its own SQL, the
 //! round's rows, and reports every violation it finds. For I1 it asks the
 //! guard scenario's history check ([`crate::scenario::guard::overlaps`]),
-//! which knows the scenario's table and nothing of the guard.
+//! which knows the scenario's table and nothing of the guard; for I2 the
+//! sequence scenario's per-scope check
+//! ([`crate::scenario::sequence::numbers`]), which knows the numbered table
+//! and nothing of the strategies.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -127,33 +130,27 @@ async fn guard(round: &Round, found: &mut Vec<Violation>) -> anyhow::Result<()> 
     Ok(())
 }
 
-#[derive(sqlx::FromRow)]
-struct NumberRow {
-    number: i64,
-    op: i64,
-}
-
 async fn sequence(
     round: &Round,
     entries: &[Entry],
     found: &mut Vec<Violation>,
 ) -> anyhow::Result<()> {
-    let rows: Vec<NumberRow> = sqlx::query_as(include_str!("sql/check_sequence.sql"))
-        .bind(&round.scope)
-        .fetch_all(round.control())
-        .await?;
-    for (i, r) in rows.iter().enumerate() {
-        let expected = i as i64 + 1;
-        if r.number != expected {
-            found.push(violation(
-                I2,
-                format!(
-                    "committed numbers {:?}: expected {expected} at position {i}",
-                    rows.iter().map(|r| r.number).collect::<Vec<_>>()
-                ),
-            ));
-            break;
-        }
+    let scopes = std::slice::from_ref(&round.scope);
+    let in_table = crate::scenario::sequence::numbers(round.control(), scopes)
+        .await?
+        .pop();
+    if let Some(c) = &in_table
+        && !c.held()
+    {
+        found.push(violation(
+            I2,
+            format!(
+                "committed numbers {:?}: {} missing, {} stored twice",
+                c.numbers,
+                c.gaps(),
+                c.duplicates()
+            ),
+        ));
     }
     // A declaration refused because its number was taken: two
     // declarations computed one number.
@@ -189,7 +186,10 @@ async fn sequence(
             _ => {}
         }
     }
-    let stored: BTreeSet<i64> = rows.iter().map(|r| r.op).collect();
+    let stored: BTreeSet<i64> = in_table
+        .iter()
+        .flat_map(|c| c.ops.iter().copied())
+        .collect();
     for op in committed.difference(&stored) {
         found.push(violation(
             I2,

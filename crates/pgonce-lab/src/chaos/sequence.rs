@@ -1,13 +1,14 @@
 //! Scenario `sequence` (I2): three tasks declare in one fresh scope, each
-//! declaration BEGIN, number (the library's `Sequence::next`, then the
-//! row), COMMIT or ROLLBACK, interleaved step by step by the driver in `stepwise.rs`.
+//! declaration BEGIN, number (the sequence scenario's numbered insert,
+//! [`crate::scenario::sequence::number`]), COMMIT or ROLLBACK, interleaved
+//! step by step by the driver in `stepwise.rs`.
 
 use rand::Rng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
 use sqlx::{Postgres, Transaction};
 
-use pgonce::{NumberedTable, Sequence, SequenceConfig, SequenceStrategy};
+use pgonce::{Sequence, SequenceStrategy};
 
 use super::Mutant;
 use super::faults::{self, FaultKind};
@@ -15,6 +16,7 @@ use super::history::Outcome;
 use super::round::Round;
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
 use super::stepwise::{self, OpenTransactions, Ran, Stepwise};
+use crate::scenario::sequence::{self as scenario, Declared};
 
 pub const TASKS: usize = 3;
 
@@ -51,10 +53,7 @@ pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
         SequenceStrategy::AdvisoryLock
     };
     let mut declarations = Declarations {
-        sequence: Sequence::new(
-            NumberedTable::new("public.chaos_numbered", "scope", "number")?,
-            SequenceConfig { strategy },
-        )?,
+        sequence: scenario::sequence(strategy)?,
     };
     stepwise::run(&mut declarations, round, steps).await
 }
@@ -99,8 +98,7 @@ impl Stepwise for Declarations {
                     return Ok(Ran::Finished);
                 }
                 let op = round.history.invoke(task, step.action, Value::Null);
-                let begun =
-                    pgonce::begin(round.session(task), pgonce::IsolationLevel::ReadCommitted).await;
+                let begun = scenario::begin(round.session(task)).await;
                 let outcome = match &begun {
                     Ok(_) => Outcome::ok("begun"),
                     Err(e) => Outcome::sqlx(e),
@@ -120,18 +118,12 @@ impl Stepwise for Declarations {
                 let sequence = self.sequence.clone();
                 let scope = round.scope.clone();
                 let step = tokio::spawn(async move {
-                    let number = async {
-                        let taken = sequence.next(&mut tx, &scope).await?;
-                        sqlx::query(include_str!("sql/sequence_insert.sql"))
-                            .bind(&scope)
-                            .bind(taken.number)
-                            .bind(op)
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(|e| sequence.number_taken(e.into(), &scope, taken.number))?;
-                        Ok(taken.number)
-                    }
-                    .await;
+                    // Recorded as it came: a refusal is an error of the
+                    // history, which the checker reads.
+                    let number = scenario::number(&sequence, &mut tx, &scope, op)
+                        .await
+                        .and_then(Declared::into_result)
+                        .map(|taken| taken.number);
                     (tx, number)
                 });
                 return Ok(Ran::Spawned { op, step });

@@ -4,17 +4,24 @@
 //! and rolls back, and declares again. The table says, per strategy, which
 //! numbers were committed, whether any was duplicated or skipped, whether
 //! the rolled-back number was handed out again, and who waited for whom.
+//!
+//! The declarations are the sequence scenario's
+//! ([`crate::scenario::sequence`]). Each strategy numbers its own scopes of
+//! the scenario's one table, so each starts from empty scopes and counter
+//! rows; the table lock still makes C wait, since it blocks every write to
+//! the table, whatever the scope.
 
 use std::collections::BTreeMap;
 
 use anyhow::Context;
 use pgonce::IsolationLevel;
-use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
+use pgonce::{Error, Sequence, SequenceStrategy as Strategy};
 use pgonce_testkit::Interleaving;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 
 use super::{maybe_blocks, timeline_rows};
 use crate::report::{Environment, Report, Row};
+use crate::scenario::sequence::{self as scenario, Declared};
 use crate::scratch::RunDatabase;
 
 /// Everything `pgonce race sequence` replays.
@@ -32,9 +39,7 @@ pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
 }
 
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<SequenceRace> {
-    sqlx::raw_sql(include_str!("sql/sequence_schema.sql"))
-        .execute(db.pool())
-        .await?;
+    scenario::create_schema(db.pool()).await?;
     let mut cases = Vec::new();
     for strategy in Strategy::ALL {
         cases.push(
@@ -200,52 +205,40 @@ fn judge(report: &mut Report, strategy: Strategy, o: &SequenceCase) {
     }
 }
 
-fn sequence(strategy: Strategy) -> anyhow::Result<Sequence> {
-    let table = format!("public.race_seq_{}", strategy.name().replace('-', "_"));
-    Ok(Sequence::new(
-        NumberedTable::new(&table, "org", "number")?,
-        SequenceConfig { strategy },
-    )?)
-}
+/// The organizations of the replay.
+const ORGS: [&str; 2] = ["acme", "globex"];
 
-async fn insert(seq: &Sequence, conn: &mut PgConnection, org: &str, n: i64) -> pgonce::Result<()> {
-    // The table name is ours (see `sequence`), safe to put in the text.
-    let sql = format!(
-        "INSERT INTO {} (org, number) VALUES ($1, $2)",
-        seq.table().name()
-    );
-    sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(org)
-        .bind(n)
-        .execute(conn)
-        .await?;
-    Ok(())
+/// The op each session tags its rows with.
+const OP_A: i64 = 1;
+const OP_B: i64 = 2;
+const OP_C: i64 = 3;
+const OP_D: i64 = 4;
+
+/// `org`'s scope under `strategy`: each strategy numbers its own.
+fn scope(strategy: Strategy, org: &str) -> String {
+    format!("race/{strategy}/{org}")
 }
 
 /// A declaration as an incident service does it: some other work, then the
 /// number, in one transaction.
-async fn declare(seq: Sequence, pool: PgPool, org: &'static str) -> Result<i64, String> {
+async fn declare(seq: Sequence, pool: PgPool, scope: String, op: i64) -> Result<i64, String> {
     let outcome = async {
-        let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
-        sqlx::query("INSERT INTO public.race_seq_work (org, note) VALUES ($1, 'paged on-call')")
-            .bind(org)
-            .execute(&mut *tx)
-            .await?;
-        let done = seq
-            .commit_numbered(tx, &org, async |conn: &mut PgConnection, n| {
-                insert(&seq, conn, org, n).await
-            })
-            .await?;
-        Ok::<_, Error>(done.number)
+        let mut tx = scenario::begin(&pool).await?;
+        scenario::other_work(&mut tx, &scope, "paged on-call").await?;
+        scenario::commit_numbered(&seq, tx, &scope, op).await
     };
-    outcome.await.map_err(|e| match e {
-        Error::NumberTaken { number, .. } => format!("NumberTaken({number})"),
-        other => other.to_string(),
-    })
+    match outcome.await {
+        Ok(Declared::Numbered(done)) => Ok(done.number),
+        Ok(Declared::NumberTaken(Error::NumberTaken { number, .. })) => {
+            Err(format!("NumberTaken({number})"))
+        }
+        Ok(Declared::NumberTaken(e) | Declared::Aborted(e)) | Err(e) => Err(e.to_string()),
+    }
 }
 
 async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<SequenceCase> {
-    let seq = sequence(strategy)?;
+    let seq = scenario::sequence(strategy)?;
+    let [acme, globex] = ORGS.map(|org| scope(strategy, org));
     let race = Interleaving::new(db.options()).await?;
     let a = race.session("A").await?;
     let b = race.session("B").await?;
@@ -253,19 +246,15 @@ async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Seq
     let d = race.session("D").await?;
 
     let mut tx_a = race
-        .try_step(
-            &a,
-            "BEGIN",
-            pgonce::begin(a.pool(), IsolationLevel::ReadCommitted),
-        )
+        .try_step(&a, "BEGIN", scenario::begin(a.pool()))
         .await?;
     let taken = race
-        .try_step(&a, "next(acme)", seq.next(&mut tx_a, &"acme"))
+        .try_step(&a, "next(acme)", scenario::take(&seq, &mut tx_a, &acme))
         .await?;
     race.try_step(
         &a,
         &format!("INSERT acme #{}", taken.number),
-        insert(&seq, &mut tx_a, "acme", taken.number),
+        scenario::insert(&mut tx_a, &acme, taken.number, OP_A),
     )
     .await?;
 
@@ -273,14 +262,14 @@ async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Seq
         &race,
         &b,
         "declare(acme)",
-        declare(seq.clone(), b.pool().clone(), "acme"),
+        declare(seq.clone(), b.pool().clone(), acme.clone(), OP_B),
     )
     .await?;
     let c_step = maybe_blocks(
         &race,
         &c,
         "declare(globex)",
-        declare(seq.clone(), c.pool().clone(), "globex"),
+        declare(seq.clone(), c.pool().clone(), globex.clone(), OP_C),
     )
     .await?;
     race.try_step(&a, "COMMIT", tx_a.commit()).await?;
@@ -291,20 +280,16 @@ async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Seq
 
     // A declaration that fails late: its number must be free again.
     let mut tx_d = race
-        .try_step(
-            &d,
-            "BEGIN",
-            pgonce::begin(d.pool(), IsolationLevel::ReadCommitted),
-        )
+        .try_step(&d, "BEGIN", scenario::begin(d.pool()))
         .await?;
     let rolled_back = race
-        .try_step(&d, "next(acme)", seq.next(&mut tx_d, &"acme"))
+        .try_step(&d, "next(acme)", scenario::take(&seq, &mut tx_d, &acme))
         .await?
         .number;
     race.try_step(
         &d,
         &format!("INSERT acme #{rolled_back}"),
-        insert(&seq, &mut tx_d, "acme", rolled_back),
+        scenario::insert(&mut tx_d, &acme, rolled_back, OP_D),
     )
     .await?;
     race.try_step(&d, "ROLLBACK", tx_d.rollback()).await?;
@@ -312,13 +297,13 @@ async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Seq
         .step(
             &d,
             "declare(acme)",
-            declare(seq.clone(), d.pool().clone(), "acme"),
+            declare(seq.clone(), d.pool().clone(), acme.clone(), OP_D),
         )
         .await?
         .map_err(anyhow::Error::msg)?;
     race.note(&d, &format!("declare(acme): got {after_rollback}"));
 
-    let (committed, duplicates, gaps) = check(db.pool(), &seq).await?;
+    let (committed, duplicates, gaps) = check(db.pool(), strategy).await?;
     Ok(SequenceCase {
         strategy,
         committed,
@@ -340,33 +325,23 @@ fn show(out: &Result<i64, String>) -> String {
     }
 }
 
-/// One scope's committed numbers, in order.
-#[derive(sqlx::FromRow)]
-struct ScopeNumbers {
-    org: String,
-    numbers: Vec<i64>,
-}
-
-/// Committed numbers per scope, duplicates and gaps, read from the table.
+/// Committed numbers per organization, duplicates and gaps, as the
+/// scenario's per-scope check reads them.
 async fn check(
     pool: &PgPool,
-    seq: &Sequence,
+    strategy: Strategy,
 ) -> anyhow::Result<(BTreeMap<String, Vec<i64>>, i64, i64)> {
-    let sql = format!(
-        "SELECT org, array_agg(number ORDER BY number) AS numbers FROM {} GROUP BY org ORDER BY org",
-        seq.table().name()
-    );
-    let rows: Vec<ScopeNumbers> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-        .fetch_all(pool)
-        .await?;
+    let scopes = ORGS.map(|org| scope(strategy, org));
+    let rows = scenario::numbers(pool, &scopes).await?;
     let (mut duplicates, mut gaps) = (0, 0);
-    for ScopeNumbers { numbers: ns, .. } in &rows {
-        let mut distinct = ns.clone();
-        distinct.dedup();
-        duplicates += (ns.len() - distinct.len()) as i64;
-        gaps += distinct.last().copied().unwrap_or(0) - distinct.len() as i64;
+    let mut committed = BTreeMap::new();
+    for (org, scope) in ORGS.iter().zip(&scopes) {
+        if let Some(row) = rows.iter().find(|r| &r.scope == scope) {
+            duplicates += row.duplicates();
+            gaps += row.gaps();
+            committed.insert(org.to_string(), row.numbers.clone());
+        }
     }
-    let committed = rows.into_iter().map(|r| (r.org, r.numbers)).collect();
     Ok((committed, duplicates, gaps))
 }
 
@@ -374,9 +349,9 @@ async fn check(
 async fn wrong_isolation(db: &RunDatabase) -> anyhow::Result<Vec<(Strategy, bool)>> {
     let mut out = Vec::new();
     for strategy in Strategy::ALL {
-        let seq = sequence(strategy)?;
+        let seq = scenario::sequence(strategy)?;
         let mut tx = pgonce::begin(db.pool(), IsolationLevel::RepeatableRead).await?;
-        let refused = match seq.next(&mut tx, &"initech").await {
+        let refused = match scenario::take(&seq, &mut tx, &scope(strategy, "initech")).await {
             Err(Error::WrongIsolation { .. }) => true,
             Ok(_) => false,
             Err(e) => return Err(e.into()),

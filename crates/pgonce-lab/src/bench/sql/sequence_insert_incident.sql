@@ -1,1 +1,0 @@
-INSERT INTO public.bench_seq_incidents (org, number) VALUES ($1, $2)

@@ -1,1 +1,0 @@
-INSERT INTO public.chaos_numbered (scope, number, op) VALUES ($1, $2, $3)

@@ -1,0 +1,226 @@
+//! The sequence scenario (I2, per-scope gapless numbers): a declaration does
+//! its other work and writes one row carrying the scope's next number, taken
+//! under one of pgonce's [`Sequence`] strategies, in one READ COMMITTED
+//! transaction. Everything that touches its rows is here: the tables, the
+//! sequence over them, taking a number, the numbered insert (early, the
+//! number first and the scope locked until the transaction ends; or late,
+//! through [`Sequence::commit_numbered`]) with its typed outcome, and the
+//! per-scope check of what was committed. `pgonce race sequence` replays it
+//! step by step, `pgonce bench sequence` measures it under load, and
+//! `pgonce chaos --scenario sequence` runs it under faults.
+//!
+//! One table serves every strategy and every run: rows are kept apart by
+//! their scope, and so are the strategies' locks (an advisory lock and a
+//! counter row per (table, scope)), except the table lock's, which blocks
+//! every write to the table, as it would to `incidents`.
+//!
+//! A declaration whose number another declaration of its scope had already
+//! computed is turned away by the unique index ([`Declared::NumberTaken`]),
+//! and one aborted by a deadlock or a serialization failure is retryable
+//! ([`Declared::Aborted`]): outcomes of a strategy callers count, rather
+//! than an `Err` they must pick apart.
+
+use pgonce::{
+    Error, IsolationLevel, Numbered, NumberedTable, Sequence, SequenceConfig,
+    SequenceStrategy as Strategy, Taken,
+};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+
+/// The numbered table, as the sequence (and its counter rows) name it.
+pub const TABLE: &str = "public.sequence_incident";
+
+/// Creates the scenario's tables if they are missing (every driver calls
+/// it; rows of different runs are kept apart by their scope).
+pub async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
+    sqlx::raw_sql(include_str!("sql/sequence_schema.sql"))
+        .execute(pool)
+        .await
+        .map(|_| ())
+}
+
+/// Empties the tables and the table's counter rows, for a driver that owns
+/// its database and wants each measurement to start from the same size.
+pub async fn reset(pool: &PgPool) -> sqlx::Result<()> {
+    sqlx::raw_sql(include_str!("sql/sequence_reset.sql"))
+        .execute(pool)
+        .await
+        .map(|_| ())
+}
+
+/// The sequence that numbers the table under `strategy`.
+pub fn sequence(strategy: Strategy) -> pgonce::Result<Sequence> {
+    Sequence::new(
+        NumberedTable::new(TABLE, "scope", "number")?,
+        SequenceConfig { strategy },
+    )
+}
+
+/// A declaration transaction: READ COMMITTED, which the max + 1 strategies
+/// need.
+pub async fn begin(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
+    pgonce::begin(pool, IsolationLevel::ReadCommitted).await
+}
+
+/// Takes `scope`'s next number in `tx` under the sequence's strategy; the
+/// scope stays locked until `tx` ends.
+pub async fn take(
+    seq: &Sequence,
+    tx: &mut Transaction<'_, Postgres>,
+    scope: &str,
+) -> pgonce::Result<Taken> {
+    seq.next(tx, &scope).await
+}
+
+/// Inserts the row carrying `number`, tagged with `op`.
+pub async fn insert(
+    conn: &mut PgConnection,
+    scope: &str,
+    number: i64,
+    op: i64,
+) -> pgonce::Result<()> {
+    sqlx::query(include_str!("sql/sequence_insert.sql"))
+        .bind(scope)
+        .bind(number)
+        .bind(op)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// One write of the declaration's other work.
+pub async fn other_work(conn: &mut PgConnection, scope: &str, what: &str) -> pgonce::Result<()> {
+    sqlx::query(include_str!("sql/sequence_work.sql"))
+        .bind(scope)
+        .bind(what)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// What a numbered insert came to.
+#[derive(Debug)]
+pub enum Declared<T> {
+    /// The row was written with its number: [`Taken`] when numbered early
+    /// (not yet committed), [`Numbered`] once committed late.
+    Numbered(T),
+    /// The unique index turned the row away: another declaration of the
+    /// scope had computed the same number ([`Error::NumberTaken`]). The
+    /// transaction is aborted; nothing of it is kept.
+    NumberTaken(Error),
+    /// A deadlock or a serialization failure aborted the declaration: no
+    /// number was used, and it may be retried.
+    Aborted(Error),
+}
+
+impl<T> Declared<T> {
+    fn of(result: pgonce::Result<T>) -> pgonce::Result<Declared<T>> {
+        match result {
+            Ok(numbered) => Ok(Declared::Numbered(numbered)),
+            Err(e @ Error::NumberTaken { .. }) => Ok(Declared::NumberTaken(e)),
+            Err(e) if e.is_retryable() => Ok(Declared::Aborted(e)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The same outcome with the numbered value mapped.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Declared<U> {
+        match self {
+            Declared::Numbered(numbered) => Declared::Numbered(f(numbered)),
+            Declared::NumberTaken(e) => Declared::NumberTaken(e),
+            Declared::Aborted(e) => Declared::Aborted(e),
+        }
+    }
+
+    /// The numbered value, or the refusal, for a declaration that goes on
+    /// after its number and ends with an outcome of its own.
+    pub fn numbered<U>(self) -> Result<T, Declared<U>> {
+        match self {
+            Declared::Numbered(numbered) => Ok(numbered),
+            Declared::NumberTaken(e) => Err(Declared::NumberTaken(e)),
+            Declared::Aborted(e) => Err(Declared::Aborted(e)),
+        }
+    }
+
+    /// The numbered value, or the error that refused it: for a caller that
+    /// records results as they are.
+    pub fn into_result(self) -> pgonce::Result<T> {
+        match self {
+            Declared::Numbered(numbered) => Ok(numbered),
+            Declared::NumberTaken(e) | Declared::Aborted(e) => Err(e),
+        }
+    }
+}
+
+/// Numbers early: takes `scope`'s next number in `tx` and inserts the row
+/// carrying it. The scope stays locked for the rest of `tx`.
+pub async fn number(
+    seq: &Sequence,
+    tx: &mut Transaction<'_, Postgres>,
+    scope: &str,
+    op: i64,
+) -> pgonce::Result<Declared<Taken>> {
+    let numbered = async {
+        let taken = take(seq, tx, scope).await?;
+        insert(tx, scope, taken.number, op)
+            .await
+            .map_err(|e| seq.number_taken(e, &scope, taken.number))?;
+        Ok(taken)
+    };
+    Declared::of(numbered.await)
+}
+
+/// Numbers late: hands `tx`, its other work done, to
+/// [`Sequence::commit_numbered`], which takes the number, inserts the row
+/// and commits; the scope is locked only from the number to the COMMIT. On
+/// any error `tx` is rolled back.
+pub async fn commit_numbered(
+    seq: &Sequence,
+    tx: Transaction<'static, Postgres>,
+    scope: &str,
+    op: i64,
+) -> pgonce::Result<Declared<Numbered<()>>> {
+    let numbered = seq
+        .commit_numbered(tx, &scope, async |conn: &mut PgConnection, n| {
+            insert(conn, scope, n, op).await
+        })
+        .await;
+    Declared::of(numbered)
+}
+
+/// One scope's committed numbers, in order, and the operation that wrote
+/// each.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ScopeNumbers {
+    pub scope: String,
+    pub numbers: Vec<i64>,
+    pub ops: Vec<i64>,
+}
+
+impl ScopeNumbers {
+    /// Numbers stored more than once (the unique index keeps this at 0).
+    pub fn duplicates(&self) -> i64 {
+        let mut distinct = self.numbers.clone();
+        distinct.dedup();
+        (self.numbers.len() - distinct.len()) as i64
+    }
+
+    /// Numbers missing below the scope's highest (numbers start at 1).
+    pub fn gaps(&self) -> i64 {
+        let mut distinct = self.numbers.clone();
+        distinct.dedup();
+        distinct.last().copied().unwrap_or(0) - distinct.len() as i64
+    }
+
+    /// I2 for the scope: its numbers are exactly 1..=n.
+    pub fn held(&self) -> bool {
+        self.duplicates() == 0 && self.gaps() == 0
+    }
+}
+
+/// The committed numbers of each of `scopes` that has any, by scope.
+pub async fn numbers(pool: &PgPool, scopes: &[String]) -> sqlx::Result<Vec<ScopeNumbers>> {
+    sqlx::query_as(include_str!("sql/sequence_numbers.sql"))
+        .bind(scopes)
+        .fetch_all(pool)
+        .await
+}
