@@ -123,21 +123,14 @@ fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
+/// Resolves on Ctrl-C or SIGTERM (the signals every command stops on),
+/// after which `serve` and `worker` drain instead of stopping at once.
 pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("shutting down: finishing in-flight work");
+    let signal = crate::interrupted().await;
+    tracing::info!(
+        signal = signal.signal,
+        "shutting down: finishing in-flight work"
+    );
 }
 
 /// `pgonce serve` (`api: true`) or `pgonce worker`.
