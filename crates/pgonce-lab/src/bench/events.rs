@@ -383,7 +383,7 @@ fn get_cell<'a>(
 /// A row of the unguarded decision read: the columns pgonce's decision read
 /// returns, decoded the same way.
 #[derive(sqlx::FromRow)]
-#[allow(dead_code)] // decoded as pgonce decodes them, then dropped
+#[expect(dead_code, reason = "decoded as pgonce decodes them, then dropped")]
 struct ReadRow {
     head: Option<i64>,
     position: Option<i64>,

@@ -75,9 +75,16 @@ impl Caveats {
     };
 }
 
+/// A delivery a [`Recording`] handler started on.
+#[derive(Debug, Clone)]
+struct Start {
+    id: String,
+    receive_count: u32,
+}
+
 /// A handler that counts starts and can be held.
 struct Recording {
-    seen: Mutex<Vec<(String, String, u32)>>,
+    seen: Mutex<Vec<Start>>,
     started: AtomicUsize,
     started_notify: Notify,
 }
@@ -92,10 +99,10 @@ impl Recording {
     }
 
     fn start(&self, m: &Received) {
-        self.seen
-            .lock()
-            .unwrap()
-            .push((m.id.clone(), m.body.clone(), m.receive_count));
+        self.seen.lock().unwrap().push(Start {
+            id: m.id.clone(),
+            receive_count: m.receive_count,
+        });
         self.started.fetch_add(1, Ordering::SeqCst);
         self.started_notify.notify_waiters();
     }
@@ -175,16 +182,16 @@ pub async fn conformance_at_least_once_when_consumer_dies<Q: Queue + Clone + 'st
     };
     let (counters, ()) = tokio::join!(run, drive);
     let seen = next.seen.lock().unwrap().clone();
-    let ids: BTreeSet<_> = seen.iter().map(|(id, _, _)| id.clone()).collect();
+    let ids: BTreeSet<_> = seen.iter().map(|s| s.id.clone()).collect();
     let first_ids: BTreeSet<_> = dying
         .seen
         .lock()
         .unwrap()
         .iter()
-        .map(|s| s.0.clone())
+        .map(|s| s.id.clone())
         .collect();
     assert_eq!(ids, first_ids, "the same messages, none lost");
-    assert!(seen.iter().all(|(_, _, count)| *count >= 2), "{seen:?}");
+    assert!(seen.iter().all(|s| s.receive_count >= 2), "{seen:?}");
     assert!(counters.redelivered >= n as u64);
     assert_eq!(counters.deleted, counters.succeeded);
     let left = q
