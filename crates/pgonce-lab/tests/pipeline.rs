@@ -85,6 +85,35 @@ async fn the_incident_run_survives_a_database_restart_mid_run() {
     db.close().await.unwrap();
 }
 
+/// A slow machine is not a broken pipeline: the drain deadline counts
+/// from the last progress, never from the start. Here the run cannot end
+/// within its deadline by construction, however fast the machine (one
+/// entity, so one FIFO group and one message in flight at a time, and
+/// every evaluation takes at least 200 ms: 100 observations need at least
+/// 20 s), yet it moves every few hundred milliseconds, so it drains and
+/// every invariant holds. Against a deadline counted from the start (the
+/// demo failed its verdict so on a loaded machine, every invariant intact)
+/// it never drained.
+#[tokio::test]
+async fn a_run_slower_than_its_deadline_drains_while_it_makes_progress() {
+    let db = fresh_database().await;
+    let pool = db.pool(30).await.unwrap();
+    let mut config = IncidentRunConfig::quick();
+    config.entities = 1;
+    config.observations = 100;
+    config.runtime.evaluator.latency = Duration::from_millis(200);
+    config.runtime.evaluator.jitter = Duration::ZERO;
+    config.runtime.evaluator.slow_rate = 0.0;
+    config.drain_deadline = Duration::from_secs(8);
+    let floor = config.runtime.evaluator.latency * config.observations as u32;
+    assert!(floor > config.drain_deadline * 2);
+    let outcome = incident_run::run(&pool, &config, None, None).await.unwrap();
+    assert!(outcome.elapsed > config.drain_deadline, "{outcome:#?}");
+    assert!(outcome.drained && outcome.settled, "{outcome:#?}");
+    assert!(outcome.all_hold(), "{outcome:#?}");
+    assert_eq!(outcome.tallies.notifications, outcome.tallies.incidents);
+}
+
 /// Notifications a stopped notifier left behind (one claimed under a lease
 /// nobody will complete, one failed and waiting for its retry) are
 /// finished by the settle phase: it runs the reaper and the re-driver with
