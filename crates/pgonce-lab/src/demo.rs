@@ -559,8 +559,8 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
     v.check(
         n.pending_at_deadline.is_empty(),
         format!(
-            "I3: {} notification jobs still pending at the deadline ({:.1} s after the pipeline stopped, \
-             from the lease, the retry schedule and the attempts){}",
+            "I3: {} notification jobs still pending at the deadline ({:.1} s without any of them \
+             moving, from the lease, the retry schedule and the attempts){}",
             n.pending_at_deadline.len(),
             o.settle_bound.as_secs_f64(),
             listed(n.pending_at_deadline.iter().map(|j| format!(

@@ -205,7 +205,7 @@ impl IncidentRunConfig {
         };
         r.reaper.interval = Duration::from_millis(100);
         r.redriver.interval = Duration::from_millis(50);
-        // The bound is on a stall, not on the run (`DrainWatch`): the
+        // The bound is on a stall, not on the run (`StallWatch`): the
         // longest quiet spell is on SQS, whose malformed messages take 20
         // receives a whole second apart before they are dead-lettered,
         // with nothing else left to move. It sits far above that.
@@ -813,9 +813,11 @@ pub struct IncidentRunOutcome {
     /// stall as long as the drain deadline on the way.
     pub drained: bool,
     pub drain_deadline: Duration,
-    /// The bound of the wait for notification jobs after the drain.
+    /// The bound of the wait for notification jobs after the drain: how
+    /// long it may go without any of them moving.
     pub settle_bound: Duration,
-    /// Every notification job terminal within `settle_bound`.
+    /// Every notification job terminal, never `settle_bound` without one
+    /// moving.
     pub settled: bool,
     pub restart: Option<RestartOutcome>,
     /// Database calls of the run's drivers retried after a transient error.
@@ -848,19 +850,47 @@ async fn notification_jobs(
         .await
 }
 
+/// What counts as notification jobs moving while [`settle`] waits: one
+/// becoming terminal, or one making another attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SettleProgress {
+    terminal: usize,
+    attempts: i64,
+}
+
+impl SettleProgress {
+    fn of(jobs: &[NotificationJob]) -> SettleProgress {
+        SettleProgress {
+            terminal: jobs.iter().filter(|j| j.terminal()).count(),
+            attempts: jobs.iter().map(|j| i64::from(j.attempts)).sum(),
+        }
+    }
+}
+
+impl Progress for SettleProgress {
+    fn best(self, other: SettleProgress) -> SettleProgress {
+        SettleProgress {
+            terminal: self.terminal.max(other.terminal),
+            attempts: self.attempts.max(other.attempts),
+        }
+    }
+}
+
 /// What [`settle`] saw.
 #[derive(Debug, Clone)]
 pub struct Settled {
-    /// How long it was allowed to wait ([`settle_bound`]).
+    /// How long it was allowed to wait without a job moving
+    /// ([`settle_bound`]).
     pub bound: Duration,
-    /// Every notification job terminal within `bound`.
+    /// Every notification job terminal, never `bound` without one moving.
     pub settled: bool,
     /// The jobs when it stopped waiting.
     pub jobs: Vec<NotificationJob>,
 }
 
 /// Waits until every notification job of `organizations` is terminal,
-/// within [`settle_bound`], running what finishes them: a notifier alone
+/// giving up only after [`settle_bound`] without any of them becoming
+/// terminal or making an attempt, running what finishes them: a notifier alone
 /// does not. A failed job needs the re-driver to become runnable once its
 /// backoff is over, a job claimed by a notifier that stopped needs the
 /// reaper once its lease has run out; so this runs all three, as a runtime
@@ -895,7 +925,11 @@ pub async fn settle<Q: Queue + Clone + 'static>(
     config.workers = 0;
     config.job_maintenance = true;
     let settler = Runtime::start(service, queue.clone(), config)?;
-    let deadline = started + bound;
+    // The bound is how long the jobs may go without moving, not how long
+    // they may take: on a slow machine each attempt takes longer, and a
+    // verdict must not depend on that.
+    let mut watch = StallWatch::new(bound, started);
+    watch.saw(SettleProgress::of(&jobs), started);
     let (settled, jobs) = loop {
         let jobs = retrier
             .run("auditing notification jobs", || {
@@ -905,7 +939,9 @@ pub async fn settle<Q: Queue + Clone + 'static>(
         if jobs.iter().all(NotificationJob::terminal) {
             break (true, jobs);
         }
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        watch.saw(SettleProgress::of(&jobs), now);
+        if watch.stalled(now) {
             break (false, jobs);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -933,37 +969,47 @@ struct DrainProgress {
     notified: Option<i64>,
 }
 
-/// Tells a slow drain from a stuck one: stalled once `window` went by with
-/// no [`DrainProgress`] count past its best (more deliveries, dead letters
-/// or notifications, fewer messages left). A deadline counted from the
-/// start failed the demo's verdict on a loaded machine while every
-/// invariant held and the pipeline still moved.
+impl Progress for DrainProgress {
+    fn best(self, other: DrainProgress) -> DrainProgress {
+        DrainProgress {
+            deliveries: self.deliveries.max(other.deliveries),
+            dead_lettered: self.dead_lettered.max(other.dead_lettered),
+            left: self.left.min(other.left),
+            notified: self.notified.max(other.notified),
+        }
+    }
+}
+
+/// Counts a wait can watch move: [`Progress::best`] keeps, of two readings,
+/// the furthest each count has gone.
+trait Progress: Copy + Eq {
+    fn best(self, other: Self) -> Self;
+}
+
+/// Tells a slow wait from a stuck one: stalled once `window` went by with
+/// no count past its best (for the drain: more deliveries, dead letters or
+/// notifications, fewer messages left; for the settle: more jobs terminal
+/// or more attempts). A deadline counted from the start failed the demo's
+/// verdict on a loaded machine while every invariant held and the pipeline
+/// still moved.
 #[derive(Debug)]
-struct DrainWatch {
+struct StallWatch<P> {
     window: Duration,
-    best: Option<DrainProgress>,
+    best: Option<P>,
     last: Instant,
 }
 
-impl DrainWatch {
-    fn new(window: Duration) -> DrainWatch {
-        DrainWatch {
+impl<P: Progress> StallWatch<P> {
+    fn new(window: Duration, at: Instant) -> StallWatch<P> {
+        StallWatch {
             window,
             best: None,
-            last: Instant::now(),
+            last: at,
         }
     }
 
-    fn saw(&mut self, now: DrainProgress, at: Instant) {
-        let best = match self.best {
-            None => now,
-            Some(b) => DrainProgress {
-                deliveries: b.deliveries.max(now.deliveries),
-                dead_lettered: b.dead_lettered.max(now.dead_lettered),
-                left: b.left.min(now.left),
-                notified: b.notified.max(now.notified),
-            },
-        };
+    fn saw(&mut self, now: P, at: Instant) {
+        let best = self.best.map_or(now, |b| b.best(now));
         if self.best != Some(best) {
             self.best = Some(best);
             self.last = at;
@@ -1090,7 +1136,7 @@ where
     let mut drained = false;
     // Given up only after `drain_deadline` without progress: a slow machine
     // drains later, a stuck pipeline still ends the run.
-    let mut watch = DrainWatch::new(config.drain_deadline);
+    let mut watch = StallWatch::new(config.drain_deadline, Instant::now());
     while !watch.stalled(Instant::now()) {
         let tallies = retrier
             .run("counting", || {
@@ -1258,5 +1304,40 @@ pub async fn drain(
             return Ok(done);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait that keeps moving is never stalled, however long it runs; one
+    /// that stops is stalled a window after its last move, and a count
+    /// going back (a message returning to the queue) is not a move.
+    #[test]
+    fn a_wait_is_stalled_only_a_window_after_its_last_move() {
+        let window = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let reading = |terminal, attempts| SettleProgress { terminal, attempts };
+        let mut watch = StallWatch::new(window, t0);
+        watch.saw(reading(0, 1), at(0));
+        for s in 1..100 {
+            watch.saw(reading(0, 1 + s as i64), at(s * 9));
+            assert!(!watch.stalled(at(s * 9 + 9)), "moving at {} s", s * 9);
+        }
+        assert!(watch.stalled(at(99 * 9 + 10)));
+        let mut drain = StallWatch::new(window, t0);
+        let left = |left| DrainProgress {
+            deliveries: 5,
+            dead_lettered: 0,
+            left,
+            notified: None,
+        };
+        drain.saw(left(3), at(0));
+        drain.saw(left(4), at(5));
+        assert!(drain.stalled(at(10)), "more left is not progress");
+        drain.saw(left(2), at(11));
+        assert!(!drain.stalled(at(20)));
     }
 }
