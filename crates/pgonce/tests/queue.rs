@@ -48,6 +48,15 @@ fn fast_poll() -> PgQueueOptions {
     }
 }
 
+/// Re-polls once a minute: within a test's wait, only a wake-up (NOTIFY,
+/// or one receiver handing on to another) ends a long poll early.
+fn slow_poll() -> PgQueueOptions {
+    PgQueueOptions {
+        poll_interval: Duration::from_secs(60),
+        ..PgQueueOptions::default()
+    }
+}
+
 async fn queue(pool: &PgPool, name: &str, attributes: QueueAttributes) -> PgQueue {
     PgQueue::create(pool, name, attributes, fast_poll())
         .await
@@ -1504,12 +1513,7 @@ async fn concurrent_sends_with_one_dedup_id_enqueue_once() {
 #[tokio::test]
 async fn a_long_poll_wakes_on_send_not_on_its_timer() {
     let pool = pool().await;
-    // No re-polling on its own within the test's wait: only NOTIFY can wake it.
-    let options = PgQueueOptions {
-        poll_interval: Duration::from_secs(60),
-        ..PgQueueOptions::default()
-    };
-    let q = PgQueue::create(&pool, "q", QueueAttributes::default(), options)
+    let q = PgQueue::create(&pool, "q", QueueAttributes::default(), slow_poll())
         .await
         .unwrap();
     let parked = async {
@@ -1526,11 +1530,7 @@ async fn parked_family(
     pool: &PgPool,
     receivers: usize,
 ) -> (PgQueue, Vec<tokio::task::JoinHandle<usize>>) {
-    let options = PgQueueOptions {
-        poll_interval: Duration::from_secs(60),
-        ..PgQueueOptions::default()
-    };
-    let q = PgQueue::create(pool, "q", QueueAttributes::default(), options)
+    let q = PgQueue::create(pool, "q", QueueAttributes::default(), slow_poll())
         .await
         .unwrap();
     let waiting = (0..receivers)
@@ -1606,6 +1606,87 @@ async fn one_send_wakes_one_parked_receiver_not_the_family() {
     for receiver in waiting {
         receiver.abort();
     }
+}
+
+/// How a woken receiver goes without taking what woke it.
+#[derive(Clone, Copy)]
+enum Lost {
+    /// Its caller drops it (a timeout, a `select!`, a worker shutting
+    /// down).
+    Dropped,
+    /// Its look fails.
+    Failed,
+}
+
+/// Two receivers of one family parked, each for one message; a send wakes
+/// the first, which is held before it looks (its pool has no connection
+/// free) and then `lost`. The other takes the message long before its
+/// 20 s wait or its 60 s poll interval ends: the wake the first consumed
+/// is passed on, not lost with it while the message sits visible.
+async fn a_woken_receiver_that_does_not_look_passes_the_wake_on(lost: Lost) {
+    let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
+    // The family's LISTEN connection and one more, held by the test.
+    let small = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(db.options())
+        .await
+        .unwrap();
+    let q = PgQueue::create(&small, "q", QueueAttributes::default(), slow_poll())
+        .await
+        .unwrap();
+    let receive = |q: PgQueue| {
+        tokio::spawn(async move {
+            let request = ReceiveRequest::up_to(1).wait(Duration::from_secs(20));
+            q.receive(request).await.map(|r| r.len())
+        })
+    };
+    // One after the other: a notification wakes the oldest waiter
+    // (`Notify::notify_one`), so the first.
+    let first = receive(q.clone());
+    while q.parked_receivers() < 1 {
+        tokio::task::yield_now().await;
+    }
+    let second = receive(q.clone());
+    while q.parked_receivers() < 2 {
+        tokio::task::yield_now().await;
+    }
+    let held = small.acquire().await.unwrap();
+    let sender = PgQueue::open(&pool, "q", PgQueueOptions::default())
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    sender.send(SendMessage::new("one")).await.unwrap();
+    while q.parked_receivers() > 1 {
+        tokio::task::yield_now().await;
+    }
+    match lost {
+        Lost::Dropped => {
+            first.abort();
+            assert!(first.await.unwrap_err().is_cancelled());
+        }
+        Lost::Failed => {
+            let failed = first.await.unwrap();
+            assert!(failed.is_err(), "no connection to look on: {failed:?}");
+        }
+    }
+    drop(held);
+    assert_eq!(second.await.unwrap().unwrap(), 1, "the other took it");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "woken by the wake passed on, not by the end of its wait: {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_woken_receiver_dropped_before_it_looks_passes_the_wake_on() {
+    a_woken_receiver_that_does_not_look_passes_the_wake_on(Lost::Dropped).await;
+}
+
+#[tokio::test]
+async fn a_woken_receiver_whose_look_fails_passes_the_wake_on() {
+    a_woken_receiver_that_does_not_look_passes_the_wake_on(Lost::Failed).await;
 }
 
 #[tokio::test]

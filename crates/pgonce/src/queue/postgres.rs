@@ -936,6 +936,8 @@ impl Queue for PgQueue {
     /// wakes one receiver of the family, and a receive that fills its
     /// batch wakes the next, so a burst reaches as many receivers as it
     /// needs and a single message does not send the whole family looking.
+    /// A woken receive dropped or failing before it has looked wakes
+    /// another in its place.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
         request.validate()?;
         if request.wait.is_zero() {
@@ -945,13 +947,18 @@ impl Queue for PgQueue {
         // With Listen::Off the waker has no listener and never notifies:
         // only `poll_interval` and `wait` wake us.
         let notify = self.waker().await?.notify.clone();
+        let mut woken = false;
         loop {
             // Registered before looking, so a send committed between the
             // look and the wait still wakes us.
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            // A notification woke this receiver alone: if it is dropped
+            // or fails before its look is done, the next one looks.
+            let mut pass_on = PassOn(woken.then_some(&*notify));
             let (received, more) = self.receive_looking(&request).await?;
+            pass_on.0 = None;
             let now = Instant::now();
             if received.len() >= request.max_messages {
                 // A full batch: there may be more than this receive could
@@ -971,10 +978,10 @@ impl Queue for PgQueue {
             let until = deadline.min(now + self.inner.options.poll_interval);
             self.inner.parked.fetch_add(1, Ordering::SeqCst);
             let _unpark = Unpark(&self.inner.parked);
-            tokio::select! {
-                _ = &mut notified => {}
-                _ = tokio::time::sleep_until(until.into()) => {}
-            }
+            woken = tokio::select! {
+                _ = &mut notified => true,
+                _ = tokio::time::sleep_until(until.into()) => false,
+            };
         }
     }
 
@@ -1236,6 +1243,22 @@ type StatsRow = (i64, i64, i64, Option<i64>, i64, Option<String>);
 enum Wake {
     InTransaction,
     AfterCommit,
+}
+
+/// Wakes one more parked receiver when dropped holding a [`Notify`]: a
+/// receive woken by a notification (which wakes one receiver of the
+/// family) and cancelled or failed before its look completed, so that the
+/// message it was woken for does not wait for the others' poll interval.
+/// (A wake not yet taken is passed on by tokio itself when the `Notified`
+/// is dropped; this covers the one the receive took.)
+struct PassOn<'a>(Option<&'a Notify>);
+
+impl Drop for PassOn<'_> {
+    fn drop(&mut self) {
+        if let Some(notify) = self.0 {
+            notify.notify_one();
+        }
+    }
 }
 
 struct Unpark<'a>(&'a AtomicUsize);
