@@ -2284,6 +2284,9 @@ mod model {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::support::queue_model::{
+        delivered_as_modelled, outcome, read_rows, rows_match, step_and_compare, time_passes,
+    };
     use proptest::prelude::*;
 
     /// Queues 0 and 1 are sources, dead-lettering to queue 2 after this
@@ -2420,23 +2423,6 @@ mod model {
         }
     }
 
-    /// A row of the queues under test, as the database has it.
-    #[derive(Debug, sqlx::FromRow)]
-    struct Row {
-        id: i64,
-        queue: String,
-        visible: bool,
-        receive_count: i32,
-    }
-
-    fn outcome<T>(r: &pgonce::Result<T>) -> &'static str {
-        match r {
-            Ok(_) => "ok",
-            Err(Error::StaleReceipt { .. }) => "stale",
-            Err(_) => "other error",
-        }
-    }
-
     async fn step(
         pool: &PgPool,
         queues: &[PgQueue; 3],
@@ -2494,17 +2480,7 @@ mod model {
                         expected.insert(id.clone(), (m.receive_count, model.deliveries));
                     }
                 }
-                let delivered: BTreeMap<String, u32> = got
-                    .iter()
-                    .map(|r| (r.id.clone(), r.receive_count))
-                    .collect();
-                let want: BTreeMap<String, u32> = expected
-                    .iter()
-                    .map(|(id, (c, _))| (id.clone(), *c))
-                    .collect();
-                if delivered != want {
-                    return Err(format!("delivered {delivered:?}, model {want:?}"));
-                }
+                delivered_as_modelled(&got, &expected)?;
                 for r in got {
                     model.receipts.push(Issued {
                         receipt: r.receipt,
@@ -2532,20 +2508,7 @@ mod model {
                 }
             }
             Op::TimePasses => {
-                sqlx::query(
-                    "UPDATE pgonce.queue_message \
-                     SET visible_at = least(visible_at, now() - interval '1 ms') \
-                     WHERE queue = ANY($1)",
-                )
-                .bind(
-                    queues
-                        .iter()
-                        .map(|q| q.name().to_string())
-                        .collect::<Vec<_>>(),
-                )
-                .execute(pool)
-                .await
-                .map_err(|e| format!("time passes: {e}"))?;
+                time_passes(pool, queues).await?;
                 model.messages.values_mut().for_each(|m| m.visible = true);
             }
             Op::Delete(r, t) => {
@@ -2642,39 +2605,13 @@ mod model {
         Ok(())
     }
 
-    /// The rows of the queues under test against the model's messages.
+    /// The rows of the queues under test against the model's messages
+    /// (`rows_match`).
     async fn compare(pool: &PgPool, names: &[String; 3], model: &Model) -> Result<(), String> {
-        let rows: Vec<Row> = sqlx::query_as(
-            "SELECT id, queue, visible_at <= now() AS visible, receive_count \
-             FROM pgonce.queue_message WHERE queue = ANY($1) ORDER BY id",
-        )
-        .bind(names.to_vec())
-        .fetch_all(pool)
-        .await
-        .map_err(|e| format!("read rows: {e}"))?;
-        let have: BTreeMap<String, (String, bool, u32)> = rows
-            .into_iter()
-            .map(|r| {
-                (
-                    r.id.to_string(),
-                    (r.queue, r.visible, r.receive_count as u32),
-                )
-            })
-            .collect();
-        let want: BTreeMap<String, (String, bool, u32)> = model
-            .messages
-            .iter()
-            .map(|(id, m)| {
-                (
-                    id.clone(),
-                    (names[m.queue].clone(), m.visible, m.receive_count),
-                )
-            })
-            .collect();
-        if have != want {
-            return Err(format!("rows {have:?}, model {want:?}"));
-        }
-        Ok(())
+        let rows = read_rows(pool, names).await?;
+        rows_match(&rows, names, &model.messages, |m| {
+            (m.queue, m.visible, m.receive_count)
+        })
     }
 
     async fn run(pool: &PgPool, case: u64, ops: &[Op], tally: &mut Tally) -> Result<(), String> {
@@ -2716,15 +2653,9 @@ mod model {
                 delivery: 0,
             });
         }
-        for (i, op) in ops.iter().enumerate() {
-            step(pool, &queues, &mut model, op, tally)
-                .await
-                .map_err(|e| format!("step {i} {op:?}: {e}"))?;
-            compare(pool, &names, &model)
-                .await
-                .map_err(|e| format!("after step {i} {op:?}: {e}"))?;
-        }
-        Ok(())
+        let apply = async |model: &mut Model, op: &Op| step(pool, &queues, model, op, tally).await;
+        let check = async |model: &Model| compare(pool, &names, model).await;
+        step_and_compare(&mut model, ops, apply, check).await
     }
 
     #[test]

@@ -29,10 +29,13 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use pgonce::{Error, PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest, SendMessage};
+use pgonce::{PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest, SendMessage};
 use pgonce_testkit::fresh_migrated_database;
 use proptest::prelude::*;
 use sqlx::PgPool;
+use support::queue_model::{
+    delivered_as_modelled, outcome, read_rows, rows_match, step_and_compare, time_passes,
+};
 
 const GROUPS: usize = 3;
 /// Receives of the source queue after which the next one dead-letters.
@@ -144,16 +147,6 @@ struct Tally {
     refused: u64,
 }
 
-/// A row of the queues under test, as the database has it.
-#[derive(Debug, sqlx::FromRow)]
-struct Row {
-    id: i64,
-    queue: String,
-    group_id: Option<String>,
-    visible: bool,
-    receive_count: i32,
-}
-
 fn group_name(group: usize) -> String {
     format!("g{group}")
 }
@@ -227,17 +220,7 @@ async fn step(
                     break;
                 }
             }
-            let delivered: BTreeMap<String, u32> = got
-                .iter()
-                .map(|r| (r.id.clone(), r.receive_count))
-                .collect();
-            let want: BTreeMap<String, u32> = expected
-                .iter()
-                .map(|(id, (c, _))| (id.clone(), *c))
-                .collect();
-            if delivered != want {
-                return Err(format!("delivered {delivered:?}, model {want:?}"));
-            }
+            delivered_as_modelled(&got, &expected)?;
             tally.delivered += got.len() as u64;
             for r in got {
                 model.receipts.push(Issued {
@@ -266,13 +249,8 @@ async fn step(
             } else {
                 queue.delete(&issued.receipt).await
             };
-            let outcome = match &got {
-                Ok(()) => "ok",
-                Err(Error::StaleReceipt { .. }) => "stale",
-                Err(_) => "other error",
-            };
             let want = if valid { "ok" } else { "stale" };
-            if outcome != want {
+            if outcome(&got) != want {
                 return Err(format!("{issued:?}: {got:?}, model {want}"));
             }
             if !valid {
@@ -284,20 +262,7 @@ async fn step(
             }
         }
         Op::TimePasses => {
-            sqlx::query(
-                "UPDATE pgonce.queue_message \
-                 SET visible_at = least(visible_at, now() - interval '1 ms') \
-                 WHERE queue = ANY($1)",
-            )
-            .bind(
-                queues
-                    .iter()
-                    .map(|q| q.name().to_string())
-                    .collect::<Vec<_>>(),
-            )
-            .execute(pool)
-            .await
-            .map_err(|e| format!("time passes: {e}"))?;
+            time_passes(pool, queues).await?;
             model.messages.values_mut().for_each(|m| m.visible = true);
         }
         Op::Redrive => {
@@ -347,17 +312,10 @@ async fn step(
     Ok(())
 }
 
-/// The rows of the queues under test against the model's messages, and
-/// I6 on the rows alone: at most one message per group in flight per queue.
+/// I6 on the rows alone: at most one message per group in flight per
+/// queue; then the rows against the model's messages (`rows_match`).
 async fn compare(pool: &PgPool, names: &[String; 2], model: &Model) -> Result<(), String> {
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT id, queue, group_id, visible_at <= now() AS visible, receive_count \
-         FROM pgonce.queue_message WHERE queue = ANY($1) ORDER BY id",
-    )
-    .bind(names.to_vec())
-    .fetch_all(pool)
-    .await
-    .map_err(|e| format!("read rows: {e}"))?;
+    let rows = read_rows(pool, names).await?;
     let mut in_flight: BTreeMap<(&str, Option<&str>), Vec<i64>> = BTreeMap::new();
     for r in rows.iter().filter(|r| !r.visible) {
         in_flight
@@ -371,29 +329,9 @@ async fn compare(pool: &PgPool, names: &[String; 2], model: &Model) -> Result<()
             ids.len()
         ));
     }
-    let have: BTreeMap<String, (String, bool, u32)> = rows
-        .iter()
-        .map(|r| {
-            (
-                r.id.to_string(),
-                (r.queue.clone(), r.visible, r.receive_count as u32),
-            )
-        })
-        .collect();
-    let want: BTreeMap<String, (String, bool, u32)> = model
-        .messages
-        .iter()
-        .map(|(id, m)| {
-            (
-                id.clone(),
-                (names[m.queue].clone(), m.visible, m.receive_count),
-            )
-        })
-        .collect();
-    if have != want {
-        return Err(format!("rows {have:?}, model {want:?}"));
-    }
-    Ok(())
+    rows_match(&rows, names, &model.messages, |m| {
+        (m.queue, m.visible, m.receive_count)
+    })
 }
 
 async fn run(pool: &PgPool, case: u64, ops: &[Op], tally: &mut Tally) -> Result<(), String> {
@@ -419,15 +357,9 @@ async fn run(pool: &PgPool, case: u64, ops: &[Op], tally: &mut Tally) -> Result<
     .map_err(|e| format!("create: {e}"))?;
     let queues = [source, dlq];
     let mut model = Model::default();
-    for (i, op) in ops.iter().enumerate() {
-        step(pool, &queues, &mut model, op, tally)
-            .await
-            .map_err(|e| format!("step {i} {op:?}: {e}"))?;
-        compare(pool, &names, &model)
-            .await
-            .map_err(|e| format!("after step {i} {op:?}: {e}"))?;
-    }
-    Ok(())
+    let apply = async |model: &mut Model, op: &Op| step(pool, &queues, model, op, tally).await;
+    let check = async |model: &Model| compare(pool, &names, model).await;
+    step_and_compare(&mut model, ops, apply, check).await
 }
 
 #[test]

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod mixed;
+pub mod queue_model;
 
 use proptest::test_runner::{Config, FileFailurePersistence};
 
