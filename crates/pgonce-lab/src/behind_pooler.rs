@@ -15,7 +15,7 @@ use crate::scratch::RunDatabase;
 
 /// Where a run LISTENs for queue notifications (`--listen`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ListenMode {
+pub(crate) enum ListenMode {
     /// On a connection like the pool's: wrong behind a transaction-mode
     /// pooler (kept to show what that does).
     Pool,
@@ -27,7 +27,7 @@ pub enum ListenMode {
 
 impl ListenMode {
     /// The library's setting for a run on `db`.
-    pub fn listen(self, db: &RunDatabase) -> Listen {
+    pub(crate) fn listen(self, db: &RunDatabase) -> Listen {
         match self {
             ListenMode::Pool => Listen::Pool,
             ListenMode::Direct => Listen::Direct(Box::new(db.options())),
@@ -38,7 +38,7 @@ impl ListenMode {
 
 /// PgBouncer in front of a run's database, and a pool through it.
 /// Dropping it stops the pooler.
-pub struct BehindPooler {
+pub(crate) struct BehindPooler {
     pool: PgPool,
     pooler: Pooler,
 }
@@ -47,7 +47,10 @@ impl BehindPooler {
     /// Starts PgBouncer (transaction mode, `max_prepared_statements` set:
     /// the supported set-up) in front of `db`'s server, and opens a pool of
     /// `max_connections` to `db` through it.
-    pub async fn start(db: &RunDatabase, max_connections: u32) -> anyhow::Result<BehindPooler> {
+    pub(crate) async fn start(
+        db: &RunDatabase,
+        max_connections: u32,
+    ) -> anyhow::Result<BehindPooler> {
         let upstream = db.options();
         // Starting waits (blocking) until PgBouncer accepts connections.
         let pooler = tokio::task::spawn_blocking(move || Pooler::start(&upstream))
@@ -63,12 +66,12 @@ impl BehindPooler {
     }
 
     /// The pool through the pooler.
-    pub fn pool(&self) -> &PgPool {
+    pub(crate) fn pool(&self) -> &PgPool {
         &self.pool
     }
 
     /// Closes the pool and stops the pooler.
-    pub async fn close(mut self) {
+    pub(crate) async fn close(mut self) {
         self.pool.close().await;
         self.pooler.stop();
     }
@@ -93,7 +96,7 @@ const PROBES: usize = 8;
 /// robin within `PROBES` probes as long as its pool is no bigger. Directly, no
 /// other client can ever see the first one's process id. All through the
 /// simple query protocol, which any pooler carries.
-pub async fn sessions_survive(pool: &PgPool) -> anyhow::Result<bool> {
+pub(crate) async fn sessions_survive(pool: &PgPool) -> anyhow::Result<bool> {
     use sqlx::{Connection, PgConnection, Row};
     async fn pid(conn: &mut PgConnection) -> sqlx::Result<i32> {
         sqlx::raw_sql("SELECT pg_backend_pid()")
@@ -135,7 +138,7 @@ pub async fn sessions_survive(pool: &PgPool) -> anyhow::Result<bool> {
 /// when sessions survive ([`sessions_survive`]); else not at all
 /// ([`Listen::Off`], with the reason to report), since a bench is given one
 /// URL and has no direct route around the pooler.
-pub async fn bench_listen(pool: &PgPool) -> anyhow::Result<(Listen, Option<&'static str>)> {
+pub(crate) async fn bench_listen(pool: &PgPool) -> anyhow::Result<(Listen, Option<&'static str>)> {
     Ok(match sessions_survive(pool).await? {
         true => (Listen::Pool, None),
         false => (Listen::Off, Some(LISTEN_OFF)),
@@ -143,6 +146,6 @@ pub async fn bench_listen(pool: &PgPool) -> anyhow::Result<(Listen, Option<&'sta
 }
 
 /// Why a bench polls instead of listening behind a transaction pooler.
-pub const LISTEN_OFF: &str = "sessions do not survive from one transaction to the next (a \
+pub(crate) const LISTEN_OFF: &str = "sessions do not survive from one transaction to the next (a \
      transaction-mode pooler is in between): LISTEN would hand notifications to other clients, \
      so receivers poll (Listen::Off)";

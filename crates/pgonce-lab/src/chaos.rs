@@ -6,36 +6,36 @@
 //!
 //! - One `--seed` drives everything: round `r` draws its schedule (each
 //!   task's operations, their interleaving, the faults and where they hit)
-//!   from an RNG seeded by (seed, r) alone ([`schedule`]).
+//!   from an RNG seeded by (seed, r) alone (`schedule`).
 //! - Each round works in a fresh scope (its own rows, entity, scope, job
 //!   kind, keys and queue) of one scratch database, so rounds are
 //!   independent and the checker looks at its round only.
 //! - Steps run one at a time, each on its task's own connection; a step
 //!   that waits on a lock is left waiting (seen in `pg_locks`) and the
-//!   task's later steps wait for it ([`round::Round::settle`]). Faults hit
+//!   task's later steps wait for it (`Round::settle`). Faults hit
 //!   between steps. So a schedule replays the same interleaving, and a
 //!   verdict never depends on timing.
 //! - A failing round is shrunk (delta debugging over its steps, replayed
 //!   in fresh scopes) and saved as JSON; `--seed S --round R` or
 //!   `--replay FILE` runs it again.
 //!
-//! Layout: [`schedule`] (steps, RNG, shrinking), [`history`], [`faults`],
-//! [`round`] (sessions and the step driver), `stepwise.rs` (the driver of
+//! Layout: `schedule` (steps, RNG, shrinking), `history`, `faults`,
+//! `round` (sessions and the step driver), `stepwise.rs` (the driver of
 //! scenarios that hold transactions open across steps), [`checker`], and one file per
-//! scenario: [`guard`], [`sequence`], [`jobs`], [`idempotency`], [`queue`], [`events`], [`pipeline`].
+//! scenario: `guard`, `sequence`, `jobs`, `idempotency`, `queue`, `events`, `pipeline`.
 
 pub mod checker;
-pub mod events;
-pub mod faults;
-pub mod guard;
-pub mod history;
-pub mod idempotency;
-pub mod jobs;
-pub mod pipeline;
-pub mod queue;
-pub mod round;
-pub mod schedule;
-pub mod sequence;
+pub(crate) mod events;
+pub(crate) mod faults;
+pub(crate) mod guard;
+pub(crate) mod history;
+pub(crate) mod idempotency;
+pub(crate) mod jobs;
+pub(crate) mod pipeline;
+pub(crate) mod queue;
+pub(crate) mod round;
+pub(crate) mod schedule;
+pub(crate) mod sequence;
 mod stepwise;
 
 use std::collections::BTreeMap;
@@ -46,9 +46,9 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-pub use checker::Violation;
-pub use faults::FaultKind;
-pub use schedule::{Action, Step};
+pub(crate) use checker::Violation;
+pub(crate) use faults::FaultKind;
+pub(crate) use schedule::{Action, Step};
 
 use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
@@ -99,7 +99,7 @@ impl ScenarioKind {
         ScenarioKind::Pipeline,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ScenarioKind::Guard => "guard",
             ScenarioKind::Sequence => "sequence",
@@ -124,7 +124,7 @@ impl ScenarioKind {
     }
 
     /// The round's schedule, from its RNG.
-    pub fn plan(self, seed: u64, round: u64, faults: &[FaultKind]) -> Vec<Step> {
+    pub(crate) fn plan(self, seed: u64, round: u64, faults: &[FaultKind]) -> Vec<Step> {
         let rng = &mut schedule::round_rng(seed, round);
         match self {
             ScenarioKind::Guard => guard::plan(rng, faults),
@@ -168,9 +168,9 @@ pub enum Mutant {
 
 /// How long a recovery took (a restart until an operation succeeded).
 #[derive(Debug, Clone, Serialize)]
-pub struct Recovery {
-    pub after: &'static str,
-    pub millis: u64,
+pub(crate) struct Recovery {
+    pub(crate) after: &'static str,
+    pub(crate) millis: u64,
 }
 
 /// `pgonce chaos`.
@@ -178,42 +178,42 @@ pub struct Recovery {
 pub struct ChaosArgs {
     /// Rounds to run; they rotate through the scenarios.
     #[arg(long, default_value_t = 100)]
-    pub rounds: u64,
+    pub(crate) rounds: u64,
     /// The seed every round's schedule derives from (default: from the
     /// clock; the report prints it).
     #[arg(long)]
-    pub seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
     /// Stop starting rounds after this long ("90s", "10m").
     #[arg(long, value_parser = humantime::parse_duration)]
-    pub duration: Option<Duration>,
+    pub(crate) duration: Option<Duration>,
     /// Faults to inject (comma list; default all).
     #[arg(long, value_enum, value_delimiter = ',')]
-    pub faults: Vec<FaultKind>,
+    pub(crate) faults: Vec<FaultKind>,
     /// Scenarios to run (comma list; default all).
     #[arg(long, value_enum, value_delimiter = ',')]
-    pub scenario: Vec<ScenarioKind>,
+    pub(crate) scenario: Vec<ScenarioKind>,
     /// Run only this round of --seed (its scenario from the rotation of
     /// --scenario), to replay a failure.
     #[arg(long, requires = "seed")]
-    pub round: Option<u64>,
+    pub(crate) round: Option<u64>,
     /// Replay a saved failing round (its shrunk schedule) from this file.
     #[arg(long, conflicts_with = "round")]
-    pub replay: Option<PathBuf>,
+    pub(crate) replay: Option<PathBuf>,
     /// Where failing rounds are saved.
     #[arg(long, default_value = "target/chaos-failures")]
-    pub failures_dir: PathBuf,
+    pub(crate) failures_dir: PathBuf,
     /// A deliberate bug to inject (for testing the checker).
     #[arg(long, value_enum, hide = true)]
-    pub mutant: Option<Mutant>,
+    pub(crate) mutant: Option<Mutant>,
 }
 
 /// What a run does; [`ChaosArgs`] builds one, tests build their own.
 #[derive(Debug, Clone)]
 pub struct ChaosConfig {
-    pub rounds: u64,
-    pub seed: u64,
-    pub duration: Option<Duration>,
-    pub faults: Vec<FaultKind>,
+    pub(crate) rounds: u64,
+    pub(crate) seed: u64,
+    pub(crate) duration: Option<Duration>,
+    pub(crate) faults: Vec<FaultKind>,
     pub scenarios: Vec<ScenarioKind>,
     /// Only this round.
     pub round: Option<u64>,
@@ -223,13 +223,13 @@ pub struct ChaosConfig {
     pub failures_dir: Option<PathBuf>,
     pub mutant: Option<Mutant>,
     /// Replays the shrinker may spend on one failing round.
-    pub shrink_budget: usize,
+    pub(crate) shrink_budget: usize,
     /// Stop at the first failing round.
     pub stop_at_first: bool,
-    pub progress: bool,
+    pub(crate) progress: bool,
     /// The `pgonce` executable, for the `worker-kill` fault's child
     /// processes; `None` leaves that fault out.
-    pub worker_program: Option<PathBuf>,
+    pub(crate) worker_program: Option<PathBuf>,
 }
 
 impl ChaosConfig {
@@ -254,7 +254,7 @@ impl ChaosConfig {
     /// The scenario of round `round`: the selected ones in rotation, the
     /// heavy pipeline only once every `pipeline::EVERY` rounds (every
     /// round when it is the only one).
-    pub fn scenario_of(&self, round: u64) -> ScenarioKind {
+    pub(crate) fn scenario_of(&self, round: u64) -> ScenarioKind {
         let light: Vec<ScenarioKind> = self
             .scenarios
             .iter()
@@ -274,22 +274,22 @@ impl ChaosConfig {
 pub struct SavedRound {
     pub seed: u64,
     pub round: u64,
-    pub scenario: ScenarioKind,
+    pub(crate) scenario: ScenarioKind,
     pub mutant: Option<Mutant>,
-    pub invariant: String,
-    pub detail: String,
+    pub(crate) invariant: String,
+    pub(crate) detail: String,
     /// The shortest schedule found that still shows the violation.
     pub schedule: Vec<Step>,
     /// How many steps the round's schedule had before shrinking.
-    pub original_steps: usize,
+    pub(crate) original_steps: usize,
 }
 
 /// A violation found by a run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Found {
-    pub seed: u64,
+    pub(crate) seed: u64,
     pub round: u64,
-    pub scenario: ScenarioKind,
+    pub(crate) scenario: ScenarioKind,
     pub violation: Violation,
     pub shrunk: Vec<Step>,
     pub original_steps: usize,
@@ -299,13 +299,13 @@ pub struct Found {
 /// What a run saw.
 #[derive(Debug, Clone, Default)]
 pub struct ChaosOutcome {
-    pub seed: u64,
+    pub(crate) seed: u64,
     pub rounds: BTreeMap<ScenarioKind, u64>,
-    pub operations: BTreeMap<ScenarioKind, u64>,
+    pub(crate) operations: BTreeMap<ScenarioKind, u64>,
     pub faults: BTreeMap<FaultKind, u64>,
     pub found: Vec<Found>,
-    pub recoveries: Vec<Recovery>,
-    pub elapsed: Duration,
+    pub(crate) recoveries: Vec<Recovery>,
+    pub(crate) elapsed: Duration,
 }
 
 /// The command: a scratch database, the rounds, a report.
@@ -447,15 +447,15 @@ pub async fn run_on(db: &RunDatabase, config: &ChaosConfig) -> anyhow::Result<Ch
 }
 
 /// What one play of a round left.
-pub struct Played {
-    pub violations: Vec<Violation>,
-    pub operations: usize,
-    pub stats: RoundStats,
+pub(crate) struct Played {
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) operations: usize,
+    pub(crate) stats: RoundStats,
 }
 
 /// Plays `steps` as round `round` of `scenario` in a fresh scope, then
 /// checks it.
-pub async fn play(
+pub(crate) async fn play(
     db: &RunDatabase,
     config: &ChaosConfig,
     scenario: ScenarioKind,

@@ -37,7 +37,7 @@ use crate::scratch::RunDatabase;
 
 /// Where the demo's observations are queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum QueueChoice {
+pub(crate) enum QueueChoice {
     /// The PostgreSQL queue, in the demo's database.
     Postgres,
     /// Amazon SQS's protocol, on a local moto server the demo starts (and
@@ -148,7 +148,7 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
 }
 
 /// The report of a run that could not finish: `error` in its verdict.
-pub fn fatal_report(error: &anyhow::Error, environment: Option<Environment>) -> Report {
+pub(crate) fn fatal_report(error: &anyhow::Error, environment: Option<Environment>) -> Report {
     let mut report = Report::new(
         "demo",
         "incident-service",

@@ -11,7 +11,7 @@
 //! part-way, one worker runtime killed (tasks aborted mid-message) and
 //! replaced; optionally the database server restarted. Then it waits until
 //! every notification job is terminal, within a deadline derived from the
-//! notifier's lease and retry schedule ([`settle_bound`]), and checks the
+//! notifier's lease and retry schedule (`settle_bound`), and checks the
 //! invariants in the database. The result is a [`IncidentRunOutcome`]: a value,
 //! not a report, so that the demo renders it and tests assert on it.
 //!
@@ -61,21 +61,22 @@ use crate::scratch::Restarter;
 
 mod audit;
 
-pub use audit::{PgAudit, QueueAudit, SqsAudit};
+use audit::PgAudit;
+pub use audit::{QueueAudit, SqsAudit};
 
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct IncidentRunConfig {
     /// Percent of entities whose incidents take the guarded write.
-    pub rollout: u8,
+    pub(crate) rollout: u8,
     pub observations: usize,
-    pub organizations: usize,
+    pub(crate) organizations: usize,
     /// Entities per organization.
     pub entities: usize,
     /// Share of observations sent twice (same deduplication id).
-    pub duplicates: f64,
+    pub(crate) duplicates: f64,
     /// People declaring, acknowledging and resolving by hand.
-    pub people: bool,
+    pub(crate) people: bool,
     /// The queue's visibility timeout.
     pub visibility: Duration,
     /// Deliveries of a message before it is dead-lettered.
@@ -83,10 +84,10 @@ pub struct IncidentRunConfig {
     /// The runtimes' configuration; its `notifier` is what the second
     /// runtime (the one killed) and the settle phase run.
     pub runtime: RuntimeConfig,
-    pub receiver: ReceiverFaults,
+    pub(crate) receiver: ReceiverFaults,
     /// Kill the second runtime once this share of the observations was
     /// processed (and start a replacement).
-    pub kill_after: f64,
+    pub(crate) kill_after: f64,
     /// How long the pipeline may go without progress (more deliveries,
     /// dead letters or notifications, fewer messages left) before the run
     /// stops waiting for it to drain: a bound on a stall, not on the run.
@@ -100,7 +101,7 @@ pub struct IncidentRunConfig {
 impl IncidentRunConfig {
     /// The demo's run: `visibility` shorter than the slow tail
     /// (`slow_rate` of the evaluations take `visibility + 500 ms`).
-    pub fn demo(
+    pub(crate) fn demo(
         visibility: Duration,
         slow_rate: f64,
         webhook_timeout: Duration,
@@ -265,7 +266,11 @@ impl IncidentRunConfig {
 ///
 /// and is then claimed within the notifier's idle pause. Doubled: the
 /// machine may be busy, and this bounds a wait, it is not a verdict.
-pub fn settle_bound(notifier: &NotifierConfig, runtime: &RuntimeConfig, attempts: u32) -> Duration {
+pub(crate) fn settle_bound(
+    notifier: &NotifierConfig,
+    runtime: &RuntimeConfig,
+    attempts: u32,
+) -> Duration {
     let crashed = notifier.lease + runtime.reaper.interval;
     let failed = notifier.timeout
         + notifier.retry.max.mul_f64(1.0 + notifier.retry.jitter)
@@ -377,7 +382,7 @@ impl Retrier {
 
     /// [`Retrier::run`], also handing back the transient errors it
     /// retried after, in order.
-    pub async fn run_noting_errors<T, E, F, Fut>(
+    pub(crate) async fn run_noting_errors<T, E, F, Fut>(
         &self,
         what: &str,
         mut call: F,
@@ -448,29 +453,29 @@ async fn set_up(pool: &PgPool, config: &IncidentRunConfig) -> anyhow::Result<Set
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Produced {
     /// Ids of the valid observations accepted by the queue (I6 checks each).
-    pub sent: BTreeSet<String>,
-    pub duplicate_sends: u64,
+    pub(crate) sent: BTreeSet<String>,
+    pub(crate) duplicate_sends: u64,
     /// `None` when the queue does not say (SQS drops a duplicate silently).
     pub dropped_by_dedup: Option<u64>,
     pub malformed: u64,
     /// Ids of the malformed messages: each must end in the dead-letter
     /// queue.
-    pub poison: Vec<String>,
+    pub(crate) poison: Vec<String>,
     /// Valid observations whose send met a transient error before it was
     /// accepted, by the id the queue finally gave: how the send went.
     /// A lost message found here points at the send, not the pipeline.
-    pub retried_sends: BTreeMap<String, RetriedSend>,
+    pub(crate) retried_sends: BTreeMap<String, RetriedSend>,
 }
 
 /// A send the producer had to repeat (the database restarted under it).
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct RetriedSend {
+pub(crate) struct RetriedSend {
     /// The transient errors of the failed attempts, in order.
-    pub errors: Vec<String>,
+    pub(crate) errors: Vec<String>,
     /// Whether the attempt that succeeded was answered as a duplicate:
     /// then an earlier attempt had committed though its client saw an
     /// error, and the id is that attempt's message.
-    pub answered_as_duplicate: bool,
+    pub(crate) answered_as_duplicate: bool,
 }
 
 fn observation(rng: &mut impl Rng, org: i64, entity: &str) -> Observation {
@@ -672,12 +677,12 @@ pub struct NotificationJob {
 
 impl NotificationJob {
     /// `completed` or `dead`: it never changes again.
-    pub fn terminal(&self) -> bool {
+    pub(crate) fn terminal(&self) -> bool {
         matches!(self.status.as_str(), "completed" | "dead")
     }
 
     /// Why it is not done yet, in words.
-    pub fn why_pending(&self) -> String {
+    pub(crate) fn why_pending(&self) -> String {
         let tried = format!("{} of {} attempts failed", self.attempts, self.max_attempts);
         let error = self
             .last_error
@@ -705,12 +710,12 @@ impl NotificationJob {
 /// A valid observation the pipeline did not process, as the audit saw it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct UnprocessedMessage {
-    pub message_id: String,
+    pub(crate) message_id: String,
     /// The queue it is in now; `None`: deleted unprocessed (lost).
-    pub queue: Option<String>,
-    pub receive_count: Option<i32>,
+    pub(crate) queue: Option<String>,
+    pub(crate) receive_count: Option<i32>,
     /// Received and its visibility timeout not over yet.
-    pub in_flight: Option<bool>,
+    pub(crate) in_flight: Option<bool>,
 }
 
 /// I3, split by what went wrong.
@@ -762,21 +767,21 @@ impl NotificationAudit {
 pub struct ObservationAudit {
     /// A violation: deleted without being processed, or dead-lettered
     /// though valid.
-    pub lost: Vec<UnprocessedMessage>,
+    pub(crate) lost: Vec<UnprocessedMessage>,
     /// Still in the queue (visible or in flight) when the deadline ran out.
-    pub pending_at_deadline: Vec<UnprocessedMessage>,
+    pub(crate) pending_at_deadline: Vec<UnprocessedMessage>,
     /// Malformed messages sent, and how many of them reached the
     /// dead-letter queue (all must).
-    pub malformed_sent: u64,
+    pub(crate) malformed_sent: u64,
     pub malformed_dead_lettered: u64,
     /// Messages in the dead-letter queue, all told: the malformed ones,
     /// and valid ones delivered more than the queue allows though processed
     /// (a slow machine), which is no loss.
-    pub dead_lettered: u64,
+    pub(crate) dead_lettered: u64,
 }
 
 impl ObservationAudit {
-    pub fn holds(&self) -> bool {
+    pub(crate) fn holds(&self) -> bool {
         self.lost.is_empty()
             && self.pending_at_deadline.is_empty()
             && self.malformed_dead_lettered == self.malformed_sent
@@ -787,9 +792,9 @@ impl ObservationAudit {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RestartOutcome {
     /// Seconds into the run it was asked for.
-    pub at_secs: f64,
+    pub(crate) at_secs: f64,
     /// Seconds the restart took (stop, start, ready).
-    pub took_secs: f64,
+    pub(crate) took_secs: f64,
     /// Why it failed, if it did.
     pub error: Option<String>,
 }
@@ -804,18 +809,18 @@ pub struct IncidentRunOutcome {
     pub workers: WorkerCounters,
     pub human_actions: u64,
     pub tallies: Tallies,
-    pub invariants: InvariantReport,
+    pub(crate) invariants: InvariantReport,
     pub notifications: NotificationAudit,
     pub observations: ObservationAudit,
     pub receiver: ReceiverStats,
-    pub queue: QueueStats,
+    pub(crate) queue: QueueStats,
     /// Every message processed and every incident notified, with no
     /// stall as long as the drain deadline on the way.
     pub drained: bool,
-    pub drain_deadline: Duration,
+    pub(crate) drain_deadline: Duration,
     /// The bound of the wait for notification jobs after the drain: how
     /// long it may go without any of them moving.
-    pub settle_bound: Duration,
+    pub(crate) settle_bound: Duration,
     /// Every notification job terminal, never `settle_bound` without one
     /// moving.
     pub settled: bool,
@@ -881,7 +886,7 @@ impl Progress for SettleProgress {
 pub struct Settled {
     /// How long it was allowed to wait without a job moving
     /// ([`settle_bound`]).
-    pub bound: Duration,
+    pub(crate) bound: Duration,
     /// Every notification job terminal, never `bound` without one moving.
     pub settled: bool,
     /// The jobs when it stopped waiting.
@@ -889,7 +894,7 @@ pub struct Settled {
 }
 
 /// Waits until every notification job of `organizations` is terminal,
-/// giving up only after [`settle_bound`] without any of them becoming
+/// giving up only after `settle_bound` without any of them becoming
 /// terminal or making an attempt, running what finishes them: a notifier alone
 /// does not. A failed job needs the re-driver to become runnable once its
 /// backoff is over, a job claimed by a notifier that stopped needs the
@@ -1288,7 +1293,7 @@ where
 /// counts once), or until `deadline`; returns how many it processed. What
 /// `pgonce bench service` drains its backlog with; the run above drains the
 /// same way, with a runtime killed and notifications checked on the way.
-pub async fn drain(
+pub(crate) async fn drain(
     pool: &PgPool,
     organizations: &[i64],
     expected: u64,

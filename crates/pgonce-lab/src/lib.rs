@@ -19,12 +19,12 @@
 //! [`report::Report`]: tables for people, one JSON object for machines.
 //! The `pgonce` command exposes all four when built with its `lab` feature.
 
-pub mod behind_pooler;
+pub(crate) mod behind_pooler;
 pub mod bench;
 pub mod chaos;
 pub mod demo;
 pub mod incident_run;
-pub mod plot;
+pub(crate) mod plot;
 pub mod race;
 pub mod report;
 pub mod scenario;

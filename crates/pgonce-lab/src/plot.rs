@@ -27,7 +27,7 @@ struct Bar {
 }
 
 /// Writes the report's plot to `path`.
-pub fn write(report: &Report, path: &Path) -> anyhow::Result<()> {
+pub(crate) fn write(report: &Report, path: &Path) -> anyhow::Result<()> {
     let svg = svg(report, &machine(report))?;
     std::fs::write(path, svg).with_context(|| format!("writing the plot to {}", path.display()))
 }
@@ -57,7 +57,7 @@ fn machine(report: &Report) -> String {
 
 /// The plot as an SVG document, `machine` (one or more lines) in its
 /// caption.
-pub fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
+pub(crate) fn svg(report: &Report, machine: &str) -> anyhow::Result<String> {
     // Suites run with --repeat have a row per strategy and run.
     let repeated = report
         .results

@@ -25,21 +25,21 @@ use sqlx::PgPool;
 /// Where a report was measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Environment {
-    pub postgres_version: String,
-    pub cpus: usize,
-    pub fsync: bool,
-    pub synchronous_commit: String,
+    pub(crate) postgres_version: String,
+    pub(crate) cpus: usize,
+    pub(crate) fsync: bool,
+    pub(crate) synchronous_commit: String,
     /// `throwaway` (a cluster started for this run) or `external`.
-    pub server: &'static str,
-    pub pgonce_version: &'static str,
+    pub(crate) server: &'static str,
+    pub(crate) pgonce_version: &'static str,
     /// The machine's 1-minute load average when the report's environment
     /// was read, before the run's own load: how quiet the machine was.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub load_at_start: Option<f64>,
+    pub(crate) load_at_start: Option<f64>,
 }
 
 /// The machine's 1-minute load average (`/proc/loadavg`), where there is one.
-pub fn load_average() -> Option<f64> {
+pub(crate) fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg")
         .ok()?
         .split_whitespace()
@@ -50,7 +50,7 @@ pub fn load_average() -> Option<f64> {
 
 impl Environment {
     /// Reads the server's settings through `pool`.
-    pub async fn read(pool: &PgPool, throwaway: bool) -> anyhow::Result<Environment> {
+    pub(crate) async fn read(pool: &PgPool, throwaway: bool) -> anyhow::Result<Environment> {
         /// The server settings a report names.
         #[derive(sqlx::FromRow)]
         struct Settings {
@@ -105,7 +105,7 @@ pub struct Verdict {
 
 impl Verdict {
     /// Starts as ok; each failed [`Verdict::check`] turns it false.
-    pub fn new() -> Verdict {
+    pub(crate) fn new() -> Verdict {
         Verdict {
             ok: true,
             reasons: Vec::new(),
@@ -114,7 +114,7 @@ impl Verdict {
 
     /// Records `reason`, prefixed `ok:` or `FAILED:`, and clears `ok` when
     /// `holds` is false.
-    pub fn check(&mut self, holds: bool, reason: impl Into<String>) {
+    pub(crate) fn check(&mut self, holds: bool, reason: impl Into<String>) {
         let reason = reason.into();
         self.ok &= holds;
         self.reasons
@@ -125,7 +125,7 @@ impl Verdict {
 /// Which side of its target a goal's figure has to be on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Bound {
+pub(crate) enum Bound {
     AtLeast,
     AtMost,
 }
@@ -136,31 +136,31 @@ pub enum Bound {
 /// a figure. The suite that measures a figure states its goal, so the
 /// table, the JSON and the plot all read it from the report.
 #[derive(Debug, Clone, Serialize)]
-pub struct Goal {
+pub(crate) struct Goal {
     /// A ratio's name (the plot marks the goal on that ratio's bar), or a
     /// figure of the results named in words.
-    pub figure: String,
-    pub bound: Bound,
-    pub target: f64,
+    pub(crate) figure: String,
+    pub(crate) bound: Bound,
+    pub(crate) target: f64,
     /// The unit of `target` and `measured`: `x` for a ratio.
-    pub unit: &'static str,
+    pub(crate) unit: &'static str,
     /// `None` when this run could not measure the figure (`note` says why).
-    pub measured: Option<f64>,
+    pub(crate) measured: Option<f64>,
     /// `None` when not measured.
-    pub met: Option<bool>,
+    pub(crate) met: Option<bool>,
     /// What the figure is measured under, or why it was not measured.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub note: Option<String>,
+    pub(crate) note: Option<String>,
 }
 
 impl Goal {
     /// A ratio that should be at least `target`.
-    pub fn ratio_at_least(ratio: &str, target: f64) -> Goal {
+    pub(crate) fn ratio_at_least(ratio: &str, target: f64) -> Goal {
         Goal::new(ratio, Bound::AtLeast, target, "x")
     }
 
     /// A figure in milliseconds that should be at most `target`.
-    pub fn ms_at_most(figure: &str, target: f64) -> Goal {
+    pub(crate) fn ms_at_most(figure: &str, target: f64) -> Goal {
         Goal::new(figure, Bound::AtMost, target, "ms")
     }
 
@@ -177,7 +177,7 @@ impl Goal {
     }
 
     /// What the run measured; whether the goal is met follows from it.
-    pub fn measured(mut self, value: Option<f64>) -> Goal {
+    pub(crate) fn measured(mut self, value: Option<f64>) -> Goal {
         self.measured = value;
         self.met = value.map(|v| match self.bound {
             Bound::AtLeast => v >= self.target,
@@ -186,13 +186,13 @@ impl Goal {
         self
     }
 
-    pub fn note(mut self, note: impl Into<String>) -> Goal {
+    pub(crate) fn note(mut self, note: impl Into<String>) -> Goal {
         self.note = Some(note.into());
         self
     }
 
     /// The goal as a person reads it: `>= 1.2x`, `<= 150 ms`.
-    pub fn target_text(&self) -> String {
+    pub(crate) fn target_text(&self) -> String {
         let sign = match self.bound {
             Bound::AtLeast => ">=",
             Bound::AtMost => "<=",
@@ -209,20 +209,20 @@ impl Goal {
 pub struct Row(Map<String, Value>);
 
 impl Row {
-    pub fn new(strategy: impl Into<String>) -> Row {
+    pub(crate) fn new(strategy: impl Into<String>) -> Row {
         let mut map = Map::new();
         map.insert("strategy".into(), Value::String(strategy.into()));
         Row(map)
     }
 
     /// Adds a figure; anything `serde_json` can represent.
-    pub fn with(mut self, name: &str, value: impl Serialize) -> Row {
+    pub(crate) fn with(mut self, name: &str, value: impl Serialize) -> Row {
         self.set(name, value);
         self
     }
 
     /// A field as a number, if it is one.
-    pub fn number(&self, name: &str) -> Option<f64> {
+    pub(crate) fn number(&self, name: &str) -> Option<f64> {
         self.0.get(name).and_then(Value::as_f64)
     }
 
@@ -236,11 +236,11 @@ impl Row {
     }
 
     /// The names of the row's fields, in insertion order.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
         self.0.keys().map(String::as_str)
     }
 
-    pub fn set(&mut self, name: &str, value: impl Serialize) {
+    pub(crate) fn set(&mut self, name: &str, value: impl Serialize) {
         self.0.insert(
             name.to_string(),
             serde_json::to_value(value).unwrap_or(Value::Null),
@@ -251,16 +251,16 @@ impl Row {
 /// A complete report.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    pub command: &'static str,
-    pub name: String,
-    pub environment: Environment,
+    pub(crate) command: &'static str,
+    pub(crate) name: String,
+    pub(crate) environment: Environment,
     #[serde(serialize_with = "rows")]
     pub results: Vec<Row>,
-    pub ratios: BTreeMap<String, f64>,
+    pub(crate) ratios: BTreeMap<String, f64>,
     /// The performance goals the suite states, beside what this run
     /// measured (`Report::goal`, `Report::ratio_goal`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub goals: Vec<Goal>,
+    pub(crate) goals: Vec<Goal>,
     /// Further named tables (a timeline, a comparison table), shown after
     /// the results.
     #[serde(
@@ -287,7 +287,7 @@ fn sections<S: serde::Serializer>(
 }
 
 impl Report {
-    pub fn new(command: &'static str, name: &str, environment: Environment) -> Report {
+    pub(crate) fn new(command: &'static str, name: &str, environment: Environment) -> Report {
         Report {
             command,
             name: name.to_string(),
@@ -301,7 +301,7 @@ impl Report {
     }
 
     /// Adds `a_vs_b` = `a / b`, rounded to two decimals; skipped when `b` is 0.
-    pub fn ratio(&mut self, name: &str, a: f64, b: f64) -> Option<f64> {
+    pub(crate) fn ratio(&mut self, name: &str, a: f64, b: f64) -> Option<f64> {
         if b == 0.0 || !a.is_finite() || !b.is_finite() {
             return None;
         }
@@ -311,14 +311,14 @@ impl Report {
     }
 
     /// States a goal for a figure of this run (its measured value set).
-    pub fn goal(&mut self, goal: Goal) {
+    pub(crate) fn goal(&mut self, goal: Goal) {
         self.goals.push(goal);
     }
 
     /// States that the ratio `name` should be at least `target`, measured
     /// as this run's ratio of that name (not measured when it has none);
     /// returns the goal, to add a note.
-    pub fn ratio_goal(&mut self, name: &str, target: f64) -> &mut Goal {
+    pub(crate) fn ratio_goal(&mut self, name: &str, target: f64) -> &mut Goal {
         self.goal(Goal::ratio_at_least(name, target).measured(self.ratios.get(name).copied()));
         self.goals.last_mut().expect("a goal was just stated")
     }

@@ -5,4 +5,4 @@
 //! faults), so a fix or a bug in the scenario shows in all three at once.
 
 pub mod guard;
-pub mod sequence;
+pub(crate) mod sequence;

@@ -91,14 +91,14 @@ impl RunDatabase {
     }
 
     /// Options for the scratch database, for sessions of its own.
-    pub fn options(&self) -> PgConnectOptions {
+    pub(crate) fn options(&self) -> PgConnectOptions {
         self.database
             .as_ref()
             .expect("the database is open")
             .options()
     }
 
-    pub async fn environment(&self) -> anyhow::Result<Environment> {
+    pub(crate) async fn environment(&self) -> anyhow::Result<Environment> {
         Environment::read(&self.pool, self.throwaway).await
     }
 
@@ -141,7 +141,7 @@ impl RunDatabase {
 }
 
 /// Restarts the run's server; see [`RunDatabase::restarter`].
-pub type Restarter = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
+pub(crate) type Restarter = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
 
 impl Drop for RunDatabase {
     /// The exit paths that skip [`RunDatabase::close`] (an error, a panic,

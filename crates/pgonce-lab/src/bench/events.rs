@@ -83,7 +83,7 @@ struct Cell {
     waiting: f64,
 }
 
-pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let workers = 16;
     let phase = if args.quick && args.seconds.is_none() {
         Duration::from_secs_f64(1.0)

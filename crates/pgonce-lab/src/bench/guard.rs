@@ -94,7 +94,7 @@ impl Extra {
     }
 }
 
-pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     scenario::create_schema(db.pool()).await?;
     let mut report = Report::new("bench", "guard", db.environment().await?);
     let phase = args.phase();
@@ -330,11 +330,11 @@ async fn measure(
 /// Counts what a committed (or refused) write did.
 fn tally(extra: &Extra, written: &Written) -> Outcome {
     match written {
-        Written::Opened(_) => {
+        Written::Opened => {
             extra.incidents.fetch_add(1, Ordering::Relaxed);
             None
         }
-        Written::Resolved(_) => None,
+        Written::Resolved => None,
         Written::Refused(_) => Some("conflicts"),
     }
 }

@@ -35,7 +35,7 @@ use crate::scratch::RunDatabase;
 
 const LEASE: Duration = Duration::from_secs(300);
 
-pub async fn run(
+pub(crate) async fn run(
     args: &BenchArgs,
     db: &RunDatabase,
     database_url: Option<&str>,

@@ -17,7 +17,7 @@ enum Keys {
     Shared,
 }
 
-pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let workers = if args.quick { 4 } else { 16 };
     sqlx::raw_sql(include_str!("sql/lock_schema.sql"))
         .execute(db.pool())

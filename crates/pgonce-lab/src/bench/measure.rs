@@ -14,35 +14,35 @@ use crate::report::Row;
 
 /// What one operation reports besides its latency: the name of a counter to
 /// bump (`"conflicts"`, `"aborts"`...), or none.
-pub type Outcome = Option<&'static str>;
+pub(crate) type Outcome = Option<&'static str>;
 
 /// The figures of one measured strategy.
 #[derive(Debug, Clone)]
-pub struct Measured {
-    pub ops: u64,
-    pub errors: u64,
-    pub first_error: Option<String>,
-    pub elapsed: Duration,
+pub(crate) struct Measured {
+    pub(crate) ops: u64,
+    pub(crate) errors: u64,
+    pub(crate) first_error: Option<String>,
+    pub(crate) elapsed: Duration,
     /// Operation latency in microseconds.
-    pub latency: Histogram<u64>,
-    pub counters: BTreeMap<&'static str, u64>,
+    pub(crate) latency: Histogram<u64>,
+    pub(crate) counters: BTreeMap<&'static str, u64>,
 }
 
 impl Measured {
-    pub fn ops_per_sec(&self) -> f64 {
+    pub(crate) fn ops_per_sec(&self) -> f64 {
         self.ops as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
 
-    pub fn quantile_ms(&self, q: f64) -> f64 {
+    pub(crate) fn quantile_ms(&self, q: f64) -> f64 {
         self.latency.value_at_quantile(q) as f64 / 1000.0
     }
 
-    pub fn max_ms(&self) -> f64 {
+    pub(crate) fn max_ms(&self) -> f64 {
         self.latency.max() as f64 / 1000.0
     }
 
     /// `ops_per_sec`, `p50_ms`, `p99_ms`, `max_ms`, `errors` and each counter.
-    pub fn row(&self, strategy: &str) -> Row {
+    pub(crate) fn row(&self, strategy: &str) -> Row {
         let mut row = Row::new(strategy)
             .with("ops_per_sec", round2(self.ops_per_sec()))
             .with("p50_ms", round2(self.quantile_ms(0.5)))
@@ -56,13 +56,13 @@ impl Measured {
     }
 }
 
-pub fn round2(x: f64) -> f64 {
+pub(crate) fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
 /// A row naming a figure measured over several runs: each run's value and
 /// their median.
-pub fn runs_row(name: &str, values: &[f64]) -> Row {
+pub(crate) fn runs_row(name: &str, values: &[f64]) -> Row {
     Row::new(name)
         .with(
             "runs",
@@ -73,7 +73,7 @@ pub fn runs_row(name: &str, values: &[f64]) -> Row {
 
 /// The median of `values` (the mean of the middle two for an even count);
 /// 0 for none.
-pub fn median(values: &[f64]) -> f64 {
+pub(crate) fn median(values: &[f64]) -> f64 {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
     v.sort_by(f64::total_cmp);
     match v.len() {
@@ -83,7 +83,7 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
-pub fn new_histogram() -> Histogram<u64> {
+pub(crate) fn new_histogram() -> Histogram<u64> {
     // 1 µs to 10 minutes, 3 significant digits.
     Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
 }
@@ -91,7 +91,12 @@ pub fn new_histogram() -> Histogram<u64> {
 /// Runs `op(worker, iteration)` on `workers` tasks for `duration` and
 /// collects latencies and outcomes. An error is counted (the first one kept
 /// for the report) and the worker goes on.
-pub async fn closed_loop<F, Fut>(label: &str, workers: usize, duration: Duration, op: F) -> Measured
+pub(crate) async fn closed_loop<F, Fut>(
+    label: &str,
+    workers: usize,
+    duration: Duration,
+    op: F,
+) -> Measured
 where
     F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = anyhow::Result<Outcome>> + Send,
@@ -168,7 +173,7 @@ where
 }
 
 /// A bar on stderr for a timed phase; hidden when stderr is not a terminal.
-pub fn progress_bar(label: &str, duration: Duration) -> ProgressBar {
+pub(crate) fn progress_bar(label: &str, duration: Duration) -> ProgressBar {
     let bar = ProgressBar::new(duration.as_millis() as u64);
     bar.set_style(
         ProgressStyle::with_template("{prefix:>28} [{bar:30}] {elapsed}/{duration}")

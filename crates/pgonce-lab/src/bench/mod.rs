@@ -5,9 +5,9 @@ mod events;
 mod guard;
 mod jobs;
 mod lock;
-pub mod measure;
+pub(crate) mod measure;
 mod peers;
-pub mod queue;
+pub(crate) mod queue;
 mod sequence;
 mod service;
 
@@ -20,7 +20,7 @@ use crate::report::Report;
 use crate::scratch::RunDatabase;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Suite {
+pub(crate) enum Suite {
     /// Cost of a transaction-level advisory lock in a short write transaction.
     Lock,
     /// The guarded write against two-transactions, serializable and
@@ -46,23 +46,23 @@ pub enum Suite {
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// Which suite to run.
-    pub suite: Suite,
+    pub(crate) suite: Suite,
     /// The same scenarios, smaller: the whole suite in under 30 seconds.
     #[arg(long)]
-    pub quick: bool,
+    pub(crate) quick: bool,
     /// Seconds to measure each strategy (default: 5, or 1.5 with --quick),
     /// above 0 and at most 3600.
     #[arg(long, value_parser = phase_seconds)]
-    pub seconds: Option<f64>,
+    pub(crate) seconds: Option<f64>,
     /// Runs the compared strategies this many times, alternating which goes
     /// first, and reports the median of each ratio with every run's value
     /// (suites that support it: guard, sequence, service).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
-    pub repeat: u32,
+    pub(crate) repeat: u32,
     /// Also draws the run's figures (throughput, latency percentiles,
     /// ratios against their goals) as an SVG file here.
     #[arg(long, value_name = "FILE.svg")]
-    pub plot: Option<std::path::PathBuf>,
+    pub(crate) plot: Option<std::path::PathBuf>,
 }
 
 /// `--seconds`: a number above 0 and at most an hour (it becomes a
@@ -78,7 +78,7 @@ fn phase_seconds(text: &str) -> Result<f64, String> {
 
 impl BenchArgs {
     /// How long to measure one strategy in one scenario.
-    pub fn phase(&self) -> Duration {
+    pub(crate) fn phase(&self) -> Duration {
         let default = if self.quick { 1.5 } else { 5.0 };
         Duration::from_secs_f64(self.seconds.unwrap_or(default).max(0.1))
     }

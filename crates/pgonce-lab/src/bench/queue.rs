@@ -33,20 +33,20 @@ use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
 /// Unconsumed messages at which producers pause.
-pub const BACKLOG: i64 = 2000;
+pub(crate) const BACKLOG: i64 = 2000;
 
 /// What one scenario measured.
-pub struct Flow {
-    pub consumed: u64,
-    pub errors: u64,
-    pub first_error: Option<String>,
-    pub elapsed: Duration,
+pub(crate) struct Flow {
+    pub(crate) consumed: u64,
+    pub(crate) errors: u64,
+    pub(crate) first_error: Option<String>,
+    pub(crate) elapsed: Duration,
     /// End-to-end latency, µs.
-    pub latency: Histogram<u64>,
+    pub(crate) latency: Histogram<u64>,
 }
 
 impl Flow {
-    pub fn per_sec(&self) -> f64 {
+    pub(crate) fn per_sec(&self) -> f64 {
         self.consumed as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
 
@@ -72,14 +72,14 @@ impl Flow {
 
 /// Clients of one scenario.
 #[derive(Debug, Clone, Copy)]
-pub struct Shape {
-    pub producers: usize,
-    pub consumers: usize,
-    pub phase: Duration,
+pub(crate) struct Shape {
+    pub(crate) producers: usize,
+    pub(crate) consumers: usize,
+    pub(crate) phase: Duration,
 }
 
 /// The shared clock and counters of one scenario.
-pub struct Meter {
+pub(crate) struct Meter {
     started: Instant,
     deadline: Instant,
     outstanding: AtomicI64,
@@ -103,17 +103,17 @@ impl Meter {
         })
     }
 
-    pub fn running(&self) -> bool {
+    pub(crate) fn running(&self) -> bool {
         Instant::now() < self.deadline
     }
 
     /// The body to send now: the send time.
-    pub fn stamp(&self) -> String {
+    pub(crate) fn stamp(&self) -> String {
         self.started.elapsed().as_micros().to_string()
     }
 
     /// Waits while the backlog is full; false once the phase is over.
-    pub async fn may_send(&self, n: usize) -> bool {
+    pub(crate) async fn may_send(&self, n: usize) -> bool {
         while self.outstanding.load(Ordering::Relaxed) > BACKLOG {
             if !self.running() {
                 return false;
@@ -125,7 +125,7 @@ impl Meter {
     }
 
     /// Records a message consumed (deleted or completed) now.
-    pub fn consumed(&self, body: &str) {
+    pub(crate) fn consumed(&self, body: &str) {
         self.outstanding.fetch_sub(1, Ordering::Relaxed);
         if !self.running() {
             return;
@@ -141,7 +141,7 @@ impl Meter {
         }
     }
 
-    pub fn error(&self, e: impl std::fmt::Display) {
+    pub(crate) fn error(&self, e: impl std::fmt::Display) {
         self.errors.fetch_add(1, Ordering::Relaxed);
         self.first_error
             .lock()
@@ -162,7 +162,7 @@ impl Meter {
 
 /// Runs `produce(meter, producer)` and `consume(meter, consumer)` loops
 /// (each returns when the meter's phase is over) and collects the figures.
-pub async fn drive<P, PF, C, CF>(label: &str, shape: Shape, produce: P, consume: C) -> Flow
+pub(crate) async fn drive<P, PF, C, CF>(label: &str, shape: Shape, produce: P, consume: C) -> Flow
 where
     P: Fn(Arc<Meter>, usize) -> PF,
     PF: Future<Output = ()> + Send + 'static,
@@ -199,7 +199,7 @@ struct PgScenario {
     notify: bool,
 }
 
-pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let shape = Shape {
         producers: if args.quick { 2 } else { 4 },
         consumers: if args.quick { 4 } else { 8 },

@@ -78,7 +78,7 @@ struct Figures {
     first_error: Option<String>,
 }
 
-pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     scenario::create_schema(db.pool()).await?;
     let mut report = Report::new("bench", "sequence", db.environment().await?);
     let (scopes, declarers) = (8, 4);

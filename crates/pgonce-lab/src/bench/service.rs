@@ -195,7 +195,7 @@ async fn declarations(
     Ok(cell)
 }
 
-pub async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Report> {
     let pool = db.pool().clone();
     pgonce_incidents::migrate(&pool).await?;
     let mut report = Report::new("bench", "service", db.environment().await?);

@@ -1,10 +1,10 @@
 //! The checker: written apart from the code under test, it knows only the
 //! invariants. It reads a round's history and, with its own SQL, the
 //! round's rows, and reports every violation it finds. For I1 it asks the
-//! guard scenario's history check ([`crate::scenario::guard::overlaps`]),
+//! guard scenario's history check (`scenario::guard::overlaps`),
 //! which knows the scenario's table and nothing of the guard; for I2 the
 //! sequence scenario's per-scope check
-//! ([`crate::scenario::sequence::numbers`]), which knows the numbered table
+//! (`scenario::sequence::numbers`), which knows the numbered table
 //! and nothing of the strategies.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -22,18 +22,18 @@ use super::schedule::Action;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Violation {
     pub invariant: &'static str,
-    pub detail: String,
+    pub(crate) detail: String,
 }
 
 pub const I1: &str = "I1 one OPEN incident per singleton entity";
 pub const I2: &str = "I2 numbers 1..n per scope";
-pub const I3: &str = "I3 a job's side effect exactly once";
-pub const I4: &str = "I4 a key's side effect once, one response";
+pub(crate) const I3: &str = "I3 a job's side effect exactly once";
+pub(crate) const I4: &str = "I4 a key's side effect once, one response";
 pub const I5: &str = "I5 no conditional append above an event its condition forbids";
 pub const I6: &str = "I6 queue: no loss, fenced receipts, FIFO";
-pub const PIPELINE: &str = "the incident pipeline drains and settles";
-pub const ATOMIC: &str = "a failed operation writes nothing";
-pub const TYPED: &str = "an exhausted pool fails with a typed error";
+pub(crate) const PIPELINE: &str = "the incident pipeline drains and settles";
+pub(crate) const ATOMIC: &str = "a failed operation writes nothing";
+pub(crate) const TYPED: &str = "an exhausted pool fails with a typed error";
 
 fn violation(invariant: &'static str, detail: impl Into<String>) -> Violation {
     Violation {
@@ -43,7 +43,7 @@ fn violation(invariant: &'static str, detail: impl Into<String>) -> Violation {
 }
 
 /// Every violation of round `round` of `scenario`.
-pub async fn check(scenario: ScenarioKind, round: &Round) -> anyhow::Result<Vec<Violation>> {
+pub(crate) async fn check(scenario: ScenarioKind, round: &Round) -> anyhow::Result<Vec<Violation>> {
     let mut found = Vec::new();
     let entries = round.history.entries();
     atomic(round, entries, &mut found).await?;

@@ -28,11 +28,11 @@ use super::round::Round;
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
 use super::stepwise::{self, OpenTransactions, Ran, Stepwise};
 
-pub const TASKS: usize = 4;
+pub(crate) const TASKS: usize = 4;
 /// The event type the conditions are about.
-pub const CLAIM: &str = "ChaosClaimed";
+pub(crate) const CLAIM: &str = "ChaosClaimed";
 
-pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let programs = (0..TASKS)
         .map(|task| {
             let mut program = Vec::new();
@@ -74,7 +74,7 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
 }
 
 /// The claims' tag of the round.
-pub fn claim_tag(scope: &str) -> String {
+pub(crate) fn claim_tag(scope: &str) -> String {
     format!("claim:{scope}")
 }
 
@@ -83,7 +83,7 @@ const ISOLATIONS: [IsolationLevel; 3] = IsolationLevel::ALL;
 type Tx = Transaction<'static, Postgres>;
 
 /// What a writer holds open between its append and its commit.
-pub enum OpenAppend {
+pub(crate) enum OpenAppend {
     /// `EventStore::begin_append`'s: inserted, condition checked.
     Pending(PendingAppend),
     /// The caller's transaction of an `append_in` (or the mutant's raw
@@ -92,7 +92,7 @@ pub enum OpenAppend {
 }
 
 /// What a step that may wait on a lock hands back.
-pub enum Finished {
+pub(crate) enum Finished {
     Decided(pgonce::Result<Decision>),
     Begun(pgonce::Result<PendingAppend>),
     AppendedIn(Tx, pgonce::Result<Vec<i64>>),
@@ -107,7 +107,7 @@ struct Writers {
     decisions: Vec<Option<Option<i64>>>,
 }
 
-pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     // A schedule shrunk past its first step runs the default strategy.
     let strategy = steps
         .iter()

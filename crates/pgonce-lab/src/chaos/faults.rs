@@ -52,7 +52,7 @@ pub enum FaultKind {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 8] = [
+    pub(crate) const ALL: [FaultKind; 8] = [
         FaultKind::Terminate,
         FaultKind::Restart,
         FaultKind::PoolExhaustion,
@@ -63,7 +63,7 @@ impl FaultKind {
         FaultKind::WorkerKill,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             FaultKind::Terminate => "terminate",
             FaultKind::Restart => "restart",
@@ -77,7 +77,7 @@ impl FaultKind {
     }
 
     /// The faults every scenario can take.
-    pub const GENERIC: [FaultKind; 3] = [
+    pub(crate) const GENERIC: [FaultKind; 3] = [
         FaultKind::Terminate,
         FaultKind::Restart,
         FaultKind::PoolExhaustion,
@@ -86,7 +86,7 @@ impl FaultKind {
 
 /// Injects a generic fault aimed at `task`; returns `false` for a
 /// scenario-specific kind, which the scenario injects itself.
-pub async fn inject_generic(
+pub(crate) async fn inject_generic(
     round: &mut Round,
     task: usize,
     fault: FaultKind,

@@ -19,10 +19,10 @@ use super::round::Round;
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
 use crate::scenario::guard::{self as scenario, Decision, Entity, Written};
 
-pub const TASKS: usize = 3;
+pub(crate) const TASKS: usize = 3;
 const ENTITY: &str = "entity-1";
 
-pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let programs = (0..TASKS)
         .map(|task| {
             let mut program = Vec::new();
@@ -40,7 +40,7 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     steps
 }
 
-pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     let guard = Guard::new("chaos-open-incident", GuardConfig::default())?;
     let entity = Entity::new(round.scope.clone(), ENTITY);
     let mut seen: Vec<Option<ReadSet>> = vec![None; round.tasks()];

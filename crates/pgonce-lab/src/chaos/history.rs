@@ -12,7 +12,7 @@ use super::schedule::Action;
 /// How an operation ended, as far as its caller could tell.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "outcome")]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Invoked, not yet completed (still blocked when the round ended).
     Pending,
     /// Completed; what it returned.
@@ -27,7 +27,7 @@ pub enum Outcome {
 /// Errors sorted into what the invariants care about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum ErrorKind {
+pub(crate) enum ErrorKind {
     Conflict,
     NumberTaken,
     StaleReceipt,
@@ -44,7 +44,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Sorts a pgonce error.
-    pub fn of(error: &pgonce::Error) -> ErrorKind {
+    pub(crate) fn of(error: &pgonce::Error) -> ErrorKind {
         use pgonce::Error as E;
         match error {
             E::Conflict { .. } => ErrorKind::Conflict,
@@ -60,7 +60,7 @@ impl ErrorKind {
     }
 
     /// Sorts a sqlx error.
-    pub fn of_sqlx(error: &sqlx::Error) -> ErrorKind {
+    pub(crate) fn of_sqlx(error: &sqlx::Error) -> ErrorKind {
         match error {
             sqlx::Error::PoolTimedOut => ErrorKind::PoolTimeout,
             sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolClosed => {
@@ -79,30 +79,30 @@ impl ErrorKind {
 
 /// One operation or fault.
 #[derive(Debug, Clone, Serialize)]
-pub struct Entry {
+pub(crate) struct Entry {
     /// The operation's id, unique within the round; rows it writes carry it.
-    pub op: i64,
-    pub task: usize,
-    pub action: Action,
+    pub(crate) op: i64,
+    pub(crate) task: usize,
+    pub(crate) action: Action,
     /// What the operation was called with (ids, receipts, keys).
-    pub input: Value,
+    pub(crate) input: Value,
     /// The history's clock at invocation and at completion.
-    pub invoked: u64,
-    pub completed: Option<u64>,
+    pub(crate) invoked: u64,
+    pub(crate) completed: Option<u64>,
     #[serde(flatten)]
-    pub outcome: Outcome,
+    pub(crate) outcome: Outcome,
 }
 
 /// The round's history.
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct History {
+pub(crate) struct History {
     entries: Vec<Entry>,
     clock: u64,
 }
 
 impl History {
     /// Records an invocation; returns its op id.
-    pub fn invoke(&mut self, task: usize, action: Action, input: Value) -> i64 {
+    pub(crate) fn invoke(&mut self, task: usize, action: Action, input: Value) -> i64 {
         self.clock += 1;
         let op = self.entries.len() as i64 + 1;
         self.entries.push(Entry {
@@ -118,7 +118,7 @@ impl History {
     }
 
     /// Records the completion of `op`.
-    pub fn complete(&mut self, op: i64, outcome: Outcome) {
+    pub(crate) fn complete(&mut self, op: i64, outcome: Outcome) {
         self.clock += 1;
         let entry = &mut self.entries[(op - 1) as usize];
         entry.completed = Some(self.clock);
@@ -126,7 +126,7 @@ impl History {
     }
 
     /// Records the result of `op` from a pgonce call.
-    pub fn finish<T: Serialize, E: Borrow<pgonce::Error>>(
+    pub(crate) fn finish<T: Serialize, E: Borrow<pgonce::Error>>(
         &mut self,
         op: i64,
         result: &Result<T, E>,
@@ -139,7 +139,13 @@ impl History {
     }
 
     /// An operation invoked and completed at once.
-    pub fn record(&mut self, task: usize, action: Action, input: Value, outcome: Outcome) -> i64 {
+    pub(crate) fn record(
+        &mut self,
+        task: usize,
+        action: Action,
+        input: Value,
+        outcome: Outcome,
+    ) -> i64 {
         let op = self.invoke(task, action, input);
         self.complete(op, outcome);
         op
@@ -148,16 +154,16 @@ impl History {
     /// Records a step the task could not run (what it acts on is not
     /// held, or the step does not belong to the scenario): no input, and
     /// not counted as an operation.
-    pub fn skip(&mut self, task: usize, action: Action) -> i64 {
+    pub(crate) fn skip(&mut self, task: usize, action: Action) -> i64 {
         self.record(task, action, Value::Null, Outcome::Skipped)
     }
 
-    pub fn entries(&self) -> &[Entry] {
+    pub(crate) fn entries(&self) -> &[Entry] {
         &self.entries
     }
 
     /// Operations (faults and skipped steps not counted).
-    pub fn operations(&self) -> usize {
+    pub(crate) fn operations(&self) -> usize {
         self.entries
             .iter()
             .filter(|e| !e.action.is_fault() && e.outcome != Outcome::Skipped)
@@ -166,38 +172,38 @@ impl History {
 }
 
 impl Outcome {
-    pub fn ok(value: impl Serialize) -> Outcome {
+    pub(crate) fn ok(value: impl Serialize) -> Outcome {
         Outcome::Ok {
             value: serde_json::to_value(value).unwrap_or(Value::Null),
         }
     }
 
-    pub fn error(e: &pgonce::Error) -> Outcome {
+    pub(crate) fn error(e: &pgonce::Error) -> Outcome {
         Outcome::Err {
             kind: ErrorKind::of(e),
             message: e.to_string(),
         }
     }
 
-    pub fn sqlx(e: &sqlx::Error) -> Outcome {
+    pub(crate) fn sqlx(e: &sqlx::Error) -> Outcome {
         Outcome::Err {
             kind: ErrorKind::of_sqlx(e),
             message: e.to_string(),
         }
     }
 
-    pub fn is_ok(&self) -> bool {
+    pub(crate) fn is_ok(&self) -> bool {
         matches!(self, Outcome::Ok { .. })
     }
 
-    pub fn error_kind(&self) -> Option<ErrorKind> {
+    pub(crate) fn error_kind(&self) -> Option<ErrorKind> {
         match self {
             Outcome::Err { kind, .. } => Some(*kind),
             _ => None,
         }
     }
 
-    pub fn value(&self) -> Option<&Value> {
+    pub(crate) fn value(&self) -> Option<&Value> {
         match self {
             Outcome::Ok { value } => Some(value),
             _ => None,

@@ -20,12 +20,12 @@ use super::history::Outcome;
 use super::round::Round;
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
 
-pub const TASKS: usize = 3;
+pub(crate) const TASKS: usize = 3;
 const KEYS: usize = 2;
 /// Long enough never to run out by itself: holds expire only by fault.
 const HOLD: Duration = Duration::from_secs(300);
 
-pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let programs = (0..TASKS)
         .map(|_| {
             let mut program = Vec::new();
@@ -53,7 +53,7 @@ fn key_name(key: usize) -> String {
     format!("k{}", key % KEYS)
 }
 
-pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     let mut holds: Vec<BTreeMap<usize, KeyHold>> = vec![BTreeMap::new(); round.tasks()];
     for step in steps {
         let task = step.task;

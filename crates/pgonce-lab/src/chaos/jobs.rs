@@ -18,12 +18,12 @@ use super::history::Outcome;
 use super::round::Round;
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
 
-pub const TASKS: usize = 3;
+pub(crate) const TASKS: usize = 3;
 const JOBS: usize = 2;
 /// Long enough never to run out by itself: leases expire only by fault.
 const LEASE: Duration = Duration::from_secs(300);
 
-pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let programs = (0..TASKS)
         .map(|_| {
             let mut program = Vec::new();
@@ -47,7 +47,7 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     steps
 }
 
-pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     let mut ids = Vec::with_capacity(JOBS);
     for n in 0..JOBS {
         let new = NewJob::new(&round.scope, json!({ "n": n })).max_attempts(1000);

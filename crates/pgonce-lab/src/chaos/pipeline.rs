@@ -24,12 +24,12 @@ use super::round::Round;
 use super::schedule::{Action, Step};
 use crate::incident_run::{self, IncidentRunConfig};
 
-pub const TASKS: usize = 1;
+pub(crate) const TASKS: usize = 1;
 /// One round in this many is the pipeline's, when it is selected with
 /// others.
-pub const EVERY: u64 = 25;
+pub(crate) const EVERY: u64 = 25;
 
-pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let mut steps = Vec::new();
     if faults.contains(&FaultKind::Restart) && rng.random_bool(0.5) {
         steps.push(Step {
@@ -54,7 +54,7 @@ pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     steps
 }
 
-pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     let restart_wanted = steps.iter().any(|s| {
         matches!(
             s.action,

@@ -23,13 +23,13 @@ use super::round::Round;
 use super::schedule::{Action, Step, interleave, sprinkle_faults};
 
 /// Task 0 sends; tasks 1 to 3 consume.
-pub const TASKS: usize = 4;
+pub(crate) const TASKS: usize = 4;
 const GROUPS: usize = 2;
 const PER_GROUP: usize = 2;
 /// Long enough never to run out by itself: deliveries expire only by fault.
 const VISIBILITY: Duration = Duration::from_secs(300);
 
-pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let mut programs = vec![Vec::new(); TASKS];
     for seq in 0..PER_GROUP {
         for group in 0..GROUPS {
@@ -73,7 +73,7 @@ fn body(group: usize, seq: usize) -> String {
     format!("g{group}-m{seq}")
 }
 
-pub fn queue_name(scope: &str) -> String {
+pub(crate) fn queue_name(scope: &str) -> String {
     format!("chaos-{scope}")
 }
 
@@ -85,7 +85,7 @@ struct Consumer {
     earlier: Vec<Receipt>,
 }
 
-pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     let name = queue_name(&round.scope);
     let attributes = QueueAttributes::fifo().visibility_timeout(VISIBILITY);
     let control = PgQueue::create(

@@ -23,34 +23,34 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// What a round counted besides its history.
 #[derive(Debug, Clone, Default)]
-pub struct RoundStats {
-    pub faults: BTreeMap<FaultKind, u64>,
-    pub recoveries: Vec<Recovery>,
+pub(crate) struct RoundStats {
+    pub(crate) faults: BTreeMap<FaultKind, u64>,
+    pub(crate) recoveries: Vec<Recovery>,
 }
 
 impl RoundStats {
-    pub fn fault(&mut self, kind: FaultKind) {
+    pub(crate) fn fault(&mut self, kind: FaultKind) {
         *self.faults.entry(kind).or_default() += 1;
     }
 }
 
-pub struct Round {
+pub(crate) struct Round {
     /// Names this round's rows, locks, queue, job kind and keys.
-    pub scope: String,
-    pub mutant: Option<Mutant>,
-    pub history: History,
-    pub stats: RoundStats,
+    pub(crate) scope: String,
+    pub(crate) mutant: Option<Mutant>,
+    pub(crate) history: History,
+    pub(crate) stats: RoundStats,
     /// Per task: the connection held by a pool-exhaustion fault, released
     /// after the task's next operation.
-    pub exhausted: Vec<Option<PoolConnection<Postgres>>>,
+    pub(crate) exhausted: Vec<Option<PoolConnection<Postgres>>>,
     /// Set by a restart: when it began, until an operation succeeds again.
-    pub recovering: Option<Instant>,
+    pub(crate) recovering: Option<Instant>,
     /// Restarters of the run's throwaway cluster, one per restart left
     /// in the schedule; empty on any other server.
-    pub restarters: Vec<Restarter>,
+    pub(crate) restarters: Vec<Restarter>,
     /// The `pgonce` executable, to start child `pgonce worker` processes
     /// from; `None` where this process is not `pgonce` (tests).
-    pub worker_program: Option<std::path::PathBuf>,
+    pub(crate) worker_program: Option<std::path::PathBuf>,
     sessions: Vec<PgPool>,
     names: Vec<String>,
     control: PgPool,
@@ -58,7 +58,7 @@ pub struct Round {
 }
 
 impl Round {
-    pub async fn open(
+    pub(crate) async fn open(
         options: &PgConnectOptions,
         control: PgPool,
         scope: String,
@@ -94,33 +94,33 @@ impl Round {
         })
     }
 
-    pub fn tasks(&self) -> usize {
+    pub(crate) fn tasks(&self) -> usize {
         self.sessions.len()
     }
 
     /// Task `task`'s pool: one connection.
-    pub fn session(&self, task: usize) -> &PgPool {
+    pub(crate) fn session(&self, task: usize) -> &PgPool {
         &self.sessions[task]
     }
 
     /// Its `application_name`.
-    pub fn session_name(&self, task: usize) -> &str {
+    pub(crate) fn session_name(&self, task: usize) -> &str {
         &self.names[task]
     }
 
     /// Options for the round's database, for pools of a scenario's own.
-    pub fn options(&self) -> &PgConnectOptions {
+    pub(crate) fn options(&self) -> &PgConnectOptions {
         &self.options
     }
 
     /// A pool outside every task, for faults, drains and checks.
-    pub fn control(&self) -> &PgPool {
+    pub(crate) fn control(&self) -> &PgPool {
         &self.control
     }
 
     /// After each operation of `task`: the pool it exhausted is released,
     /// and a success after a restart ends the recovery.
-    pub fn after_operation(&mut self, task: usize, succeeded: bool) {
+    pub(crate) fn after_operation(&mut self, task: usize, succeeded: bool) {
         self.exhausted[task] = None;
         if succeeded && let Some(started) = self.recovering.take() {
             self.stats.recoveries.push(Recovery {
@@ -138,7 +138,7 @@ impl Round {
     /// step wait briefly on one run and not on another; that changes the
     /// order of later steps, never a verdict, which rests on the history
     /// and the tables.
-    pub async fn settle<T: Send + 'static>(
+    pub(crate) async fn settle<T: Send + 'static>(
         &self,
         task: usize,
         step: JoinHandle<T>,
@@ -164,7 +164,7 @@ impl Round {
         }
     }
 
-    pub async fn close(self) {
+    pub(crate) async fn close(self) {
         drop(self.exhausted);
         for pool in self.sessions {
             pool.close().await;
@@ -173,7 +173,7 @@ impl Round {
 }
 
 /// Where [`Round::settle`] left a step.
-pub enum Settled<T> {
+pub(crate) enum Settled<T> {
     Done(T),
     Blocked(JoinHandle<T>),
 }

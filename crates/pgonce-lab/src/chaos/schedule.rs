@@ -13,14 +13,14 @@ use super::faults::FaultKind;
 /// task it hits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Step {
-    pub task: usize,
-    pub action: Action,
+    pub(crate) task: usize,
+    pub(crate) action: Action,
 }
 
 /// Every operation a scenario's task can run, and the faults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "op")]
-pub enum Action {
+pub(crate) enum Action {
     /// guard: the decision's read of the entity's OPEN incidents.
     Read,
     /// guard: open an incident if the read saw none (the guarded write).
@@ -81,14 +81,14 @@ pub enum Action {
 }
 
 impl Action {
-    pub fn is_fault(&self) -> bool {
+    pub(crate) fn is_fault(&self) -> bool {
         matches!(self, Action::Fault { .. })
     }
 }
 
 /// The RNG of round `round` of a run seeded `seed`: a round is
 /// reproducible from the pair alone, whatever ran before it.
-pub fn round_rng(seed: u64, round: u64) -> StdRng {
+pub(crate) fn round_rng(seed: u64, round: u64) -> StdRng {
     // splitmix64 of the pair, so neighbouring rounds get unrelated streams.
     let mut z = seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -98,7 +98,7 @@ pub fn round_rng(seed: u64, round: u64) -> StdRng {
 
 /// Merges per-task programs into one schedule, keeping each task's order:
 /// a random interleaving.
-pub fn interleave(rng: &mut StdRng, programs: Vec<Vec<Action>>) -> Vec<Step> {
+pub(crate) fn interleave(rng: &mut StdRng, programs: Vec<Vec<Action>>) -> Vec<Step> {
     let mut cursors = vec![0usize; programs.len()];
     let total: usize = programs.iter().map(Vec::len).sum();
     let mut steps = Vec::with_capacity(total);
@@ -120,7 +120,7 @@ pub fn interleave(rng: &mut StdRng, programs: Vec<Vec<Action>>) -> Vec<Step> {
 /// task and target, drawn from those of the run's `faults` that every
 /// scenario takes ([`FaultKind::GENERIC`]) or that are in the scenario's
 /// `extra`. A restart is rarer than the rest: it costs seconds.
-pub fn sprinkle_faults(
+pub(crate) fn sprinkle_faults(
     rng: &mut StdRng,
     steps: &mut Vec<Step>,
     faults: &[FaultKind],
@@ -160,7 +160,7 @@ pub fn sprinkle_faults(
 /// Delta debugging over a failing schedule: removes ever smaller chunks
 /// while `still_fails` says the shorter schedule still shows the violation,
 /// trying at most `budget` replays. Returns the shortest schedule found.
-pub async fn shrink<F>(steps: Vec<Step>, budget: usize, mut still_fails: F) -> Vec<Step>
+pub(crate) async fn shrink<F>(steps: Vec<Step>, budget: usize, mut still_fails: F) -> Vec<Step>
 where
     F: AsyncFnMut(&[Step]) -> bool,
 {

@@ -18,11 +18,11 @@ use super::schedule::{Action, Step, interleave, sprinkle_faults};
 use super::stepwise::{self, OpenTransactions, Ran, Stepwise};
 use crate::scenario::sequence::{self as scenario, Declared};
 
-pub const TASKS: usize = 3;
+pub(crate) const TASKS: usize = 3;
 
 type Tx = Transaction<'static, Postgres>;
 
-pub fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
+pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
     let programs = (0..TASKS)
         .map(|_| {
             let mut program = Vec::new();
@@ -46,7 +46,7 @@ struct Declarations {
     sequence: Sequence,
 }
 
-pub async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
+pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     let strategy = if round.mutant == Some(Mutant::SequenceForUpdate) {
         SequenceStrategy::SelectForUpdate
     } else {

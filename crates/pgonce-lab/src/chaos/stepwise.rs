@@ -15,7 +15,7 @@ use super::round::{Round, Settled};
 use super::schedule::{Action, Step};
 
 /// A scenario the driver runs.
-pub trait Stepwise {
+pub(crate) trait Stepwise {
     /// What a task holds open between its steps (a transaction, a pending
     /// append).
     type Open: Send + 'static;
@@ -47,7 +47,7 @@ pub trait Stepwise {
 }
 
 /// How far [`Stepwise::run_step`] went.
-pub enum Ran<D> {
+pub(crate) enum Ran<D> {
     /// The step is over.
     Finished,
     /// The step runs in `step`, for operation `op`, and may wait on a lock.
@@ -55,19 +55,19 @@ pub enum Ran<D> {
 }
 
 /// What each task holds open.
-pub struct OpenTransactions<O>(Vec<Option<O>>);
+pub(crate) struct OpenTransactions<O>(Vec<Option<O>>);
 
 impl<O> OpenTransactions<O> {
     /// Takes what `task` holds open (the step that uses it puts it back).
-    pub fn take(&mut self, task: usize) -> Option<O> {
+    pub(crate) fn take(&mut self, task: usize) -> Option<O> {
         self.0[task].take()
     }
 
-    pub fn put(&mut self, task: usize, open: O) {
+    pub(crate) fn put(&mut self, task: usize, open: O) {
         self.0[task] = Some(open);
     }
 
-    pub fn is_open(&self, task: usize) -> bool {
+    pub(crate) fn is_open(&self, task: usize) -> bool {
         self.0[task].is_some()
     }
 }
@@ -80,7 +80,7 @@ struct Driver<S: Stepwise> {
 }
 
 /// Runs `steps` of `scenario`.
-pub async fn run<S: Stepwise>(
+pub(crate) async fn run<S: Stepwise>(
     scenario: &mut S,
     round: &mut Round,
     steps: &[Step],

@@ -17,7 +17,7 @@ pub trait QueueAudit {
     /// `postgres` or `sqs`, for the report.
     fn backend(&self) -> &'static str;
 
-    /// The dead-letter queue's name, as [`UnprocessedMessage::queue`]
+    /// The dead-letter queue's name, as `UnprocessedMessage::queue`
     /// gives it.
     fn dead_letter_queue(&self) -> &str;
 
@@ -36,8 +36,8 @@ pub trait QueueAudit {
 
 /// The PostgreSQL queue: one read-only query over `pgonce.queue_message`.
 #[derive(Debug, Clone)]
-pub struct PgAudit {
-    pub dead_letter_queue: String,
+pub(crate) struct PgAudit {
+    pub(crate) dead_letter_queue: String,
 }
 
 impl QueueAudit for PgAudit {

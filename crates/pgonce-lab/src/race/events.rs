@@ -5,7 +5,7 @@
 //! read while a lower position is still in flight, and a catch-up reader
 //! facing the same gap (and a rolled-back position).
 //!
-//! [`replay`] returns an [`EventsRace`], what each case showed; [`report`]
+//! [`replay`] returns an [`EventsRace`], what each case showed; `report`
 //! renders it. The lab's tests assert on the former.
 
 use std::time::Duration;
@@ -43,7 +43,7 @@ pub enum AppendOutcome {
 }
 
 impl AppendOutcome {
-    pub fn of(result: Result<Vec<i64>, Error>) -> AppendOutcome {
+    pub(crate) fn of(result: Result<Vec<i64>, Error>) -> AppendOutcome {
         match result {
             Ok(positions) => AppendOutcome::Committed { positions },
             Err(Error::AppendConditionFailed { matching, .. }) => {
@@ -65,7 +65,7 @@ impl AppendOutcome {
     }
 
     /// Positions written, none unless committed.
-    pub fn positions(&self) -> &[i64] {
+    pub(crate) fn positions(&self) -> &[i64] {
         match self {
             AppendOutcome::Committed { positions } => positions,
             _ => &[],
@@ -76,7 +76,7 @@ impl AppendOutcome {
         matches!(self, AppendOutcome::SerializationFailure { .. })
     }
 
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             AppendOutcome::Committed { .. } => "committed".into(),
             AppendOutcome::ConditionFailed { matching } => {
@@ -93,8 +93,8 @@ impl AppendOutcome {
 /// One event of the log at the end of a case.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoggedEvent {
-    pub position: i64,
-    pub tags: Vec<String>,
+    pub(crate) position: i64,
+    pub(crate) tags: Vec<String>,
 }
 
 /// The whole log, by position.
@@ -122,8 +122,8 @@ pub(crate) fn show_log(log: &[LoggedEvent]) -> String {
 /// A session seen waiting, and for whom.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Wait {
-    pub session: String,
-    pub blocked_by: Vec<String>,
+    pub(crate) session: String,
+    pub(crate) blocked_by: Vec<String>,
 }
 
 /// The three writers under one strategy.
@@ -140,7 +140,7 @@ pub struct ThreeWriters {
     pub b_retry: Option<AppendOutcome>,
     pub c_retry: Option<AppendOutcome>,
     pub log: Vec<LoggedEvent>,
-    pub timeline: Vec<Step>,
+    pub(crate) timeline: Vec<Step>,
 }
 
 impl ThreeWriters {
@@ -169,17 +169,17 @@ pub struct LateDecision {
     pub strategy: AppendStrategy,
     /// Whether W2 appended position 2 before the decision (under the table
     /// lock it would only wait for W1).
-    pub w2_appended: bool,
+    pub(crate) w2_appended: bool,
     /// What a plain read saw at that moment: the hazard a decision avoids.
     pub plain_read_saw: Vec<i64>,
     pub r_waited_for: Vec<String>,
     pub decision_saw: Vec<i64>,
-    pub decision_after: Option<i64>,
+    pub(crate) decision_after: Option<i64>,
     /// An append conditioned on `after = 0`, which must fail.
     pub stale: AppendOutcome,
     /// An append conditioned on the decision's own `after`, which holds.
     pub fresh: AppendOutcome,
-    pub timeline: Vec<Step>,
+    pub(crate) timeline: Vec<Step>,
 }
 
 impl LateDecision {
@@ -203,11 +203,11 @@ pub struct CatchUp {
     pub third_poll: Vec<i64>,
     /// Once 3 rolled back.
     pub after_rollback: Vec<i64>,
-    pub timeline: Vec<Step>,
+    pub(crate) timeline: Vec<Step>,
 }
 
 impl CatchUp {
-    pub fn invariant_held(&self) -> bool {
+    pub(crate) fn invariant_held(&self) -> bool {
         self.first_poll.is_empty()
             && self.first_poll_waiting_on_gap
             && self.second_poll == [1, 2]
@@ -224,7 +224,7 @@ pub struct EventsRace {
     pub catch_up: CatchUp,
 }
 
-pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     let race = replay(db).await?;
     Ok(report(&race, db.environment().await?))
 }
@@ -245,7 +245,7 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<EventsRace> {
     })
 }
 
-pub fn report(race: &EventsRace, environment: Environment) -> Report {
+pub(crate) fn report(race: &EventsRace, environment: Environment) -> Report {
     let mut report = Report::new("race", "events", environment);
     for case in &race.three_writers {
         let name = case.strategy.name();

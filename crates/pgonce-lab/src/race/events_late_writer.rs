@@ -43,7 +43,7 @@ pub enum LateWriter {
 impl LateWriter {
     pub const ALL: [LateWriter; 2] = [LateWriter::BeginAppend, LateWriter::AppendInSerializable];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             LateWriter::BeginAppend => "begin_append",
             LateWriter::AppendInSerializable => "append_in (SERIALIZABLE)",
@@ -54,8 +54,8 @@ impl LateWriter {
 /// One strategy's replay with one kind of late writer.
 #[derive(Debug, Clone)]
 pub struct LateWriterCase {
-    pub strategy: AppendStrategy,
-    pub writer: LateWriter,
+    pub(crate) strategy: AppendStrategy,
+    pub(crate) writer: LateWriter,
     /// C's decision: every `course:1` event at or below it was seen.
     pub after: Option<i64>,
     /// The position A drew, before it committed.
@@ -63,15 +63,15 @@ pub struct LateWriterCase {
     /// A's COMMIT.
     pub a: AppendOutcome,
     pub b: AppendOutcome,
-    pub b_waited_for: Vec<String>,
+    pub(crate) b_waited_for: Vec<String>,
     /// Whom C's check waited for; empty when it did not wait.
     pub c_waited_for: Vec<String>,
     /// C's check and COMMIT.
     pub c: AppendOutcome,
     /// The append's own retry after a serialization failure of C's.
-    pub c_retry: Option<AppendOutcome>,
+    pub(crate) c_retry: Option<AppendOutcome>,
     pub log: Vec<LoggedEvent>,
-    pub timeline: Vec<Step>,
+    pub(crate) timeline: Vec<Step>,
 }
 
 impl LateWriterCase {
@@ -101,28 +101,28 @@ impl LateWriterCase {
             .collect()
     }
 
-    pub fn invariant_held(&self) -> bool {
+    pub(crate) fn invariant_held(&self) -> bool {
         self.violations().is_empty()
     }
 
     /// Whether the strategy makes C's check wait for A's open append.
-    pub fn c_must_wait(&self) -> bool {
+    pub(crate) fn c_must_wait(&self) -> bool {
         self.strategy != AppendStrategy::Serializable
     }
 }
 
 /// Everything `pgonce race events-late-writer` replays.
 #[derive(Debug, Clone)]
-pub struct LateWriterRace {
-    pub cases: Vec<LateWriterCase>,
+pub(crate) struct LateWriterRace {
+    pub(crate) cases: Vec<LateWriterCase>,
 }
 
-pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     let race = replay(db).await?;
     Ok(report(&race, db.environment().await?))
 }
 
-pub async fn replay(db: &RunDatabase) -> anyhow::Result<LateWriterRace> {
+pub(crate) async fn replay(db: &RunDatabase) -> anyhow::Result<LateWriterRace> {
     let mut cases = Vec::new();
     for writer in LateWriter::ALL {
         for strategy in AppendStrategy::ALL {
@@ -132,7 +132,7 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<LateWriterRace> {
     Ok(LateWriterRace { cases })
 }
 
-pub fn report(race: &LateWriterRace, environment: Environment) -> Report {
+pub(crate) fn report(race: &LateWriterRace, environment: Environment) -> Report {
     let mut report = Report::new("race", "events-late-writer", environment);
     for case in &race.cases {
         let name = case.strategy.name();

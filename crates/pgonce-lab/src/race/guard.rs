@@ -50,16 +50,16 @@ pub struct GuardCase {
     /// unique violation).
     pub conflicts: u64,
     /// Serialization failures, and the retries they cost.
-    pub aborts: u64,
-    pub retries: u64,
+    pub(crate) aborts: u64,
+    pub(crate) retries: u64,
     /// Whether a worker held its connection while evaluating.
     pub held_during_evaluation: bool,
-    pub timeline: Vec<Step>,
+    pub(crate) timeline: Vec<Step>,
 }
 
 impl GuardCase {
     /// At most one open incident per entity.
-    pub fn invariant_held(&self) -> bool {
+    pub(crate) fn invariant_held(&self) -> bool {
         self.open_incidents <= 1
     }
 }
@@ -82,7 +82,7 @@ fn op_of(w: &Session) -> i64 {
     if w.name() == "W1" { 1 } else { 2 }
 }
 
-pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     let race = replay(db).await?;
     Ok(report(&race, db.environment().await?))
 }
@@ -138,7 +138,7 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
     Ok(GuardRace { cases })
 }
 
-pub fn report(race: &GuardRace, environment: Environment) -> Report {
+pub(crate) fn report(race: &GuardRace, environment: Environment) -> Report {
     let mut report = Report::new("race", "guard", environment);
     for case in &race.cases {
         let (strategy, open, outcome) = (case.strategy, case.open_incidents, case);
@@ -511,7 +511,7 @@ async fn guard(ctx: &Ctx) -> anyhow::Result<Counts> {
                 );
             }
             Written::Refused(e) => return Err(e.into()),
-            Written::Opened(_) | Written::Resolved(_) => {}
+            Written::Opened | Written::Resolved => {}
         }
     }
     Ok(outcome)

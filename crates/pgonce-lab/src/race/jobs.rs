@@ -80,7 +80,7 @@ impl JobCaseName {
     ];
 
     /// The case's name in the report (`no-guard`, `two-phase`...).
-    pub const fn name(self) -> &'static str {
+    pub(crate) const fn name(self) -> &'static str {
         match self {
             JobCaseName::NoGuard => "no-guard",
             JobCaseName::WhereStatus => "where-status",
@@ -156,7 +156,7 @@ pub struct JobCase {
     pub reaped: Option<u64>,
     /// `crash`: what the redelivery got while the dead claimer held the job.
     pub redelivery_while_stuck: Option<Delivery>,
-    pub timeline: Vec<pgonce_testkit::Step>,
+    pub(crate) timeline: Vec<pgonce_testkit::Step>,
 }
 
 impl JobCase {
@@ -261,7 +261,7 @@ impl JobsRace {
     }
 }
 
-pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     let race = replay(db).await?;
     Ok(report(&race, db.environment().await?))
 }
@@ -301,7 +301,7 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<JobsRace> {
     Ok(JobsRace { cases })
 }
 
-pub fn report(race: &JobsRace, environment: Environment) -> Report {
+pub(crate) fn report(race: &JobsRace, environment: Environment) -> Report {
     let mut report = Report::new("race", "jobs", environment);
     for case in &race.cases {
         report.results.push(case.row());

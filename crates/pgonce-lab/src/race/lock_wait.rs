@@ -18,7 +18,7 @@ const LOCK: &str = "SELECT pg_advisory_xact_lock($1)";
 #[derive(Debug, Clone)]
 pub struct LockWaitCase {
     pub b_waited_for_a: bool,
-    pub timeline: Vec<Step>,
+    pub(crate) timeline: Vec<Step>,
 }
 
 /// Everything `pgonce race lock-wait` replays.
@@ -30,7 +30,7 @@ pub struct LockWaitRace {
     pub outside_transaction: LockWaitCase,
 }
 
-pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     let race = replay(db).await?;
     Ok(report(&race, db.environment().await?))
 }
@@ -42,7 +42,7 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<LockWaitRace> {
     })
 }
 
-pub fn report(race: &LockWaitRace, environment: Environment) -> Report {
+pub(crate) fn report(race: &LockWaitRace, environment: Environment) -> Report {
     let mut report = Report::new("race", "lock-wait", environment);
     let inside = &race.inside_transaction;
     report.results.push(

@@ -18,7 +18,7 @@ use crate::report::{Report, Row};
 use crate::scratch::RunDatabase;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Scenario {
+pub(crate) enum Scenario {
     /// Session B waits for a transaction-level advisory lock that A holds,
     /// and does not when A takes it outside a transaction.
     LockWait,
@@ -45,7 +45,7 @@ pub enum Scenario {
 #[derive(Debug, Clone, Args)]
 pub struct RaceArgs {
     /// Which scenario to replay.
-    pub scenario: Scenario,
+    pub(crate) scenario: Scenario,
 }
 
 pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<Report> {
@@ -63,7 +63,7 @@ pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<
 }
 
 /// The timeline of one strategy's interleaving as report rows, `T00`, `T01`...
-pub fn timeline_rows(strategy: &str, steps: &[Step]) -> Vec<Row> {
+pub(crate) fn timeline_rows(strategy: &str, steps: &[Step]) -> Vec<Row> {
     steps
         .iter()
         .map(|s| {

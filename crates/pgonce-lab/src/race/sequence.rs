@@ -6,7 +6,7 @@
 //! the rolled-back number was handed out again, and who waited for whom.
 //!
 //! The declarations are the sequence scenario's
-//! ([`crate::scenario::sequence`]). Each strategy numbers its own scopes of
+//! (`scenario::sequence`). Each strategy numbers its own scopes of
 //! the scenario's one table, so each starts from empty scopes and counter
 //! rows; the table lock still makes C wait, since it blocks every write to
 //! the table, whatever the scope.
@@ -33,7 +33,7 @@ pub struct SequenceRace {
     pub refused_under_repeatable_read: Vec<(Strategy, bool)>,
 }
 
-pub async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
+pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     let race = replay(db).await?;
     Ok(report(&race, db.environment().await?))
 }
@@ -54,7 +54,7 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<SequenceRace> {
     })
 }
 
-pub fn report(race: &SequenceRace, environment: Environment) -> Report {
+pub(crate) fn report(race: &SequenceRace, environment: Environment) -> Report {
     let mut report = Report::new("race", "sequence", environment);
     for case in &race.cases {
         let strategy = case.strategy;
@@ -105,7 +105,7 @@ pub struct SequenceCase {
     /// The number D took and rolled back, and the one it got next.
     pub rolled_back: i64,
     pub after_rollback: i64,
-    pub timeline: Vec<pgonce_testkit::Step>,
+    pub(crate) timeline: Vec<pgonce_testkit::Step>,
 }
 
 impl SequenceCase {

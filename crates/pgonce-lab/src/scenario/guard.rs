@@ -6,7 +6,7 @@
 //! guard` replays it step by step, `pgonce bench guard` measures it under
 //! load, and `pgonce chaos --scenario guard` runs it under faults.
 //!
-//! A write is refused ([`Written::Refused`]) when another worker acted
+//! A write is refused (`Written::Refused`) when another worker acted
 //! first: the guard's re-read found another set, or a unique index turned
 //! the insert away. That is the scenario working, not an error, so it is
 //! an outcome callers count rather than an `Err` they must pick apart.
@@ -62,7 +62,7 @@ impl GuardStrategy {
 
 /// Creates the scenario's table if it is missing (every driver calls it;
 /// rows of different runs are kept apart by their scope).
-pub async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
+pub(crate) async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
     sqlx::raw_sql(include_str!("sql/guard_schema.sql"))
         .execute(pool)
         .await
@@ -71,7 +71,7 @@ pub async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
 
 /// Empties the table, for a driver that owns its database and wants each
 /// measurement to start from the same size.
-pub async fn reset(pool: &PgPool) -> sqlx::Result<()> {
+pub(crate) async fn reset(pool: &PgPool) -> sqlx::Result<()> {
     sqlx::query(include_str!("sql/guard_reset.sql"))
         .execute(pool)
         .await
@@ -80,13 +80,13 @@ pub async fn reset(pool: &PgPool) -> sqlx::Result<()> {
 
 /// The entity a worker decides about, within its run's scope.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entity {
-    pub scope: String,
-    pub name: String,
+pub(crate) struct Entity {
+    pub(crate) scope: String,
+    pub(crate) name: String,
 }
 
 impl Entity {
-    pub fn new(scope: impl Into<String>, name: impl Into<String>) -> Entity {
+    pub(crate) fn new(scope: impl Into<String>, name: impl Into<String>) -> Entity {
         Entity {
             scope: scope.into(),
             name: name.into(),
@@ -94,7 +94,7 @@ impl Entity {
     }
 
     /// The advisory key every locking strategy takes for this entity.
-    pub fn lock_key(&self) -> pgonce::Result<LockKey> {
+    pub(crate) fn lock_key(&self) -> pgonce::Result<LockKey> {
         LockKey::new(
             "guard-scenario/entity",
             &format!("{}/{}", self.scope, self.name),
@@ -104,7 +104,7 @@ impl Entity {
 
 /// What a worker does about what it saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// Open an incident.
     Open,
     /// Resolve the OPEN incidents.
@@ -114,13 +114,13 @@ pub enum Decision {
 impl Decision {
     /// The worker's rule: open one only if none is open (nothing to do
     /// otherwise).
-    pub fn open_if_none(seen: &ReadSet) -> Option<Decision> {
+    pub(crate) fn open_if_none(seen: &ReadSet) -> Option<Decision> {
         seen.is_empty().then_some(Decision::Open)
     }
 
     /// A loop that keeps writing: resolve what is open, or else open the
     /// next one.
-    pub fn toggle(seen: &ReadSet) -> Decision {
+    pub(crate) fn toggle(seen: &ReadSet) -> Decision {
         if seen.is_empty() {
             Decision::Open
         } else {
@@ -131,11 +131,11 @@ impl Decision {
 
 /// What a write did.
 #[derive(Debug)]
-pub enum Written {
-    /// An incident was opened, with this id.
-    Opened(i64),
-    /// This many OPEN incidents were resolved.
-    Resolved(u64),
+pub(crate) enum Written {
+    /// An incident was opened.
+    Opened,
+    /// The OPEN incidents were resolved.
+    Resolved,
     /// Nothing was written: another worker acted since the read. The error
     /// says how (a guard's [`Error::Conflict`], a unique violation).
     Refused(Error),
@@ -144,13 +144,13 @@ pub enum Written {
 /// A guarded write's outcome, and when its lock was granted (the start of
 /// the lock hold).
 #[derive(Debug)]
-pub struct Guarded {
-    pub written: Written,
-    pub locked_at: Option<Instant>,
+pub(crate) struct Guarded {
+    pub(crate) written: Written,
+    pub(crate) locked_at: Option<Instant>,
 }
 
 /// The entity's OPEN incidents, as a read set.
-pub async fn read_open(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result<ReadSet> {
+pub(crate) async fn read_open(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result<ReadSet> {
     let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/guard_read_open.sql"))
         .bind(&entity.scope)
         .bind(&entity.name)
@@ -160,7 +160,7 @@ pub async fn read_open(conn: &mut PgConnection, entity: &Entity) -> pgonce::Resu
 }
 
 /// Opens an incident for the entity, tagged with `op`.
-pub async fn open(conn: &mut PgConnection, entity: &Entity, op: i64) -> pgonce::Result<i64> {
+pub(crate) async fn open(conn: &mut PgConnection, entity: &Entity, op: i64) -> pgonce::Result<i64> {
     Ok(sqlx::query_scalar(include_str!("sql/guard_open.sql"))
         .bind(&entity.scope)
         .bind(&entity.name)
@@ -170,7 +170,7 @@ pub async fn open(conn: &mut PgConnection, entity: &Entity, op: i64) -> pgonce::
 }
 
 /// Resolves whatever is OPEN for the entity; returns how many.
-pub async fn resolve(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result<u64> {
+pub(crate) async fn resolve(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result<u64> {
     Ok(sqlx::query(include_str!("sql/guard_resolve.sql"))
         .bind(&entity.scope)
         .bind(&entity.name)
@@ -180,21 +180,27 @@ pub async fn resolve(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result
 }
 
 /// Carries out `decision` on `conn`, in whatever transaction it is in.
-pub async fn apply(
+pub(crate) async fn apply(
     conn: &mut PgConnection,
     entity: &Entity,
     decision: Decision,
     op: i64,
 ) -> pgonce::Result<Written> {
     Ok(match decision {
-        Decision::Open => Written::Opened(open(conn, entity, op).await?),
-        Decision::Resolve => Written::Resolved(resolve(conn, entity).await?),
+        Decision::Open => {
+            open(conn, entity, op).await?;
+            Written::Opened
+        }
+        Decision::Resolve => {
+            resolve(conn, entity).await?;
+            Written::Resolved
+        }
     })
 }
 
 /// The read of the guarded strategies: one statement on a connection
 /// released before the evaluation.
-pub async fn read_guarded(
+pub(crate) async fn read_guarded(
     guard: &Guard,
     pool: &PgPool,
     entity: &Entity,
@@ -204,7 +210,7 @@ pub async fn read_guarded(
 
 /// The unguarded write, in a transaction of its own, trusting the earlier
 /// read. Behind a unique index an insert another worker beat is refused.
-pub async fn write_plain(
+pub(crate) async fn write_plain(
     pool: &PgPool,
     entity: &Entity,
     decision: Decision,
@@ -231,7 +237,7 @@ fn is_unique_violation(e: &Error) -> bool {
 /// pgonce's guarded write: lock the entity, re-read its OPEN incidents,
 /// and carry out `decision` only if they are still `seen`; refused
 /// otherwise.
-pub async fn write_guarded(
+pub(crate) async fn write_guarded(
     guard: &Guard,
     pool: &PgPool,
     entity: &Entity,
@@ -262,7 +268,7 @@ pub async fn write_guarded(
 
 /// Takes the entity's session-level lock on `conn`: held across
 /// transactions until [`unlock_session`] or the session's end.
-pub async fn lock_session(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result<()> {
+pub(crate) async fn lock_session(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result<()> {
     sqlx::query(include_str!("sql/guard_session_lock.sql"))
         .bind(entity.lock_key()?.as_i64())
         .execute(conn)
@@ -270,7 +276,7 @@ pub async fn lock_session(conn: &mut PgConnection, entity: &Entity) -> pgonce::R
     Ok(())
 }
 
-pub async fn unlock_session(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result<()> {
+pub(crate) async fn unlock_session(conn: &mut PgConnection, entity: &Entity) -> pgonce::Result<()> {
     sqlx::query(include_str!("sql/guard_session_unlock.sql"))
         .bind(entity.lock_key()?.as_i64())
         .execute(conn)
@@ -280,16 +286,16 @@ pub async fn unlock_session(conn: &mut PgConnection, entity: &Entity) -> pgonce:
 
 /// Two incidents of one entity that were OPEN at the same moment.
 #[derive(Debug, Clone, sqlx::FromRow)]
-pub struct Overlap {
-    pub entity: String,
-    pub first: i64,
-    pub second: i64,
-    pub first_op: i64,
-    pub second_op: i64,
+pub(crate) struct Overlap {
+    pub(crate) entity: String,
+    pub(crate) first: i64,
+    pub(crate) second: i64,
+    pub(crate) first_op: i64,
+    pub(crate) second_op: i64,
 }
 
 /// Every violation of I1 in `scope`'s history, not only in its end state.
-pub async fn overlaps(pool: &PgPool, scope: &str) -> sqlx::Result<Vec<Overlap>> {
+pub(crate) async fn overlaps(pool: &PgPool, scope: &str) -> sqlx::Result<Vec<Overlap>> {
     sqlx::query_as(include_str!("sql/guard_overlaps.sql"))
         .bind(scope)
         .fetch_all(pool)

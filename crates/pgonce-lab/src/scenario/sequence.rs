@@ -27,11 +27,11 @@ use pgonce::{
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 /// The numbered table, as the sequence (and its counter rows) name it.
-pub const TABLE: &str = "public.sequence_incident";
+pub(crate) const TABLE: &str = "public.sequence_incident";
 
 /// Creates the scenario's tables if they are missing (every driver calls
 /// it; rows of different runs are kept apart by their scope).
-pub async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
+pub(crate) async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
     sqlx::raw_sql(include_str!("sql/sequence_schema.sql"))
         .execute(pool)
         .await
@@ -40,7 +40,7 @@ pub async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
 
 /// Empties the tables and the table's counter rows, for a driver that owns
 /// its database and wants each measurement to start from the same size.
-pub async fn reset(pool: &PgPool) -> sqlx::Result<()> {
+pub(crate) async fn reset(pool: &PgPool) -> sqlx::Result<()> {
     sqlx::raw_sql(include_str!("sql/sequence_reset.sql"))
         .execute(pool)
         .await
@@ -48,7 +48,7 @@ pub async fn reset(pool: &PgPool) -> sqlx::Result<()> {
 }
 
 /// The sequence that numbers the table under `strategy`.
-pub fn sequence(strategy: Strategy) -> pgonce::Result<Sequence> {
+pub(crate) fn sequence(strategy: Strategy) -> pgonce::Result<Sequence> {
     Sequence::new(
         NumberedTable::new(TABLE, "scope", "number")?,
         SequenceConfig { strategy },
@@ -57,13 +57,13 @@ pub fn sequence(strategy: Strategy) -> pgonce::Result<Sequence> {
 
 /// A declaration transaction: READ COMMITTED, which the max + 1 strategies
 /// need.
-pub async fn begin(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
+pub(crate) async fn begin(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
     pgonce::begin(pool, IsolationLevel::ReadCommitted).await
 }
 
 /// Takes `scope`'s next number in `tx` under the sequence's strategy; the
 /// scope stays locked until `tx` ends.
-pub async fn take(
+pub(crate) async fn take(
     seq: &Sequence,
     tx: &mut Transaction<'_, Postgres>,
     scope: &str,
@@ -72,7 +72,7 @@ pub async fn take(
 }
 
 /// Inserts the row carrying `number`, tagged with `op`.
-pub async fn insert(
+pub(crate) async fn insert(
     conn: &mut PgConnection,
     scope: &str,
     number: i64,
@@ -88,7 +88,11 @@ pub async fn insert(
 }
 
 /// One write of the declaration's other work.
-pub async fn other_work(conn: &mut PgConnection, scope: &str, what: &str) -> pgonce::Result<()> {
+pub(crate) async fn other_work(
+    conn: &mut PgConnection,
+    scope: &str,
+    what: &str,
+) -> pgonce::Result<()> {
     sqlx::query(include_str!("sql/sequence_work.sql"))
         .bind(scope)
         .bind(what)
@@ -99,7 +103,7 @@ pub async fn other_work(conn: &mut PgConnection, scope: &str, what: &str) -> pgo
 
 /// What a numbered insert came to.
 #[derive(Debug)]
-pub enum Declared<T> {
+pub(crate) enum Declared<T> {
     /// The row was written with its number: [`Taken`] when numbered early
     /// (not yet committed), [`Numbered`] once committed late.
     Numbered(T),
@@ -123,7 +127,7 @@ impl<T> Declared<T> {
     }
 
     /// The same outcome with the numbered value mapped.
-    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Declared<U> {
+    pub(crate) fn map<U>(self, f: impl FnOnce(T) -> U) -> Declared<U> {
         match self {
             Declared::Numbered(numbered) => Declared::Numbered(f(numbered)),
             Declared::NumberTaken(e) => Declared::NumberTaken(e),
@@ -133,7 +137,7 @@ impl<T> Declared<T> {
 
     /// The numbered value, or the refusal, for a declaration that goes on
     /// after its number and ends with an outcome of its own.
-    pub fn numbered<U>(self) -> Result<T, Declared<U>> {
+    pub(crate) fn numbered<U>(self) -> Result<T, Declared<U>> {
         match self {
             Declared::Numbered(numbered) => Ok(numbered),
             Declared::NumberTaken(e) => Err(Declared::NumberTaken(e)),
@@ -143,7 +147,7 @@ impl<T> Declared<T> {
 
     /// The numbered value, or the error that refused it: for a caller that
     /// records results as they are.
-    pub fn into_result(self) -> pgonce::Result<T> {
+    pub(crate) fn into_result(self) -> pgonce::Result<T> {
         match self {
             Declared::Numbered(numbered) => Ok(numbered),
             Declared::NumberTaken(e) | Declared::Aborted(e) => Err(e),
@@ -153,7 +157,7 @@ impl<T> Declared<T> {
 
 /// Numbers early: takes `scope`'s next number in `tx` and inserts the row
 /// carrying it. The scope stays locked for the rest of `tx`.
-pub async fn number(
+pub(crate) async fn number(
     seq: &Sequence,
     tx: &mut Transaction<'_, Postgres>,
     scope: &str,
@@ -173,7 +177,7 @@ pub async fn number(
 /// [`Sequence::commit_numbered`], which takes the number, inserts the row
 /// and commits; the scope is locked only from the number to the COMMIT. On
 /// any error `tx` is rolled back.
-pub async fn commit_numbered(
+pub(crate) async fn commit_numbered(
     seq: &Sequence,
     tx: Transaction<'static, Postgres>,
     scope: &str,
@@ -190,35 +194,35 @@ pub async fn commit_numbered(
 /// One scope's committed numbers, in order, and the operation that wrote
 /// each.
 #[derive(Debug, Clone, sqlx::FromRow)]
-pub struct ScopeNumbers {
-    pub scope: String,
-    pub numbers: Vec<i64>,
-    pub ops: Vec<i64>,
+pub(crate) struct ScopeNumbers {
+    pub(crate) scope: String,
+    pub(crate) numbers: Vec<i64>,
+    pub(crate) ops: Vec<i64>,
 }
 
 impl ScopeNumbers {
     /// Numbers stored more than once (the unique index keeps this at 0).
-    pub fn duplicates(&self) -> i64 {
+    pub(crate) fn duplicates(&self) -> i64 {
         let mut distinct = self.numbers.clone();
         distinct.dedup();
         (self.numbers.len() - distinct.len()) as i64
     }
 
     /// Numbers missing below the scope's highest (numbers start at 1).
-    pub fn gaps(&self) -> i64 {
+    pub(crate) fn gaps(&self) -> i64 {
         let mut distinct = self.numbers.clone();
         distinct.dedup();
         distinct.last().copied().unwrap_or(0) - distinct.len() as i64
     }
 
     /// I2 for the scope: its numbers are exactly 1..=n.
-    pub fn held(&self) -> bool {
+    pub(crate) fn held(&self) -> bool {
         self.duplicates() == 0 && self.gaps() == 0
     }
 }
 
 /// The committed numbers of each of `scopes` that has any, by scope.
-pub async fn numbers(pool: &PgPool, scopes: &[String]) -> sqlx::Result<Vec<ScopeNumbers>> {
+pub(crate) async fn numbers(pool: &PgPool, scopes: &[String]) -> sqlx::Result<Vec<ScopeNumbers>> {
     sqlx::query_as(include_str!("sql/sequence_numbers.sql"))
         .bind(scopes)
         .fetch_all(pool)

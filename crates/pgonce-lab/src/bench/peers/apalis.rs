@@ -24,7 +24,7 @@ async fn handle(body: String, meter: Data<Arc<Meter>>) -> Result<(), BoxDynError
     Ok(())
 }
 
-pub async fn run(pool: &PgPool, shape: Shape, batch: usize) -> anyhow::Result<Flow> {
+pub(crate) async fn run(pool: &PgPool, shape: Shape, batch: usize) -> anyhow::Result<Flow> {
     PostgresStorage::<()>::setup(pool).await?;
     let produce = {
         let pool = pool.clone();

@@ -37,11 +37,11 @@ use crate::bench::measure::{Measured, closed_loop};
 use crate::scratch::RunDatabase;
 
 /// The strategy name in the events report.
-pub const NAME: &str = "disintegrate-postgres";
+pub(crate) const NAME: &str = "disintegrate-postgres";
 
 /// The bench's one event: a booking under the writer's tag.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Booked {
+pub(crate) struct Booked {
     bench_id: String,
 }
 
@@ -70,7 +70,7 @@ impl Event for Booked {
 /// JSON payloads, as pgonce stores them (disintegrate's own JSON serde
 /// would need one more feature for the same bytes).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Json;
+pub(crate) struct Json;
 
 impl disintegrate_serde::Serializer<Booked> for Json {
     fn serialize(&self, value: Booked) -> Vec<u8> {
@@ -86,7 +86,7 @@ impl disintegrate_serde::Deserializer<Booked> for Json {
 }
 
 /// disintegrate's event store on the run's database.
-pub struct Peer {
+pub(crate) struct Peer {
     store: PgEventStore<Booked, Json>,
 }
 
@@ -94,7 +94,11 @@ impl Peer {
     /// Connects a sqlx 0.8 pool of `max_connections` to the scratch
     /// database, lets disintegrate create its schema, and seeds `seeded`
     /// events of another type, as the pgonce side is seeded.
-    pub async fn open(db: &RunDatabase, max_connections: u32, seeded: i64) -> anyhow::Result<Peer> {
+    pub(crate) async fn open(
+        db: &RunDatabase,
+        max_connections: u32,
+        seeded: i64,
+    ) -> anyhow::Result<Peer> {
         let pool = super::sqlx08_pool(db, max_connections, "disintegrate").await?;
         // `PgEventStore::try_new` runs disintegrate's migrator, whose SQL
         // needs PostgreSQL 16; the same schema, written for 15 (see the file).
@@ -116,7 +120,7 @@ impl Peer {
     }
 
     /// The events bench's closed loop with disintegrate's read and append.
-    pub async fn measure(
+    pub(crate) async fn measure(
         &self,
         overlap: Overlap,
         workers: usize,

@@ -5,8 +5,8 @@
 
 mod apalis;
 pub(super) mod disintegrate;
-pub mod pgmq;
-pub mod sqlxmq;
+pub(crate) mod pgmq;
+pub(crate) mod sqlxmq;
 
 use std::time::Duration;
 
@@ -18,7 +18,7 @@ use crate::scratch::RunDatabase;
 
 /// A sqlx 0.8 pool of `max_connections` on the run's database, for the
 /// peers built on sqlx 0.8 (`who` names them in errors).
-pub async fn sqlx08_pool(
+pub(crate) async fn sqlx08_pool(
     db: &RunDatabase,
     max_connections: u32,
     who: &str,
@@ -37,7 +37,7 @@ pub async fn sqlx08_pool(
 }
 
 /// Every queue peer of `bench queue`, in turn, as `(strategy, batch, flow)`.
-pub async fn queue_peers(
+pub(crate) async fn queue_peers(
     db: &RunDatabase,
     shape: Shape,
     with_listen: bool,

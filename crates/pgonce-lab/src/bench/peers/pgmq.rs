@@ -26,7 +26,7 @@ const VISIBILITY_SECONDS: i32 = 30;
 
 /// What a pgmq consumer does with what it takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// `read` then `delete`: at-least-once, as pgonce's receive + delete.
     ReadDelete,
     /// `pop`: read and delete in one statement, at-most-once.
@@ -34,12 +34,12 @@ pub enum Mode {
 }
 
 /// pgmq's client on its own sqlx 0.8 pool, with pgmq's SQL installed.
-pub struct Peer {
+pub(crate) struct Peer {
     queue: PGMQueueExt,
 }
 
 impl Peer {
-    pub async fn open(db: &RunDatabase, max_connections: u32) -> anyhow::Result<Peer> {
+    pub(crate) async fn open(db: &RunDatabase, max_connections: u32) -> anyhow::Result<Peer> {
         let pool = super::sqlx08_pool(db, max_connections, "pgmq").await?;
         let queue = PGMQueueExt::new_with_pool(pool).await;
         queue
@@ -49,7 +49,7 @@ impl Peer {
         Ok(Peer { queue })
     }
 
-    pub async fn run(&self, shape: Shape, batch: usize, mode: Mode) -> anyhow::Result<Flow> {
+    pub(crate) async fn run(&self, shape: Shape, batch: usize, mode: Mode) -> anyhow::Result<Flow> {
         let name = match mode {
             Mode::ReadDelete => format!("bench_b{batch}"),
             Mode::Pop => format!("bench_pop_b{batch}"),

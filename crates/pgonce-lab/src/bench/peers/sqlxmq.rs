@@ -31,7 +31,7 @@ const PREFILL: &str = "SELECT mq_insert(ARRAY(
     FROM generate_series(1, $1)))";
 
 /// Connection options for sqlx 0.8 to the database `options` names.
-pub fn connect_options(
+pub(crate) fn connect_options(
     database_url: Option<&str>,
     options: &sqlx::postgres::PgConnectOptions,
 ) -> anyhow::Result<PgConnectOptions> {
@@ -46,7 +46,7 @@ pub fn connect_options(
 }
 
 /// Applies sqlxmq's migrations (once per database).
-pub async fn install(options: &PgConnectOptions) -> anyhow::Result<()> {
+pub(crate) async fn install(options: &PgConnectOptions) -> anyhow::Result<()> {
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .connect_with(options.clone())
@@ -60,7 +60,7 @@ pub async fn install(options: &PgConnectOptions) -> anyhow::Result<()> {
 
 /// Drains `jobs` prefilled jobs with up to `max_concurrency` handlers for at
 /// most `duration`; `effect` is called once per handled job.
-pub async fn run(
+pub(crate) async fn run(
     options: &PgConnectOptions,
     (min_concurrency, max_concurrency): (usize, usize),
     jobs: u64,
