@@ -89,6 +89,7 @@ pub enum ScenarioKind {
 }
 
 impl ScenarioKind {
+    /// Every scenario, in the order a run rotates through them by default.
     pub const ALL: [ScenarioKind; 7] = [
         ScenarioKind::Guard,
         ScenarioKind::Sequence,
@@ -214,6 +215,8 @@ pub struct ChaosConfig {
     pub(crate) seed: u64,
     pub(crate) duration: Option<Duration>,
     pub(crate) faults: Vec<FaultKind>,
+    /// Scenarios to rotate through (the pipeline only once every
+    /// `pipeline::EVERY` rounds).
     pub scenarios: Vec<ScenarioKind>,
     /// Only this round.
     pub round: Option<u64>,
@@ -221,6 +224,8 @@ pub struct ChaosConfig {
     pub replay: Option<SavedRound>,
     /// `None`: failing rounds are not saved.
     pub failures_dir: Option<PathBuf>,
+    /// A deliberate bug to inject, to show the checker catches it; `None` in
+    /// a real run.
     pub mutant: Option<Mutant>,
     /// Replays the shrinker may spend on one failing round.
     pub(crate) shrink_budget: usize,
@@ -233,6 +238,9 @@ pub struct ChaosConfig {
 }
 
 impl ChaosConfig {
+    /// A run of `rounds` rounds from `seed`, over every scenario and every
+    /// fault but `worker-kill` (no `pgonce` executable to run): no time
+    /// limit, failing rounds shrunk but not saved.
     pub fn new(seed: u64, rounds: u64) -> ChaosConfig {
         ChaosConfig {
             rounds,
@@ -272,9 +280,13 @@ impl ChaosConfig {
 /// A failing round as saved: enough to replay it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SavedRound {
+    /// The run's seed; with `round`, it rebuilds the round's schedule.
     pub seed: u64,
+    /// The round's number within its run.
     pub round: u64,
     pub(crate) scenario: ScenarioKind,
+    /// The deliberate bug the run injected, if any; a replay injects it
+    /// again.
     pub mutant: Option<Mutant>,
     pub(crate) invariant: String,
     pub(crate) detail: String,
@@ -288,11 +300,16 @@ pub struct SavedRound {
 #[derive(Debug, Clone, Serialize)]
 pub struct Found {
     pub(crate) seed: u64,
+    /// The round that broke it.
     pub round: u64,
     pub(crate) scenario: ScenarioKind,
+    /// The invariant broken, and how.
     pub violation: Violation,
+    /// The shortest schedule found that still shows a violation.
     pub shrunk: Vec<Step>,
+    /// How many steps the round's schedule had before shrinking.
     pub original_steps: usize,
+    /// Where the round was saved for `--replay`; `None` when saving is off.
     pub saved: Option<PathBuf>,
 }
 
@@ -300,9 +317,12 @@ pub struct Found {
 #[derive(Debug, Clone, Default)]
 pub struct ChaosOutcome {
     pub(crate) seed: u64,
+    /// Rounds run, per scenario.
     pub rounds: BTreeMap<ScenarioKind, u64>,
     pub(crate) operations: BTreeMap<ScenarioKind, u64>,
+    /// Faults injected, per kind.
     pub faults: BTreeMap<FaultKind, u64>,
+    /// Every violation found, one entry each.
     pub found: Vec<Found>,
     pub(crate) recoveries: Vec<Recovery>,
     pub(crate) elapsed: Duration,

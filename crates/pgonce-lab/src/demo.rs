@@ -45,6 +45,8 @@ pub(crate) enum QueueChoice {
     Sqs,
 }
 
+/// `pgonce demo`'s arguments: the queue, the guard's rollout, the load
+/// and the faults the run is put under.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// The observations queue: `postgres`, or `sqs` on a local moto server.

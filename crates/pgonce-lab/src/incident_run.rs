@@ -69,6 +69,8 @@ pub use audit::{QueueAudit, SqsAudit};
 pub struct IncidentRunConfig {
     /// Percent of entities whose incidents take the guarded write.
     pub(crate) rollout: u8,
+    /// Valid observations to send, each about a random entity; the
+    /// duplicates are sent on top of these.
     pub observations: usize,
     pub(crate) organizations: usize,
     /// Entities per organization.
@@ -357,6 +359,8 @@ pub struct Retrier {
 }
 
 impl Retrier {
+    /// A retrier that gives up once transient errors have lasted
+    /// `give_up_after`.
     pub fn new(give_up_after: Duration) -> Retrier {
         Retrier {
             give_up_after,
@@ -457,6 +461,7 @@ pub struct Produced {
     pub(crate) duplicate_sends: u64,
     /// `None` when the queue does not say (SQS drops a duplicate silently).
     pub dropped_by_dedup: Option<u64>,
+    /// Malformed observations sent: each must end in the dead-letter queue.
     pub malformed: u64,
     /// Ids of the malformed messages: each must end in the dead-letter
     /// queue.
@@ -663,11 +668,17 @@ fn snapshot_sum(counters: &[Arc<PipelineCounters>]) -> PipelineSnapshot {
 /// A notification job, as the audit after the run saw it.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct NotificationJob {
+    /// The job's id in `pgonce.jobs`.
     pub job_id: i64,
+    /// The incident whose notification it delivers.
     pub incident_id: i64,
+    /// Its status: `pending`, `processing`, `failed`, `completed` or `dead`.
     pub status: String,
+    /// Attempts made so far.
     pub attempts: i32,
+    /// Attempts allowed before it is dead.
     pub max_attempts: i32,
+    /// The error of its last failed attempt.
     pub last_error: Option<String>,
     /// Seconds until it may run again (negative: overdue).
     pub run_in_secs: Option<f64>,
@@ -732,6 +743,8 @@ pub struct NotificationAudit {
 }
 
 impl NotificationAudit {
+    /// I3 holds: no notification sent more than once, lost, or still
+    /// pending.
     pub fn holds(&self) -> bool {
         self.more_than_once.is_empty()
             && self.never_enqueued_or_lost.is_empty()
@@ -770,9 +783,9 @@ pub struct ObservationAudit {
     pub(crate) lost: Vec<UnprocessedMessage>,
     /// Still in the queue (visible or in flight) when the deadline ran out.
     pub(crate) pending_at_deadline: Vec<UnprocessedMessage>,
-    /// Malformed messages sent, and how many of them reached the
-    /// dead-letter queue (all must).
+    /// Malformed messages sent.
     pub(crate) malformed_sent: u64,
+    /// How many of them reached the dead-letter queue (all must).
     pub malformed_dead_lettered: u64,
     /// Messages in the dead-letter queue, all told: the malformed ones,
     /// and valid ones delivered more than the queue allows though processed
@@ -804,14 +817,23 @@ pub struct RestartOutcome {
 pub struct IncidentRunOutcome {
     /// The queue the run used: `postgres` or `sqs`.
     pub backend: &'static str,
+    /// What the producer sent.
     pub produced: Produced,
+    /// The pipeline's counters, summed over every runtime the run started.
     pub pipeline: PipelineSnapshot,
+    /// The background workers' counters.
     pub workers: WorkerCounters,
+    /// Declarations, acknowledgements and resolutions made by hand while the
+    /// pipeline ran.
     pub human_actions: u64,
+    /// The run's organizations' totals, read from the database at the end.
     pub tallies: Tallies,
     pub(crate) invariants: InvariantReport,
+    /// I3's audit of the notification jobs.
     pub notifications: NotificationAudit,
+    /// I6's audit of the observations queue.
     pub observations: ObservationAudit,
+    /// What the webhook receiver saw.
     pub receiver: ReceiverStats,
     pub(crate) queue: QueueStats,
     /// Every message processed and every incident notified, with no
@@ -824,9 +846,11 @@ pub struct IncidentRunOutcome {
     /// Every notification job terminal, never `settle_bound` without one
     /// moving.
     pub settled: bool,
+    /// The database restart, when the run had one.
     pub restart: Option<RestartOutcome>,
     /// Database calls of the run's drivers retried after a transient error.
     pub driver_retries: u64,
+    /// Wall time of the whole run, settle phase included.
     pub elapsed: Duration,
 }
 

@@ -19,6 +19,8 @@
 //! [`report::Report`]: tables for people, one JSON object for machines.
 //! The `pgonce` command exposes all four when built with its `lab` feature.
 
+#![warn(missing_docs)]
+
 pub(crate) mod behind_pooler;
 pub mod bench;
 pub mod chaos;

@@ -99,7 +99,9 @@ impl Environment {
 /// Whether the run showed what it set out to show, and why not.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Verdict {
+    /// Whether every check passed; the command exits 0 only then.
     pub ok: bool,
+    /// What each failed check said, in the order they failed.
     pub reasons: Vec<String>,
 }
 
@@ -254,6 +256,7 @@ pub struct Report {
     pub(crate) command: &'static str,
     pub(crate) name: String,
     pub(crate) environment: Environment,
+    /// The main table: one row per strategy, case or measurement.
     #[serde(serialize_with = "rows")]
     pub results: Vec<Row>,
     pub(crate) ratios: BTreeMap<String, f64>,
@@ -268,6 +271,7 @@ pub struct Report {
         serialize_with = "sections"
     )]
     pub sections: BTreeMap<String, Vec<Row>>,
+    /// Whether the run showed what it set out to show; sets the exit code.
     pub verdict: Verdict,
 }
 

@@ -14,6 +14,9 @@ use sqlx::postgres::PgConnectOptions;
 
 use crate::report::Environment;
 
+/// A run's scratch database, migrated, on the server the run opened
+/// (`DATABASE_URL` or a throwaway cluster), and the pool the run uses. It
+/// is dropped on every exit path: by [`RunDatabase::close`], or on drop.
 pub struct RunDatabase {
     /// The server opened for this run; `None` on the tests' shared server,
     /// which outlives the run (so its scratch database is always dropped).
@@ -81,6 +84,7 @@ impl RunDatabase {
         Ok(db)
     }
 
+    /// The run's pool on the scratch database, of `open`'s `max_connections`.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }

@@ -43,6 +43,8 @@ pub(crate) enum Suite {
     Service,
 }
 
+/// `pgonce bench`'s arguments: the suite, and how long and how often to
+/// measure it.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// Which suite to run.
@@ -84,6 +86,8 @@ impl BenchArgs {
     }
 }
 
+/// The command: runs the suite on a scratch database and reports what it
+/// measured, with the ratios between strategies.
 pub async fn run(args: &BenchArgs, database_url: Option<&str>) -> anyhow::Result<Report> {
     let name = args.suite.to_possible_value().expect("no skipped suites");
     if let Some(path) = &args.plot {

@@ -21,15 +21,21 @@ use super::schedule::Action;
 /// One invariant broken in one round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Violation {
+    /// The invariant broken, as one of the constants below names it.
     pub invariant: &'static str,
     pub(crate) detail: String,
 }
 
+/// The guarded write's invariant, as a [`Violation`] names it.
 pub const I1: &str = "I1 one OPEN incident per singleton entity";
+/// The scoped sequence's invariant, as a [`Violation`] names it.
 pub const I2: &str = "I2 numbers 1..n per scope";
 pub(crate) const I3: &str = "I3 a job's side effect exactly once";
 pub(crate) const I4: &str = "I4 a key's side effect once, one response";
+/// The event store's conditional-append invariant, as a [`Violation`]
+/// names it.
 pub const I5: &str = "I5 no conditional append above an event its condition forbids";
+/// The queue's invariant, as a [`Violation`] names it.
 pub const I6: &str = "I6 queue: no loss, fenced receipts, FIFO";
 pub(crate) const PIPELINE: &str = "the incident pipeline drains and settles";
 pub(crate) const ATOMIC: &str = "a failed operation writes nothing";

@@ -74,7 +74,10 @@ impl QueueAudit for PgAudit {
 /// received): it is reported there, pending rather than lost.
 #[derive(Debug, Clone)]
 pub struct SqsAudit {
+    /// The observations queue the run sends to.
     pub observations: SqsQueue,
+    /// Its dead-letter queue: malformed messages, and those received more
+    /// than the maximum, end there.
     pub dead_letters: SqsQueue,
 }
 

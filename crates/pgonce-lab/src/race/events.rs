@@ -25,19 +25,24 @@ use crate::scratch::RunDatabase;
 /// What became of one append attempt (or of its COMMIT).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AppendOutcome {
+    /// The append committed.
     Committed {
+        /// Positions the append wrote, in order.
         positions: Vec<i64>,
     },
     /// The condition found these matching positions: nothing written.
     ConditionFailed {
+        /// Positions of the events that matched the condition.
         matching: Vec<i64>,
     },
     /// PostgreSQL aborted the transaction (40001, 40P01): nothing written.
     SerializationFailure {
+        /// The SQLSTATE: `40001` or `40P01`.
         sqlstate: String,
     },
     /// Any other error, as its message.
     Failed {
+        /// The error's message.
         error: String,
     },
 }
@@ -60,6 +65,7 @@ impl AppendOutcome {
         }
     }
 
+    /// Whether the append committed.
     pub fn committed(&self) -> bool {
         matches!(self, AppendOutcome::Committed { .. })
     }
@@ -72,6 +78,7 @@ impl AppendOutcome {
         }
     }
 
+    /// Whether PostgreSQL aborted it (a serialization failure or deadlock).
     pub fn is_serialization_failure(&self) -> bool {
         matches!(self, AppendOutcome::SerializationFailure { .. })
     }
@@ -129,21 +136,27 @@ pub struct Wait {
 /// The three writers under one strategy.
 #[derive(Debug, Clone)]
 pub struct ThreeWriters {
+    /// The append strategy all three writers used.
     pub strategy: AppendStrategy,
     /// Sessions whose appends were open at the same time.
     pub parallel: Vec<String>,
+    /// Sessions seen waiting, and for whom.
     pub waits: Vec<Wait>,
-    /// B's and C's first attempts (A always commits).
+    /// B's first attempt, on booking:456 (A always commits).
     pub b: AppendOutcome,
+    /// C's first attempt, on A's booking:123.
     pub c: AppendOutcome,
-    /// What the strategy's retry did after a serialization failure.
+    /// What the strategy's retry did for B after a serialization failure.
     pub b_retry: Option<AppendOutcome>,
+    /// What the strategy's retry did for C after a serialization failure.
     pub c_retry: Option<AppendOutcome>,
+    /// The event log at the end, by position.
     pub log: Vec<LoggedEvent>,
     pub(crate) timeline: Vec<Step>,
 }
 
 impl ThreeWriters {
+    /// Events in the log whose first tag is `tag`.
     pub fn bookings(&self, tag: &str) -> usize {
         self.log.iter().filter(|e| e.tags[0] == tag).count()
     }
@@ -166,13 +179,16 @@ impl ThreeWriters {
 /// flight and W2's position 2 has committed.
 #[derive(Debug, Clone)]
 pub struct LateDecision {
+    /// The append strategy of the writers and of the decision.
     pub strategy: AppendStrategy,
     /// Whether W2 appended position 2 before the decision (under the table
     /// lock it would only wait for W1).
     pub(crate) w2_appended: bool,
     /// What a plain read saw at that moment: the hazard a decision avoids.
     pub plain_read_saw: Vec<i64>,
+    /// Whom R's decision was seen waiting for.
     pub r_waited_for: Vec<String>,
+    /// Positions R's decision saw on booking:9.
     pub decision_saw: Vec<i64>,
     pub(crate) decision_after: Option<i64>,
     /// An append conditioned on `after = 0`, which must fail.
@@ -183,6 +199,8 @@ pub struct LateDecision {
 }
 
 impl LateDecision {
+    /// The plain read saw nothing, the decision saw position 1, the stale
+    /// append failed and the fresh one committed.
     pub fn invariant_held(&self) -> bool {
         self.plain_read_saw.is_empty()
             && self.decision_saw == [1]
@@ -195,7 +213,9 @@ impl LateDecision {
 /// flight; then 3 is rolled back while 4 commits.
 #[derive(Debug, Clone)]
 pub struct CatchUp {
+    /// What the first poll delivered, while 1 was in flight and 2 committed.
     pub first_poll: Vec<i64>,
+    /// Whether the first poll stopped at the gap 1 left.
     pub first_poll_waiting_on_gap: bool,
     /// After 1 committed.
     pub second_poll: Vec<i64>,
@@ -219,8 +239,11 @@ impl CatchUp {
 /// Everything `pgonce race events` replays.
 #[derive(Debug, Clone)]
 pub struct EventsRace {
+    /// The three writers, under each append strategy.
     pub three_writers: Vec<ThreeWriters>,
+    /// The late decision, under each append strategy.
     pub late_decisions: Vec<LateDecision>,
+    /// The catch-up reader facing its gaps.
     pub catch_up: CatchUp,
 }
 
@@ -229,6 +252,8 @@ pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     Ok(report(&race, db.environment().await?))
 }
 
+/// Replays every case on `db`: what each showed, for the report or a
+/// test.
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<EventsRace> {
     let mut three = Vec::new();
     for strategy in AppendStrategy::ALL {

@@ -41,6 +41,7 @@ pub enum LateWriter {
 }
 
 impl LateWriter {
+    /// Both kinds, in the order the race replays them.
     pub const ALL: [LateWriter; 2] = [LateWriter::BeginAppend, LateWriter::AppendInSerializable];
 
     pub(crate) fn name(self) -> &'static str {
@@ -62,6 +63,7 @@ pub struct LateWriterCase {
     pub a_drew: Vec<i64>,
     /// A's COMMIT.
     pub a: AppendOutcome,
+    /// B's append on another course, committed while A's is open.
     pub b: AppendOutcome,
     pub(crate) b_waited_for: Vec<String>,
     /// Whom C's check waited for; empty when it did not wait.
@@ -70,6 +72,7 @@ pub struct LateWriterCase {
     pub c: AppendOutcome,
     /// The append's own retry after a serialization failure of C's.
     pub(crate) c_retry: Option<AppendOutcome>,
+    /// The event log at the end, by position.
     pub log: Vec<LoggedEvent>,
     pub(crate) timeline: Vec<Step>,
 }

@@ -43,6 +43,7 @@ struct Counts {
 /// What one strategy's run left behind.
 #[derive(Debug, Clone)]
 pub struct GuardCase {
+    /// The strategy both workers used.
     pub strategy: Strategy,
     /// Open incidents of the entity at the end, read from the database.
     pub open_incidents: i64,
@@ -67,6 +68,7 @@ impl GuardCase {
 /// Everything `pgonce race guard` replays.
 #[derive(Debug, Clone)]
 pub struct GuardRace {
+    /// One case per strategy of [`RACED`].
     pub cases: Vec<GuardCase>,
 }
 
@@ -87,6 +89,8 @@ pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     Ok(report(&race, db.environment().await?))
 }
 
+/// Replays the duplicate-incident race on `db` under each strategy of
+/// [`RACED`].
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<GuardRace> {
     scenario::create_schema(db.pool()).await?;
     let mut cases = Vec::new();

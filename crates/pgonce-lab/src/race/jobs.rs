@@ -141,6 +141,7 @@ impl fmt::Display for Delivery {
 /// What one case's interleaving produced.
 #[derive(Debug, Clone)]
 pub struct JobCase {
+    /// Which interleaving this was.
     pub name: JobCaseName,
     /// Transitions whose UPDATE matched the job's row.
     pub transitions: u32,
@@ -248,6 +249,7 @@ impl JobCase {
 /// Everything `pgonce race jobs` replays.
 #[derive(Debug, Clone)]
 pub struct JobsRace {
+    /// Every case replayed; [`JobsRace::case`] finds one.
     pub cases: Vec<JobCase>,
 }
 

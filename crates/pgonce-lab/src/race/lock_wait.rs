@@ -17,6 +17,7 @@ const LOCK: &str = "SELECT pg_advisory_xact_lock($1)";
 /// One case: whether B was seen waiting for A's lock, and the timeline.
 #[derive(Debug, Clone)]
 pub struct LockWaitCase {
+    /// Whether B was seen blocked on A's lock (through `pg_blocking_pids`).
     pub b_waited_for_a: bool,
     pub(crate) timeline: Vec<Step>,
 }
@@ -35,6 +36,7 @@ pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     Ok(report(&race, db.environment().await?))
 }
 
+/// Replays both cases on `db`.
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<LockWaitRace> {
     Ok(LockWaitRace {
         inside_transaction: inside_transaction(db).await?,

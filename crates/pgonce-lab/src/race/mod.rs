@@ -42,12 +42,15 @@ pub(crate) enum Scenario {
     Sequence,
 }
 
+/// `pgonce race`'s arguments: the scenario to replay.
 #[derive(Debug, Clone, Args)]
 pub struct RaceArgs {
     /// Which scenario to replay.
     pub(crate) scenario: Scenario,
 }
 
+/// The command: replays the scenario on a scratch database and reports
+/// each strategy's outcome and timeline.
 pub async fn run(args: &RaceArgs, database_url: Option<&str>) -> anyhow::Result<Report> {
     let db = RunDatabase::open(database_url, "race", 20).await?;
     let report = match args.scenario {

@@ -27,6 +27,7 @@ use crate::scratch::RunDatabase;
 /// Everything `pgonce race sequence` replays.
 #[derive(Debug, Clone)]
 pub struct SequenceRace {
+    /// One case per sequence strategy.
     pub cases: Vec<SequenceCase>,
     /// Each strategy's `next` in a REPEATABLE READ transaction: refused
     /// with `WrongIsolation` (true) or accepted.
@@ -38,6 +39,8 @@ pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
     Ok(report(&race, db.environment().await?))
 }
 
+/// Replays the declarations on `db` under each sequence strategy, and
+/// tries each strategy's `next` under REPEATABLE READ.
 pub async fn replay(db: &RunDatabase) -> anyhow::Result<SequenceRace> {
     scenario::create_schema(db.pool()).await?;
     let mut cases = Vec::new();
@@ -92,27 +95,35 @@ pub(crate) fn report(race: &SequenceRace, environment: Environment) -> Report {
 /// What one strategy's replay showed.
 #[derive(Debug, Clone)]
 pub struct SequenceCase {
+    /// The sequence strategy the declarations used.
     pub strategy: Strategy,
     /// Committed numbers per organization, read from the table.
     pub committed: BTreeMap<String, Vec<i64>>,
+    /// Numbers committed more than once in an organization, all told.
     pub duplicates: i64,
+    /// Numbers missing below an organization's highest, all told.
     pub gaps: i64,
     /// B's declaration in A's organization: its number, or why it failed.
     pub b: Result<i64, String>,
+    /// Whom B was seen waiting for.
     pub b_waited_for: Vec<String>,
     /// C declares in another organization.
     pub c_waited_for: Vec<String>,
-    /// The number D took and rolled back, and the one it got next.
+    /// The number D took and rolled back.
     pub rolled_back: i64,
+    /// The number D got when it declared again: the same one, if numbers
+    /// stay gapless.
     pub after_rollback: i64,
     pub(crate) timeline: Vec<pgonce_testkit::Step>,
 }
 
 impl SequenceCase {
+    /// Whether C, declaring in another organization, waited.
     pub fn other_scope_waited(&self) -> bool {
         !self.c_waited_for.is_empty()
     }
 
+    /// Declarations that failed: B's, if it did.
     pub fn failed_declarations(&self) -> usize {
         usize::from(self.b.is_err())
     }

@@ -38,6 +38,7 @@ pub enum GuardStrategy {
 }
 
 impl GuardStrategy {
+    /// The strategy's name, as reports show it.
     pub fn name(self) -> &'static str {
         match self {
             GuardStrategy::TwoTransactions => "two-transactions",
