@@ -181,13 +181,13 @@ impl SqsClient {
 ///   Content-based deduplication is read when the handle is opened.
 ///   SQS does not say whether a send was a duplicate: [`Sent::duplicate`] is
 ///   always false and `id` is what SQS returned.
-/// * **FIFO receives** return at most one message per group: SQS may hand
-///   out several of one group in a batch; the later ones are made visible
-///   again at once. SQS has counted that receive: with a dead-letter queue
-///   and a low `max_receive_count`, a message can be moved there after such
-///   releases without a consumer having seen it. Give FIFO queues whose
-///   groups hold several messages at once a `max_receive_count` well above
-///   the batch sizes receives ask for, or receive one message at a time.
+/// * **FIFO receives** return at most one message per group, as the
+///   PostgreSQL queue does. They ask SQS for one message per request and
+///   top the batch up with further requests that do not wait: asked for
+///   more, SQS returns several messages of one group and counts each
+///   toward `max_receive_count`, and the ones pgonce could not hand out
+///   would be dead-lettered after enough such receives, unseen. A FIFO
+///   batch of n messages therefore costs n + 1 requests.
 /// * **Batches** (`send_batch`) go out in requests of 10 and are not atomic
 ///   across requests: on an error, earlier requests' messages stay sent.
 /// * **Stats** have no `oldest_age` (SQS reports it to CloudWatch only).
@@ -327,6 +327,55 @@ impl SqsQueue {
         metrics::counter!("pgonce_sqs_received_total", "queue" => self.inner.name.clone())
             .increment(got.len() as u64);
         Ok(got)
+    }
+
+    /// Tops a FIFO batch up to the request's size, one message per SQS
+    /// request, without waiting.
+    ///
+    /// SQS returns as many messages of one group as a request asks for, and
+    /// counts each toward the dead-letter queue's `max_receive_count`. pgonce
+    /// hands out one message per group in flight, so the rest of the group
+    /// would have to be made visible again, and SQS would count each of
+    /// those receives: a message deep in its group's backlog reached the
+    /// dead-letter queue before any consumer saw it. Asked for one message,
+    /// SQS returns a group's head and keeps the group locked while the head
+    /// is in flight, so each further request returns another group's head
+    /// and every message SQS counts as received is handed out. The price is
+    /// a request per message, and one more that finds none.
+    ///
+    /// A top-up request that fails ends the batch: the messages already
+    /// received are handed out rather than left to their visibility timeout.
+    async fn top_up_fifo(&self, mut got: Vec<Received>, request: &ReceiveRequest) -> Vec<Received> {
+        let mut groups: HashSet<String> = got.iter().filter_map(|m| m.group_id.clone()).collect();
+        while got.len() < request.max_messages {
+            let more = match self
+                .receive_once(1, Duration::ZERO, request.visibility)
+                .await
+            {
+                Ok(more) => more,
+                Err(e) => {
+                    tracing::warn!(queue = %self.inner.name, error = %e,
+                        "topping up a FIFO receive failed; handing out what it has");
+                    break;
+                }
+            };
+            let Some(message) = more.into_iter().next() else {
+                break;
+            };
+            if let Some(group) = &message.group_id
+                && !groups.insert(group.clone())
+            {
+                // A visibility timeout of zero unlocks the group at once, so
+                // its head can come back within one batch: not twice.
+                if let Err(e) = self.release(std::slice::from_ref(&message.receipt)).await {
+                    tracing::warn!(queue = %self.inner.name, error = %e,
+                        "releasing a FIFO head received twice failed");
+                }
+                break;
+            }
+            got.push(message);
+        }
+        got
     }
 
     /// Makes these deliveries visible again at once.
@@ -495,16 +544,21 @@ impl Queue for SqsQueue {
         self.inner.receiving.fetch_add(1, Ordering::SeqCst);
         let _guard = Receiving(&self.inner.receiving);
         let deadline = Instant::now() + request.wait;
+        // A FIFO receive asks for one message per request: see `top_up_fifo`.
+        let per_request = if self.inner.fifo {
+            1
+        } else {
+            request.max_messages
+        };
         loop {
             // SQS waits 20 s per request at most: longer waits re-poll.
             let left = deadline.saturating_duration_since(Instant::now());
             let got = self
-                .receive_once(
-                    request.max_messages,
-                    left.min(SQS_MAX_WAIT),
-                    request.visibility,
-                )
+                .receive_once(per_request, left.min(SQS_MAX_WAIT), request.visibility)
                 .await?;
+            if !got.is_empty() && self.inner.fifo {
+                return Ok(self.top_up_fifo(got, &request).await);
+            }
             if !got.is_empty() || left <= SQS_MAX_WAIT {
                 return Ok(got);
             }

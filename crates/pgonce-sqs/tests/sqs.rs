@@ -36,15 +36,20 @@ fn one_second() -> QueueAttributes {
 }
 
 async fn with_dead_letters(sqs: &SqsClient) -> (SqsQueue, SqsQueue) {
-    let dlq = sqs
-        .create_queue("jobs-dlq", QueueAttributes::default())
-        .await
-        .unwrap();
+    dead_lettered(sqs, "jobs", "jobs-dlq", QueueAttributes::default()).await
+}
+
+/// Queue `name` with `attributes`, whose messages move to `dead` (of the
+/// same attributes) after 2 receives.
+async fn dead_lettered(
+    sqs: &SqsClient,
+    name: &str,
+    dead: &str,
+    attributes: QueueAttributes,
+) -> (SqsQueue, SqsQueue) {
+    let dlq = sqs.create_queue(dead, attributes.clone()).await.unwrap();
     let q = sqs
-        .create_queue(
-            "jobs",
-            QueueAttributes::default().dead_letter("jobs-dlq", 2),
-        )
+        .create_queue(name, attributes.dead_letter(dead, 2))
         .await
         .unwrap();
     (q, dlq)
@@ -315,4 +320,63 @@ async fn batches_larger_than_ten_round_trip() {
     assert!(q.delete_batch(&receipts).await.unwrap().is_empty());
     let s = q.stats().await.unwrap();
     assert_eq!((s.depth, s.in_flight), (0, 0));
+}
+
+/// A FIFO group with a backlog deeper than `max_receive_count`, consumed in
+/// batches of ten by a consumer that deletes every message it is handed:
+/// every message reaches the consumer once and none is dead-lettered. SQS
+/// hands out several messages of one group in a batch and counts each as
+/// received; a backend that released the ones it cannot hand out (one per
+/// group in flight) had SQS count those releases, and moved the group's
+/// later messages to the dead-letter queue before anyone saw them.
+#[tokio::test]
+async fn a_deep_fifo_group_is_handed_out_whole_without_dead_letters() {
+    let moto = support::start();
+    let sqs = support::client(&moto).await;
+    let (q, dlq) = dead_lettered(&sqs, "deep.fifo", "deep-dlq.fifo", QueueAttributes::fifo()).await;
+    let mut sent = Vec::new();
+    for i in 0..24 {
+        // Two groups, the first three times as deep as the second.
+        let group = if i % 4 == 3 { "shallow" } else { "deep" };
+        let body = format!("{group}-{i}");
+        q.send(SendMessage::new(&body).group(group).dedup(&body))
+            .await
+            .unwrap();
+        sent.push(body);
+    }
+    let mut handed = Vec::new();
+    // Bounded by receives, not time: every receive that finds the queue
+    // non-empty hands out at least one message.
+    for _ in 0..200 {
+        if handed.len() == sent.len() {
+            break;
+        }
+        let got = q
+            .receive(ReceiveRequest::up_to(10).wait(Duration::from_secs(1)))
+            .await
+            .unwrap();
+        for m in got {
+            handed.push(m.body.clone());
+            q.delete(&m.receipt).await.unwrap();
+        }
+    }
+    let dead = dlq.stats().await.unwrap().depth;
+    assert_eq!(dead, 0, "dead-lettered unseen; handed out: {handed:?}");
+    let order = |group: &str| -> Vec<String> {
+        let prefix = format!("{group}-");
+        handed
+            .iter()
+            .filter(|b| b.starts_with(&prefix))
+            .cloned()
+            .collect()
+    };
+    let expected = |group: &str| -> Vec<String> {
+        let prefix = format!("{group}-");
+        sent.iter()
+            .filter(|b| b.starts_with(&prefix))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(order("deep"), expected("deep"), "each once, in order");
+    assert_eq!(order("shallow"), expected("shallow"), "each once, in order");
 }
