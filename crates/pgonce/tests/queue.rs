@@ -1580,14 +1580,9 @@ async fn a_burst_wakes_as_many_parked_receivers_as_it_has_messages() {
 /// at most one empty look.
 #[tokio::test(flavor = "current_thread")]
 async fn one_send_wakes_one_parked_receiver_not_the_family() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::Ordering;
     let pool = pool().await;
-    let empty = Arc::new(AtomicU64::new(0));
-    let recorder = support::OnCounter(|key: &metrics::Key| match key.name() {
-        "pgonce_queue_empty_receives_total" => metrics::Counter::from_arc(Arc::clone(&empty)),
-        _ => metrics::Counter::noop(),
-    });
+    let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
     let _local = metrics::set_default_local_recorder(&recorder);
     let (q, mut waiting) = parked_family(&pool, 4).await;
     let looked_before = empty.load(Ordering::SeqCst);
@@ -1606,6 +1601,72 @@ async fn one_send_wakes_one_parked_receiver_not_the_family() {
     for receiver in waiting {
         receiver.abort();
     }
+}
+
+/// A FIFO head due to move to its dead-letter queue while a sender holds
+/// its group there (an open transaction that sent to the dead-letter
+/// queue's group): a long poll holds it back once and parks. It does not
+/// wake itself to look again, over and over, for as long as the sender's
+/// transaction stays open (each look that held a message back used to
+/// notify, and the notification woke the receiver that sent it).
+#[tokio::test]
+async fn a_held_back_head_does_not_wake_its_own_receiver_again() {
+    use std::sync::atomic::Ordering;
+    let pool = pool().await;
+    let (held, recorder) = support::count_of("pgonce_queue_held_back_total");
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let dlq = PgQueue::create(&pool, "d.fifo", QueueAttributes::fifo(), slow_poll())
+        .await
+        .unwrap();
+    let q = PgQueue::create(
+        &pool,
+        "f.fifo",
+        QueueAttributes::fifo().dead_letter("d.fifo", 1),
+        slow_poll(),
+    )
+    .await
+    .unwrap();
+    // Set up through a handle that does not notify, so that no
+    // notification of the setup reaches the long poll below.
+    let quiet = PgQueueOptions {
+        notify: false,
+        ..slow_poll()
+    };
+    let setup = PgQueue::open(&pool, "f.fifo", quiet).await.unwrap();
+    setup.send(SendMessage::new("w").group("g")).await.unwrap();
+    let w = setup.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    setup
+        .change_visibility(&w[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    let mut sender = pool.begin().await.unwrap();
+    dlq.send_in(&mut sender, SendMessage::new("v").group("g"))
+        .await
+        .unwrap();
+    // The wait is what a spinning receive fills with looks; one that parks
+    // looks once whatever the machine's speed (its poll is 60 s away).
+    let got = q
+        .receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    assert!(got.is_empty());
+    // Once as it starts, once more as its wait ends.
+    let looks = held.load(Ordering::SeqCst);
+    assert!(looks <= 2, "held back {looks} times in one long poll");
+    sender.commit().await.unwrap();
+    // Once the sender is gone the head moves at the next look.
+    assert!(
+        q.receive(ReceiveRequest::up_to(1))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let moved = dlq.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(
+        bodies(&moved),
+        ["v"],
+        "the sender's message first; w behind it"
+    );
 }
 
 /// How a woken receiver goes without taking what woke it.

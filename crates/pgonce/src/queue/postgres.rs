@@ -699,9 +699,10 @@ impl PgQueue {
     /// [`MAX_BATCH`] messages in all at most, so a receive of one does no
     /// more work than a receive of the largest batch (a backlog of expired
     /// messages is cleared a batch at a time; a long poll goes on at once).
-    /// A statement that left messages untouched (past its cap, or held
-    /// back) held their row locks while it ran, turning other receivers
-    /// away: it wakes them, as a send does. Each
+    /// A statement that left receivable messages untouched (past its cap)
+    /// held their row locks while it ran, turning other receivers away: it
+    /// wakes them, as a send does. A held-back message wakes nobody: it is
+    /// looked at again at the next poll after its sender commits. Each
     /// statement commits on its own, so if a later one fails after earlier
     /// ones delivered, those leases are taken: they are returned and the
     /// failure logged.
@@ -828,8 +829,12 @@ impl PgQueue {
             metrics::counter!("pgonce_queue_held_back_total", "queue" => name.clone())
                 .increment(held.len() as u64);
         }
-        if skipped > 0 || unseen > 0 || !held.is_empty() {
+        if skipped > 0 || unseen > 0 {
             // Their row locks turned concurrent receivers away until now.
+            // Not for a held-back message: nobody can take it before the
+            // sender holding its group commits, so a wake would only send
+            // receivers (this one among them) to find it held again, for
+            // as long as that transaction stays open. It waits for a poll.
             self.sent();
         }
         // An unseen message is receivable now that this statement is over:

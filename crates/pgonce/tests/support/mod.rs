@@ -117,3 +117,24 @@ impl<F: Fn(&metrics::Key) -> metrics::Counter> metrics::Recorder for OnCounter<F
         metrics::Histogram::noop()
     }
 }
+
+/// Watches one counter: the total added to `name` (under any labels), and
+/// the recorder that feeds it, to install with
+/// `metrics::set_default_local_recorder`.
+pub fn count_of(
+    name: &'static str,
+) -> (
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+    OnCounter<impl Fn(&metrics::Key) -> metrics::Counter>,
+) {
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let feed = std::sync::Arc::clone(&count);
+    let recorder = OnCounter(move |key: &metrics::Key| {
+        if key.name() == name {
+            metrics::Counter::from_arc(std::sync::Arc::clone(&feed))
+        } else {
+            metrics::Counter::noop()
+        }
+    });
+    (count, recorder)
+}
