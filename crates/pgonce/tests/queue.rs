@@ -221,6 +221,25 @@ async fn fifo_dead_lettering_at_second_receive(
     .await
 }
 
+/// Queue `name` with `attributes` and its dead-letter queue `dead` (of the
+/// same attributes), which takes a message at its second receive; both
+/// handles with `options`.
+async fn dead_lettering_at_second_receive(
+    pool: &PgPool,
+    name: &str,
+    dead: &str,
+    attributes: QueueAttributes,
+    options: PgQueueOptions,
+) -> (PgQueue, PgQueue) {
+    let dlq = PgQueue::create(pool, dead, attributes.clone(), options.clone())
+        .await
+        .unwrap();
+    let q = PgQueue::create(pool, name, attributes.dead_letter(dead, 1), options)
+        .await
+        .unwrap();
+    (q, dlq)
+}
+
 /// `f.fifo` and its dead-letter queue `f-dlq.fifo`: w then x of group g
 /// dead-lettered in that order, and w delivered from the dead-letter queue
 /// (returned, in flight there).
@@ -1615,17 +1634,14 @@ async fn a_held_back_head_does_not_wake_its_own_receiver_again() {
     let pool = pool().await;
     let (held, recorder) = support::count_of("pgonce_queue_held_back_total");
     let _local = metrics::set_default_local_recorder(&recorder);
-    let dlq = PgQueue::create(&pool, "d.fifo", QueueAttributes::fifo(), slow_poll())
-        .await
-        .unwrap();
-    let q = PgQueue::create(
+    let (q, dlq) = dead_lettering_at_second_receive(
         &pool,
         "f.fifo",
-        QueueAttributes::fifo().dead_letter("d.fifo", 1),
+        "d.fifo",
+        QueueAttributes::fifo(),
         slow_poll(),
     )
-    .await
-    .unwrap();
+    .await;
     // Set up through a handle that does not notify, so that no
     // notification of the setup reaches the long poll below.
     let quiet = PgQueueOptions {
@@ -1667,6 +1683,110 @@ async fn a_held_back_head_does_not_wake_its_own_receiver_again() {
         ["v"],
         "the sender's message first; w behind it"
     );
+}
+
+/// Never polls within a test: a long poll of such a handle ends with a
+/// notification or at the end of its wait.
+fn no_poll() -> PgQueueOptions {
+    PgQueueOptions {
+        poll_interval: Duration::from_secs(3600),
+        ..PgQueueOptions::default()
+    }
+}
+
+/// One receiver of `q`'s family (a [`no_poll`] handle) parked in a long
+/// poll of an hour for up to ten messages.
+async fn parked_receiver(q: &PgQueue) -> tokio::task::JoinHandle<Vec<String>> {
+    let parked_before = q.parked_receivers();
+    let receiver = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            let request = ReceiveRequest::up_to(10).wait(Duration::from_secs(3600));
+            let got = q.receive(request).await.unwrap();
+            got.into_iter().map(|m| m.body).collect()
+        })
+    };
+    while q.parked_receivers() == parked_before {
+        tokio::task::yield_now().await;
+    }
+    receiver
+}
+
+/// What the receiver `parked_receiver` started got. It returns only when a
+/// notification wakes it; the minute is a failsafe, not a measure.
+async fn woken(receiver: tokio::task::JoinHandle<Vec<String>>, by: &str) -> Vec<String> {
+    tokio::time::timeout(Duration::from_secs(60), receiver)
+        .await
+        .unwrap_or_else(|_| panic!("not woken by {by}: it waits for its poll"))
+        .unwrap()
+}
+
+/// Deleting a FIFO group's head in flight makes the next message its
+/// group's head, receivable at once: a receiver parked in a long poll is
+/// woken for it, as for a send, one at a time or in a batch. It used to
+/// wait for its poll interval, so a group's backlog drained at one message
+/// per poll interval behind parked receivers.
+async fn deleting_a_fifo_head_wakes_a_parked_receiver(batch: bool) {
+    let pool = pool().await;
+    let f = PgQueue::create(&pool, "f.fifo", QueueAttributes::fifo(), no_poll())
+        .await
+        .unwrap();
+    for body in ["a", "b"] {
+        f.send(SendMessage::new(body).group("g")).await.unwrap();
+    }
+    let a = f.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&a), ["a"]);
+    let receiver = parked_receiver(&f).await;
+    if batch {
+        let stale = f.delete_batch(&[a[0].receipt.clone()]).await.unwrap();
+        assert!(stale.is_empty());
+    } else {
+        f.delete(&a[0].receipt).await.unwrap();
+    }
+    assert_eq!(woken(receiver, "the head's delete").await, ["b"]);
+}
+
+#[tokio::test]
+async fn deleting_a_fifo_head_wakes_a_receiver_parked_for_the_next() {
+    deleting_a_fifo_head_wakes_a_parked_receiver(false).await;
+}
+
+#[tokio::test]
+async fn deleting_a_fifo_head_in_a_batch_wakes_a_receiver_parked_for_the_next() {
+    deleting_a_fifo_head_wakes_a_parked_receiver(true).await;
+}
+
+/// A release (a visibility timeout of zero) makes the message receivable
+/// at once: a parked receiver is woken for it.
+#[tokio::test]
+async fn a_release_wakes_a_parked_receiver() {
+    let pool = pool().await;
+    let q = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    q.send(SendMessage::new("r")).await.unwrap();
+    let r = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    let receiver = parked_receiver(&q).await;
+    q.change_visibility(&r[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(woken(receiver, "the release").await, ["r"]);
+}
+
+/// A redrive moves messages back to their source queue: a receiver parked
+/// on the source queue is woken for them.
+#[tokio::test]
+async fn a_redrive_wakes_a_receiver_parked_on_the_source_queue() {
+    let pool = pool().await;
+    let (q, dlq) =
+        dead_lettering_at_second_receive(&pool, "s", "d", QueueAttributes::default(), no_poll())
+            .await;
+    q.send(SendMessage::new("m")).await.unwrap();
+    dead_letter_next(&q, "m").await;
+    assert_eq!(dlq.stats().await.unwrap().depth, 1, "m was dead-lettered");
+    let receiver = parked_receiver(&q).await;
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
+    assert_eq!(woken(receiver, "the redrive").await, ["m"]);
 }
 
 /// How a woken receiver goes without taking what woke it.

@@ -182,8 +182,10 @@ impl QueueAttributes {
 /// How a [`PgQueue`] handle behaves (not stored in the database).
 #[derive(Debug, Clone)]
 pub struct PgQueueOptions {
-    /// Notify long-polling receivers (`pg_notify`) on each send. Default
-    /// true. Without it, long polls find new messages only at
+    /// Notify long-polling receivers (`pg_notify`) on each send, and on
+    /// what else makes a message receivable at once: a release (visibility
+    /// zero), the delete of a FIFO head with more of its group behind it,
+    /// a redrive (which notifies the source queues). Default true. Without it, long polls find new messages only at
     /// `poll_interval`; with it, every sending transaction takes
     /// PostgreSQL's notification lock at commit.
     pub notify: bool,
@@ -520,6 +522,23 @@ impl PgQueue {
             .await?
             .rows_affected();
         tx.commit().await?;
+        if moved > 0 && self.inner.options.notify {
+            // Receivable in their source queues now: wake the receivers
+            // parked there, as a send would.
+            let mut sources: Vec<&str> = picked.iter().map(|m| m.source.as_str()).collect();
+            sources.sort_unstable();
+            sources.dedup();
+            for source in sources {
+                if let Err(e) = sqlx::query(include_str!("sql/notify.sql"))
+                    .bind(CHANNEL)
+                    .bind(source)
+                    .execute(&self.inner.pool)
+                    .await
+                {
+                    tracing::warn!(queue = %source, error = %e, "redrive notification not sent; receivers look at their poll");
+                }
+            }
+        }
         Ok((picked.len(), moved))
     }
 
@@ -844,6 +863,22 @@ impl PgQueue {
         Ok(undelivered)
     }
 
+    /// Deletes these deliveries of a FIFO queue by (id, generation) and
+    /// wakes parked receivers when a deleted message's group goes on: its
+    /// next message is the group's head, receivable now.
+    async fn delete_fifo(&self, ids: &[i64], generations: &[i64]) -> Result<Vec<DeletedRow>> {
+        let deleted: Vec<DeletedRow> = sqlx::query_as(include_str!("sql/delete_fifo.sql"))
+            .bind(&self.inner.name)
+            .bind(ids)
+            .bind(generations)
+            .fetch_all(&self.inner.pool)
+            .await?;
+        if deleted.iter().any(|d| d.group_goes_on) {
+            self.sent();
+        }
+        Ok(deleted)
+    }
+
     async fn waker(&self) -> Result<&Waker> {
         self.inner
             .waker
@@ -935,9 +970,10 @@ impl Queue for PgQueue {
     }
 
     /// Long polling: the handle LISTENs (one connection per handle family)
-    /// and each send NOTIFYs; a parked receive wakes on a notification for
-    /// this queue, at `poll_interval`, or at the end of `wait`, whichever
-    /// comes first. No connection is held while parked. A notification
+    /// and each send NOTIFYs (as do releases, FIFO heads' deletes and
+    /// redrives: [`PgQueueOptions::notify`]); a parked receive wakes on a
+    /// notification for this queue, at `poll_interval`, or at the end of
+    /// `wait`, whichever comes first. No connection is held while parked. A notification
     /// wakes one receiver of the family, and a receive that fills its
     /// batch wakes the next, so a burst reaches as many receivers as it
     /// needs and a single message does not send the whole family looking.
@@ -994,6 +1030,15 @@ impl Queue for PgQueue {
         let Some(parts) = self.receipt_parts(receipt) else {
             return Err(self.count_stale(receipt, 1));
         };
+        if self.inner.fifo {
+            let deleted = self.delete_fifo(&[parts.id], &[parts.generation]).await?;
+            if deleted.is_empty() {
+                return Err(self.count_stale(receipt, 1));
+            }
+            metrics::counter!("pgonce_queue_deleted_total", "queue" => self.inner.name.clone())
+                .increment(1);
+            return Ok(());
+        }
         let done = sqlx::query(include_str!("sql/delete.sql"))
             .bind(&self.inner.name)
             .bind(parts.id)
@@ -1023,6 +1068,8 @@ impl Queue for PgQueue {
         let (ids, generations): (Vec<i64>, Vec<i64>) = parts.iter().flatten().copied().unzip();
         let deleted: Vec<DeletedRow> = if ids.is_empty() {
             Vec::new()
+        } else if self.inner.fifo {
+            self.delete_fifo(&ids, &generations).await?
         } else {
             sqlx::query_as(include_str!("sql/delete_batch.sql"))
                 .bind(&self.inner.name)
@@ -1066,6 +1113,10 @@ impl Queue for PgQueue {
             .await?;
         if done.rows_affected() == 0 {
             return Err(self.count_stale(receipt, 1));
+        }
+        if timeout.is_zero() {
+            // Released: receivable now, as if just sent.
+            self.sent();
         }
         Ok(())
     }
@@ -1205,6 +1256,8 @@ struct SentRow {
 struct DeletedRow {
     id: i64,
     generation: i64,
+    /// Its FIFO group has another message in the queue (delete_fifo.sql).
+    group_goes_on: bool,
 }
 
 /// What a receipt of the PostgreSQL queue names: one delivery (the

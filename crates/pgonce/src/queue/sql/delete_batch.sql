@@ -1,7 +1,8 @@
 -- Delete several deliveries by receipt: $1 queue, $2 ids, $3 the
 -- generations of the receipts. Returns (id, generation) of each delivery
 -- deleted: a receipt whose pair is missing was stale, even when another
--- receipt in the batch deleted its message.
+-- receipt in the batch deleted its message. (And, as delete_fifo.sql
+-- does, whether the message's group goes on: never, in a standard queue.)
 -- The messages are read by primary key (`id = ANY`), the only condition on
 -- them an index can drive: the queue check cannot, for the reason
 -- delete.sql gives. Without `id = ANY`, the planner hash-joined the
@@ -15,4 +16,4 @@ USING unnest($2::bigint[], $3::bigint[]) AS r(id, generation)
 WHERE m.id = ANY($2::bigint[])
   AND m.id = r.id AND m.generation = r.generation
   AND m.queue IS NOT DISTINCT FROM $1
-RETURNING m.id, m.generation
+RETURNING m.id, m.generation, false AS group_goes_on
