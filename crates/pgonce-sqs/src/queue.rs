@@ -187,7 +187,10 @@ impl SqsClient {
 ///   more, SQS returns several messages of one group and counts each
 ///   toward `max_receive_count`, and the ones pgonce could not hand out
 ///   would be dead-lettered after enough such receives, unseen. A FIFO
-///   batch of n messages therefore costs n + 1 requests.
+///   batch of n messages therefore costs n + 1 requests. A FIFO receive
+///   with a visibility of zero returns one message: its group is unlocked
+///   at once, so a further request would receive (and SQS count) the same
+///   message again.
 /// * **Batches** (`send_batch`) go out in requests of 10 and are not atomic
 ///   across requests: on an error, earlier requests' messages stay sent.
 /// * **Stats** have no `oldest_age` (SQS reports it to CloudWatch only).
@@ -345,7 +348,15 @@ impl SqsQueue {
     ///
     /// A top-up request that fails ends the batch: the messages already
     /// received are handed out rather than left to their visibility timeout.
+    ///
+    /// A receive with a visibility of zero is not topped up: its message is
+    /// visible again at once, its group unlocked, so the next request would
+    /// return the same head, and SQS would count that receive toward
+    /// `max_receive_count` although nobody is handed the message.
     async fn top_up_fifo(&self, mut got: Vec<Received>, request: &ReceiveRequest) -> Vec<Received> {
+        if request.visibility.is_some_and(|v| ceil_secs(v) == 0) {
+            return got;
+        }
         let mut groups: HashSet<String> = got.iter().filter_map(|m| m.group_id.clone()).collect();
         while got.len() < request.max_messages {
             let more = match self
@@ -365,8 +376,8 @@ impl SqsQueue {
             if let Some(group) = &message.group_id
                 && !groups.insert(group.clone())
             {
-                // A visibility timeout of zero unlocks the group at once, so
-                // its head can come back within one batch: not twice.
+                // A head whose visibility ran out during the top-up is
+                // visible again, its group unlocked: not handed out twice.
                 if let Err(e) = self.release(std::slice::from_ref(&message.receipt)).await {
                     tracing::warn!(queue = %self.inner.name, error = %e,
                         "releasing a FIFO head received twice failed");

@@ -380,3 +380,30 @@ async fn a_deep_fifo_group_is_handed_out_whole_without_dead_letters() {
     assert_eq!(order("deep"), expected("deep"), "each once, in order");
     assert_eq!(order("shallow"), expected("shallow"), "each once, in order");
 }
+
+/// A FIFO receive with a visibility of zero hands its message out and
+/// leaves it visible at once. Each such receive is one receive of the
+/// message, as SQS counts toward `max_receive_count`: a consumer that
+/// receives it `max_receive_count` times sees it each time, and only the
+/// receive after that moves it to the dead-letter queue. (Topping the batch
+/// up received the same head again, uncounted by the consumer but counted
+/// by SQS, so it was dead-lettered after half as many receives.)
+#[tokio::test]
+async fn a_fifo_receive_with_zero_visibility_counts_one_receive() {
+    let moto = support::start();
+    let sqs = support::client(&moto).await;
+    let (q, dlq) = dead_lettered(&sqs, "zero.fifo", "zero-dlq.fifo", QueueAttributes::fifo()).await;
+    q.send(SendMessage::new("m").group("g").dedup("m"))
+        .await
+        .unwrap();
+    // max_receive_count is 2: two receives hand the message out.
+    for expected in 1..=2 {
+        let got = q
+            .receive(ReceiveRequest::up_to(10).visibility(Duration::ZERO))
+            .await
+            .unwrap();
+        let counts: Vec<u32> = got.iter().map(|m| m.receive_count).collect();
+        assert_eq!(counts, [expected], "receive {expected}");
+    }
+    assert_eq!(dlq.stats().await.unwrap().depth, 0, "not dead-lettered yet");
+}
