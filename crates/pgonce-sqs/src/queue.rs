@@ -23,6 +23,10 @@ use crate::error::{BACKEND, from_code, map};
 /// redrive (SQS gives the re-sent copy a new MessageId).
 const ID_ATTRIBUTE: &str = "pgonce.id";
 
+/// SQS's cap on message attributes per message (one is `ID_ATTRIBUTE`
+/// after a redrive, so a send takes one fewer).
+const SQS_MAX_ATTRIBUTES: usize = 10;
+
 /// SQS's per-request cap on messages (send, receive, delete batches).
 const SQS_BATCH: usize = 10;
 
@@ -191,6 +195,12 @@ impl SqsClient {
 ///   with a visibility of zero returns one message: its group is unlocked
 ///   at once, so a further request would receive (and SQS count) the same
 ///   message again.
+/// * **Messages** are refused with [`Error::Invalid`] before any request
+///   where SQS would refuse them or store them altered: bodies and
+///   attribute values of XML characters only (no control characters but
+///   tab, CR and LF), group and deduplication ids of printable ASCII,
+///   attribute names as SQS takes them, and at most 9 attributes (SQS
+///   takes 10; a redrive adds the `pgonce.id` attribute).
 /// * **Batches** (`send_batch`) go out in requests of 10 and are not atomic
 ///   across requests: on an error, earlier requests' messages stay sent.
 /// * **Stats** have no `oldest_age` (SQS reports it to CloudWatch only).
@@ -251,14 +261,46 @@ impl SqsQueue {
         if self.inner.fifo && message.delay.is_some_and(|d| !d.is_zero()) {
             return Err(invalid("SQS FIFO queues take no per-message delay"));
         }
+        // SQS refuses these (or, for a body, may store it with the
+        // characters replaced): refused here, a batch sends none of them
+        // rather than the requests before the one SQS refuses.
+        if !sqs_text(&message.body) {
+            return Err(invalid(
+                "SQS takes only XML characters: tab, CR, LF and U+0020 up (no                  other control characters, no U+FFFE or U+FFFF)",
+            ));
+        }
+        let ascii_id = |id: &Option<String>| {
+            id.as_deref()
+                .is_none_or(|i| i.chars().all(|c| c.is_ascii_graphic()))
+        };
+        if !ascii_id(&message.group_id) || !ascii_id(&message.dedup_id) {
+            return Err(invalid(
+                "SQS group and deduplication ids are ASCII letters, digits and punctuation",
+            ));
+        }
+        if message.attributes.len() >= SQS_MAX_ATTRIBUTES {
+            return Err(invalid(
+                "SQS takes 10 attributes per message, one of them the pgonce id a redrive                  carries: at most 9",
+            ));
+        }
         for (name, value) in &message.attributes {
             if name.starts_with("pgonce.") {
                 return Err(invalid(
                     "attribute names starting with pgonce. are reserved",
                 ));
             }
+            if !sqs_attribute_name(name) {
+                return Err(invalid(
+                    "SQS attribute names are 1 to 256 of A-Z a-z 0-9 _ - ., with no                      period first, last or twice in a row, and not starting with AWS.                      or Amazon.",
+                ));
+            }
             if value.is_empty() {
                 return Err(invalid("SQS attribute values must not be empty"));
+            }
+            if !sqs_text(value) {
+                return Err(invalid(
+                    "SQS attribute values take the body's characters only",
+                ));
             }
         }
         Ok(())
@@ -845,6 +887,28 @@ fn to_received(m: &Message) -> Result<Received> {
                 .to_string(),
         ),
     })
+}
+
+/// Whether SQS takes `s` as a body or a string attribute value: XML's
+/// characters (`#x9 | #xA | #xD | #x20-#xD7FF | #xE000-#xFFFD |
+/// #x10000-#x10FFFF`; a `str` holds no surrogates).
+fn sqs_text(s: &str) -> bool {
+    s.chars()
+        .all(|c| matches!(c, '\t' | '\n' | '\r' | ' '..='\u{FFFD}' | '\u{10000}'..))
+}
+
+/// Whether SQS takes `name` as a message attribute name.
+fn sqs_attribute_name(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    (1..=256).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        && !name.starts_with('.')
+        && !name.ends_with('.')
+        && !name.contains("..")
+        && !lower.starts_with("aws.")
+        && !lower.starts_with("amazon.")
 }
 
 fn string_attribute(v: &str) -> MessageAttributeValue {

@@ -407,3 +407,81 @@ async fn a_fifo_receive_with_zero_visibility_counts_one_receive() {
     }
     assert_eq!(dlq.stats().await.unwrap().depth, 0, "not dead-lettered yet");
 }
+
+/// What SQS refuses (or, for a body, may store altered: characters outside
+/// XML's set replaced by U+FFFD) is refused before any request, typed
+/// `Invalid`, and a batch holding one such message sends none of it. One
+/// of SQS's 10 message attributes is kept for the pgonce id a redrive
+/// carries, so a message with 10 would be sent and never redriven.
+#[tokio::test]
+async fn what_sqs_would_refuse_or_alter_is_refused_before_sending() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    let ten = (0..10).fold(SendMessage::new("x"), |m, i| {
+        m.attribute(format!("a{i}"), "v")
+    });
+    for bad in [
+        SendMessage::new("control \u{1} character"),
+        SendMessage::new("noncharacter \u{FFFE}"),
+        SendMessage::new("x").attribute("k", "control \u{1b}"),
+        SendMessage::new("x").attribute("has space", "v"),
+        SendMessage::new("x").attribute("AWS.reserved", "v"),
+        SendMessage::new("x").attribute("amazon.reserved", "v"),
+        SendMessage::new("x").attribute(".leading", "v"),
+        SendMessage::new("x").attribute("trailing.", "v"),
+        SendMessage::new("x").attribute("two..periods", "v"),
+        SendMessage::new("x").attribute("n".repeat(257), "v"),
+        ten,
+    ] {
+        let what = format!("{:?}", bad.attributes.keys().collect::<Vec<_>>());
+        assert!(
+            matches!(q.send(bad.clone()).await, Err(Error::Invalid { .. })),
+            "send {:?} {what}",
+            bad.body
+        );
+        let batch = vec![SendMessage::new("fine"), bad];
+        assert!(
+            matches!(q.send_batch(batch).await, Err(Error::Invalid { .. })),
+            "batch {what}"
+        );
+    }
+    assert_eq!(q.stats().await.unwrap().depth, 0, "nothing sent");
+    // Group and deduplication ids are ASCII letters, digits and punctuation.
+    let fifo = support::client(&_moto)
+        .await
+        .create_queue("f.fifo", QueueAttributes::fifo())
+        .await
+        .unwrap();
+    for bad in [
+        SendMessage::new("x").group("with space").dedup("d"),
+        SendMessage::new("x").group("é").dedup("d"),
+        SendMessage::new("x").group("g").dedup("with space"),
+        SendMessage::new("x").group("g").dedup("✓"),
+    ] {
+        let good = SendMessage::new("fine").group("g").dedup("fine");
+        assert!(
+            matches!(fifo.send(bad.clone()).await, Err(Error::Invalid { .. })),
+            "{bad:?}"
+        );
+        assert!(
+            matches!(
+                fifo.send_batch(vec![good, bad.clone()]).await,
+                Err(Error::Invalid { .. })
+            ),
+            "batch {bad:?}"
+        );
+    }
+    assert_eq!(fifo.stats().await.unwrap().depth, 0, "nothing sent");
+    fifo.send(SendMessage::new("x").group("g!~#").dedup("a:b/c"))
+        .await
+        .unwrap();
+    // What SQS takes round-trips unchanged.
+    let nine = (0..9).fold(
+        SendMessage::new("tab\t cr\r lf\n é ✓ 𝄞 \u{D7FF}\u{E000}\u{FFFD}\u{10FFFF}"),
+        |m, i| m.attribute(format!("a.b-c_{i}"), "ü ✓"),
+    );
+    q.send(nine.clone()).await.unwrap();
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].body, nine.body);
+    assert_eq!(got[0].attributes, nine.attributes);
+}
