@@ -206,8 +206,10 @@ impl SqsClient {
 /// * **Stats** have no `oldest_age` (SQS reports it to CloudWatch only).
 /// * **Redrive** (called on a dead-letter queue) re-sends each visible
 ///   message to the one source queue and deletes it from the dead-letter
-///   queue; the message keeps its pgonce id (carried in the `pgonce.id`
-///   attribute) and starts with a fresh receive count.
+///   queue; the message keeps its attributes (of any SQS type) and its
+///   pgonce id (carried in the `pgonce.id` attribute) and starts with a
+///   fresh receive count. A message sent by another producer with SQS's
+///   10 attributes leaves no room for the id: it moves under a new one.
 #[derive(Clone, Debug)]
 pub struct SqsQueue {
     inner: Arc<Inner>,
@@ -332,6 +334,36 @@ impl SqsQueue {
         wait: Duration,
         visibility: Option<Duration>,
     ) -> Result<Vec<Received>> {
+        let messages = self.receive_raw(max, wait, visibility).await?;
+        let mut got = Vec::new();
+        let mut groups = HashSet::new();
+        let mut release = Vec::new();
+        for m in &messages {
+            let received = to_received(m)?;
+            if self.inner.fifo
+                && let Some(g) = &received.group_id
+                && !groups.insert(g.clone())
+            {
+                release.push(received.receipt);
+                continue;
+            }
+            got.push(received);
+        }
+        if !release.is_empty() {
+            self.release(&release).await?;
+        }
+        metrics::counter!("pgonce_sqs_received_total", "queue" => self.inner.name.clone())
+            .increment(got.len() as u64);
+        Ok(got)
+    }
+
+    /// One ReceiveMessage request: its messages as SQS returned them.
+    async fn receive_raw(
+        &self,
+        max: usize,
+        wait: Duration,
+        visibility: Option<Duration>,
+    ) -> Result<Vec<Message>> {
         let mut call = self
             .sdk()
             .receive_message()
@@ -352,26 +384,7 @@ impl SqsQueue {
             .send()
             .await
             .map_err(|e| map(e, None))?;
-        let mut got = Vec::new();
-        let mut groups = HashSet::new();
-        let mut release = Vec::new();
-        for m in out.messages() {
-            let received = to_received(m)?;
-            if self.inner.fifo
-                && let Some(g) = &received.group_id
-                && !groups.insert(g.clone())
-            {
-                release.push(received.receipt);
-                continue;
-            }
-            got.push(received);
-        }
-        if !release.is_empty() {
-            self.release(&release).await?;
-        }
-        metrics::counter!("pgonce_sqs_received_total", "queue" => self.inner.name.clone())
-            .increment(got.len() as u64);
-        Ok(got)
+        Ok(out.messages.unwrap_or_default())
     }
 
     /// Tops a FIFO batch up to the request's size, one message per SQS
@@ -759,8 +772,10 @@ impl Queue for SqsQueue {
         let source_fifo = source.ends_with(".fifo");
         let mut moved = 0;
         loop {
+            // Every message received is moved, in the order received (a
+            // FIFO group's in its order), so none is released.
             let batch = self
-                .receive_once(
+                .receive_raw(
                     SQS_BATCH,
                     Duration::ZERO,
                     Some(self.config().operation_timeout * 3),
@@ -769,13 +784,20 @@ impl Queue for SqsQueue {
             if batch.is_empty() {
                 return Ok(moved);
             }
-            for m in batch {
-                let mut attributes: HashMap<_, _> = m
-                    .attributes
-                    .iter()
-                    .map(|(k, v)| (k.clone(), string_attribute(v)))
-                    .collect();
-                attributes.insert(ID_ATTRIBUTE.to_string(), string_attribute(&m.id));
+            for raw in batch {
+                let m = to_received(&raw)?;
+                // The attributes as sent, of whatever type (a producer
+                // outside pgonce may send Number and Binary ones), and the
+                // pgonce id, when SQS's 10 leave room for it: a message
+                // that already has 10 is moved under a new id rather than
+                // not at all.
+                let mut attributes = raw.message_attributes.unwrap_or_default();
+                if attributes.contains_key(ID_ATTRIBUTE) || attributes.len() < SQS_MAX_ATTRIBUTES {
+                    attributes.insert(ID_ATTRIBUTE.to_string(), string_attribute(&m.id));
+                } else {
+                    tracing::warn!(queue = %self.inner.name, id = %m.id,
+                        "redriven message has 10 attributes, none left for its pgonce id");
+                }
                 // Sent first, deleted second: a crash in between leaves a
                 // copy in both queues (at least once), never none.
                 self.sdk()

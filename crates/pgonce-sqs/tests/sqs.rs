@@ -485,3 +485,60 @@ async fn what_sqs_would_refuse_or_alter_is_refused_before_sending() {
     assert_eq!(got[0].body, nine.body);
     assert_eq!(got[0].attributes, nine.attributes);
 }
+
+/// A redrive moves a message back as it is, whoever sent it: attributes of
+/// SQS's Number and Binary types (a producer outside pgonce may send them)
+/// keep their type and value, beside the `pgonce.id` the redrive adds.
+/// (The redrive re-sent every attribute as a String of its string value, so
+/// a Number became a String and a Binary an empty String, which SQS
+/// refuses: the redrive failed at that message.)
+#[tokio::test]
+async fn redrive_keeps_attribute_types() {
+    use aws_sdk_sqs::primitives::Blob;
+    use aws_sdk_sqs::types::MessageAttributeValue;
+    let moto = support::start();
+    let sqs = support::client(&moto).await;
+    let (q, dlq) = with_dead_letters(&sqs).await;
+    let value = |data_type: &str| MessageAttributeValue::builder().data_type(data_type);
+    let attributes = [
+        ("n", value("Number").string_value("42").build().unwrap()),
+        (
+            "b",
+            value("Binary")
+                .binary_value(Blob::new(vec![0u8, 1, 255]))
+                .build()
+                .unwrap(),
+        ),
+        ("s", value("String").string_value("x").build().unwrap()),
+    ];
+    sqs.sdk()
+        .send_message()
+        .queue_url(dlq.url())
+        .message_body("from elsewhere")
+        .set_message_attributes(Some(
+            attributes
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
+    let out = sqs
+        .sdk()
+        .receive_message()
+        .queue_url(q.url())
+        .message_attribute_names("All")
+        .send()
+        .await
+        .unwrap();
+    let [m] = out.messages() else {
+        panic!("one message back: {:?}", out.messages())
+    };
+    let got = m.message_attributes().unwrap();
+    for (name, sent) in &attributes {
+        assert_eq!(got.get(*name), Some(sent), "{name}: {got:?}");
+    }
+    assert!(got.contains_key("pgonce.id"), "{got:?}");
+}
