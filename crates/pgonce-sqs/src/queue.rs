@@ -122,6 +122,11 @@ impl SqsClient {
                 .attribute(&url, QueueAttributeName::ContentBasedDeduplication)
                 .await?
                 .is_some_and(|on| on == "true");
+        let zero_visibility = fifo
+            && self
+                .attribute(&url, QueueAttributeName::VisibilityTimeout)
+                .await?
+                .is_some_and(|secs| secs == "0");
         Ok(SqsQueue {
             inner: Arc::new(Inner {
                 client: self.clone(),
@@ -129,6 +134,7 @@ impl SqsClient {
                 url,
                 fifo,
                 content_based_dedup,
+                zero_visibility,
                 dead_letter_url,
                 receiving: AtomicUsize::new(0),
             }),
@@ -192,9 +198,10 @@ impl SqsClient {
 ///   toward `max_receive_count`, and the ones pgonce could not hand out
 ///   would be dead-lettered after enough such receives, unseen. A FIFO
 ///   batch of n messages therefore costs n + 1 requests. A FIFO receive
-///   with a visibility of zero returns one message: its group is unlocked
-///   at once, so a further request would receive (and SQS count) the same
-///   message again.
+///   with a visibility of zero (given, or the queue's, read when the
+///   handle is opened) returns one message: its group is unlocked at once,
+///   so a further request would receive (and SQS count) the same message
+///   again.
 /// * **Messages** are refused with [`Error::Invalid`] before any request
 ///   where SQS would refuse them or store them altered: bodies and
 ///   attribute values of XML characters only (no control characters but
@@ -224,6 +231,9 @@ struct Inner {
     /// The FIFO queue derives a deduplication id from each body (read when
     /// the handle is opened).
     content_based_dedup: bool,
+    /// The FIFO queue's visibility timeout is zero (read when the handle
+    /// is opened): see `top_up_fifo`.
+    zero_visibility: bool,
     dead_letter_url: Option<String>,
     /// Receive calls under way (the tests' "parked" signal).
     receiving: AtomicUsize,
@@ -404,12 +414,17 @@ impl SqsQueue {
     /// A top-up request that fails ends the batch: the messages already
     /// received are handed out rather than left to their visibility timeout.
     ///
-    /// A receive with a visibility of zero is not topped up: its message is
+    /// A receive with a visibility of zero (its own, or the queue's) is not
+    /// topped up: its message is
     /// visible again at once, its group unlocked, so the next request would
     /// return the same head, and SQS would count that receive toward
     /// `max_receive_count` although nobody is handed the message.
     async fn top_up_fifo(&self, mut got: Vec<Received>, request: &ReceiveRequest) -> Vec<Received> {
-        if request.visibility.is_some_and(|v| ceil_secs(v) == 0) {
+        let zero = match request.visibility {
+            Some(v) => ceil_secs(v) == 0,
+            None => self.inner.zero_visibility,
+        };
+        if zero {
             return got;
         }
         let mut groups: HashSet<String> = got.iter().filter_map(|m| m.group_id.clone()).collect();

@@ -408,6 +408,25 @@ async fn a_fifo_receive_with_zero_visibility_counts_one_receive() {
     assert_eq!(dlq.stats().await.unwrap().depth, 0, "not dead-lettered yet");
 }
 
+/// The same with the queue's own visibility timeout of zero and none given
+/// per receive.
+#[tokio::test]
+async fn a_fifo_queue_with_zero_visibility_counts_one_receive_per_receive() {
+    let moto = support::start();
+    let sqs = support::client(&moto).await;
+    let attributes = QueueAttributes::fifo().visibility_timeout(Duration::ZERO);
+    let (q, dlq) = dead_lettered(&sqs, "zero.fifo", "zero-dlq.fifo", attributes).await;
+    q.send(SendMessage::new("m").group("g").dedup("m"))
+        .await
+        .unwrap();
+    for expected in 1..=2 {
+        let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+        let counts: Vec<u32> = got.iter().map(|m| m.receive_count).collect();
+        assert_eq!(counts, [expected], "receive {expected}");
+    }
+    assert_eq!(dlq.stats().await.unwrap().depth, 0, "not dead-lettered yet");
+}
+
 /// What SQS refuses (or, for a body, may store altered: characters outside
 /// XML's set replaced by U+FFFD) is refused before any request, typed
 /// `Invalid`, and a batch holding one such message sends none of it. One
