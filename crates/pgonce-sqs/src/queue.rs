@@ -210,6 +210,12 @@ impl SqsClient {
 ///   takes 10; a redrive adds the `pgonce.id` attribute).
 /// * **Batches** (`send_batch`) go out in requests of 10 and are not atomic
 ///   across requests: on an error, earlier requests' messages stay sent.
+/// * **Visibility** of one delivery ends at most 12 hours after its
+///   receive: SQS refuses a `change_visibility` that would reach past that
+///   ([`Error::Backend`], `InvalidParameterValue`, not `StaleReceipt`).
+///   A worker's heartbeats then fail (logged), and a handler still running
+///   sees its message delivered again; the PostgreSQL queue extends a
+///   delivery without limit.
 /// * **Stats** have no `oldest_age` (SQS reports it to CloudWatch only).
 /// * **Redrive** (called on a dead-letter queue) re-sends each visible
 ///   message to the one source queue and deletes it from the dead-letter
