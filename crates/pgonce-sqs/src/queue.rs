@@ -284,7 +284,7 @@ impl SqsQueue {
         // rather than the requests before the one SQS refuses.
         if !sqs_text(&message.body) {
             return Err(invalid(
-                "SQS takes only XML characters: tab, CR, LF and U+0020 up (no                  other control characters, no U+FFFE or U+FFFF)",
+                "SQS takes only XML characters: tab, CR, LF and U+0020 up (no other control characters, no U+FFFE or U+FFFF)",
             ));
         }
         let ascii_id = |id: &Option<String>| {
@@ -298,7 +298,7 @@ impl SqsQueue {
         }
         if message.attributes.len() >= SQS_MAX_ATTRIBUTES {
             return Err(invalid(
-                "SQS takes 10 attributes per message, one of them the pgonce id a redrive                  carries: at most 9",
+                "SQS takes 10 attributes per message, one of them the pgonce id a redrive carries: at most 9",
             ));
         }
         for (name, value) in &message.attributes {
@@ -309,7 +309,7 @@ impl SqsQueue {
             }
             if !sqs_attribute_name(name) {
                 return Err(invalid(
-                    "SQS attribute names are 1 to 256 of A-Z a-z 0-9 _ - ., with no                      period first, last or twice in a row, and not starting with AWS.                      or Amazon.",
+                    "SQS attribute names are 1 to 256 of A-Z a-z 0-9 _ - ., with no period first, last or twice in a row, and not starting with AWS. or Amazon.",
                 ));
             }
             if value.is_empty() {
@@ -421,10 +421,10 @@ impl SqsQueue {
     /// received are handed out rather than left to their visibility timeout.
     ///
     /// A receive with a visibility of zero (its own, or the queue's) is not
-    /// topped up: its message is
-    /// visible again at once, its group unlocked, so the next request would
-    /// return the same head, and SQS would count that receive toward
-    /// `max_receive_count` although nobody is handed the message.
+    /// topped up: its message is visible again at once, its group
+    /// unlocked, so the next request would return the same head, and SQS
+    /// would count that receive toward `max_receive_count` although nobody
+    /// is handed the message.
     async fn top_up_fifo(&self, mut got: Vec<Received>, request: &ReceiveRequest) -> Vec<Received> {
         let zero = match request.visibility {
             Some(v) => ceil_secs(v) == 0,
