@@ -30,6 +30,15 @@
 //! Under REPEATABLE READ or SERIALIZABLE the waiting duplicate gets SQLSTATE
 //! 40001 ([`Error::SerializationFailure`]): retry the transaction, and the
 //! retry returns `false`.
+//!
+//! [`acquire`] commits the hold on a connection of its own; [`finish`] and
+//! [`release`] run in the caller's transaction. Under REPEATABLE READ or
+//! SERIALIZABLE a transaction whose snapshot predates the hold (begun and
+//! read from before [`acquire`], as a transaction per request is) cannot
+//! see it, and gets [`Error::SerializationFailure`] rather than
+//! [`Error::LeaseLost`]: the hold is still its own, and the transaction's
+//! retry sees it (migration 0200). Only a hold that is really lost gives
+//! [`Error::LeaseLost`], at every isolation level.
 
 use std::future::Future;
 use std::time::Duration;
@@ -125,6 +134,13 @@ pub struct KeyHold {
     pub held_until: OffsetDateTime,
     /// `false` when this hold recovered a key whose previous holder died.
     pub first_use: bool,
+    /// The transaction that took the hold (its 64-bit id,
+    /// `pg_current_xact_id()`). [`finish`] and [`release`] in a transaction
+    /// whose snapshot predates it cannot see the hold: they fail with
+    /// [`Error::SerializationFailure`] (retry the transaction) rather than
+    /// [`Error::LeaseLost`]. 0 when unknown (a hold rebuilt from its token):
+    /// such a hold is lost wherever it is not seen.
+    pub acquired_in: i64,
 }
 
 impl KeyHold {
@@ -153,6 +169,7 @@ struct HeldRow {
     hold_token: Uuid,
     held_until: OffsetDateTime,
     inserted: bool,
+    acquired_in: i64,
 }
 
 /// A key someone else holds or finished, as `dedupe/sql/key_read.sql`
@@ -204,6 +221,7 @@ pub async fn acquire(
             hold_token: token,
             held_until,
             inserted,
+            acquired_in,
         }) = held
         {
             if !inserted {
@@ -216,6 +234,7 @@ pub async fn acquire(
                 token,
                 held_until,
                 first_use: inserted,
+                acquired_in,
             }));
         }
         let row: Option<KeyRow> = sqlx::query_as(include_str!("dedupe/sql/key_read.sql"))
@@ -247,32 +266,42 @@ pub async fn acquire(
 
 /// Stores `response` for the held key, in `db` (pass the transaction that
 /// wrote the request's effects, so both commit together). [`Error::LeaseLost`]
-/// if the hold expired and another request took the key over.
+/// if the hold expired and another request took the key over (or the key
+/// was released or collected).
+///
+/// Under REPEATABLE READ or SERIALIZABLE, a transaction whose snapshot was
+/// taken before the hold (begun, and read from, before [`acquire`]) cannot
+/// see it: [`Error::SerializationFailure`], and the transaction is aborted.
+/// Run it again: its fresh snapshot sees the hold.
 pub async fn finish<'c>(db: impl PgExecutor<'c>, hold: &KeyHold, response: &Value) -> Result<()> {
     crate::json::check_storable("idempotency response", response)?;
-    let done = sqlx::query(include_str!("dedupe/sql/key_finish.sql"))
+    let done: Option<i32> = sqlx::query_scalar(include_str!("dedupe/sql/key_finish.sql"))
         .bind(&hold.scope)
         .bind(&hold.key)
         .bind(hold.token)
         .bind(response)
-        .execute(db)
+        .bind(hold.acquired_in)
+        .fetch_optional(db)
         .await?;
-    if done.rows_affected() == 0 {
+    if done.is_none() {
         return Err(hold.lost());
     }
     Ok(())
 }
 
 /// Gives the key up (the request failed in a way worth retrying): the next
-/// use starts afresh. [`Error::LeaseLost`] if it was taken over meanwhile.
+/// use starts afresh. [`Error::LeaseLost`] if it was taken over meanwhile;
+/// [`Error::SerializationFailure`] under a snapshot older than the hold, as
+/// for [`finish`].
 pub async fn release<'c>(db: impl PgExecutor<'c>, hold: &KeyHold) -> Result<()> {
-    let done = sqlx::query(include_str!("dedupe/sql/key_release.sql"))
+    let done: Option<i32> = sqlx::query_scalar(include_str!("dedupe/sql/key_release.sql"))
         .bind(&hold.scope)
         .bind(&hold.key)
         .bind(hold.token)
-        .execute(db)
+        .bind(hold.acquired_in)
+        .fetch_optional(db)
         .await?;
-    if done.rows_affected() == 0 {
+    if done.is_none() {
         return Err(hold.lost());
     }
     Ok(())

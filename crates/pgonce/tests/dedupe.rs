@@ -438,3 +438,126 @@ async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_sk
         .unwrap();
     assert!(!dedupe::mark_processed(&mut tx, "c", "m").await.unwrap());
 }
+
+/// Starts the transaction's snapshot: the first statement of a REPEATABLE
+/// READ or SERIALIZABLE transaction takes the snapshot every later one reads.
+async fn take_snapshot(tx: &mut sqlx::PgConnection) {
+    sqlx::query("SELECT count(*) FROM pgonce.idempotency_keys")
+        .execute(tx)
+        .await
+        .unwrap();
+}
+
+/// A handler whose REPEATABLE READ or SERIALIZABLE transaction began (and
+/// took its snapshot) before it acquired the key holds the key all the
+/// same: finishing in that transaction cannot see the hold, and must ask
+/// for the transaction to be retried, not report the hold lost (the
+/// handler would then give the request up while its key stays held by
+/// nobody until the hold expires). The retry, under a fresh snapshot,
+/// finishes under the same hold. Both on a new key and on one recovered
+/// from a dead holder (the snapshot then sees the dead holder's token).
+#[tokio::test]
+async fn a_hold_finished_under_a_snapshot_older_than_the_hold_asks_for_a_retry() {
+    let (_db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let hold_for = Duration::from_secs(60);
+    for (n, level) in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable]
+        .into_iter()
+        .enumerate()
+    {
+        for recovered in [false, true] {
+            let key = format!("k-{level:?}-{recovered}");
+            if recovered {
+                let Acquired::Process(_dead) = dedupe::acquire(&pool, "api", &key, &fp, hold_for)
+                    .await
+                    .unwrap()
+                else {
+                    panic!("new key");
+                };
+                sqlx::query(
+                    "UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms' \
+                     WHERE key = $1",
+                )
+                .bind(&key)
+                .execute(&pool)
+                .await
+                .unwrap();
+            }
+            let mut tx = pgonce::begin(&pool, level).await.unwrap();
+            take_snapshot(&mut tx).await;
+            let mut tx_release = pgonce::begin(&pool, level).await.unwrap();
+            take_snapshot(&mut tx_release).await;
+            let Acquired::Process(hold) = dedupe::acquire(&pool, "api", &key, &fp, hold_for)
+                .await
+                .unwrap()
+            else {
+                panic!("the key is free");
+            };
+            assert_eq!(hold.first_use, !recovered);
+            bump(&mut tx).await.unwrap();
+            let stale = dedupe::finish(&mut *tx, &hold, &json!("r")).await;
+            assert!(
+                matches!(&stale, Err(e @ Error::SerializationFailure { .. }) if e.is_retryable()),
+                "{level:?}, recovered {recovered}: {stale:?}"
+            );
+            let _ = tx.rollback().await;
+            let stale = dedupe::release(&mut *tx_release, &hold).await;
+            assert!(
+                matches!(&stale, Err(e @ Error::SerializationFailure { .. }) if e.is_retryable()),
+                "release, {level:?}, recovered {recovered}: {stale:?}"
+            );
+            let _ = tx_release.rollback().await;
+            // The retry: a fresh snapshot sees the hold.
+            let mut tx = pgonce::begin(&pool, level).await.unwrap();
+            bump(&mut tx).await.unwrap();
+            dedupe::finish(&mut *tx, &hold, &json!("r")).await.unwrap();
+            tx.commit().await.unwrap();
+            assert_eq!(
+                dedupe::acquire(&pool, "api", &key, &fp, hold_for)
+                    .await
+                    .unwrap(),
+                Acquired::Replay(json!("r"))
+            );
+            assert_eq!(
+                counter(&pool).await,
+                (2 * n + usize::from(recovered) + 1) as i32
+            );
+        }
+    }
+}
+
+/// A hold that really was lost stays [`Error::LeaseLost`] under any
+/// isolation level, however often the transaction is retried: the check
+/// that tells a stale snapshot from a lost hold must not turn a lost hold
+/// into an endless retry.
+#[tokio::test]
+async fn a_hold_taken_over_is_lost_under_repeatable_read_too() {
+    let (_db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let hold_for = Duration::from_secs(60);
+    let Acquired::Process(dead) = dedupe::acquire(&pool, "api", "k", &fp, hold_for)
+        .await
+        .unwrap()
+    else {
+        panic!("new key");
+    };
+    sqlx::query("UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let Acquired::Process(_new) = dedupe::acquire(&pool, "api", "k", &fp, hold_for)
+        .await
+        .unwrap()
+    else {
+        panic!("recovered");
+    };
+    for level in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable] {
+        let mut tx = pgonce::begin(&pool, level).await.unwrap();
+        take_snapshot(&mut tx).await;
+        let lost = dedupe::finish(&mut *tx, &dead, &json!("late")).await;
+        assert!(matches!(lost, Err(Error::LeaseLost { .. })), "{lost:?}");
+        let lost = dedupe::release(&mut *tx, &dead).await;
+        assert!(matches!(lost, Err(Error::LeaseLost { .. })), "{lost:?}");
+        tx.rollback().await.unwrap();
+    }
+}
