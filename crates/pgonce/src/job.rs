@@ -71,6 +71,22 @@
 //! job, `AlreadyHandled` once it is done (see [`Error::is_retryable`] and the
 //! test `repeatable_read_loser_gets_40001_then_job_busy_on_retry`).
 //!
+//! The lease's own writes ([`complete`], [`complete_many`], [`fail`],
+//! [`heartbeat`]) may run in a transaction other than the claim's. Under
+//! REPEATABLE READ or SERIALIZABLE, one whose snapshot predates the claim
+//! (the work's transaction begun and read from before the job was claimed
+//! on the pool) sees the job still pending, so its write matches nothing.
+//! That is [`Error::SerializationFailure`], not [`Error::LeaseLost`]: the
+//! lease is still the worker's, and the transaction's retry sees it
+//! (migration 0200). Acknowledging the message on a false `LeaseLost`
+//! would leave the job, once reaped, with no message to drive it. Only a
+//! lease that is really lost gives [`Error::LeaseLost`], at every
+//! isolation level. A heartbeat run on another connection than the work's
+//! REPEATABLE READ transaction changes the row after that transaction's
+//! snapshot: completing in it is then a serialization failure too, so
+//! heartbeat in the work's transaction (which also keeps the reaper off
+//! the row until it ends) or run the work at READ COMMITTED.
+//!
 //! # The consumer policy
 //!
 //! See [`crate::queue::AckPolicy`]: with `AlwaysDelete` the queue message is deleted
@@ -283,6 +299,14 @@ pub struct Lease {
     /// When the lease ends (database clock); after it the [`Reaper`] may hand
     /// the job to another worker.
     pub expires_at: OffsetDateTime,
+    /// The transaction that took the lease (its 64-bit id,
+    /// `pg_current_xact_id()`). [`complete`], [`complete_many`], [`fail`]
+    /// and [`heartbeat`] in a transaction whose snapshot predates it cannot
+    /// see the lease: they fail with [`Error::SerializationFailure`] (retry
+    /// the transaction) rather than [`Error::LeaseLost`]. 0 when unknown (a
+    /// lease rebuilt from its token): such a lease is lost wherever it is
+    /// not seen.
+    pub claimed_in: i64,
 }
 
 impl Lease {
@@ -347,6 +371,7 @@ pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) ->
         Some(ClaimRow {
             claimed_token: Some(token),
             claimed_until: Some(expires_at),
+            claimed_in: Some(claimed_in),
             ..
         }) => {
             metrics::counter!("pgonce_job_claimed_total").increment(1);
@@ -354,6 +379,7 @@ pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) ->
                 job_id: id,
                 token,
                 expires_at,
+                claimed_in,
             });
         }
         Some(ClaimRow {
@@ -400,6 +426,7 @@ struct ClaimRow {
     found_status: Option<String>,
     found_run_at: Option<OffsetDateTime>,
     found_lease_until: Option<OffsetDateTime>,
+    claimed_in: Option<i64>,
 }
 
 /// A job claimed by [`claim_batch`].
@@ -452,6 +479,7 @@ pub async fn claim_batch<'c>(
         attempts: i32,
         lease_token: Uuid,
         lease_expires_at: OffsetDateTime,
+        claimed_in: i64,
     }
     let rows: Vec<Row> = sqlx::query_as(include_str!("job/sql/claim_batch.sql"))
         .bind(kind)
@@ -470,6 +498,7 @@ pub async fn claim_batch<'c>(
                     job_id: row.id,
                     token: row.lease_token,
                     expires_at: row.lease_expires_at,
+                    claimed_in: row.claimed_in,
                 },
             }),
             Err(e) => {
@@ -487,16 +516,19 @@ pub async fn claim_batch<'c>(
 /// Phase 2: processing to completed with `result`, only while `lease` is
 /// still the job's current lease; otherwise [`Error::LeaseLost`] and nothing
 /// is written. Run it in the transaction that writes the work's outcome so
-/// both commit together.
+/// both commit together. Under REPEATABLE READ or SERIALIZABLE, in a
+/// transaction whose snapshot predates the claim, [`Error::SerializationFailure`]
+/// (see the module docs).
 pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value) -> Result<()> {
     crate::json::check_storable("job result", result)?;
-    let done = sqlx::query(include_str!("job/sql/complete.sql"))
+    let done: Option<i64> = sqlx::query_scalar(include_str!("job/sql/complete.sql"))
         .bind(lease.job_id)
         .bind(lease.token)
         .bind(result)
-        .execute(db)
+        .bind(lease.claimed_in)
+        .fetch_optional(db)
         .await?;
-    if done.rows_affected() == 0 {
+    if done.is_none() {
         return Err(lease.lost());
     }
     metrics::counter!("pgonce_job_completed_total").increment(1);
@@ -505,7 +537,9 @@ pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value
 
 /// [`complete`] for many jobs in one statement (one commit), each fenced by
 /// its own lease. Returns the ids whose lease was lost (nothing written for
-/// those); empty when every job completed.
+/// those); empty when every job completed. [`Error::SerializationFailure`],
+/// nothing written, when one of the leases was taken after the snapshot
+/// of the caller's REPEATABLE READ or SERIALIZABLE transaction.
 pub async fn complete_many<'c>(
     db: impl PgExecutor<'c>,
     done: &[(Lease, Value)],
@@ -516,10 +550,12 @@ pub async fn complete_many<'c>(
     let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
     let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
     let results: Vec<Value> = done.iter().map(|(_, r)| r.clone()).collect();
+    let claimed_in: Vec<i64> = done.iter().map(|(l, _)| l.claimed_in).collect();
     let completed: Vec<CompletedRow> = sqlx::query_as(include_str!("job/sql/complete_many.sql"))
         .bind(&ids)
         .bind(&tokens)
         .bind(&results)
+        .bind(&claimed_in)
         .fetch_all(db)
         .await?;
     metrics::counter!("pgonce_job_completed_total").increment(completed.len() as u64);
@@ -616,7 +652,8 @@ pub enum FailOutcome {
 /// Records a failed attempt under `lease`: the error goes to `last_error`,
 /// `attempts` is incremented in SQL, and the job is scheduled for a retry by
 /// `policy` or, past `max_attempts`, marked dead. [`Error::LeaseLost`] if the
-/// lease is no longer current (nothing written). The backoff runs from the
+/// lease is no longer current (nothing written); [`Error::SerializationFailure`]
+/// under a snapshot older than the claim, as for [`complete`]. The backoff runs from the
 /// start of this call's statement, not of its transaction: a failure
 /// recorded in a transaction open for a while waits its whole backoff all
 /// the same.
@@ -641,6 +678,7 @@ pub async fn fail<'c>(
         .bind(policy.base.as_secs_f64())
         .bind(policy.max.as_secs_f64())
         .bind(policy.jitter)
+        .bind(lease.claimed_in)
         .fetch_optional(db)
         .await?;
     let Some(Failed {
@@ -665,7 +703,9 @@ pub async fn fail<'c>(
 /// statement (not of its transaction: a heartbeat run in a transaction
 /// open for a while extends from now all the same) and returns the renewed
 /// lease;
-/// [`Error::LeaseLost`] if it was taken over. Call it well within the lease
+/// [`Error::LeaseLost`] if it was taken over ([`Error::SerializationFailure`]
+/// under a snapshot older than the claim, as for [`complete`]). Call it
+/// well within the lease
 /// so slow work is not reaped and run twice merely for being slow.
 pub async fn heartbeat<'c>(
     db: impl PgExecutor<'c>,
@@ -677,6 +717,7 @@ pub async fn heartbeat<'c>(
         .bind(lease.job_id)
         .bind(lease.token)
         .bind(secs)
+        .bind(lease.claimed_in)
         .fetch_optional(db)
         .await?;
     match row {

@@ -1428,3 +1428,127 @@ async fn retrying_a_job_that_is_not_dead_is_refused_and_a_filter_takes_only_dead
     ));
     assert_eq!(status(&pool, d).await, JobStatus::Dead);
 }
+
+/// Starts the transaction's snapshot: the first statement of a REPEATABLE
+/// READ or SERIALIZABLE transaction takes the snapshot every later one reads.
+async fn take_snapshot(tx: &mut sqlx::PgConnection) {
+    sqlx::query("SELECT count(*) FROM pgonce.jobs")
+        .execute(tx)
+        .await
+        .unwrap();
+}
+
+fn asks_for_a_retry<T: std::fmt::Debug>(what: &str, out: pgonce::Result<T>) {
+    assert!(
+        matches!(&out, Err(e @ Error::SerializationFailure { .. }) if e.is_retryable()),
+        "{what}: {out:?}"
+    );
+}
+
+/// A worker whose REPEATABLE READ or SERIALIZABLE transaction took its
+/// snapshot before the job was claimed (on the pool, by `claim` or
+/// `claim_batch`) holds the lease all the same, but that snapshot shows the
+/// job pending. Completing, failing or heartbeating in that transaction
+/// must ask for the transaction to be retried, not report the lease lost:
+/// the worker would acknowledge its message as the docs say, and the job,
+/// reaped later, would be pending with no message left to drive it. The
+/// retry, under a fresh snapshot, completes the job under the same lease.
+/// A lease taken in the transaction itself is seen by it.
+#[tokio::test]
+async fn a_lease_used_under_a_snapshot_older_than_the_claim_asks_for_a_retry() {
+    let (_db, pool) = setup().await;
+    for level in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable] {
+        for batch in [false, true] {
+            let id = new_job(&pool, 5).await;
+            let mut txs = Vec::new();
+            for _ in 0..4 {
+                let mut tx = pgonce::begin(&pool, level).await.unwrap();
+                take_snapshot(&mut tx).await;
+                txs.push(tx);
+            }
+            let lease = if batch {
+                let claimed = job::claim_batch(&pool, "send", 1, LEASE).await.unwrap();
+                assert_eq!(claimed.len(), 1);
+                claimed[0].lease.clone()
+            } else {
+                job::claim(&pool, id, LEASE).await.unwrap()
+            };
+            assert_eq!(lease.job_id, id);
+            let [mut complete, mut fail, mut beat, mut many] = <[_; 4]>::try_from(txs).unwrap();
+            asks_for_a_retry(
+                "complete",
+                job::complete(&mut *complete, &lease, &json!("done")).await,
+            );
+            asks_for_a_retry(
+                "fail",
+                job::fail(&mut *fail, &lease, "boom", &RetryPolicy::default()).await,
+            );
+            asks_for_a_retry("heartbeat", job::heartbeat(&mut *beat, &lease, LEASE).await);
+            asks_for_a_retry(
+                "complete_many",
+                job::complete_many(&mut *many, &[(lease.clone(), json!("done"))]).await,
+            );
+            for tx in [complete, fail, beat, many] {
+                let _ = tx.rollback().await;
+            }
+            assert_eq!(status(&pool, id).await, JobStatus::Processing);
+            // The retry: a fresh snapshot sees the lease.
+            let mut tx = pgonce::begin(&pool, level).await.unwrap();
+            let lease = job::heartbeat(&mut *tx, &lease, LEASE).await.unwrap();
+            job::complete(&mut *tx, &lease, &json!("done"))
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            assert_eq!(status(&pool, id).await, JobStatus::Completed, "{level:?}");
+        }
+        // Claimed in the transaction itself, after its snapshot was taken.
+        let id = new_job(&pool, 5).await;
+        let mut tx = pgonce::begin(&pool, level).await.unwrap();
+        take_snapshot(&mut tx).await;
+        let lease = job::claim(&mut *tx, id, LEASE).await.unwrap();
+        let lease = job::heartbeat(&mut *tx, &lease, LEASE).await.unwrap();
+        job::complete(&mut *tx, &lease, &json!("done"))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(status(&pool, id).await, JobStatus::Completed);
+    }
+}
+
+/// A lease really lost (reaped and claimed by another worker) stays
+/// [`Error::LeaseLost`] under REPEATABLE READ and SERIALIZABLE, whether the
+/// snapshot sees the takeover or is older than the lost lease itself (then
+/// the first attempt asks for a retry, and the retry hears the loss): a
+/// lost lease never turns into an endless retry.
+#[tokio::test]
+async fn a_lease_taken_over_is_lost_under_repeatable_read_too() {
+    let (_db, pool) = setup().await;
+    for level in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable] {
+        let id = new_job(&pool, 5).await;
+        let mut older = pgonce::begin(&pool, level).await.unwrap();
+        take_snapshot(&mut older).await;
+        let lost = job::claim(&pool, id, LEASE).await.unwrap();
+        expire_lease(&pool, id).await;
+        assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
+        let current = job::claim(&pool, id, LEASE).await.unwrap();
+        asks_for_a_retry(
+            "complete",
+            job::complete(&mut *older, &lost, &json!("stale")).await,
+        );
+        let _ = older.rollback().await;
+        let mut tx = pgonce::begin(&pool, level).await.unwrap();
+        take_snapshot(&mut tx).await;
+        let out = job::complete(&mut *tx, &lost, &json!("stale")).await;
+        assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+        let out = job::fail(&mut *tx, &lost, "stale", &RetryPolicy::default()).await;
+        assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+        let out = job::heartbeat(&mut *tx, &lost, LEASE).await;
+        assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+        let out = job::complete_many(&mut *tx, &[(lost.clone(), json!("stale"))]).await;
+        assert_eq!(out.unwrap(), [id]);
+        tx.rollback().await.unwrap();
+        job::complete(&pool, &current, &json!("fresh"))
+            .await
+            .unwrap();
+    }
+}

@@ -2,7 +2,8 @@
 -- claimers pass each other's rows instead of queueing behind them; the outer
 -- UPDATE re-checks the status, so a row claimed meanwhile is not taken twice.
 -- The payload comes back as text, parsed row by row (job.rs, claim_batch).
--- The lease runs from this statement's start (migration 0190).
+-- The lease runs from this statement's start (migration 0190); claimed_in
+-- is the transaction taking it (see claim.sql).
 WITH runnable AS (
     SELECT id
     FROM pgonce.jobs
@@ -21,4 +22,5 @@ SET status = 'processing',
 FROM runnable
 WHERE j.id = runnable.id
   AND j.status = 'pending'
-RETURNING j.id, j.kind, j.payload::text AS payload, j.attempts, j.lease_token, j.lease_expires_at
+RETURNING j.id, j.kind, j.payload::text AS payload, j.attempts, j.lease_token, j.lease_expires_at,
+    pg_current_xact_id()::text::bigint AS claimed_in
