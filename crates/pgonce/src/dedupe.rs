@@ -19,6 +19,12 @@
 //!   hold expires (the next identical request takes the key over, and the old
 //!   holder's [`finish`] then fails with [`Error::LeaseLost`]).
 //!
+//! Keys, consumers and scopes are non-empty text of at most
+//! [`MAX_KEY_BYTES`] without NUL, compared byte for byte: the same text in
+//! two Unicode normalisation forms (`é` as one code point, or as `e` and a
+//! combining accent) is two keys. Normalise keys before use if clients may
+//! send either form.
+//!
 //! [`Collector`] deletes keys older than their retention;
 //! [`crate::maintenance`] runs the same deletes beside the library's other
 //! cleaners, for a server that runs one maintenance loop for everything.
@@ -52,14 +58,29 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 
+/// The longest consumer, message id, idempotency scope or idempotency key,
+/// in bytes of UTF-8. Each pair is one entry of a unique btree index,
+/// which holds at most 2704 bytes (a third of an 8 kB page) once
+/// compressed: past it an insert fails with SQLSTATE 54000, depending on
+/// how well the text compresses, and inside the caller's transaction the
+/// error aborts it. Two of these fit whatever their content. SQS message
+/// ids are at most 100 bytes; idempotency keys are usually a UUID.
+pub const MAX_KEY_BYTES: usize = 1024;
+
+/// Refused before anything reaches the database (a database error would
+/// abort the caller's transaction): empty, longer than [`MAX_KEY_BYTES`],
+/// or holding NUL, which PostgreSQL's text cannot.
 fn check_key(what: &'static str, s: &str) -> Result<()> {
-    if s.is_empty() {
-        return Err(Error::Invalid {
-            what,
-            why: "must not be empty".into(),
-        });
-    }
-    Ok(())
+    let why = if s.is_empty() {
+        "must not be empty".to_string()
+    } else if s.len() > MAX_KEY_BYTES {
+        format!("{} bytes, the longest is {MAX_KEY_BYTES}", s.len())
+    } else if s.contains('\0') {
+        "must contain no NUL character (SQL text cannot hold it)".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(Error::Invalid { what, why })
 }
 
 /// Records that `consumer` processed `message_id`, inside `tx`. `true` the

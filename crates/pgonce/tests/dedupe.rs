@@ -561,3 +561,63 @@ async fn a_hold_taken_over_is_lost_under_repeatable_read_too() {
         tx.rollback().await.unwrap();
     }
 }
+
+/// Text that does not compress: letters from a fixed pseudo-random sequence.
+fn incompressible(len: usize) -> String {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..len)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            char::from(b'a' + ((x >> 33) % 26) as u8)
+        })
+        .collect()
+}
+
+/// A key PostgreSQL cannot store (a NUL character; longer than one entry of
+/// the key's unique index holds, whatever it compresses to) is refused
+/// before anything reaches the database: inside the caller's transaction a
+/// database error would abort it, effects and all. A key of the longest
+/// allowed length, in a scope as long, is stored.
+#[tokio::test]
+async fn keys_with_nul_or_past_the_longest_are_refused_before_the_transaction_is_touched() {
+    let (_db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!(1)).unwrap();
+    let hold_for = Duration::from_secs(60);
+    let longest = incompressible(dedupe::MAX_KEY_BYTES);
+    let too_long = incompressible(dedupe::MAX_KEY_BYTES + 1);
+    let mut tx = pool.begin().await.unwrap();
+    for (consumer, message_id) in [
+        ("c", "a\0b"),
+        ("c\0", "m"),
+        ("c", too_long.as_str()),
+        (too_long.as_str(), "m"),
+    ] {
+        let out = dedupe::mark_processed(&mut tx, consumer, message_id).await;
+        assert!(matches!(out, Err(Error::Invalid { .. })), "{out:?}");
+    }
+    assert!(
+        dedupe::mark_processed(&mut tx, &longest, &longest)
+            .await
+            .unwrap(),
+        "the transaction is intact and the longest key fits"
+    );
+    tx.commit().await.unwrap();
+    for (scope, key) in [
+        ("s", "a\0b"),
+        ("s\0", "k"),
+        ("s", too_long.as_str()),
+        (too_long.as_str(), "k"),
+    ] {
+        let out = dedupe::acquire(&pool, scope, key, &fp, hold_for).await;
+        assert!(matches!(out, Err(Error::Invalid { .. })), "{out:?}");
+    }
+    let Acquired::Process(hold) = dedupe::acquire(&pool, &longest, &longest, &fp, hold_for)
+        .await
+        .unwrap()
+    else {
+        panic!("new key");
+    };
+    dedupe::finish(&pool, &hold, &json!("ok")).await.unwrap();
+}
