@@ -245,7 +245,8 @@ const fn transition_allowed(from: JobStatus, to: JobStatus) -> bool {
 /// Zero rows matched is [`Error::AlreadyHandled`]: another delivery got there
 /// first. Allowed: `pending`/`failed` to `completed`/`dead`; anything else
 /// is [`Error::Invalid`] (processing is entered by [`claim`] and left through
-/// the lease). `result` is stored on the row, `error` in `last_error`.
+/// the lease). `result` is stored on the row, `error` in `last_error` (as
+/// [`fail`] stores it).
 ///
 /// It guards the state, not the side effect: two racing deliveries that both
 /// ran their side effect before calling this both ran it.
@@ -271,7 +272,7 @@ pub async fn transition<'c>(
         .bind(from.as_str())
         .bind(to.as_str())
         .bind(result)
-        .bind(error)
+        .bind(error.map(storable_error))
         .execute(db)
         .await?;
     if done.rows_affected() == 0 {
@@ -657,6 +658,10 @@ pub enum FailOutcome {
 /// start of this call's statement, not of its transaction: a failure
 /// recorded in a transaction open for a while waits its whole backoff all
 /// the same.
+///
+/// `error` is stored with each NUL character replaced by U+FFFD:
+/// PostgreSQL's text cannot hold NUL, and a failure's message comes from
+/// whatever failed; recording the failure must not fail on it.
 pub async fn fail<'c>(
     db: impl PgExecutor<'c>,
     lease: &Lease,
@@ -674,7 +679,7 @@ pub async fn fail<'c>(
     let row: Option<Failed> = sqlx::query_as(include_str!("job/sql/fail.sql"))
         .bind(lease.job_id)
         .bind(lease.token)
-        .bind(error)
+        .bind(storable_error(error))
         .bind(policy.base.as_secs_f64())
         .bind(policy.max.as_secs_f64())
         .bind(policy.jitter)
@@ -696,6 +701,16 @@ pub async fn fail<'c>(
     } else {
         metrics::counter!("pgonce_job_failed_total").increment(1);
         Ok(FailOutcome::Retry { attempts, run_at })
+    }
+}
+
+/// A failure's message as `last_error` can hold it: NUL, which text cannot
+/// hold, becomes U+FFFD.
+fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
+    if error.contains('\0') {
+        error.replace('\0', "\u{FFFD}").into()
+    } else {
+        error.into()
     }
 }
 

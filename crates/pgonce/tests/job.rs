@@ -1552,3 +1552,44 @@ async fn a_lease_taken_over_is_lost_under_repeatable_read_too() {
             .unwrap();
     }
 }
+
+/// A failure's message is free text from whatever failed, and may hold a
+/// NUL character, which PostgreSQL's text cannot: recording the failure
+/// must not fail on it (the job would stay processing until reaped, its
+/// error unrecorded, and a caller's transaction would be aborted). The NUL
+/// is stored as U+FFFD; the same for a transition's error.
+#[tokio::test]
+async fn a_failure_message_with_a_nul_character_is_recorded() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    let out = job::fail(
+        &pool,
+        &lease,
+        "read \0 from the socket: a\0b",
+        &RetryPolicy::default(),
+    )
+    .await;
+    assert!(
+        matches!(out, Ok(FailOutcome::Retry { attempts: 1, .. })),
+        "{out:?}"
+    );
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(
+        row.last_error.as_deref(),
+        Some("read \u{FFFD} from the socket: a\u{FFFD}b")
+    );
+    let id = new_job(&pool, 5).await;
+    job::transition(
+        &pool,
+        id,
+        JobStatus::Pending,
+        JobStatus::Dead,
+        None,
+        Some("cancelled\0"),
+    )
+    .await
+    .unwrap();
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.last_error.as_deref(), Some("cancelled\u{FFFD}"));
+}
