@@ -538,15 +538,26 @@ pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value
 
 /// [`complete`] for many jobs in one statement (one commit), each fenced by
 /// its own lease. Returns the ids whose lease was lost (nothing written for
-/// those); empty when every job completed. [`Error::SerializationFailure`],
+/// those); empty when every job completed. A lease given twice is
+/// [`Error::Invalid`], nothing written. [`Error::SerializationFailure`],
 /// nothing written, when one of the leases was taken after the snapshot
 /// of the caller's REPEATABLE READ or SERIALIZABLE transaction.
 pub async fn complete_many<'c>(
     db: impl PgExecutor<'c>,
     done: &[(Lease, Value)],
 ) -> Result<Vec<i64>> {
-    for (_, result) in done {
+    let mut leases = std::collections::HashSet::with_capacity(done.len());
+    for (lease, result) in done {
         crate::json::check_storable("job result", result)?;
+        // The same lease twice (a copy renewed by a heartbeat included)
+        // would complete its job once, with one of its results, and both
+        // would be reported written.
+        if !leases.insert((lease.job_id, lease.token)) {
+            return Err(Error::Invalid {
+                what: "job completions",
+                why: format!("the lease on job {} is given twice", lease.job_id),
+            });
+        }
     }
     let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
     let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();

@@ -1204,6 +1204,21 @@ async fn complete_many_reports_a_stale_lease_lost_beside_the_current_one() {
     assert_eq!(row.result, Some(Ok(json!("current"))));
 }
 
+/// One lease handed to `complete_many` twice, with two results, completes
+/// the job once, with one of them: the caller would be told both
+/// completions were written. Refused instead, with nothing written.
+#[tokio::test]
+async fn complete_many_refuses_one_lease_twice_and_writes_nothing() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    let done = [(lease.clone(), json!(1)), (lease.clone(), json!(2))];
+    let out = job::complete_many(&pool, &done).await;
+    assert!(matches!(out, Err(Error::Invalid { .. })), "{out:?}");
+    assert_eq!(status(&pool, id).await, JobStatus::Processing);
+    job::complete(&pool, &lease, &json!(3)).await.unwrap();
+}
+
 #[tokio::test]
 async fn the_reaper_service_loop_reaps_until_shutdown() {
     let (_db, pool) = setup().await;
