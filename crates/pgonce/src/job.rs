@@ -360,7 +360,13 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
 /// call of `pgonce.job_claim`, whose second statement sees the winner's
 /// committed state under READ COMMITTED. Under REPEATABLE READ or
 /// SERIALIZABLE a claim racing a concurrent one fails with
-/// [`Error::SerializationFailure`] first (see the module docs).
+/// [`Error::SerializationFailure`] first (see the module docs). There the
+/// claim reads the job as the transaction's snapshot shows it, and a job
+/// enqueued after that snapshot was taken does not exist for it:
+/// [`Error::AlreadyHandled`], which a worker acknowledges. Nothing in the
+/// snapshot tells such a job from one deleted long ago, so this is not
+/// detected: begin (and first read in) the claiming transaction after the
+/// job's message was received, as a transaction per message does.
 pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) -> Result<Lease> {
     let secs = lease_secs(lease_for)?;
     let row: Option<ClaimRow> = sqlx::query_as(include_str!("job/sql/claim.sql"))
