@@ -621,3 +621,74 @@ async fn keys_with_nul_or_past_the_longest_are_refused_before_the_transaction_is
     };
     dedupe::finish(&pool, &hold, &json!("ok")).await.unwrap();
 }
+
+/// Two holders of one key across the hold's expiry, the first finishing
+/// while the second arrives: the second waits for the first's finish, then
+/// replays its response if it committed, or takes the key over if it rolled
+/// back. Never both processing, never a response lost.
+#[tokio::test]
+async fn a_late_finish_racing_a_takeover_is_replayed_if_it_commits_and_taken_over_if_not() {
+    let (db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let hold_for = Duration::from_secs(60);
+    for commit in [true, false] {
+        let key = format!("k-{commit}");
+        let Acquired::Process(first) = dedupe::acquire(&pool, "api", &key, &fp, hold_for)
+            .await
+            .unwrap()
+        else {
+            panic!("new key");
+        };
+        sqlx::query(
+            "UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms' \
+             WHERE key = $1",
+        )
+        .bind(&key)
+        .execute(&pool)
+        .await
+        .unwrap();
+        let race = Interleaving::new(db.options()).await.unwrap();
+        let a = race.session("A").await.unwrap();
+        let b = race.session("B").await.unwrap();
+        let mut tx_a = a.pool().begin().await.unwrap();
+        race.step(
+            &a,
+            "finish after the hold expired",
+            dedupe::finish(&mut *tx_a, &first, &json!("first")),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let pool_b = b.pool().clone();
+        let (key_b, fp_b) = (key.clone(), fp.clone());
+        let waiting = race
+            .step_blocks(&b, "acquire", async move {
+                dedupe::acquire(&pool_b, "api", &key_b, &fp_b, hold_for).await
+            })
+            .await
+            .unwrap();
+        assert_eq!(waiting.blocked_by(), ["A"]);
+        if commit {
+            race.step(&a, "COMMIT", tx_a.commit())
+                .await
+                .unwrap()
+                .unwrap();
+            let out = waiting.resume().await.unwrap().unwrap();
+            assert_eq!(out, Acquired::Replay(json!("first")));
+        } else {
+            race.step(&a, "ROLLBACK", tx_a.rollback())
+                .await
+                .unwrap()
+                .unwrap();
+            let Acquired::Process(second) = waiting.resume().await.unwrap().unwrap() else {
+                panic!("the key is free again");
+            };
+            assert!(!second.first_use);
+            let late = dedupe::finish(&pool, &first, &json!("first")).await;
+            assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+            dedupe::finish(&pool, &second, &json!("second"))
+                .await
+                .unwrap();
+        }
+    }
+}
