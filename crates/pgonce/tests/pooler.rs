@@ -278,3 +278,69 @@ async fn conditional_appends_through_the_pooler_let_one_decision_win() {
         assert_eq!((committed, booked), (1, 1), "{strategy:?}");
     }
 }
+
+/// Jobs and idempotency keys through the pooler: each call is one statement,
+/// and a lease or hold used in a transaction whose snapshot predates it asks
+/// for a retry there too (the check runs in the statement, on whatever
+/// server connection the transaction got).
+#[tokio::test]
+async fn jobs_and_idempotency_keys_through_the_pooler_keep_their_fences() {
+    use pgonce::Error;
+    use pgonce::dedupe::{self, Acquired};
+    use pgonce::job::{self, JobStatus, NewJob, RetryPolicy};
+    use serde_json::json;
+    let (_db, pool) = setup(4).await;
+    let lease_for = Duration::from_secs(60);
+    let id = job::enqueue(&pool, &NewJob::new("k", json!({})))
+        .await
+        .unwrap();
+    let mut tx = pgonce::begin(&pool, IsolationLevel::RepeatableRead)
+        .await
+        .unwrap();
+    sqlx::query("SELECT count(*) FROM pgonce.jobs")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let lease = job::claim(&pool, id, lease_for).await.unwrap();
+    let stale = job::complete(&mut *tx, &lease, &json!("r")).await;
+    assert!(
+        matches!(stale, Err(Error::SerializationFailure { .. })),
+        "{stale:?}"
+    );
+    let _ = tx.rollback().await;
+    let lease = job::heartbeat(&pool, &lease, lease_for).await.unwrap();
+    let out = job::fail(&pool, &lease, "boom", &RetryPolicy::default()).await;
+    assert!(matches!(out, Ok(job::FailOutcome::Retry { .. })), "{out:?}");
+    let late = job::complete(&pool, &lease, &json!("late")).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.status().unwrap(), JobStatus::Failed);
+
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let mut tx = pgonce::begin(&pool, IsolationLevel::RepeatableRead)
+        .await
+        .unwrap();
+    sqlx::query("SELECT count(*) FROM pgonce.idempotency_keys")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let Acquired::Process(hold) = dedupe::acquire(&pool, "api", "k", &fp, lease_for)
+        .await
+        .unwrap()
+    else {
+        panic!("new key");
+    };
+    let stale = dedupe::finish(&mut *tx, &hold, &json!("r")).await;
+    assert!(
+        matches!(stale, Err(Error::SerializationFailure { .. })),
+        "{stale:?}"
+    );
+    let _ = tx.rollback().await;
+    dedupe::finish(&pool, &hold, &json!("r")).await.unwrap();
+    assert_eq!(
+        dedupe::acquire(&pool, "api", "k", &fp, lease_for)
+            .await
+            .unwrap(),
+        Acquired::Replay(json!("r"))
+    );
+}
