@@ -81,7 +81,9 @@
 //! (migration 0200). Acknowledging the message on a false `LeaseLost`
 //! would leave the job, once reaped, with no message to drive it. Only a
 //! lease that is really lost gives [`Error::LeaseLost`], at every
-//! isolation level. A heartbeat run on another connection than the work's
+//! isolation level. The same holds at READ COMMITTED for a lease used on
+//! another connection before the transaction that claimed it committed:
+//! that claim may still commit or roll back. A heartbeat run on another connection than the work's
 //! REPEATABLE READ transaction changes the row after that transaction's
 //! snapshot: completing in it is then a serialization failure too, so
 //! heartbeat in the work's transaction (which also keeps the reaper off

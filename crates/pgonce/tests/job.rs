@@ -1608,3 +1608,24 @@ async fn a_failure_message_with_a_nul_character_is_recorded() {
     let row = job::get(&pool, id).await.unwrap().unwrap();
     assert_eq!(row.last_error.as_deref(), Some("cancelled\u{FFFD}"));
 }
+
+/// A lease used on another connection before the transaction that claimed
+/// it committed: the claim may still commit or roll back, so the write is
+/// asked to be retried (the job, as committed, is still pending, and the
+/// write waits for nothing), not told the lease is lost. Once the claim
+/// commits, the lease completes the job.
+#[tokio::test]
+async fn a_lease_used_before_its_claim_committed_asks_for_a_retry() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let mut claiming = pool.begin().await.unwrap();
+    let lease = job::claim(&mut *claiming, id, LEASE).await.unwrap();
+    asks_for_a_retry(
+        "complete",
+        job::complete(&pool, &lease, &json!("early")).await,
+    );
+    asks_for_a_retry("heartbeat", job::heartbeat(&pool, &lease, LEASE).await);
+    claiming.commit().await.unwrap();
+    job::complete(&pool, &lease, &json!("done")).await.unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+}
