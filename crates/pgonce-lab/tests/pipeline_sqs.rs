@@ -14,9 +14,18 @@ use pgonce_incidents::runtime::sqs_observations_queue;
 use pgonce_lab::incident_run::{self, IncidentRunConfig, SqsAudit};
 use pgonce_sqs::{SqsClient, SqsConfig};
 use pgonce_testkit::{Moto, fresh_database};
+use std::time::Duration;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 #[tokio::test]
 async fn the_pipeline_on_sqs_keeps_every_invariant_under_redelivery_and_a_killed_worker() {
+    // Shown only when the test fails: a run that does not end says where
+    // it stood.
+    let _logs = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("info,aws_smithy_runtime=warn,aws_config=warn,hyper=warn")
+        .finish()
+        .set_default();
     let moto = Moto::start().unwrap_or_else(|e| panic!("{e}"));
     let db = fresh_database().await;
     let pool = db.pool(30).await.unwrap();
@@ -32,9 +41,16 @@ async fn the_pipeline_on_sqs_keeps_every_invariant_under_redelivery_and_a_killed
         observations: queue.clone(),
         dead_letters: sqs.open(section.dead_letter_name()).await.unwrap(),
     };
-    let outcome = incident_run::run_on(&pool, &config, queue, audit, None, None)
-        .await
-        .unwrap();
+    // The drain and the settle end at a stall, so a run past this is stuck
+    // (a failure with its logs, rather than the harness's kill without
+    // them).
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(900),
+        incident_run::run_on(&pool, &config, queue, audit, None, None),
+    )
+    .await
+    .expect("the run is stuck")
+    .unwrap();
     assert_eq!(outcome.backend, "sqs");
     assert!(outcome.drained && outcome.settled, "{outcome:#?}");
     assert!(outcome.all_hold(), "{outcome:#?}");

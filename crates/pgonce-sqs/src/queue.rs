@@ -122,11 +122,15 @@ impl SqsClient {
                 .attribute(&url, QueueAttributeName::ContentBasedDeduplication)
                 .await?
                 .is_some_and(|on| on == "true");
-        let zero_visibility = fifo
-            && self
+        // Only a FIFO receive uses it (`top_up_fifo`); SQS's default is 30 s.
+        let visibility = if fifo {
+            let secs = self
                 .attribute(&url, QueueAttributeName::VisibilityTimeout)
-                .await?
-                .is_some_and(|secs| secs == "0");
+                .await?;
+            Duration::from_secs(secs.and_then(|s| s.parse().ok()).unwrap_or(30))
+        } else {
+            Duration::ZERO
+        };
         Ok(SqsQueue {
             inner: Arc::new(Inner {
                 client: self.clone(),
@@ -134,7 +138,7 @@ impl SqsClient {
                 url,
                 fifo,
                 content_based_dedup,
-                zero_visibility,
+                visibility,
                 dead_letter_url,
                 receiving: AtomicUsize::new(0),
             }),
@@ -197,11 +201,11 @@ impl SqsClient {
 ///   more, SQS returns several messages of one group and counts each
 ///   toward `max_receive_count`, and the ones pgonce could not hand out
 ///   would be dead-lettered after enough such receives, unseen. A FIFO
-///   batch of n messages therefore costs n + 1 requests. A FIFO receive
-///   with a visibility of zero (given, or the queue's, read when the
-///   handle is opened) returns one message: its group is unlocked at once,
-///   so a further request would receive (and SQS count) the same message
-///   again.
+///   batch of n messages therefore costs n + 1 requests. The top-up stops
+///   after a quarter of the visibility timeout (given, or the queue's, read
+///   when the handle is opened), so a slow server hands out a smaller batch
+///   rather than messages whose visibility ran out while it filled; with a
+///   visibility of zero a FIFO receive returns one message.
 /// * **Messages** are refused with [`Error::Invalid`] before any request
 ///   where SQS would refuse them or store them altered: bodies and
 ///   attribute values of XML characters only (no control characters but
@@ -237,9 +241,9 @@ struct Inner {
     /// The FIFO queue derives a deduplication id from each body (read when
     /// the handle is opened).
     content_based_dedup: bool,
-    /// The FIFO queue's visibility timeout is zero (read when the handle
-    /// is opened): see `top_up_fifo`.
-    zero_visibility: bool,
+    /// The FIFO queue's visibility timeout (read when the handle is
+    /// opened): see `top_up_fifo`.
+    visibility: Duration,
     dead_letter_url: Option<String>,
     /// Receive calls under way (the tests' "parked" signal).
     receiving: AtomicUsize,
@@ -420,21 +424,22 @@ impl SqsQueue {
     /// A top-up request that fails ends the batch: the messages already
     /// received are handed out rather than left to their visibility timeout.
     ///
-    /// A receive with a visibility of zero (its own, or the queue's) is not
-    /// topped up: its message is visible again at once, its group
-    /// unlocked, so the next request would return the same head, and SQS
-    /// would count that receive toward `max_receive_count` although nobody
-    /// is handed the message.
+    /// The top-up stops once it has taken a quarter of the visibility
+    /// timeout (its own, or the queue's), so every message of the batch is
+    /// handed out with at least three quarters of it left. Requests answered
+    /// slowly (a loaded server) would otherwise hand out messages whose
+    /// visibility had run out while the batch filled, delivered again to
+    /// another consumer meanwhile, and each such delivery counts toward
+    /// `max_receive_count`. So a receive with a visibility of zero is not
+    /// topped up at all: its message is visible again at once, its group
+    /// unlocked, and the next request would return the same head again.
     async fn top_up_fifo(&self, mut got: Vec<Received>, request: &ReceiveRequest) -> Vec<Received> {
-        let zero = match request.visibility {
-            Some(v) => ceil_secs(v) == 0,
-            None => self.inner.zero_visibility,
-        };
-        if zero {
-            return got;
-        }
+        let started = Instant::now();
+        let visibility = Duration::from_secs(ceil_secs(
+            request.visibility.unwrap_or(self.inner.visibility),
+        ));
         let mut groups: HashSet<String> = got.iter().filter_map(|m| m.group_id.clone()).collect();
-        while got.len() < request.max_messages {
+        while got.len() < request.max_messages && started.elapsed() < visibility / 4 {
             let more = match self
                 .receive_once(1, Duration::ZERO, request.visibility)
                 .await
