@@ -67,20 +67,10 @@ use crate::error::{Error, Result};
 /// ids are at most 100 bytes; idempotency keys are usually a UUID.
 pub const MAX_KEY_BYTES: usize = 1024;
 
-/// Refused before anything reaches the database (a database error would
-/// abort the caller's transaction): empty, longer than [`MAX_KEY_BYTES`],
-/// or holding NUL, which PostgreSQL's text cannot.
+/// Refused before anything reaches the database: empty, longer than
+/// [`MAX_KEY_BYTES`], or holding NUL.
 fn check_key(what: &'static str, s: &str) -> Result<()> {
-    let why = if s.is_empty() {
-        "must not be empty".to_string()
-    } else if s.len() > MAX_KEY_BYTES {
-        format!("{} bytes, the longest is {MAX_KEY_BYTES}", s.len())
-    } else if s.contains('\0') {
-        "must contain no NUL character (SQL text cannot hold it)".to_string()
-    } else {
-        return Ok(());
-    };
-    Err(Error::Invalid { what, why })
+    crate::text::check_key(what, s, MAX_KEY_BYTES)
 }
 
 /// Records that `consumer` processed `message_id`, inside `tx`. `true` the

@@ -174,7 +174,7 @@ impl fmt::Display for JobStatus {
 /// A new job.
 #[derive(Debug, Clone)]
 pub struct NewJob {
-    /// What kind of work; claimers ask for one kind. Non-empty.
+    /// What kind of work; claimers ask for one kind. Non-empty, at most [`MAX_KIND_BYTES`], no NUL.
     pub kind: String,
     /// The work's input.
     pub payload: Value,
@@ -203,16 +203,25 @@ impl NewJob {
     }
 }
 
-/// Inserts a pending job and returns its id. Rejects an empty kind,
-/// `max_attempts < 1`, or a payload jsonb cannot hold or pgonce could not
-/// read back ([`crate::json`]) before writing anything.
+/// The longest job kind, in bytes of UTF-8. A kind is the first column of
+/// the runnable and dead jobs' indexes, whose entries hold at most 2704
+/// bytes once compressed: past that an enqueue fails with SQLSTATE 54000,
+/// depending on how well the kind compresses, and inside the caller's
+/// transaction the error aborts it. This bound fits whatever the content.
+pub const MAX_KIND_BYTES: usize = 1024;
+
+/// Refused before anything reaches the database: empty, longer than
+/// [`MAX_KIND_BYTES`], or holding NUL.
+fn check_kind(kind: &str) -> Result<()> {
+    crate::text::check_key("job kind", kind, MAX_KIND_BYTES)
+}
+
+/// Inserts a pending job and returns its id. Rejects a kind PostgreSQL
+/// cannot store ([`MAX_KIND_BYTES`]), `max_attempts < 1`, or a payload
+/// jsonb cannot hold or pgonce could not read back ([`crate::json`])
+/// before writing anything.
 pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
-    if job.kind.is_empty() {
-        return Err(Error::Invalid {
-            what: "job kind",
-            why: "must not be empty".into(),
-        });
-    }
+    check_kind(&job.kind)?;
     if job.max_attempts < 1 {
         return Err(Error::Invalid {
             what: "max_attempts",
@@ -472,6 +481,7 @@ pub async fn claim_batch<'c>(
     lease_for: Duration,
 ) -> Result<Vec<ClaimedJob>> {
     let secs = lease_secs(lease_for)?;
+    check_kind(kind)?;
     if limit < 1 {
         return Err(Error::Invalid {
             what: "claim limit",

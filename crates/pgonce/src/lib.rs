@@ -49,6 +49,7 @@ mod pooler;
 pub mod queue;
 mod sequence;
 mod service;
+mod text;
 mod transaction;
 
 pub use error::{Error, Result};

@@ -1629,3 +1629,64 @@ async fn a_lease_used_before_its_claim_committed_asks_for_a_retry() {
     job::complete(&pool, &lease, &json!("done")).await.unwrap();
     assert_eq!(status(&pool, id).await, JobStatus::Completed);
 }
+
+/// A kind PostgreSQL cannot store (NUL, or longer than one entry of the
+/// runnable-jobs index once compressed) is refused before anything reaches
+/// the database: a database error would abort the caller's transaction.
+/// The longest kind accepted, of text that does not compress, is enqueued
+/// and claimed.
+#[tokio::test]
+async fn kinds_postgres_cannot_store_are_refused_before_the_transaction_is_touched() {
+    let (_db, pool) = setup().await;
+    // Hex of random bytes hardly compresses: 6000 bytes are past the
+    // index's 2704, which the longest kind fits whatever its content.
+    let random = |bytes: usize| -> String {
+        (0..bytes.div_ceil(32))
+            .map(|_| uuid::Uuid::new_v4().simple().to_string())
+            .collect::<String>()[..bytes]
+            .to_string()
+    };
+    let longest = random(job::MAX_KIND_BYTES);
+    let mut tx = pool.begin().await.unwrap();
+    for kind in [
+        "a\0b".to_string(),
+        random(job::MAX_KIND_BYTES + 1),
+        random(6000),
+    ] {
+        let out = job::enqueue(&mut *tx, &NewJob::new(kind.clone(), json!({}))).await;
+        assert!(
+            matches!(
+                out,
+                Err(Error::Invalid {
+                    what: "job kind",
+                    ..
+                })
+            ),
+            "enqueue {} bytes: {out:?}",
+            kind.len()
+        );
+        let out = job::claim_batch(&mut *tx, &kind, 1, LEASE).await;
+        assert!(
+            matches!(
+                out,
+                Err(Error::Invalid {
+                    what: "job kind",
+                    ..
+                })
+            ),
+            "claim_batch {} bytes: {out:?}",
+            kind.len()
+        );
+    }
+    // The transaction is intact: the longest kind goes in through it.
+    let id = job::enqueue(&mut *tx, &NewJob::new(longest.clone(), json!({})))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let claimed = job::claim_batch(&pool, &longest, 10, LEASE).await.unwrap();
+    assert_eq!(
+        claimed.iter().map(|c| c.lease.job_id).collect::<Vec<_>>(),
+        [id]
+    );
+    assert_eq!(claimed[0].kind, longest);
+}
