@@ -1690,3 +1690,37 @@ async fn kinds_postgres_cannot_store_are_refused_before_the_transaction_is_touch
     );
     assert_eq!(claimed[0].kind, longest);
 }
+
+/// A retry whose operator, reason or kind filter holds NUL (which SQL text
+/// cannot) is refused with `Invalid` before any statement, so the caller's
+/// transaction goes on, and the job stays dead until a retry it can record.
+#[tokio::test]
+async fn a_retry_with_text_postgres_cannot_store_is_refused_and_the_job_stays_dead() {
+    let (_db, pool) = setup().await;
+    let id = dead_job(&pool, "send").await;
+    let mut tx = pool.begin().await.unwrap();
+    let refused = [
+        job::RetryBy {
+            who: "al\0ice",
+            reason: None,
+        },
+        job::RetryBy {
+            who: "alice",
+            reason: Some("re\0try"),
+        },
+    ];
+    for by in refused {
+        let out = job::retry_dead(&mut tx, id, by).await;
+        assert!(matches!(out, Err(Error::Invalid { .. })), "{by:?}: {out:?}");
+    }
+    let filter = DeadJobFilter {
+        kind: Some("se\0nd".into()),
+        ..DeadJobFilter::default()
+    };
+    let out = job::retry_dead_jobs(&mut tx, &filter, ALICE).await;
+    assert!(matches!(out, Err(Error::Invalid { .. })), "{out:?}");
+    // Nothing aborted the transaction: the retry it can record goes in.
+    job::retry_dead(&mut tx, id, ALICE).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Pending);
+}

@@ -80,14 +80,18 @@ pub struct JobRetry {
     pub dead_since: OffsetDateTime,
 }
 
+/// Refused before any statement (a database error would abort the
+/// caller's transaction): no operator, or NUL (which SQL text cannot hold)
+/// in the operator or the reason.
 fn check_by(by: &RetryBy<'_>) -> Result<()> {
-    if by.who.is_empty() {
-        return Err(Error::Invalid {
-            what: "job retry",
-            why: "who retries must not be empty".into(),
-        });
-    }
-    Ok(())
+    let why = if by.who.is_empty() {
+        "who retries must not be empty"
+    } else if by.who.contains('\0') || by.reason.is_some_and(|r| r.contains('\0')) {
+        "who retries and why must contain no NUL character (SQL text cannot hold it)"
+    } else {
+        return Ok(());
+    };
+    Err(Error::invalid("job retry", why))
 }
 
 async fn run(
@@ -146,6 +150,9 @@ pub async fn retry_dead_jobs(
     by: RetryBy<'_>,
 ) -> Result<Vec<i64>> {
     check_by(&by)?;
+    if let Some(kind) = &filter.kind {
+        super::check_kind(kind)?;
+    }
     if filter.limit < 1 {
         return Err(Error::Invalid {
             what: "dead job filter",
