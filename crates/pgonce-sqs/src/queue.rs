@@ -212,8 +212,12 @@ impl SqsClient {
 ///   tab, CR and LF), group and deduplication ids of printable ASCII,
 ///   attribute names as SQS takes them, and at most 9 attributes (SQS
 ///   takes 10; a redrive adds the `pgonce.id` attribute).
-/// * **Batches** (`send_batch`) go out in requests of 10 and are not atomic
-///   across requests: on an error, earlier requests' messages stay sent.
+/// * **Batches** (`send_batch`) go out in requests of 10 and are not
+///   atomic: on an error, earlier requests' messages stay sent, and so do
+///   the entries SQS took of a request that it refused in part (throttled
+///   or refused by KMS, for instance). The error is the first refused
+///   entry's; sending the whole batch again is safe on a FIFO queue within
+///   the deduplication window, and sends duplicates on a standard queue.
 /// * **Visibility** of one delivery ends at most 12 hours after its
 ///   receive: SQS refuses a `change_visibility` that would reach past that
 ///   ([`Error::Backend`], `InvalidParameterValue`, not `StaleReceipt`).
