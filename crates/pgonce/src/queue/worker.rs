@@ -395,6 +395,35 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
 }
 
 impl<Q: Queue, H: Handler> Shared<Q, H> {
+    /// Extends `message`'s visibility every `heartbeat_interval` for as
+    /// long as it is polled; stops beating (and waits for ever) once a beat
+    /// is refused as stale, or at once without a heartbeat.
+    async fn heartbeat(&self, message: &Received, queue: &str) -> std::convert::Infallible {
+        let c = &self.counters;
+        if let Some(every) = self.config.heartbeat_interval {
+            loop {
+                tokio::time::sleep(every).await;
+                match self
+                    .queue
+                    .change_visibility(&message.receipt, self.config.heartbeat_extension)
+                    .await
+                {
+                    Ok(()) => bump(&c.heartbeats),
+                    Err(Error::StaleReceipt { .. }) => {
+                        bump(&c.stale);
+                        tracing::warn!(queue = %queue, id = %message.id,
+                            "heartbeat refused: the message was redelivered while its handler ran");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(queue = %queue, id = %message.id, error = %e, "heartbeat failed")
+                    }
+                }
+            }
+        }
+        std::future::pending().await
+    }
+
     async fn process(&self, message: Received) {
         let queue = self.queue.name().to_string();
         let c = &self.counters;
@@ -409,36 +438,18 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         let in_flight = metrics::gauge!("pgonce_queue_worker_in_flight", "queue" => queue.clone());
         in_flight.increment(1.0);
         let started = Instant::now();
+        // The heartbeat runs beside the handler, not in turns with it: a
+        // beat is a statement that can wait (on the message's row lock, on
+        // a connection of an exhausted pool), and the handler must go on
+        // meanwhile. It ends with the handler; a beat still waiting then is
+        // dropped, and the ack below decides the message's fate.
         let outcome = {
             let handling = self.handler.handle(&message);
-            tokio::pin!(handling);
-            let mut lease_held = true;
-            loop {
-                let beat = async {
-                    match self.config.heartbeat_interval {
-                        Some(every) if lease_held => tokio::time::sleep(every).await,
-                        _ => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    outcome = &mut handling => break outcome,
-                    _ = beat => {
-                        match self
-                            .queue
-                            .change_visibility(&message.receipt, self.config.heartbeat_extension)
-                            .await
-                        {
-                            Ok(()) => bump(&c.heartbeats),
-                            Err(Error::StaleReceipt { .. }) => {
-                                bump(&c.stale);
-                                lease_held = false;
-                                tracing::warn!(queue = %queue, id = %message.id,
-                                    "heartbeat refused: the message was redelivered while its handler ran");
-                            }
-                            Err(e) => tracing::warn!(queue = %queue, id = %message.id, error = %e, "heartbeat failed"),
-                        }
-                    }
-                }
+            let heartbeat = self.heartbeat(&message, &queue);
+            tokio::pin!(handling, heartbeat);
+            tokio::select! {
+                outcome = &mut handling => outcome,
+                never = &mut heartbeat => match never {},
             }
         };
         metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())

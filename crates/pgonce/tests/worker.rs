@@ -1,0 +1,124 @@
+//! The worker runtime on the PostgreSQL queue, where its promises meet the
+//! database: a handler keeps running while its heartbeat waits on the
+//! database.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgonce::{
+    Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes, Received, SendMessage,
+    Worker, WorkerConfig,
+};
+use pgonce_testkit::fresh_migrated_database;
+use sqlx::PgPool;
+use tokio::sync::Notify;
+
+/// Generous: only reached when what a test waits for never happens.
+const FAILSAFE: Duration = Duration::from_secs(20);
+
+async fn queue(pool: &PgPool, name: &str) -> PgQueue {
+    PgQueue::create(
+        pool,
+        name,
+        QueueAttributes::default(),
+        PgQueueOptions::default(),
+    )
+    .await
+    .unwrap()
+}
+
+/// Announces that it started, waits to be let go, announces that it
+/// finished.
+#[derive(Default)]
+struct Gated {
+    started: Notify,
+    go: Notify,
+    finished: Notify,
+}
+
+/// The handler side of a [`Gated`].
+struct Gate(Arc<Gated>);
+
+impl Handler for Gate {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        self.0.started.notify_one();
+        self.0.go.notified().await;
+        self.0.finished.notify_one();
+        Ok(())
+    }
+}
+
+/// Backends waiting on a lock `holder` holds.
+async fn blocked_by(observer: &PgPool, holder: i32) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+    )
+    .bind(holder)
+    .fetch_one(observer)
+    .await
+    .unwrap()
+}
+
+/// A heartbeat is a database statement, and a statement can wait (on a row
+/// lock, on a connection of an exhausted pool). The handler must keep
+/// running meanwhile: it may be the very thing that frees what the beat
+/// waits for, and it is the work the beat exists to protect.
+#[tokio::test]
+async fn a_heartbeat_waiting_in_the_database_does_not_stall_its_handler() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    let sent = q.send(SendMessage::new("m")).await.unwrap();
+    let gated = Arc::new(Gated::default());
+    let config = WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        heartbeat_interval: Some(Duration::from_millis(50)),
+        heartbeat_extension: Duration::from_secs(30),
+        ..WorkerConfig::default()
+    };
+    let worker = Arc::new(Worker::new(q.clone(), Gate(gated.clone()), config).unwrap());
+    let run = tokio::spawn({
+        let worker = worker.clone();
+        async move { worker.run_once().await }
+    });
+    tokio::time::timeout(FAILSAFE, gated.started.notified())
+        .await
+        .expect("the handler started");
+
+    // Lock the message's row, and wait until a heartbeat is seen waiting on it.
+    let mut holder = pool.acquire().await.unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut *holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM pgonce.queue_message WHERE id = $1 FOR UPDATE")
+        .bind(sent.id.parse::<i64>().unwrap())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    tokio::time::timeout(FAILSAFE, async {
+        while blocked_by(&pool, holder_pid).await == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("a heartbeat waits on the row lock");
+
+    // Let the handler go: it must finish while the beat still waits.
+    gated.go.notify_one();
+    let finished = tokio::time::timeout(FAILSAFE, gated.finished.notified()).await;
+    let still_blocked = blocked_by(&pool, holder_pid).await;
+    sqlx::query("ROLLBACK").execute(&mut *holder).await.unwrap();
+    assert!(
+        finished.is_ok(),
+        "the handler made no progress while its heartbeat waited on a row lock \
+         ({still_blocked} backend(s) still waiting)"
+    );
+    let done = tokio::time::timeout(FAILSAFE, run)
+        .await
+        .expect("run_once ends once the lock is gone")
+        .unwrap()
+        .unwrap();
+    assert_eq!((done.succeeded, done.deleted), (1, 1));
+}
