@@ -1,13 +1,13 @@
 //! The worker runtime on the PostgreSQL queue, where its promises meet the
 //! database: a handler keeps running while its heartbeat waits on the
-//! database.
+//! database, and a handler that panics is a failure like any other.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use pgonce::{
-    Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes, Received, SendMessage,
-    Worker, WorkerConfig,
+    Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest,
+    Received, SendMessage, Worker, WorkerConfig,
 };
 use pgonce_testkit::fresh_migrated_database;
 use sqlx::PgPool;
@@ -121,4 +121,38 @@ async fn a_heartbeat_waiting_in_the_database_does_not_stall_its_handler() {
         .unwrap()
         .unwrap();
     assert_eq!((done.succeeded, done.deleted), (1, 1));
+}
+
+/// Panics on every delivery.
+struct Panics;
+
+impl Handler for Panics {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        panic!("the handler panics on purpose");
+    }
+}
+
+/// A handler that panics failed: its message is kept and made visible again
+/// after `failure_visibility`, as after an `Err`, instead of waiting out the
+/// (here hour-long) visibility timeout.
+#[tokio::test]
+async fn a_handler_that_panics_gets_its_failure_visibility() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    q.send(SendMessage::new("m")).await.unwrap();
+    let config = WorkerConfig {
+        visibility: Some(Duration::from_secs(3600)),
+        heartbeat_interval: None,
+        failure_visibility: Some(Duration::ZERO),
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(q.clone(), Panics, config).unwrap();
+    let done = worker.run_once().await.unwrap();
+    assert_eq!((done.received, done.failed, done.deleted), (1, 1, 0));
+    let again = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(
+        again.iter().map(|m| m.receive_count).collect::<Vec<_>>(),
+        [2],
+        "the message of a panicked handler is receivable again at once"
+    );
 }

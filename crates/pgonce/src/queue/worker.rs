@@ -7,10 +7,12 @@
 //! connection again only for each heartbeat and for the ack.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
@@ -26,7 +28,10 @@ pub trait Handler: Send + Sync + 'static {
     /// Handles `message`. `Ok` acks it; `Err` leaves it for redelivery (or,
     /// under [`AckPolicy::AlwaysDelete`], deletes it anyway). An `Err` that
     /// is a [`Error::JobBusy`] is never deleted: the message becomes visible
-    /// again at the job's `not_before`.
+    /// again at the job's `not_before`. A panic is a failure that is never
+    /// deleted either: the worker catches it, counts it in
+    /// [`WorkerCounters::failed`], and keeps the message as a dead process
+    /// would (under `DeleteOnSuccess`, after `failure_visibility`).
     fn handle(
         &self,
         message: &Received,
@@ -45,6 +50,8 @@ pub enum AckPolicy {
     /// Delete whatever the outcome: the handler records failures in the
     /// database (a job row with an attempt count, see the job pattern),
     /// which is then the retry ledger; the queue only carries the nudge.
+    /// A handler that panicked recorded nothing, so its message is kept
+    /// (visible again after `failure_visibility`, if set).
     AlwaysDelete,
 }
 
@@ -90,9 +97,10 @@ pub struct WorkerConfig {
     pub heartbeat_extension: Duration,
     /// When to delete. Default [`AckPolicy::DeleteOnSuccess`].
     pub ack: AckPolicy,
-    /// After a failed handler (with `DeleteOnSuccess`), make the message
-    /// visible again after this long instead of waiting out its visibility
-    /// timeout. Default `None` (wait it out).
+    /// After a failed handler (with `DeleteOnSuccess`; after a panic, under
+    /// either policy), make the message visible again after this long
+    /// instead of waiting out its visibility timeout. Default `None` (wait
+    /// it out).
     pub failure_visibility: Option<Duration>,
     /// `run` waits this long for in-flight handlers after shutdown; those
     /// still running are dropped and their messages come back after their
@@ -443,8 +451,10 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         // a connection of an exhausted pool), and the handler must go on
         // meanwhile. It ends with the handler; a beat still waiting then is
         // dropped, and the ack below decides the message's fate.
-        let outcome = {
-            let handling = self.handler.handle(&message);
+        // A panic is caught here, the handler's future dropped with it: the
+        // handler failed, and its message gets what any failure gets.
+        let caught = {
+            let handling = AssertUnwindSafe(self.handler.handle(&message)).catch_unwind();
             let heartbeat = self.heartbeat(&message, &queue);
             tokio::pin!(handling, heartbeat);
             tokio::select! {
@@ -455,6 +465,15 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
             .record(started.elapsed().as_secs_f64());
         in_flight.decrement(1.0);
+        let panicked = caught.is_err();
+        let outcome = caught.unwrap_or_else(|payload| {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            Err(format!("handler panicked: {what}").into())
+        });
         // A handler whose job claim found the job in another delivery's
         // hands keeps its message whatever the policy, and makes it visible
         // again when the job can be claimable at the earliest (the holder's
@@ -484,7 +503,9 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                     .increment(1);
                 tracing::warn!(queue = %queue, id = %message.id, receive_count = message.receive_count,
                     error = %e, "handler failed");
-                self.config.ack == AckPolicy::AlwaysDelete
+                // A handler that panicked recorded nothing: its message is
+                // kept whatever the policy, as if its process had died.
+                !panicked && self.config.ack == AckPolicy::AlwaysDelete
             }
         };
         let acked = if delete {
