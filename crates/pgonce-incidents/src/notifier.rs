@@ -199,13 +199,35 @@ impl Notifier {
     }
 
     /// Runs passes until `shutdown` resolves; errors are logged and retried.
+    /// A pass in flight at shutdown is finished, within the lease: its
+    /// webhooks may already hold their notifications, and a pass dropped
+    /// there would leave its jobs claimed until their leases ran out, then
+    /// posted again. Past the lease the jobs may be taken over, so the pass
+    /// is dropped then, as a crash would drop it.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> NotifyCounts {
+        use futures::FutureExt;
         tokio::pin!(shutdown);
         let mut total = NotifyCounts::default();
         loop {
-            let pass = tokio::select! {
-                _ = &mut shutdown => return total,
-                r = self.run_once() => r,
+            // No claim once shutdown has resolved.
+            if (&mut shutdown).now_or_never().is_some() {
+                return total;
+            }
+            let pass = self.run_once();
+            tokio::pin!(pass);
+            let (pass, stopping) = tokio::select! {
+                biased;
+                r = &mut pass => (r, false),
+                _ = &mut shutdown => match tokio::time::timeout(self.config.lease, &mut pass).await {
+                    Ok(r) => (r, true),
+                    Err(_) => {
+                        tracing::warn!(
+                            "notifier pass still running when its lease ran out at shutdown; \
+                             dropped, its jobs are retried after their leases"
+                        );
+                        return total;
+                    }
+                },
             };
             let idle = match pass {
                 Ok(c) => {
@@ -217,6 +239,9 @@ impl Notifier {
                     true
                 }
             };
+            if stopping {
+                return total;
+            }
             if idle {
                 tokio::select! {
                     _ = &mut shutdown => return total,

@@ -242,7 +242,8 @@ impl Runtime {
     }
 
     /// Stops receiving, lets in-flight handlers finish (within the worker's
-    /// shutdown deadline), and returns what was done.
+    /// shutdown deadline) and the notifier's pass in flight (within its
+    /// lease), and returns what was done.
     pub async fn shutdown(mut self) -> Result<RuntimeSummary> {
         let _ = self.stop.send(true);
         let mut summary = RuntimeSummary::default();

@@ -161,3 +161,61 @@ async fn i3_holds_after_maintenance_deleted_finished_jobs_and_still_sees_an_unde
         "the delivered incidents hold I3; the undelivered one is still reported"
     );
 }
+
+/// A shutdown while a notification is being posted lets that pass finish:
+/// the receiver already holds the notification, and a pass dropped there
+/// would leave the job claimed, to be posted a second time after its lease.
+#[tokio::test]
+async fn a_shutdown_while_a_post_is_in_flight_records_what_was_delivered() {
+    use std::time::Duration;
+    let (_db, pool, service, incidents) = declared(&["db down"]).await;
+    // Every request is accepted, then answered a second later: well within
+    // the notifier's timeout, so the answer is a success.
+    let receiver = WebhookReceiver::start(ReceiverFaults {
+        late_rate: 1.0,
+        late_by: Duration::from_secs(1),
+        ..ReceiverFaults::default()
+    })
+    .await
+    .unwrap();
+    let mut config = NotifierConfig::new(receiver.url());
+    config.timeout = Duration::from_secs(60);
+    config.lease = Duration::from_secs(120);
+    let notifier = Notifier::new(&service, config).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        notifier
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    // The receiver holds the notification; its answer is on its way.
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while receiver.stats().requests == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the notification reached the receiver");
+    stop.send(()).unwrap();
+    let counts = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("run returns after its pass")
+        .unwrap();
+
+    let status: String = sqlx::query_scalar("SELECT status FROM pgonce.jobs WHERE kind = $1")
+        .bind(NOTIFY_JOB_KIND)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let recorded: Vec<i64> = sqlx::query_scalar("SELECT incident_id FROM incidents.notifications")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        (counts.sent, status.as_str(), recorded),
+        (1, "completed", vec![incidents[0].id]),
+        "{counts:?}"
+    );
+}
