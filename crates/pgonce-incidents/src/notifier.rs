@@ -37,7 +37,8 @@ pub fn idempotency_key(incident_id: i64) -> String {
 #[derive(Debug, Clone, PartialEq)]
 pub struct NotifierConfig {
     /// Where to POST: an `http` or `https` URL (TLS by rustls, with the
-    /// bundled Mozilla roots). Required.
+    /// bundled Mozilla roots). Required. Redirects are not followed: a 3xx
+    /// answer is a failed send, retried like a 5xx.
     pub webhook_url: String,
     /// Jobs claimed per pass. Default 16; at least 1.
     pub batch: i64,
@@ -153,7 +154,11 @@ impl Notifier {
     /// fails [`NotifierConfig::validate`] or an HTTP client that cannot be built.
     pub fn new(service: &Service, config: NotifierConfig) -> Result<Notifier> {
         config.validate()?;
+        // Redirects are not followed: a 301, 302 or 303 turns the POST
+        // into a GET without the notification, whose 2xx would be recorded
+        // as a delivery. A 3xx is an answer like any non-2xx: a failed send.
         let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
             .timeout(config.timeout)
             .build()
             .map_err(|e| Error::invalid("http client", e.to_string()))?;
@@ -299,8 +304,8 @@ impl Notifier {
         Ok(counts)
     }
 
-    /// One POST; any transport error or non-2xx status is a failure to
-    /// retry.
+    /// One POST; any transport error or non-2xx status (a redirect too) is
+    /// a failure to retry.
     async fn send(&self, incident_id: i64) -> Result<Sent> {
         let row: Option<IncidentSummary> =
             sqlx::query_as(include_str!("notifier/sql/incident.sql"))

@@ -219,3 +219,59 @@ async fn a_shutdown_while_a_post_is_in_flight_records_what_was_delivered() {
         "{counts:?}"
     );
 }
+
+/// A webhook that answers a redirect has not received the notification:
+/// following a 302 turns the POST into a GET without a body, whose 200
+/// says nothing about the notification. The send fails, to be retried.
+#[tokio::test]
+async fn a_redirect_is_a_failed_send_not_a_delivery() {
+    use axum::Router;
+    use axum::http::{StatusCode, header};
+    use axum::routing::{get, post};
+    use std::sync::{Arc, Mutex};
+
+    let (_db, pool, service, _) = declared(&["db down"]).await;
+    let landed: Arc<Mutex<Vec<String>>> = Arc::default();
+    let app = Router::new()
+        .route(
+            "/hook",
+            post(|| async { (StatusCode::FOUND, [(header::LOCATION, "/landing")]) }),
+        )
+        .route(
+            "/landing",
+            get({
+                let landed = landed.clone();
+                move || async move {
+                    landed.lock().unwrap().push("GET".into());
+                    StatusCode::OK
+                }
+            })
+            .post({
+                let landed = landed.clone();
+                move || async move {
+                    landed.lock().unwrap().push("POST".into());
+                    StatusCode::OK
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let notifier = Notifier::new(
+        &service,
+        NotifierConfig::new(format!("http://127.0.0.1:{port}/hook")),
+    )
+    .unwrap();
+    let counts = notifier.run_once().await.unwrap();
+    let recorded: i64 = sqlx::query_scalar("SELECT count(*) FROM incidents.notifications")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        (counts.sent, counts.failed, recorded),
+        (0, 1, 0),
+        "{counts:?}; the redirect target saw {:?}",
+        landed.lock().unwrap()
+    );
+}
