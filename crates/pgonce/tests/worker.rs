@@ -156,3 +156,58 @@ async fn a_handler_that_panics_gets_its_failure_visibility() {
         "the message of a panicked handler is receivable again at once"
     );
 }
+
+/// A handler's own error, wrapping what caused it (its `source`).
+#[derive(Debug)]
+struct Wrapped(pgonce::Error);
+
+impl std::fmt::Display for Wrapped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "processing the message failed")
+    }
+}
+
+impl std::error::Error for Wrapped {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// Finds its job in another delivery's hands for an hour, and says so in
+/// its own error type.
+struct BusyInside;
+
+impl Handler for BusyInside {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        Err(Box::new(Wrapped(pgonce::Error::JobBusy {
+            job_id: 1,
+            status: pgonce::job::JobStatus::Processing,
+            not_before: time::OffsetDateTime::now_utc() + time::Duration::hours(1),
+        })))
+    }
+}
+
+/// A handler's error caused by [`pgonce::Error::JobBusy`] keeps the message
+/// whatever the policy, however the handler wrapped it: if the job's holder
+/// dies, this message is what drives the reaped job.
+#[tokio::test]
+async fn a_job_busy_wrapped_in_the_handlers_own_error_keeps_the_message() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    q.send(SendMessage::new("m")).await.unwrap();
+    let config = WorkerConfig {
+        ack: pgonce::AckPolicy::AlwaysDelete,
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(q.clone(), BusyInside, config).unwrap();
+    let done = worker.run_once().await.unwrap();
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.queue_message")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        (done.failed, done.deleted, kept),
+        (1, 0, 1),
+        "the message of a busy job is kept"
+    );
+}

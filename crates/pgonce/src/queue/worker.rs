@@ -27,8 +27,10 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 pub trait Handler: Send + Sync + 'static {
     /// Handles `message`. `Ok` acks it; `Err` leaves it for redelivery (or,
     /// under [`AckPolicy::AlwaysDelete`], deletes it anyway). An `Err` that
-    /// is a [`Error::JobBusy`] is never deleted: the message becomes visible
-    /// again at the job's `not_before`. A panic is a failure that is never
+    /// is a [`Error::JobBusy`], or is caused by one (found through
+    /// [`std::error::Error::source`]; a wrapper whose `source` skips it, as
+    /// `#[error(transparent)]` does, hides it), is never deleted: the
+    /// message becomes visible again at the job's `not_before`. A panic is a failure that is never
     /// deleted either: the worker catches it, counts it in
     /// [`WorkerCounters::failed`], and keeps the message as a dead process
     /// would (under `DeleteOnSuccess`, after `failure_visibility`).
@@ -477,15 +479,9 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         // A handler whose job claim found the job in another delivery's
         // hands keeps its message whatever the policy, and makes it visible
         // again when the job can be claimable at the earliest (the holder's
-        // lease expiry, a retry's run_at).
-        let busy_until = outcome
-            .as_ref()
-            .err()
-            .and_then(|e| e.downcast_ref::<Error>())
-            .and_then(|e| match e {
-                Error::JobBusy { not_before, .. } => Some(*not_before),
-                _ => None,
-            });
+        // lease expiry, a retry's run_at). The JobBusy may be the error
+        // itself or one of its causes: handlers wrap errors in their own.
+        let busy_until = outcome.as_ref().err().and_then(|e| job_busy_until(&**e));
         let delete = match &outcome {
             Ok(()) => {
                 bump(&c.succeeded);
@@ -535,6 +531,21 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
             }
         }
     }
+}
+
+/// The `not_before` of the first [`Error::JobBusy`] in `error`'s chain of
+/// sources, `error` included.
+fn job_busy_until(
+    error: &(dyn std::error::Error + Send + Sync + 'static),
+) -> Option<time::OffsetDateTime> {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = next {
+        if let Some(Error::JobBusy { not_before, .. }) = e.downcast_ref::<Error>() {
+            return Some(*not_before);
+        }
+        next = e.source();
+    }
+    None
 }
 
 /// How long a message of a busy job stays invisible: until `not_before`,
