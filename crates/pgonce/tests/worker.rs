@@ -211,3 +211,82 @@ async fn a_job_busy_wrapped_in_the_handlers_own_error_keeps_the_message() {
         "the message of a busy job is kept"
     );
 }
+
+/// [`Gate`], but fails.
+struct GatedFailure(Arc<Gated>);
+
+impl Handler for GatedFailure {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        self.0.started.notify_one();
+        self.0.go.notified().await;
+        self.0.finished.notify_one();
+        Err("failed on purpose".into())
+    }
+}
+
+/// A beat in flight when its handler ends is finished before the ack, not
+/// dropped: dropped, its statement could still reach the database after the
+/// ack's, and extend the visibility the ack had just set (here: release the
+/// message at once, `failure_visibility` zero).
+#[tokio::test]
+async fn a_heartbeat_in_flight_when_the_handler_ends_lands_before_the_ack() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    let sent = q.send(SendMessage::new("m")).await.unwrap();
+    let gated = Arc::new(Gated::default());
+    let config = WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        heartbeat_interval: Some(Duration::from_millis(50)),
+        heartbeat_extension: Duration::from_secs(3600),
+        failure_visibility: Some(Duration::ZERO),
+        ..WorkerConfig::default()
+    };
+    let worker = Arc::new(Worker::new(q.clone(), GatedFailure(gated.clone()), config).unwrap());
+    let run = tokio::spawn({
+        let worker = worker.clone();
+        async move { worker.run_once().await }
+    });
+    tokio::time::timeout(FAILSAFE, gated.started.notified())
+        .await
+        .expect("the handler started");
+    let mut holder = pool.acquire().await.unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut *holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM pgonce.queue_message WHERE id = $1 FOR UPDATE")
+        .bind(sent.id.parse::<i64>().unwrap())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    tokio::time::timeout(FAILSAFE, async {
+        while blocked_by(&pool, holder_pid).await == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("a heartbeat waits on the row lock");
+    let beats_before = worker.counters().heartbeats;
+    // The handler ends while the beat waits (on this single-threaded
+    // runtime, the worker's task has gone on to its ack, or to the beat,
+    // before this task runs again).
+    gated.go.notify_one();
+    tokio::time::timeout(FAILSAFE, gated.finished.notified())
+        .await
+        .expect("the handler ended");
+    sqlx::query("ROLLBACK").execute(&mut *holder).await.unwrap();
+    let done = tokio::time::timeout(FAILSAFE, run)
+        .await
+        .expect("run_once ends once the lock is gone")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (done.failed, done.heartbeats),
+        (1, beats_before + 1),
+        "the beat in flight was finished, then the ack"
+    );
+    let again = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(again.len(), 1, "released by the ack after the beat");
+}

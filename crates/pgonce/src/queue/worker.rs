@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 
 use super::{Queue, ReceiveRequest, Received};
@@ -405,14 +405,19 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
 }
 
 impl<Q: Queue, H: Handler> Shared<Q, H> {
-    /// Extends `message`'s visibility every `heartbeat_interval` for as
-    /// long as it is polled; stops beating (and waits for ever) once a beat
-    /// is refused as stale, or at once without a heartbeat.
-    async fn heartbeat(&self, message: &Received, queue: &str) -> std::convert::Infallible {
+    /// Extends `message`'s visibility every `heartbeat_interval` until
+    /// `stop` is notified, which it looks at between beats only: a beat in
+    /// flight is finished. Stops beating once a beat is refused as stale
+    /// (and waits for `stop`), and never beats without a heartbeat.
+    async fn heartbeat(&self, message: &Received, queue: &str, stop: &Notify) {
         let c = &self.counters;
         if let Some(every) = self.config.heartbeat_interval {
             loop {
-                tokio::time::sleep(every).await;
+                tokio::select! {
+                    biased;
+                    () = stop.notified() => return,
+                    () = tokio::time::sleep(every) => {}
+                }
                 match self
                     .queue
                     .change_visibility(&message.receipt, self.config.heartbeat_extension)
@@ -431,7 +436,7 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                 }
             }
         }
-        std::future::pending().await
+        stop.notified().await
     }
 
     async fn process(&self, message: Received) {
@@ -451,18 +456,23 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         // The heartbeat runs beside the handler, not in turns with it: a
         // beat is a statement that can wait (on the message's row lock, on
         // a connection of an exhausted pool), and the handler must go on
-        // meanwhile. It ends with the handler; a beat still waiting then is
-        // dropped, and the ack below decides the message's fate.
+        // meanwhile. When the handler ends, a beat in flight is finished
+        // before the ack: dropped, its statement could still reach the
+        // database after the ack's and undo a visibility the ack set.
         // A panic is caught here, the handler's future dropped with it: the
         // handler failed, and its message gets what any failure gets.
         let caught = {
+            let stop = Notify::new();
             let handling = AssertUnwindSafe(self.handler.handle(&message)).catch_unwind();
-            let heartbeat = self.heartbeat(&message, &queue);
+            let heartbeat = self.heartbeat(&message, &queue, &stop);
             tokio::pin!(handling, heartbeat);
-            tokio::select! {
-                outcome = &mut handling => outcome,
-                never = &mut heartbeat => match never {},
-            }
+            let caught = tokio::select! {
+                caught = &mut handling => caught,
+                () = &mut heartbeat => unreachable!("the heartbeat ends only when stopped"),
+            };
+            stop.notify_one();
+            heartbeat.await;
+            caught
         };
         metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
             .record(started.elapsed().as_secs_f64());
