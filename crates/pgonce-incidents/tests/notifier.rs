@@ -275,3 +275,97 @@ async fn a_redirect_is_a_failed_send_not_a_delivery() {
         landed.lock().unwrap()
     );
 }
+
+/// Two notifiers on one notification: the first one's POST is still in
+/// flight when its lease runs out and the job is reaped; the second one
+/// claims it, posts and completes. Both posts carry the same key, and the
+/// first one's late completion is refused: one `notifications` row.
+#[tokio::test]
+async fn a_notifier_whose_lease_ran_out_mid_post_records_nothing() {
+    use axum::Router;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::post;
+    use pgonce::job::{Reaper, ReaperConfig};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    use tokio::sync::Notify;
+
+    /// Keys in arrival order; the first request waits for `release`.
+    #[derive(Default)]
+    struct Hook {
+        keys: Mutex<Vec<String>>,
+        arrived: Notify,
+        release: Notify,
+    }
+    let (_db, pool, service, incidents) = declared(&["db down"]).await;
+    let hook = Arc::new(Hook::default());
+    let app = Router::new().route(
+        "/hook",
+        post({
+            let hook = hook.clone();
+            move |headers: HeaderMap| async move {
+                let key = headers
+                    .get("Idempotency-Key")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                let first = {
+                    let mut keys = hook.keys.lock().unwrap();
+                    keys.push(key);
+                    keys.len() == 1
+                };
+                if first {
+                    hook.arrived.notify_one();
+                    hook.release.notified().await;
+                }
+                StatusCode::OK
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let mut config = NotifierConfig::new(format!("http://127.0.0.1:{port}/hook"));
+    config.timeout = Duration::from_secs(60);
+    config.lease = Duration::from_secs(120);
+    let first = Notifier::new(&service, config.clone()).unwrap();
+    let second = Notifier::new(&service, config).unwrap();
+
+    let first_pass = tokio::spawn(async move { first.run_once().await });
+    tokio::time::timeout(Duration::from_secs(20), hook.arrived.notified())
+        .await
+        .expect("the first POST arrived");
+    // Its lease runs out while the POST is in flight; the reaper returns
+    // the job, the second notifier sends it.
+    sqlx::query("UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let reaped = Reaper::new(pool.clone(), ReaperConfig::default())
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(reaped.returned, 1);
+    let second_counts = second.run_once().await.unwrap();
+    hook.release.notify_one();
+    let first_counts = first_pass.await.unwrap().unwrap();
+
+    let recorded: Vec<i64> = sqlx::query_scalar("SELECT incident_id FROM incidents.notifications")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let keys = hook.keys.lock().unwrap().clone();
+    let expected_key = pgonce_incidents::notifier::idempotency_key(incidents[0].id);
+    assert_eq!(
+        (
+            second_counts.sent,
+            first_counts.lease_lost,
+            first_counts.sent
+        ),
+        (1, 1, 0),
+        "{second_counts:?} {first_counts:?}"
+    );
+    assert_eq!(recorded, [incidents[0].id]);
+    assert_eq!(keys, [expected_key.clone(), expected_key]);
+}
