@@ -30,10 +30,11 @@ pub trait Handler: Send + Sync + 'static {
     /// is a [`Error::JobBusy`], or is caused by one (found through
     /// [`std::error::Error::source`]; a wrapper whose `source` skips it, as
     /// `#[error(transparent)]` does, hides it), is never deleted: the
-    /// message becomes visible again at the job's `not_before`. A panic is a failure that is never
-    /// deleted either: the worker catches it, counts it in
-    /// [`WorkerCounters::failed`], and keeps the message as a dead process
-    /// would (under `DeleteOnSuccess`, after `failure_visibility`).
+    /// message becomes visible again at the job's `not_before`. A panic is
+    /// a failure that is never deleted either: the worker catches it,
+    /// counts it in [`WorkerCounters::failed`], and keeps the message as a
+    /// dead process would (visible again after `failure_visibility`, if
+    /// set).
     fn handle(
         &self,
         message: &Received,
@@ -470,12 +471,12 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                 caught = &mut handling => caught,
                 () = &mut heartbeat => unreachable!("the heartbeat ends only when stopped"),
             };
+            metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
+                .record(started.elapsed().as_secs_f64());
             stop.notify_one();
             heartbeat.await;
             caught
         };
-        metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
-            .record(started.elapsed().as_secs_f64());
         in_flight.decrement(1.0);
         let panicked = caught.is_err();
         let outcome = caught.unwrap_or_else(|payload| {
