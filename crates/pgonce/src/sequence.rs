@@ -112,7 +112,9 @@ pub enum Strategy {
     /// `pgonce.sequence_counters` (created from the table's max on first
     /// use, and never left behind it, so the other strategies can number
     /// the same scope in between); the row lock serializes the scope. Any
-    /// isolation level.
+    /// isolation level. The row is keyed by the table *and* its scope and
+    /// number columns, so two sequences of one table (numbers per
+    /// organization and per team, say) never move each other's counters.
     CounterRow,
     /// `LOCK TABLE ... IN EXCLUSIVE MODE`, then max + 1: what the `sequenced`
     /// gem does. Correct, but every declaration of every scope (and every
@@ -179,7 +181,11 @@ const READ_COMMITTED: &str = "read committed";
 /// lower case) and are always quoted, so any name is safe. A table given
 /// without a schema is in `public`: the name is part of the advisory lock key
 /// and of the counter row, so two processes must spell the same table the
-/// same way, and an explicit schema makes that so. (A role named like an
+/// same way, and an explicit schema makes that so. Two sequences of one
+/// table (each with its own scope and number columns) share the lock
+/// namespace: declarations of equal scope values in the two wait for each
+/// other, which costs time, never a wrong number; their counter rows are
+/// apart, as the columns are part of the counter's key. (A role named like an
 /// existing schema, `pgonce` for instance, creates unqualified tables in
 /// that schema under the default `search_path`: one more reason to name the
 /// schema.)
@@ -222,10 +228,23 @@ impl NumberedTable {
         })
     }
 
-    /// `schema.table`, unquoted: the sequence's name in lock keys, counter
-    /// rows and errors.
+    /// `schema.table`, unquoted: the sequence's name in lock keys and
+    /// errors.
     pub fn name(&self) -> String {
         format!("{}.{}", self.schema, self.table)
+    }
+
+    /// The key of this table's counter rows ([`Strategy::CounterRow`]):
+    /// `"schema"."table"("scope", "number")`, every name quoted, so two
+    /// sequences of one table get different keys and no two spellings
+    /// collide.
+    pub fn counter_key(&self) -> String {
+        format!(
+            "{}({}, {})",
+            self.quoted(),
+            quote(&self.scope_column),
+            quote(&self.number_column)
+        )
     }
 
     fn quoted(&self) -> String {
@@ -313,6 +332,8 @@ struct TakeRow {
 #[derive(Debug, Clone)]
 pub struct Sequence {
     name: Arc<str>,
+    /// [`NumberedTable::counter_key`], the `sequence` of its counter rows.
+    counter_key: Arc<str>,
     strategy: Strategy,
     table: NumberedTable,
     sql: Arc<Statements>,
@@ -382,6 +403,7 @@ impl Sequence {
         };
         Ok(Sequence {
             name: table.name().into(),
+            counter_key: table.counter_key().into(),
             strategy: config.strategy,
             table,
             sql: Arc::new(sql),
@@ -456,7 +478,7 @@ impl Sequence {
             // Correct at every isolation level, so nothing to check: the
             // upsert both waits for the row lock and yields the number.
             let number = sqlx::query_scalar(AssertSqlSafe(self.sql.counter.as_str()))
-                .bind(&*self.name)
+                .bind(&*self.counter_key)
                 .bind(scope.to_string())
                 .bind(scope)
                 .fetch_one(&mut **tx)
@@ -634,6 +656,10 @@ mod tests {
         let t = NumberedTable::new("incidents", "org", "number").unwrap();
         assert_eq!(t.name(), "public.incidents");
         assert_eq!(t.quoted(), "\"public\".\"incidents\"");
+        assert_eq!(
+            t.counter_key(),
+            "\"public\".\"incidents\"(\"org\", \"number\")"
+        );
         let t = NumberedTable::new("app.we\"ird", "org", "n").unwrap();
         assert_eq!(t.quoted(), "\"app\".\"we\"\"ird\"");
         for (table, scope, number) in [

@@ -596,3 +596,74 @@ async fn commit_numbered_refuses_a_savepoint_as_its_release_commits_nothing() {
     let seq = sequence(Strategy::AdvisoryLock);
     assert_eq!(declare(&seq, &pool, "acme").await.unwrap(), 1);
 }
+
+/// Two sequences may number one table, each in its own columns (incidents
+/// per organization, and per team). Under the counter row each keeps its own
+/// counter: one moving on never skips numbers of the other.
+#[tokio::test]
+async fn two_sequences_of_one_table_keep_their_own_counters() {
+    let (pool, _db) = setup(2).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.tasks (org text NOT NULL, org_number bigint NOT NULL, \
+         team text NOT NULL, team_number bigint, \
+         UNIQUE (org, org_number), UNIQUE (team, team_number))",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let counter = SequenceConfig {
+        strategy: Strategy::CounterRow,
+    };
+    let per_org = Sequence::new(
+        NumberedTable::new("public.tasks", "org", "org_number").unwrap(),
+        counter.clone(),
+    )
+    .unwrap();
+    let per_team = Sequence::new(
+        NumberedTable::new("public.tasks", "team", "team_number").unwrap(),
+        counter,
+    )
+    .unwrap();
+    // A task of org "x" in team "y", then one of org "y" in team "x": the
+    // organization and the team share a name, not a numbering.
+    let mut numbers = Vec::new();
+    for (org, team) in [("x", "y"), ("y", "x")] {
+        let tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        let org_number = per_org
+            .commit_numbered(tx, &org, async |conn: &mut PgConnection, n| {
+                sqlx::query("INSERT INTO public.tasks (org, org_number, team) VALUES ($1, $2, $3)")
+                    .bind(org)
+                    .bind(n)
+                    .bind(team)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+            .await
+            .unwrap()
+            .number;
+        let tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        let team_number = per_team
+            .commit_numbered(tx, &team, async |conn: &mut PgConnection, n| {
+                sqlx::query(
+                    "UPDATE public.tasks SET team_number = $2 \
+                     WHERE org = $1 AND org_number = $3",
+                )
+                .bind(org)
+                .bind(n)
+                .bind(org_number)
+                .execute(conn)
+                .await?;
+                Ok(())
+            })
+            .await
+            .unwrap()
+            .number;
+        numbers.push((org_number, team_number));
+    }
+    assert_eq!(numbers, [(1, 1), (1, 1)]);
+}

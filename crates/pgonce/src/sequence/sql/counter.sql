@@ -13,7 +13,7 @@
 -- statement's snapshot may predate the counter row's lock, so the max may
 -- miss what a counter-row taker committed meanwhile; that taker moved the
 -- counter, which the upsert reads as it is now.
--- $1 sequence name, $2 scope as text, $3 scope as the column's type.
+-- $1 the counter key (table and columns, NumberedTable::counter_key), $2 scope as text, $3 scope as the column's type.
 INSERT INTO pgonce.sequence_counters AS c (sequence, scope, last_number)
 SELECT $1, $2, (COALESCE(max({number}), 0) + 1)::bigint FROM {table} WHERE {scope} = $3
 ON CONFLICT (sequence, scope) DO UPDATE
