@@ -667,3 +667,79 @@ async fn two_sequences_of_one_table_keep_their_own_counters() {
     }
     assert_eq!(numbers, [(1, 1), (1, 1)]);
 }
+
+/// Two sequences taken in one transaction, in opposite orders by two
+/// declarers (A: incidents then tickets; B: tickets then incidents), can
+/// deadlock. PostgreSQL breaks it by aborting one of the two; that one gets
+/// a typed, retryable error, and the other goes on to commit its numbers.
+async fn opposite_orders_deadlock_into_a_retryable_error(strategy: Strategy) {
+    let (pool, db) = setup(4).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.tickets (org text NOT NULL, number bigint NOT NULL, \
+         UNIQUE (org, number))",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let incidents = sequence(strategy);
+    let tickets = Sequence::new(
+        NumberedTable::new("public.tickets", "org", "number").unwrap(),
+        SequenceConfig { strategy },
+    )
+    .unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let rc = IsolationLevel::ReadCommitted;
+    let mut tx_a = race
+        .try_step(&a, "BEGIN", pgonce::begin(a.pool(), rc))
+        .await
+        .unwrap();
+    let mut tx_b = race
+        .try_step(&b, "BEGIN", pgonce::begin(b.pool(), rc))
+        .await
+        .unwrap();
+    race.try_step(&a, "incidents(x)", incidents.next(&mut tx_a, &"x"))
+        .await
+        .unwrap();
+    race.try_step(&b, "tickets(x)", tickets.next(&mut tx_b, &"x"))
+        .await
+        .unwrap();
+    let a_waits = race
+        .step_blocks(&a, "tickets(x)", async move {
+            let taken = tickets.next(&mut tx_a, &"x").await.map(|t| t.number);
+            (taken, tx_a)
+        })
+        .await
+        .unwrap();
+    assert_eq!(a_waits.blocked_by(), ["B"], "{strategy}");
+    // B closes the cycle; PostgreSQL's deadlock check aborts A or B.
+    let b_takes = tokio::spawn(async move {
+        let taken = incidents.next(&mut tx_b, &"x").await.map(|t| t.number);
+        (taken, tx_b)
+    });
+    let (a_taken, tx_a) = a_waits.resume().await.unwrap();
+    let (b_taken, tx_b) = b_takes.await.unwrap();
+    let (lost, won, tx_won) = match (a_taken, b_taken) {
+        (Err(lost), Ok(won)) => (lost, won, tx_b),
+        (Ok(won), Err(lost)) => (lost, won, tx_a),
+        other => panic!("{strategy}: exactly one side must lose, got {other:?}"),
+    };
+    assert!(
+        matches!(&lost, Error::SerializationFailure { sqlstate, .. } if sqlstate == "40P01"),
+        "{strategy}: {lost:?}"
+    );
+    assert!(lost.is_retryable(), "{strategy}");
+    assert_eq!(won, 1, "{strategy}");
+    tx_won.commit().await.unwrap();
+}
+
+#[tokio::test]
+async fn opposite_orders_under_the_advisory_lock_deadlock_into_a_retryable_error() {
+    opposite_orders_deadlock_into_a_retryable_error(Strategy::AdvisoryLock).await;
+}
+
+#[tokio::test]
+async fn opposite_orders_under_the_counter_row_deadlock_into_a_retryable_error() {
+    opposite_orders_deadlock_into_a_retryable_error(Strategy::CounterRow).await;
+}
