@@ -706,3 +706,64 @@ async fn a_lock_timeout_is_typed_and_leaves_the_connection_clean() {
     tx.commit().await.unwrap();
     assert_eq!(count_open(&pool, "timeout").await, 1);
 }
+
+/// The guarded transaction runs at the level the guard was configured with,
+/// whatever the database's default: BEGIN and the lock travel in one
+/// message, and the level set before the lock must survive the BEGIN.
+#[tokio::test]
+async fn the_guarded_transaction_runs_at_the_configured_level_whatever_the_default() {
+    let (db, pool) = setup().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" SET default_transaction_isolation = 'repeatable read'",
+        db.name()
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+    let pool = PgPool::connect_with(db.options()).await.unwrap();
+    let default: String = sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(default, "repeatable read");
+    let key = LockKey::new("things", "level").unwrap();
+    for (isolation, expected) in [
+        (pgonce::guard::Isolation::ReadCommitted, "read committed"),
+        (pgonce::guard::Isolation::Serializable, "serializable"),
+    ] {
+        let guard = Guard::new(
+            "things",
+            GuardConfig {
+                isolation,
+                ..GuardConfig::default()
+            },
+        )
+        .unwrap();
+        for timeout in [None, Some(std::time::Duration::from_secs(5))] {
+            let guard = Guard::new(
+                "things",
+                GuardConfig {
+                    lock_timeout: timeout,
+                    ..guard.config().clone()
+                },
+            )
+            .unwrap();
+            let mut opened = [
+                guard.begin_for(&pool, key).await.unwrap(),
+                guard.begin(&pool).await.unwrap(),
+            ];
+            for tx in &mut opened {
+                let level: String =
+                    sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
+                        .fetch_one(&mut ***tx)
+                        .await
+                        .unwrap();
+                assert_eq!(level, expected, "{isolation:?} {timeout:?}");
+            }
+            for tx in opened {
+                tx.rollback().await.unwrap();
+            }
+        }
+    }
+}
