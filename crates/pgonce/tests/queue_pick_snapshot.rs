@@ -256,11 +256,18 @@ async fn a_receive_killed_after_its_pick_locked_leaves_the_messages_as_they_were
     // exited, its transaction aborted and its row locks released: the
     // client hears of the termination before that, so a receive right
     // after the error could still find A and B locked and skip them.
+    // R's backend is found as `wait_at` found it, by its lock request not
+    // granted: pg_stat_activity reports the wait a moment after pg_locks
+    // shows the request, and in that moment a filter on `wait_event_type`
+    // found no backend.
     let killed: bool = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid, 60000) FROM pg_stat_activity
-         WHERE application_name LIKE '%:R' AND datname = current_database()
-           AND wait_event_type = 'Lock'",
+        "SELECT pg_terminate_backend(a.pid, 60000)
+         FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+         WHERE a.application_name LIKE '%:R' AND a.datname = current_database()
+           AND NOT l.granted AND l.locktype = 'advisory'
+           AND l.objid = $1::bigint::oid",
     )
+    .bind(AFTER_PICK)
     .fetch_one(&t.setup)
     .await
     .unwrap();
