@@ -89,6 +89,17 @@ pub enum Error {
         number: i64,
     },
 
+    /// The scope's next number is past what its number column holds: the
+    /// scope has used every number. Its transaction is aborted; nothing of
+    /// it is committed.
+    #[error("scope {scope} of {sequence} is exhausted: its next number is past its column's type")]
+    SequenceExhausted {
+        /// The sequence's name.
+        sequence: String,
+        /// The exhausted scope, as text.
+        scope: String,
+    },
+
     /// An event store append whose condition failed: events matching the
     /// condition's query exist after its `after` position (anywhere, when it
     /// had none). Nothing was appended. `matching` holds the first positions
@@ -294,6 +305,8 @@ pub mod sqlstate {
     pub const LOCK_NOT_AVAILABLE: &str = "55P03";
     /// `unique_violation`.
     pub const UNIQUE_VIOLATION: &str = "23505";
+    /// `numeric_value_out_of_range`.
+    pub const NUMERIC_VALUE_OUT_OF_RANGE: &str = "22003";
 }
 
 /// The SQLSTATE of a database error, if it is one.

@@ -464,7 +464,8 @@ impl Sequence {
     /// Errors: [`Error::WrongIsolation`] (before any lock is taken) when the
     /// strategy cannot be correct at `tx`'s isolation level;
     /// [`Error::SerializationFailure`] for a deadlock or a serialization
-    /// failure (retry the transaction).
+    /// failure (retry the transaction); [`Error::SequenceExhausted`] when
+    /// the scope's next number is past its column's type.
     ///
     /// Cancel safety: dropping the future mid-way leaves `tx` in an unknown
     /// state; roll it back.
@@ -482,7 +483,8 @@ impl Sequence {
                 .bind(scope.to_string())
                 .bind(scope)
                 .fetch_one(&mut **tx)
-                .await?;
+                .await
+                .map_err(|e| self.exhausted(e, scope))?;
             return Ok(self.taken(number, started, Instant::now()));
         }
         // One round trip: isolation check, lock, then max + 1 in a statement
@@ -501,7 +503,8 @@ impl Sequence {
             .bind(key)
             .bind(scope)
             .fetch_one(&mut **tx)
-            .await?;
+            .await
+            .map_err(|e| self.exhausted(e, scope))?;
         let returned = Instant::now();
         let Some(number) = number else {
             // The function locked nothing: the level is wrong.
@@ -519,6 +522,21 @@ impl Sequence {
             .unwrap_or_default()
             .min(returned - started);
         Ok(self.taken(number, started, returned - after_grant))
+    }
+
+    /// [`Error::SequenceExhausted`] for the one value out of range the
+    /// statements taking a number can meet, the scope's maximum + 1 (the
+    /// scope is compared with its column across types, never converted);
+    /// any other error as it is.
+    fn exhausted(&self, e: sqlx::Error, scope: &impl ScopeValue) -> Error {
+        if sqlstate_of(&e).as_deref() == Some(sqlstate::NUMERIC_VALUE_OUT_OF_RANGE) {
+            tracing::warn!(sequence = %self.name, %scope, "scope exhausted: its next number is past its column's type");
+            return Error::SequenceExhausted {
+                sequence: self.name.to_string(),
+                scope: scope.to_string(),
+            };
+        }
+        e.into()
     }
 
     fn taken(&self, number: i64, started: Instant, granted_at: Instant) -> Taken {

@@ -743,3 +743,34 @@ async fn opposite_orders_under_the_advisory_lock_deadlock_into_a_retryable_error
 async fn opposite_orders_under_the_counter_row_deadlock_into_a_retryable_error() {
     opposite_orders_deadlock_into_a_retryable_error(Strategy::CounterRow).await;
 }
+
+/// A scope whose numbers reached the column's largest value has no next
+/// number: every strategy says so with a typed error naming the scope,
+/// not a database error, and nothing is written.
+#[tokio::test]
+async fn a_scope_at_the_largest_number_is_exhausted_with_a_typed_error() {
+    let (pool, _db) = setup(8).await;
+    let mut conn = pool.acquire().await.unwrap();
+    insert_incident(&mut conn, "full", i64::MAX).await.unwrap();
+    drop(conn);
+    for strategy in [
+        Strategy::AdvisoryLock,
+        Strategy::CounterRow,
+        Strategy::TableLock,
+        Strategy::SelectForUpdate,
+    ] {
+        let out = declare(&sequence(strategy), &pool, "full").await;
+        assert!(
+            matches!(&out, Err(Error::SequenceExhausted { scope, .. }) if scope == "full"),
+            "{strategy:?}: {out:?}"
+        );
+    }
+    assert_eq!(committed(&pool).await["full"], [i64::MAX]);
+    // Other scopes go on.
+    assert_eq!(
+        declare(&sequence(Strategy::AdvisoryLock), &pool, "other")
+            .await
+            .unwrap(),
+        1
+    );
+}
