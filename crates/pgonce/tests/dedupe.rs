@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce::IsolationLevel;
-use pgonce::dedupe::{self, Acquired, Collector, CollectorConfig};
+use pgonce::dedupe::{self, Acquired, Collector, CollectorConfig, KeyHold};
 use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
@@ -468,20 +468,7 @@ async fn a_hold_finished_under_a_snapshot_older_than_the_hold_asks_for_a_retry()
         for recovered in [false, true] {
             let key = format!("k-{level:?}-{recovered}");
             if recovered {
-                let Acquired::Process(_dead) = dedupe::acquire(&pool, "api", &key, &fp, hold_for)
-                    .await
-                    .unwrap()
-                else {
-                    panic!("new key");
-                };
-                sqlx::query(
-                    "UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms' \
-                     WHERE key = $1",
-                )
-                .bind(&key)
-                .execute(&pool)
-                .await
-                .unwrap();
+                held_past_its_hold(&pool, &key, &fp).await;
             }
             let mut tx = pgonce::begin(&pool, level).await.unwrap();
             take_snapshot(&mut tx).await;
@@ -622,6 +609,26 @@ async fn keys_with_nul_or_past_the_longest_are_refused_before_the_transaction_is
     dedupe::finish(&pool, &hold, &json!("ok")).await.unwrap();
 }
 
+/// Takes new key `key` of scope `api` and makes its hold run out, as if its
+/// holder had died or stalled; returns that hold.
+async fn held_past_its_hold(pool: &PgPool, key: &str, fp: &[u8]) -> KeyHold {
+    let Acquired::Process(hold) = dedupe::acquire(pool, "api", key, fp, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("new key");
+    };
+    sqlx::query(
+        "UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms' \
+         WHERE key = $1",
+    )
+    .bind(key)
+    .execute(pool)
+    .await
+    .unwrap();
+    hold
+}
+
 /// Two holders of one key across the hold's expiry, the first finishing
 /// while the second arrives: the second waits for the first's finish, then
 /// replays its response if it committed, or takes the key over if it rolled
@@ -633,20 +640,7 @@ async fn a_late_finish_racing_a_takeover_is_replayed_if_it_commits_and_taken_ove
     let hold_for = Duration::from_secs(60);
     for commit in [true, false] {
         let key = format!("k-{commit}");
-        let Acquired::Process(first) = dedupe::acquire(&pool, "api", &key, &fp, hold_for)
-            .await
-            .unwrap()
-        else {
-            panic!("new key");
-        };
-        sqlx::query(
-            "UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms' \
-             WHERE key = $1",
-        )
-        .bind(&key)
-        .execute(&pool)
-        .await
-        .unwrap();
+        let first = held_past_its_hold(&pool, &key, &fp).await;
         let race = Interleaving::new(db.options()).await.unwrap();
         let a = race.session("A").await.unwrap();
         let b = race.session("B").await.unwrap();

@@ -59,6 +59,41 @@ async fn blocked_by(observer: &PgPool, holder: i32) -> i64 {
     .unwrap()
 }
 
+/// A connection holding a message's row lock in an open transaction.
+struct RowHolder {
+    conn: sqlx::pool::PoolConnection<sqlx::Postgres>,
+    /// Its backend, which the waiting heartbeat is blocked by.
+    pid: i32,
+}
+
+/// Locks message `id`'s row in a transaction on a connection of its own,
+/// and returns it once a statement (a heartbeat) is seen waiting on the
+/// lock.
+async fn hold_until_a_beat_waits(pool: &sqlx::PgPool, id: &str) -> RowHolder {
+    let mut holder = pool.acquire().await.unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut *holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM pgonce.queue_message WHERE id = $1 FOR UPDATE")
+        .bind(id.parse::<i64>().unwrap())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    tokio::time::timeout(FAILSAFE, async {
+        while blocked_by(pool, holder_pid).await == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("a heartbeat waits on the row lock");
+    RowHolder {
+        conn: holder,
+        pid: holder_pid,
+    }
+}
+
 /// A heartbeat is a database statement, and a statement can wait (on a row
 /// lock, on a connection of an exhausted pool). The handler must keep
 /// running meanwhile: it may be the very thing that frees what the beat
@@ -86,30 +121,16 @@ async fn a_heartbeat_waiting_in_the_database_does_not_stall_its_handler() {
         .expect("the handler started");
 
     // Lock the message's row, and wait until a heartbeat is seen waiting on it.
-    let mut holder = pool.acquire().await.unwrap();
-    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *holder)
-        .await
-        .unwrap();
-    sqlx::query("BEGIN").execute(&mut *holder).await.unwrap();
-    sqlx::query("SELECT 1 FROM pgonce.queue_message WHERE id = $1 FOR UPDATE")
-        .bind(sent.id.parse::<i64>().unwrap())
-        .execute(&mut *holder)
-        .await
-        .unwrap();
-    tokio::time::timeout(FAILSAFE, async {
-        while blocked_by(&pool, holder_pid).await == 0 {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .expect("a heartbeat waits on the row lock");
+    let mut holder = hold_until_a_beat_waits(&pool, &sent.id).await;
 
     // Let the handler go: it must finish while the beat still waits.
     gated.go.notify_one();
     let finished = tokio::time::timeout(FAILSAFE, gated.finished.notified()).await;
-    let still_blocked = blocked_by(&pool, holder_pid).await;
-    sqlx::query("ROLLBACK").execute(&mut *holder).await.unwrap();
+    let still_blocked = blocked_by(&pool, holder.pid).await;
+    sqlx::query("ROLLBACK")
+        .execute(&mut *holder.conn)
+        .await
+        .unwrap();
     assert!(
         finished.is_ok(),
         "the handler made no progress while its heartbeat waited on a row lock \
@@ -250,24 +271,7 @@ async fn a_heartbeat_in_flight_when_the_handler_ends_lands_before_the_ack() {
     tokio::time::timeout(FAILSAFE, gated.started.notified())
         .await
         .expect("the handler started");
-    let mut holder = pool.acquire().await.unwrap();
-    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *holder)
-        .await
-        .unwrap();
-    sqlx::query("BEGIN").execute(&mut *holder).await.unwrap();
-    sqlx::query("SELECT 1 FROM pgonce.queue_message WHERE id = $1 FOR UPDATE")
-        .bind(sent.id.parse::<i64>().unwrap())
-        .execute(&mut *holder)
-        .await
-        .unwrap();
-    tokio::time::timeout(FAILSAFE, async {
-        while blocked_by(&pool, holder_pid).await == 0 {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .expect("a heartbeat waits on the row lock");
+    let mut holder = hold_until_a_beat_waits(&pool, &sent.id).await;
     let beats_before = worker.counters().heartbeats;
     // The handler ends while the beat waits (on this single-threaded
     // runtime, the worker's task has gone on to its ack, or to the beat,
@@ -276,7 +280,10 @@ async fn a_heartbeat_in_flight_when_the_handler_ends_lands_before_the_ack() {
     tokio::time::timeout(FAILSAFE, gated.finished.notified())
         .await
         .expect("the handler ended");
-    sqlx::query("ROLLBACK").execute(&mut *holder).await.unwrap();
+    sqlx::query("ROLLBACK")
+        .execute(&mut *holder.conn)
+        .await
+        .unwrap();
     let done = tokio::time::timeout(FAILSAFE, run)
         .await
         .expect("run_once ends once the lock is gone")
