@@ -171,6 +171,19 @@ async fn graceful_shutdown() {
     conformance_shutdown(&q).await;
 }
 
+/// SQS cannot tell a receive waiting from one delivering: the worker lets
+/// the long poll finish and hands back what it returned.
+#[tokio::test]
+async fn a_shutdown_during_a_long_poll_leaves_later_messages_receivable() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    let receiving = async {
+        while q.receives_in_flight() == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    conformance_shutdown_during_a_long_poll(&q, receiving).await;
+}
+
 #[tokio::test]
 async fn malformed_bodies_reach_dead_letters() {
     let moto = support::start();

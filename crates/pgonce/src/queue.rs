@@ -335,7 +335,8 @@ pub struct QueueStats {
 /// A value names one queue. Every method is cancel-safe in the sense that a
 /// dropped call either happened or did not; a dropped receive may have
 /// delivered messages nobody will see, which come back after their
-/// visibility timeout.
+/// visibility timeout. To stop a receive without that loss, tell it to
+/// stop instead of dropping it: [`Queue::receive_or_stop`].
 pub trait Queue: Send + Sync {
     /// The queue's name.
     fn name(&self) -> &str;
@@ -358,6 +359,29 @@ pub trait Queue: Send + Sync {
         &self,
         request: ReceiveRequest,
     ) -> impl Future<Output = Result<Vec<Received>>> + Send;
+
+    /// [`Queue::receive`], told to stop early by `stop`: once `stop`
+    /// resolves, a receive that is only waiting for messages to arrive
+    /// (long polling, nothing delivered) gives up and returns none, and
+    /// one whose request to the server is under way finishes it and
+    /// returns what it delivered. Dropping a receive instead may lose
+    /// what the server had already delivered (it then waits out its
+    /// visibility timeout); a caller that stops this way gets every
+    /// delivered message, to handle or to hand back at once
+    /// ([`Queue::change_visibility`] to zero).
+    ///
+    /// The default cannot tell waiting from a request under way: it
+    /// finishes the receive whatever `stop` says, so it returns within
+    /// `request.wait` plus one request. Backends that can tell override
+    /// it.
+    fn receive_or_stop(
+        &self,
+        request: ReceiveRequest,
+        stop: impl Future<Output = ()> + Send,
+    ) -> impl Future<Output = Result<Vec<Received>>> + Send {
+        drop(stop);
+        self.receive(request)
+    }
 
     /// Deletes the delivered message; [`Error::StaleReceipt`] when the
     /// receipt does not name the message's current delivery in this queue

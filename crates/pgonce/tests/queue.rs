@@ -1890,6 +1890,18 @@ async fn shutdown_finishes_in_flight_work_and_receives_nothing_more() {
 }
 
 #[tokio::test]
+async fn a_shutdown_during_a_long_poll_leaves_later_messages_receivable() {
+    let pool = pool().await;
+    let q = queue(&pool, "q", QueueAttributes::default()).await;
+    let parked = async {
+        while q.parked_receivers() == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    conformance_shutdown_during_a_long_poll(&q, parked).await;
+}
+
+#[tokio::test]
 async fn malformed_bodies_reach_the_error_path_then_the_dead_letter_queue() {
     let pool = pool().await;
     let (q, dlq) = with_dead_letters(&pool).await;

@@ -1,6 +1,7 @@
 //! The worker runtime on the PostgreSQL queue, where its promises meet the
 //! database: a handler keeps running while its heartbeat waits on the
-//! database, and a handler that panics is a failure like any other.
+//! database, a handler that panics is a failure like any other, and a
+//! shutdown leaves no message waiting out a visibility timeout.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +13,8 @@ use pgonce::{
 use pgonce_testkit::fresh_migrated_database;
 use sqlx::PgPool;
 use tokio::sync::Notify;
+
+mod support;
 
 /// Generous: only reached when what a test waits for never happens.
 const FAILSAFE: Duration = Duration::from_secs(20);
@@ -70,6 +73,24 @@ struct RowHolder {
 /// and returns it once a statement (a heartbeat) is seen waiting on the
 /// lock.
 async fn hold_until_a_beat_waits(pool: &sqlx::PgPool, id: &str) -> RowHolder {
+    let holder = hold_row(pool, id).await;
+    until_blocked_by(pool, holder.pid, "a heartbeat waits on the row lock").await;
+    holder
+}
+
+/// Waits until a statement is seen waiting on a lock `holder` holds.
+async fn until_blocked_by(pool: &sqlx::PgPool, holder: i32, what: &str) {
+    tokio::time::timeout(FAILSAFE, async {
+        while blocked_by(pool, holder).await == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect(what);
+}
+
+/// Locks message `id`'s row in a transaction on a connection of its own.
+async fn hold_row(pool: &sqlx::PgPool, id: &str) -> RowHolder {
     let mut holder = pool.acquire().await.unwrap();
     let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *holder)
@@ -81,13 +102,6 @@ async fn hold_until_a_beat_waits(pool: &sqlx::PgPool, id: &str) -> RowHolder {
         .execute(&mut *holder)
         .await
         .unwrap();
-    tokio::time::timeout(FAILSAFE, async {
-        while blocked_by(pool, holder_pid).await == 0 {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .expect("a heartbeat waits on the row lock");
     RowHolder {
         conn: holder,
         pid: holder_pid,
@@ -170,12 +184,12 @@ async fn a_handler_that_panics_gets_its_failure_visibility() {
     let worker = Worker::new(q.clone(), Panics, config).unwrap();
     let done = worker.run_once().await.unwrap();
     assert_eq!((done.received, done.failed, done.deleted), (1, 1, 0));
-    let again = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
-    assert_eq!(
-        again.iter().map(|m| m.receive_count).collect::<Vec<_>>(),
-        [2],
-        "the message of a panicked handler is receivable again at once"
-    );
+    receivable_now(
+        &q,
+        2,
+        "the message of a panicked handler is receivable again at once",
+    )
+    .await;
 }
 
 /// A handler's own error, wrapping what caused it (its `source`).
@@ -296,4 +310,271 @@ async fn a_heartbeat_in_flight_when_the_handler_ends_lands_before_the_ack() {
     );
     let again = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
     assert_eq!(again.len(), 1, "released by the ack after the beat");
+}
+
+/// Runs `worker` until `stop` fires, and `drive` beside it, which fires it
+/// (and may go on after); what the run did.
+async fn run_beside<Q: Queue + 'static, H: Handler>(
+    worker: &Worker<Q, H>,
+    stop: tokio::sync::oneshot::Receiver<()>,
+    drive: impl std::future::Future<Output = ()>,
+) -> pgonce::WorkerCounters {
+    let run = worker.run(async {
+        let _ = stop.await;
+    });
+    let (done, ()) = tokio::time::timeout(FAILSAFE * 2, futures::future::join(run, drive))
+        .await
+        .expect("run ends");
+    done
+}
+
+/// No heartbeat, deliveries invisible for an hour: a message that waits
+/// out its visibility timeout is visibly lost to the test.
+fn hour_long(config: WorkerConfig) -> WorkerConfig {
+    WorkerConfig {
+        visibility: Some(Duration::from_secs(3600)),
+        heartbeat_interval: None,
+        ..config
+    }
+}
+
+/// A queue with one message, and a worker of one [`Gate`]d handler at a
+/// time whose shutdown deadline is zero: a handler still running at the
+/// shutdown is abandoned.
+async fn one_gated_message_no_deadline(
+    pool: &PgPool,
+) -> (PgQueue, pgonce::Sent, Arc<Gated>, Worker<PgQueue, Gate>) {
+    let q = queue(pool, "q").await;
+    let sent = q.send(SendMessage::new("m")).await.unwrap();
+    let gated = Arc::new(Gated::default());
+    let config = hour_long(WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        shutdown_deadline: Duration::ZERO,
+        ..WorkerConfig::default()
+    });
+    let worker = Worker::new(q.clone(), Gate(gated.clone()), config).unwrap();
+    (q, sent, gated, worker)
+}
+
+/// The one message of `q`, receivable now, at its `receive_count`th
+/// delivery; else what the receive found.
+async fn receivable_now(q: &PgQueue, receive_count: u32, what: &str) {
+    let again = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(
+        again.iter().map(|m| m.receive_count).collect::<Vec<_>>(),
+        [receive_count],
+        "{what}"
+    );
+}
+
+/// A handler abandoned at the shutdown deadline is no longer running: the
+/// in-flight gauge must not go on counting it once the worker is gone, and
+/// its message is handed back at once, not after its (hour-long)
+/// visibility timeout.
+#[tokio::test]
+async fn an_abandoned_handler_leaves_the_in_flight_gauge_and_its_message() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let (q, _sent, gated, worker) = one_gated_message_no_deadline(&pool).await;
+    let (in_flight, recorder) = support::gauge_of("pgonce_queue_worker_in_flight");
+    // On this single-threaded runtime the worker's tasks record here too.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut while_running = None;
+    let done = tokio::time::timeout(
+        FAILSAFE,
+        worker.run(async {
+            gated.started.notified().await;
+            while_running = Some(in_flight());
+        }),
+    )
+    .await
+    .expect("run ends at the deadline");
+    assert_eq!(
+        (while_running, done.abandoned),
+        (Some(1.0), 1),
+        "the handler ran and was abandoned"
+    );
+    assert_eq!(
+        in_flight(),
+        0.0,
+        "the gauge still counts the abandoned handler after the worker is gone"
+    );
+    receivable_now(
+        &q,
+        2,
+        "the abandoned handler's message is handed back at once",
+    )
+    .await;
+}
+
+/// Asks `query` (a boolean) again until it says true.
+async fn until_true(pool: &PgPool, query: &'static str, what: &str) {
+    tokio::time::timeout(FAILSAFE, async {
+        while !sqlx::query_scalar::<_, bool>(query)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect(what);
+}
+
+/// The advisory lock a delivery of a message whose body is `gate` waits
+/// for (a trigger [`GATE_DELIVERIES`] installs).
+const DELIVERY_GATE: i64 = 4242;
+
+/// Makes every update of a message whose body is `gate` (its delivery,
+/// first) wait for advisory lock [`DELIVERY_GATE`] (4242).
+const GATE_DELIVERIES: &str = "
+CREATE FUNCTION public.gate_delivery() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(4242);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER gate_delivery BEFORE UPDATE ON pgonce.queue_message
+    FOR EACH ROW WHEN (NEW.body = 'gate') EXECUTE FUNCTION public.gate_delivery();";
+
+/// Bodies, sorted.
+fn bodies(messages: &[Received]) -> Vec<&str> {
+    let mut bodies: Vec<&str> = messages.iter().map(|m| m.body.as_str()).collect();
+    bodies.sort_unstable();
+    bodies
+}
+
+/// A shutdown that comes while a receive's statement runs lets the receive
+/// finish and hands back at once what it delivered. Dropped, the receive
+/// took with it what its earlier statement had already delivered, and
+/// committed: that message waited out its hour-long visibility timeout.
+///
+/// Step by step: the receive's first statement drops an expired message
+/// and delivers `a`; as it left a place of its batch of two unfilled, a
+/// second statement looks further and finds `gate`, whose delivery waits
+/// on a lock the test holds (a trigger). Once that wait is seen in
+/// `pg_locks`: the shutdown, then the lock is let go.
+#[tokio::test]
+async fn a_shutdown_during_a_receive_hands_what_it_delivered_back() {
+    let (_db, pool) = fresh_migrated_database(8, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    sqlx::raw_sql(GATE_DELIVERIES).execute(&pool).await.unwrap();
+    // In the order a receive picks them: the earliest visible first.
+    for (body, ago) in [("expired", "5 days"), ("a", "1 day"), ("gate", "1 hour")] {
+        sqlx::query(
+            "INSERT INTO pgonce.queue_message (queue, body, sent_at, visible_at)
+             VALUES ('q', $1, now() - $2::interval, now() - $2::interval)",
+        )
+        .bind(body)
+        .bind(ago)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let mut gate = pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(DELIVERY_GATE)
+        .execute(&mut *gate)
+        .await
+        .unwrap();
+    let config = hour_long(WorkerConfig {
+        concurrency: 2,
+        batch: 2,
+        wait: Duration::from_secs(5),
+        shutdown_deadline: FAILSAFE,
+        ..WorkerConfig::default()
+    });
+    let worker = Worker::new(q.clone(), Gate(Arc::default()), config).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let drive = async {
+        let waiting = "SELECT count(*) > 0 FROM pg_locks
+             WHERE locktype = 'advisory' AND NOT granted AND objid = 4242";
+        until_true(
+            &pool,
+            waiting,
+            "the receive's second statement waits on the gate",
+        )
+        .await;
+        // The worker sees the shutdown before the receive can end: its
+        // statement waits for the unlock below, and the shutdown is
+        // looked at first.
+        stop_tx.send(()).unwrap();
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(DELIVERY_GATE)
+            .execute(&mut *gate)
+            .await
+            .unwrap();
+    };
+    let done = run_beside(&worker, stop_rx, drive).await;
+    // However the run ended, the receive's statements are over before the
+    // messages are looked at: a gated one still running would hold its
+    // row, which a receive skips.
+    let over = "SELECT count(*) = 0 FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid()
+           AND state = 'active' AND query LIKE '%pgonce.queue_message%'";
+    until_true(&pool, over, "the receive's statements end").await;
+    assert_eq!(done.received, 0, "nothing handled after the shutdown");
+    let again = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(
+        bodies(&again),
+        ["a", "gate"],
+        "what the receive delivered after the shutdown is receivable at once"
+    );
+}
+
+/// A shutdown that comes while the worker is parked in a long poll (here
+/// an hour long) ends it at once: nothing was delivered, nothing to wait
+/// for.
+#[tokio::test]
+async fn a_shutdown_while_parked_in_a_long_poll_ends_it_at_once() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    let config = hour_long(WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        wait: Duration::from_secs(3600),
+        ..WorkerConfig::default()
+    });
+    let worker = Worker::new(q.clone(), Gate(Arc::default()), config).unwrap();
+    let done = tokio::time::timeout(
+        FAILSAFE,
+        worker.run(async {
+            while q.parked_receivers() == 0 {
+                tokio::task::yield_now().await;
+            }
+        }),
+    )
+    .await
+    .expect("the parked receive gives up at the shutdown");
+    assert_eq!(done, pgonce::WorkerCounters::default());
+}
+
+/// A handler that finished before the shutdown deadline has its ack
+/// finished after it, not dropped: here the ack (a delete) waits on the
+/// message's row lock as the deadline (zero) passes, and the message is
+/// deleted once the lock is let go, not abandoned.
+#[tokio::test]
+async fn an_ack_under_way_at_the_shutdown_deadline_is_finished() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let (_q, sent, gated, worker) = one_gated_message_no_deadline(&pool).await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let drive = async {
+        tokio::time::timeout(FAILSAFE, gated.started.notified())
+            .await
+            .expect("the handler started");
+        let mut holder = hold_row(&pool, &sent.id).await;
+        gated.go.notify_one();
+        until_blocked_by(&pool, holder.pid, "the ack waits on the row lock").await;
+        stop_tx.send(()).unwrap();
+        sqlx::query("ROLLBACK")
+            .execute(&mut *holder.conn)
+            .await
+            .unwrap();
+    };
+    let done = run_beside(&worker, stop_rx, drive).await;
+    assert_eq!(
+        (done.succeeded, done.deleted, done.abandoned),
+        (1, 1, 0),
+        "the ack under way was finished"
+    );
 }

@@ -654,10 +654,25 @@ impl Handler for Gated {
     }
 }
 
+/// `worker.run`, until the sender returned is used (or dropped).
+fn run_until_told<Q: Queue + 'static, H: Handler>(
+    worker: &Worker<Q, H>,
+) -> (
+    impl Future<Output = super::WorkerCounters> + '_,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = worker.run(async {
+        let _ = stop_rx.await;
+    });
+    (run, stop_tx)
+}
+
 /// Graceful shutdown: on shutdown the worker stops receiving (messages sent
 /// afterwards stay in the queue), lets in-flight handlers finish within the
 /// deadline (their messages are deleted), and abandons the rest, whose
-/// messages stay in the queue for redelivery.
+/// messages it hands back, receivable again at once (not after their
+/// visibility timeout).
 ///
 /// Needs: an empty standard queue with a visibility timeout of 30 s or more.
 pub async fn conformance_shutdown<Q: Queue + Clone + 'static>(q: &Q) {
@@ -683,10 +698,7 @@ pub async fn conformance_shutdown<Q: Queue + Clone + 'static>(q: &Q) {
         ..WorkerConfig::default()
     };
     let worker = Worker::new(q.clone(), handler, config).unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = worker.run(async {
-        let _ = stop_rx.await;
-    });
+    let (run, stop_tx) = run_until_told(&worker);
     let drive = async {
         tokio::time::timeout(Duration::from_secs(20), rec.wait_started(3))
             .await
@@ -709,14 +721,66 @@ pub async fn conformance_shutdown<Q: Queue + Clone + 'static>(q: &Q) {
         "in-flight work finished and acked"
     );
     assert_eq!(
-        counters.abandoned, 1,
-        "the handler past the deadline was dropped"
+        (counters.abandoned, counters.released),
+        (1, 1),
+        "the handler past the deadline was dropped, its message handed back"
     );
     let stats = q.stats().await.unwrap();
-    assert_eq!(stats.depth, 2, "the late messages are still there");
     assert_eq!(
-        stats.in_flight, 1,
-        "the abandoned message waits for its visibility timeout"
+        (stats.depth, stats.in_flight),
+        (3, 0),
+        "the late messages are still there, and the abandoned one is back"
+    );
+}
+
+/// Shutdown during a long poll: a message sent after the shutdown, while
+/// the worker's receive is under way, is not handled, and is in the queue
+/// receivable, not in flight. The receive either gave up waiting (the
+/// backend can tell it was only waiting) or finished and the worker handed
+/// the message back; dropped, the receive could take the message with it,
+/// invisible for its visibility timeout. `receiving` resolves once the
+/// worker's receive is under way (the backend knows how to tell).
+///
+/// Needs: an empty standard queue with a visibility timeout of 30 s or
+/// more.
+pub async fn conformance_shutdown_during_a_long_poll<Q: Queue + Clone + 'static>(
+    q: &Q,
+    receiving: impl Future<Output = ()>,
+) {
+    let rec = Arc::new(Recording::new());
+    let handler = Gated {
+        rec: rec.clone(),
+        gate: Arc::new(Semaphore::new(0)),
+    };
+    let config = WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        wait: Duration::from_secs(10),
+        heartbeat_interval: None,
+        shutdown_deadline: Duration::from_secs(20),
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(q.clone(), handler, config).unwrap();
+    let (run, stop_tx) = run_until_told(&worker);
+    let drive = async {
+        tokio::time::timeout(Duration::from_secs(20), receiving)
+            .await
+            .expect("the worker receives");
+        let _ = stop_tx.send(());
+        q.send(SendMessage::new("after the shutdown"))
+            .await
+            .unwrap();
+    };
+    let (counters, ()) =
+        tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run, drive) })
+            .await
+            .expect("run ends");
+    assert_eq!(counters.received, 0, "nothing handled after the shutdown");
+    let stats = q.stats().await.unwrap();
+    assert_eq!(
+        (stats.depth, stats.in_flight),
+        (1, 0),
+        "the message sent after the shutdown is receivable"
     );
 }
 

@@ -2,10 +2,12 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::PgListener;
 use sqlx::types::Json;
@@ -980,10 +982,24 @@ impl Queue for PgQueue {
     /// A woken receive dropped or failing before it has looked wakes
     /// another in its place.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
+        self.receive_or_stop(request, std::future::pending()).await
+    }
+
+    /// A receive looks (runs its statements, each committing deliveries)
+    /// and parks in turn. `stop` is looked at only while parked, and
+    /// before parking: a look is never cut short, so whatever its
+    /// statements delivered is returned, and a receive that was parked
+    /// delivered nothing, so giving up there loses nothing.
+    async fn receive_or_stop(
+        &self,
+        request: ReceiveRequest,
+        stop: impl Future<Output = ()> + Send,
+    ) -> Result<Vec<Received>> {
         request.validate()?;
         if request.wait.is_zero() {
             return self.receive_once(&request).await;
         }
+        tokio::pin!(stop);
         let deadline = Instant::now() + request.wait;
         // With Listen::Off the waker has no listener and never notifies:
         // only `poll_interval` and `wait` wake us.
@@ -1013,13 +1029,21 @@ impl Queue for PgQueue {
             if more {
                 // A backlog it did not deliver (expired, moved or held
                 // back) filled its budget: look on now, not at the next
-                // poll.
+                // poll. Unless told to stop: looking on would deliver more.
+                if stop.as_mut().now_or_never().is_some() {
+                    return Ok(received);
+                }
                 continue;
             }
             let until = deadline.min(now + self.inner.options.poll_interval);
             self.inner.parked.fetch_add(1, Ordering::SeqCst);
             let _unpark = Unpark(&self.inner.parked);
+            // `biased`, stop first: a stop that came during the look ends
+            // the receive here, before it parks. A notification this
+            // receive took is passed on when `notified` is dropped.
             woken = tokio::select! {
+                biased;
+                () = &mut stop => return Ok(received),
                 _ = &mut notified => true,
                 _ = tokio::time::sleep_until(until.into()) => false,
             };

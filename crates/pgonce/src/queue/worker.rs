@@ -5,6 +5,35 @@
 //! The worker holds no database connection while a handler runs: it
 //! receives (one short statement), hands the message over, and uses a
 //! connection again only for each heartbeat and for the ack.
+//!
+//! # Shutdown
+//!
+//! What [`Worker::run`] does once its `shutdown` resolves, so that no
+//! message waits out a visibility timeout because of it:
+//!
+//! * No receive starts. A receive under way is told to stop
+//!   ([`Queue::receive_or_stop`]), not dropped: one waiting for messages
+//!   gives up at once, with nothing delivered; one whose statement is
+//!   running finishes, and every message it delivered is handed back
+//!   unhandled, visible again at once. (Dropped, its deliveries went to
+//!   nobody and waited out their visibility timeout.)
+//! * Handlers running get `shutdown_deadline` to finish; one that
+//!   finishes is acked as at any other time, a heartbeat in flight first.
+//! * At the deadline, a handler still running is abandoned: its future is
+//!   dropped (the work it did so far stays done, as when a process dies,
+//!   which a redelivery has to tolerate anyway), a heartbeat in flight is
+//!   finished (dropped, it could land after the hand-back and hide the
+//!   message again), and its message is handed back, visible again at
+//!   once. A handler that finished but was not acked yet is acked, not
+//!   abandoned.
+//! * Acks and hand-backs still under way at the deadline get 5 s more,
+//!   as does a receive still running; whatever is
+//!   left then is dropped, and its message comes back after its
+//!   visibility timeout, as does one whose hand-back failed.
+//!
+//! The gauge `pgonce_queue_worker_in_flight` counts handlers running: one
+//! abandoned, or dropped with its task, is off it all the same, so once
+//! `run` returns it reads what the worker left running, nothing.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -13,7 +42,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, Semaphore, watch};
 use tokio::task::JoinSet;
 
 use super::{Queue, ReceiveRequest, Received};
@@ -106,8 +135,8 @@ pub struct WorkerConfig {
     /// it out).
     pub failure_visibility: Option<Duration>,
     /// `run` waits this long for in-flight handlers after shutdown; those
-    /// still running are dropped and their messages come back after their
-    /// visibility timeout. Default 30 s.
+    /// still running are abandoned and their messages handed back, visible
+    /// again at once (module docs, Shutdown). Default 30 s.
     pub shutdown_deadline: Duration,
 }
 
@@ -204,6 +233,10 @@ pub struct WorkerCounters {
     pub heartbeats: u64,
     /// Handlers still running at the shutdown deadline, dropped.
     pub abandoned: u64,
+    /// Messages handed back unhandled at shutdown, visible again at once:
+    /// delivered by a receive that finished after the shutdown began, or
+    /// held by an abandoned handler.
+    pub released: u64,
 }
 
 impl std::ops::AddAssign for WorkerCounters {
@@ -217,6 +250,7 @@ impl std::ops::AddAssign for WorkerCounters {
         self.stale += o.stale;
         self.heartbeats += o.heartbeats;
         self.abandoned += o.abandoned;
+        self.released += o.released;
     }
 }
 
@@ -230,6 +264,7 @@ struct Counters {
     stale: AtomicU64,
     heartbeats: AtomicU64,
     abandoned: AtomicU64,
+    released: AtomicU64,
 }
 
 impl Counters {
@@ -244,6 +279,7 @@ impl Counters {
             stale: g(&self.stale),
             heartbeats: g(&self.heartbeats),
             abandoned: g(&self.abandoned),
+            released: g(&self.released),
         }
     }
 }
@@ -300,7 +336,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         let mut tasks = JoinSet::new();
         for message in messages {
             let shared = self.shared.clone();
-            tasks.spawn(async move { shared.process(message).await });
+            tasks.spawn(async move { shared.process(message, std::future::pending()).await });
         }
         while let Some(joined) = tasks.join_next().await {
             if joined.is_err() {
@@ -311,19 +347,23 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
     }
 
     /// Runs until `shutdown` resolves: receives while a handler slot is
-    /// free, then, on shutdown, stops receiving at once (a receive in
-    /// progress is dropped: whatever it had delivered comes back after its
-    /// visibility timeout), lets in-flight handlers finish within
-    /// `shutdown_deadline`, and drops the rest (their messages come back
-    /// the same way). Returns what this call did. Receive errors are logged
-    /// and retried after a second.
+    /// free, then, on shutdown, stops receiving, lets in-flight handlers
+    /// finish within `shutdown_deadline` and abandons the rest; messages
+    /// it received but does not handle are handed back at once (module
+    /// docs, Shutdown). Returns what this call did. Receive errors are
+    /// logged and retried after a second.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> WorkerCounters {
         let before = self.counters();
         let config = &self.shared.config;
         let slots = Arc::new(Semaphore::new(config.concurrency));
         let mut tasks = JoinSet::new();
+        // Raised on shutdown: a receive under way stops.
+        let (stopping, stop) = watch::channel(false);
+        // Raised at the deadline: handlers still running are abandoned.
+        let (abandoning, abandon) = watch::channel(false);
         tokio::pin!(shutdown);
-        loop {
+        // The receive under way when the shutdown came, if any.
+        let receiving = loop {
             while let Some(joined) = tasks.try_join_next() {
                 if joined.is_err() {
                     bump(&self.shared.counters.failed);
@@ -333,11 +373,10 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             // polls its branches in random order, so a shutdown that
             // was already due could lose to a slot that freed at the same
             // time (a handler finishing after it), and the worker began a
-            // receive after the shutdown, then dropped it with a message
-            // delivered that nobody handles until its timeout.
+            // receive after the shutdown.
             let first = tokio::select! {
                 biased;
-                _ = &mut shutdown => break,
+                _ = &mut shutdown => break None,
                 permit = slots.clone().acquire_owned() => permit.expect("never closed"),
             };
             let mut permits = vec![first];
@@ -349,18 +388,27 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             }
             let mut request = ReceiveRequest::up_to(permits.len()).wait(config.wait);
             request.visibility = config.visibility;
+            // Told to stop, not dropped, at shutdown: dropped with its
+            // statement running, what that statement delivered would reach
+            // nobody and wait out its visibility timeout.
+            let mut receive = Box::pin(
+                self.shared
+                    .queue
+                    .receive_or_stop(request, raised(stop.clone())),
+            );
             let received = tokio::select! {
                 biased;
-                _ = &mut shutdown => break,
-                r = self.shared.queue.receive(request) => r,
+                _ = &mut shutdown => break Some(receive),
+                r = &mut receive => r,
             };
             match received {
                 Ok(messages) => {
                     for message in messages {
                         let permit = permits.pop().expect("no more messages than permits");
                         let shared = self.shared.clone();
+                        let abandon = raised(abandon.clone());
                         tasks.spawn(async move {
-                            shared.process(message).await;
+                            shared.process(message, abandon).await;
                             drop(permit);
                         });
                     }
@@ -369,39 +417,102 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                     tracing::warn!(queue = self.shared.queue.name(), error = %e, "receive failed; retrying");
                     tokio::select! {
                         biased;
-                        _ = &mut shutdown => break,
+                        _ = &mut shutdown => break None,
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                     }
                 }
             }
-        }
+        };
+        let deadline = tokio::time::Instant::now() + config.shutdown_deadline;
+        let _ = stopping.send(true);
         tracing::info!(
             queue = self.shared.queue.name(),
             in_flight = tasks.len(),
+            receiving = receiving.is_some(),
             "worker shutting down"
         );
-        let drained = tokio::time::timeout(config.shutdown_deadline, async {
-            while let Some(joined) = tasks.join_next().await {
-                if joined.is_err() {
-                    bump(&self.shared.counters.failed);
+        let overran = {
+            // What a receive under way delivered is not handled: the
+            // worker is stopping. It is handed back for another worker.
+            let received_late = async {
+                let Some(receive) = receiving else { return };
+                match receive.await {
+                    Ok(messages) => {
+                        futures::future::join_all(
+                            messages
+                                .iter()
+                                .map(|m| self.shared.release(m, "received at shutdown")),
+                        )
+                        .await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(queue = self.shared.queue.name(), error = %e, "receive failed at shutdown")
+                    }
                 }
+            };
+            let drained = async {
+                while let Some(joined) = tasks.join_next().await {
+                    if joined.is_err() {
+                        bump(&self.shared.counters.failed);
+                    }
+                }
+            };
+            let all = futures::future::join(received_late, drained);
+            tokio::pin!(all);
+            if tokio::time::timeout_at(deadline, &mut all).await.is_err() {
+                tracing::warn!(
+                    queue = self.shared.queue.name(),
+                    "shutdown deadline passed; abandoning the handlers still running and handing their messages back"
+                );
+                let _ = abandoning.send(true);
+                tokio::time::timeout(SHUTDOWN_GRACE, &mut all)
+                    .await
+                    .is_err()
+            } else {
+                false
             }
-        })
-        .await;
-        if drained.is_err() {
-            let left = tasks.len() as u64;
+        };
+        if overran {
             tracing::warn!(
                 queue = self.shared.queue.name(),
-                left,
-                "shutdown deadline passed; in-flight messages return after their visibility timeout"
+                left = tasks.len(),
+                "acks and hand-backs still under way after the grace, dropped; their messages return after their visibility timeout"
             );
-            self.shared
-                .counters
-                .abandoned
-                .fetch_add(left, Ordering::Relaxed);
-            tasks.shutdown().await;
         }
+        tasks.shutdown().await;
         diff(self.counters(), before)
+    }
+}
+
+/// After the shutdown deadline, how long [`Worker::run`] still waits for
+/// what abandoning handlers leaves under way: acks, heartbeats in flight,
+/// the hand-back of each abandoned message, a receive still running. Each
+/// is a statement or two, not a handler: this bounds a stuck one.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Resolves once `signal` is raised (set to true), or never when its
+/// sender is gone unraised.
+async fn raised(mut signal: watch::Receiver<bool>) {
+    if signal.wait_for(|raised| *raised).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// One handler on the gauge `pgonce_queue_worker_in_flight` for as long as
+/// it lives: dropped when its handler ends, is abandoned, or its task is
+/// dropped, so no way out leaves it counted.
+struct Running(metrics::Gauge);
+
+impl Running {
+    fn new(gauge: metrics::Gauge) -> Running {
+        gauge.increment(1.0);
+        Running(gauge)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
     }
 }
 
@@ -440,7 +551,42 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         stop.notified().await
     }
 
-    async fn process(&self, message: Received) {
+    /// Hands `message` back unhandled, visible again at once (`why`: for
+    /// the log); counted in [`WorkerCounters::released`].
+    async fn release(&self, message: &Received, why: &str) {
+        let released = self
+            .queue
+            .change_visibility(&message.receipt, Duration::ZERO)
+            .await;
+        if self.went_through(released, message, why) {
+            bump(&self.counters.released);
+        }
+    }
+
+    /// Whether `outcome`, of an ack or a hand-back of `message` (`what`),
+    /// went through; a refusal is logged, and counted when stale.
+    fn went_through(&self, outcome: Result<()>, message: &Received, what: &str) -> bool {
+        let queue = self.queue.name();
+        match outcome {
+            Ok(()) => true,
+            Err(Error::StaleReceipt { .. }) => {
+                bump(&self.counters.stale);
+                tracing::warn!(queue = %queue, id = %message.id, what,
+                    "refused: the message was redelivered meanwhile");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(queue = %queue, id = %message.id, what, error = %e,
+                    "failed; the message returns after its visibility timeout");
+                false
+            }
+        }
+    }
+
+    /// Handles `message` and acks it; or, once `abandon` resolves with the
+    /// handler still running, drops the handler and hands the message
+    /// back (module docs, Shutdown).
+    async fn process(&self, message: Received, abandon: impl Future<Output = ()>) {
         let queue = self.queue.name().to_string();
         let c = &self.counters;
         bump(&c.received);
@@ -451,8 +597,9 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
             metrics::counter!("pgonce_queue_worker_redelivered_total", "queue" => queue.clone())
                 .increment(1);
         }
-        let in_flight = metrics::gauge!("pgonce_queue_worker_in_flight", "queue" => queue.clone());
-        in_flight.increment(1.0);
+        let running = Running::new(
+            metrics::gauge!("pgonce_queue_worker_in_flight", "queue" => queue.clone()),
+        );
         let started = Instant::now();
         // The heartbeat runs beside the handler, not in turns with it: a
         // beat is a statement that can wait (on the message's row lock, on
@@ -462,22 +609,40 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         // database after the ack's and undo a visibility the ack set.
         // A panic is caught here, the handler's future dropped with it: the
         // handler failed, and its message gets what any failure gets.
+        // Abandoned, the handler's future is dropped before the beat is
+        // awaited: what it holds (a connection, a transaction) goes back
+        // at once. `biased`, handler first: one that finished as the
+        // deadline passed is acked, not abandoned.
         let caught = {
             let stop = Notify::new();
-            let handling = AssertUnwindSafe(self.handler.handle(&message)).catch_unwind();
+            let mut handling =
+                Box::pin(AssertUnwindSafe(self.handler.handle(&message)).catch_unwind());
             let heartbeat = self.heartbeat(&message, &queue, &stop);
-            tokio::pin!(handling, heartbeat);
+            tokio::pin!(heartbeat, abandon);
             let caught = tokio::select! {
-                caught = &mut handling => caught,
+                biased;
+                caught = &mut handling => Some(caught),
                 () = &mut heartbeat => unreachable!("the heartbeat ends only when stopped"),
+                () = &mut abandon => None,
             };
-            metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
-                .record(started.elapsed().as_secs_f64());
+            drop(handling);
+            if caught.is_some() {
+                metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
+                    .record(started.elapsed().as_secs_f64());
+            }
             stop.notify_one();
             heartbeat.await;
             caught
         };
-        in_flight.decrement(1.0);
+        drop(running);
+        let Some(caught) = caught else {
+            bump(&c.abandoned);
+            tracing::warn!(queue = %queue, id = %message.id,
+                "shutdown deadline passed: handler abandoned, its message handed back");
+            self.release(&message, "hand-back of an abandoned handler's message")
+                .await;
+            return;
+        };
         let panicked = caught.is_err();
         let outcome = caught.unwrap_or_else(|payload| {
             let what = payload
@@ -530,17 +695,7 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         } else {
             Ok(())
         };
-        match acked {
-            Ok(()) => {}
-            Err(Error::StaleReceipt { .. }) => {
-                bump(&c.stale);
-                tracing::warn!(queue = %queue, id = %message.id,
-                    "ack refused: the message was redelivered while its handler ran");
-            }
-            Err(e) => {
-                tracing::warn!(queue = %queue, id = %message.id, error = %e, "ack failed; the message will be redelivered")
-            }
-        }
+        self.went_through(acked, &message, "ack");
     }
 }
 
@@ -577,6 +732,7 @@ fn diff(after: WorkerCounters, before: WorkerCounters) -> WorkerCounters {
         stale: after.stale - before.stale,
         heartbeats: after.heartbeats - before.heartbeats,
         abandoned: after.abandoned - before.abandoned,
+        released: after.released - before.released,
     }
 }
 

@@ -81,41 +81,85 @@ pub fn check_model<Op: std::fmt::Debug + Clone, T: std::fmt::Debug + Copy>(
 /// `metrics::set_default_local_recorder` to watch one counter.
 pub struct OnCounter<F>(pub F);
 
+/// What a test recorder ignores: descriptions and histograms.
+macro_rules! ignore_descriptions_and_histograms {
+    () => {
+        fn register_histogram(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
+            metrics::Histogram::noop()
+        }
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+    };
+}
+
 impl<F: Fn(&metrics::Key) -> metrics::Counter> metrics::Recorder for OnCounter<F> {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
+    ignore_descriptions_and_histograms!();
     fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
         (self.0)(key)
     }
     fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
         metrics::Gauge::noop()
     }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
+}
+
+/// [`OnCounter`] for gauges: hands each gauge's registration to `F` and
+/// ignores the rest.
+pub struct OnGauge<F>(pub F);
+
+impl<F: Fn(&metrics::Key) -> metrics::Gauge> metrics::Recorder for OnGauge<F> {
+    ignore_descriptions_and_histograms!();
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::noop()
     }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        (self.0)(key)
+    }
+}
+
+/// Watches one gauge: what `name` reads (under any labels, summed), and the
+/// recorder that feeds it, to install with
+/// `metrics::set_default_local_recorder`.
+pub fn gauge_of(
+    name: &'static str,
+) -> (
+    impl Fn() -> f64,
+    OnGauge<impl Fn(&metrics::Key) -> metrics::Gauge>,
+) {
+    // metrics keeps a gauge in an AtomicU64 as the bits of an f64.
+    let bits = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0.0f64.to_bits()));
+    let feed = std::sync::Arc::clone(&bits);
+    let recorder = OnGauge(move |key: &metrics::Key| {
+        if key.name() == name {
+            metrics::Gauge::from_arc(std::sync::Arc::clone(&feed))
+        } else {
+            metrics::Gauge::noop()
+        }
+    });
+    let read = move || f64::from_bits(bits.load(std::sync::atomic::Ordering::SeqCst));
+    (read, recorder)
 }
 
 /// Watches one counter: the total added to `name` (under any labels), and
