@@ -199,9 +199,17 @@ struct KeyRow {
 /// progress. Refused before anything is written instead.
 pub const MAX_HOLD: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// The shortest hold [`acquire`] takes: a millisecond. The hold's end is
+/// the transaction's time plus an `interval`, which holds whole
+/// microseconds: a hold under half a microsecond would end as it was
+/// taken, and the next identical request would take the key over while
+/// its holder worked on it. Refused before anything is written.
+pub const MIN_HOLD: Duration = crate::duration::SHORTEST_LEASE;
+
 /// Uses idempotency key `key` in `scope` for a request with `fingerprint`
-/// (see [`fingerprint`]), holding it for `hold_for` if it is new or its
-/// previous holder's hold expired. See the module docs for the outcomes.
+/// (see [`fingerprint`]), holding it for `hold_for` ([`MIN_HOLD`] to
+/// [`MAX_HOLD`]) if it is new or its previous holder's hold expired. See
+/// the module docs for the outcomes.
 pub async fn acquire(
     pool: &PgPool,
     scope: &str,
@@ -211,13 +219,12 @@ pub async fn acquire(
 ) -> Result<Acquired> {
     check_key("idempotency scope", scope)?;
     check_key("idempotency key", key)?;
-    if hold_for.is_zero() || hold_for > MAX_HOLD || fingerprint.is_empty() {
-        return Err(Error::Invalid {
-            what: "idempotency hold",
-            why: format!(
-                "needs a hold of at most 365 days and a non-empty fingerprint, got {hold_for:?}"
-            ),
-        });
+    crate::duration::check_within("idempotency hold", hold_for, MIN_HOLD, MAX_HOLD)?;
+    if fingerprint.is_empty() {
+        return Err(Error::invalid(
+            "idempotency fingerprint",
+            "must not be empty",
+        ));
     }
     // Two rounds at most: the row may be collected between the two statements.
     for _ in 0..2 {

@@ -212,7 +212,8 @@ pub struct GuardConfig {
     /// [`Isolation::ReadCommitted`].
     pub isolation: Isolation,
     /// Longest wait for the lock before [`Error::LockTimeout`]; `None` waits
-    /// as long as it takes. Default `None`. Must be at least 1 ms if set.
+    /// as long as it takes. Default `None`. Must be at least 1 ms if set,
+    /// and at most [`MAX_LOCK_TIMEOUT`](crate::lock::MAX_LOCK_TIMEOUT).
     pub lock_timeout: Option<Duration>,
 }
 
@@ -244,14 +245,12 @@ impl Guard {
                 why: "must be 1 to 200 bytes".into(),
             });
         }
-        if config
-            .lock_timeout
-            .is_some_and(|t| t < Duration::from_millis(1))
-        {
-            return Err(Error::Invalid {
-                what: "guard lock_timeout",
-                why: "must be at least 1 ms".into(),
-            });
+        if let Some(timeout) = config.lock_timeout {
+            crate::lock::check_lock_timeout(
+                "guard lock_timeout",
+                timeout,
+                Duration::from_millis(1),
+            )?;
         }
         Ok(Guard { name, config })
     }
@@ -375,7 +374,7 @@ impl Guard {
             &self
                 .config
                 .lock_timeout
-                .map_or(0, |t| t.as_millis().clamp(1, i32::MAX as u128))
+                .map_or(0, crate::lock::lock_timeout_millis)
                 .to_string(),
         );
         let tx = match crate::transaction::begin_detached(pool, sql).await {

@@ -339,13 +339,15 @@ impl Lease {
 /// written instead.
 pub const MAX_LEASE: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// The shortest lease [`claim`], [`claim_batch`] and [`heartbeat`] take: a
+/// millisecond. The lease's end is the statement's time plus an `interval`,
+/// which holds whole microseconds: a lease under half a microsecond would
+/// end as it was taken, and the [`Reaper`] could hand the job to another
+/// worker while its claimer ran it. Refused before anything is written.
+pub const MIN_LEASE: Duration = crate::duration::SHORTEST_LEASE;
+
 fn lease_secs(lease_for: Duration) -> Result<f64> {
-    if lease_for.is_zero() || lease_for > MAX_LEASE {
-        return Err(Error::Invalid {
-            what: "lease duration",
-            why: format!("must be positive and at most 365 days, got {lease_for:?}"),
-        });
-    }
+    crate::duration::check_within("lease duration", lease_for, MIN_LEASE, MAX_LEASE)?;
     Ok(lease_for.as_secs_f64())
 }
 

@@ -36,6 +36,7 @@
 #![warn(missing_docs)]
 
 pub mod dedupe;
+mod duration;
 pub mod error;
 pub mod events;
 pub mod guard;

@@ -151,7 +151,35 @@ pub async fn try_lock(tx: &mut Transaction<'_, Postgres>, key: LockKey) -> Resul
         .await?)
 }
 
-/// Waits at most `timeout` for the lock; [`Error::LockTimeout`] after that.
+/// The longest bounded wait for a lock: PostgreSQL's `lock_timeout` is an
+/// `int` of milliseconds, about 24.8 days. A longer wait would be cut to
+/// it without a word; [`lock_timeout`] and a [`crate::Guard`]'s
+/// `lock_timeout` refuse one instead.
+pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// Refuses a bounded wait PostgreSQL's `lock_timeout` cannot hold: longer
+/// than [`MAX_LOCK_TIMEOUT`], or shorter than `min`.
+pub(crate) fn check_lock_timeout(
+    what: &'static str,
+    timeout: Duration,
+    min: Duration,
+) -> Result<()> {
+    crate::duration::check_within(what, timeout, min, MAX_LOCK_TIMEOUT)
+}
+
+/// `timeout` as the milliseconds `lock_timeout` takes, rounded up (0 there
+/// would mean no timeout at all). Bounded by [`check_lock_timeout`] first.
+pub(crate) fn lock_timeout_millis(timeout: Duration) -> u128 {
+    timeout
+        .as_nanos()
+        .div_ceil(1_000_000)
+        .clamp(1, i32::MAX as u128)
+}
+
+/// Waits at most `timeout` for the lock, rounded up to a whole millisecond
+/// (at least 1 ms, PostgreSQL's unit); [`Error::LockTimeout`] after that.
+/// A `timeout` past [`MAX_LOCK_TIMEOUT`] is [`Error::Invalid`], before any
+/// statement.
 ///
 /// The wait runs in a savepoint with a local `lock_timeout`: on timeout the
 /// savepoint is rolled back, so `tx` stays usable and keeps its earlier
@@ -161,7 +189,8 @@ pub async fn lock_timeout(
     key: LockKey,
     timeout: Duration,
 ) -> Result<()> {
-    let millis = timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
+    check_lock_timeout("lock timeout", timeout, Duration::ZERO)?;
+    let millis = lock_timeout_millis(timeout).to_string();
     let previous: String = sqlx::query_scalar(include_str!("lock/sql/lock_timeout_get.sql"))
         .fetch_one(&mut **tx)
         .await?;

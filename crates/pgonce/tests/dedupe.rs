@@ -404,6 +404,54 @@ async fn a_hold_longer_than_the_longest_is_refused_and_stores_nothing() {
     ));
 }
 
+/// A hold shorter than half a microsecond rounds to zero in PostgreSQL's
+/// `interval`: the key was taken with a hold over as it was taken, and the
+/// next identical request took it over while the first still worked on
+/// it. Holds below `dedupe::MIN_HOLD` are refused and store nothing;
+/// `MIN_HOLD` itself ends after the key is taken.
+#[tokio::test]
+async fn a_hold_shorter_than_the_shortest_is_refused_and_stores_nothing() {
+    let (_db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!({"pay": 1})).unwrap();
+    for hold_for in [
+        Duration::from_nanos(1),
+        Duration::from_nanos(400),
+        Duration::from_micros(999),
+    ] {
+        let acquired = dedupe::acquire(&pool, "api", "k", &fp, hold_for).await;
+        if acquired.is_ok() {
+            let over: bool = sqlx::query_scalar(
+                "SELECT held_until < now() FROM pgonce.idempotency_keys WHERE key = 'k'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            panic!("a hold of {hold_for:?} was taken; run out by the next statement: {over}");
+        }
+        assert!(
+            matches!(acquired, Err(Error::Invalid { .. })),
+            "{acquired:?}"
+        );
+    }
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.idempotency_keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+    let acquired = dedupe::acquire(&pool, "api", "k", &fp, Duration::from_millis(1))
+        .await
+        .unwrap();
+    assert!(matches!(acquired, Acquired::Process(_)), "{acquired:?}");
+    let lasts: bool = sqlx::query_scalar(
+        "SELECT held_until >= created_at + interval '1 ms' FROM pgonce.idempotency_keys \
+         WHERE key = 'k'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(lasts);
+}
+
 #[tokio::test]
 async fn under_repeatable_read_the_waiting_duplicate_gets_40001_and_its_retry_skips() {
     let (db, pool) = setup().await;

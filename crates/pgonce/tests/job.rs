@@ -725,6 +725,66 @@ async fn a_lease_longer_than_the_longest_is_refused_and_writes_nothing() {
         .unwrap();
 }
 
+/// Whether job `id`'s lease has run out by this statement: what the
+/// reaper asks.
+async fn lease_run_out(pool: &PgPool, id: i64) -> bool {
+    sqlx::query_scalar("SELECT lease_expires_at < now() FROM pgonce.jobs WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A lease shorter than half a microsecond rounds to zero in PostgreSQL's
+/// `interval`: the claim handed back a lease that had run out as it was
+/// taken, and the reaper could give the job to a second worker while the
+/// first ran it. Claims and heartbeats below `job::MIN_LEASE` are refused
+/// with nothing written; `MIN_LEASE` itself ends after its claim.
+#[tokio::test]
+async fn a_lease_shorter_than_the_shortest_is_refused_and_writes_nothing() {
+    let (_db, pool) = setup().await;
+    let too_short = [
+        Duration::from_nanos(1),
+        Duration::from_nanos(400),
+        Duration::from_micros(999),
+    ];
+    let id = new_job(&pool, 3).await;
+    for lease_for in too_short {
+        let claimed = job::claim(&pool, id, lease_for).await;
+        if claimed.is_ok() {
+            panic!(
+                "a lease of {lease_for:?} was taken; run out by the next statement: {}",
+                lease_run_out(&pool, id).await
+            );
+        }
+        assert!(matches!(claimed, Err(Error::Invalid { .. })), "{claimed:?}");
+        assert!(matches!(
+            job::claim_batch(&pool, "send", 10, lease_for).await,
+            Err(Error::Invalid { .. })
+        ));
+    }
+    assert_eq!(status(&pool, id).await, JobStatus::Pending);
+    let lease = job::claim(&pool, id, Duration::from_millis(1))
+        .await
+        .unwrap();
+    let lasts: bool = sqlx::query_scalar(
+        "SELECT lease_expires_at >= claimed_at + interval '1 ms' FROM pgonce.jobs WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(lasts);
+    for extend_by in too_short {
+        assert!(matches!(
+            job::heartbeat(&pool, &lease, extend_by).await,
+            Err(Error::Invalid { .. })
+        ));
+    }
+    let stored = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(stored.lease_expires_at, Some(lease.expires_at));
+}
+
 /// A lease runs from the statement that takes or extends it, not from the
 /// start of its transaction: run in a transaction that has been open for
 /// two seconds, a claim, a batch claim and a heartbeat of one second each

@@ -282,3 +282,35 @@ async fn keys_of_different_namespaces_do_not_share_a_lock() {
             .unwrap()
     );
 }
+
+/// PostgreSQL's `lock_timeout` is an int of milliseconds: a longer wait
+/// was cut to about 24.8 days without a word, and its `LockTimeout` then
+/// claimed to have waited what was asked. Bounded waits past
+/// `lock::MAX_LOCK_TIMEOUT` are refused before any statement, by
+/// `lock_timeout` and by a guard's config alike; the longest is taken.
+#[tokio::test]
+async fn a_lock_timeout_past_the_longest_is_refused_before_any_statement() {
+    let pool = pool().await;
+    let key = LockKey::new("entity", "longest wait").unwrap();
+    let too_long = [Duration::MAX, Duration::from_millis(i32::MAX as u64 + 1)];
+    for timeout in too_long {
+        let mut tx = pool.begin().await.unwrap();
+        let waited = lock::lock_timeout(&mut tx, key, timeout).await;
+        assert!(matches!(waited, Err(Error::Invalid { .. })), "{waited:?}");
+        // Nothing ran: the transaction is untouched and holds no lock.
+        assert!(!held_by_anyone(&pool, key).await);
+        tx.rollback().await.unwrap();
+        let config = pgonce::GuardConfig {
+            lock_timeout: Some(timeout),
+            ..pgonce::GuardConfig::default()
+        };
+        let guard = pgonce::Guard::new("bounded", config);
+        assert!(matches!(guard, Err(Error::Invalid { .. })), "{guard:?}");
+    }
+    let mut tx = pool.begin().await.unwrap();
+    lock::lock_timeout(&mut tx, key, Duration::from_millis(i32::MAX as u64))
+        .await
+        .unwrap();
+    assert!(held_by_anyone(&pool, key).await);
+    tx.commit().await.unwrap();
+}

@@ -454,3 +454,27 @@ async fn the_spawned_loop_cleans_and_stops_when_asked() {
     let left = job_ids(&pool).await;
     assert_eq!(left, [live]);
 }
+
+/// The loop's next pass is due an interval after the last, and tokio
+/// clamps a timer's deadline to one it can keep: an interval of
+/// `Duration::MAX` is taken, runs the first pass, then waits, and stops on
+/// shutdown like any other.
+#[tokio::test]
+async fn the_longest_interval_runs_its_first_pass_and_stops_on_shutdown() {
+    let (_db, pool) = setup().await;
+    job(&pool, "completed", 30 * DAY).await;
+    let config = MaintenanceConfig {
+        interval: Duration::MAX,
+        ..MaintenanceConfig::default()
+    };
+    let handle = Maintenance::spawn(pool.clone(), config).unwrap();
+    // Poll the database for the outcome (no sleep decides anything).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while count(&pool, "pgonce.jobs").await != 0 {
+        assert!(std::time::Instant::now() < deadline, "no first pass");
+        tokio::task::yield_now().await;
+    }
+    tokio::time::timeout(Duration::from_secs(5), handle.stop())
+        .await
+        .expect("the loop stops on shutdown");
+}

@@ -3757,3 +3757,43 @@ async fn a_fifo_receive_probes_each_head_on_stale_statistics() {
     groups.dedup();
     assert_eq!(groups.len(), 10, "one message per group");
 }
+
+/// A long poll sleeps until the earlier of its deadline and now plus
+/// `poll_interval`: one of `Duration::MAX` overflowed the instant and
+/// panicked the receive, and one under the documented least (1 ms) polled
+/// the database in a busy loop. Both are refused by `open`, and by
+/// `create` before it creates the queue.
+#[tokio::test]
+async fn a_poll_interval_out_of_range_is_refused_before_the_queue_is_touched() {
+    let pool = pool().await;
+    queue(&pool, "polled", QueueAttributes::default()).await;
+    for poll_interval in [
+        Duration::MAX,
+        Duration::from_secs(13 * 3600),
+        Duration::from_micros(999),
+        Duration::ZERO,
+    ] {
+        let options = PgQueueOptions {
+            poll_interval,
+            ..PgQueueOptions::default()
+        };
+        match PgQueue::open(&pool, "polled", options.clone()).await {
+            Err(Error::Invalid { .. }) => {}
+            Err(e) => panic!("a poll interval of {poll_interval:?}: {e:?}"),
+            Ok(q) => {
+                let received = tokio::spawn(async move {
+                    q.receive(ReceiveRequest::up_to(1).wait(Duration::from_millis(50)))
+                        .await
+                })
+                .await;
+                panic!("a poll interval of {poll_interval:?} was taken; a receive: {received:?}");
+            }
+        }
+        let created = PgQueue::create(&pool, "unmade", QueueAttributes::default(), options).await;
+        assert!(matches!(created, Err(Error::Invalid { .. })), "{created:?}");
+        assert!(matches!(
+            PgQueue::open(&pool, "unmade", fast_poll()).await,
+            Err(Error::QueueNotFound { .. })
+        ));
+    }
+}

@@ -193,11 +193,26 @@ pub struct PgQueueOptions {
     pub notify: bool,
     /// A long poll re-checks the queue at least this often, for delayed
     /// messages, expired visibility timeouts and missed notifications.
-    /// Default 1 s; at least 1 ms.
+    /// Default 1 s; at least 1 ms (shorter would poll the database in a
+    /// busy loop), at most [`MAX_WAIT`](crate::queue::MAX_WAIT) (a wait's
+    /// longest: a longer interval never comes round, and each re-check's
+    /// time, now plus the interval, must exist).
     pub poll_interval: Duration,
     /// Where long polls listen for sends (see [`Listen`]). Default: a
     /// connection like the pool's.
     pub listen: Listen,
+}
+
+impl PgQueueOptions {
+    /// Checks the bounds stated on each field.
+    fn validate(&self) -> Result<()> {
+        crate::duration::check_within(
+            "queue options poll_interval",
+            self.poll_interval,
+            Duration::from_millis(1),
+            crate::queue::MAX_WAIT,
+        )
+    }
 }
 
 impl Default for PgQueueOptions {
@@ -278,6 +293,9 @@ impl PgQueue {
         options: PgQueueOptions,
     ) -> Result<PgQueue> {
         attributes.validate()?;
+        // Checked by `open` too, but before the queue exists: refused
+        // options must not leave a queue created behind an error.
+        options.validate()?;
         validate_name(name)?;
         if let Some(dlq) = &attributes.dead_letter_queue {
             validate_name(dlq)?;
@@ -347,12 +365,7 @@ impl PgQueue {
 
     /// A handle on an existing queue; [`Error::QueueNotFound`] otherwise.
     pub async fn open(pool: &PgPool, name: &str, options: PgQueueOptions) -> Result<PgQueue> {
-        if options.poll_interval.is_zero() {
-            return Err(Error::Invalid {
-                what: "queue options",
-                why: "poll_interval must be positive".into(),
-            });
-        }
+        options.validate()?;
         let Some(QueueRow {
             fifo,
             content_based_dedup,
@@ -1351,8 +1364,13 @@ impl Drop for Unpark<'_> {
     }
 }
 
+/// `d` in the whole milliseconds the queue's tables store, rounded up: a
+/// visibility, delay, retention or window is at least what was asked (a
+/// visibility of 0.5 ms rounded down would make the message visible at
+/// once, as a release does). Every caller bounds `d` first (at most 14
+/// days), so the rounding never passes a bound.
 fn millis(d: Duration) -> i64 {
-    d.as_millis().min(i64::MAX as u128) as i64
+    d.as_nanos().div_ceil(1_000_000).min(i64::MAX as u128) as i64
 }
 
 fn parse_id(id: &str) -> Result<i64> {
@@ -1381,6 +1399,16 @@ fn validate_name(name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_are_stored_in_milliseconds_rounded_up() {
+        assert_eq!(millis(Duration::ZERO), 0);
+        assert_eq!(millis(Duration::from_nanos(1)), 1);
+        assert_eq!(millis(Duration::from_micros(500)), 1);
+        assert_eq!(millis(Duration::from_millis(7)), 7);
+        assert_eq!(millis(Duration::from_micros(7_001)), 8);
+        assert_eq!(millis(crate::queue::MAX_VISIBILITY), 12 * 3600 * 1000);
+    }
 
     #[test]
     fn attributes_are_validated() {
