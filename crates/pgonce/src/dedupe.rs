@@ -226,58 +226,63 @@ pub async fn acquire(
             "must not be empty",
         ));
     }
-    // Two rounds at most: the row may be collected between the two statements.
-    for _ in 0..2 {
-        let held: Option<HeldRow> = sqlx::query_as(include_str!("dedupe/sql/key_acquire.sql"))
-            .bind(scope)
-            .bind(key)
-            .bind(fingerprint)
-            .bind(hold_for.as_secs_f64())
-            .fetch_optional(pool)
-            .await?;
-        if let Some(HeldRow {
-            hold_token: token,
+    // One READ COMMITTED transaction, so that the key cannot change
+    // between the two statements. When the upsert takes nothing, its ON
+    // CONFLICT DO UPDATE has still locked the row it conflicted with (as
+    // it does whether or not its WHERE holds), and the read, with a
+    // snapshot taken after that lock, sees that very row: nobody can
+    // collect, release or finish it before this transaction ends. Run on
+    // their own, the key could be collected and made again between them,
+    // and the read find nothing, round after round.
+    let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
+    let held: Option<HeldRow> = sqlx::query_as(include_str!("dedupe/sql/key_acquire.sql"))
+        .bind(scope)
+        .bind(key)
+        .bind(fingerprint)
+        .bind(hold_for.as_secs_f64())
+        .fetch_optional(&mut *tx)
+        .await?;
+    if let Some(HeldRow {
+        hold_token: token,
+        held_until,
+        inserted,
+        acquired_in,
+    }) = held
+    {
+        tx.commit().await?;
+        if !inserted {
+            tracing::warn!(scope, key, "idempotency key recovered from a dead holder");
+            metrics::counter!("pgonce_dedupe_keys_recovered_total").increment(1);
+        }
+        return Ok(Acquired::Process(KeyHold {
+            scope: scope.into(),
+            key: key.into(),
+            token,
             held_until,
-            inserted,
+            first_use: inserted,
             acquired_in,
-        }) = held
-        {
-            if !inserted {
-                tracing::warn!(scope, key, "idempotency key recovered from a dead holder");
-                metrics::counter!("pgonce_dedupe_keys_recovered_total").increment(1);
-            }
-            return Ok(Acquired::Process(KeyHold {
-                scope: scope.into(),
-                key: key.into(),
-                token,
-                held_until,
-                first_use: inserted,
-                acquired_in,
-            }));
-        }
-        let row: Option<KeyRow> = sqlx::query_as(include_str!("dedupe/sql/key_read.sql"))
-            .bind(scope)
-            .bind(key)
-            .fetch_optional(pool)
-            .await?;
-        let Some(KeyRow {
-            fingerprint: stored,
-            status,
-            response,
-        }) = row
-        else {
-            continue;
-        };
-        if stored != fingerprint {
-            metrics::counter!("pgonce_dedupe_mismatches_total").increment(1);
-            tracing::warn!(scope, key, "idempotency key reused for a different request");
-            return Err(Error::IdempotencyMismatch { key: key.into() });
-        }
-        if status == "done" {
-            metrics::counter!("pgonce_dedupe_replays_total").increment(1);
-            return Ok(Acquired::Replay(response.unwrap_or(Value::Null)));
-        }
-        return Err(Error::IdempotencyInProgress { key: key.into() });
+        }));
+    }
+    // The row the upsert locked: there is one (see above).
+    let KeyRow {
+        fingerprint: stored,
+        status,
+        response,
+    } = sqlx::query_as(include_str!("dedupe/sql/key_read.sql"))
+        .bind(scope)
+        .bind(key)
+        .fetch_one(&mut *tx)
+        .await?;
+    // Nothing was written: ending the transaction only lets the row go.
+    tx.commit().await?;
+    if stored != fingerprint {
+        metrics::counter!("pgonce_dedupe_mismatches_total").increment(1);
+        tracing::warn!(scope, key, "idempotency key reused for a different request");
+        return Err(Error::IdempotencyMismatch { key: key.into() });
+    }
+    if status == "done" {
+        metrics::counter!("pgonce_dedupe_replays_total").increment(1);
+        return Ok(Acquired::Replay(response.unwrap_or(Value::Null)));
     }
     Err(Error::IdempotencyInProgress { key: key.into() })
 }

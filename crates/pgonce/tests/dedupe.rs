@@ -734,3 +734,143 @@ async fn a_late_finish_racing_a_takeover_is_replayed_if_it_commits_and_taken_ove
         }
     }
 }
+
+/// Waits until `acquire`, running as `session`, has either returned or is
+/// seen waiting on `gate` alone, its next statement queued behind the
+/// gate's lock: `true` for the latter.
+async fn waits_on_gate<T>(
+    race: &Interleaving,
+    session: &pgonce_testkit::Session,
+    gate: &pgonce_testkit::Session,
+    acquiring: &tokio::task::JoinHandle<T>,
+) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if acquiring.is_finished() {
+            return false;
+        }
+        if race.blockers_of(session).await.unwrap() == Some(vec![gate.name().to_string()]) {
+            return true;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "acquire neither returned nor waited on {}",
+            gate.name()
+        );
+        // Polling the server for a state to appear, as the harness does.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Takes the key table's ACCESS EXCLUSIVE lock in a transaction of its own.
+async fn lock_key_table(
+    pool: PgPool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("LOCK TABLE pgonce.idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await?;
+    Ok(tx)
+}
+
+/// `acquire` upserts the key and, when that takes nothing, reads it to say
+/// why. Run as two statements on their own, the key could be collected
+/// between them: the read found nothing, and after two such rounds
+/// `acquire` answered `IdempotencyInProgress` for a key that was never in
+/// progress. Driven step by step: before each of acquire's statements a
+/// gate holding the key table's ACCESS EXCLUSIVE lock is queued behind it,
+/// so that acquire's next statement waits on that gate, which meanwhile
+/// collects the key, makes it again (done, as a retry finished it) and
+/// collects it again. The key is never in progress, so the one right
+/// answer is a replay of a response it had.
+#[tokio::test]
+async fn a_key_collected_and_made_again_between_acquires_statements_is_never_in_progress() {
+    let (db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let hold_for = Duration::from_secs(60);
+    let Acquired::Process(hold) = dedupe::acquire(&pool, "api", "k", &fp, hold_for)
+        .await
+        .unwrap()
+    else {
+        panic!("new key");
+    };
+    dedupe::finish(&pool, &hold, &json!("first")).await.unwrap();
+
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let session = race.session("acquire").await.unwrap();
+    let gates = [
+        race.session("G1").await.unwrap(),
+        race.session("G2").await.unwrap(),
+    ];
+    // Prepares acquire's statements on its connection first: preparing
+    // takes the table's lock as well, and would be one more wait.
+    for _ in 0..2 {
+        dedupe::acquire(session.pool(), "api", "warm-up", &fp, hold_for)
+            .await
+            .unwrap_or_else(|e| {
+                assert!(matches!(e, Error::IdempotencyInProgress { .. }), "{e:?}");
+                Acquired::Replay(json!(null))
+            });
+    }
+
+    let mut held = Some(
+        race.try_step(
+            &gates[0],
+            "LOCK TABLE",
+            lock_key_table(gates[0].pool().clone()),
+        )
+        .await
+        .unwrap(),
+    );
+    let acquiring = tokio::spawn({
+        let (pool, fp) = (session.pool().clone(), fp.clone());
+        async move { dedupe::acquire(&pool, "api", "k", &fp, hold_for).await }
+    });
+    assert!(waits_on_gate(&race, &session, &gates[0], &acquiring).await);
+    let collect = "DELETE FROM pgonce.idempotency_keys \
+                   WHERE scope = 'api' AND key = 'k' AND fingerprint = $1";
+    let make_again = "INSERT INTO pgonce.idempotency_keys \
+                      (scope, key, fingerprint, status, response, finished_at) \
+                      VALUES ('api', 'k', $1, 'done', '\"second\"', now())";
+    let mut holder = 0;
+    for change in [collect, make_again, collect] {
+        let next = 1 - holder;
+        let queued = race
+            .step_blocks(
+                &gates[next],
+                "LOCK TABLE",
+                lock_key_table(gates[next].pool().clone()),
+            )
+            .await
+            .unwrap();
+        let tx = held.take().expect("a gate holds the table");
+        race.try_step(&gates[holder], "COMMIT", tx.commit())
+            .await
+            .unwrap();
+        // Granted once acquire's statement has ended.
+        let mut tx = queued.try_resume().await.unwrap();
+        holder = next;
+        let waits = waits_on_gate(&race, &session, &gates[holder], &acquiring).await;
+        if waits {
+            let changed = sqlx::query(change).bind(&fp).execute(&mut *tx);
+            let changed = race
+                .try_step(&gates[holder], change, changed)
+                .await
+                .unwrap();
+            assert_eq!(changed.rows_affected(), 1);
+        }
+        held = Some(tx);
+        if !waits {
+            break;
+        }
+    }
+    let tx = held.take().expect("a gate holds the table");
+    race.try_step(&gates[holder], "COMMIT", tx.commit())
+        .await
+        .unwrap();
+    let out = acquiring.await.unwrap();
+    assert!(
+        matches!(&out, Ok(Acquired::Replay(r)) if *r == json!("first") || *r == json!("second")),
+        "{out:?}"
+    );
+}
