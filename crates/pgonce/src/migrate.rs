@@ -15,13 +15,18 @@
 //!    busy with a migration;
 //! 2. create the bookkeeping table if it is missing (under the lock, so two
 //!    first runs cannot race on it);
-//! 3. read the migration's row: applied with the same checksum, nothing to
+//! 3. refuse a database a newer build has migrated: a row in the runner's
+//!    own range of versions that it does not know is
+//!    [`MigrateError::VersionMissing`] (see [`run_owning`]);
+//! 4. read the migration's row: applied with the same checksum, nothing to
 //!    do; applied with another checksum, [`MigrateError::VersionMismatch`];
 //!    absent, run its SQL and insert its row;
-//! 4. `COMMIT`, which releases the lock with the migration's effects.
+//! 5. `COMMIT`, which releases the lock with the migration's effects.
 //!
 //! A crash at any step rolls the whole migration back, row included, so a
 //! migration is never half applied nor recorded without its effects.
+
+use std::ops::RangeInclusive;
 
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{Executor, PgPool};
@@ -35,9 +40,14 @@ use crate::lock::LockKey;
 /// applies one set and leaves rows of other versions alone.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
+/// The versions of [`MIGRATOR`]'s migrations, present and to come.
+pub const LIBRARY_VERSIONS: RangeInclusive<i64> = 1..=999;
+
 /// Applies pgonce's migrations that are not applied yet (see [`run`]).
+/// [`MigrateError::VersionMissing`], with nothing applied, when a newer
+/// pgonce has migrated the database (see [`run_owning`]).
 pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
-    run(pool, &MIGRATOR).await
+    run_owning(pool, &MIGRATOR, LIBRARY_VERSIONS).await
 }
 
 /// Applies `migrator`'s migrations that are not applied yet, in version
@@ -46,6 +56,24 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
 /// directly or through a transaction-mode pooler. Rows of versions that
 /// `migrator` does not know (another component's) are left alone.
 pub async fn run(pool: &PgPool, migrator: &Migrator) -> Result<(), MigrateError> {
+    // An empty range: `run` owns no version beyond its migrator's own.
+    run_owning(pool, migrator, RangeInclusive::new(1, 0)).await
+}
+
+/// [`run`], for a `migrator` whose migrations take the versions `owned`,
+/// present and to come. An applied version in `owned` that `migrator`
+/// does not know was applied by a newer build: its schema is ahead of this
+/// code, which may not read or write it as that build does, and an older
+/// migration applied now would run against a schema it was not written
+/// for. [`MigrateError::VersionMissing`] names the lowest such version;
+/// it is checked under the lock, before each migration, so nothing is
+/// applied after a newer runner's migration either. Rows outside `owned`
+/// (another component's) are left alone.
+pub async fn run_owning(
+    pool: &PgPool,
+    migrator: &Migrator,
+    owned: RangeInclusive<i64>,
+) -> Result<(), MigrateError> {
     let key =
         LockKey::new("pgonce.migrate", "_sqlx_migrations").expect("a constant, valid namespace");
     let mut migrations: Vec<&Migration> = migrator
@@ -53,6 +81,12 @@ pub async fn run(pool: &PgPool, migrator: &Migrator) -> Result<(), MigrateError>
         .filter(|m| !matches!(m.migration_type, MigrationType::ReversibleDown))
         .collect();
     migrations.sort_by_key(|m| m.version);
+    let known: Vec<i64> = migrations.iter().map(|m| m.version).collect();
+    let runner = Runner {
+        key,
+        owned: &owned,
+        known: &known,
+    };
     for migration in migrations {
         if migration.no_tx {
             // A statement that cannot run in a transaction (CREATE INDEX
@@ -62,7 +96,7 @@ pub async fn run(pool: &PgPool, migrator: &Migrator) -> Result<(), MigrateError>
                 migration.version
             ))));
         }
-        apply_one(pool, key, migration).await?;
+        runner.apply_one(pool, migration).await?;
     }
     Ok(())
 }
@@ -72,14 +106,23 @@ struct AppliedRow {
     checksum: Vec<u8>,
 }
 
-async fn apply_one(pool: &PgPool, key: LockKey, migration: &Migration) -> Result<(), MigrateError> {
-    let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(key.as_i64())
-        .execute(&mut *tx)
-        .await?;
-    tx.execute(
-        "CREATE TABLE IF NOT EXISTS _sqlx_migrations (
+/// What every migration's transaction needs: the lock, and which applied
+/// versions are this runner's.
+struct Runner<'a> {
+    key: LockKey,
+    owned: &'a RangeInclusive<i64>,
+    known: &'a [i64],
+}
+
+impl Runner<'_> {
+    async fn apply_one(&self, pool: &PgPool, migration: &Migration) -> Result<(), MigrateError> {
+        let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(self.key.as_i64())
+            .execute(&mut *tx)
+            .await?;
+        tx.execute(
+            "CREATE TABLE IF NOT EXISTS _sqlx_migrations (
              version BIGINT PRIMARY KEY,
              description TEXT NOT NULL,
              installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
@@ -87,34 +130,45 @@ async fn apply_one(pool: &PgPool, key: LockKey, migration: &Migration) -> Result
              checksum BYTEA NOT NULL,
              execution_time BIGINT NOT NULL
          )",
-    )
-    .await?;
-    let applied: Option<AppliedRow> =
-        sqlx::query_as("SELECT checksum FROM _sqlx_migrations WHERE version = $1")
-            .bind(migration.version)
-            .fetch_optional(&mut *tx)
-            .await?;
-    match applied {
-        Some(row) if row.checksum == *migration.checksum => {}
-        Some(_) => return Err(MigrateError::VersionMismatch(migration.version)),
-        None => {
-            let started = std::time::Instant::now();
-            tx.execute(migration.sql.clone())
-                .await
-                .map_err(|e| MigrateError::ExecuteMigration(e, migration.version))?;
-            sqlx::query(
-                "INSERT INTO _sqlx_migrations
+        )
+        .await?;
+        let unknown: Option<i64> =
+            sqlx::query_scalar(include_str!("migrate/sql/unknown_version.sql"))
+                .bind(self.owned.start())
+                .bind(self.owned.end())
+                .bind(self.known)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(version) = unknown {
+            return Err(MigrateError::VersionMissing(version));
+        }
+        let applied: Option<AppliedRow> =
+            sqlx::query_as("SELECT checksum FROM _sqlx_migrations WHERE version = $1")
+                .bind(migration.version)
+                .fetch_optional(&mut *tx)
+                .await?;
+        match applied {
+            Some(row) if row.checksum == *migration.checksum => {}
+            Some(_) => return Err(MigrateError::VersionMismatch(migration.version)),
+            None => {
+                let started = std::time::Instant::now();
+                tx.execute(migration.sql.clone())
+                    .await
+                    .map_err(|e| MigrateError::ExecuteMigration(e, migration.version))?;
+                sqlx::query(
+                    "INSERT INTO _sqlx_migrations
                      (version, description, success, checksum, execution_time)
                  VALUES ($1, $2, TRUE, $3, $4)",
-            )
-            .bind(migration.version)
-            .bind(&*migration.description)
-            .bind(&*migration.checksum)
-            .bind(i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX))
-            .execute(&mut *tx)
-            .await?;
+                )
+                .bind(migration.version)
+                .bind(&*migration.description)
+                .bind(&*migration.checksum)
+                .bind(i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX))
+                .execute(&mut *tx)
+                .await?;
+            }
         }
+        tx.commit().await?;
+        Ok(())
     }
-    tx.commit().await?;
-    Ok(())
 }
