@@ -226,8 +226,14 @@ pub async fn acquire(
             "must not be empty",
         ));
     }
-    // One READ COMMITTED transaction, so that the key cannot change
-    // between the two statements. When the upsert takes nothing, its ON
+    // The upsert alone first: a new key, or one whose holder's hold ran
+    // out, is taken in one statement, the commonest case.
+    if let Some(row) = upsert_key(pool, scope, key, fingerprint, hold_for).await? {
+        return Ok(taken(scope, key, row));
+    }
+    // The key was there and not taken: why is read in one READ COMMITTED
+    // transaction with the upsert tried again, so that the key cannot
+    // change between the two. When the upsert takes nothing, its ON
     // CONFLICT DO UPDATE has still locked the row it conflicted with (as
     // it does whether or not its WHERE holds), and the read, with a
     // snapshot taken after that lock, sees that very row: nobody can
@@ -235,33 +241,9 @@ pub async fn acquire(
     // their own, the key could be collected and made again between them,
     // and the read find nothing, round after round.
     let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
-    let held: Option<HeldRow> = sqlx::query_as(include_str!("dedupe/sql/key_acquire.sql"))
-        .bind(scope)
-        .bind(key)
-        .bind(fingerprint)
-        .bind(hold_for.as_secs_f64())
-        .fetch_optional(&mut *tx)
-        .await?;
-    if let Some(HeldRow {
-        hold_token: token,
-        held_until,
-        inserted,
-        acquired_in,
-    }) = held
-    {
+    if let Some(row) = upsert_key(&mut *tx, scope, key, fingerprint, hold_for).await? {
         tx.commit().await?;
-        if !inserted {
-            tracing::warn!(scope, key, "idempotency key recovered from a dead holder");
-            metrics::counter!("pgonce_dedupe_keys_recovered_total").increment(1);
-        }
-        return Ok(Acquired::Process(KeyHold {
-            scope: scope.into(),
-            key: key.into(),
-            token,
-            held_until,
-            first_use: inserted,
-            acquired_in,
-        }));
+        return Ok(taken(scope, key, row));
     }
     // The row the upsert locked: there is one (see above).
     let KeyRow {
@@ -285,6 +267,47 @@ pub async fn acquire(
         return Ok(Acquired::Replay(response.unwrap_or(Value::Null)));
     }
     Err(Error::IdempotencyInProgress { key: key.into() })
+}
+
+/// Takes the key if it is new or its holder's hold ran out (and locks its
+/// row either way, for the rest of `db`'s transaction); `None` when it was
+/// not taken.
+async fn upsert_key<'c>(
+    db: impl PgExecutor<'c>,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+    hold_for: Duration,
+) -> Result<Option<HeldRow>> {
+    Ok(sqlx::query_as(include_str!("dedupe/sql/key_acquire.sql"))
+        .bind(scope)
+        .bind(key)
+        .bind(fingerprint)
+        .bind(hold_for.as_secs_f64())
+        .fetch_optional(db)
+        .await?)
+}
+
+/// The hold of a key [`upsert_key`] took.
+fn taken(scope: &str, key: &str, row: HeldRow) -> Acquired {
+    let HeldRow {
+        hold_token: token,
+        held_until,
+        inserted,
+        acquired_in,
+    } = row;
+    if !inserted {
+        tracing::warn!(scope, key, "idempotency key recovered from a dead holder");
+        metrics::counter!("pgonce_dedupe_keys_recovered_total").increment(1);
+    }
+    Acquired::Process(KeyHold {
+        scope: scope.into(),
+        key: key.into(),
+        token,
+        held_until,
+        first_use: inserted,
+        acquired_in,
+    })
 }
 
 /// Stores `response` for the held key, in `db` (pass the transaction that

@@ -1,8 +1,8 @@
 -- First use inserts and holds the key. A later use takes the hold over only
 -- when the previous holder's hold expired (it died) and the request is the
--- same one. Otherwise no row comes back and key_read.sql, in the same
--- transaction, says why: ON CONFLICT DO UPDATE locks the conflicting row
--- even when its WHERE is false, so the key cannot change in between.
+-- same one. Otherwise no row comes back; run again in a transaction,
+-- key_read.sql then says why: ON CONFLICT DO UPDATE locks the conflicting
+-- row even when its WHERE is false, so the key cannot change in between.
 -- acquired_in, the transaction taking the hold, lets finish and release
 -- tell a snapshot older than the hold from a lost hold (migration 0200).
 INSERT INTO pgonce.idempotency_keys AS k (scope, key, fingerprint, hold_token, held_until)
