@@ -85,9 +85,11 @@ fn configure(args: &ServeArgs, database_url: Option<&str>) -> anyhow::Result<Con
     Ok(config)
 }
 
-/// The pool on `database.url`, after migrating over the direct URL (a
-/// migration holds an advisory lock for its whole session, which a
-/// transaction-mode pooler would not keep).
+/// The pool on `database.url`, after migrating over the direct URL when
+/// one is configured. Migrations keep no session state (each takes its
+/// lock for its own transaction), so the pooled URL works as well; the
+/// direct one keeps a long migration off the connections the pooler shares
+/// with live traffic.
 async fn connect(config: &Config) -> anyhow::Result<PgPool> {
     let url = config.database.url.as_deref().context("no database.url")?;
     let direct = config.direct_url().unwrap_or(url);

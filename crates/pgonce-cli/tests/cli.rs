@@ -108,6 +108,70 @@ fn migrate_without_a_database_says_what_to_pass() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--database-url"));
 }
 
+/// A database a newer build migrated is refused, by `migrate` and by
+/// `serve`, in words that say so, with nothing applied: one unknown
+/// version in pgonce's range, then one in the service's.
+#[test]
+fn a_database_a_newer_build_migrated_is_refused_in_words_that_say_so() {
+    let (rt, db, url) = fresh_database_url();
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    let newer = |version: i64| {
+        rt.block_on(
+            sqlx::query(
+                "INSERT INTO _sqlx_migrations \
+                 (version, description, success, checksum, execution_time) \
+                 VALUES ($1, 'from a newer build', true, '\\x00', 0)",
+            )
+            .bind(version)
+            .execute(&pool),
+        )
+        .unwrap();
+    };
+    let applied = || -> i64 {
+        rt.block_on(sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&pool))
+            .unwrap()
+    };
+    let migrate = pgonce()
+        .arg("migrate")
+        .env("DATABASE_URL", &url)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(migrate.status.success(), "{migrate:?}");
+    let before = applied();
+
+    newer(998);
+    let refused = pgonce()
+        .arg("migrate")
+        .env("DATABASE_URL", &url)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("migration 998") && stderr.contains("a newer pgonce migrated it"),
+        "{stderr}"
+    );
+
+    rt.block_on(sqlx::query("DELETE FROM _sqlx_migrations WHERE version = 998").execute(&pool))
+        .unwrap();
+    newer(1998);
+    let port = free_port();
+    let serve = pgonce()
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .env("DATABASE_URL", &url)
+        .env("PGONCE_ADMIN_TOKEN", "cli-test-admin-token-000")
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(!serve.status.success());
+    let stderr = String::from_utf8_lossy(&serve.stderr);
+    assert!(stderr.contains("migration 1998"), "{stderr}");
+    // pgonce's migrations were all there; the service's none was run.
+    assert_eq!(applied(), before + 1);
+}
+
 /// Sends SIGTERM and expects exit 0 within 30 s, having said it stopped.
 fn sigterm_then_exit_0(mut child: std::process::Child) {
     let killed = std::process::Command::new("kill")

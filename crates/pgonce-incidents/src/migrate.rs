@@ -1,5 +1,7 @@
 //! The service's schema, embedded in the binary.
 
+use std::ops::RangeInclusive;
+
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
@@ -7,11 +9,18 @@ use sqlx::migrate::Migrator;
 /// kept in the same `_sqlx_migrations` table as pgonce's.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
+/// The versions of [`MIGRATOR`]'s migrations, present and to come: one it
+/// does not know in this range was applied by a newer build.
+pub const SERVICE_VERSIONS: RangeInclusive<i64> = 1000..=1999;
+
 /// Applies pgonce's migrations and then the service's, with
-/// [`pgonce::migrate::run`]: each in its own transaction under a
+/// [`pgonce::migrate::run_owning`]: each in its own transaction under a
 /// transaction-level lock, so it is safe from several processes at once and
-/// through a transaction-mode pooler.
+/// through a transaction-mode pooler. A database a newer build migrated
+/// (pgonce's or the service's) is refused with
+/// [`MigrateError::VersionMissing`](sqlx::migrate::MigrateError::VersionMissing),
+/// nothing applied.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     pgonce::migrate(pool).await?;
-    pgonce::migrate::run(pool, &MIGRATOR).await
+    pgonce::migrate::run_owning(pool, &MIGRATOR, SERVICE_VERSIONS).await
 }

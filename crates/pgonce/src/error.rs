@@ -282,6 +282,12 @@ pub fn describe(e: &sqlx::Error) -> String {
             MigrateError::ExecuteMigration(inner, version) => {
                 format!("while executing migration {version}: {}", describe(inner))
             }
+            // sqlx's own wording ("previously applied but is missing in
+            // the resolved migrations") does not say what it means here.
+            MigrateError::VersionMissing(version) => format!(
+                "the database has migration {version}, which this build does not know: \
+                 a newer pgonce migrated it; run that version, or a newer one"
+            ),
             other => other.to_string(),
         },
         other => other.to_string(),
