@@ -37,9 +37,16 @@ where
     }
 }
 
+/// The prefix SQS puts on most of its error codes. The SDK reports the code
+/// SQS's query protocol gave an error (the `x-amzn-query-error` header), so
+/// a message not in flight is `AWS.SimpleQueueService.MessageNotInflight`
+/// from SQS and `MessageNotInflight` from a server that sends no such header;
+/// codes are matched without it.
+const CODE_PREFIX: &str = "AWS.SimpleQueueService.";
+
 /// A service error code (also of one batch entry) to a variant.
 pub(crate) fn from_code(code: &str, message: &str, receipt: Option<&str>) -> Error {
-    match (code, receipt) {
+    match (code.strip_prefix(CODE_PREFIX).unwrap_or(code), receipt) {
         // A receipt the server does not take, or whose message is no longer
         // in flight under it.
         ("ReceiptHandleIsInvalid" | "MessageNotInflight" | "InvalidReceiptHandle", Some(r)) => {
@@ -49,15 +56,52 @@ pub(crate) fn from_code(code: &str, message: &str, receipt: Option<&str>) -> Err
                 receipt: r.to_string(),
             }
         }
-        ("QueueDoesNotExist" | "AWS.SimpleQueueService.NonExistentQueue", _) => {
-            Error::QueueNotFound {
-                name: message.to_string(),
-            }
-        }
+        ("QueueDoesNotExist" | "NonExistentQueue", _) => Error::QueueNotFound {
+            name: message.to_string(),
+        },
         _ => Error::Backend {
             backend: BACKEND,
             code: code.to_string(),
             message: message.to_string(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The codes SQS sends for a receipt it refuses, as the SDK reports
+    /// them (the query-protocol code, prefixed or not), are a stale receipt
+    /// when a receipt was given; a worker stops its heartbeats on it.
+    /// (`AWS.SimpleQueueService.MessageNotInflight`, SQS's answer to a
+    /// visibility change of a message visible again, was a `Backend`
+    /// error: the heartbeat went on beating.)
+    #[test]
+    fn refused_receipts_are_stale_with_or_without_the_prefix() {
+        for code in [
+            "AWS.SimpleQueueService.MessageNotInflight",
+            "MessageNotInflight",
+            "ReceiptHandleIsInvalid",
+            "AWS.SimpleQueueService.ReceiptHandleIsInvalid",
+        ] {
+            let e = from_code(code, "", Some("r"));
+            assert!(
+                matches!(&e, Error::StaleReceipt { receipt } if receipt == "r"),
+                "{code}: {e:?}"
+            );
+        }
+        for code in [
+            "AWS.SimpleQueueService.NonExistentQueue",
+            "QueueDoesNotExist",
+        ] {
+            let e = from_code(code, "q", None);
+            assert!(matches!(&e, Error::QueueNotFound { .. }), "{code}: {e:?}");
+        }
+        let e = from_code("AWS.SimpleQueueService.PurgeQueueInProgress", "m", None);
+        assert!(
+            matches!(&e, Error::Backend { code, .. } if code == "AWS.SimpleQueueService.PurgeQueueInProgress"),
+            "{e:?}"
+        );
     }
 }
