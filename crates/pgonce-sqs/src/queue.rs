@@ -1,6 +1,7 @@
 //! [`SqsQueue`]: the [`Queue`] trait on one SQS queue.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, UNIX_EPOCH};
@@ -10,7 +11,7 @@ use aws_sdk_sqs::types::{
     MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
     SendMessageBatchRequestEntry,
 };
-use pgonce::queue::{MAX_BATCH, MAX_BODY_BYTES};
+use pgonce::queue::MAX_BATCH;
 use pgonce::{
     Error, Queue, QueueAttributes, QueueStats, Receipt, ReceiveRequest, Received, Result,
     SendMessage, Sent,
@@ -29,6 +30,15 @@ const SQS_MAX_ATTRIBUTES: usize = 10;
 
 /// SQS's per-request cap on messages (send, receive, delete batches).
 const SQS_BATCH: usize = 10;
+
+/// SQS's limit on one message, and on the messages of one SendMessageBatch
+/// request together: 256 KiB. A queue's `MaximumMessageSize` may be lower.
+const SQS_MAX_MESSAGE_BYTES: usize = 262_144;
+
+/// What the `pgonce.id` attribute a redrive adds counts toward a message's
+/// size: its name, its data type (`String`) and an SQS message id (a UUID,
+/// 36 characters).
+const ID_ATTRIBUTE_BYTES: usize = ID_ATTRIBUTE.len() + "String".len() + 36;
 
 /// SQS's longest long-polling wait per request.
 const SQS_MAX_WAIT: Duration = Duration::from_secs(20);
@@ -131,6 +141,7 @@ impl SqsClient {
         } else {
             Duration::ZERO
         };
+        let max_bytes = self.max_message_bytes(&url).await?;
         Ok(SqsQueue {
             inner: Arc::new(Inner {
                 client: self.clone(),
@@ -139,10 +150,25 @@ impl SqsClient {
                 fifo,
                 content_based_dedup,
                 visibility,
+                max_bytes,
                 dead_letter_url,
                 receiving: AtomicUsize::new(0),
             }),
         })
+    }
+
+    /// The most bytes SQS takes of one message in the queue at `url`: its
+    /// `MaximumMessageSize`, at most [`SQS_MAX_MESSAGE_BYTES`] (SQS now
+    /// allows larger messages, but pgonce's limit is 256 KiB).
+    async fn max_message_bytes(&self, url: &str) -> Result<usize> {
+        let max = self
+            .attribute(url, QueueAttributeName::MaximumMessageSize)
+            .await?;
+        Ok(max
+            .and_then(|m| m.parse().ok())
+            .map_or(SQS_MAX_MESSAGE_BYTES, |m: usize| {
+                m.min(SQS_MAX_MESSAGE_BYTES)
+            }))
     }
 
     async fn queue_url(&self, name: &str) -> Result<String> {
@@ -186,7 +212,10 @@ impl SqsClient {
 ///   message might not be deleted"), and so does moto: a handle from before
 ///   a redelivery, or from before a redrive, may still delete or hide the
 ///   message. [`Error::StaleReceipt`] is returned only when the server
-///   refuses a handle. The PostgreSQL queue refuses every receipt but the
+///   refuses a handle (as SQS does a visibility change of a message no
+///   longer in flight; moto also refuses a handle whose message was
+///   purged or moved to the dead-letter queue, where SQS may answer that
+///   the delete succeeded). The PostgreSQL queue refuses every receipt but the
 ///   current delivery's in its own queue. Handlers must be idempotent anyway
 ///   (at least once); pgonce's database safeguards, not the queue, keep
 ///   invariants true.
@@ -211,8 +240,28 @@ impl SqsClient {
 ///   attribute values of XML characters only (no control characters but
 ///   tab, CR and LF), group and deduplication ids of printable ASCII,
 ///   attribute names as SQS takes them, and at most 9 attributes (SQS
-///   takes 10; a redrive adds the `pgonce.id` attribute).
-/// * **Batches** (`send_batch`) go out in requests of 10 and are not
+///   takes 10; a redrive adds the `pgonce.id` attribute). A message over
+///   SQS's size limit is refused with [`Error::MessageTooLarge`]: SQS counts
+///   the body and each attribute's name, data type and value, against
+///   256 KiB or the queue's lower `MaximumMessageSize` (read when the
+///   handle is opened), and pgonce keeps 51 bytes of that for the
+///   `pgonce.id` attribute a redrive adds.
+/// * **Attributes** of SQS's other types, sent by a producer outside
+///   pgonce (pgonce sends String ones), are read into the string map: a
+///   Number's value as sent, a Binary's bytes as their standard base64
+///   (RFC 4648, padded), which decodes to them unchanged. The data type is
+///   not carried: a consumer knows from its producer which attribute is a
+///   Binary (a String may hold the same text).
+/// * **Groups on standard queues**: SQS's fair queues let a producer give a
+///   standard queue's message a group (pgonce's `send` takes none there, as
+///   the trait's contract says). [`Received::group_id`] reports it; it
+///   orders nothing and limits nothing in flight (a receive hands out
+///   several messages of one group), and a redrive keeps it.
+/// * **Batches** (`send_batch`) go out in requests of at most 10 messages
+///   and at most SQS's size limit together (each message counted as SQS
+///   counts it, and, as a margin for what SQS counts without documenting
+///   it, its entry, group and deduplication ids); a request of one message
+///   is a SendMessage. They are not
 ///   atomic: on an error, earlier requests' messages stay sent, and so do
 ///   the entries SQS took of a request that it refused in part (throttled
 ///   or refused by KMS, for instance). The error is the first refused
@@ -227,10 +276,22 @@ impl SqsClient {
 /// * **Stats** have no `oldest_age` (SQS reports it to CloudWatch only).
 /// * **Redrive** (called on a dead-letter queue) re-sends each visible
 ///   message to the one source queue and deletes it from the dead-letter
-///   queue; the message keeps its attributes (of any SQS type) and its
-///   pgonce id (carried in the `pgonce.id` attribute) and starts with a
-///   fresh receive count. A message sent by another producer with SQS's
-///   10 attributes leaves no room for the id: it moves under a new one.
+///   queue, one message at a time; the message keeps its attributes (of
+///   any SQS type), its group and its pgonce id (carried in the
+///   `pgonce.id` attribute) and starts with a fresh receive count. A
+///   message sent by another producer with SQS's 10 attributes, or too
+///   large to take the attribute, moves under a new id. Each message is
+///   hidden in the dead-letter queue until its delete (see
+///   `redrive_receive`): as long as every call ends within the operation
+///   timeout, which the SDK enforces, two redrives running at once never
+///   move one message twice. A redrive that fails between a re-send and
+///   its delete (the delete failed, or timed out, or a re-send timed out
+///   after SQS took it) leaves the message in both queues; it is visible
+///   again in the dead-letter queue three operation timeouts and a second
+///   after its receive. Run again, the redrive sends it a second time to a
+///   standard queue (at least once); to a FIFO queue within SQS's 5-minute
+///   deduplication window of the first re-send it does not, as each
+///   re-send's deduplication id is the dead-letter message's id.
 #[derive(Clone, Debug)]
 pub struct SqsQueue {
     inner: Arc<Inner>,
@@ -248,6 +309,10 @@ struct Inner {
     /// The FIFO queue's visibility timeout (read when the handle is
     /// opened): see `top_up_fifo`.
     visibility: Duration,
+    /// The most bytes SQS takes of one message (body and attributes) in
+    /// this queue, and of one batch request's messages together (read when
+    /// the handle is opened).
+    max_bytes: usize,
     dead_letter_url: Option<String>,
     /// Receive calls under way (the tests' "parked" signal).
     receiving: AtomicUsize,
@@ -273,7 +338,7 @@ impl SqsQueue {
     }
 
     /// Validates for SQS; fills in what SQS requires.
-    fn prepare(&self, message: &SendMessage) -> Result<()> {
+    fn prepare<'m>(&self, message: &'m SendMessage) -> Result<Outgoing<'m>> {
         message.validate(self.inner.fifo)?;
         let invalid = |why: &str| Error::Invalid {
             what: "message",
@@ -329,7 +394,44 @@ impl SqsQueue {
                 ));
             }
         }
-        Ok(())
+        // SQS counts the attributes toward its size limit, not the body
+        // alone, and refuses a message over it. Room is kept for the
+        // pgonce id a redrive adds, as one of the 10 attributes is: a
+        // message that fits only without it could be sent, but not
+        // redriven under its id.
+        let attributes = Self::attributes(message);
+        let bytes = sqs_size(&message.body, &attributes);
+        let max = self.inner.max_bytes.saturating_sub(ID_ATTRIBUTE_BYTES);
+        if bytes > max {
+            return Err(Error::MessageTooLarge { size: bytes, max });
+        }
+        Ok(Outgoing {
+            message,
+            attributes,
+            dedup_id: self.dedup_id(message),
+            bytes,
+        })
+    }
+
+    /// One SendMessage request.
+    async fn send_one(&self, outgoing: &Outgoing<'_>) -> Result<Sent> {
+        let message = outgoing.message;
+        let out = self
+            .sdk()
+            .send_message()
+            .queue_url(&self.inner.url)
+            .message_body(&message.body)
+            .set_message_attributes(Some(outgoing.attributes.clone()))
+            .set_message_group_id(message.group_id.clone())
+            .set_message_deduplication_id(outgoing.dedup_id.clone())
+            .set_delay_seconds(message.delay.map(|d| ceil_secs(d) as i32))
+            .send()
+            .await
+            .map_err(|e| map(e, None))?;
+        Ok(Sent {
+            id: out.message_id().unwrap_or_default().to_string(),
+            duplicate: false,
+        })
     }
 
     fn attributes(message: &SendMessage) -> HashMap<String, MessageAttributeValue> {
@@ -537,24 +639,9 @@ impl Queue for SqsQueue {
     }
 
     async fn send(&self, message: SendMessage) -> Result<Sent> {
-        self.prepare(&message)?;
-        let out = self
-            .sdk()
-            .send_message()
-            .queue_url(&self.inner.url)
-            .message_body(&message.body)
-            .set_message_attributes(Some(Self::attributes(&message)))
-            .set_message_group_id(message.group_id.clone())
-            .set_message_deduplication_id(self.dedup_id(&message))
-            .set_delay_seconds(message.delay.map(|d| ceil_secs(d) as i32))
-            .send()
-            .await
-            .map_err(|e| map(e, None))?;
+        let sent = self.send_one(&self.prepare(&message)?).await?;
         metrics::counter!("pgonce_sqs_sent_total", "queue" => self.inner.name.clone()).increment(1);
-        Ok(Sent {
-            id: out.message_id().unwrap_or_default().to_string(),
-            duplicate: false,
-        })
+        Ok(sent)
     }
 
     async fn send_batch(&self, messages: Vec<SendMessage>) -> Result<Vec<Sent>> {
@@ -564,41 +651,31 @@ impl Queue for SqsQueue {
                 why: format!("a batch holds 1 to {MAX_BATCH} messages"),
             });
         }
-        for m in &messages {
-            self.prepare(m)?;
-        }
-        // Requests of at most 10 messages and 256 KiB.
-        let mut chunks: Vec<Vec<&SendMessage>> = Vec::new();
-        let mut bytes = 0;
-        for m in &messages {
-            let size = m.body.len()
-                + m.attributes
-                    .iter()
-                    .map(|(k, v)| k.len() + v.len())
-                    .sum::<usize>();
-            match chunks.last_mut() {
-                Some(c) if c.len() < SQS_BATCH && bytes + size <= MAX_BODY_BYTES => {
-                    c.push(m);
-                    bytes += size;
-                }
-                _ => {
-                    chunks.push(vec![m]);
-                    bytes = size;
-                }
-            }
-        }
+        let outgoing = messages
+            .iter()
+            .map(|m| self.prepare(m))
+            .collect::<Result<Vec<_>>>()?;
+        let bytes: Vec<usize> = outgoing.iter().map(Outgoing::batch_bytes).collect();
         let mut sent = Vec::with_capacity(messages.len());
-        for chunk in chunks {
+        for request in batch_requests(&bytes, self.inner.max_bytes) {
+            let chunk = &outgoing[request];
+            // A message alone goes as a SendMessage, whose limit is the one
+            // message's `prepare` checked, margin or no margin.
+            if let [one] = chunk {
+                sent.push(self.send_one(one).await?);
+                continue;
+            }
             let entries = chunk
                 .iter()
                 .enumerate()
-                .map(|(i, m)| {
+                .map(|(i, o)| {
+                    let m = o.message;
                     SendMessageBatchRequestEntry::builder()
                         .id(i.to_string())
                         .message_body(&m.body)
-                        .set_message_attributes(Some(Self::attributes(m)))
+                        .set_message_attributes(Some(o.attributes.clone()))
                         .set_message_group_id(m.group_id.clone())
-                        .set_message_deduplication_id(self.dedup_id(m))
+                        .set_message_deduplication_id(o.dedup_id.clone())
                         .set_delay_seconds(m.delay.map(|d| ceil_secs(d) as i32))
                         .build()
                         .map_err(|e| backend_error(&e.to_string()))
@@ -800,16 +877,15 @@ impl Queue for SqsQueue {
             }
         };
         let source_fifo = source.ends_with(".fifo");
+        let source_max = self.inner.client.max_message_bytes(&source).await?;
+        let take = redrive_receive(self.config().operation_timeout);
         let mut moved = 0;
         loop {
-            // Every message received is moved, in the order received (a
-            // FIFO group's in its order), so none is released.
+            // One message at a time, moved before the next is received: a
+            // FIFO group's in its order, and each held in the dead-letter
+            // queue until it is deleted there (see `redrive_receive`).
             let batch = self
-                .receive_raw(
-                    SQS_BATCH,
-                    Duration::ZERO,
-                    Some(self.config().operation_timeout * 3),
-                )
+                .receive_raw(take.max_messages, take.wait, Some(take.visibility))
                 .await?;
             if batch.is_empty() {
                 return Ok(moved);
@@ -818,25 +894,30 @@ impl Queue for SqsQueue {
                 let m = to_received(&raw)?;
                 // The attributes as sent, of whatever type (a producer
                 // outside pgonce may send Number and Binary ones), and the
-                // pgonce id, when SQS's 10 leave room for it: a message
-                // that already has 10 is moved under a new id rather than
-                // not at all.
-                let mut attributes = raw.message_attributes.unwrap_or_default();
-                if attributes.contains_key(ID_ATTRIBUTE) || attributes.len() < SQS_MAX_ATTRIBUTES {
-                    attributes.insert(ID_ATTRIBUTE.to_string(), string_attribute(&m.id));
-                } else {
-                    tracing::warn!(queue = %self.inner.name, id = %m.id,
-                        "redriven message has 10 attributes, none left for its pgonce id");
-                }
-                // Sent first, deleted second: a crash in between leaves a
-                // copy in both queues (at least once), never none.
+                // pgonce id where there is room for it.
+                let attributes = carry_id(
+                    &m.body,
+                    raw.message_attributes.clone().unwrap_or_default(),
+                    &m.id,
+                    source_max,
+                );
+                // Sent first, deleted second: a failure in between leaves a
+                // copy in both queues (at least once), never none. On a
+                // FIFO source the copy's deduplication id is the
+                // dead-letter message's id, the same on every redrive of
+                // it, so a redrive run again within SQS's deduplication
+                // window does not send it twice. A standard queue's
+                // message keeps the group a producer gave it (SQS's fair
+                // queues).
+                let dedup_id =
+                    source_fifo.then(|| raw.message_id().map_or_else(fresh_id, str::to_string));
                 self.sdk()
                     .send_message()
                     .queue_url(&source)
                     .message_body(&m.body)
                     .set_message_attributes(Some(attributes))
-                    .set_message_group_id(m.group_id.clone().filter(|_| source_fifo))
-                    .set_message_deduplication_id(source_fifo.then(fresh_id))
+                    .set_message_group_id(m.group_id.clone())
+                    .set_message_deduplication_id(dedup_id)
                     .send()
                     .await
                     .map_err(|e| map(e, None))?;
@@ -845,6 +926,126 @@ impl Queue for SqsQueue {
             }
         }
     }
+}
+
+/// A message ready for SQS: validated, its attributes in SQS's form, its
+/// deduplication id, and the bytes SQS counts of it.
+struct Outgoing<'m> {
+    message: &'m SendMessage,
+    attributes: HashMap<String, MessageAttributeValue>,
+    dedup_id: Option<String>,
+    /// [`sqs_size`] of the body and `attributes`.
+    bytes: usize,
+}
+
+impl Outgoing<'_> {
+    /// What the message counts toward a SendMessageBatch request's limit:
+    /// its size as SQS documents it (the sum of the messages' sizes) and,
+    /// as a margin for accounting SQS does not document, the entry's id
+    /// (one digit), group id and deduplication id, at most 2,570 bytes a
+    /// request. A request cut one message early costs a request; one that
+    /// SQS refuses fails the call.
+    fn batch_bytes(&self) -> usize {
+        let id = |i: &Option<String>| i.as_ref().map_or(0, String::len);
+        self.bytes + 1 + id(&self.message.group_id) + id(&self.dedup_id)
+    }
+}
+
+/// The SendMessageBatch requests a batch goes out in, in order: at most 10
+/// messages each, and at most `limit` bytes of them together, each message
+/// counted at its entry of `bytes`. A message over `limit` on its own goes
+/// alone (a message `prepare` let through fits a SendMessage of its own).
+fn batch_requests(bytes: &[usize], limit: usize) -> Vec<Range<usize>> {
+    let mut requests: Vec<Range<usize>> = Vec::new();
+    let mut total = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        match requests.last_mut() {
+            Some(r) if r.len() < SQS_BATCH && total + b <= limit => {
+                r.end = i + 1;
+                total += b;
+            }
+            _ => {
+                requests.push(i..i + 1);
+                total = b;
+            }
+        }
+    }
+    requests
+}
+
+/// The bytes SQS counts of a message toward its size limit: the body and,
+/// of each attribute, its name, its data type (custom label included) and
+/// its value, a string's UTF-8 bytes or a binary's bytes ("all parts of
+/// the message attribute, including name, type, and value, are part of
+/// the message size restriction").
+fn sqs_size(body: &str, attributes: &HashMap<String, MessageAttributeValue>) -> usize {
+    let attribute = |(name, v): (&String, &MessageAttributeValue)| {
+        name.len()
+            + v.data_type().len()
+            + v.string_value().map_or(0, str::len)
+            + v.binary_value().map_or(0, |b| b.as_ref().len())
+    };
+    body.len() + attributes.iter().map(attribute).sum::<usize>()
+}
+
+/// How a redrive takes messages from the dead-letter queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RedriveReceive {
+    /// Messages per ReceiveMessage request.
+    max_messages: usize,
+    /// The request's long-polling wait.
+    wait: Duration,
+    /// How long a received message stays hidden in the dead-letter queue.
+    visibility: Duration,
+}
+
+/// One message per request, hidden for as long as the request, its
+/// re-send and its delete can take together: each call ends within the
+/// operation `timeout` (the SDK cuts it off there, retries included), the
+/// receive within `timeout` plus its wait. The message is hidden no earlier
+/// than the receive started, and the delete reaches SQS no later than
+/// `3 * timeout + wait` after that, so the message is not visible again in
+/// the dead-letter queue, for another redrive to take, while this one moves
+/// it. (A batch of 10 held for `3 * timeout` ran out for the last messages
+/// once the calls before them took long enough.)
+///
+/// The wait is a second, so the request long-polls: SQS then asks all of
+/// its servers, where a request that does not wait asks some of them and
+/// may come back empty from a queue that is not, which would end the
+/// redrive early.
+fn redrive_receive(timeout: Duration) -> RedriveReceive {
+    let wait = Duration::from_secs(1);
+    RedriveReceive {
+        max_messages: 1,
+        wait,
+        visibility: timeout * 3 + wait,
+    }
+}
+
+/// The attributes a redriven message is re-sent with: its own, and the
+/// `pgonce.id` attribute carrying `id` where SQS leaves room for it (10
+/// attributes, and `limit` bytes with the body). A message sent by another
+/// producer may leave none: it moves under a new id rather than not at
+/// all (SQS would refuse it).
+fn carry_id(
+    body: &str,
+    attributes: HashMap<String, MessageAttributeValue>,
+    id: &str,
+    limit: usize,
+) -> HashMap<String, MessageAttributeValue> {
+    if attributes.contains_key(ID_ATTRIBUTE) {
+        return attributes;
+    }
+    let mut with_id = attributes.clone();
+    with_id.insert(ID_ATTRIBUTE.to_string(), string_attribute(id));
+    if with_id.len() <= SQS_MAX_ATTRIBUTES && sqs_size(body, &with_id) <= limit {
+        return with_id;
+    }
+    tracing::warn!(
+        id,
+        "redriven message has no room (10 attributes, or SQS's size limit) for its pgonce id"
+    );
+    attributes
 }
 
 /// Decrements the receive counter when the call ends or is dropped.
@@ -914,7 +1115,7 @@ fn to_received(m: &Message) -> Result<Received> {
     let mut attributes = BTreeMap::new();
     let mut id = m.message_id().unwrap_or_default().to_string();
     for (k, v) in m.message_attributes().into_iter().flatten() {
-        let value = v.string_value().unwrap_or_default().to_string();
+        let value = attribute_text(v);
         if k == ID_ATTRIBUTE {
             id = value;
         } else {
@@ -963,6 +1164,18 @@ fn sqs_attribute_name(name: &str) -> bool {
         && !lower.starts_with("amazon.")
 }
 
+/// An attribute's value as [`Received::attributes`] holds it: a String's
+/// or a Number's string value (of a custom type label too), a Binary's
+/// bytes in standard base64 (RFC 4648, padded), from which they decode
+/// unchanged.
+fn attribute_text(v: &MessageAttributeValue) -> String {
+    match (v.string_value(), v.binary_value()) {
+        (Some(s), _) => s.to_string(),
+        (None, Some(b)) => aws_smithy_types::base64::encode(b.as_ref()),
+        (None, None) => String::new(),
+    }
+}
+
 fn string_attribute(v: &str) -> MessageAttributeValue {
     MessageAttributeValue::builder()
         .data_type("String")
@@ -984,5 +1197,125 @@ fn backend_error(message: &str) -> Error {
         backend: BACKEND,
         code: "Unexpected".into(),
         message: message.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use aws_sdk_sqs::primitives::Blob;
+
+    use super::*;
+
+    fn typed(
+        data_type: &str,
+        string: Option<&str>,
+        binary: Option<&[u8]>,
+    ) -> MessageAttributeValue {
+        MessageAttributeValue::builder()
+            .data_type(data_type)
+            .set_string_value(string.map(str::to_string))
+            .set_binary_value(binary.map(|b| Blob::new(b.to_vec())))
+            .build()
+            .unwrap()
+    }
+
+    /// SQS counts each attribute's name, data type and value toward a
+    /// message's size, whatever its type.
+    #[test]
+    fn the_size_counts_each_attributes_name_type_and_value() {
+        let attributes = HashMap::from([
+            ("s".to_string(), string_attribute("value")),
+            ("n".to_string(), typed("Number.int", Some("42"), None)),
+            ("b".to_string(), typed("Binary", None, Some(&[0, 1, 255]))),
+        ]);
+        let expected = "body".len()
+            + ("s".len() + "String".len() + "value".len())
+            + ("n".len() + "Number.int".len() + "42".len())
+            + ("b".len() + "Binary".len() + 3);
+        assert_eq!(sqs_size("body", &attributes), expected);
+    }
+
+    /// Two messages that fit one request by their bodies and attribute
+    /// names and values, but not with their attributes' data types, go in
+    /// two requests. (The attributes' types were left out: both went in one
+    /// request, 8 bytes over SQS's limit, which SQS refuses whole.)
+    #[test]
+    fn a_batch_is_split_where_its_attribute_types_pass_the_limit() {
+        let attributes = HashMap::from([("k".to_string(), string_attribute(&"v".repeat(10)))]);
+        let body = "x".repeat(SQS_MAX_MESSAGE_BYTES / 2 - 11 - 2);
+        let one = sqs_size(&body, &attributes) + 1;
+        let requests = batch_requests(&[one, one], SQS_MAX_MESSAGE_BYTES);
+        assert_eq!(requests, [0..1, 1..2], "each message counts {one} bytes");
+        assert_eq!(
+            one,
+            SQS_MAX_MESSAGE_BYTES / 2 + 5,
+            "body, k, String, 10 v, entry id"
+        );
+    }
+
+    /// Requests hold at most 10 messages and at most the limit together, in
+    /// the batch's order; a message over the limit alone goes alone.
+    #[test]
+    fn batch_requests_hold_ten_messages_and_the_limit_at_most() {
+        assert_eq!(batch_requests(&[1; 25], 100), [0..10, 10..20, 20..25]);
+        assert_eq!(batch_requests(&[40, 40, 40, 40], 100), [0..2, 2..4]);
+        assert_eq!(batch_requests(&[10, 150, 10, 10], 100), [0..1, 1..2, 2..4]);
+        assert_eq!(batch_requests(&[50, 50, 1], 100), [0..2, 2..3]);
+    }
+
+    /// A redrive holds each message in the dead-letter queue for as long as
+    /// its receive, its re-send and its delete can take, each bounded by the
+    /// operation timeout, and long-polls, so an empty answer means an empty
+    /// queue. (It received 10 messages at a time, held for 3 operation
+    /// timeouts, without waiting: the last of them were visible again for
+    /// another redrive once the calls before them had taken long enough.)
+    #[test]
+    fn a_redrive_holds_each_message_until_its_delete_and_long_polls() {
+        for timeout in [
+            Duration::from_millis(100),
+            Duration::from_secs(10),
+            Duration::from_secs(300),
+        ] {
+            let take = redrive_receive(timeout);
+            let longest = timeout * (1 + 2 * take.max_messages as u32) + take.wait;
+            assert!(take.visibility >= longest, "{timeout:?}: {take:?}");
+            assert!(
+                take.visibility <= Duration::from_secs(12 * 3600),
+                "{take:?}"
+            );
+            assert!(take.wait >= Duration::from_secs(1), "{take:?}");
+        }
+    }
+
+    /// A redrive adds the pgonce id where SQS leaves room for it, and
+    /// leaves it out where the message would then be over SQS's size limit
+    /// (or its 10 attributes); a carried id is kept.
+    #[test]
+    fn the_pgonce_id_is_carried_where_it_fits() {
+        let id = uuid::Uuid::new_v4().to_string();
+        let room = |body: &str, attributes| carry_id(body, attributes, &id, 1000);
+        assert!(room("x", HashMap::new()).contains_key(ID_ATTRIBUTE));
+        let fits = "x".repeat(1000 - ID_ATTRIBUTE_BYTES);
+        assert!(room(&fits, HashMap::new()).contains_key(ID_ATTRIBUTE));
+        let over = "x".repeat(1000 - ID_ATTRIBUTE_BYTES + 1);
+        assert_eq!(room(&over, HashMap::new()), HashMap::new());
+        let ten: HashMap<_, _> = (0..10)
+            .map(|i| (format!("a{i}"), string_attribute("v")))
+            .collect();
+        assert_eq!(room("x", ten.clone()), ten);
+        let carried = HashMap::from([(ID_ATTRIBUTE.to_string(), string_attribute(&id))]);
+        assert_eq!(room(&over, carried.clone()), carried);
+    }
+
+    /// A Binary attribute's value reads as the standard base64 of its
+    /// bytes, which decodes to them; String and Number values as sent.
+    #[test]
+    fn binary_attribute_values_read_as_base64() {
+        let bytes = [0u8, 1, 255, b'x'];
+        let text = attribute_text(&typed("Binary.gz", None, Some(&bytes)));
+        assert_eq!(text, "AAH/eA==");
+        assert_eq!(aws_smithy_types::base64::decode(&text).unwrap(), bytes);
+        assert_eq!(attribute_text(&typed("Number", Some("-1.5"), None)), "-1.5");
+        assert_eq!(attribute_text(&string_attribute("ü")), "ü");
     }
 }

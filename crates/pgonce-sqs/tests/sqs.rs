@@ -518,6 +518,25 @@ async fn what_sqs_would_refuse_or_alter_is_refused_before_sending() {
     assert_eq!(got[0].attributes, nine.attributes);
 }
 
+/// The one message in `q`, as SQS hands it out (all its attributes and
+/// system attributes), received with the SDK; panics on none or more.
+async fn the_one_message(sqs: &SqsClient, q: &SqsQueue) -> aws_sdk_sqs::types::Message {
+    let out = sqs
+        .sdk()
+        .receive_message()
+        .queue_url(q.url())
+        .max_number_of_messages(10)
+        .message_attribute_names("All")
+        .message_system_attribute_names(aws_sdk_sqs::types::MessageSystemAttributeName::All)
+        .send()
+        .await
+        .unwrap();
+    let [m] = out.messages() else {
+        panic!("one message back: {:?}", out.messages())
+    };
+    m.clone()
+}
+
 /// A redrive moves a message back as it is, whoever sent it: attributes of
 /// SQS's Number and Binary types (a producer outside pgonce may send them)
 /// keep their type and value, beside the `pgonce.id` the redrive adds.
@@ -557,20 +576,181 @@ async fn redrive_keeps_attribute_types() {
         .await
         .unwrap();
     assert_eq!(dlq.redrive().await.unwrap(), 1);
-    let out = sqs
-        .sdk()
-        .receive_message()
-        .queue_url(q.url())
-        .message_attribute_names("All")
-        .send()
-        .await
-        .unwrap();
-    let [m] = out.messages() else {
-        panic!("one message back: {:?}", out.messages())
-    };
+    let m = the_one_message(&sqs, &q).await;
     let got = m.message_attributes().unwrap();
     for (name, sent) in &attributes {
         assert_eq!(got.get(*name), Some(sent), "{name}: {got:?}");
     }
     assert!(got.contains_key("pgonce.id"), "{got:?}");
+}
+
+/// SQS counts a message's attributes (name, data type and value) toward its
+/// 256 KiB, and a queue's `MaximumMessageSize` may be lower: a message over
+/// either is refused with `MessageTooLarge` before any request, by `send`
+/// and `send_batch` alike, and nothing is sent. Room is kept for the
+/// `pgonce.id` attribute a redrive adds: 51 bytes (its name, `String`, a
+/// 36-character message id). (A body within 256 KiB was sent whatever its
+/// attributes, and a queue's lower limit was not read: moto took the first
+/// and refused the second with a `Backend` error; SQS refuses both.)
+#[tokio::test]
+async fn a_message_over_sqs_size_limit_is_refused_before_sending() {
+    use aws_sdk_sqs::types::QueueAttributeName;
+    let (moto, q) = started("q", QueueAttributes::default()).await;
+    let sqs = support::client(&moto).await;
+    let max = 262_144 - 51;
+    let attribute = "k".len() + "String".len() + 100;
+    let sized = |bytes: usize| {
+        SendMessage::new("x".repeat(bytes - attribute)).attribute("k", "v".repeat(100))
+    };
+    let too_large = |r: &pgonce::Result<()>| matches!(r, Err(Error::MessageTooLarge { size, max: m }) if *size == max + 1 && *m == max);
+    let sent = q.send(sized(max + 1)).await.map(|_| ());
+    assert!(too_large(&sent), "send: {sent:?}");
+    let batch = vec![SendMessage::new("fine"), sized(max + 1)];
+    let sent = q.send_batch(batch).await.map(|_| ());
+    assert!(too_large(&sent), "batch: {sent:?}");
+    assert_eq!(q.stats().await.unwrap().depth, 0, "nothing sent");
+    q.send(sized(max)).await.unwrap();
+
+    sqs.sdk()
+        .create_queue()
+        .queue_name("small")
+        .attributes(QueueAttributeName::MaximumMessageSize, "1024")
+        .send()
+        .await
+        .unwrap();
+    let small = sqs.open("small").await.unwrap();
+    let sent = small.send(SendMessage::new("x".repeat(1000))).await;
+    assert!(
+        matches!(
+            sent,
+            Err(Error::MessageTooLarge {
+                size: 1000,
+                max: 973
+            })
+        ),
+        "{sent:?}"
+    );
+    assert_eq!(small.stats().await.unwrap().depth, 0, "nothing sent");
+    small.send(SendMessage::new("x".repeat(973))).await.unwrap();
+    let sent = small
+        .send_batch(vec![SendMessage::new("y".repeat(600)); 3])
+        .await
+        .unwrap();
+    assert_eq!(sent.len(), 3, "each in a request of its own");
+}
+
+/// Attributes of SQS's other types, sent by a producer outside pgonce,
+/// read back through the trait's string map: a Number's value as sent, a
+/// Binary's bytes (of any custom label) as their standard base64, which
+/// decodes to them. (A Binary attribute read back as an empty string.)
+#[tokio::test]
+async fn binary_attributes_read_back_as_the_base64_of_their_bytes() {
+    use aws_sdk_sqs::primitives::Blob;
+    use aws_sdk_sqs::types::MessageAttributeValue;
+    let (moto, q) = started("q", QueueAttributes::default()).await;
+    let value = |data_type: &str| MessageAttributeValue::builder().data_type(data_type);
+    let binary = |data_type: &str, bytes: &[u8]| {
+        value(data_type)
+            .binary_value(Blob::new(bytes.to_vec()))
+            .build()
+            .unwrap()
+    };
+    let sqs = support::client(&moto).await;
+    sqs.sdk()
+        .send_message()
+        .queue_url(q.url())
+        .message_body("from elsewhere")
+        .message_attributes("b", binary("Binary", &[0, 1, 255]))
+        .message_attributes("g", binary("Binary.gzip", &[31, 139]))
+        .message_attributes("n", value("Number").string_value("42").build().unwrap())
+        .message_attributes("s", value("String").string_value("x").build().unwrap())
+        .send()
+        .await
+        .unwrap();
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    let [m] = &got[..] else {
+        panic!("one message: {got:?}")
+    };
+    let read: Vec<(&str, &str)> = m
+        .attributes
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    assert_eq!(
+        read,
+        [("b", "AAH/"), ("g", "H4s="), ("n", "42"), ("s", "x")]
+    );
+    let decoded = aws_smithy_types::base64::decode(&m.attributes["b"]).unwrap();
+    assert_eq!(decoded, [0, 1, 255]);
+}
+
+/// A standard queue's message may carry a group: SQS's fair queues, from a
+/// producer outside pgonce (pgonce sends none on a standard queue). It is
+/// reported, orders nothing (a receive hands out several messages of one
+/// group at once, as a standard queue does), and a redrive keeps it.
+/// (A redrive dropped it, so the message lost its place in its tenant's
+/// fair share.)
+#[tokio::test]
+async fn a_standard_queues_message_group_is_reported_unordered_and_redriven() {
+    let moto = support::start();
+    let sqs = support::client(&moto).await;
+    let (q, dlq) = with_dead_letters(&sqs).await;
+    for (url, body, group) in [
+        (q.url(), "a1", "tenant-a"),
+        (q.url(), "a2", "tenant-a"),
+        (dlq.url(), "b1", "tenant-b"),
+    ] {
+        sqs.sdk()
+            .send_message()
+            .queue_url(url)
+            .message_body(body)
+            .message_group_id(group)
+            .send()
+            .await
+            .unwrap();
+    }
+    let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    let mut seen: Vec<(&str, Option<&str>)> = got
+        .iter()
+        .map(|m| (m.body.as_str(), m.group_id.as_deref()))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [("a1", Some("tenant-a")), ("a2", Some("tenant-a"))],
+        "both of the group at once"
+    );
+    for m in &got {
+        q.delete(&m.receipt).await.unwrap();
+    }
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
+    let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    let seen: Vec<(&str, Option<&str>)> = got
+        .iter()
+        .map(|m| (m.body.as_str(), m.group_id.as_deref()))
+        .collect();
+    assert_eq!(seen, [("b1", Some("tenant-b"))]);
+}
+
+/// A redrive to a FIFO queue re-sends each message with the dead-letter
+/// message's id as its deduplication id, the same on every redrive of it,
+/// so a redrive run again after one that failed between a re-send and its
+/// delete does not send that message twice within SQS's window. (Each
+/// re-send had a fresh deduplication id.)
+#[tokio::test]
+async fn a_fifo_redrive_deduplicates_by_the_dead_letter_message_id() {
+    use aws_sdk_sqs::types::MessageSystemAttributeName;
+    let moto = support::start();
+    let sqs = support::client(&moto).await;
+    let (q, dlq) = dead_lettered(&sqs, "r.fifo", "r-dlq.fifo", QueueAttributes::fifo()).await;
+    let sent = dlq
+        .send(SendMessage::new("m").group("g").dedup("m"))
+        .await
+        .unwrap();
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
+    let m = the_one_message(&sqs, &q).await;
+    let dedup = m
+        .attributes()
+        .and_then(|a| a.get(&MessageSystemAttributeName::MessageDeduplicationId));
+    assert_eq!(dedup, Some(&sent.id));
 }

@@ -305,7 +305,9 @@ pub struct Received {
     pub body: String,
     /// The attributes the message was sent with.
     pub attributes: BTreeMap<String, String>,
-    /// The message group on a FIFO queue; `None` on a standard queue.
+    /// The message group on a FIFO queue; `None` on a standard queue, but
+    /// on Amazon SQS, whose fair queues let a producer give a standard
+    /// queue's message a group: it is reported, and orders nothing.
     pub group_id: Option<String>,
     /// How many times this message has been delivered, this time included.
     pub receive_count: u32,
