@@ -76,10 +76,12 @@ pub struct SubscriptionConfig {
     /// Positions examined per poll. Default 1000; at least 1.
     pub batch: i64,
     /// Longest wait for a NOTIFY before polling anyway (the fallback when
-    /// notifications are lost or disabled). Default 1 s; above zero.
+    /// notifications are lost or disabled). Default 1 s; 1 ms to
+    /// [`MAX_WAIT`](crate::queue::MAX_WAIT).
     pub poll_interval: Duration,
     /// Wait before looking again while a gap is open (its appends still
-    /// running; no NOTIFY announces a rollback). Default 5 ms; above zero.
+    /// running; no NOTIFY announces a rollback). Default 5 ms; 1 ms to
+    /// [`MAX_WAIT`](crate::queue::MAX_WAIT).
     pub gap_recheck: Duration,
     /// Where to LISTEN for the store's NOTIFY (see [`Listen`]). Default: a
     /// connection like the pool's.
@@ -114,8 +116,18 @@ impl SubscriptionConfig {
         if self.after < 0 {
             return bad("after must not be negative");
         }
-        if self.poll_interval.is_zero() || self.gap_recheck.is_zero() {
-            return bad("poll_interval and gap_recheck must be above zero");
+        // Shorter than a millisecond, a wait is a busy loop of snapshots;
+        // longer than the queue's longest wait, it never comes round.
+        for (what, interval) in [
+            ("subscription config poll_interval", self.poll_interval),
+            ("subscription config gap_recheck", self.gap_recheck),
+        ] {
+            crate::duration::check_within(
+                what,
+                interval,
+                Duration::from_millis(1),
+                crate::queue::MAX_WAIT,
+            )?;
         }
         Ok(())
     }
@@ -337,6 +349,38 @@ impl Subscription {
             tokio::select! {
                 _ = &mut shutdown => return Ok(()),
                 batch = self.next() => handle(batch?),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait shorter than a millisecond would poll in a busy loop, one
+    /// longer than the longest wait would never come round: both refused,
+    /// each interval named.
+    #[test]
+    fn intervals_out_of_range_are_refused_by_name() {
+        let config = |poll_interval, gap_recheck| SubscriptionConfig {
+            poll_interval,
+            gap_recheck,
+            ..SubscriptionConfig::default()
+        };
+        let ms = Duration::from_millis(1);
+        assert!(config(ms, ms).validate().is_ok());
+        let too_long = crate::queue::MAX_WAIT + Duration::from_secs(1);
+        for (bad, named) in [
+            (config(Duration::from_nanos(1), ms), "poll_interval"),
+            (config(Duration::ZERO, ms), "poll_interval"),
+            (config(Duration::MAX, ms), "poll_interval"),
+            (config(ms, Duration::from_micros(999)), "gap_recheck"),
+            (config(ms, too_long), "gap_recheck"),
+        ] {
+            match bad.validate() {
+                Err(Error::Invalid { what, .. }) => assert!(what.ends_with(named), "{what}"),
+                other => panic!("{named}: {other:?}"),
             }
         }
     }
