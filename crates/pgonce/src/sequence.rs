@@ -40,6 +40,26 @@
 //! column, quoted as identifiers in every statement. The scope value is bound
 //! as a parameter of the column's type (`i64`, `uuid::Uuid`, `&str`...).
 //!
+//! # Scope values
+//!
+//! A scope is stored and indexed as the database has it: in the numbered
+//! table's unique index on (scope, number), which every strategy relies on,
+//! and, under [`Strategy::CounterRow`], as text in the primary key of
+//! `pgonce.sequence_counters` beside the counter key
+//! ([`NumberedTable::counter_key`], up to 517 bytes for names of 63 `"`).
+//! A B-tree entry holds at most 2704 bytes once compressed; past it the
+//! insert fails with SQLSTATE 54000 and aborts the caller's transaction.
+//! Incompressible text scopes fit up to 2684 bytes in a (text, bigint)
+//! index, and up to 2652 bytes in the counter row's key for a table named
+//! `public.incidents` (fewer for longer names). So a scope's `Display` form
+//! (the value itself for text) is refused with [`Error::Invalid`] before any
+//! statement when it is longer than [`Sequence::MAX_SCOPE_BYTES`], which
+//! fits every strategy whatever the names and the content, or holds NUL,
+//! which PostgreSQL's text cannot. The empty string, non-BMP characters and
+//! integers at the ends of their range are values like any other: stored
+//! and read back equal. Text is compared byte for byte: the same text in
+//! two Unicode normalisation forms is two scopes.
+//!
 //! # The short window
 //!
 //! Within one scope, gapless numbers serialize declarations for as long as
@@ -311,6 +331,16 @@ pub struct SequenceConfig {
 /// A value a scope column can be bound from and named by (`i64`, `&str`,
 /// `String`, `uuid::Uuid`...). Its `Display` form names the scope in lock
 /// keys and counter rows, so it must be the same for equal values.
+///
+/// A NULL scope cannot be given: `Option<T>` has no `Display`, so it is no
+/// scope value (a NULL would match no row, and every declaration of "no
+/// scope" would get number 1).
+///
+/// ```compile_fail
+/// # async fn f(seq: pgonce::Sequence, mut tx: sqlx::Transaction<'_, sqlx::Postgres>) {
+/// seq.next(&mut tx, &None::<i64>).await;
+/// # }
+/// ```
 pub trait ScopeValue: for<'q> Encode<'q, Postgres> + Type<Postgres> + fmt::Display + Sync {}
 
 impl<T> ScopeValue for T where T: for<'q> Encode<'q, Postgres> + Type<Postgres> + fmt::Display + Sync
@@ -378,6 +408,15 @@ pub struct Numbered<T> {
 }
 
 impl Sequence {
+    /// The longest scope, in bytes of its `Display` form (the UTF-8 of a
+    /// text scope). Its index entries fit whatever the scope's content (an
+    /// incompressible one included) and whatever the table's names: the
+    /// numbered table's (scope, number) entry, and the counter row's
+    /// (counter key, scope) entry with a counter key of 517 bytes, the
+    /// longest four names of 63 bytes quote to, both within a B-tree
+    /// entry's 2704 bytes.
+    pub const MAX_SCOPE_BYTES: usize = 2048;
+
     /// A sequence over `table`. Builds its statements; touches no database
     /// (see [`Sequence::check_schema`]).
     pub fn new(table: NumberedTable, config: SequenceConfig) -> Result<Sequence> {
@@ -465,7 +504,9 @@ impl Sequence {
     /// strategy cannot be correct at `tx`'s isolation level;
     /// [`Error::SerializationFailure`] for a deadlock or a serialization
     /// failure (retry the transaction); [`Error::SequenceExhausted`] when
-    /// the scope's next number is past its column's type.
+    /// the scope's next number is past its column's type;
+    /// [`Error::Invalid`] (before any statement, `tx` untouched) for a scope
+    /// longer than [`Sequence::MAX_SCOPE_BYTES`] or holding NUL.
     ///
     /// Cancel safety: dropping the future mid-way leaves `tx` in an unknown
     /// state; roll it back.
@@ -475,12 +516,16 @@ impl Sequence {
         scope: &impl ScopeValue,
     ) -> Result<Taken> {
         let started = Instant::now();
+        // Before any statement: a scope the indexes cannot hold would fail
+        // in the database and abort `tx` (see "Scope values" above).
+        let scope_text = scope.to_string();
+        crate::text::check_text("sequence scope", &scope_text, Self::MAX_SCOPE_BYTES)?;
         if self.strategy == Strategy::CounterRow {
             // Correct at every isolation level, so nothing to check: the
             // upsert both waits for the row lock and yields the number.
             let number = sqlx::query_scalar(AssertSqlSafe(self.sql.counter.as_str()))
                 .bind(&*self.counter_key)
-                .bind(scope.to_string())
+                .bind(scope_text)
                 .bind(scope)
                 .fetch_one(&mut **tx)
                 .await

@@ -3,6 +3,8 @@
 //! idempotency keys (replay, mismatch, in-progress, recovery after the holder
 //! died, fencing of the dead holder, collection).
 
+mod support;
+
 use std::time::Duration;
 
 use pgonce::Error;
@@ -11,6 +13,7 @@ use pgonce::dedupe::{self, Acquired, Collector, CollectorConfig, KeyHold};
 use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
+use support::incompressible;
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
     let (db, pool) = fresh_migrated_database(8, pgonce::migrate).await;
@@ -595,19 +598,6 @@ async fn a_hold_taken_over_is_lost_under_repeatable_read_too() {
         assert!(matches!(lost, Err(Error::LeaseLost { .. })), "{lost:?}");
         tx.rollback().await.unwrap();
     }
-}
-
-/// Text that does not compress: letters from a fixed pseudo-random sequence.
-fn incompressible(len: usize) -> String {
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    (0..len)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            char::from(b'a' + ((x >> 33) % 26) as u8)
-        })
-        .collect()
 }
 
 /// A key PostgreSQL cannot store (a NUL character; longer than one entry of

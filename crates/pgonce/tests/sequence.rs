@@ -3,12 +3,15 @@
 //! (shown step by step), the declaration's other work atomic with its
 //! number, and the wrong isolation level a typed error, never a duplicate.
 
+mod support;
+
 use std::collections::BTreeMap;
 
 use pgonce::IsolationLevel;
 use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Strategy};
 use pgonce_testkit::{Interleaving, Session, fresh_migrated_database};
 use sqlx::{PgConnection, PgPool};
+use support::incompressible;
 
 // Tables go to `public` explicitly: the test role is called `pgonce`, so
 // with the default search_path ("$user", public) an unqualified CREATE
@@ -773,4 +776,243 @@ async fn a_scope_at_the_largest_number_is_exhausted_with_a_typed_error() {
             .unwrap(),
         1
     );
+}
+
+/// A declaration of `scope` whose write records that it ran.
+async fn declare_noting_the_write(
+    seq: &Sequence,
+    pool: &PgPool,
+    scope: &str,
+    wrote: &mut bool,
+) -> pgonce::Result<i64> {
+    let tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
+    let declared = seq
+        .commit_numbered(tx, &scope, async |conn: &mut PgConnection, number| {
+            *wrote = true;
+            insert_incident(conn, scope, number).await
+        })
+        .await?;
+    Ok(declared.number)
+}
+
+/// A declaration of `scope` on a table of its own: `insert` stores the
+/// scope ($1) and the number ($2).
+async fn declare_into<S: pgonce::ScopeValue>(
+    seq: &Sequence,
+    pool: &PgPool,
+    insert: &str,
+    scope: &S,
+) -> Result<i64, String> {
+    let tx = pgonce::begin(pool, IsolationLevel::ReadCommitted)
+        .await
+        .map_err(|e| e.to_string())?;
+    seq.commit_numbered(tx, scope, async |conn: &mut PgConnection, number| {
+        sqlx::query(sqlx::AssertSqlSafe(insert))
+            .bind(scope)
+            .bind(number)
+            .execute(conn)
+            .await?;
+        Ok(())
+    })
+    .await
+    .map(|d| d.number)
+    .map_err(|e| e.to_string())
+}
+
+/// A scope the indexes cannot hold (longer than one B-tree entry, 2704
+/// bytes, holds once compressed; or holding NUL, which PostgreSQL's text
+/// cannot) is refused under every strategy before any statement. It used
+/// to reach the database: SQLSTATE 54000 from the counter row's key or the
+/// numbered table's (scope, number) index, 22021 for NUL, raised inside the
+/// caller's transaction and aborting it. Now the transaction is untouched
+/// and goes on to number another scope.
+#[tokio::test]
+async fn a_scope_the_indexes_cannot_hold_is_refused_before_any_statement() {
+    let (pool, _db) = setup(4).await;
+    // Past what any B-tree entry holds; then just past the longest allowed.
+    let past_any_entry = incompressible(2705);
+    let past_the_longest = incompressible(Sequence::MAX_SCOPE_BYTES + 1);
+    for strategy in Strategy::ALL {
+        let seq = sequence(strategy);
+        for scope in [&past_any_entry, "a\0b", &past_the_longest] {
+            let mut wrote = false;
+            let out = declare_noting_the_write(&seq, &pool, scope, &mut wrote).await;
+            assert!(
+                matches!(
+                    &out,
+                    Err(Error::Invalid {
+                        what: "sequence scope",
+                        ..
+                    })
+                ),
+                "{strategy}, scope of {} bytes: {out:?}",
+                scope.len()
+            );
+            assert!(!wrote, "{strategy}: the write never ran");
+
+            let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+                .await
+                .unwrap();
+            let out = seq.next(&mut tx, &scope).await;
+            assert!(
+                matches!(
+                    &out,
+                    Err(Error::Invalid {
+                        what: "sequence scope",
+                        ..
+                    })
+                ),
+                "{strategy}: {out:?}"
+            );
+            assert_eq!(
+                scope_locks_held(&mut tx).await,
+                0,
+                "{strategy}: nothing locked"
+            );
+            let taken = seq.next(&mut tx, &"acme").await.unwrap();
+            assert_eq!(taken.number, 1, "{strategy}: the transaction goes on");
+            tx.rollback().await.unwrap();
+        }
+    }
+    assert!(committed(&pool).await.is_empty());
+}
+
+/// The longest scope allowed fits every index it lands in whatever its
+/// content (incompressible here) and whatever the table's names: under
+/// every strategy, on a table whose four names are as long as names get,
+/// every other character a `"` that doubles when quoted, so the counter
+/// row's key carries a counter key of 389 bytes that does not compress.
+#[tokio::test]
+async fn the_longest_scope_fits_under_every_strategy_with_the_longest_names() {
+    let (pool, _db) = setup(4).await;
+    let letters = incompressible(4 * 32);
+    let name = |i: usize| -> String {
+        letters[i * 32..(i + 1) * 32]
+            .chars()
+            .flat_map(|c| [c, '"'])
+            .take(63)
+            .collect()
+    };
+    let (schema, table, scope_column, number_column) = (name(0), name(1), name(2), name(3));
+    let q = |name: &str| format!("\"{}\"", name.replace('"', "\"\""));
+    let ddl = format!(
+        "CREATE SCHEMA {s}; CREATE TABLE {s}.{t} ({c} text NOT NULL, {n} bigint NOT NULL, \
+         UNIQUE ({c}, {n}))",
+        s = q(&schema),
+        t = q(&table),
+        c = q(&scope_column),
+        n = q(&number_column),
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let insert = format!(
+        "INSERT INTO {s}.{t} ({c}, {n}) VALUES ($1, $2)",
+        s = q(&schema),
+        t = q(&table),
+        c = q(&scope_column),
+        n = q(&number_column),
+    );
+    let numbered =
+        NumberedTable::new(&format!("{schema}.{table}"), &scope_column, &number_column).unwrap();
+    assert_eq!(numbered.counter_key().len(), 389);
+    let longest = incompressible(Sequence::MAX_SCOPE_BYTES);
+    for (i, strategy) in Strategy::ALL.into_iter().enumerate() {
+        let seq = Sequence::new(numbered.clone(), SequenceConfig { strategy }).unwrap();
+        assert_eq!(
+            declare_into(&seq, &pool, &insert, &longest).await,
+            Ok(i as i64 + 1),
+            "{strategy}"
+        );
+        assert_eq!(
+            declare(&sequence(strategy), &pool, &longest).await.unwrap(),
+            i as i64 + 1
+        );
+    }
+}
+
+/// Values at the edges of what a scope may be are stored and read back
+/// equal, and numbered 1..n, under every strategy (each continuing the
+/// others' numbers): the empty string, characters outside the Basic
+/// Multilingual Plane, spaces at either end, the same letter in two
+/// normalisation forms (two scopes), and integers at the ends of `bigint`.
+#[tokio::test]
+async fn edge_scopes_are_numbered_and_read_back_equal_under_every_strategy() {
+    let (pool, _db) = setup(4).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.by_id (org bigint NOT NULL, number bigint NOT NULL, \
+         UNIQUE (org, number))",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let texts = [
+        "",
+        "\u{1F600}\u{1D11E}",
+        "\u{10FFFF}",
+        " a ",
+        "e\u{301}",
+        "\u{E9}",
+    ];
+    let ids = [i64::MIN, i64::MAX, 0, -1];
+    let by_id = |strategy| {
+        Sequence::new(
+            NumberedTable::new("public.by_id", "org", "number").unwrap(),
+            SequenceConfig { strategy },
+        )
+        .unwrap()
+    };
+    for (i, strategy) in Strategy::ALL.into_iter().enumerate() {
+        let n = i as i64 + 1;
+        for text in texts {
+            assert_eq!(
+                declare(&sequence(strategy), &pool, text)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Ok(n),
+                "{strategy} {text:?}"
+            );
+        }
+        for id in ids {
+            assert_eq!(
+                declare_into(
+                    &by_id(strategy),
+                    &pool,
+                    "INSERT INTO by_id VALUES ($1, $2)",
+                    &id
+                )
+                .await,
+                Ok(n),
+                "{strategy} {id}"
+            );
+        }
+    }
+    let all: Vec<i64> = (1..=Strategy::ALL.len() as i64).collect();
+    let mut want: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for text in texts {
+        want.insert(text.to_string(), all.clone());
+    }
+    assert_eq!(committed(&pool).await, want);
+    #[derive(sqlx::FromRow, Debug, PartialEq)]
+    struct ById {
+        org: i64,
+        numbers: Vec<i64>,
+    }
+    let rows: Vec<ById> = sqlx::query_as(
+        "SELECT org, array_agg(number ORDER BY number) AS numbers FROM by_id GROUP BY org ORDER BY org",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut sorted = ids;
+    sorted.sort();
+    let want: Vec<ById> = sorted
+        .iter()
+        .map(|&org| ById {
+            org,
+            numbers: all.clone(),
+        })
+        .collect();
+    assert_eq!(rows, want);
 }

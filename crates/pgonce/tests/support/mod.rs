@@ -7,6 +7,19 @@ pub mod queue_model;
 
 use proptest::test_runner::{Config, FileFailurePersistence};
 
+/// Text that does not compress: letters from a fixed pseudo-random sequence.
+pub fn incompressible(len: usize) -> String {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..len)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            char::from(b'a' + ((x >> 33) % 26) as u8)
+        })
+        .collect()
+}
+
 /// The environment variable that sets every model's number of cases.
 pub const CASES_VAR: &str = "PGONCE_PROPTEST_CASES";
 
