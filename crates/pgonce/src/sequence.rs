@@ -40,6 +40,16 @@
 //! column, quoted as identifiers in every statement. The scope value is bound
 //! as a parameter of the column's type (`i64`, `uuid::Uuid`, `&str`...).
 //!
+//! # Behind a transaction pooler
+//!
+//! Every strategy works behind PgBouncer in `pool_mode = transaction`: each
+//! lock it takes (advisory, row, table) is transaction-level and lasts
+//! exactly as long as the server connection is the transaction's, and no
+//! step depends on session state. Like the rest of pgonce it needs the
+//! pooler to carry prepared statements (`max_prepared_statements`, PgBouncer
+//! 1.21 or newer); without it a take fails with [`Error::Pooler`], never a
+//! number taken without its lock.
+//!
 //! # Scope values
 //!
 //! A scope is stored and indexed as the database has it: in the numbered

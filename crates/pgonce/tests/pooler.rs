@@ -3,6 +3,7 @@
 //! session state. Migrations run over a direct connection (they take a
 //! session-level lock); everything else goes through the pooler.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use pgonce::IsolationLevel;
@@ -10,10 +11,11 @@ use pgonce::guard::{Guard, GuardConfig, ReadSet};
 use pgonce::queue::conformance::*;
 use pgonce::{
     Listen, LockKey, NumberedTable, PgQueue, PgQueueOptions, QueueAttributes, Sequence,
-    SequenceConfig,
+    SequenceConfig, SequenceStrategy,
 };
 use pgonce_testkit::{
-    ScratchDatabase, fresh_database_behind_pooler, fresh_migrated_database_behind_pooler,
+    Pooler, PoolerSetup, ScratchDatabase, fresh_database, fresh_database_behind_pooler,
+    fresh_migrated_database_behind_pooler, shared_for_tests,
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
@@ -87,37 +89,159 @@ async fn guarded_writes_through_the_pooler_open_one_row_per_entity() {
     assert_eq!(open, 1);
 }
 
+/// One declarer through the pooler: `plans` declarations in `org`, each a
+/// transaction of its own that takes a number, inserts it and commits, or
+/// (every third) rolls back after the insert. A `NumberTaken` is retried
+/// under select-for-update (the first declarations of a scope collide,
+/// as documented), and an error under every other strategy. Returns the
+/// numbers it committed.
+async fn declare_through_the_pooler(
+    pool: PgPool,
+    seq: Sequence,
+    org: String,
+    worker: usize,
+) -> pgonce::Result<Vec<i64>> {
+    let mut committed = Vec::new();
+    for i in 0..6usize {
+        loop {
+            let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
+            let taken = seq.next(&mut tx, &org).await?;
+            let inserted = sqlx::query("INSERT INTO public.tickets (org, number) VALUES ($1, $2)")
+                .bind(&org)
+                .bind(taken.number)
+                .execute(&mut *tx)
+                .await;
+            match inserted.map_err(|e| seq.number_taken(e.into(), &org, taken.number)) {
+                Ok(_) => {}
+                Err(pgonce::Error::NumberTaken { .. })
+                    if seq.strategy() == SequenceStrategy::SelectForUpdate =>
+                {
+                    tx.rollback().await?;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+            if (worker + i).is_multiple_of(3) {
+                tx.rollback().await?;
+            } else {
+                tx.commit().await?;
+                committed.push(taken.number);
+            }
+            break;
+        }
+    }
+    Ok(committed)
+}
+
+/// Under every strategy, declarers in three scopes at once through the
+/// pooler, each transaction on whatever server connection PgBouncer gives
+/// it: every lock a strategy takes is transaction-level, so it lasts as
+/// long as the server connection is the transaction's. Every scope's
+/// committed numbers are 1..n, exactly the ones the declarers committed.
 #[tokio::test]
-async fn numbers_taken_through_the_pooler_are_1_to_n() {
+async fn numbers_taken_through_the_pooler_are_1_to_n_under_every_strategy() {
     let (_db, pool) = setup(10).await;
-    let seq = Sequence::new(
-        NumberedTable::new("public.tickets", "org", "number").unwrap(),
-        SequenceConfig::default(),
-    )
-    .unwrap();
-    let mut declarers = Vec::new();
-    for _ in 0..40 {
-        let (pool, seq) = (pool.clone(), seq.clone());
-        declarers.push(tokio::spawn(async move {
-            let tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted).await?;
-            seq.commit_numbered(tx, &"acme", async |conn: &mut PgConnection, n| {
-                sqlx::query("INSERT INTO public.tickets (org, number) VALUES ('acme', $1)")
-                    .bind(n)
-                    .execute(conn)
-                    .await?;
-                Ok(n)
-            })
+    for strategy in SequenceStrategy::ALL {
+        let seq = Sequence::new(
+            NumberedTable::new("public.tickets", "org", "number").unwrap(),
+            SequenceConfig { strategy },
+        )
+        .unwrap();
+        let orgs: Vec<String> = (0..3).map(|k| format!("{strategy}-{k}")).collect();
+        let mut declarers = Vec::new();
+        for worker in 0..12usize {
+            let org = orgs[worker % orgs.len()].clone();
+            declarers.push(tokio::spawn(declare_through_the_pooler(
+                pool.clone(),
+                seq.clone(),
+                org,
+                worker,
+            )));
+        }
+        let mut reported: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for (worker, d) in declarers.into_iter().enumerate() {
+            let numbers = d
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{strategy}: through the pooler: {e}"));
+            reported
+                .entry(orgs[worker % orgs.len()].clone())
+                .or_default()
+                .extend(numbers);
+        }
+        for org in &orgs {
+            let stored: Vec<i64> = sqlx::query_scalar(
+                "SELECT number FROM public.tickets WHERE org = $1 ORDER BY number",
+            )
+            .bind(org)
+            .fetch_all(&pool)
             .await
-        }));
+            .unwrap();
+            let mut committed = reported[org].clone();
+            committed.sort();
+            assert_eq!(stored, committed, "{strategy} {org}: stored as committed");
+            assert_eq!(
+                stored,
+                (1..=stored.len() as i64).collect::<Vec<_>>(),
+                "{strategy} {org}: 1..n"
+            );
+        }
     }
-    for d in declarers {
-        d.await.unwrap().unwrap();
+}
+
+/// Behind a PgBouncer that does not carry prepared statements (no
+/// `max_prepared_statements`), a take meets a server connection that
+/// already holds a statement of the name it prepares. Under every strategy
+/// that is the typed `Error::Pooler` naming the set-up, never a number
+/// taken without its lock, and nothing is committed.
+#[tokio::test]
+async fn behind_a_pooler_without_prepared_statements_every_strategy_fails_typed() {
+    let db = fresh_database().await;
+    let direct = db.pool(1).await.unwrap();
+    pgonce::migrate(&direct).await.unwrap();
+    sqlx::raw_sql(SCHEMA).execute(&direct).await.unwrap();
+    let server = shared_for_tests().unwrap();
+    for strategy in SequenceStrategy::ALL {
+        // A pooler of its own and clients one at a time: it has one server
+        // connection, and the first client prepares `sqlx_s_1` on it and
+        // stays.
+        let pooler =
+            Pooler::start_with(server.options(), PoolerSetup::NoPreparedStatements).unwrap();
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(pooler.options(db.name()))
+            .await
+            .unwrap();
+        let mut first = pool.acquire().await.unwrap();
+        let _ = sqlx::query("SELECT 1").execute(&mut *first).await;
+        let seq = Sequence::new(
+            NumberedTable::new("public.tickets", "org", "number").unwrap(),
+            SequenceConfig { strategy },
+        )
+        .unwrap();
+        let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        let out = seq.next(&mut tx, &"acme").await;
+        assert!(
+            matches!(
+                out,
+                Err(pgonce::Error::Pooler {
+                    problem: pgonce::PoolerProblem::PreparedStatements,
+                    ..
+                })
+            ),
+            "{strategy}: {out:?}"
+        );
+        tx.rollback().await.unwrap();
+        drop(first);
+        pool.close().await;
     }
-    let numbers: Vec<i64> = sqlx::query_scalar("SELECT number FROM public.tickets ORDER BY number")
-        .fetch_all(&pool)
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM public.tickets")
+        .fetch_one(&direct)
         .await
         .unwrap();
-    assert_eq!(numbers, (1..=40).collect::<Vec<_>>());
+    assert_eq!(stored, 0);
 }
 
 /// Two runners at once through the pooler: one applies each migration, the
