@@ -313,6 +313,8 @@ pub mod sqlstate {
     pub const UNIQUE_VIOLATION: &str = "23505";
     /// `numeric_value_out_of_range`.
     pub const NUMERIC_VALUE_OUT_OF_RANGE: &str = "22003";
+    /// `undefined_function`, raised for a missing function or operator.
+    pub const UNDEFINED_FUNCTION: &str = "42883";
 }
 
 /// The SQLSTATE of a database error, if it is one.

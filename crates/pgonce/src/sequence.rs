@@ -583,6 +583,10 @@ impl Sequence {
     /// statements taking a number can meet, the scope's maximum + 1 (the
     /// scope is compared with its column across types, never converted);
     /// any other error as it is.
+    /// The typed error of a take that failed: the scope's numbers past its
+    /// column's type, or a scope whose type does not compare with its
+    /// column's (an integer scope on a text column: PostgreSQL has no
+    /// `text = bigint`), which no retry fixes.
     fn exhausted(&self, e: sqlx::Error, scope: &impl ScopeValue) -> Error {
         if sqlstate_of(&e).as_deref() == Some(sqlstate::NUMERIC_VALUE_OUT_OF_RANGE) {
             tracing::warn!(sequence = %self.name, %scope, "scope exhausted: its next number is past its column's type");
@@ -590,6 +594,22 @@ impl Sequence {
                 sequence: self.name.to_string(),
                 scope: scope.to_string(),
             };
+        }
+        // 42883 is also a function that does not exist (a schema not
+        // migrated): only the operator is the scope's type.
+        if let Some(d) = e.as_database_error()
+            && d.code().as_deref() == Some(sqlstate::UNDEFINED_FUNCTION)
+            && d.message().starts_with("operator does not exist")
+        {
+            return Error::invalid(
+                "sequence scope",
+                format!(
+                    "its type does not compare with column {} of {}: {}",
+                    self.table.scope_column,
+                    self.table.quoted(),
+                    d.message()
+                ),
+            );
         }
         e.into()
     }

@@ -819,6 +819,27 @@ async fn declare_into<S: pgonce::ScopeValue>(
     .map_err(|e| e.to_string())
 }
 
+/// A scope whose type does not compare with its column's (an integer
+/// scope on the text column `org`) is a typed error naming the column,
+/// under every strategy: it used to be PostgreSQL's "operator does not
+/// exist: text = bigint" (42883), which reads as a bug in the library.
+#[tokio::test]
+async fn a_scope_of_another_type_than_its_column_is_a_typed_error() {
+    let (pool, _db) = setup(2).await;
+    for strategy in Strategy::ALL {
+        let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        match sequence(strategy).next(&mut tx, &7_i64).await {
+            Err(Error::Invalid { what, why }) => {
+                assert_eq!(what, "sequence scope", "{strategy}");
+                assert!(why.contains("column org"), "{strategy}: {why}");
+            }
+            other => panic!("{strategy}: {other:?}"),
+        }
+    }
+}
+
 /// A scope the indexes cannot hold (longer than one B-tree entry, 2704
 /// bytes, holds once compressed; or holding NUL, which PostgreSQL's text
 /// cannot) is refused under every strategy before any statement. It used
