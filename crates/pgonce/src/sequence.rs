@@ -70,6 +70,17 @@
 //! and read back equal. Text is compared byte for byte: the same text in
 //! two Unicode normalisation forms is two scopes.
 //!
+//! The scope column's equality must be its `Display` form's: the locks and
+//! the counter row are keyed by that text, the numbers by the column. In a
+//! column where two spellings are one value (`char(n)`, which ignores
+//! trailing spaces; `citext`; a nondeterministic collation; a float's `0`
+//! and `-0`), the second spelling takes a lock and a count of its own,
+//! computes a number the first already holds, and is refused by the
+//! unique index every time: no duplicate, but never a number. Use `text`,
+//! `varchar` or an integer column, or pass scopes in one canonical spelling.
+//! A scope whose type does not compare with the column's at all (an
+//! integer on a text column) is [`Error::Invalid`].
+//!
 //! # The short window
 //!
 //! Within one scope, gapless numbers serialize declarations for as long as
