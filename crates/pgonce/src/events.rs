@@ -220,8 +220,11 @@ impl AppendStrategy {
 pub struct EventStoreConfig {
     /// Default [`AppendStrategy::AdvisoryLocks`].
     pub strategy: AppendStrategy,
-    /// Serialization failures retried per append (SSI). Default 20; at most
-    /// 1000.
+    /// Serialization failures (and deadlocks) retried per append, each
+    /// after a random pause that doubles up to 64 ms, so that appends that
+    /// failed together do not retry together. Default 20; at most 1000.
+    /// Past it the append is [`Error::SerializationFailure`], nothing
+    /// appended.
     pub max_retries: u32,
     /// NOTIFY [`NOTIFY_CHANNEL`] on each append, waking subscriptions.
     /// Default true. (PostgreSQL serializes the commits of notifying

@@ -2,6 +2,7 @@
 //! every append publishes.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use sqlx::{PgPool, Postgres, Transaction};
 
@@ -559,7 +560,19 @@ pub(crate) async fn append_in(
     Ok(positions)
 }
 
-/// begin + commit, retrying serialization failures up to `max_retries`.
+/// The pause before the `retries`-th retry of an append: a random time up
+/// to 1 ms doubled per retry, at most 64 ms ("full jitter"). Appends that
+/// failed together (two SERIALIZABLE transactions whose reads and writes
+/// overlapped, or the two sides of a deadlock) retried at once would
+/// overlap again, round after round, until their retries ran out; spread
+/// out, one commits before the other reads.
+fn retry_pause(retries: u32) -> Duration {
+    let ceiling_micros = 1_000u64 << retries.saturating_sub(1).min(6);
+    Duration::from_micros(rand::random_range(0..=ceiling_micros))
+}
+
+/// begin + commit, retrying serialization failures up to `max_retries`,
+/// each after a [`retry_pause`].
 pub(crate) async fn append(
     pool: &PgPool,
     strategy: AppendStrategy,
@@ -595,8 +608,29 @@ pub(crate) async fn append(
                 metrics::counter!("pgonce_events_retries_total", "strategy" => strategy.name())
                     .increment(1);
                 tracing::debug!(strategy = strategy.name(), retries, "append retried: {e}");
+                tokio::time::sleep(retry_pause(retries)).await;
             }
             Err(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random, never past the ceiling for its retry: 1 ms for the first,
+    /// doubling, 64 ms from the seventh on (no overflow however many).
+    #[test]
+    fn retry_pauses_stay_under_their_doubling_ceiling() {
+        for (retries, ceiling_ms) in [(1, 1), (2, 2), (3, 4), (7, 64), (8, 64), (u32::MAX, 64)] {
+            for _ in 0..200 {
+                let pause = retry_pause(retries);
+                assert!(
+                    pause <= Duration::from_millis(ceiling_ms),
+                    "{retries}: {pause:?}"
+                );
+            }
         }
     }
 }
