@@ -37,6 +37,17 @@ where
     }
 }
 
+/// A refused receipt (`receipt` as the caller gave it), counted and
+/// logged with `why`: the code SQS refused it with, or why pgonce refused
+/// it without asking SQS.
+pub(crate) fn stale(receipt: &str, why: &str) -> Error {
+    metrics::counter!("pgonce_sqs_stale_receipts_total").increment(1);
+    tracing::warn!(receipt, why, "stale receipt refused");
+    Error::StaleReceipt {
+        receipt: receipt.to_string(),
+    }
+}
+
 /// The prefix SQS puts on most of its error codes. The SDK reports the code
 /// SQS's query protocol gave an error (the `x-amzn-query-error` header), so
 /// a message not in flight is `AWS.SimpleQueueService.MessageNotInflight`
@@ -50,11 +61,7 @@ pub(crate) fn from_code(code: &str, message: &str, receipt: Option<&str>) -> Err
         // A receipt the server does not take, or whose message is no longer
         // in flight under it.
         ("ReceiptHandleIsInvalid" | "MessageNotInflight" | "InvalidReceiptHandle", Some(r)) => {
-            metrics::counter!("pgonce_sqs_stale_receipts_total").increment(1);
-            tracing::warn!(receipt = r, code, "stale receipt refused by SQS");
-            Error::StaleReceipt {
-                receipt: r.to_string(),
-            }
+            stale(r, code)
         }
         ("QueueDoesNotExist" | "NonExistentQueue", _) => Error::QueueNotFound {
             name: message.to_string(),

@@ -18,7 +18,7 @@ use pgonce::{
 };
 
 use crate::SqsConfig;
-use crate::error::{BACKEND, from_code, map};
+use crate::error::{BACKEND, from_code, map, stale};
 
 /// The message attribute that carries a message's pgonce id across a
 /// redrive (SQS gives the re-sent copy a new MessageId).
@@ -205,20 +205,26 @@ impl SqsClient {
 /// Differences from the contract in `pgonce::queue`, because SQS cannot do
 /// otherwise (the tests state each):
 ///
-/// * **Receipts are not fenced by pgonce.** SQS issues an opaque handle per
-///   delivery, and a handle names a message of the queue that issued it
-///   (its delete or visibility change goes to that queue's URL), but SQS
-///   accepts an earlier delivery's handle ("the request succeeds, but the
-///   message might not be deleted"), and so does moto: a handle from before
-///   a redelivery, or from before a redrive, may still delete or hide the
-///   message. [`Error::StaleReceipt`] is returned only when the server
-///   refuses a handle (as SQS does a visibility change of a message no
-///   longer in flight; moto also refuses a handle whose message was
+/// * **Receipts are fenced by queue, not by delivery.** A receipt reads
+///   `<queue>:<handle>`, the handle SQS issued for the delivery; one that
+///   another queue issued (the source queue's, given to its dead-letter
+///   queue's handle, say), or that is not of this form, is
+///   [`Error::StaleReceipt`] before any request. That includes a bare SQS
+///   handle, as this crate issued receipts before they named their queue:
+///   its message is not deleted and comes back after its visibility timeout.
+///   Within its queue, a handle goes to SQS as it is, and SQS accepts an
+///   earlier delivery's handle ("the request succeeds, but the message
+///   might not be deleted"), and so does moto: a handle from before a
+///   redelivery, or from before a redrive, may still delete or hide the
+///   message. [`Error::StaleReceipt`] is returned then only when the
+///   server refuses a handle (as SQS does a visibility change of a message
+///   no longer in flight; moto also refuses a handle whose message was
 ///   purged or moved to the dead-letter queue, where SQS may answer that
-///   the delete succeeded). The PostgreSQL queue refuses every receipt but the
-///   current delivery's in its own queue. Handlers must be idempotent anyway
-///   (at least once); pgonce's database safeguards, not the queue, keep
-///   invariants true.
+///   the delete succeeded). The PostgreSQL queue refuses every receipt but
+///   the current delivery's in its own queue. Handlers must be idempotent
+///   anyway (at least once); pgonce's database safeguards, not the queue,
+///   keep invariants true. Queues of one name in two regions or accounts
+///   are one queue to this check; SQS refuses the other's handle.
 /// * **Deduplication** exists on FIFO queues only (a standard queue rejects
 ///   a `dedup_id` with [`Error::Invalid`]), with SQS's fixed 5-minute window.
 ///   Content-based deduplication is read when the handle is opened.
@@ -335,6 +341,18 @@ impl SqsQueue {
 
     fn config(&self) -> &SqsConfig {
         &self.inner.client.config
+    }
+
+    /// The SQS handle `receipt` wraps, when this queue issued it; else the
+    /// receipt is refused here, [`Error::StaleReceipt`], and SQS is not
+    /// asked: handed another queue's handle, SQS (and moto) may act on
+    /// the message under it (see [`ReceiptParts`]).
+    fn handle<'r>(&self, receipt: &'r Receipt) -> Result<&'r str> {
+        match ReceiptParts::parse(&receipt.0) {
+            Some(parts) if parts.queue == self.inner.name => Ok(parts.handle),
+            Some(_) => Err(stale(&receipt.0, "issued by another queue")),
+            None => Err(stale(&receipt.0, "not a receipt of pgonce-sqs")),
+        }
     }
 
     /// Validates for SQS; fills in what SQS requires.
@@ -465,7 +483,7 @@ impl SqsQueue {
         let mut groups = HashSet::new();
         let mut release = Vec::new();
         for m in &messages {
-            let received = to_received(m)?;
+            let received = to_received(m, &self.inner.name)?;
             if self.inner.fifo
                 && let Some(g) = &received.group_id
                 && !groups.insert(g.clone())
@@ -576,7 +594,7 @@ impl SqsQueue {
         got
     }
 
-    /// Makes these deliveries visible again at once.
+    /// Makes these deliveries (of this queue) visible again at once.
     async fn release(&self, receipts: &[Receipt]) -> Result<()> {
         let entries = receipts
             .iter()
@@ -584,7 +602,7 @@ impl SqsQueue {
             .map(|(i, r)| {
                 ChangeMessageVisibilityBatchRequestEntry::builder()
                     .id(i.to_string())
-                    .receipt_handle(&r.0)
+                    .receipt_handle(self.handle(r)?)
                     .visibility_timeout(0)
                     .build()
                     .map_err(|e| backend_error(&e.to_string()))
@@ -739,10 +757,11 @@ impl Queue for SqsQueue {
     }
 
     async fn delete(&self, receipt: &Receipt) -> Result<()> {
+        let handle = self.handle(receipt)?;
         self.sdk()
             .delete_message()
             .queue_url(&self.inner.url)
-            .receipt_handle(&receipt.0)
+            .receipt_handle(handle)
             .send()
             .await
             .map_err(|e| map(e, Some(&receipt.0)))?;
@@ -756,15 +775,25 @@ impl Queue for SqsQueue {
                 why: format!("a batch holds at most {MAX_BATCH} receipts"),
             });
         }
-        let mut stale = Vec::new();
-        for chunk in receipts.chunks(SQS_BATCH) {
+        // Receipts of another queue are stale without a request; the rest
+        // go in requests of 10, each entry's batch id its place in the
+        // request. Stale ones are collected by their place in `receipts`.
+        let mut stale_at = Vec::new();
+        let mut ours = Vec::new();
+        for (i, r) in receipts.iter().enumerate() {
+            match self.handle(r) {
+                Ok(handle) => ours.push((i, handle)),
+                Err(_) => stale_at.push(i),
+            }
+        }
+        for chunk in ours.chunks(SQS_BATCH) {
             let entries = chunk
                 .iter()
                 .enumerate()
-                .map(|(i, r)| {
+                .map(|(entry, (_, handle))| {
                     DeleteMessageBatchRequestEntry::builder()
-                        .id(i.to_string())
-                        .receipt_handle(&r.0)
+                        .id(entry.to_string())
+                        .receipt_handle(*handle)
                         .build()
                         .map_err(|e| backend_error(&e.to_string()))
                 })
@@ -779,25 +808,28 @@ impl Queue for SqsQueue {
                 .map_err(|e| map(e, None))?;
             let mut failed: Vec<(usize, Error)> = Vec::new();
             for f in out.failed() {
-                let i: usize = f
+                let (i, _) = f
                     .id()
-                    .parse()
-                    .map_err(|_| backend_error("unknown batch id"))?;
-                let receipt = &chunk[i].0;
+                    .parse::<usize>()
+                    .ok()
+                    .and_then(|entry| chunk.get(entry))
+                    .ok_or_else(|| backend_error("unknown batch id"))?;
+                let receipt = &receipts[*i].0;
                 failed.push((
-                    i,
+                    *i,
                     from_code(f.code(), f.message().unwrap_or_default(), Some(receipt)),
                 ));
             }
             failed.sort_by_key(|(i, _)| *i);
             for (i, e) in failed {
                 match e {
-                    Error::StaleReceipt { .. } => stale.push(chunk[i].clone()),
+                    Error::StaleReceipt { .. } => stale_at.push(i),
                     other => return Err(other),
                 }
             }
         }
-        Ok(stale)
+        stale_at.sort_unstable();
+        Ok(stale_at.into_iter().map(|i| receipts[i].clone()).collect())
     }
 
     async fn change_visibility(&self, receipt: &Receipt, timeout: Duration) -> Result<()> {
@@ -807,10 +839,11 @@ impl Queue for SqsQueue {
                 why: "at most 12 hours".into(),
             });
         }
+        let handle = self.handle(receipt)?;
         self.sdk()
             .change_message_visibility()
             .queue_url(&self.inner.url)
-            .receipt_handle(&receipt.0)
+            .receipt_handle(handle)
             .visibility_timeout(ceil_secs(timeout) as i32)
             .send()
             .await
@@ -891,7 +924,7 @@ impl Queue for SqsQueue {
                 return Ok(moved);
             }
             for raw in batch {
-                let m = to_received(&raw)?;
+                let m = to_received(&raw, &self.inner.name)?;
                 // The attributes as sent, of whatever type (a producer
                 // outside pgonce may send Number and Binary ones), and the
                 // pgonce id where there is room for it.
@@ -1048,6 +1081,40 @@ fn carry_id(
     attributes
 }
 
+/// What a receipt of an SQS queue names: the handle SQS issued for one
+/// delivery, and the queue that issued it. Text form `<queue>:<handle>`;
+/// SQS queue names hold no `:`, so the first one ends the name, and the
+/// handle is SQS's as it was issued.
+///
+/// SQS takes a handle at any queue's URL: moto acts on the message under
+/// it wherever that message is now (a dead-lettered message keeps its
+/// handles), and SQS documents no refusal either. The queue's name in the
+/// receipt lets pgonce refuse another queue's receipt itself, before any
+/// request, as the contract says. A receipt not of this form is refused
+/// too, including a bare SQS handle, as `pgonce-sqs` issued receipts before
+/// they named their queue: such a delivery is not deleted and comes back
+/// after its visibility timeout (at least once), where accepting bare
+/// handles would keep another queue's handle acting on this queue's
+/// messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ReceiptParts<'a> {
+    queue: &'a str,
+    handle: &'a str,
+}
+
+impl<'a> ReceiptParts<'a> {
+    /// The parts of `text` when it is of the form issued: a queue name SQS
+    /// takes, `:`, a handle of at least one character.
+    fn parse(text: &'a str) -> Option<ReceiptParts<'a>> {
+        let (queue, handle) = text.split_once(':')?;
+        (sqs_queue_name(queue) && !handle.is_empty()).then_some(ReceiptParts { queue, handle })
+    }
+
+    fn receipt(&self) -> Receipt {
+        Receipt(format!("{}:{}", self.queue, self.handle))
+    }
+}
+
 /// Decrements the receive counter when the call ends or is dropped.
 struct Receiving<'a>(&'a AtomicUsize);
 
@@ -1065,13 +1132,7 @@ fn validate(name: &str, attributes: &QueueAttributes) -> Result<()> {
             why,
         })
     };
-    let base = name.strip_suffix(".fifo").unwrap_or(name);
-    if base.is_empty()
-        || name.len() > 80
-        || !base
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
+    if !sqs_queue_name(name) {
         return invalid("names are 1 to 80 of A-Z a-z 0-9 - _ (FIFO: then .fifo)".into());
     }
     if attributes.fifo != name.ends_with(".fifo") {
@@ -1099,6 +1160,17 @@ fn validate(name: &str, attributes: &QueueAttributes) -> Result<()> {
     Ok(())
 }
 
+/// Whether SQS takes `name` as a queue name: 1 to 80 characters of A-Z
+/// a-z 0-9 - _, the last five `.fifo` for a FIFO queue.
+fn sqs_queue_name(name: &str) -> bool {
+    let base = name.strip_suffix(".fifo").unwrap_or(name);
+    !base.is_empty()
+        && name.len() <= 80
+        && base
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
 /// The queue name in a RedrivePolicy's deadLetterTargetArn.
 fn dead_letter_name(policy: &str) -> Option<String> {
     let v: serde_json::Value = serde_json::from_str(policy).ok()?;
@@ -1106,7 +1178,8 @@ fn dead_letter_name(policy: &str) -> Option<String> {
     arn.rsplit(':').next().map(str::to_string)
 }
 
-fn to_received(m: &Message) -> Result<Received> {
+/// `m` as delivered by the queue named `queue` (its receipt names it).
+fn to_received(m: &Message, queue: &str) -> Result<Received> {
     let system = |name: MessageSystemAttributeName| {
         m.attributes()
             .and_then(|a| a.get(&name))
@@ -1134,11 +1207,13 @@ fn to_received(m: &Message) -> Result<Received> {
             .and_then(|s| s.parse().ok())
             .unwrap_or(1),
         sent_at: UNIX_EPOCH + Duration::from_millis(sent_ms),
-        receipt: Receipt(
-            m.receipt_handle()
-                .ok_or_else(|| backend_error("a received message has no receipt handle"))?
-                .to_string(),
-        ),
+        receipt: ReceiptParts {
+            queue,
+            handle: m
+                .receipt_handle()
+                .ok_or_else(|| backend_error("a received message has no receipt handle"))?,
+        }
+        .receipt(),
     })
 }
 
@@ -1305,6 +1380,32 @@ mod tests {
         assert_eq!(room("x", ten.clone()), ten);
         let carried = HashMap::from([(ID_ATTRIBUTE.to_string(), string_attribute(&id))]);
         assert_eq!(room(&over, carried.clone()), carried);
+    }
+
+    /// A receipt parses only in the form issued, `<queue>:<handle>` with a
+    /// queue name SQS takes and a handle, which is kept as SQS issued it
+    /// (colons and all). A bare SQS handle, as receipts were before they
+    /// named their queue, is no receipt. (A receipt was the bare handle,
+    /// and another queue's went to SQS, which acted on it.)
+    #[test]
+    fn receipts_parse_only_in_the_form_issued() {
+        let issued = ReceiptParts {
+            queue: "jobs-dlq.fifo",
+            handle: "AQEB+x/y==:z",
+        };
+        assert_eq!(issued.receipt().0, "jobs-dlq.fifo:AQEB+x/y==:z");
+        assert_eq!(ReceiptParts::parse(&issued.receipt().0), Some(issued));
+        for text in [
+            "AQEBzbVv1mUXH3Vqv5w", // a bare handle
+            "",
+            ":handle",
+            "jobs:",
+            "no space:handle",
+            "dot.fifo.fifo:handle",
+            &format!("{}:handle", "q".repeat(81)),
+        ] {
+            assert_eq!(ReceiptParts::parse(text), None, "{text:?}");
+        }
     }
 
     /// A Binary attribute's value reads as the standard base64 of its

@@ -16,7 +16,7 @@ use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use pgonce::queue::conformance::*;
-use pgonce::{Error, Queue, QueueAttributes, ReceiveRequest, SendMessage};
+use pgonce::{Error, Queue, QueueAttributes, Receipt, ReceiveRequest, SendMessage};
 use pgonce_sqs::{SqsClient, SqsConfig, SqsQueue};
 use support::Moto;
 
@@ -753,4 +753,78 @@ async fn a_fifo_redrive_deduplicates_by_the_dead_letter_message_id() {
         .attributes()
         .and_then(|a| a.get(&MessageSystemAttributeName::MessageDeduplicationId));
     assert_eq!(dedup, Some(&sent.id));
+}
+
+/// What `q.change_visibility`, `q.delete` and `q.delete_batch` made of
+/// `receipt`, each as `Ok` or the error's variant name.
+async fn outcomes(q: &SqsQueue, receipt: &Receipt) -> Vec<String> {
+    let kind = |r: pgonce::Result<()>| match r {
+        Ok(()) => "Ok".to_string(),
+        Err(Error::StaleReceipt { .. }) => "StaleReceipt".to_string(),
+        Err(e) => format!("{e:?}"),
+    };
+    let hidden = q.change_visibility(receipt, Duration::from_secs(600)).await;
+    let deleted = q.delete(receipt).await;
+    let batch = q.delete_batch(std::slice::from_ref(receipt)).await;
+    let batch = match batch {
+        Ok(stale) if stale == [receipt.clone()] => "reported stale".to_string(),
+        other => format!("{other:?}"),
+    };
+    vec![kind(hidden), kind(deleted), batch]
+}
+
+/// A receipt is good in the queue that issued it only: the source queue's
+/// last receipt of a message, presented to the dead-letter queue the
+/// message moved to, hides and deletes nothing there and is stale; and the
+/// dead-letter queue's receipt of it is stale in the source queue. The
+/// message stays in the dead-letter queue, visible. (SQS's handle went to
+/// the dead-letter queue's URL as it was; moto, which keeps a message's
+/// handles across the move, hid the dead-lettered copy and deleted it.)
+#[tokio::test]
+async fn a_receipt_from_another_queue_touches_nothing() {
+    let moto = support::start();
+    let (q, dlq) = with_dead_letters(&support::client(&moto).await).await;
+    q.send(SendMessage::new("poison")).await.unwrap();
+    let mut last = None;
+    for _ in 0..2 {
+        let got = q
+            .receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        q.change_visibility(&got[0].receipt, Duration::ZERO)
+            .await
+            .unwrap();
+        last = Some(got[0].receipt.clone());
+    }
+    let last = last.unwrap();
+    let none = q
+        .receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    assert!(none.is_empty(), "moved to the dead-letter queue: {none:?}");
+    assert_eq!(dlq.stats().await.unwrap().depth, 1);
+
+    let refused = ["StaleReceipt", "StaleReceipt", "reported stale"];
+    assert_eq!(
+        outcomes(&dlq, &last).await,
+        refused,
+        "source receipt in the DLQ"
+    );
+    let s = dlq.stats().await.unwrap();
+    assert_eq!((s.depth, s.in_flight), (1, 0), "still there, visible");
+
+    let dead = dlq.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(dead.len(), 1, "the dead letter is receivable");
+    assert_eq!(
+        outcomes(&q, &dead[0].receipt).await,
+        refused,
+        "DLQ receipt in the source"
+    );
+    assert_eq!(dlq.stats().await.unwrap().in_flight, 1, "still in flight");
+    // In a batch, each receipt on its own, stale ones in input order.
+    let garbage = Receipt("not a receipt".into());
+    let batch = [last.clone(), dead[0].receipt.clone(), garbage.clone()];
+    assert_eq!(dlq.delete_batch(&batch).await.unwrap(), [last, garbage]);
+    let s = dlq.stats().await.unwrap();
+    assert_eq!((s.depth, s.in_flight), (0, 0), "its own receipt deleted it");
 }

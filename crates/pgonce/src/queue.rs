@@ -32,11 +32,13 @@
 //! receive, dead-letter move and redrive bumps, and a delete or visibility
 //! change acts only when the queue, the id and the generation all match
 //! (a purge deletes the rows, and ids are never reused). Amazon SQS issues
-//! an opaque handle per delivery too, but does not refuse an earlier
-//! delivery's handle ("the request succeeds, but the message might not be
-//! deleted"), so on SQS the fence above does not hold and a late consumer
-//! may still delete or hide a redelivered message: `SqsQueue` documents
-//! this, and `conformance::Caveats::fences_receipts` skips those checks.
+//! an opaque handle per delivery too, which `SqsQueue` wraps with its
+//! queue's name so that it refuses another queue's receipts itself, but SQS
+//! does not refuse an earlier delivery's handle ("the request succeeds, but
+//! the message might not be deleted"), so on SQS the fence between
+//! deliveries does not hold and a late consumer may still delete or hide a
+//! redelivered message: `SqsQueue` documents this, and
+//! `conformance::Caveats::fences_receipts` skips those checks.
 //!
 //! Backends: [`PgQueue`] (this crate) and `SqsQueue` (crate `pgonce-sqs`,
 //! Amazon SQS). The worker runtime: [`Worker`]. `conformance` (with this
