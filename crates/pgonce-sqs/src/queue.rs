@@ -1,9 +1,11 @@
 //! [`SqsQueue`]: the [`Queue`] trait on one SQS queue.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use aws_sdk_sqs::types::{
@@ -11,6 +13,7 @@ use aws_sdk_sqs::types::{
     MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
     SendMessageBatchRequestEntry,
 };
+use futures::FutureExt;
 use pgonce::queue::MAX_BATCH;
 use pgonce::{
     Error, Queue, QueueAttributes, QueueStats, Receipt, ReceiveRequest, Received, Result,
@@ -153,6 +156,7 @@ impl SqsClient {
                 max_bytes,
                 dead_letter_url,
                 receiving: AtomicUsize::new(0),
+                receive_requests: AtomicU64::new(0),
             }),
         })
     }
@@ -279,6 +283,12 @@ impl SqsClient {
 ///   A worker's heartbeats then fail (logged), and a handler still running
 ///   sees its message delivered again; the PostgreSQL queue extends a
 ///   delivery without limit.
+/// * **Long polls** wait 20 s per ReceiveMessage request at most: a
+///   receive with a longer wait is a series of requests. Told to stop
+///   ([`Queue::receive_or_stop`]), it finishes the request under way and
+///   sends no other: it cannot tell a request waiting from one delivering,
+///   so it returns up to 20 s after the stop, with what that request
+///   delivered.
 /// * **Stats** have no `oldest_age` (SQS reports it to CloudWatch only).
 /// * **Redrive** (called on a dead-letter queue) re-sends each visible
 ///   message to the one source queue and deletes it from the dead-letter
@@ -322,6 +332,8 @@ struct Inner {
     dead_letter_url: Option<String>,
     /// Receive calls under way (the tests' "parked" signal).
     receiving: AtomicUsize,
+    /// ReceiveMessage requests begun.
+    receive_requests: AtomicU64,
 }
 
 impl SqsQueue {
@@ -333,6 +345,14 @@ impl SqsQueue {
     /// How many receive calls of this queue's handles are under way.
     pub fn receives_in_flight(&self) -> usize {
         self.inner.receiving.load(Ordering::SeqCst)
+    }
+
+    /// How many ReceiveMessage requests this handle and its clones have begun:
+    /// a receive's long polls (20 s each at most), a FIFO receive's
+    /// top-ups, a redrive's receives from this (dead-letter) queue. SQS
+    /// bills by the request; the tests count a receive's polls with it.
+    pub fn receive_requests(&self) -> u64 {
+        self.inner.receive_requests.load(Ordering::SeqCst)
     }
 
     fn sdk(&self) -> &aws_sdk_sqs::Client {
@@ -519,6 +539,9 @@ impl SqsQueue {
         if let Some(v) = visibility {
             call = call.visibility_timeout(ceil_secs(v) as i32);
         }
+        self.inner.receive_requests.fetch_add(1, Ordering::SeqCst);
+        metrics::counter!("pgonce_sqs_receive_requests_total", "queue" => self.inner.name.clone())
+            .increment(1);
         let out = call
             .customize()
             .config_override(
@@ -557,13 +580,25 @@ impl SqsQueue {
     /// `max_receive_count`. So a receive with a visibility of zero is not
     /// topped up at all: its message is visible again at once, its group
     /// unlocked, and the next request would return the same head again.
-    async fn top_up_fifo(&self, mut got: Vec<Received>, request: &ReceiveRequest) -> Vec<Received> {
+    ///
+    /// A receive told to stop (`stop`) is not topped up further: the
+    /// messages it has are returned, and no more are taken for a consumer
+    /// that is stopping.
+    async fn top_up_fifo<F: Future<Output = ()>>(
+        &self,
+        mut got: Vec<Received>,
+        request: &ReceiveRequest,
+        stop: &mut Stop<F>,
+    ) -> Vec<Received> {
         let started = Instant::now();
         let visibility = Duration::from_secs(ceil_secs(
             request.visibility.unwrap_or(self.inner.visibility),
         ));
         let mut groups: HashSet<String> = got.iter().filter_map(|m| m.group_id.clone()).collect();
-        while got.len() < request.max_messages && started.elapsed() < visibility / 4 {
+        while got.len() < request.max_messages
+            && started.elapsed() < visibility / 4
+            && !stop.raised()
+        {
             let more = match self
                 .receive_once(1, Duration::ZERO, request.visibility)
                 .await
@@ -731,9 +766,29 @@ impl Queue for SqsQueue {
     }
 
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
+        self.receive_or_stop(request, std::future::pending()).await
+    }
+
+    /// A receive is a series of ReceiveMessage requests, each waiting 20 s
+    /// at most (SQS's longest long poll), until one delivers or the wait is
+    /// over. `stop` is looked at between requests, never during one: a
+    /// request under way may be delivering, and dropped, what it delivered
+    /// would reach nobody and wait out its visibility timeout. So once
+    /// `stop` resolves, the request under way finishes and its messages are
+    /// returned, and no further request is sent: a long poll that came
+    /// back empty is not followed by another, and a FIFO batch is not
+    /// topped up further. A receive told to stop before its first request
+    /// sends it without waiting (it looks once, as the PostgreSQL queue
+    /// does), so it returns within one request, not a long poll.
+    async fn receive_or_stop(
+        &self,
+        request: ReceiveRequest,
+        stop: impl Future<Output = ()> + Send,
+    ) -> Result<Vec<Received>> {
         request.validate()?;
         self.inner.receiving.fetch_add(1, Ordering::SeqCst);
         let _guard = Receiving(&self.inner.receiving);
+        let mut stop = Stop::new(stop);
         let deadline = Instant::now() + request.wait;
         // A FIFO receive asks for one message per request: see `top_up_fifo`.
         let per_request = if self.inner.fifo {
@@ -744,13 +799,18 @@ impl Queue for SqsQueue {
         loop {
             // SQS waits 20 s per request at most: longer waits re-poll.
             let left = deadline.saturating_duration_since(Instant::now());
+            let wait = if stop.raised() {
+                Duration::ZERO
+            } else {
+                left.min(SQS_MAX_WAIT)
+            };
             let got = self
-                .receive_once(per_request, left.min(SQS_MAX_WAIT), request.visibility)
+                .receive_once(per_request, wait, request.visibility)
                 .await?;
             if !got.is_empty() && self.inner.fifo {
-                return Ok(self.top_up_fifo(got, &request).await);
+                return Ok(self.top_up_fifo(got, &request, &mut stop).await);
             }
-            if !got.is_empty() || left <= SQS_MAX_WAIT {
+            if !got.is_empty() || left <= SQS_MAX_WAIT || stop.raised() {
                 return Ok(got);
             }
         }
@@ -1112,6 +1172,30 @@ impl<'a> ReceiptParts<'a> {
 
     fn receipt(&self) -> Receipt {
         Receipt(format!("{}:{}", self.queue, self.handle))
+    }
+}
+
+/// A receive's stop signal, looked at between requests: [`Stop::raised`]
+/// polls it once without waiting, and once it has resolved says so ever
+/// after without polling it again (a finished future must not be polled).
+struct Stop<F> {
+    signal: Pin<Box<F>>,
+    raised: bool,
+}
+
+impl<F: Future<Output = ()>> Stop<F> {
+    fn new(signal: F) -> Stop<F> {
+        Stop {
+            signal: Box::pin(signal),
+            raised: false,
+        }
+    }
+
+    fn raised(&mut self) -> bool {
+        if !self.raised {
+            self.raised = self.signal.as_mut().now_or_never().is_some();
+        }
+        self.raised
     }
 }
 

@@ -828,3 +828,76 @@ async fn a_receipt_from_another_queue_touches_nothing() {
     let s = dlq.stats().await.unwrap();
     assert_eq!((s.depth, s.in_flight), (0, 0), "its own receipt deleted it");
 }
+
+/// A receive told to stop ends between its long polls: with a wait of 60 s
+/// and a stop raised while its first 20 s poll is under way, it finishes
+/// that poll and sends no other. A poll under way when the stop comes is
+/// not cut short: the message it delivers is returned. (The default
+/// `receive_or_stop` finished the receive whatever the stop said: three
+/// polls, 60 s.)
+#[tokio::test]
+async fn a_stop_ends_a_long_receive_after_the_poll_under_way() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    let long = ReceiveRequest::up_to(1).wait(Duration::from_secs(60));
+    // Raises the stop once the receive's `polls`-th request has begun,
+    // then (when `send`) sends a message for that request to deliver.
+    let stop_at = |polls: u64, send: bool| {
+        let (raise, raised) = tokio::sync::oneshot::channel::<()>();
+        let q = q.clone();
+        let driver = async move {
+            while q.receive_requests() < polls {
+                tokio::task::yield_now().await;
+            }
+            // (The default `receive_or_stop` drops its stop at once.)
+            let _ = raise.send(());
+            if send {
+                q.send(SendMessage::new("late")).await.unwrap();
+            }
+        };
+        let stop = async move {
+            let _ = raised.await;
+        };
+        (driver, stop)
+    };
+
+    let (driver, stop) = stop_at(1, false);
+    let (got, ()) = tokio::join!(q.receive_or_stop(long, stop), driver);
+    assert_eq!(
+        (got.unwrap(), q.receive_requests()),
+        (Vec::new(), 1),
+        "nothing delivered, no poll after the stop"
+    );
+
+    let (driver, stop) = stop_at(2, true);
+    let (got, ()) = tokio::join!(q.receive_or_stop(long, stop), driver);
+    let bodies: Vec<String> = got.unwrap().into_iter().map(|m| m.body).collect();
+    assert_eq!(
+        (bodies, q.receive_requests()),
+        (vec!["late".to_string()], 2),
+        "the poll under way delivers"
+    );
+}
+
+/// A receive told to stop before it begins looks once, without waiting,
+/// and a FIFO receive told so is not topped up: the message its one
+/// request delivered is returned and no further request is sent. (The
+/// default `receive_or_stop` topped the batch up, one request per group
+/// and one more that found none.)
+#[tokio::test]
+async fn a_receive_stopped_before_it_begins_looks_once() {
+    let (_moto, q) = started("f.fifo", QueueAttributes::fifo()).await;
+    for group in ["a", "b", "c"] {
+        q.send(SendMessage::new(group).group(group)).await.unwrap();
+    }
+    let request = ReceiveRequest::up_to(10).wait(Duration::from_secs(60));
+    let got = q
+        .receive_or_stop(request, std::future::ready(()))
+        .await
+        .unwrap();
+    let bodies: Vec<String> = got.into_iter().map(|m| m.body).collect();
+    assert_eq!(
+        (bodies, q.receive_requests()),
+        (vec!["a".to_string()], 1),
+        "one request, one group's head"
+    );
+}
