@@ -66,6 +66,11 @@ pub(crate) fn from_code(code: &str, message: &str, receipt: Option<&str>) -> Err
         ("QueueDoesNotExist" | "NonExistentQueue", _) => Error::QueueNotFound {
             name: message.to_string(),
         },
+        // A purge within 60 s of the queue's last one (the caller names
+        // the queue: SQS only words it in the message).
+        ("PurgeQueueInProgress", _) => Error::PurgeInProgress {
+            queue: message.to_string(),
+        },
         _ => Error::Backend {
             backend: BACKEND,
             code: code.to_string(),
@@ -105,10 +110,27 @@ mod tests {
             let e = from_code(code, "q", None);
             assert!(matches!(&e, Error::QueueNotFound { .. }), "{code}: {e:?}");
         }
-        let e = from_code("AWS.SimpleQueueService.PurgeQueueInProgress", "m", None);
+        let e = from_code("AWS.SimpleQueueService.OverLimit", "m", None);
         assert!(
-            matches!(&e, Error::Backend { code, .. } if code == "AWS.SimpleQueueService.PurgeQueueInProgress"),
+            matches!(&e, Error::Backend { code, .. } if code == "AWS.SimpleQueueService.OverLimit"),
             "{e:?}"
         );
+    }
+
+    /// A purge within 60 s of the last one, refused by SQS with
+    /// `AWS.SimpleQueueService.PurgeQueueInProgress` (a server without the
+    /// query-protocol header sends it bare), is `PurgeInProgress`: the
+    /// caller can tell that its purge deleted nothing and purge again
+    /// later. (It was a `Backend` error, to be matched by its code.)
+    #[test]
+    fn a_purge_under_way_is_purge_in_progress_with_or_without_the_prefix() {
+        let message = "Only one PurgeQueue operation on q is allowed every 60 seconds.";
+        for code in [
+            "AWS.SimpleQueueService.PurgeQueueInProgress",
+            "PurgeQueueInProgress",
+        ] {
+            let e = from_code(code, message, None);
+            assert!(matches!(&e, Error::PurgeInProgress { .. }), "{code}: {e:?}");
+        }
     }
 }

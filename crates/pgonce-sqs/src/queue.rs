@@ -913,6 +913,12 @@ impl Queue for SqsQueue {
 
     /// SQS purges asynchronously (up to 60 s) and once per 60 s per queue;
     /// the count is the approximate number of messages before the purge.
+    ///
+    /// A purge within 60 s of the last one is [`Error::PurgeInProgress`],
+    /// not success: SQS deletes what was sent before the earlier purge
+    /// began, and "might" delete what was sent since, so this call's
+    /// promise (every message sent before it gone) would not be kept. The
+    /// caller purges again once the earlier purge is over.
     async fn purge(&self) -> Result<u64> {
         let (depth, in_flight, delayed) = self.counts(&self.inner.url).await?;
         self.sdk()
@@ -920,7 +926,12 @@ impl Queue for SqsQueue {
             .queue_url(&self.inner.url)
             .send()
             .await
-            .map_err(|e| map(e, None))?;
+            .map_err(|e| match map(e, None) {
+                Error::PurgeInProgress { .. } => Error::PurgeInProgress {
+                    queue: self.inner.name.clone(),
+                },
+                other => other,
+            })?;
         Ok(depth + in_flight + delayed)
     }
 

@@ -208,6 +208,18 @@ pub enum Error {
         name: String,
     },
 
+    /// A purge refused because an earlier purge of the queue is under way
+    /// (Amazon SQS takes one purge per queue per 60 s, the time it may take
+    /// to delete the messages). This call deleted nothing: the earlier
+    /// purge deletes the messages sent before it began, and may or may not
+    /// delete those sent since, so a caller that needs them gone purges
+    /// again once it is over (60 s after it began at most).
+    #[error("a purge of queue {queue:?} is under way; purge again once it is over")]
+    PurgeInProgress {
+        /// The queue's name.
+        queue: String,
+    },
+
     /// A message body (or a batch) over the backend's size limit; nothing
     /// was sent.
     #[error("message of {size} bytes exceeds the limit of {max} bytes")]

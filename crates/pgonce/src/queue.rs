@@ -411,6 +411,9 @@ pub trait Queue: Send + Sync {
     ) -> impl Future<Output = Result<()>> + Send;
 
     /// Deletes every message of the queue; returns how many when known.
+    /// [`Error::PurgeInProgress`] where the backend takes one purge at a
+    /// time (SQS: one per queue per 60 s) and another is under way: this
+    /// call deleted nothing.
     fn purge(&self) -> impl Future<Output = Result<u64>> + Send;
 
     /// The queue's figures.
