@@ -78,24 +78,7 @@ impl SqsClient {
     /// FIFO queues. The dead-letter queue must exist.
     pub async fn create_queue(&self, name: &str, attributes: QueueAttributes) -> Result<SqsQueue> {
         validate(name, &attributes)?;
-        let mut attrs = HashMap::new();
-        let secs = |d: Duration| d.as_secs().to_string();
-        attrs.insert(
-            QueueAttributeName::VisibilityTimeout,
-            secs(attributes.visibility_timeout),
-        );
-        attrs.insert(
-            QueueAttributeName::MessageRetentionPeriod,
-            secs(attributes.retention),
-        );
-        attrs.insert(QueueAttributeName::DelaySeconds, secs(attributes.delay));
-        if attributes.fifo {
-            attrs.insert(QueueAttributeName::FifoQueue, "true".into());
-            attrs.insert(
-                QueueAttributeName::ContentBasedDeduplication,
-                attributes.content_based_dedup.to_string(),
-            );
-        }
+        let mut attrs = sqs_attributes(&attributes);
         if let (Some(dlq), Some(max)) =
             (&attributes.dead_letter_queue, attributes.max_receive_count)
         {
@@ -522,12 +505,14 @@ impl SqsQueue {
     }
 
     /// One ReceiveMessage request: its messages as SQS returned them.
+    /// `wait` is at most SQS's 20 s (a longer wait is several requests).
     async fn receive_raw(
         &self,
         max: usize,
         wait: Duration,
         visibility: Option<Duration>,
     ) -> Result<Vec<Message>> {
+        debug_assert!(wait <= SQS_MAX_WAIT, "{wait:?}");
         let mut call = self
             .sdk()
             .receive_message()
@@ -1219,6 +1204,10 @@ impl Drop for Receiving<'_> {
     }
 }
 
+/// Checks a queue's name and attributes against what SQS takes, before any
+/// request. `QueueAttributes::validate` refuses a visibility timeout past
+/// 12 hours, a retention past 14 days and a delay past 15 minutes, which
+/// are SQS's limits too; the shorter retention SQS refuses is refused here.
 fn validate(name: &str, attributes: &QueueAttributes) -> Result<()> {
     attributes.validate()?;
     let invalid = |why: String| {
@@ -1253,6 +1242,35 @@ fn validate(name: &str, attributes: &QueueAttributes) -> Result<()> {
         return invalid("SQS max receive count is 1 to 1000".into());
     }
     Ok(())
+}
+
+/// The attributes of a CreateQueue request for `attributes` (validated),
+/// but the dead-letter queue's. Durations are whole seconds rounded up, as
+/// every duration this backend sends (a receive's visibility and wait, a
+/// message's delay, a visibility change): never less than asked, and
+/// within SQS's limits whenever the duration is, those being whole
+/// seconds.
+fn sqs_attributes(attributes: &QueueAttributes) -> HashMap<QueueAttributeName, String> {
+    let secs = |d: Duration| ceil_secs(d).to_string();
+    let mut attrs = HashMap::from([
+        (
+            QueueAttributeName::VisibilityTimeout,
+            secs(attributes.visibility_timeout),
+        ),
+        (
+            QueueAttributeName::MessageRetentionPeriod,
+            secs(attributes.retention),
+        ),
+        (QueueAttributeName::DelaySeconds, secs(attributes.delay)),
+    ]);
+    if attributes.fifo {
+        attrs.insert(QueueAttributeName::FifoQueue, "true".into());
+        attrs.insert(
+            QueueAttributeName::ContentBasedDeduplication,
+            attributes.content_based_dedup.to_string(),
+        );
+    }
+    attrs
 }
 
 /// Whether SQS takes `name` as a queue name: 1 to 80 characters of A-Z
@@ -1500,6 +1518,83 @@ mod tests {
             &format!("{}:handle", "q".repeat(81)),
         ] {
             assert_eq!(ReceiptParts::parse(text), None, "{text:?}");
+        }
+    }
+
+    /// A queue's durations go to SQS in whole seconds rounded up, as every
+    /// other duration this backend sends (a visibility of 1.9 s hides a
+    /// message for 2 s, never less than asked). (They were rounded down:
+    /// 1.9 s became 1 s, and 0.5 s none at all.)
+    #[test]
+    fn queue_durations_are_sent_rounded_up() {
+        let attributes = QueueAttributes {
+            visibility_timeout: Duration::from_millis(1900),
+            retention: Duration::from_millis(60_001),
+            delay: Duration::from_millis(500),
+            ..QueueAttributes::default()
+        };
+        let sent = sqs_attributes(&attributes);
+        let secs = |name| sent.get(&name).map(String::as_str);
+        assert_eq!(
+            [
+                secs(QueueAttributeName::VisibilityTimeout),
+                secs(QueueAttributeName::MessageRetentionPeriod),
+                secs(QueueAttributeName::DelaySeconds),
+            ],
+            [Some("2"), Some("61"), Some("1")]
+        );
+        let whole = sqs_attributes(&QueueAttributes::default());
+        assert_eq!(whole[&QueueAttributeName::VisibilityTimeout], "30");
+        assert_eq!(whole[&QueueAttributeName::DelaySeconds], "0");
+    }
+
+    /// What SQS refuses of a queue's durations is refused before any
+    /// request, `Invalid`: a visibility timeout past 12 h, a retention
+    /// outside 60 s to 14 days, a delay past 15 minutes, by any fraction
+    /// of a second; at the limits the queue is created with them as sent.
+    #[test]
+    fn queue_durations_past_sqs_limits_are_invalid() {
+        let ms = Duration::from_millis(1);
+        let at = |visibility_timeout, retention, delay| QueueAttributes {
+            visibility_timeout,
+            retention,
+            delay,
+            ..QueueAttributes::default()
+        };
+        let (hours_12, minute, days_14, minutes_15) = (
+            Duration::from_secs(12 * 3600),
+            Duration::from_secs(60),
+            Duration::from_secs(14 * 24 * 3600),
+            Duration::from_secs(15 * 60),
+        );
+        for bad in [
+            at(hours_12 + ms, minute, Duration::ZERO),
+            at(Duration::ZERO, minute - ms, Duration::ZERO),
+            at(Duration::ZERO, days_14 + ms, Duration::ZERO),
+            at(Duration::ZERO, minute, minutes_15 + ms),
+        ] {
+            let got = validate("q", &bad);
+            assert!(
+                matches!(got, Err(Error::Invalid { .. })),
+                "{bad:?}: {got:?}"
+            );
+        }
+        for (good, sent) in [
+            (at(hours_12, minute, minutes_15), ["43200", "60", "900"]),
+            (
+                at(Duration::ZERO, days_14, Duration::ZERO),
+                ["0", "1209600", "0"],
+            ),
+        ] {
+            validate("q", &good).unwrap();
+            let attrs = sqs_attributes(&good);
+            let got = [
+                QueueAttributeName::VisibilityTimeout,
+                QueueAttributeName::MessageRetentionPeriod,
+                QueueAttributeName::DelaySeconds,
+            ]
+            .map(|name| attrs[&name].clone());
+            assert_eq!(got, sent, "{good:?}");
         }
     }
 
