@@ -496,8 +496,15 @@ impl SqsQueue {
             }
             got.push(received);
         }
-        if !release.is_empty() {
-            self.release(&release).await?;
+        // A failed release does not fail the receive: what it delivered is
+        // handed out (failing, it would wait out its visibility timeout
+        // unseen); the messages not released come back after theirs, their
+        // group held until then, its order kept.
+        if !release.is_empty()
+            && let Err(e) = self.release(&release).await
+        {
+            tracing::warn!(queue = %self.inner.name, error = %e, held = release.len(),
+                "could not make a FIFO group's later messages visible again; they return after their visibility timeout");
         }
         metrics::counter!("pgonce_sqs_received_total", "queue" => self.inner.name.clone())
             .increment(got.len() as u64);
