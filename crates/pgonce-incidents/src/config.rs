@@ -221,8 +221,9 @@ pub struct PipelineSection {
     /// again after this long. Default none (the visibility timeout).
     #[serde(with = "humantime_serde")]
     pub failure_visibility: Option<Duration>,
-    /// `shutdown_deadline`: how long shutdown waits for in-flight handlers.
-    /// Default 30s.
+    /// `shutdown_deadline`: how long shutdown waits for in-flight handlers;
+    /// acks and hand-backs then get 5 s more
+    /// ([`WorkerConfig::shutdown_deadline`]). Default 30s.
     #[serde(with = "humantime_serde")]
     pub shutdown_deadline: Duration,
     /// `[pipeline.evaluator]`: the simulated policy evaluator.

@@ -242,8 +242,9 @@ impl Runtime {
     }
 
     /// Stops receiving, lets in-flight handlers finish (within the worker's
-    /// shutdown deadline) and the notifier's pass in flight (within its
-    /// lease), and returns what was done.
+    /// shutdown deadline, their acks and hand-backs within 5 s more:
+    /// [`WorkerConfig::shutdown_deadline`]) and the notifier's pass in
+    /// flight (within its lease), and returns what was done.
     pub async fn shutdown(mut self) -> Result<RuntimeSummary> {
         let _ = self.stop.send(true);
         let mut summary = RuntimeSummary::default();

@@ -344,13 +344,22 @@ fn hour_long(config: WorkerConfig) -> WorkerConfig {
 async fn one_gated_message_no_deadline(
     pool: &PgPool,
 ) -> (PgQueue, pgonce::Sent, Arc<Gated>, Worker<PgQueue, Gate>) {
+    one_gated_message(pool, Duration::ZERO).await
+}
+
+/// A queue with one message, and a worker of one [`Gate`]d handler at a
+/// time with this `shutdown_deadline`.
+async fn one_gated_message(
+    pool: &PgPool,
+    shutdown_deadline: Duration,
+) -> (PgQueue, pgonce::Sent, Arc<Gated>, Worker<PgQueue, Gate>) {
     let q = queue(pool, "q").await;
     let sent = q.send(SendMessage::new("m")).await.unwrap();
     let gated = Arc::new(Gated::default());
     let config = hour_long(WorkerConfig {
         concurrency: 1,
         batch: 1,
-        shutdown_deadline: Duration::ZERO,
+        shutdown_deadline,
         ..WorkerConfig::default()
     });
     let worker = Worker::new(q.clone(), Gate(gated.clone()), config).unwrap();
@@ -576,5 +585,31 @@ async fn an_ack_under_way_at_the_shutdown_deadline_is_finished() {
         (done.succeeded, done.deleted, done.abandoned),
         (1, 1, 0),
         "the ack under way was finished"
+    );
+}
+
+/// A shutdown deadline too long to reach (here `Duration::MAX`: wait for
+/// the handlers however long they take) is waited for, not added to the
+/// clock: that overflowed and panicked as the shutdown began, dropping the
+/// handlers still running with the run.
+#[tokio::test]
+async fn a_shutdown_deadline_past_the_end_of_time_waits_for_the_handler() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let (_q, _sent, gated, worker) = one_gated_message(&pool, Duration::MAX).await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let drive = async {
+        tokio::time::timeout(FAILSAFE, gated.started.notified())
+            .await
+            .expect("the handler started");
+        stop_tx.send(()).unwrap();
+        // Whether the run sees the shutdown before the handler ends or
+        // after, the deadline is out of reach: the handler is waited for.
+        gated.go.notify_one();
+    };
+    let done = run_beside(&worker, stop_rx, drive).await;
+    assert_eq!(
+        (done.succeeded, done.deleted, done.abandoned),
+        (1, 1, 0),
+        "the handler was waited for and acked"
     );
 }

@@ -136,7 +136,17 @@ pub struct WorkerConfig {
     pub failure_visibility: Option<Duration>,
     /// `run` waits this long for in-flight handlers after shutdown; those
     /// still running are abandoned and their messages handed back, visible
-    /// again at once (module docs, Shutdown). Default 30 s.
+    /// again at once (module docs, Shutdown). Acks, hand-backs and a
+    /// receive still running then get 5 s more, so `run` returns within
+    /// `shutdown_deadline` plus 5 s: give whatever stops the process (a
+    /// service manager's stop timeout, a container's grace period) more
+    /// than that, or it kills the process before the hand-backs. On a
+    /// backend that cannot stop a long poll ([`Queue::receive_or_stop`]'s
+    /// default, SQS), a receive under way at the shutdown finishes its
+    /// `wait`: with `wait` longer than `shutdown_deadline` plus 5 s it can
+    /// be dropped still waiting, and what it then delivers waits out its
+    /// visibility timeout. `Duration::MAX` waits for the handlers however
+    /// long they take. Default 30 s.
     pub shutdown_deadline: Duration,
 }
 
@@ -423,7 +433,6 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                 }
             }
         };
-        let deadline = tokio::time::Instant::now() + config.shutdown_deadline;
         let _ = stopping.send(true);
         tracing::info!(
             queue = self.shared.queue.name(),
@@ -459,7 +468,14 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             };
             let all = futures::future::join(received_late, drained);
             tokio::pin!(all);
-            if tokio::time::timeout_at(deadline, &mut all).await.is_err() {
+            // `timeout`, not a deadline of now plus `shutdown_deadline`:
+            // one too long for the clock (`Duration::MAX`, to wait for
+            // ever) overflowed that sum and panicked, dropping the
+            // handlers with the run; `timeout` waits for ever instead.
+            if tokio::time::timeout(config.shutdown_deadline, &mut all)
+                .await
+                .is_err()
+            {
                 tracing::warn!(
                     queue = self.shared.queue.name(),
                     "shutdown deadline passed; abandoning the handlers still running and handing their messages back"
@@ -487,7 +503,10 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
 /// After the shutdown deadline, how long [`Worker::run`] still waits for
 /// what abandoning handlers leaves under way: acks, heartbeats in flight,
 /// the hand-back of each abandoned message, a receive still running. Each
-/// is a statement or two, not a handler: this bounds a stuck one.
+/// is a statement or two, not a handler: this bounds a stuck one. (A long
+/// poll that cannot be stopped is the exception: it runs its `wait`,
+/// `WorkerConfig::shutdown_deadline` says so.) Stated on
+/// `WorkerConfig::shutdown_deadline`, where users set the deadline.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Resolves once `signal` is raised (set to true), or never when its
