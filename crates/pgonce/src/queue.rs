@@ -84,6 +84,8 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
+use futures::FutureExt;
+
 pub use postgres::{MessageHistory, PgQueue, PgQueueOptions, QueueAttributes};
 pub use worker::{AckPolicy, Handler, HandlerError, Worker, WorkerConfig, WorkerCounters};
 
@@ -374,17 +376,27 @@ pub trait Queue: Send + Sync {
     /// delivered message, to handle or to hand back at once
     /// ([`Queue::change_visibility`] to zero).
     ///
-    /// The default cannot tell waiting from a request under way: it
-    /// finishes the receive whatever `stop` says, so it returns within
-    /// `request.wait` plus one request. Backends that can tell override
-    /// it.
+    /// A receive whose `stop` has already resolved when it is first
+    /// polled asks the server for nothing and returns none: not started,
+    /// it has nothing to finish, and a delivery made only to be handed
+    /// back would still count toward the message's `max_receive_count`.
+    ///
+    /// The default cannot tell waiting from a request under way: once
+    /// started, it finishes the receive whatever `stop` says, so it
+    /// returns within `request.wait` plus one request. Backends that can
+    /// tell override it.
     fn receive_or_stop(
         &self,
         request: ReceiveRequest,
         stop: impl Future<Output = ()> + Send,
     ) -> impl Future<Output = Result<Vec<Received>>> + Send {
-        drop(stop);
-        self.receive(request)
+        async move {
+            request.validate()?;
+            if stop.now_or_never().is_some() {
+                return Ok(Vec::new());
+            }
+            self.receive(request).await
+        }
     }
 
     /// Deletes the delivered message; [`Error::StaleReceipt`] when the

@@ -613,3 +613,58 @@ async fn a_shutdown_deadline_past_the_end_of_time_waits_for_the_handler() {
         "the handler was waited for and acked"
     );
 }
+
+/// Pending when first polled (and asks to be polled again), ready from
+/// the next poll on: a shutdown that comes between two looks of the
+/// worker's, as one raised from another thread can.
+#[derive(Default)]
+struct ReadyOnSecondPoll {
+    polled: bool,
+}
+
+impl std::future::Future for ReadyOnSecondPoll {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.polled {
+            return std::task::Poll::Ready(());
+        }
+        self.polled = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    }
+}
+
+/// A shutdown that comes after the worker took a handler slot but before
+/// its receive was first polled starts no receive: the receive has not
+/// asked the queue for anything, and started after the shutdown it
+/// delivered a message only to hand it back, one more delivery on its
+/// receive count (toward the dead-letter queue) for nothing.
+///
+/// Step by step: the worker looks at the shutdown (pending), takes a
+/// slot, builds its receive and looks at the shutdown again (ready now)
+/// before polling the receive.
+#[tokio::test]
+async fn a_shutdown_before_the_receive_is_polled_delivers_nothing() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    q.send(SendMessage::new("m")).await.unwrap();
+    let config = hour_long(WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        ..WorkerConfig::default()
+    });
+    let worker = Worker::new(q.clone(), Gate(Arc::default()), config).unwrap();
+    let done = tokio::time::timeout(FAILSAFE, worker.run(ReadyOnSecondPoll::default()))
+        .await
+        .expect("run ends");
+    assert_eq!(
+        (done.received, done.released),
+        (0, 0),
+        "nothing received after the shutdown"
+    );
+    receivable_now(&q, 1, "the message was never delivered before").await;
+}

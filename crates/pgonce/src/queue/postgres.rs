@@ -999,20 +999,27 @@ impl Queue for PgQueue {
     }
 
     /// A receive looks (runs its statements, each committing deliveries)
-    /// and parks in turn. `stop` is looked at only while parked, and
-    /// before parking: a look is never cut short, so whatever its
-    /// statements delivered is returned, and a receive that was parked
-    /// delivered nothing, so giving up there loses nothing.
+    /// and parks in turn. `stop` is looked at before the first look,
+    /// while parked, and before parking: a look is never cut short, so
+    /// whatever its statements delivered is returned, and a receive that
+    /// was parked, or had not looked yet, delivered nothing, so giving up
+    /// there loses nothing.
     async fn receive_or_stop(
         &self,
         request: ReceiveRequest,
         stop: impl Future<Output = ()> + Send,
     ) -> Result<Vec<Received>> {
         request.validate()?;
+        tokio::pin!(stop);
+        // Told to stop before it began: a look now would deliver messages
+        // only for the caller to hand back, each one more receive on its
+        // count toward the dead-letter queue.
+        if stop.as_mut().now_or_never().is_some() {
+            return Ok(Vec::new());
+        }
         if request.wait.is_zero() {
             return self.receive_once(&request).await;
         }
-        tokio::pin!(stop);
         let deadline = Instant::now() + request.wait;
         // With Listen::Off the waker has no listener and never notifies:
         // only `poll_interval` and `wait` wake us.
