@@ -353,17 +353,28 @@ async fn one_gated_message(
     pool: &PgPool,
     shutdown_deadline: Duration,
 ) -> (PgQueue, pgonce::Sent, Arc<Gated>, Worker<PgQueue, Gate>) {
+    let gated = Arc::new(Gated::default());
+    let (q, sent, worker) = one_message(pool, Gate(gated.clone()), shutdown_deadline).await;
+    (q, sent, gated, worker)
+}
+
+/// A queue with one message, and a worker of one `handler` at a time
+/// with this `shutdown_deadline`.
+async fn one_message<H: Handler>(
+    pool: &PgPool,
+    handler: H,
+    shutdown_deadline: Duration,
+) -> (PgQueue, pgonce::Sent, Worker<PgQueue, H>) {
     let q = queue(pool, "q").await;
     let sent = q.send(SendMessage::new("m")).await.unwrap();
-    let gated = Arc::new(Gated::default());
     let config = hour_long(WorkerConfig {
         concurrency: 1,
         batch: 1,
         shutdown_deadline,
         ..WorkerConfig::default()
     });
-    let worker = Worker::new(q.clone(), Gate(gated.clone()), config).unwrap();
-    (q, sent, gated, worker)
+    let worker = Worker::new(q.clone(), handler, config).unwrap();
+    (q, sent, worker)
 }
 
 /// The one message of `q`, receivable now, at its `receive_count`th
@@ -650,14 +661,7 @@ impl std::future::Future for ReadyOnSecondPoll {
 #[tokio::test]
 async fn a_shutdown_before_the_receive_is_polled_delivers_nothing() {
     let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
-    let q = queue(&pool, "q").await;
-    q.send(SendMessage::new("m")).await.unwrap();
-    let config = hour_long(WorkerConfig {
-        concurrency: 1,
-        batch: 1,
-        ..WorkerConfig::default()
-    });
-    let worker = Worker::new(q.clone(), Gate(Arc::default()), config).unwrap();
+    let (q, _sent, worker) = one_message(&pool, Gate(Arc::default()), FAILSAFE).await;
     let done = tokio::time::timeout(FAILSAFE, worker.run(ReadyOnSecondPoll::default()))
         .await
         .expect("run ends");
@@ -667,4 +671,52 @@ async fn a_shutdown_before_the_receive_is_polled_delivers_nothing() {
         "nothing received after the shutdown"
     );
     receivable_now(&q, 1, "the message was never delivered before").await;
+}
+
+/// Panics when dropped: what a handler's future holds when it is dropped
+/// mid-way (a guard that checks, on drop, that its work was finished).
+struct PanicsOnDrop;
+
+impl Drop for PanicsOnDrop {
+    fn drop(&mut self) {
+        panic!("dropped before its work was done");
+    }
+}
+
+/// Announces that it started, then waits for ever holding a
+/// [`PanicsOnDrop`].
+struct HoldsABomb(Arc<Gated>);
+
+impl Handler for HoldsABomb {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let _bomb = PanicsOnDrop;
+        self.0.started.notify_one();
+        std::future::pending::<()>().await;
+        Ok(())
+    }
+}
+
+/// A handler abandoned at the shutdown deadline whose future panics as
+/// it is dropped was abandoned all the same: its message is handed back
+/// at once. (The panic escaped the worker's task, which died before the
+/// hand-back: the message waited out its hour-long visibility timeout.)
+#[tokio::test]
+async fn a_handler_that_panics_as_it_is_abandoned_has_its_message_handed_back() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let gated = Arc::new(Gated::default());
+    let (q, _sent, worker) = one_message(&pool, HoldsABomb(gated.clone()), Duration::ZERO).await;
+    let done = tokio::time::timeout(FAILSAFE, worker.run(gated.started.notified()))
+        .await
+        .expect("run ends at the deadline");
+    assert_eq!(
+        (done.abandoned, done.released),
+        (1, 1),
+        "the handler was abandoned and its message handed back"
+    );
+    receivable_now(
+        &q,
+        2,
+        "the abandoned handler's message is handed back at once",
+    )
+    .await;
 }

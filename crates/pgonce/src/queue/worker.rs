@@ -644,7 +644,15 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                 () = &mut heartbeat => unreachable!("the heartbeat ends only when stopped"),
                 () = &mut abandon => None,
             };
-            drop(handling);
+            // Dropping the handler runs its destructors, which can panic
+            // too (a guard that checks on drop that its work was done):
+            // caught, or it ended this task before the beat in flight
+            // was finished and the message acked or handed back. The
+            // panic is the handler's: it failed, or was abandoned, all
+            // the same.
+            if std::panic::catch_unwind(AssertUnwindSafe(|| drop(handling))).is_err() {
+                tracing::warn!(queue = %queue, id = %message.id, "the handler panicked as it was dropped");
+            }
             if caught.is_some() {
                 metrics::histogram!("pgonce_queue_worker_handler_seconds", "queue" => queue.clone())
                     .record(started.elapsed().as_secs_f64());
