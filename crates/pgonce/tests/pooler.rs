@@ -309,6 +309,13 @@ async fn queue_conformance_through_the_pooler(listen: impl Fn(&ScratchDatabase) 
     let expiring = queue("window", QueueAttributes::default().dedup_window(window)).await;
     conformance_dedup_window_expires(&expiring, window).await;
     conformance_shutdown(&queue("shutdown", QueueAttributes::default()).await).await;
+    let long_poll = queue("long-poll", QueueAttributes::default()).await;
+    let parked = async {
+        while long_poll.parked_receivers() == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    conformance_shutdown_during_a_long_poll(&long_poll, parked).await;
     let poison_dlq = queue("poison-dlq", QueueAttributes::default()).await;
     let poison = queue(
         "poison",
