@@ -184,6 +184,15 @@ async fn a_shutdown_during_a_long_poll_leaves_later_messages_receivable() {
     conformance_shutdown_during_a_long_poll(&q, receiving).await;
 }
 
+/// SQS takes an earlier delivery's handle: the worker must not hand back
+/// a message whose delivery ran out, or it makes another consumer's
+/// delivery visible.
+#[tokio::test]
+async fn a_shutdown_after_a_redelivery_leaves_the_other_delivery_alone() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    conformance_shutdown_after_a_redelivery(&q).await;
+}
+
 #[tokio::test]
 async fn malformed_bodies_reach_dead_letters() {
     let moto = support::start();

@@ -784,6 +784,58 @@ pub async fn conformance_shutdown_during_a_long_poll<Q: Queue + Clone + 'static>
     );
 }
 
+/// Shutdown after a redelivery: a handler still running at the shutdown
+/// deadline whose delivery ran out (here: a 1 s visibility, no heartbeat),
+/// the message meanwhile delivered to another consumer, is abandoned
+/// without touching that consumer's delivery: the message stays hidden
+/// under it, not receivable by a third. A backend that fences receipts
+/// refuses the abandoned handler's hand-back as stale; one that does not
+/// (SQS) would carry it out, and the worker must not send it.
+///
+/// Needs: an empty standard queue.
+pub async fn conformance_shutdown_after_a_redelivery<Q: Queue + Clone + 'static>(q: &Q) {
+    q.send(SendMessage::new("m")).await.unwrap();
+    let rec = Arc::new(Recording::new());
+    let config = WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        visibility: Some(Duration::from_secs(1)),
+        heartbeat_interval: None,
+        shutdown_deadline: Duration::ZERO,
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(q.clone(), Hangs(rec.clone()), config).unwrap();
+    // The other consumer's delivery, taken once the worker's has run out.
+    let mut other = Vec::new();
+    let shutdown = async {
+        rec.wait_started(1).await;
+        while other.is_empty() {
+            other = q
+                .receive(
+                    ReceiveRequest::up_to(1)
+                        .visibility(Duration::from_secs(3600))
+                        .wait(Duration::from_secs(5)),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    let counters = tokio::time::timeout(Duration::from_secs(60), worker.run(shutdown))
+        .await
+        .expect("run ends");
+    let third = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert!(
+        third.is_empty(),
+        "the other consumer's delivery was made visible by the abandoned handler's hand-back"
+    );
+    assert_eq!(
+        (other.len(), counters.abandoned, counters.released),
+        (1, 1, 0),
+        "the handler was abandoned after the message went to another consumer"
+    );
+    q.delete(&other[0].receipt).await.unwrap();
+}
+
 /// Parses a JSON body; malformed bodies fail.
 struct ParsesJson(Arc<Mutex<Vec<String>>>);
 

@@ -24,8 +24,12 @@
 //!   which a redelivery has to tolerate anyway), a heartbeat in flight is
 //!   finished (dropped, it could land after the hand-back and hide the
 //!   message again), and its message is handed back, visible again at
-//!   once. A handler that finished but was not acked yet is acked, not
-//!   abandoned.
+//!   once. Unless its delivery ran out meanwhile, by the worker's clock
+//!   (the visibility it asked for when it received, or the last beat's
+//!   extension; a beat refused as stale): the message is visible again
+//!   already, or another worker's, whose delivery a hand-back on a
+//!   backend that does not fence receipts (SQS) would make visible. A
+//!   handler that finished but was not acked yet is acked, not abandoned.
 //! * Acks and hand-backs still under way at the deadline get 5 s more,
 //!   as does a receive still running; whatever is
 //!   left then is dropped, and its message comes back after its
@@ -342,11 +346,16 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         let max = self.shared.config.concurrency.min(self.shared.config.batch);
         let mut request = ReceiveRequest::up_to(max);
         request.visibility = self.shared.config.visibility;
+        let asked_at = Instant::now();
         let messages = self.shared.queue.receive(request).await?;
         let mut tasks = JoinSet::new();
         for message in messages {
             let shared = self.shared.clone();
-            tasks.spawn(async move { shared.process(message, std::future::pending()).await });
+            tasks.spawn(async move {
+                shared
+                    .process(message, asked_at, std::future::pending())
+                    .await
+            });
         }
         while let Some(joined) = tasks.join_next().await {
             if joined.is_err() {
@@ -401,6 +410,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             // Told to stop, not dropped, at shutdown: dropped with its
             // statement running, what that statement delivered would reach
             // nobody and wait out its visibility timeout.
+            let asked_at = Instant::now();
             let mut receive = Box::pin(
                 self.shared
                     .queue
@@ -418,7 +428,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                         let shared = self.shared.clone();
                         let abandon = raised(abandon.clone());
                         tasks.spawn(async move {
-                            shared.process(message, abandon).await;
+                            shared.process(message, asked_at, abandon).await;
                             drop(permit);
                         });
                     }
@@ -517,6 +527,32 @@ async fn raised(mut signal: watch::Receiver<bool>) {
     }
 }
 
+/// How long a delivery lasts, as far as the worker knows: until the
+/// visibility the last request that set it asked for, counted from when
+/// that request was made (the server counts from later, so this end is
+/// never past the real one). Unknown (never run out) while no request with
+/// a known visibility went through: the receive asked for the queue's own.
+#[derive(Default)]
+struct Lease(std::sync::Mutex<Option<Instant>>);
+
+impl Lease {
+    /// A request made at `asked_at` made the delivery last `visibility`
+    /// (zero: it ended, refused as stale).
+    fn set(&self, asked_at: Instant, visibility: Duration) {
+        // An end past the clock's (never, with visibilities of at most
+        // 12 h) is unknown.
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = asked_at.checked_add(visibility);
+    }
+
+    /// Whether the delivery has certainly run out.
+    fn ran_out(&self) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|until| until <= Instant::now())
+    }
+}
+
 /// One handler on the gauge `pgonce_queue_worker_in_flight` for as long as
 /// it lives: dropped when its handler ends, is abandoned, or its task is
 /// dropped, so no way out leaves it counted.
@@ -539,8 +575,9 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
     /// Extends `message`'s visibility every `heartbeat_interval` until
     /// `stop` is notified, which it looks at between beats only: a beat in
     /// flight is finished. Stops beating once a beat is refused as stale
-    /// (and waits for `stop`), and never beats without a heartbeat.
-    async fn heartbeat(&self, message: &Received, queue: &str, stop: &Notify) {
+    /// (and waits for `stop`), and never beats without a heartbeat. Each
+    /// beat that went through extends `lease`; a stale one ends it.
+    async fn heartbeat(&self, message: &Received, queue: &str, stop: &Notify, lease: &Lease) {
         let c = &self.counters;
         if let Some(every) = self.config.heartbeat_interval {
             loop {
@@ -549,13 +586,18 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                     () = stop.notified() => return,
                     () = tokio::time::sleep(every) => {}
                 }
+                let asked_at = Instant::now();
                 match self
                     .queue
                     .change_visibility(&message.receipt, self.config.heartbeat_extension)
                     .await
                 {
-                    Ok(()) => bump(&c.heartbeats),
+                    Ok(()) => {
+                        lease.set(asked_at, self.config.heartbeat_extension);
+                        bump(&c.heartbeats)
+                    }
                     Err(Error::StaleReceipt { .. }) => {
+                        lease.set(asked_at, Duration::ZERO);
                         bump(&c.stale);
                         tracing::warn!(queue = %queue, id = %message.id,
                             "heartbeat refused: the message was redelivered while its handler ran");
@@ -602,10 +644,16 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         }
     }
 
-    /// Handles `message` and acks it; or, once `abandon` resolves with the
-    /// handler still running, drops the handler and hands the message
-    /// back (module docs, Shutdown).
-    async fn process(&self, message: Received, abandon: impl Future<Output = ()>) {
+    /// Handles `message` (received by a request made at `asked_at`) and
+    /// acks it; or, once `abandon` resolves with the handler still
+    /// running, drops the handler and hands the message back, unless its
+    /// delivery ran out meanwhile (module docs, Shutdown).
+    async fn process(
+        &self,
+        message: Received,
+        asked_at: Instant,
+        abandon: impl Future<Output = ()>,
+    ) {
         let queue = self.queue.name().to_string();
         let c = &self.counters;
         bump(&c.received);
@@ -632,11 +680,15 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         // awaited: what it holds (a connection, a transaction) goes back
         // at once. `biased`, handler first: one that finished as the
         // deadline passed is acked, not abandoned.
+        let lease = Lease::default();
+        if let Some(visibility) = self.config.visibility {
+            lease.set(asked_at, visibility);
+        }
         let caught = {
             let stop = Notify::new();
             let mut handling =
                 Box::pin(AssertUnwindSafe(self.handler.handle(&message)).catch_unwind());
-            let heartbeat = self.heartbeat(&message, &queue, &stop);
+            let heartbeat = self.heartbeat(&message, &queue, &stop, &lease);
             tokio::pin!(heartbeat, abandon);
             let caught = tokio::select! {
                 biased;
@@ -664,6 +716,16 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         drop(running);
         let Some(caught) = caught else {
             bump(&c.abandoned);
+            // A delivery that ran out is visible again already, or is
+            // another worker's now: handing it back would gain nothing,
+            // and on a backend that does not fence receipts (SQS) it would
+            // make the other worker's delivery visible, for a third to
+            // take while the second still handles it.
+            if lease.ran_out() {
+                tracing::warn!(queue = %queue, id = %message.id,
+                    "shutdown deadline passed: handler abandoned; its delivery ran out meanwhile, so its message is not handed back");
+                return;
+            }
             tracing::warn!(queue = %queue, id = %message.id,
                 "shutdown deadline passed: handler abandoned, its message handed back");
             self.release(&message, "hand-back of an abandoned handler's message")
