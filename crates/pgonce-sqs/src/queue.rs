@@ -769,9 +769,10 @@ impl Queue for SqsQueue {
     /// `stop` resolves, the request under way finishes and its messages are
     /// returned, and no further request is sent: a long poll that came
     /// back empty is not followed by another, and a FIFO batch is not
-    /// topped up further. A receive told to stop before its first request
-    /// sends it without waiting (it looks once, as the PostgreSQL queue
-    /// does), so it returns within one request, not a long poll.
+    /// topped up further. A receive whose `stop` resolved before it began
+    /// sends no request and returns none (as the trait says: a delivery
+    /// made only to be handed back would count toward the message's
+    /// `max_receive_count`).
     async fn receive_or_stop(
         &self,
         request: ReceiveRequest,
@@ -781,6 +782,9 @@ impl Queue for SqsQueue {
         self.inner.receiving.fetch_add(1, Ordering::SeqCst);
         let _guard = Receiving(&self.inner.receiving);
         let mut stop = Stop::new(stop);
+        if stop.raised() {
+            return Ok(Vec::new());
+        }
         let deadline = Instant::now() + request.wait;
         // A FIFO receive asks for one message per request: see `top_up_fifo`.
         let per_request = if self.inner.fifo {

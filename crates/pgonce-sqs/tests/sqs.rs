@@ -887,22 +887,37 @@ async fn a_stop_ends_a_long_receive_after_the_poll_under_way() {
     );
 }
 
-/// A receive told to stop before it begins looks once, without waiting,
-/// and a FIFO receive told so is not topped up: the message its one
-/// request delivered is returned and no further request is sent. (The
-/// default `receive_or_stop` topped the batch up, one request per group
-/// and one more that found none.)
+/// A receive told to stop before it begins sends no request and returns
+/// none; a FIFO receive told to stop once its first request is made is not
+/// topped up: the message that request delivered is returned and no
+/// further request is sent. (The default `receive_or_stop` topped the
+/// batch up, one request per group and one more that found none.)
 #[tokio::test]
-async fn a_receive_stopped_before_it_begins_looks_once() {
+async fn a_receive_stopped_before_it_begins_asks_for_nothing_and_one_stopped_after_is_not_topped_up()
+ {
     let (_moto, q) = started("f.fifo", QueueAttributes::fifo()).await;
     for group in ["a", "b", "c"] {
         q.send(SendMessage::new(group).group(group)).await.unwrap();
     }
-    let request = ReceiveRequest::up_to(10).wait(Duration::from_secs(60));
+    let request = || ReceiveRequest::up_to(10).wait(Duration::from_secs(60));
     let got = q
-        .receive_or_stop(request, std::future::ready(()))
+        .receive_or_stop(request(), std::future::ready(()))
         .await
         .unwrap();
+    assert_eq!(
+        (got.len(), q.receive_requests()),
+        (0, 0),
+        "stopped before it began: no request"
+    );
+    // Raised as soon as the first request has been sent.
+    let after_the_first = std::future::poll_fn(|_| {
+        if q.receive_requests() >= 1 {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    });
+    let got = q.receive_or_stop(request(), after_the_first).await.unwrap();
     let bodies: Vec<String> = got.into_iter().map(|m| m.body).collect();
     assert_eq!(
         (bodies, q.receive_requests()),
