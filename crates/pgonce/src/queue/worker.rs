@@ -68,6 +68,12 @@ pub trait Handler: Send + Sync + 'static {
     /// counts it in [`WorkerCounters::failed`], and keeps the message as a
     /// dead process would (visible again after `failure_visibility`, if
     /// set).
+    ///
+    /// The worker owns the handler's future: dropping it (a handler
+    /// abandoned at the shutdown deadline) stops the work. Work the handler
+    /// hands to a task of its own (`tokio::spawn`) is not stopped with it
+    /// and may go on while the message, handed back, is delivered again:
+    /// await such work inside `handle`, or make it safe to run twice.
     fn handle(
         &self,
         message: &Received,
@@ -124,8 +130,8 @@ pub struct WorkerConfig {
     /// `None`.
     pub visibility: Option<Duration>,
     /// While a handler runs, extend the message's visibility this often.
-    /// `None`: no heartbeat. Default 10 s; must be shorter than the
-    /// visibility timeout in use.
+    /// `None`: no heartbeat. Default 10 s; at least 1 ms, and shorter than
+    /// the visibility timeout in use.
     pub heartbeat_interval: Option<Duration>,
     /// Each heartbeat makes the message invisible for this long from now.
     /// Default 30 s; longer than `heartbeat_interval` (or the message would
@@ -198,8 +204,15 @@ impl WorkerConfig {
             },
             other => other,
         })?;
-        if self.heartbeat_interval.is_some_and(|h| h.is_zero()) {
-            return invalid("heartbeat_interval must be positive");
+        // Shorter than a millisecond, the heartbeat is a busy loop of
+        // statements; past the longest visibility, it never beats in time.
+        if let Some(h) = self.heartbeat_interval {
+            crate::duration::check_within(
+                "worker config heartbeat_interval",
+                h,
+                Duration::from_millis(1),
+                super::MAX_VISIBILITY,
+            )?;
         }
         if let (Some(h), Some(v)) = (self.heartbeat_interval, self.visibility)
             && h >= v
@@ -874,5 +887,32 @@ mod tests {
             ..ok
         };
         no_heartbeat.validate().unwrap();
+    }
+
+    /// A heartbeat under a millisecond would beat in a busy loop of
+    /// statements: refused, named.
+    #[test]
+    fn a_heartbeat_interval_under_a_millisecond_is_refused() {
+        for interval in [
+            Duration::ZERO,
+            Duration::from_nanos(1),
+            Duration::from_micros(999),
+        ] {
+            let bad = WorkerConfig {
+                heartbeat_interval: Some(interval),
+                ..WorkerConfig::default()
+            };
+            match bad.validate() {
+                Err(Error::Invalid { what, .. }) => {
+                    assert_eq!(what, "worker config heartbeat_interval")
+                }
+                other => panic!("{interval:?}: {other:?}"),
+            }
+        }
+        let shortest = WorkerConfig {
+            heartbeat_interval: Some(Duration::from_millis(1)),
+            ..WorkerConfig::default()
+        };
+        shortest.validate().unwrap();
     }
 }
