@@ -114,6 +114,36 @@ async fn a_run_slower_than_its_deadline_drains_while_it_makes_progress() {
     assert_eq!(outcome.tallies.notifications, outcome.tallies.incidents);
 }
 
+/// A notification that is never delivered (dead after its one attempt)
+/// does not keep the run waiting: the people keep declaring incidents
+/// until the drain ends, and their notifications kept going out, which the
+/// drain counted as progress for ever (a CI run waited out the test's 900 s
+/// so). The run ends, settled, and I3 names every dead notification.
+#[tokio::test]
+async fn a_notification_that_dies_ends_the_run_with_i3_failing_not_a_wait() {
+    let db = fresh_database().await;
+    let pool = db.pool(30).await.unwrap();
+    let mut config = IncidentRunConfig::quick();
+    config.notify_max_attempts = 1;
+    config.receiver.fail_rate = 0.5;
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(600),
+        incident_run::run(&pool, &config, None, None),
+    )
+    .await
+    .expect("the run ends")
+    .unwrap();
+    assert!(outcome.drained && outcome.settled, "{outcome:#?}");
+    let dead = &outcome.notifications.never_enqueued_or_lost;
+    assert!(!dead.is_empty(), "{outcome:#?}");
+    assert!(
+        dead.iter()
+            .all(|(_, job)| job.as_ref().is_some_and(|j| j.status == "dead")),
+        "{dead:#?}"
+    );
+    assert!(!outcome.all_hold());
+}
+
 /// Notifications a stopped notifier left behind (one claimed under a lease
 /// nobody will complete, one failed and waiting for its retry) are
 /// finished by the settle phase: it runs the reaper and the re-driver with
