@@ -259,15 +259,6 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     ];
     let mut ours = Vec::new();
     for (i, (strategy, scenario)) in scenarios.into_iter().enumerate() {
-        // pgonce's queues share one message table, where each peer's queue
-        // is a table of its own, new for each of its scenarios. Without
-        // this, each pgonce scenario would start on the dead rows of the
-        // ones before it (hundreds of thousands: autovacuum looks once a
-        // minute and a scenario lasts seconds), walking their index entries
-        // at every receive. Each scenario starts as clean as a peer's.
-        sqlx::raw_sql(include_str!("sql/queue_vacuum.sql"))
-            .execute(db.pool())
-            .await?;
         let flow = pg_queue(
             db.pool(),
             &format!("bench{i}"),
