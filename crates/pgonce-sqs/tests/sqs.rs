@@ -193,6 +193,14 @@ async fn a_shutdown_after_a_redelivery_leaves_the_other_delivery_alone() {
     conformance_shutdown_after_a_redelivery(&q).await;
 }
 
+/// Likewise for a handler that fails after its delivery ran out: its
+/// failure's visibility change must not reach the other delivery.
+#[tokio::test]
+async fn a_failure_after_a_redelivery_leaves_the_other_delivery_alone() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    conformance_failure_after_a_redelivery(&q).await;
+}
+
 #[tokio::test]
 async fn malformed_bodies_reach_dead_letters() {
     let moto = support::start();

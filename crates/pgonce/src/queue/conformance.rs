@@ -805,20 +805,10 @@ pub async fn conformance_shutdown_after_a_redelivery<Q: Queue + Clone + 'static>
         ..WorkerConfig::default()
     };
     let worker = Worker::new(q.clone(), Hangs(rec.clone()), config).unwrap();
-    // The other consumer's delivery, taken once the worker's has run out.
     let mut other = Vec::new();
     let shutdown = async {
         rec.wait_started(1).await;
-        while other.is_empty() {
-            other = q
-                .receive(
-                    ReceiveRequest::up_to(1)
-                        .visibility(Duration::from_secs(3600))
-                        .wait(Duration::from_secs(5)),
-                )
-                .await
-                .unwrap();
-        }
+        other = taken_by_another_consumer(q).await;
     };
     let counters = tokio::time::timeout(Duration::from_secs(60), worker.run(shutdown))
         .await
@@ -832,6 +822,93 @@ pub async fn conformance_shutdown_after_a_redelivery<Q: Queue + Clone + 'static>
         (other.len(), counters.abandoned, counters.released),
         (1, 1, 0),
         "the handler was abandoned after the message went to another consumer"
+    );
+    q.delete(&other[0].receipt).await.unwrap();
+}
+
+/// The message delivered to another consumer for an hour, received once
+/// the worker's delivery of it has run out.
+async fn taken_by_another_consumer<Q: Queue>(q: &Q) -> Vec<Received> {
+    loop {
+        let other = q
+            .receive(
+                ReceiveRequest::up_to(1)
+                    .visibility(Duration::from_secs(3600))
+                    .wait(Duration::from_secs(5)),
+            )
+            .await
+            .unwrap();
+        if !other.is_empty() {
+            return other;
+        }
+    }
+}
+
+/// Fails once `release` is notified: a handler that outlives its
+/// delivery, then fails.
+struct FailsWhenReleased(Arc<Recording>, Arc<Notify>);
+
+impl Handler for FailsWhenReleased {
+    async fn handle(&self, m: &Received) -> Result<(), HandlerError> {
+        self.0.start(m);
+        self.1.notified().await;
+        Err("failed after its delivery ran out".into())
+    }
+}
+
+/// A failure after a redelivery: a handler that fails after its delivery
+/// ran out (a 1 s visibility, no heartbeat), the message meanwhile
+/// delivered to another consumer, does not set the visibility its failure
+/// asks for (`failure_visibility` zero: visible again at once) on that
+/// consumer's delivery. A backend that fences receipts refuses the stale
+/// receipt; one that does not (SQS) would make the other delivery visible
+/// for a third consumer, and the worker must not send it.
+///
+/// Needs: an empty standard queue.
+pub async fn conformance_failure_after_a_redelivery<Q: Queue + Clone + 'static>(q: &Q) {
+    q.send(SendMessage::new("m")).await.unwrap();
+    let rec = Arc::new(Recording::new());
+    let release = Arc::new(Notify::new());
+    let config = WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        visibility: Some(Duration::from_secs(1)),
+        heartbeat_interval: None,
+        failure_visibility: Some(Duration::ZERO),
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(
+        q.clone(),
+        FailsWhenReleased(rec.clone(), release.clone()),
+        config,
+    )
+    .unwrap();
+    let mut other = Vec::new();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = worker.run(async {
+        let _ = stopped.await;
+    });
+    let drive = async {
+        rec.wait_started(1).await;
+        other = taken_by_another_consumer(q).await;
+        release.notify_one();
+        // The worker lets the handler finish, its ack included, before
+        // `run` returns.
+        let _ = stop.send(());
+    };
+    let (counters, ()) =
+        tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run, drive) })
+            .await
+            .expect("run ends");
+    let third = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert!(
+        third.is_empty(),
+        "the other consumer's delivery was made visible by the failed handler's ack"
+    );
+    assert_eq!(
+        (other.len(), counters.failed),
+        (1, 1),
+        "the handler failed after the message went to another consumer"
     );
     q.delete(&other[0].receipt).await.unwrap();
 }

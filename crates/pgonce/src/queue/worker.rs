@@ -782,7 +782,20 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                 !panicked && self.config.ack == AckPolicy::AlwaysDelete
             }
         };
-        let acked = if delete {
+        // A failure's visibility change on a delivery that ran out would
+        // act on another worker's delivery where receipts are not fenced
+        // (SQS): made visible again, for a third worker to take while the
+        // second still handles it. The message is visible again already,
+        // or is that worker's now; nothing to change. (A delete still
+        // goes out: the work is done, as with any late ack.)
+        let keep_as_is = !delete && lease.ran_out();
+        if keep_as_is {
+            tracing::warn!(queue = %queue, id = %message.id,
+                "handler failed after its delivery ran out: its visibility is left as it is");
+        }
+        let acked = if keep_as_is {
+            Ok(())
+        } else if delete {
             self.queue.delete(&message.receipt).await.map(|()| {
                 bump(&c.deleted);
                 metrics::counter!("pgonce_queue_worker_deleted_total", "queue" => queue.clone())
