@@ -273,16 +273,7 @@ async fn a_key_whose_holder_died_is_recovered_after_its_hold_expires_and_the_dea
 {
     let (_db, pool) = setup().await;
     let fp = dedupe::fingerprint(&json!("req")).unwrap();
-    let Acquired::Process(dead) = dedupe::acquire(&pool, "api", "k", &fp, Duration::from_secs(60))
-        .await
-        .unwrap()
-    else {
-        panic!("new key");
-    };
-    sqlx::query("UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms'")
-        .execute(&pool)
-        .await
-        .unwrap();
+    let dead = held_past_its_hold(&pool, "k", &fp).await;
     let other = dedupe::fingerprint(&json!("other")).unwrap();
     assert!(
         matches!(
@@ -573,16 +564,7 @@ async fn a_hold_taken_over_is_lost_under_repeatable_read_too() {
     let (_db, pool) = setup().await;
     let fp = dedupe::fingerprint(&json!("req")).unwrap();
     let hold_for = Duration::from_secs(60);
-    let Acquired::Process(dead) = dedupe::acquire(&pool, "api", "k", &fp, hold_for)
-        .await
-        .unwrap()
-    else {
-        panic!("new key");
-    };
-    sqlx::query("UPDATE pgonce.idempotency_keys SET held_until = now() - interval '1 ms'")
-        .execute(&pool)
-        .await
-        .unwrap();
+    let dead = held_past_its_hold(&pool, "k", &fp).await;
     let Acquired::Process(_new) = dedupe::acquire(&pool, "api", "k", &fp, hold_for)
         .await
         .unwrap()
