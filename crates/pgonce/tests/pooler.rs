@@ -475,3 +475,43 @@ async fn jobs_and_idempotency_keys_through_the_pooler_keep_their_fences() {
         Acquired::Replay(json!("r"))
     );
 }
+
+/// Requests racing on one new idempotency key through the pooler: exactly
+/// one takes it, each other is told it is in progress (its upsert took
+/// nothing, and the read of why runs in the upsert's transaction, which
+/// the pooler keeps on one server connection); none fails otherwise. Once
+/// finished, every one of them replays the response.
+#[tokio::test]
+async fn racing_requests_on_one_key_through_the_pooler_take_it_once() {
+    use pgonce::Error;
+    use pgonce::dedupe::{self, Acquired};
+    use serde_json::json;
+    let (_db, pool) = setup(8).await;
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let hold_for = Duration::from_secs(60);
+    let racing: Vec<_> = (0..8)
+        .map(|_| {
+            let (pool, fp) = (pool.clone(), fp.clone());
+            tokio::spawn(async move { dedupe::acquire(&pool, "api", "k", &fp, hold_for).await })
+        })
+        .collect();
+    let mut holds = Vec::new();
+    let mut in_progress = 0;
+    for r in racing {
+        match r.await.unwrap() {
+            Ok(Acquired::Process(hold)) => holds.push(hold),
+            Err(Error::IdempotencyInProgress { .. }) => in_progress += 1,
+            other => panic!("through the pooler: {other:?}"),
+        }
+    }
+    assert_eq!((holds.len(), in_progress), (1, 7));
+    dedupe::finish(&pool, &holds[0], &json!("r")).await.unwrap();
+    for _ in 0..8 {
+        assert_eq!(
+            dedupe::acquire(&pool, "api", "k", &fp, hold_for)
+                .await
+                .unwrap(),
+            Acquired::Replay(json!("r"))
+        );
+    }
+}
