@@ -3,6 +3,7 @@
 //! database, a handler that panics is a failure like any other, and a
 //! shutdown leaves no message waiting out a visibility timeout.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,6 +50,67 @@ impl Handler for Gate {
         self.0.finished.notify_one();
         Ok(())
     }
+}
+
+/// A [`Gate`] per message body: each message's handler waits for its own.
+struct GateByBody(HashMap<&'static str, Arc<Gated>>);
+
+impl Handler for GateByBody {
+    async fn handle(&self, m: &Received) -> Result<(), HandlerError> {
+        Gate(self.0[m.body.as_str()].clone()).handle(m).await
+    }
+}
+
+/// Two calls of one worker running at once each return what they did, not
+/// what the other did meanwhile. Step by step: the first call's handler
+/// (of `a`) is held; the second call receives `b`, whose handler is held
+/// while `a`'s is let go and the first call returns; then `b`'s is let go.
+/// (A call returned the difference of the worker's counters over its
+/// time: the first counted `b`'s delivery as its own, the second `a`'s
+/// success and delete.)
+#[tokio::test]
+async fn two_calls_at_once_each_return_what_they_did() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    let (a, b) = (Arc::new(Gated::default()), Arc::new(Gated::default()));
+    let handler = GateByBody(HashMap::from([("a", a.clone()), ("b", b.clone())]));
+    let config = hour_long(WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        ..WorkerConfig::default()
+    });
+    let worker = Arc::new(Worker::new(q.clone(), handler, config).unwrap());
+    let run_once = || {
+        let worker = worker.clone();
+        tokio::spawn(async move { worker.run_once().await.unwrap() })
+    };
+    let done = |c: pgonce::WorkerCounters| (c.received, c.succeeded, c.deleted);
+    q.send(SendMessage::new("a")).await.unwrap();
+    let first = run_once();
+    tokio::time::timeout(FAILSAFE, a.started.notified())
+        .await
+        .expect("a's handler started");
+    q.send(SendMessage::new("b")).await.unwrap();
+    let second = run_once();
+    tokio::time::timeout(FAILSAFE, b.started.notified())
+        .await
+        .expect("b's handler started");
+    a.go.notify_one();
+    let first = tokio::time::timeout(FAILSAFE, first)
+        .await
+        .expect("the first call ends")
+        .unwrap();
+    b.go.notify_one();
+    let second = tokio::time::timeout(FAILSAFE, second)
+        .await
+        .expect("the second call ends")
+        .unwrap();
+    assert_eq!(
+        (done(first), done(second)),
+        ((1, 1, 1), (1, 1, 1)),
+        "each call its own message: {first:?}, {second:?}"
+    );
+    assert_eq!(done(worker.counters()), (2, 2, 2), "the worker both");
 }
 
 /// Backends waiting on a lock `holder` holds.

@@ -239,7 +239,10 @@ impl WorkerConfig {
     }
 }
 
-/// What a worker did (one `run_once`, or a whole `run`).
+/// What a worker did: one call ([`Worker::run_once`], a whole
+/// [`Worker::run`]), or every call ([`Worker::counters`]). A call counts
+/// only its own work: of two calls of one worker running at once, each
+/// returns what it did, not what the other did meanwhile.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct WorkerCounters {
@@ -311,10 +314,6 @@ impl Counters {
     }
 }
 
-fn bump(a: &AtomicU64) {
-    a.fetch_add(1, Ordering::Relaxed);
-}
-
 /// Consumes a queue with a handler. See the module docs.
 pub struct Worker<Q, H> {
     shared: Arc<Shared<Q, H>>,
@@ -324,6 +323,8 @@ struct Shared<Q, H> {
     queue: Q,
     handler: H,
     config: WorkerConfig,
+    /// What the worker did over all its calls; each call counts what it
+    /// did in counters of its own as well, which it returns.
     counters: Counters,
 }
 
@@ -346,7 +347,8 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         &self.shared.handler
     }
 
-    /// What this worker did so far, over all calls.
+    /// What this worker did so far, over all calls (those still running
+    /// included).
     pub fn counters(&self) -> WorkerCounters {
         self.shared.counters.snapshot()
     }
@@ -355,7 +357,9 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
     /// messages, all handled concurrently and acked; returns what this call
     /// did.
     pub async fn run_once(&self) -> Result<WorkerCounters> {
-        let before = self.counters();
+        // Counters of this call's own, not the difference of the worker's
+        // over the call: another call running meanwhile counts there too.
+        let call = Arc::new(Counters::default());
         let max = self.shared.config.concurrency.min(self.shared.config.batch);
         let mut request = ReceiveRequest::up_to(max);
         request.visibility = self.shared.config.visibility;
@@ -364,18 +368,19 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         let mut tasks = JoinSet::new();
         for message in messages {
             let shared = self.shared.clone();
+            let call = call.clone();
             tasks.spawn(async move {
                 shared
-                    .process(message, asked_at, std::future::pending())
+                    .process(message, asked_at, std::future::pending(), &call)
                     .await
             });
         }
         while let Some(joined) = tasks.join_next().await {
             if joined.is_err() {
-                bump(&self.shared.counters.failed);
+                self.shared.bump(&call, |c| &c.failed);
             }
         }
-        Ok(diff(self.counters(), before))
+        Ok(call.snapshot())
     }
 
     /// Runs until `shutdown` resolves: receives while a handler slot is
@@ -385,7 +390,8 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
     /// docs, Shutdown). Returns what this call did. Receive errors are
     /// logged and retried after a second.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> WorkerCounters {
-        let before = self.counters();
+        // This call's own counters, as in `run_once`.
+        let call = Arc::new(Counters::default());
         let config = &self.shared.config;
         let slots = Arc::new(Semaphore::new(config.concurrency));
         let mut tasks = JoinSet::new();
@@ -398,7 +404,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         let receiving = loop {
             while let Some(joined) = tasks.try_join_next() {
                 if joined.is_err() {
-                    bump(&self.shared.counters.failed);
+                    self.shared.bump(&call, |c| &c.failed);
                 }
             }
             // `biased`: shutdown is looked at first. Unbiased, select!
@@ -440,8 +446,9 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                         let permit = permits.pop().expect("no more messages than permits");
                         let shared = self.shared.clone();
                         let abandon = raised(abandon.clone());
+                        let call = call.clone();
                         tasks.spawn(async move {
-                            shared.process(message, asked_at, abandon).await;
+                            shared.process(message, asked_at, abandon, &call).await;
                             drop(permit);
                         });
                     }
@@ -473,7 +480,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                         futures::future::join_all(
                             messages
                                 .iter()
-                                .map(|m| self.shared.release(m, "received at shutdown")),
+                                .map(|m| self.shared.release(m, "received at shutdown", &call)),
                         )
                         .await;
                     }
@@ -485,7 +492,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             let drained = async {
                 while let Some(joined) = tasks.join_next().await {
                     if joined.is_err() {
-                        bump(&self.shared.counters.failed);
+                        self.shared.bump(&call, |c| &c.failed);
                     }
                 }
             };
@@ -519,7 +526,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             );
         }
         tasks.shutdown().await;
-        diff(self.counters(), before)
+        call.snapshot()
     }
 }
 
@@ -585,13 +592,27 @@ impl Drop for Running {
 }
 
 impl<Q: Queue, H: Handler> Shared<Q, H> {
+    /// Counts one `which` for the call whose counters are `call` and for
+    /// the worker, over all its calls.
+    fn bump(&self, call: &Counters, which: fn(&Counters) -> &AtomicU64) {
+        for counters in [call, &self.counters] {
+            which(counters).fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Extends `message`'s visibility every `heartbeat_interval` until
     /// `stop` is notified, which it looks at between beats only: a beat in
     /// flight is finished. Stops beating once a beat is refused as stale
     /// (and waits for `stop`), and never beats without a heartbeat. Each
     /// beat that went through extends `lease`; a stale one ends it.
-    async fn heartbeat(&self, message: &Received, queue: &str, stop: &Notify, lease: &Lease) {
-        let c = &self.counters;
+    async fn heartbeat(
+        &self,
+        message: &Received,
+        queue: &str,
+        stop: &Notify,
+        lease: &Lease,
+        call: &Counters,
+    ) {
         if let Some(every) = self.config.heartbeat_interval {
             loop {
                 tokio::select! {
@@ -607,11 +628,11 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                 {
                     Ok(()) => {
                         lease.set(asked_at, self.config.heartbeat_extension);
-                        bump(&c.heartbeats)
+                        self.bump(call, |c| &c.heartbeats)
                     }
                     Err(Error::StaleReceipt { .. }) => {
                         lease.set(asked_at, Duration::ZERO);
-                        bump(&c.stale);
+                        self.bump(call, |c| &c.stale);
                         tracing::warn!(queue = %queue, id = %message.id,
                             "heartbeat refused: the message was redelivered while its handler ran");
                         break;
@@ -626,25 +647,31 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
     }
 
     /// Hands `message` back unhandled, visible again at once (`why`: for
-    /// the log); counted in [`WorkerCounters::released`].
-    async fn release(&self, message: &Received, why: &str) {
+    /// the log); counted in [`WorkerCounters::released`] of `call`.
+    async fn release(&self, message: &Received, why: &str, call: &Counters) {
         let released = self
             .queue
             .change_visibility(&message.receipt, Duration::ZERO)
             .await;
-        if self.went_through(released, message, why) {
-            bump(&self.counters.released);
+        if self.went_through(released, message, why, call) {
+            self.bump(call, |c| &c.released);
         }
     }
 
     /// Whether `outcome`, of an ack or a hand-back of `message` (`what`),
-    /// went through; a refusal is logged, and counted when stale.
-    fn went_through(&self, outcome: Result<()>, message: &Received, what: &str) -> bool {
+    /// went through; a refusal is logged, and counted for `call` when stale.
+    fn went_through(
+        &self,
+        outcome: Result<()>,
+        message: &Received,
+        what: &str,
+        call: &Counters,
+    ) -> bool {
         let queue = self.queue.name();
         match outcome {
             Ok(()) => true,
             Err(Error::StaleReceipt { .. }) => {
-                bump(&self.counters.stale);
+                self.bump(call, |c| &c.stale);
                 tracing::warn!(queue = %queue, id = %message.id, what,
                     "refused: the message was redelivered meanwhile");
                 false
@@ -660,20 +687,21 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
     /// Handles `message` (received by a request made at `asked_at`) and
     /// acks it; or, once `abandon` resolves with the handler still
     /// running, drops the handler and hands the message back, unless its
-    /// delivery ran out meanwhile (module docs, Shutdown).
+    /// delivery ran out meanwhile (module docs, Shutdown). Counted for the
+    /// call whose counters are `call`.
     async fn process(
         &self,
         message: Received,
         asked_at: Instant,
         abandon: impl Future<Output = ()>,
+        call: &Counters,
     ) {
         let queue = self.queue.name().to_string();
-        let c = &self.counters;
-        bump(&c.received);
+        self.bump(call, |c| &c.received);
         metrics::counter!("pgonce_queue_worker_received_total", "queue" => queue.clone())
             .increment(1);
         if message.receive_count > 1 {
-            bump(&c.redelivered);
+            self.bump(call, |c| &c.redelivered);
             metrics::counter!("pgonce_queue_worker_redelivered_total", "queue" => queue.clone())
                 .increment(1);
         }
@@ -701,7 +729,7 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
             let stop = Notify::new();
             let mut handling =
                 Box::pin(AssertUnwindSafe(self.handler.handle(&message)).catch_unwind());
-            let heartbeat = self.heartbeat(&message, &queue, &stop, &lease);
+            let heartbeat = self.heartbeat(&message, &queue, &stop, &lease, call);
             tokio::pin!(heartbeat, abandon);
             let caught = tokio::select! {
                 biased;
@@ -728,7 +756,7 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         };
         drop(running);
         let Some(caught) = caught else {
-            bump(&c.abandoned);
+            self.bump(call, |c| &c.abandoned);
             // A delivery that ran out is visible again already, or is
             // another worker's now: handing it back would gain nothing,
             // and on a backend that does not fence receipts (SQS) it would
@@ -741,8 +769,12 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
             }
             tracing::warn!(queue = %queue, id = %message.id,
                 "shutdown deadline passed: handler abandoned, its message handed back");
-            self.release(&message, "hand-back of an abandoned handler's message")
-                .await;
+            self.release(
+                &message,
+                "hand-back of an abandoned handler's message",
+                call,
+            )
+            .await;
             return;
         };
         let panicked = caught.is_err();
@@ -762,17 +794,17 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         let busy_until = outcome.as_ref().err().and_then(|e| job_busy_until(&**e));
         let delete = match &outcome {
             Ok(()) => {
-                bump(&c.succeeded);
+                self.bump(call, |c| &c.succeeded);
                 true
             }
             Err(e) if busy_until.is_some() => {
-                bump(&c.failed);
+                self.bump(call, |c| &c.failed);
                 tracing::debug!(queue = %queue, id = %message.id, error = %e,
                     "job busy: message kept for redelivery");
                 false
             }
             Err(e) => {
-                bump(&c.failed);
+                self.bump(call, |c| &c.failed);
                 metrics::counter!("pgonce_queue_worker_failed_total", "queue" => queue.clone())
                     .increment(1);
                 tracing::warn!(queue = %queue, id = %message.id, receive_count = message.receive_count,
@@ -797,7 +829,7 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
             Ok(())
         } else if delete {
             self.queue.delete(&message.receipt).await.map(|()| {
-                bump(&c.deleted);
+                self.bump(call, |c| &c.deleted);
                 metrics::counter!("pgonce_queue_worker_deleted_total", "queue" => queue.clone())
                     .increment(1);
             })
@@ -810,7 +842,7 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         } else {
             Ok(())
         };
-        self.went_through(acked, &message, "ack");
+        self.went_through(acked, &message, "ack", call);
     }
 }
 
@@ -835,20 +867,6 @@ fn job_busy_until(
 fn visible_again_at(not_before: time::OffsetDateTime) -> Duration {
     let secs = (not_before - time::OffsetDateTime::now_utc()).as_seconds_f64();
     Duration::from_secs_f64(secs.clamp(1.0, 12.0 * 3600.0))
-}
-
-fn diff(after: WorkerCounters, before: WorkerCounters) -> WorkerCounters {
-    WorkerCounters {
-        received: after.received - before.received,
-        redelivered: after.redelivered - before.redelivered,
-        succeeded: after.succeeded - before.succeeded,
-        failed: after.failed - before.failed,
-        deleted: after.deleted - before.deleted,
-        stale: after.stale - before.stale,
-        heartbeats: after.heartbeats - before.heartbeats,
-        abandoned: after.abandoned - before.abandoned,
-        released: after.released - before.released,
-    }
 }
 
 #[cfg(test)]
