@@ -201,6 +201,15 @@ async fn a_failure_after_a_redelivery_leaves_the_other_delivery_alone() {
     conformance_failure_after_a_redelivery(&q).await;
 }
 
+/// Likewise for a heartbeat once the delivery ran out: SQS takes it, and
+/// it would cut the other delivery short (a heartbeat extension from now
+/// instead of its hour).
+#[tokio::test]
+async fn a_heartbeat_after_a_redelivery_leaves_the_other_delivery_alone() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    conformance_heartbeat_after_a_redelivery(&q).await;
+}
+
 #[tokio::test]
 async fn malformed_bodies_reach_dead_letters() {
     let moto = support::start();

@@ -1916,6 +1916,13 @@ async fn a_failure_after_a_redelivery_leaves_the_other_delivery_alone() {
 }
 
 #[tokio::test]
+async fn a_heartbeat_after_a_redelivery_leaves_the_other_delivery_alone() {
+    let pool = pool().await;
+    conformance_heartbeat_after_a_redelivery(&queue(&pool, "q", QueueAttributes::default()).await)
+        .await;
+}
+
+#[tokio::test]
 async fn malformed_bodies_reach_the_error_path_then_the_dead_letter_queue() {
     let pool = pool().await;
     let (q, dlq) = with_dead_letters(&pool).await;

@@ -913,6 +913,162 @@ pub async fn conformance_failure_after_a_redelivery<Q: Queue + Clone + 'static>(
     q.delete(&other[0].receipt).await.unwrap();
 }
 
+/// `Q` whose visibility changes fail, as over a network that drops them,
+/// until [`BeatsFail::heal`] is called; everything else goes to `Q`.
+#[derive(Clone)]
+struct BeatsFail<Q> {
+    queue: Q,
+    failing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<Q: Queue> BeatsFail<Q> {
+    fn new(queue: Q) -> BeatsFail<Q> {
+        BeatsFail {
+            queue,
+            failing: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        }
+    }
+
+    /// Visibility changes go through from now on.
+    fn heal(&self) {
+        self.failing.store(false, Ordering::SeqCst);
+    }
+}
+
+impl<Q: Queue> Queue for BeatsFail<Q> {
+    fn name(&self) -> &str {
+        self.queue.name()
+    }
+
+    fn is_fifo(&self) -> bool {
+        self.queue.is_fifo()
+    }
+
+    async fn send(&self, message: SendMessage) -> crate::Result<super::Sent> {
+        self.queue.send(message).await
+    }
+
+    async fn send_batch(&self, messages: Vec<SendMessage>) -> crate::Result<Vec<super::Sent>> {
+        self.queue.send_batch(messages).await
+    }
+
+    async fn receive(&self, request: ReceiveRequest) -> crate::Result<Vec<Received>> {
+        self.queue.receive(request).await
+    }
+
+    async fn receive_or_stop(
+        &self,
+        request: ReceiveRequest,
+        stop: impl Future<Output = ()> + Send,
+    ) -> crate::Result<Vec<Received>> {
+        self.queue.receive_or_stop(request, stop).await
+    }
+
+    async fn delete(&self, receipt: &Receipt) -> crate::Result<()> {
+        self.queue.delete(receipt).await
+    }
+
+    async fn delete_batch(&self, receipts: &[Receipt]) -> crate::Result<Vec<Receipt>> {
+        self.queue.delete_batch(receipts).await
+    }
+
+    async fn change_visibility(&self, receipt: &Receipt, timeout: Duration) -> crate::Result<()> {
+        if self.failing.load(Ordering::SeqCst) {
+            return Err(Error::Unavailable {
+                backend: "test",
+                reason: "visibility changes fail until healed".into(),
+            });
+        }
+        self.queue.change_visibility(receipt, timeout).await
+    }
+
+    async fn purge(&self) -> crate::Result<u64> {
+        self.queue.purge().await
+    }
+
+    async fn stats(&self) -> crate::Result<super::QueueStats> {
+        self.queue.stats().await
+    }
+
+    async fn redrive(&self) -> crate::Result<u64> {
+        self.queue.redrive().await
+    }
+}
+
+/// A heartbeat after a redelivery: a handler whose beats fail (here: its
+/// visibility changes are dropped) until its delivery ran out (a 1 s
+/// visibility), the message meanwhile delivered to another consumer for an
+/// hour, sends no more beats once they would go through again: a beat then
+/// would cut the other consumer's delivery short, to the 1 s extension
+/// from the beat, on a backend that does not fence receipts (SQS), and
+/// make the message receivable by a third consumer while the second
+/// still handles it. A backend that fences receipts would refuse the beat
+/// as stale; the worker does not send it on either, and counts the
+/// delivery in [`super::WorkerCounters::expired`].
+///
+/// Step by step: the handler starts; once another consumer has the
+/// message, visibility changes go through again; once the worker has
+/// looked again (a beat, through or refused, or the heartbeat stopped),
+/// the handler fails (no `failure_visibility`: the visibility is left
+/// alone); then a third consumer waits 3 s, past the extension, for the
+/// message.
+///
+/// Needs: an empty standard queue.
+pub async fn conformance_heartbeat_after_a_redelivery<Q: Queue + Clone + 'static>(q: &Q) {
+    q.send(SendMessage::new("m")).await.unwrap();
+    let rec = Arc::new(Recording::new());
+    let release = Arc::new(Notify::new());
+    let beats = BeatsFail::new(q.clone());
+    let config = WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        visibility: Some(Duration::from_secs(1)),
+        heartbeat_interval: Some(Duration::from_millis(300)),
+        heartbeat_extension: Duration::from_secs(1),
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(
+        beats.clone(),
+        FailsWhenReleased(rec.clone(), release.clone()),
+        config,
+    )
+    .unwrap();
+    let drive = async {
+        rec.wait_started(1).await;
+        let other = taken_by_another_consumer(q).await;
+        beats.heal();
+        loop {
+            let c = worker.counters();
+            if c.heartbeats + c.stale + c.expired > 0 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        release.notify_one();
+        other
+    };
+    let (done, other) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(worker.run_once(), drive)
+    })
+    .await
+    .expect("run_once ends");
+    let done = done.expect("run_once");
+    let third = q
+        .receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(3)))
+        .await
+        .unwrap();
+    assert!(
+        third.is_empty(),
+        "a heartbeat after the delivery ran out cut the other consumer's delivery short: {done:?}"
+    );
+    assert_eq!(
+        (done.expired, done.heartbeats, done.failed),
+        (1, 0, 1),
+        "the heartbeat stopped once the delivery ran out"
+    );
+    q.delete(&other[0].receipt).await.unwrap();
+}
+
 /// Parses a JSON body; malformed bodies fail.
 struct ParsesJson(Arc<Mutex<Vec<String>>>);
 

@@ -261,6 +261,13 @@ pub struct WorkerCounters {
     pub stale: u64,
     /// Visibility extensions made while handlers ran.
     pub heartbeats: u64,
+    /// Deliveries whose heartbeat stopped because the delivery had run
+    /// out, by the worker's clock, while its handler ran (its beats failed,
+    /// or came too late): a beat then could extend another worker's
+    /// delivery of the message on a backend that does not fence receipts
+    /// (SQS). The handler runs on; its message may be delivered again
+    /// meanwhile.
+    pub expired: u64,
     /// Handlers still running at the shutdown deadline, dropped.
     pub abandoned: u64,
     /// Messages handed back unhandled at shutdown, visible again at once:
@@ -279,6 +286,7 @@ impl std::ops::AddAssign for WorkerCounters {
         self.deleted += o.deleted;
         self.stale += o.stale;
         self.heartbeats += o.heartbeats;
+        self.expired += o.expired;
         self.abandoned += o.abandoned;
         self.released += o.released;
     }
@@ -293,6 +301,7 @@ struct Counters {
     deleted: AtomicU64,
     stale: AtomicU64,
     heartbeats: AtomicU64,
+    expired: AtomicU64,
     abandoned: AtomicU64,
     released: AtomicU64,
 }
@@ -308,6 +317,7 @@ impl Counters {
             deleted: g(&self.deleted),
             stale: g(&self.stale),
             heartbeats: g(&self.heartbeats),
+            expired: g(&self.expired),
             abandoned: g(&self.abandoned),
             released: g(&self.released),
         }
@@ -602,9 +612,22 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
 
     /// Extends `message`'s visibility every `heartbeat_interval` until
     /// `stop` is notified, which it looks at between beats only: a beat in
-    /// flight is finished. Stops beating once a beat is refused as stale
-    /// (and waits for `stop`), and never beats without a heartbeat. Each
-    /// beat that went through extends `lease`; a stale one ends it.
+    /// flight is finished. Stops beating (and waits for `stop`) once a beat
+    /// is refused as stale, or once `lease` has run out before a beat, and
+    /// never beats without a heartbeat. Each beat that went through extends
+    /// `lease`; a stale one ends it.
+    ///
+    /// A delivery that ran out (its beats failed, or came too late) is
+    /// visible again, or another worker's. A beat then is refused where
+    /// receipts are fenced, but on SQS, which takes an earlier delivery's
+    /// receipt, it would set the other worker's delivery to end
+    /// `heartbeat_extension` from now, whatever visibility that worker
+    /// asked for; and, going through, it would make the lease look alive
+    /// again, so the hand-back at the shutdown deadline or a failure's
+    /// visibility would act on the other delivery too. So none is sent.
+    /// (The worker's end of a delivery comes before the server's, counted
+    /// from before its request was made: a beat sent before it is late
+    /// only if it takes longer to reach the server than that margin.)
     async fn heartbeat(
         &self,
         message: &Received,
@@ -619,6 +642,12 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                     biased;
                     () = stop.notified() => return,
                     () = tokio::time::sleep(every) => {}
+                }
+                if lease.ran_out() {
+                    self.bump(call, |c| &c.expired);
+                    tracing::warn!(queue = %queue, id = %message.id,
+                        "heartbeat stopped: the delivery ran out while its handler ran (its beats failed or came late); the message may be delivered again");
+                    break;
                 }
                 let asked_at = Instant::now();
                 match self
