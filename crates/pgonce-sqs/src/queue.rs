@@ -260,6 +260,11 @@ impl SqsClient {
 ///   or refused by KMS, for instance). The error is the first refused
 ///   entry's; sending the whole batch again is safe on a FIFO queue within
 ///   the deduplication window, and sends duplicates on a standard queue.
+///   `delete_batch` goes out in requests of 10 distinct handles (a receipt
+///   given twice goes once, as SQS refuses a request naming a handle
+///   twice); a request that fails ends the call with
+///   [`Error::DeleteBatchIncomplete`], which names the receipts still to
+///   delete, as what the requests before it deleted stays deleted.
 /// * **Visibility** of one delivery ends at most 12 hours after its
 ///   receive: SQS refuses a `change_visibility` that would reach past that
 ///   ([`Error::Backend`], `InvalidParameterValue`, not `StaleReceipt`).
@@ -649,6 +654,55 @@ impl SqsQueue {
         }
     }
 
+    /// One DeleteMessageBatch request of up to 10 distinct handles: records
+    /// what became of each in `entries`; the request's error when it
+    /// failed, every entry left undone. An entry SQS refused for another
+    /// reason than staleness, or left unanswered, is left undone with the
+    /// reason.
+    async fn delete_request(&self, entries: &mut [DeleteEntry<'_>]) -> Result<()> {
+        let request = entries
+            .iter()
+            .enumerate()
+            .map(|(i, entry)| {
+                DeleteMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(entry.handle)
+                    .build()
+                    .map_err(|e| backend_error(&e.to_string()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out = self
+            .sdk()
+            .delete_message_batch()
+            .queue_url(&self.inner.url)
+            .set_entries(Some(request))
+            .send()
+            .await
+            .map_err(|e| map(e, None))?;
+        let n = entries.len();
+        let place = |id: &str| id.parse::<usize>().ok().filter(|&i| i < n);
+        for done in out.successful() {
+            if let Some(i) = place(done.id()) {
+                entries[i].outcome = DeleteOutcome::Deleted;
+            }
+        }
+        for f in out.failed() {
+            let Some(i) = place(f.id()) else { continue };
+            let receipt = &entries[i].receipt.0;
+            match from_code(f.code(), f.message().unwrap_or_default(), Some(receipt)) {
+                Error::StaleReceipt { .. } => entries[i].outcome = DeleteOutcome::Stale,
+                other => entries[i].refused = Some(other),
+            }
+        }
+        for entry in entries
+            .iter_mut()
+            .filter(|e| e.outcome == DeleteOutcome::Undone && e.refused.is_none())
+        {
+            entry.refused = Some(backend_error("DeleteMessageBatch left an entry unanswered"));
+        }
+        Ok(())
+    }
+
     async fn counts(&self, url: &str) -> Result<(u64, u64, u64)> {
         let out = self
             .sdk()
@@ -824,6 +878,19 @@ impl Queue for SqsQueue {
         Ok(())
     }
 
+    /// The receipts go in requests of 10, and SQS cannot take back what a
+    /// request deleted: a request that fails after others went through
+    /// leaves their deletes done. So a failure does not end the call with
+    /// that error alone, which would hide them, but with
+    /// [`Error::DeleteBatchIncomplete`], naming the receipts stale and
+    /// those not known to be deleted: of the failed request (it may have
+    /// taken effect) and of the requests after it, not sent (each would
+    /// likely fail the same way, an operation timeout each). A receipt
+    /// refused for another reason than staleness is not known to be deleted
+    /// either; the requests after it still go.
+    ///
+    /// A receipt given twice goes once: SQS refuses a request that names a
+    /// handle twice (`BatchEntryIdsNotDistinct`), whole.
     async fn delete_batch(&self, receipts: &[Receipt]) -> Result<Vec<Receipt>> {
         if receipts.len() > MAX_BATCH {
             return Err(Error::Invalid {
@@ -831,61 +898,53 @@ impl Queue for SqsQueue {
                 why: format!("a batch holds at most {MAX_BATCH} receipts"),
             });
         }
-        // Receipts of another queue are stale without a request; the rest
-        // go in requests of 10, each entry's batch id its place in the
-        // request. Stale ones are collected by their place in `receipts`.
-        let mut stale_at = Vec::new();
-        let mut ours = Vec::new();
-        for (i, r) in receipts.iter().enumerate() {
-            match self.handle(r) {
-                Ok(handle) => ours.push((i, handle)),
-                Err(_) => stale_at.push(i),
+        // Receipts of another queue are stale without a request. The rest
+        // go once per distinct handle, in order of first appearance; each
+        // receipt's place in `handles`, or `None` for a foreign one.
+        let mut handles: Vec<DeleteEntry> = Vec::new();
+        let mut first: HashMap<&str, usize> = HashMap::new();
+        let places: Vec<Option<usize>> = receipts
+            .iter()
+            .map(|r| {
+                let handle = self.handle(r).ok()?;
+                Some(*first.entry(handle).or_insert_with(|| {
+                    handles.push(DeleteEntry {
+                        receipt: r,
+                        handle,
+                        outcome: DeleteOutcome::Undone,
+                        refused: None,
+                    });
+                    handles.len() - 1
+                }))
+            })
+            .collect();
+        let mut cause = None;
+        for chunk in handles.chunks_mut(SQS_BATCH) {
+            if let Err(e) = self.delete_request(chunk).await {
+                cause = Some(e);
+                break;
             }
         }
-        for chunk in ours.chunks(SQS_BATCH) {
-            let entries = chunk
+        // The first refused entry's error, when no request failed.
+        let cause = cause.or_else(|| handles.iter_mut().find_map(|h| h.refused.take()));
+        let outcome =
+            |place: &Option<usize>| place.map_or(DeleteOutcome::Stale, |p| handles[p].outcome);
+        let with = |wanted: DeleteOutcome| -> Vec<Receipt> {
+            receipts
                 .iter()
-                .enumerate()
-                .map(|(entry, (_, handle))| {
-                    DeleteMessageBatchRequestEntry::builder()
-                        .id(entry.to_string())
-                        .receipt_handle(*handle)
-                        .build()
-                        .map_err(|e| backend_error(&e.to_string()))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let out = self
-                .sdk()
-                .delete_message_batch()
-                .queue_url(&self.inner.url)
-                .set_entries(Some(entries))
-                .send()
-                .await
-                .map_err(|e| map(e, None))?;
-            let mut failed: Vec<(usize, Error)> = Vec::new();
-            for f in out.failed() {
-                let (i, _) = f
-                    .id()
-                    .parse::<usize>()
-                    .ok()
-                    .and_then(|entry| chunk.get(entry))
-                    .ok_or_else(|| backend_error("unknown batch id"))?;
-                let receipt = &receipts[*i].0;
-                failed.push((
-                    *i,
-                    from_code(f.code(), f.message().unwrap_or_default(), Some(receipt)),
-                ));
-            }
-            failed.sort_by_key(|(i, _)| *i);
-            for (i, e) in failed {
-                match e {
-                    Error::StaleReceipt { .. } => stale_at.push(i),
-                    other => return Err(other),
-                }
-            }
+                .zip(&places)
+                .filter(|(_, place)| outcome(place) == wanted)
+                .map(|(r, _)| r.clone())
+                .collect()
+        };
+        match cause {
+            None => Ok(with(DeleteOutcome::Stale)),
+            Some(cause) => Err(Error::DeleteBatchIncomplete {
+                stale: with(DeleteOutcome::Stale),
+                undone: with(DeleteOutcome::Undone),
+                cause: Box::new(cause),
+            }),
         }
-        stale_at.sort_unstable();
-        Ok(stale_at.into_iter().map(|i| receipts[i].clone()).collect())
     }
 
     async fn change_visibility(&self, receipt: &Receipt, timeout: Duration) -> Result<()> {
@@ -1026,6 +1085,28 @@ impl Queue for SqsQueue {
             }
         }
     }
+}
+
+/// One distinct handle of a `delete_batch`: the first receipt that named
+/// it, and what became of it.
+struct DeleteEntry<'r> {
+    receipt: &'r Receipt,
+    handle: &'r str,
+    outcome: DeleteOutcome,
+    /// Why it is undone when the server answered for it: refused for
+    /// another reason than staleness, or left unanswered.
+    refused: Option<Error>,
+}
+
+/// What became of a receipt of a `delete_batch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DeleteOutcome {
+    Deleted,
+    /// Refused as stale, or of another queue: its message untouched.
+    Stale,
+    /// Not known to be deleted: its request failed or was not sent, or the
+    /// server refused it for another reason.
+    Undone,
 }
 
 /// A message ready for SQS: validated, its attributes in SQS's form, its

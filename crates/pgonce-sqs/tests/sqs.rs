@@ -361,6 +361,91 @@ async fn batches_larger_than_ten_round_trip() {
     assert_eq!((s.depth, s.in_flight), (0, 0));
 }
 
+/// The receipts of `n` messages sent to `q` and received.
+async fn n_receipts(q: &SqsQueue, n: usize) -> Vec<Receipt> {
+    q.send_batch((0..n).map(|i| SendMessage::new(format!("{i}"))).collect())
+        .await
+        .unwrap();
+    let mut receipts = Vec::new();
+    while receipts.len() < n {
+        let more = q
+            .receive(ReceiveRequest::up_to(10).wait(Duration::from_secs(1)))
+            .await
+            .unwrap();
+        assert!(!more.is_empty(), "only {} of {n}", receipts.len());
+        receipts.extend(more.into_iter().map(|m| m.receipt));
+    }
+    receipts
+}
+
+/// A `delete_batch` whose second request of 10 fails (moto refuses it
+/// whole, as SQS a throttled request) says what it did: the first
+/// request's 10 deleted (not named), a receipt of another queue stale, the
+/// failed request's receipts and those of the request after it, not sent,
+/// undone; the cause is the failed request's error. Deleting the undone
+/// ones again is the remedy. (The failed request's error was returned
+/// alone: nothing told the caller that the first request had deleted 10
+/// messages, nor which receipts were still to delete.)
+#[tokio::test]
+async fn a_delete_batch_that_fails_part_way_says_what_it_deleted() {
+    let moto = support::start();
+    let config = SqsConfig {
+        max_attempts: 1,
+        ..SqsConfig::local(moto.endpoint())
+    };
+    let sqs = SqsClient::connect(config).await.unwrap();
+    let q = sqs
+        .create_queue("q", QueueAttributes::default())
+        .await
+        .unwrap();
+    let receipts = n_receipts(&q, 25).await;
+    let fails = Receipt(format!("q:{}", support::Moto::FAIL_REQUEST));
+    let foreign = Receipt("other:handle".into());
+    let mut batch = receipts[..10].to_vec();
+    batch.push(fails.clone());
+    batch.extend_from_slice(&receipts[10..]);
+    batch.push(foreign.clone());
+    let got = q.delete_batch(&batch).await;
+    let Err(Error::DeleteBatchIncomplete {
+        stale,
+        undone,
+        cause,
+    }) = got
+    else {
+        panic!("the first request's deletes go unreported: {got:?}")
+    };
+    assert_eq!(stale, [foreign], "the other queue's receipt");
+    assert_eq!(undone, batch[10..26], "the failed request's and the rest");
+    assert!(
+        matches!(&*cause, Error::Backend { code, .. } if code == "RequestThrottled"),
+        "{cause:?}"
+    );
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.depth, s.in_flight), (0, 15), "the first 10 deleted");
+    assert!(q.delete_batch(&undone[1..]).await.unwrap().is_empty());
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.depth, s.in_flight), (0, 0), "the rest deleted again");
+}
+
+/// A receipt given twice in one `delete_batch` deletes its message once
+/// and is not stale in either place, as on the PostgreSQL queue. (Both
+/// went in one request, which SQS and moto refuse whole,
+/// `BatchEntryIdsNotDistinct`: nothing deleted, a `Backend` error.)
+#[tokio::test]
+async fn a_receipt_given_twice_in_a_delete_batch_deletes_once() {
+    let (_moto, q) = started("q", QueueAttributes::default()).await;
+    let receipts = n_receipts(&q, 2).await;
+    let batch = [
+        receipts[0].clone(),
+        receipts[1].clone(),
+        receipts[0].clone(),
+    ];
+    let got = q.delete_batch(&batch).await;
+    assert!(matches!(&got, Ok(stale) if stale.is_empty()), "{got:?}");
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.depth, s.in_flight), (0, 0), "both deleted");
+}
+
 /// A FIFO group with a backlog deeper than `max_receive_count`, consumed in
 /// batches of ten by a consumer that deletes every message it is handed:
 /// every message reaches the consumer once and none is dead-lettered. SQS

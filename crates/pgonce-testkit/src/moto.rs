@@ -1,6 +1,7 @@
 //! A throwaway SQS server: moto's server (PyPI `moto[server]`, installed
-//! by `scripts/ensure-moto.sh`), with one fix applied at start
-//! (`moto_server.py`), on a free loopback port, in its own process group,
+//! by `scripts/ensure-moto.sh`), with one fix and one fault to order
+//! ([`Moto::FAIL_REQUEST`]) applied at start (`moto_server.py`), on a free
+//! loopback port, in its own process group,
 //! stopped when dropped. The SQS backend's tests, the
 //! lab's SQS pipeline test and `pgonce demo --queue sqs` all start it here.
 
@@ -39,6 +40,12 @@ pub struct Moto {
 }
 
 impl Moto {
+    /// A receipt handle that fails the DeleteMessageBatch request naming
+    /// it, whole, as SQS fails a throttled request (`RequestThrottled`):
+    /// nothing of that request is deleted. moto has no way to fail a
+    /// request; `moto_server.py` adds this one.
+    pub const FAIL_REQUEST: &str = "pgonce-testkit-fail-this-request";
+
     /// Starts moto and waits until it answers HTTP (a second or two).
     pub fn start() -> Result<Moto, MotoError> {
         let mut last = String::new();

@@ -1,5 +1,5 @@
-# moto's server (PyPI `moto[server]`) with one fix, started by moto.rs in
-# place of the `moto_server` script.
+# moto's server (PyPI `moto[server]`) with one fix and one fault to order
+# (at the end), started by moto.rs in place of the `moto_server` script.
 #
 # moto's SQS backend keeps the messages in flight in a set, and its server
 # answers requests on several threads with no lock around it. A delete by
@@ -14,7 +14,8 @@
 import sys
 
 from moto.server import main
-from moto.sqs import models
+from moto.sqs import models, responses
+from moto.sqs.exceptions import SQSException
 
 _receive_message = models.SQSBackend.receive_message
 
@@ -33,4 +34,23 @@ def receive_message(self, queue_name, *args, **kwargs):
 
 
 models.SQSBackend.receive_message = receive_message
+
+# And one fault to order, as moto has no way to fail a request: a
+# DeleteMessageBatch one of whose entries has the receipt handle
+# FAIL_REQUEST (moto.rs: Moto::FAIL_REQUEST) is refused whole, deleting
+# nothing, as SQS refuses a throttled request. The tests of a call that
+# sends several requests fail one of the later ones with it.
+FAIL_REQUEST = "pgonce-testkit-fail-this-request"
+
+_delete_message_batch = responses.SQSResponse.delete_message_batch
+
+
+def delete_message_batch(self):
+    entries = self._get_param("Entries", [])
+    if any(entry.get("ReceiptHandle") == FAIL_REQUEST for entry in entries):
+        raise SQSException("RequestThrottled", "Rate exceeded (a fault the test asked for).")
+    return _delete_message_batch(self)
+
+
+responses.SQSResponse.delete_message_batch = delete_message_batch
 sys.exit(main(sys.argv[1:]))

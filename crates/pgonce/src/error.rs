@@ -201,6 +201,32 @@ pub enum Error {
         receipt: String,
     },
 
+    /// A [`crate::Queue::delete_batch`] that the backend sends in several
+    /// requests (Amazon SQS: 10 receipts each) ended part way: a request
+    /// failed, or the server refused receipts for a reason other than
+    /// staleness (`cause`: the first such failure). What earlier requests
+    /// deleted stays deleted: every receipt of the batch in neither
+    /// `stale` nor `undone` was deleted. The PostgreSQL queue deletes a
+    /// batch in one statement and never returns this.
+    #[error(
+        "delete_batch ended part way: {} of its receipts not known to be deleted: {cause}",
+        undone.len()
+    )]
+    DeleteBatchIncomplete {
+        /// The receipts found stale, as the call's `Ok` lists them, in
+        /// input order: their messages untouched.
+        stale: Vec<crate::queue::Receipt>,
+        /// The receipts not known to be deleted, in input order: those of
+        /// the request that failed (which may have taken effect, as after
+        /// [`Error::Unavailable`]), those the server refused, and those of
+        /// the requests not sent after the failure. Deleting them again is
+        /// the remedy: one whose message is gone already is reported
+        /// stale, or deletes nothing.
+        undone: Vec<crate::queue::Receipt>,
+        /// The first failure: a request's error, or a refused receipt's.
+        cause: Box<Error>,
+    },
+
     /// The named queue does not exist.
     #[error("queue {name:?} does not exist")]
     QueueNotFound {

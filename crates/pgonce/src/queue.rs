@@ -408,7 +408,16 @@ pub trait Queue: Send + Sync {
     /// Deletes several delivered messages at once; returns the receipts that
     /// were stale, as [`Queue::delete`] means it (their messages untouched),
     /// in input order. Each receipt is checked against its own delivery:
-    /// with two receipts of one message, only the current one deletes.
+    /// with two receipts of one message, only the current one deletes. A
+    /// receipt given twice is one receipt: both places share its outcome.
+    ///
+    /// An error means nothing was deleted, but for
+    /// [`Error::DeleteBatchIncomplete`]: a backend that sends the batch in
+    /// several requests (SQS: 10 receipts each) cannot take back what the
+    /// requests before a failure deleted, and names in that error the
+    /// receipts found stale and those not known to be deleted; the rest
+    /// were deleted. (The PostgreSQL queue deletes the batch in one
+    /// statement: all or nothing.)
     fn delete_batch(
         &self,
         receipts: &[Receipt],
