@@ -300,6 +300,14 @@ pub struct Rule {
 /// back as its neighbour. The request body's own check
 /// (`api::extract`) keeps such an integer exact in an attributes object,
 /// where it stays an integer; here it must become a double.
+///
+/// An integer that is the double's shortest decimal is that double, not
+/// its neighbour: `1.844674407370955e19` (exactly 18446744073709549568) is
+/// stored by `jsonb` as the numeric `18446744073709550000` and printed so,
+/// without exponent or fraction, and every read of a stored rule must
+/// take back what was written (a policy that could not be read would fail
+/// its organization's listings and every observation the pipeline handles
+/// for it).
 fn exact_double<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
     let n = serde_json::Number::deserialize(d)?;
     let f = n
@@ -308,10 +316,11 @@ fn exact_double<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f
     let integer = n.as_i64().map(i128::from).or(n.as_u64().map(i128::from));
     match integer {
         // A cast of a finite double to i128 is exact for every double an
-        // i64 or u64 can round to.
-        Some(i) if f as i128 != i => Err(serde::de::Error::custom(format!(
-            "{n} cannot be kept exactly as a double"
-        ))),
+        // i64 or u64 can round to; Rust prints a double as its shortest
+        // round-trip digits, without an exponent, like PostgreSQL's numeric.
+        Some(i) if f as i128 != i && format!("{f}") != i.to_string() => Err(
+            serde::de::Error::custom(format!("{n} cannot be kept exactly as a double")),
+        ),
         _ => Ok(f),
     }
 }

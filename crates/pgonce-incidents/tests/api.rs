@@ -1292,6 +1292,40 @@ async fn extreme_doubles_read_back_equal_and_poison_nothing() {
     assert_eq!(a.body["entities"][0]["attributes"], attributes);
 }
 
+/// A rule value past 2^53 whose shortest decimal has fewer digits than its
+/// integer part (`1.844674407370955e19`, exactly 18446744073709549568) is
+/// stored by `jsonb` as that decimal, `18446744073709550000`, which reads
+/// back as an integer: the policy must still read back equal, and the
+/// organization's listing keep working (the pipeline reads its policies
+/// the same way, for every observation).
+#[tokio::test]
+async fn rule_values_the_database_prints_as_integers_read_back_equal() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    for (i, text) in [
+        "1.844674407370955e19",
+        "-9.223372036854775e18",
+        "1.2345678901234566e17",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let value: Value = serde_json::from_str(text).unwrap();
+        let rule = json!({"attribute": "x", "op": "gt", "value": value});
+        let body = json!({"name": format!("p{i}"), "singleton": "never", "rule": rule});
+        let a = api.post("/v1/policies", &key, body).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{text}: {}", a.body);
+        let a = api
+            .get(&format!("/v1/policies/{}", id(&a.body)), &key)
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{text}: {}", a.body);
+        assert_eq!(a.body["rule"]["value"], value, "{text}");
+    }
+    let a = api.get("/v1/policies", &key).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["policies"].as_array().unwrap().len(), 3);
+}
+
 /// A number is kept as sent or refused. serde_json parses an integer past
 /// the 64-bit ranges, or a decimal with more digits than a double holds,
 /// into the nearest double, which would be stored and read back changed
