@@ -80,6 +80,9 @@ pub struct ApiConfig {
     /// How long a client may take to send a request's body, once its
     /// headers are in; then a JSON 408. Default 10 s.
     pub body_timeout: Duration,
+    /// How long an answer's write may wait for a client that takes none
+    /// of its bytes; then [`serve`] closes the connection. Default 10 s.
+    pub write_timeout: Duration,
 }
 
 impl Default for ApiConfig {
@@ -90,13 +93,14 @@ impl Default for ApiConfig {
             max_wait: Duration::from_secs(30),
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(10),
         }
     }
 }
 
 impl ApiConfig {
     /// Checks the admin token (at least 16 bytes when set, no whitespace
-    /// around it), the header and body
+    /// around it), the header, body and write
     /// timeouts (above zero) and the body limit (at least 1024 bytes);
     /// otherwise [`Error::Invalid`].
     pub fn validate(&self) -> crate::Result<()> {
@@ -110,10 +114,13 @@ impl ApiConfig {
                 why: "must be at least 16 bytes, without whitespace around it".into(),
             });
         }
-        if self.header_timeout.is_zero() || self.body_timeout.is_zero() {
+        if self.header_timeout.is_zero()
+            || self.body_timeout.is_zero()
+            || self.write_timeout.is_zero()
+        {
             return Err(Error::Invalid {
                 what: "timeouts",
-                why: "the header and body timeouts must be positive".into(),
+                why: "the header, body and write timeouts must be positive".into(),
             });
         }
         if self.body_limit < 1024 {
@@ -195,7 +202,7 @@ impl ApiState {
 }
 
 /// The API's routes on `state` (see the module docs). Serve it with
-/// [`serve`] (header and body timeouts); tests call it in-process.
+/// [`serve`] (header, body and write timeouts); tests call it in-process.
 pub fn router(state: ApiState) -> Router {
     let limit = state.config().body_limit;
     Router::new()

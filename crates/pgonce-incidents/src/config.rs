@@ -174,6 +174,10 @@ pub struct ApiSection {
     /// gets 408. Default 10s.
     #[serde(with = "humantime_serde")]
     pub body_timeout: Duration,
+    /// `write_timeout`: a connection whose client has taken none of an
+    /// answer's bytes for this long is closed. Default 10s.
+    #[serde(with = "humantime_serde")]
+    pub write_timeout: Duration,
 }
 
 impl Default for ApiSection {
@@ -187,6 +191,7 @@ impl Default for ApiSection {
             max_wait: api.max_wait,
             header_timeout: api.header_timeout,
             body_timeout: api.body_timeout,
+            write_timeout: api.write_timeout,
         }
     }
 }
@@ -825,6 +830,7 @@ impl Config {
             ("api.max_wait", self.api.max_wait),
             ("api.header_timeout", self.api.header_timeout),
             ("api.body_timeout", self.api.body_timeout),
+            ("api.write_timeout", self.api.write_timeout),
             ("pipeline.wait", p.wait),
             ("pipeline.poll_interval", p.poll_interval),
             ("pipeline.visibility_timeout", p.visibility_timeout),
@@ -1011,6 +1017,7 @@ impl Config {
             max_wait: self.api.max_wait,
             header_timeout: self.api.header_timeout,
             body_timeout: self.api.body_timeout,
+            write_timeout: self.api.write_timeout,
         }
     }
 

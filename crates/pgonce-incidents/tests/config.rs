@@ -144,10 +144,23 @@ retry = { base = "2s", max = "1h", jitter = 0.1 }
 [pipeline]
 poll_interval = "250ms"
 failure_visibility = "3s"
+[api]
+header_timeout = "4s"
+body_timeout = "6s"
+write_timeout = "2s"
 "#,
     );
     let c = Config::load(Some(f.path()), env(&[])).unwrap();
     c.validate().unwrap();
+    let api = c.api_config();
+    assert_eq!(
+        (api.header_timeout, api.body_timeout, api.write_timeout),
+        (
+            Duration::from_secs(4),
+            Duration::from_secs(6),
+            Duration::from_secs(2)
+        )
+    );
     assert_eq!(c.service.numbering, Numbering::CounterRow);
     let service = c.service_config();
     assert_eq!(service.numbering, pgonce::SequenceStrategy::CounterRow);

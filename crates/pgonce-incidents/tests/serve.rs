@@ -2,7 +2,8 @@
 //! before a handler runs. A client that sends part of its headers is
 //! disconnected after the header timeout; one that announces a body and
 //! sends less gets a JSON 408 after the body timeout; one that announces a
-//! body over the limit gets a JSON 413 at once; and what hyper itself
+//! body over the limit gets a JSON 413 at once; one that stops reading its
+//! answer is disconnected after the write timeout; and what hyper itself
 //! refuses (a request it cannot parse, headers too large) is answered with
 //! the API's JSON error body.
 
@@ -23,6 +24,7 @@ struct Served {
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     /// An organization's API key.
     key: String,
+    pool: sqlx::PgPool,
     _db: ScratchDatabase,
 }
 
@@ -40,6 +42,7 @@ async fn serve() -> Served {
     let config = ApiConfig {
         header_timeout: TIMEOUT,
         body_timeout: TIMEOUT,
+        write_timeout: TIMEOUT,
         ..ApiConfig::default()
     };
     let state = ApiState::new(service, queue, None, config.clone()).unwrap();
@@ -57,6 +60,7 @@ async fn serve() -> Served {
         stop: Some(stop),
         server,
         key,
+        pool,
         _db: db,
     }
 }
@@ -110,6 +114,37 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
         let answer = read_to_close(&mut stream).await;
         assert_eq!(answer, "", "{partial:?}");
     }
+    served.stop().await;
+}
+
+/// A client that takes none of a large answer's bytes is disconnected once
+/// the write timeout runs out, instead of holding its connection, its task
+/// and a graceful shutdown (which waits for every answer under way) for
+/// ever.
+#[tokio::test]
+async fn a_client_that_stops_reading_its_answer_does_not_hold_the_server() {
+    let served = serve().await;
+    // An answer of about 18 MB, beyond what the two sockets' buffers hold.
+    sqlx::query(
+        "INSERT INTO incidents.entities (organization_id, external_id, attributes)
+         SELECT o.id, 'e' || g, jsonb_build_object('big', repeat('x', 60000))
+           FROM incidents.organizations o, generate_series(1, 300) g",
+    )
+    .execute(&served.pool)
+    .await
+    .unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(served.address).await.unwrap();
+    let request = format!(
+        "GET /v1/entities?limit=500 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n",
+        served.key
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    // The answer has begun; the client reads no more of it.
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
     served.stop().await;
 }
 
