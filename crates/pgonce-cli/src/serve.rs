@@ -6,7 +6,8 @@
 //! the command-line flags here come last. Validated before anything
 //! starts. Both commands migrate on start (over `database.direct_url` when
 //! set), install the Prometheus recorder, and stop gracefully on Ctrl-C or
-//! SIGTERM: stop accepting, finish in-flight requests, then
+//! SIGTERM: stop accepting, finish in-flight requests (long polls of the
+//! event feed end at once, with an empty page), then
 //! [`Runtime::shutdown`]. The observations queue is `[queue] backend`'s:
 //! the PostgreSQL queue in the same database, or Amazon SQS. `serve` has `/metrics`, `/healthz` and `/readyz`
 //! beside the API; `worker` serves them alone on `api.metrics_listen` when
@@ -206,15 +207,17 @@ where
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
         tracing::info!(listen = %config.api.listen, "pgonce serve: API and runtime started");
         eprintln!("pgonce: serving on http://{}", listener.local_addr()?);
-        // The API's own server: header and body timeouts, JSON errors.
-        api::serve(
-            listener,
-            api::router(state),
-            &config.api_config(),
-            shutdown_signal(),
-        )
-        .await
-        .context("serving HTTP")
+        // Long polls end with the signal: the drain waits for every answer
+        // under way, and the runtime's stop comes after it.
+        let stopping = state.clone();
+        let stop = async move {
+            shutdown_signal().await;
+            stopping.stop_long_polls();
+        };
+        // The API's own server: header, body and write timeouts, JSON errors.
+        api::serve(listener, api::router(state), &config.api_config(), stop)
+            .await
+            .context("serving HTTP")
     } else if let Some(listener) = operations {
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
         tracing::info!("pgonce worker: runtime started");

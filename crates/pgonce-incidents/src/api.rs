@@ -48,6 +48,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
+use tokio::sync::watch;
 
 pub use error::ApiError;
 pub use extract::{Admin, Caller, JsonBody, OptionalJsonBody, PathParams, QueryParams};
@@ -149,6 +150,8 @@ struct Inner {
     metrics: Option<PrometheusHandle>,
     admin_digest: Option<[u8; 32]>,
     config: ApiConfig,
+    /// Raised by [`ApiState::stop_long_polls`]; never lowered.
+    stopping: watch::Sender<bool>,
 }
 
 impl ApiState {
@@ -182,8 +185,20 @@ impl ApiState {
                 metrics,
                 admin_digest,
                 config,
+                stopping: watch::Sender::new(false),
             }),
         })
+    }
+
+    /// Ends every long poll of `GET /v1/events` under way, and makes later
+    /// ones answer without waiting: each gets an empty page whose `next` is
+    /// the position it asked from, so its client asks again (of another
+    /// instance) and misses nothing. Call it when a stop begins, with
+    /// [`serve`]'s shutdown: the graceful stop waits for every answer under
+    /// way, and would otherwise wait out each poll, up to
+    /// [`ApiConfig::max_wait`], before the caller went on to stop the rest.
+    pub fn stop_long_polls(&self) {
+        self.inner.stopping.send_replace(true);
     }
 
     /// The incident service the handlers call.
@@ -708,11 +723,22 @@ async fn events(
     QueryParams(params): QueryParams<FeedParams>,
 ) -> ApiResult<Json<Value>> {
     check_after(params.after)?;
-    let wait = Duration::from_secs(params.wait).min(state.config().max_wait);
-    let (events, next) = state
+    let mut stopping = state.inner.stopping.subscribe();
+    let wait = if *stopping.borrow_and_update() {
+        Duration::ZERO
+    } else {
+        Duration::from_secs(params.wait).min(state.config().max_wait)
+    };
+    let feed = state
         .service()
-        .feed(caller.organization_id, params.after, params.limit, wait)
-        .await?;
+        .feed(caller.organization_id, params.after, params.limit, wait);
+    let (events, next) = tokio::select! {
+        read = feed => read?,
+        // A stop ends the wait. The feed only reads, so dropping it leaves
+        // nothing behind; `next` = `after` is a horizon the page reached,
+        // and the client's next poll reads everything after it.
+        Ok(_) = stopping.wait_for(|s| *s), if !wait.is_zero() => (Vec::new(), params.after),
+    };
     Ok(Json(json!({ "events": events, "next": next })))
 }
 

@@ -49,9 +49,11 @@ async fn serve() -> Served {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
+    let stopping = state.clone();
     let server = tokio::spawn(async move {
-        api::serve(listener, api::router(state), &config, async {
+        api::serve(listener, api::router(state), &config, async move {
             let _ = stopped.await;
+            stopping.stop_long_polls();
         })
         .await
     });
@@ -146,6 +148,46 @@ async fn a_client_that_stops_reading_its_answer_does_not_hold_the_server() {
     stream.read_exact(&mut head).await.unwrap();
     assert_eq!(&head, b"HTTP/1.1 200");
     served.stop().await;
+}
+
+/// A stop ends the long polls under way at once, each with an empty page
+/// whose `next` is the position it asked from (the client asks again, of
+/// another instance): a graceful stop waits for every answer under way,
+/// and would otherwise wait out each poll's `wait`, up to `max_wait`,
+/// before the runtime even began to stop.
+#[tokio::test]
+async fn a_stop_ends_the_long_polls_under_way() {
+    let served = serve().await;
+    let mut stream = TcpStream::connect(served.address).await.unwrap();
+    let request = format!(
+        "GET /v1/events?after=0&wait=30 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Authorization: Bearer {}\r\n\r\n",
+        served.key
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    // The poll is under way once it has read the feed's horizon.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let polled: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT FROM pg_stat_activity
+                             WHERE pid <> pg_backend_pid()
+                               AND query LIKE '%pg_snapshot_xmin(pg_current_snapshot())%')",
+        )
+        .fetch_one(&served.pool)
+        .await
+        .unwrap();
+        if polled {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the poll never ran");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    served.stop().await;
+    let answer = read_to_close(&mut stream).await;
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{answer}");
+    let body: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(body, serde_json::json!({"events": [], "next": 0}));
 }
 
 #[tokio::test]
