@@ -12,8 +12,9 @@
 //!   [`ApiConfig::write_timeout`], which closes the connection: hyper has
 //!   no write timeout, and such a client would otherwise hold the
 //!   connection, its task, and a graceful shutdown (which waits for every
-//!   answer under way) for ever. The clock restarts at each byte taken, so
-//!   a slow reader of a large answer is not cut off.
+//!   answer under way) for ever. The clock restarts at each write that
+//!   makes progress, so a slow reader of a large answer is not cut off
+//!   (`tokio_io_timeout::TimeoutWriter`).
 //! * The HTTP layer's own answers to what it cannot parse (400, 414, 431)
 //!   carry the API's `{"error": {"code", "message"}}` body like every other
 //!   error: hyper writes them with an empty body and no hook to change it,
@@ -32,7 +33,7 @@ use hyper_util::service::TowerToHyperService;
 use serde_json::json;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::time::Sleep;
+use tokio_io_timeout::TimeoutWriter;
 
 use super::ApiConfig;
 
@@ -70,7 +71,12 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let stream = StalledWrites::new(stream, config.write_timeout);
+        // tokio-io-timeout's writer: a write or flush left pending for
+        // `write_timeout` fails with `TimedOut`; its clock restarts at each
+        // write that makes progress. Boxed, as hyper wants `Unpin`.
+        let mut stream = TimeoutWriter::new(stream);
+        stream.set_timeout(Some(config.write_timeout));
+        let stream = Box::pin(stream);
         let io = TokioIo::new(JsonErrors::new(stream));
         let connection = builder.serve_connection(io, TowerToHyperService::new(app.clone()));
         let connection = graceful.watch(connection);
@@ -83,91 +89,6 @@ pub async fn serve(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
-}
-
-/// A connection's byte stream whose writes fail with
-/// [`io::ErrorKind::TimedOut`] once one has waited `limit` for the peer to
-/// take a byte (see the module docs). Reads pass through.
-struct StalledWrites<T> {
-    inner: T,
-    limit: Duration,
-    /// Set when a write first waits; cleared when one makes progress.
-    stalled: Option<Pin<Box<Sleep>>>,
-}
-
-impl<T> StalledWrites<T> {
-    fn new(inner: T, limit: Duration) -> StalledWrites<T> {
-        StalledWrites {
-            inner,
-            limit,
-            stalled: None,
-        }
-    }
-
-    /// What a write (or flush) came to: progress clears the stall; a wait
-    /// starts the stall's clock, or fails once it has run out. The sleep
-    /// is polled with the write's context, so the task wakes at the
-    /// deadline even if the peer never opens its window.
-    fn outcome<R>(
-        &mut self,
-        cx: &mut Context<'_>,
-        polled: Poll<io::Result<R>>,
-    ) -> Poll<io::Result<R>> {
-        if polled.is_ready() {
-            self.stalled = None;
-            return polled;
-        }
-        let limit = self.limit;
-        let stalled = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        match stalled.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the client took none of the answer within the write timeout",
-            ))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-/// Implements `AsyncRead` for a stream wrapper by reading its `inner`
-/// stream: both wrappers here change writes only.
-macro_rules! reads_pass_through {
-    ($wrapper:ident) => {
-        impl<T: AsyncRead + Unpin> AsyncRead for $wrapper<T> {
-            fn poll_read(
-                mut self: Pin<&mut Self>,
-                cx: &mut Context<'_>,
-                buf: &mut ReadBuf<'_>,
-            ) -> Poll<io::Result<()>> {
-                Pin::new(&mut self.inner).poll_read(cx, buf)
-            }
-        }
-    };
-}
-
-reads_pass_through!(StalledWrites);
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for StalledWrites<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.outcome(cx, polled)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let polled = Pin::new(&mut self.inner).poll_flush(cx);
-        self.outcome(cx, polled)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let polled = Pin::new(&mut self.inner).poll_shutdown(cx);
-        self.outcome(cx, polled)
-    }
 }
 
 /// A connection's byte stream whose writes pass through unchanged, except
@@ -235,7 +156,15 @@ fn rewrite(head: &[u8]) -> Option<Vec<u8>> {
     Some(out.into_bytes())
 }
 
-reads_pass_through!(JsonErrors);
+impl<T: AsyncRead + Unpin> AsyncRead for JsonErrors<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for JsonErrors<T> {
     fn poll_write(
