@@ -2933,6 +2933,114 @@ async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
     assert_eq!(listeners(&pool).await, ["pgonce_direct_listener"]);
 }
 
+/// Holds back every connection a pool hands out (fresh or idle) while
+/// closed, and says when one arrives: lets a test keep a listener from
+/// reconnecting for as long as it needs.
+struct Gate {
+    open: tokio::sync::watch::Sender<bool>,
+    arrived: tokio::sync::Notify,
+}
+
+impl Gate {
+    /// A pool of `db`'s connections, each handed out through `gate`.
+    async fn pool(db: &pgonce_testkit::ScratchDatabase) -> (PgPool, std::sync::Arc<Gate>) {
+        let gate = std::sync::Arc::new(Gate {
+            open: tokio::sync::watch::channel(true).0,
+            arrived: tokio::sync::Notify::new(),
+        });
+        let (fresh, idle) = (gate.clone(), gate.clone());
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .after_connect(move |_, _| {
+                let gate = fresh.clone();
+                Box::pin(async move {
+                    gate.pass().await;
+                    Ok(())
+                })
+            })
+            .before_acquire(move |_, _| {
+                let gate = idle.clone();
+                Box::pin(async move {
+                    gate.pass().await;
+                    Ok(true)
+                })
+            })
+            .connect_with(db.options())
+            .await
+            .unwrap();
+        (pool, gate)
+    }
+
+    async fn pass(&self) {
+        let mut open = self.open.subscribe();
+        if !*open.borrow() {
+            self.arrived.notify_one();
+            open.wait_for(|open| *open).await.unwrap();
+        }
+    }
+}
+
+/// The listener of a long poll loses its connection (its backend
+/// terminated) and a message is sent and committed before it has
+/// reconnected: that notification is lost. The listener, once it has
+/// LISTENed again, wakes the parked receivers to look, so the message is
+/// received before the poll interval (60 s) or the wait (30 s) ends.
+#[tokio::test]
+async fn a_listener_that_reconnected_wakes_the_parked_receivers_for_what_it_missed() {
+    let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
+    let (gated, gate) = Gate::pool(&db).await;
+    let q = PgQueue::create(&gated, "q", QueueAttributes::default(), slow_poll())
+        .await
+        .unwrap();
+    let wait = Duration::from_secs(30);
+    let receiver = tokio::spawn({
+        let q = q.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let got = q
+                .receive(ReceiveRequest::up_to(1).wait(wait))
+                .await
+                .unwrap();
+            (got, started.elapsed())
+        }
+    });
+    while q.parked_receivers() == 0 || listeners(&plain).await.is_empty() {
+        tokio::task::yield_now().await;
+    }
+
+    gate.open.send_replace(false);
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_all(&plain)
+    .await
+    .unwrap();
+    assert_eq!(killed, [true]);
+    // The listener saw its connection die and is reconnecting.
+    gate.arrived.notified().await;
+    let sender = PgQueue::open(&plain, "q", slow_poll()).await.unwrap();
+    let mut tx = plain.begin().await.unwrap();
+    let sent = sender
+        .send_in(&mut tx, SendMessage::new("sent while nobody listened"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    gate.open.send_replace(true);
+
+    let (got, took) = receiver.await.unwrap();
+    assert_eq!(
+        got.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        [sent.id.as_str()]
+    );
+    // Nothing else ends the park before the wait: the poll interval is
+    // longer, and the notification was lost.
+    assert!(
+        took < wait,
+        "woken once the listener was back, not by the end of the wait: {took:?}"
+    );
+}
+
 /// A message's receipt as its row holds it.
 #[derive(Debug, Clone, Copy, sqlx::FromRow)]
 struct ReceiptRow {

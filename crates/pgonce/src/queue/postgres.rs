@@ -935,15 +935,26 @@ impl PgQueue {
     }
 }
 
+/// Relays this queue's notifications to parked receivers. `try_recv`, not
+/// `recv`: when the connection dies, `try_recv` reconnects and LISTENs
+/// again before it returns `Ok(None)`, where `recv` would go back to
+/// waiting without a word. Notifications committed while nobody listened
+/// are lost, and a receiver parked on one of them would sleep until its
+/// poll interval; woken once the listener is back, every look it makes
+/// sees what was sent meanwhile.
 async fn listen(mut listener: PgListener, queue: String, notify: Arc<Notify>) {
     loop {
-        match listener.recv().await {
+        match listener.try_recv().await {
             // One receiver wakes per notification; one that fills its
             // batch wakes the next (see `receive`). Waking every receiver
             // of the family sent all of them to look for what one
             // notification announced, and all but one found nothing.
-            Ok(n) if n.payload() == queue => notify.notify_one(),
-            Ok(_) => {}
+            Ok(Some(n)) if n.payload() == queue => notify.notify_one(),
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                tracing::warn!(queue = %queue, "queue listener reconnected after losing its connection");
+                notify.notify_waiters();
+            }
             Err(e) => {
                 // The listener reconnects on the next recv; notifications
                 // sent meanwhile are lost, so wake everyone to look.
