@@ -1992,6 +1992,55 @@ struct SireadLock {
     locktype: String,
 }
 
+/// A listener that loses its connection and cannot get a new one (here
+/// its role may no longer log in) fails at once on every attempt. `next`
+/// then waits out its poll interval before it polls again, as it would
+/// have waited for a notification, instead of following every poll with
+/// the next: within a few seconds of a 60 s interval, one poll before the
+/// connection is found dead and at most one after.
+#[tokio::test]
+async fn a_listener_that_cannot_reconnect_leaves_next_waiting_not_polling_in_a_loop() {
+    let (db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    sqlx::query("CREATE ROLE pgonce_lost_listener LOGIN")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut sub = s
+        .subscribe(SubscriptionConfig {
+            poll_interval: Duration::from_secs(60),
+            listen: pgonce::Listen::Direct(Box::new(db.options().username("pgonce_lost_listener"))),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let polls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = polls.clone();
+    sub.set_poll_hook(Some(Box::new(move |point, _| {
+        if point == PollPoint::AfterSnapshot {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Box::pin(async {})
+    })));
+    sqlx::query("ALTER ROLE pgonce_lost_listener NOLOGIN")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE usename = 'pgonce_lost_listener'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, [true]);
+
+    let waited = tokio::time::timeout(Duration::from_secs(3), sub.next()).await;
+    assert!(waited.is_err(), "no event to deliver: {waited:?}");
+    let polls = polls.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(polls <= 2, "{polls} polls in 3 s with a 60 s poll interval");
+}
+
 /// Under the serializable strategy an unconditional append's read of the
 /// conditional appends above it goes through the partial index: it holds
 /// SIREAD locks on that index and none on the whole table (which would make

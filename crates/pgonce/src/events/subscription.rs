@@ -327,8 +327,18 @@ impl Subscription {
             };
             match &mut self.listener {
                 Some(l) if !counters.waiting_on_gap => {
-                    // A notification or the timeout: either way, look again.
-                    let _ = tokio::time::timeout(wait, l.try_recv()).await;
+                    // A notification, the timeout, or a listener that lost
+                    // its connection and LISTENs again on a new one
+                    // (`Ok(None)`: what was notified meanwhile is lost):
+                    // each time, look again. A listener that cannot get a
+                    // new connection fails at once on every attempt; then
+                    // wait out the interval as for a notification, or each
+                    // poll would follow the last without a pause.
+                    let until = tokio::time::Instant::now() + wait;
+                    if let Ok(Err(e)) = tokio::time::timeout(wait, l.try_recv()).await {
+                        tracing::warn!(error = %e, "subscription listener cannot reconnect; polling at poll_interval");
+                        tokio::time::sleep_until(until).await;
+                    }
                 }
                 _ => tokio::time::sleep(wait).await,
             }
