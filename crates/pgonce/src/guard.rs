@@ -212,8 +212,12 @@ pub struct GuardConfig {
     /// [`Isolation::ReadCommitted`].
     pub isolation: Isolation,
     /// Longest wait for the lock before [`Error::LockTimeout`]; `None` waits
-    /// as long as it takes. Default `None`. Must be at least 1 ms if set,
-    /// and at most [`MAX_LOCK_TIMEOUT`](crate::lock::MAX_LOCK_TIMEOUT).
+    /// as long as it takes. Either way this bound, not the `lock_timeout`
+    /// the session inherited (an operator's `ALTER ROLE ... SET
+    /// lock_timeout`), applies to the guard's lock; the caller's own
+    /// statements in the guarded transaction run with the session's.
+    /// Default `None`. Must be at least 1 ms if set, and at most
+    /// [`MAX_LOCK_TIMEOUT`](crate::lock::MAX_LOCK_TIMEOUT).
     pub lock_timeout: Option<Duration>,
 }
 
@@ -363,20 +367,17 @@ impl Guard {
         key: LockKey,
     ) -> Result<GuardedTransaction<'p>> {
         let isolation = IsolationLevel::from(self.config.isolation).as_sql();
-        let sql = match self.config.lock_timeout {
-            None => BEGIN_LOCKED.as_str(),
-            Some(_) => BEGIN_LOCKED_TIMEOUT.as_str(),
-        }
-        .replace("{isolation}", isolation)
-        .replace("{key}", &key.as_i64().to_string())
-        .replace(
-            "{millis}",
-            &self
-                .config
-                .lock_timeout
-                .map_or(0, crate::lock::lock_timeout_millis)
-                .to_string(),
-        );
+        let sql = BEGIN_LOCKED
+            .replace("{isolation}", isolation)
+            .replace("{key}", &key.as_i64().to_string())
+            .replace(
+                "{millis}",
+                &self
+                    .config
+                    .lock_timeout
+                    .map_or(0, crate::lock::lock_timeout_millis)
+                    .to_string(),
+            );
         let tx = match crate::transaction::begin_detached(pool, sql).await {
             Ok(tx) => tx,
             Err(e) if sqlstate_of(&e).as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE) => {
@@ -395,12 +396,10 @@ impl Guard {
     }
 }
 
-/// `guard/sql/begin_locked*.sql` without their comment lines: the text sent
-/// on every guarded write.
+/// `guard/sql/begin_locked.sql` without its comment lines: the text sent on
+/// every guarded write.
 static BEGIN_LOCKED: LazyLock<String> =
     LazyLock::new(|| without_comments(include_str!("guard/sql/begin_locked.sql")));
-static BEGIN_LOCKED_TIMEOUT: LazyLock<String> =
-    LazyLock::new(|| without_comments(include_str!("guard/sql/begin_locked_timeout.sql")));
 
 fn without_comments(sql: &str) -> String {
     sql.lines()

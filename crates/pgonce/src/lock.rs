@@ -134,6 +134,10 @@ impl fmt::Display for LockKey {
 }
 
 /// Waits as long as it takes for the lock, and holds it until `tx` ends.
+/// The `lock_timeout` the session inherited (an operator's `ALTER ROLE ...
+/// SET lock_timeout`) does not cut the wait short; it is lifted for the
+/// lock statement alone and applies again to the statements after it
+/// (see `lock/sql/lock.sql`). For a bounded wait, [`lock_timeout`].
 pub async fn lock(tx: &mut Transaction<'_, Postgres>, key: LockKey) -> Result<()> {
     sqlx::query(include_str!("lock/sql/lock.sql"))
         .bind(key.as_i64())
@@ -199,7 +203,7 @@ pub async fn lock_timeout(
         .bind(&millis)
         .execute(&mut *savepoint)
         .await?;
-    let outcome = sqlx::query(include_str!("lock/sql/lock.sql"))
+    let outcome = sqlx::query(include_str!("lock/sql/lock_bounded.sql"))
         .bind(key.as_i64())
         .execute(&mut *savepoint)
         .await;

@@ -8,7 +8,7 @@ mod support;
 
 use pgonce::guard::{Guard, GuardConfig, ReadSet};
 use pgonce::{Error, LockKey};
-use pgonce_testkit::{Interleaving, fresh_migrated_database};
+use pgonce_testkit::{Interleaving, Session, fresh_migrated_database};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 
@@ -634,6 +634,26 @@ async fn a_write_dropped_while_waiting_for_the_lock_leaves_no_transaction_behind
     assert!(lock_is_free(&pool, key).await);
 }
 
+/// Sessions H (to hold a lock) and W (to wait for it), W with its own
+/// session-level `lock_timeout`, as a role's or database's setting gives
+/// every new session.
+async fn holder_and_waiter(
+    db: &pgonce_testkit::ScratchDatabase,
+    w_lock_timeout: &str,
+) -> (Interleaving, Session, Session) {
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+        .bind(w_lock_timeout)
+        .execute(w.pool())
+        .await
+        .unwrap();
+    (race, h, w)
+}
+
 /// With a lock timeout, BEGIN and the lock still travel together; a timeout
 /// is a typed error, leaves the connection outside any transaction with its
 /// own lock_timeout, and a later write goes through.
@@ -649,15 +669,7 @@ async fn a_lock_timeout_is_typed_and_leaves_the_connection_clean() {
         },
     )
     .unwrap();
-    let race = Interleaving::new(db.options()).await.unwrap();
-    let (h, w) = (
-        race.session("H").await.unwrap(),
-        race.session("W").await.unwrap(),
-    );
-    sqlx::query("SET lock_timeout = '7s'")
-        .execute(w.pool())
-        .await
-        .unwrap();
+    let (race, h, w) = holder_and_waiter(&db, "7s").await;
     let mut holder = h.pool().begin().await.unwrap();
     pgonce::lock::lock(&mut holder, key).await.unwrap();
 
@@ -766,4 +778,94 @@ async fn the_guarded_transaction_runs_at_the_configured_level_whatever_the_defau
             }
         }
     }
+}
+
+/// Whether the backend `pid` is still waiting for a lock once it has
+/// waited `millis` by the server's clock; false as soon as it is seen not
+/// waiting (its statement ended or failed).
+async fn still_waiting_after(pool: &PgPool, pid: i32, millis: i32) -> bool {
+    loop {
+        let waited_long: Option<bool> = sqlx::query_scalar(
+            "SELECT clock_timestamp() - query_start > make_interval(secs => $2 / 1000.0) \
+             FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(pid)
+        .bind(millis)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        match waited_long {
+            None => return false,
+            Some(true) => return true,
+            Some(false) => tokio::task::yield_now().await,
+        }
+    }
+}
+
+/// A guard without a lock_timeout waits for its lock as long as it takes,
+/// as its config says, whatever lock_timeout the session inherited (an
+/// operator's `ALTER ROLE ... SET lock_timeout`; here set on the session):
+/// the guarded write, and the check of a key taken after BEGIN, are still
+/// waiting at four times that timeout, and go through once the holder
+/// commits. Inheriting it, the write failed after 50 ms as
+/// `LockTimeout { waited: 0ns }`.
+#[tokio::test]
+async fn a_guard_without_a_lock_timeout_waits_past_the_sessions_own() {
+    let (db, pool) = setup().await;
+    let key = LockKey::new("e", "inherited").unwrap();
+    let (race, h, w) = holder_and_waiter(&db, "50ms").await;
+    let w_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(w.pool())
+        .await
+        .unwrap();
+
+    let mut holder = h.pool().begin().await.unwrap();
+    race.step(&h, "lock", pgonce::lock::lock(&mut holder, key))
+        .await
+        .unwrap()
+        .unwrap();
+    let write = race
+        .step_blocks(
+            &w,
+            "guarded insert",
+            guarded_insert(w.pool().clone(), "e", "inherited".into(), ReadSet::new()),
+        )
+        .await
+        .unwrap();
+    assert!(
+        still_waiting_after(&pool, w_pid, 200).await,
+        "BEGIN and lock"
+    );
+    race.step(&h, "COMMIT", holder.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    write.resume().await.unwrap().unwrap();
+    assert_eq!(count_open(&pool, "inherited").await, 1);
+
+    let mut holder = h.pool().begin().await.unwrap();
+    race.step(&h, "lock", pgonce::lock::lock(&mut holder, key))
+        .await
+        .unwrap()
+        .unwrap();
+    let seen = guard()
+        .read(&pool, async |c| open_ids(c, "inherited").await)
+        .await
+        .unwrap();
+    let pool_w = w.pool().clone();
+    let check = race
+        .step_blocks(&w, "check", async move {
+            let mut tx = guard().begin(&pool_w).await?;
+            tx.check(key, &seen, async |c| open_ids(c, "inherited").await)
+                .await?;
+            tx.rollback().await
+        })
+        .await
+        .unwrap();
+    assert!(still_waiting_after(&pool, w_pid, 200).await, "check");
+    race.step(&h, "COMMIT", holder.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    check.resume().await.unwrap().unwrap();
 }
