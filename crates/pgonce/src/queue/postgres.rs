@@ -956,8 +956,9 @@ async fn listen(mut listener: PgListener, queue: String, notify: Arc<Notify>) {
                 notify.notify_waiters();
             }
             Err(e) => {
-                // The listener reconnects on the next recv; notifications
-                // sent meanwhile are lost, so wake everyone to look.
+                // No new connection yet: the next try_recv tries again.
+                // Notifications sent meanwhile are lost, so wake everyone
+                // to look.
                 tracing::warn!(queue = %queue, error = %e, "queue listener lost its connection");
                 notify.notify_waiters();
                 tokio::time::sleep(Duration::from_millis(500)).await;
