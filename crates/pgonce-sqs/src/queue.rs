@@ -118,15 +118,13 @@ impl SqsClient {
                 .attribute(&url, QueueAttributeName::ContentBasedDeduplication)
                 .await?
                 .is_some_and(|on| on == "true");
-        // Only a FIFO receive uses it (`top_up_fifo`); SQS's default is 30 s.
-        let visibility = if fifo {
-            let secs = self
-                .attribute(&url, QueueAttributeName::VisibilityTimeout)
-                .await?;
-            Duration::from_secs(secs.and_then(|s| s.parse().ok()).unwrap_or(30))
-        } else {
-            Duration::ZERO
-        };
+        // What a receive that asks for no visibility of its own gives its
+        // deliveries (`Received::visibility`), and how long a FIFO receive
+        // may top its batch up (`top_up_fifo`); SQS's default is 30 s.
+        let visibility = self
+            .attribute(&url, QueueAttributeName::VisibilityTimeout)
+            .await?;
+        let visibility = Duration::from_secs(visibility.and_then(|s| s.parse().ok()).unwrap_or(30));
         let max_bytes = self.max_message_bytes(&url).await?;
         Ok(SqsQueue {
             inner: Arc::new(Inner {
@@ -270,7 +268,14 @@ impl SqsClient {
 ///   ([`Error::Backend`], `InvalidParameterValue`, not `StaleReceipt`).
 ///   A worker's heartbeats then fail (logged), and a handler still running
 ///   sees its message delivered again; the PostgreSQL queue extends a
-///   delivery without limit.
+///   delivery without limit. SQS states no end per delivery:
+///   [`Received::visibility`] is the receive's visibility, or else the
+///   queue's `VisibilityTimeout` as read when the handle was opened. A
+///   handle opened before that attribute changed states the old timeout
+///   (open the queue again after changing it): a worker counting from a
+///   longer one may beat after its delivery ran out, extending another
+///   consumer's; from a shorter one, it stops beating early, and the
+///   message may be delivered again while its handler runs.
 /// * **Long polls** wait 20 s per ReceiveMessage request at most: a
 ///   receive with a longer wait is a series of requests. Told to stop
 ///   ([`Queue::receive_or_stop`]), it finishes the request under way and
@@ -310,8 +315,11 @@ struct Inner {
     /// The FIFO queue derives a deduplication id from each body (read when
     /// the handle is opened).
     content_based_dedup: bool,
-    /// The FIFO queue's visibility timeout (read when the handle is
-    /// opened): see `top_up_fifo`.
+    /// The queue's visibility timeout (read when the handle is opened):
+    /// what a receive's deliveries get unless it asks for another
+    /// (`Received::visibility`); see `top_up_fifo` too. A change made to
+    /// the queue after that is not seen: such a handle states the old
+    /// timeout for its deliveries (see [`SqsQueue`], Visibility).
     visibility: Duration,
     /// The most bytes SQS takes of one message (body and attributes) in
     /// this queue, and of one batch request's messages together (read when
@@ -349,6 +357,13 @@ impl SqsQueue {
 
     fn config(&self) -> &SqsConfig {
         &self.inner.client.config
+    }
+
+    /// The visibility a receive asking for `asked` gives its deliveries:
+    /// that, in the whole seconds sent (`receive_raw`), or the queue's
+    /// timeout as read when the handle was opened.
+    fn visibility(&self, asked: Option<Duration>) -> Duration {
+        Duration::from_secs(ceil_secs(asked.unwrap_or(self.inner.visibility)))
     }
 
     /// The SQS handle `receipt` wraps, when this queue issued it; else the
@@ -490,8 +505,9 @@ impl SqsQueue {
         let mut got = Vec::new();
         let mut groups = HashSet::new();
         let mut release = Vec::new();
+        let visibility = self.visibility(visibility);
         for m in &messages {
-            let received = to_received(m, &self.inner.name)?;
+            let received = to_received(m, &self.inner.name, visibility)?;
             if self.inner.fifo
                 && let Some(g) = &received.group_id
                 && !groups.insert(g.clone())
@@ -588,9 +604,7 @@ impl SqsQueue {
         stop: &mut Stop<F>,
     ) -> Vec<Received> {
         let started = Instant::now();
-        let visibility = Duration::from_secs(ceil_secs(
-            request.visibility.unwrap_or(self.inner.visibility),
-        ));
+        let visibility = self.visibility(request.visibility);
         let mut groups: HashSet<String> = got.iter().filter_map(|m| m.group_id.clone()).collect();
         while got.len() < request.max_messages
             && started.elapsed() < visibility / 4
@@ -1050,7 +1064,11 @@ impl Queue for SqsQueue {
                 return Ok(moved);
             }
             for raw in batch {
-                let m = to_received(&raw, &self.inner.name)?;
+                let m = to_received(
+                    &raw,
+                    &self.inner.name,
+                    self.visibility(Some(take.visibility)),
+                )?;
                 // The attributes as sent, of whatever type (a producer
                 // outside pgonce may send Number and Binary ones), and the
                 // pgonce id where there is room for it.
@@ -1383,8 +1401,9 @@ fn dead_letter_name(policy: &str) -> Option<String> {
     arn.rsplit(':').next().map(str::to_string)
 }
 
-/// `m` as delivered by the queue named `queue` (its receipt names it).
-fn to_received(m: &Message, queue: &str) -> Result<Received> {
+/// `m` as delivered by the queue named `queue` (its receipt names it),
+/// hidden for `visibility` from its receive.
+fn to_received(m: &Message, queue: &str, visibility: Duration) -> Result<Received> {
     let system = |name: MessageSystemAttributeName| {
         m.attributes()
             .and_then(|a| a.get(&name))
@@ -1419,6 +1438,7 @@ fn to_received(m: &Message, queue: &str) -> Result<Received> {
                 .ok_or_else(|| backend_error("a received message has no receipt handle"))?,
         }
         .receipt(),
+        visibility: Some(visibility),
     })
 }
 

@@ -211,6 +211,20 @@ async fn a_heartbeat_after_a_redelivery_leaves_the_other_delivery_alone() {
 }
 
 #[tokio::test]
+async fn deliveries_state_their_visibility() {
+    let (_moto, q) = started("q", one_second()).await;
+    conformance_deliveries_state_their_visibility(&q).await;
+}
+
+/// As above, the worker asking for no visibility of its own: it learns the
+/// queue's (1 s) from its delivery, so its beats stop there too.
+#[tokio::test]
+async fn a_heartbeat_after_the_queue_visibility_ran_out_leaves_the_other_delivery_alone() {
+    let (_moto, q) = started("q", one_second()).await;
+    conformance_heartbeat_after_the_queue_visibility_ran_out(&q).await;
+}
+
+#[tokio::test]
 async fn malformed_bodies_reach_dead_letters() {
     let moto = support::start();
     let (q, dlq) = with_dead_letters(&support::client(&moto).await).await;

@@ -319,6 +319,15 @@ pub struct Received {
     pub sent_at: std::time::SystemTime,
     /// The receipt of this delivery, for delete and change_visibility.
     pub receipt: Receipt,
+    /// How long this delivery hides the message, counted from the receive:
+    /// the visibility the request asked for, as the backend took it (SQS:
+    /// rounded up to whole seconds), or the queue's visibility timeout
+    /// (SQS: as read when the handle was opened). A later
+    /// [`Queue::change_visibility`] changes the delivery, not this. A
+    /// consumer knows from it when its delivery runs out, whether or not
+    /// it asked for a visibility: the worker stops its heartbeat there.
+    /// `None`: the backend cannot tell.
+    pub visibility: Option<Duration>,
 }
 
 /// A queue's figures at one moment (approximate under concurrent traffic).

@@ -1923,6 +1923,21 @@ async fn a_heartbeat_after_a_redelivery_leaves_the_other_delivery_alone() {
 }
 
 #[tokio::test]
+async fn deliveries_state_their_visibility() {
+    let pool = pool().await;
+    conformance_deliveries_state_their_visibility(&queue(&pool, "q", one_second()).await).await;
+}
+
+#[tokio::test]
+async fn a_heartbeat_after_the_queue_visibility_ran_out_leaves_the_other_delivery_alone() {
+    let pool = pool().await;
+    conformance_heartbeat_after_the_queue_visibility_ran_out(
+        &queue(&pool, "q", one_second()).await,
+    )
+    .await;
+}
+
+#[tokio::test]
 async fn malformed_bodies_reach_the_error_path_then_the_dead_letter_queue() {
     let pool = pool().await;
     let (q, dlq) = with_dead_letters(&pool).await;

@@ -1015,6 +1015,70 @@ impl<Q: Queue> Queue for BeatsFail<Q> {
 ///
 /// Needs: an empty standard queue.
 pub async fn conformance_heartbeat_after_a_redelivery<Q: Queue + Clone + 'static>(q: &Q) {
+    heartbeat_after_a_redelivery(q, Some(Duration::from_secs(1))).await;
+}
+
+/// [`conformance_heartbeat_after_a_redelivery`] with the worker asking for
+/// no visibility of its own: its deliveries get the queue's 1 s timeout,
+/// which the worker learns from each delivery
+/// ([`Received::visibility`]), so it knows when one ran out before any
+/// beat went through.
+///
+/// Needs: an empty standard queue with a 1 s visibility timeout.
+pub async fn conformance_heartbeat_after_the_queue_visibility_ran_out<
+    Q: Queue + Clone + 'static,
+>(
+    q: &Q,
+) {
+    heartbeat_after_a_redelivery(q, None).await;
+}
+
+/// A delivery states the visibility it got ([`Received::visibility`]): the
+/// queue's timeout when the receive asks for none, else the receive's, as
+/// the backend took it (rounded up to whole seconds at most). A consumer
+/// counts from it when its delivery runs out.
+///
+/// Needs: an empty standard queue with a 1 s visibility timeout.
+pub async fn conformance_deliveries_state_their_visibility(q: &impl Queue) {
+    q.send_batch(vec![SendMessage::new("a"), SendMessage::new("b")])
+        .await
+        .unwrap();
+    let queues = receive_n(q, 1, Duration::from_secs(10)).await;
+    assert_eq!(
+        queues[0].visibility,
+        Some(Duration::from_secs(1)),
+        "a receive asking for no visibility: the queue's"
+    );
+    let asked = Duration::from_millis(2500);
+    let own = loop {
+        let got = q
+            .receive(
+                ReceiveRequest::up_to(1)
+                    .visibility(asked)
+                    .wait(Duration::from_secs(2)),
+            )
+            .await
+            .unwrap();
+        if let Some(m) = got.into_iter().next() {
+            break m;
+        }
+    };
+    assert!(
+        own.visibility
+            .is_some_and(|v| v >= asked && v <= Duration::from_secs(3)),
+        "a receive asking for {asked:?}: that, rounded up to whole seconds at most; got {:?}",
+        own.visibility
+    );
+    q.delete(&own.receipt).await.unwrap();
+    q.delete(&queues[0].receipt).await.ok();
+}
+
+/// The steps of [`conformance_heartbeat_after_a_redelivery`], the worker
+/// asking for `visibility` (1 s, or `None`: the queue's, 1 s).
+async fn heartbeat_after_a_redelivery<Q: Queue + Clone + 'static>(
+    q: &Q,
+    visibility: Option<Duration>,
+) {
     q.send(SendMessage::new("m")).await.unwrap();
     let rec = Arc::new(Recording::new());
     let release = Arc::new(Notify::new());
@@ -1022,7 +1086,7 @@ pub async fn conformance_heartbeat_after_a_redelivery<Q: Queue + Clone + 'static
     let config = WorkerConfig {
         concurrency: 1,
         batch: 1,
-        visibility: Some(Duration::from_secs(1)),
+        visibility,
         heartbeat_interval: Some(Duration::from_millis(300)),
         heartbeat_extension: Duration::from_secs(1),
         ..WorkerConfig::default()

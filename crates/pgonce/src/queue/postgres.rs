@@ -839,6 +839,9 @@ impl PgQueue {
                             .sent_at
                             .map(std::time::SystemTime::from)
                             .unwrap_or(std::time::UNIX_EPOCH),
+                        visibility: row
+                            .visibility_ms
+                            .map(|ms| Duration::from_millis(ms.max(0) as u64)),
                     });
                 }
                 "dead_lettered" => dead += 1,
@@ -1277,6 +1280,9 @@ struct ReceiveRow {
     receive_count: Option<i32>,
     generation: Option<i64>,
     sent_at: Option<time::OffsetDateTime>,
+    /// The visibility the delivery got, in ms: the request's or the
+    /// queue's.
+    visibility_ms: Option<i64>,
 }
 
 /// A queue's row, as much of it as a handle needs (`open_queue.sql`).

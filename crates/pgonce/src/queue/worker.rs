@@ -25,11 +25,12 @@
 //!   finished (dropped, it could land after the hand-back and hide the
 //!   message again), and its message is handed back, visible again at
 //!   once. Unless its delivery ran out meanwhile, by the worker's clock
-//!   (the visibility it asked for when it received, or the last beat's
-//!   extension; a beat refused as stale): the message is visible again
-//!   already, or another worker's, whose delivery a hand-back on a
-//!   backend that does not fence receipts (SQS) would make visible. A
-//!   handler that finished but was not acked yet is acked, not abandoned.
+//!   (the visibility its delivery got, [`Received::visibility`], or the
+//!   last beat's extension; a beat refused as stale): the message is
+//!   visible again already, or another worker's, whose delivery a
+//!   hand-back on a backend that does not fence receipts (SQS) would make
+//!   visible. A handler that finished but was not acked yet is acked, not
+//!   abandoned.
 //! * Acks and hand-backs still under way at the deadline get 5 s more,
 //!   as does a receive still running; whatever is
 //!   left then is dropped, and its message comes back after its
@@ -42,7 +43,7 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
@@ -131,7 +132,15 @@ pub struct WorkerConfig {
     pub visibility: Option<Duration>,
     /// While a handler runs, extend the message's visibility this often.
     /// `None`: no heartbeat. Default 10 s; at least 1 ms, and shorter than
-    /// the visibility timeout in use.
+    /// the visibility timeout in use. With `visibility` `None` that is the
+    /// queue's, which the worker learns only from a delivery
+    /// ([`Received::visibility`]): it then warns, once, of an interval
+    /// that is not shorter, and each such delivery's heartbeat stops
+    /// before its first beat, the delivery having run out
+    /// ([`WorkerCounters::expired`]). The worker counts a delivery from
+    /// before the receive that made it, a long poll's wait included: keep
+    /// the interval shorter than the visibility less `wait`, or a delivery
+    /// made late in a long poll may look run out at its first beat.
     pub heartbeat_interval: Option<Duration>,
     /// Each heartbeat makes the message invisible for this long from now.
     /// Default 30 s; longer than `heartbeat_interval` (or the message would
@@ -336,6 +345,9 @@ struct Shared<Q, H> {
     /// What the worker did over all its calls; each call counts what it
     /// did in counters of its own as well, which it returns.
     counters: Counters,
+    /// Whether a delivery was seen whose visibility (the queue's) the
+    /// heartbeat interval is not shorter than: warned of once.
+    beats_too_seldom: AtomicBool,
 }
 
 impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
@@ -348,6 +360,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                 handler,
                 config,
                 counters: Counters::default(),
+                beats_too_seldom: AtomicBool::new(false),
             }),
         })
     }
@@ -561,7 +574,8 @@ async fn raised(mut signal: watch::Receiver<bool>) {
 /// visibility the last request that set it asked for, counted from when
 /// that request was made (the server counts from later, so this end is
 /// never past the real one). Unknown (never run out) while no request with
-/// a known visibility went through: the receive asked for the queue's own.
+/// a known visibility went through: the backend did not state the
+/// visibility of the delivery, and the worker asked for none.
 #[derive(Default)]
 struct Lease(std::sync::Mutex<Option<Instant>>);
 
@@ -750,9 +764,22 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         // awaited: what it holds (a connection, a transaction) goes back
         // at once. `biased`, handler first: one that finished as the
         // deadline passed is acked, not abandoned.
+        // The delivery's end, from the visibility the backend says it got
+        // (the queue's, when the worker asked for none): without it, a
+        // delivery whose early beats failed would look alive for ever,
+        // and a beat sent after it ran out would, where receipts are not
+        // fenced (SQS), extend or cut short another worker's delivery.
         let lease = Lease::default();
-        if let Some(visibility) = self.config.visibility {
+        if let Some(visibility) = message.visibility.or(self.config.visibility) {
             lease.set(asked_at, visibility);
+        }
+        if let (Some(every), Some(visibility)) =
+            (self.config.heartbeat_interval, message.visibility)
+            && every >= visibility
+            && !self.beats_too_seldom.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(queue = %queue, ?every, ?visibility,
+                "heartbeat_interval is not shorter than the queue's visibility timeout: deliveries run out before their first beat, and their heartbeats stop; set a shorter interval or WorkerConfig::visibility");
         }
         let caught = {
             let stop = Notify::new();

@@ -32,22 +32,27 @@
         first_received_at = coalesce(m.first_received_at, now())
     FROM fate, q
     WHERE m.id = fate.id AND fate.fate = 'delivered'
-    RETURNING m.id, m.body, m.attributes, m.group_id, m.receive_count, m.generation, m.sent_at
+    -- The visibility this delivery got, in ms, as visible_at was set
+    -- from it: the worker's clock for when the delivery runs out.
+    RETURNING m.id, m.body, m.attributes, m.group_id, m.receive_count, m.generation, m.sent_at,
+              coalesce($3, q.visibility_timeout_ms) AS visibility_ms
 )
-SELECT 'delivered' AS fate, id, body, attributes, group_id, receive_count, generation, sent_at FROM delivered
+SELECT 'delivered' AS fate, id, body, attributes, group_id, receive_count, generation, sent_at,
+       visibility_ms
+FROM delivered
 UNION ALL
-SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL, NULL FROM moved
+SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM moved
 UNION ALL
-SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL, NULL FROM expired
+SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM expired
 UNION ALL
-SELECT fate, id, NULL, NULL, NULL, NULL, NULL, NULL FROM fate WHERE fate IN ('held', 'skipped')
+SELECT fate, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate WHERE fate IN ('held', 'skipped')
 UNION ALL
 -- Picked and locked, but not acted on: a message the standard pick's
 -- snapshot saw and this statement's did not (committed in between by a
 -- transaction that began before this one; migration 0160). It took a
 -- place of the batch and its lock turned other receivers away; the
 -- receive looks again, and wakes them.
-SELECT 'unseen', fate.id, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
+SELECT 'unseen', fate.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
 WHERE fate.fate IN ('delivered', 'dead_lettered', 'expired')
   AND fate.id NOT IN (SELECT id FROM delivered UNION ALL SELECT id FROM moved
                       UNION ALL SELECT id FROM expired)
