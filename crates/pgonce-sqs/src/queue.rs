@@ -253,11 +253,17 @@ impl SqsClient {
 ///   counts it, and, as a margin for what SQS counts without documenting
 ///   it, its entry, group and deduplication ids); a request of one message
 ///   is a SendMessage. They are not
-///   atomic: on an error, earlier requests' messages stay sent, and so do
-///   the entries SQS took of a request that it refused in part (throttled
-///   or refused by KMS, for instance). The error is the first refused
-///   entry's; sending the whole batch again is safe on a FIFO queue within
-///   the deduplication window, and sends duplicates on a standard queue.
+///   atomic: what earlier requests sent stays sent, and so do the entries
+///   SQS took of a request that it refused in part (throttled or refused
+///   by KMS, for instance). A request that fails, or that SQS takes in
+///   part, ends the call with [`Error::SendBatchIncomplete`], naming the
+///   messages sent (with their ids) and those not known to be sent: the
+///   failed request's refused or unanswered ones, and those of the
+///   requests after it, not sent, so that a FIFO group's later messages
+///   never go ahead of one to be sent again. Sending those again sends no
+///   duplicate, but of a request that failed after SQS took it (a
+///   timeout); sending the whole batch again would send duplicates on a
+///   standard queue.
 ///   `delete_batch` goes out in requests of 10 distinct handles (a receipt
 ///   given twice goes once, as SQS refuses a request naming a handle
 ///   twice); a request that fails ends the call with
@@ -640,6 +646,70 @@ impl SqsQueue {
         got
     }
 
+    /// One request of a `send_batch`: `chunk`'s messages, a SendMessage for
+    /// one alone (its limit is the one message's `prepare` checked, margin
+    /// or no margin), else a SendMessageBatch. Fills the place in `places`
+    /// of each message that went through; the request's error when it
+    /// failed, or the first refused message's when SQS took it in part,
+    /// and `Ok` only when every place is filled.
+    async fn send_request(
+        &self,
+        chunk: &[Outgoing<'_>],
+        places: &mut [Option<Sent>],
+    ) -> Result<()> {
+        if let ([one], [place]) = (chunk, &mut *places) {
+            *place = Some(self.send_one(one).await?);
+            return Ok(());
+        }
+        let entries = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, o)| {
+                let m = o.message;
+                SendMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .message_body(&m.body)
+                    .set_message_attributes(Some(o.attributes.clone()))
+                    .set_message_group_id(m.group_id.clone())
+                    .set_message_deduplication_id(o.dedup_id.clone())
+                    .set_delay_seconds(m.delay.map(|d| ceil_secs(d) as i32))
+                    .build()
+                    .map_err(|e| backend_error(&e.to_string()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out = self
+            .sdk()
+            .send_message_batch()
+            .queue_url(&self.inner.url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+            .map_err(|e| map(e, None))?;
+        let n = places.len();
+        let place = |id: &str| entry_place(id, n);
+        for done in out.successful() {
+            if let Some(i) = place(done.id()) {
+                places[i] = Some(Sent {
+                    id: done.message_id().to_string(),
+                    duplicate: false,
+                });
+            }
+        }
+        // In input order, the first message not sent says why.
+        let refused: HashMap<usize, &_> = out
+            .failed()
+            .iter()
+            .filter_map(|f| Some((place(f.id())?, f)))
+            .collect();
+        match (0..n).find(|&i| places[i].is_none()) {
+            None => Ok(()),
+            Some(i) => Err(match refused.get(&i) {
+                Some(f) => from_code(f.code(), f.message().unwrap_or_default(), None),
+                None => backend_error("SendMessageBatch left an entry unanswered"),
+            }),
+        }
+    }
+
     /// Makes these deliveries (of this queue) visible again at once.
     async fn release(&self, receipts: &[Receipt]) -> Result<()> {
         let entries = receipts
@@ -694,7 +764,7 @@ impl SqsQueue {
             .await
             .map_err(|e| map(e, None))?;
         let n = entries.len();
-        let place = |id: &str| id.parse::<usize>().ok().filter(|&i| i < n);
+        let place = |id: &str| entry_place(id, n);
         for done in out.successful() {
             if let Some(i) = place(done.id()) {
                 entries[i].outcome = DeleteOutcome::Deleted;
@@ -769,60 +839,26 @@ impl Queue for SqsQueue {
             .map(|m| self.prepare(m))
             .collect::<Result<Vec<_>>>()?;
         let bytes: Vec<usize> = outgoing.iter().map(Outgoing::batch_bytes).collect();
-        let mut sent = Vec::with_capacity(messages.len());
+        let mut sent: Vec<Option<Sent>> = vec![None; messages.len()];
+        let mut cause = None;
         for request in batch_requests(&bytes, self.inner.max_bytes) {
-            let chunk = &outgoing[request];
-            // A message alone goes as a SendMessage, whose limit is the one
-            // message's `prepare` checked, margin or no margin.
-            if let [one] = chunk {
-                sent.push(self.send_one(one).await?);
-                continue;
-            }
-            let entries = chunk
-                .iter()
-                .enumerate()
-                .map(|(i, o)| {
-                    let m = o.message;
-                    SendMessageBatchRequestEntry::builder()
-                        .id(i.to_string())
-                        .message_body(&m.body)
-                        .set_message_attributes(Some(o.attributes.clone()))
-                        .set_message_group_id(m.group_id.clone())
-                        .set_message_deduplication_id(o.dedup_id.clone())
-                        .set_delay_seconds(m.delay.map(|d| ceil_secs(d) as i32))
-                        .build()
-                        .map_err(|e| backend_error(&e.to_string()))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let out = self
-                .sdk()
-                .send_message_batch()
-                .queue_url(&self.inner.url)
-                .set_entries(Some(entries))
-                .send()
-                .await
-                .map_err(|e| map(e, None))?;
-            if let Some(f) = out.failed().first() {
-                return Err(from_code(f.code(), f.message().unwrap_or_default(), None));
-            }
-            let ids: HashMap<&str, &str> = out
-                .successful()
-                .iter()
-                .map(|s| (s.id(), s.message_id()))
-                .collect();
-            for i in 0..chunk.len() {
-                let id = ids
-                    .get(i.to_string().as_str())
-                    .ok_or_else(|| backend_error("SendMessageBatch left an entry unanswered"))?;
-                sent.push(Sent {
-                    id: id.to_string(),
-                    duplicate: false,
-                });
+            let (chunk, places) = (&outgoing[request.clone()], &mut sent[request]);
+            if let Err(e) = self.send_request(chunk, places).await {
+                cause = Some(e);
+                break;
             }
         }
         metrics::counter!("pgonce_sqs_sent_total", "queue" => self.inner.name.clone())
-            .increment(sent.len() as u64);
-        Ok(sent)
+            .increment(sent.iter().flatten().count() as u64);
+        match cause {
+            // Every request went through whole: every place is filled.
+            None => Ok(sent.into_iter().flatten().collect()),
+            Some(cause) => Err(Error::SendBatchIncomplete {
+                unsent: (0..sent.len()).filter(|&i| sent[i].is_none()).collect(),
+                sent,
+                cause: Box::new(cause),
+            }),
+        }
     }
 
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
@@ -1125,6 +1161,13 @@ enum DeleteOutcome {
     /// Not known to be deleted: its request failed or was not sent, or the
     /// server refused it for another reason.
     Undone,
+}
+
+/// The place, in a batch request of `n` entries, of the entry an answer
+/// names by `id`: the entries' ids are their places (`0` to `n - 1`). `None`
+/// for an id the request did not send.
+fn entry_place(id: &str, n: usize) -> Option<usize> {
+    id.parse::<usize>().ok().filter(|&i| i < n)
 }
 
 /// A message ready for SQS: validated, its attributes in SQS's form, its

@@ -392,16 +392,10 @@ async fn n_receipts(q: &SqsQueue, n: usize) -> Vec<Receipt> {
     receipts
 }
 
-/// A `delete_batch` whose second request of 10 fails (moto refuses it
-/// whole, as SQS a throttled request) says what it did: the first
-/// request's 10 deleted (not named), a receipt of another queue stale, the
-/// failed request's receipts and those of the request after it, not sent,
-/// undone; the cause is the failed request's error. Deleting the undone
-/// ones again is the remedy. (The failed request's error was returned
-/// alone: nothing told the caller that the first request had deleted 10
-/// messages, nor which receipts were still to delete.)
-#[tokio::test]
-async fn a_delete_batch_that_fails_part_way_says_what_it_deleted() {
+/// A fresh moto with queue "q", through a client that sends each request
+/// once: the SDK retries a throttled request otherwise, and the faults the
+/// tests ask moto for would fail every attempt.
+async fn started_without_retries() -> (Moto, SqsQueue) {
     let moto = support::start();
     let config = SqsConfig {
         max_attempts: 1,
@@ -412,6 +406,134 @@ async fn a_delete_batch_that_fails_part_way_says_what_it_deleted() {
         .create_queue("q", QueueAttributes::default())
         .await
         .unwrap();
+    (moto, q)
+}
+
+/// Every message in `q` (received, and left to come back), in the order
+/// of their bodies' numbers.
+async fn everything(q: &SqsQueue) -> Vec<pgonce::Received> {
+    let mut got = Vec::new();
+    loop {
+        let more = q
+            .receive(ReceiveRequest::up_to(10).wait(Duration::from_secs(1)))
+            .await
+            .unwrap();
+        if more.is_empty() {
+            break;
+        }
+        got.extend(more);
+    }
+    got.sort_by_key(|m| m.body.parse::<usize>().unwrap_or(usize::MAX));
+    got
+}
+
+fn bodies(messages: &[pgonce::Received]) -> Vec<String> {
+    messages.iter().map(|m| m.body.clone()).collect()
+}
+
+/// What a `send_batch` that ended part way said.
+struct Incomplete {
+    sent: Vec<Option<pgonce::Sent>>,
+    unsent: Vec<usize>,
+    cause: Box<Error>,
+}
+
+/// Sends 25 messages with bodies "0" to "24" to `q` in one `send_batch`,
+/// but for the one at 13, whose body asks moto for `fault`; what the call
+/// said of it, or a panic naming `lost` when it did not say.
+async fn send_25_failing_at_13(q: &SqsQueue, fault: &str, lost: &str) -> Incomplete {
+    let body = |i: usize| if i == 13 { fault.into() } else { i.to_string() };
+    let batch = (0..25).map(|i| SendMessage::new(body(i))).collect();
+    match q.send_batch(batch).await {
+        Err(Error::SendBatchIncomplete {
+            sent,
+            unsent,
+            cause,
+        }) => Incomplete {
+            sent,
+            unsent,
+            cause,
+        },
+        other => panic!("{lost} go unreported: {other:?}"),
+    }
+}
+
+/// A `send_batch` whose second request of 10 fails (moto refuses it whole,
+/// as SQS a throttled request) says what it sent: the first request's 10,
+/// with their ids, and as unsent the failed request's 10 and the 5 of the
+/// request after it, not sent; the cause is the failed request's error.
+/// Sending the unsent ones again is the remedy, without a duplicate on a
+/// standard queue. (The failed request's error was returned alone: nothing
+/// told the caller that 10 messages had been sent, nor their ids.)
+#[tokio::test]
+async fn a_send_batch_whose_request_fails_says_what_it_sent() {
+    let (_moto, q) = started_without_retries().await;
+    let Incomplete {
+        sent,
+        unsent,
+        cause,
+    } = send_25_failing_at_13(&q, Moto::FAIL_REQUEST, "the first request's sends").await;
+    assert_eq!(sent.len(), 25, "one place per message");
+    assert!(sent[..10].iter().all(Option::is_some), "{sent:?}");
+    assert!(sent[10..].iter().all(Option::is_none), "{sent:?}");
+    assert_eq!(unsent, (10..25).collect::<Vec<_>>());
+    assert!(
+        matches!(&*cause, Error::Backend { code, .. } if code == "RequestThrottled"),
+        "{cause:?}"
+    );
+    let again: Vec<_> = unsent
+        .iter()
+        .map(|i| SendMessage::new(i.to_string()))
+        .collect();
+    q.send_batch(again).await.unwrap();
+    let there = everything(&q).await;
+    let want: Vec<String> = (0..25).map(|i| i.to_string()).collect();
+    assert_eq!(bodies(&there), want, "each message once");
+    let ids = |ms: &[pgonce::Received]| ms.iter().map(|m| m.id.clone()).collect::<Vec<_>>();
+    let sent_ids: Vec<String> = sent[..10].iter().flatten().map(|s| s.id.clone()).collect();
+    assert_eq!(sent_ids, ids(&there[..10]), "the ids of what was sent");
+}
+
+/// A `send_batch` whose second request SQS takes in part (moto refuses one
+/// entry) names the entry as unsent and every other of that request as
+/// sent, and sends no further request: the request after it is unsent
+/// too, so that a FIFO group's later messages never go ahead of one that
+/// is to be sent again. The cause is the refused entry's error.
+#[tokio::test]
+async fn a_send_batch_whose_entry_is_refused_says_what_it_sent() {
+    let (_moto, q) = started_without_retries().await;
+    let Incomplete {
+        sent,
+        unsent,
+        cause,
+    } = send_25_failing_at_13(&q, Moto::FAIL_ENTRY, "the requests' sends").await;
+    let sent_at: Vec<usize> = (0..25).filter(|&i| sent[i].is_some()).collect();
+    let want: Vec<usize> = (0..20).filter(|&i| i != 13).collect();
+    assert_eq!(sent_at, want);
+    assert_eq!(unsent, [13, 20, 21, 22, 23, 24]);
+    assert!(
+        matches!(&*cause, Error::Backend { code, .. } if code == "KMS.ThrottlingException"),
+        "{cause:?}"
+    );
+    let want: Vec<String> = want.iter().map(|i| i.to_string()).collect();
+    assert_eq!(
+        bodies(&everything(&q).await),
+        want,
+        "what it named as sent, once each"
+    );
+}
+
+/// A `delete_batch` whose second request of 10 fails (moto refuses it
+/// whole, as SQS a throttled request) says what it did: the first
+/// request's 10 deleted (not named), a receipt of another queue stale, the
+/// failed request's receipts and those of the request after it, not sent,
+/// undone; the cause is the failed request's error. Deleting the undone
+/// ones again is the remedy. (The failed request's error was returned
+/// alone: nothing told the caller that the first request had deleted 10
+/// messages, nor which receipts were still to delete.)
+#[tokio::test]
+async fn a_delete_batch_that_fails_part_way_says_what_it_deleted() {
+    let (_moto, q) = started_without_retries().await;
     let receipts = n_receipts(&q, 25).await;
     let fails = Receipt(format!("q:{}", support::Moto::FAIL_REQUEST));
     let foreign = Receipt("other:handle".into());

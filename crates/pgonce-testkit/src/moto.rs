@@ -1,7 +1,7 @@
 //! A throwaway SQS server: moto's server (PyPI `moto[server]`, installed
-//! by `scripts/ensure-moto.sh`), with one fix and one fault to order
-//! ([`Moto::FAIL_REQUEST`]) applied at start (`moto_server.py`), on a free
-//! loopback port, in its own process group,
+//! by `scripts/ensure-moto.sh`), with one fix and faults to order
+//! ([`Moto::FAIL_REQUEST`], [`Moto::FAIL_ENTRY`]) applied at start
+//! (`moto_server.py`), on a free loopback port, in its own process group,
 //! stopped when dropped. The SQS backend's tests, the
 //! lab's SQS pipeline test and `pgonce demo --queue sqs` all start it here.
 
@@ -44,7 +44,15 @@ impl Moto {
     /// it, whole, as SQS fails a throttled request (`RequestThrottled`):
     /// nothing of that request is deleted. moto has no way to fail a
     /// request; `moto_server.py` adds this one.
+    /// As a message body, it fails the SendMessageBatch request that
+    /// carries it, whole, in the same way: nothing of that request is sent.
     pub const FAIL_REQUEST: &str = "pgonce-testkit-fail-this-request";
+
+    /// A message body that SendMessageBatch refuses alone: the request
+    /// sends its other messages and reports this one in its `Failed` list,
+    /// as SQS does an entry KMS throttled (`KMS.ThrottlingException`): a
+    /// request taken in part.
+    pub const FAIL_ENTRY: &str = "pgonce-testkit-fail-this-entry";
 
     /// Starts moto and waits until it answers HTTP (a second or two).
     pub fn start() -> Result<Moto, MotoError> {

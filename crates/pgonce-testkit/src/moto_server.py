@@ -1,4 +1,4 @@
-# moto's server (PyPI `moto[server]`) with one fix and one fault to order
+# moto's server (PyPI `moto[server]`) with one fix and faults to order
 # (at the end), started by moto.rs in place of the `moto_server` script.
 #
 # moto's SQS backend keeps the messages in flight in a set, and its server
@@ -53,4 +53,43 @@ def delete_message_batch(self):
 
 
 responses.SQSResponse.delete_message_batch = delete_message_batch
+
+# The same for sends: a SendMessageBatch one of whose entries has the body
+# FAIL_REQUEST is refused whole, sending nothing; an entry with the body
+# FAIL_ENTRY (Moto::FAIL_ENTRY) is refused alone, reported in the answer's
+# Failed list as SQS reports an entry KMS throttled, and the others are
+# sent, as SQS answers a request it took in part.
+FAIL_ENTRY = "pgonce-testkit-fail-this-entry"
+
+_send_message_batch = responses.SQSResponse.send_message_batch
+_backend_send_message_batch = models.SQSBackend.send_message_batch
+
+
+def send_message_batch(self):
+    entries = self._get_param("Entries", [])
+    if any(entry.get("MessageBody") == FAIL_REQUEST for entry in entries):
+        raise SQSException("RequestThrottled", "Rate exceeded (a fault the test asked for).")
+    refused = {e["Id"] for e in entries if e.get("MessageBody") == FAIL_ENTRY}
+    result = _send_message_batch(self)
+    # moto words every entry it refuses as a bad delay, its SenderFault a
+    # string, which the Rust SDK does not parse: these say what they are.
+    for failed in result.result["Failed"]:
+        if failed["Id"] in refused:
+            failed.update(
+                SenderFault=False,
+                Code="KMS.ThrottlingException",
+                Message="Rate exceeded (a fault the test asked for).",
+            )
+    return result
+
+
+def backend_send_message_batch(self, queue_name, entries):
+    refused = [e for e in entries.values() if e.get("MessageBody") == FAIL_ENTRY]
+    rest = {k: e for k, e in entries.items() if e.get("MessageBody") != FAIL_ENTRY}
+    messages, failed = _backend_send_message_batch(self, queue_name, rest)
+    return messages, failed + refused
+
+
+responses.SQSResponse.send_message_batch = send_message_batch
+models.SQSBackend.send_message_batch = backend_send_message_batch
 sys.exit(main(sys.argv[1:]))

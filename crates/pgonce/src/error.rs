@@ -227,6 +227,35 @@ pub enum Error {
         cause: Box<Error>,
     },
 
+    /// A [`crate::Queue::send_batch`] that the backend sends in several
+    /// requests (Amazon SQS: 10 messages each) ended part way: a request
+    /// failed, or the server refused messages of it (`cause`: the first
+    /// such failure), and the requests after it were not sent. What went
+    /// through stays sent: `sent` says which, with their ids, and `unsent`
+    /// which messages to send again. The PostgreSQL queue sends a batch in
+    /// one statement and never returns this.
+    #[error(
+        "send_batch ended part way: {} of its messages not known to be sent: {cause}",
+        unsent.len()
+    )]
+    SendBatchIncomplete {
+        /// One place per message of the batch, in input order: what the
+        /// send of each that went through returned, as the call's `Ok`
+        /// would; `None` for those not known to be sent.
+        sent: Vec<Option<crate::queue::Sent>>,
+        /// The places (input positions, ascending) of the messages not
+        /// known to be sent, the `None`s of `sent`: those the server
+        /// refused, those of a request that failed (which may have taken
+        /// effect, as after [`Error::Unavailable`]) and those of the
+        /// requests not sent after it. Sending them again is the remedy;
+        /// one of a failed request that did take effect is then sent
+        /// twice, on a standard queue (a FIFO queue drops it within its
+        /// deduplication window, given a deduplication id).
+        unsent: Vec<usize>,
+        /// The first failure: a request's error, or a refused message's.
+        cause: Box<Error>,
+    },
+
     /// The named queue does not exist.
     #[error("queue {name:?} does not exist")]
     QueueNotFound {

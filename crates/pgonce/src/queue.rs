@@ -362,7 +362,15 @@ pub trait Queue: Send + Sync {
     /// Sends one message.
     fn send(&self, message: SendMessage) -> impl Future<Output = Result<Sent>> + Send;
 
-    /// Sends several messages, all or none; results in input order.
+    /// Sends several messages; results in input order.
+    ///
+    /// An error means nothing was sent, but for
+    /// [`Error::SendBatchIncomplete`]: a backend that sends the batch in
+    /// several requests (SQS: 10 messages each) cannot take back what the
+    /// requests before a failure sent, and names in that error the
+    /// messages sent, with their ids, and those not known to be sent, to
+    /// send again. (The PostgreSQL queue sends the batch in one statement:
+    /// all or nothing.)
     fn send_batch(
         &self,
         messages: Vec<SendMessage>,
