@@ -710,7 +710,9 @@ impl SqsQueue {
         }
     }
 
-    /// Makes these deliveries (of this queue) visible again at once.
+    /// Makes these deliveries (of this queue) visible again at once; the
+    /// first refused one's error, [`Error::StaleReceipt`] when SQS refused
+    /// its receipt.
     async fn release(&self, receipts: &[Receipt]) -> Result<()> {
         let entries = receipts
             .iter()
@@ -732,8 +734,17 @@ impl SqsQueue {
             .send()
             .await
             .map_err(|e| map(e, None))?;
+        // An entry refused for its receipt is a stale receipt, as in every
+        // other call: the entry's id is its receipt's place.
         match out.failed().first() {
-            Some(f) => Err(from_code(f.code(), f.message().unwrap_or_default(), None)),
+            Some(f) => {
+                let receipt = entry_place(f.id(), receipts.len()).map(|i| receipts[i].0.as_str());
+                Err(from_code(
+                    f.code(),
+                    f.message().unwrap_or_default(),
+                    receipt,
+                ))
+            }
             None => Ok(()),
         }
     }
@@ -1763,5 +1774,27 @@ mod tests {
         assert_eq!(aws_smithy_types::base64::decode(&text).unwrap(), bytes);
         assert_eq!(attribute_text(&typed("Number", Some("-1.5"), None)), "-1.5");
         assert_eq!(attribute_text(&string_attribute("ü")), "ü");
+    }
+
+    /// A hand-back whose receipt SQS refuses (here: a handle moto does not
+    /// know) is [`Error::StaleReceipt`], as every call's refused receipt
+    /// is, naming the receipt. (The refused entry was mapped without its
+    /// receipt: a `Backend` error, `ReceiptHandleIsInvalid`.)
+    #[tokio::test]
+    async fn a_release_refused_for_its_receipt_is_stale() {
+        let moto = pgonce_testkit::Moto::start().unwrap_or_else(|e| panic!("{e}"));
+        let sqs = SqsClient::connect(SqsConfig::local(moto.endpoint()))
+            .await
+            .unwrap();
+        let q = sqs
+            .create_queue("q", QueueAttributes::default())
+            .await
+            .unwrap();
+        let refused = Receipt("q:no-such-handle".into());
+        let got = q.release(std::slice::from_ref(&refused)).await;
+        assert!(
+            matches!(&got, Err(Error::StaleReceipt { receipt }) if *receipt == refused.0),
+            "{got:?}"
+        );
     }
 }
