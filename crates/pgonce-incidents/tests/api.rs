@@ -149,6 +149,30 @@ impl Api {
         a.body
     }
 
+    /// Stores `attributes` on the organization's first entity and checks
+    /// that they read back equal, in the write's answer and the listing.
+    async fn assert_attributes_read_back(&self, key: &str, attributes: &Value) {
+        let body = json!({"external_id": "db-1", "attributes": attributes});
+        let a = self.post("/v1/entities", key, body).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        assert_eq!(a.body["attributes"], *attributes);
+        let a = self.get("/v1/entities", key).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        assert_eq!(a.body["entities"][0]["attributes"], *attributes);
+    }
+
+    /// Creates the organization's first policy, its rule comparing with
+    /// `value`, and checks that the value reads back equal in the listing.
+    async fn assert_rule_value_reads_back(&self, key: &str, value: &Value) {
+        let rule = json!({"attribute": "x", "op": "gt", "value": value});
+        let body = json!({"name": "p", "singleton": "never", "rule": rule});
+        let a = self.post("/v1/policies", key, body).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        let a = self.get("/v1/policies", key).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        assert_eq!(a.body["policies"][0]["rule"]["value"], *value);
+    }
+
     async fn count(&self, sql: &'static str) -> i64 {
         sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
     }
@@ -1264,32 +1288,9 @@ async fn extreme_doubles_read_back_equal_and_poison_nothing() {
     let api = setup().await;
     let (_, key) = api.organization("acme").await;
     let huge: Value = serde_json::from_str("1.7976931348623157e308").unwrap();
-    let rule = json!({"attribute": "x", "op": "gt", "value": huge});
-    let a = api
-        .post(
-            "/v1/policies",
-            &key,
-            json!({"name": "p", "singleton": "never", "rule": rule}),
-        )
-        .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
-    let a = api.get("/v1/policies", &key).await;
-    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
-    assert_eq!(a.body["policies"][0]["rule"]["value"], huge);
-
+    api.assert_rule_value_reads_back(&key, &huge).await;
     let attributes = json!({"x": huge, "tiny": 5e-324, "neg": -f64::MAX, "n": [1.5, -0.25]});
-    let a = api
-        .post(
-            "/v1/entities",
-            &key,
-            json!({"external_id": "db-1", "attributes": attributes}),
-        )
-        .await;
-    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
-    assert_eq!(a.body["attributes"], attributes);
-    let a = api.get("/v1/entities", &key).await;
-    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
-    assert_eq!(a.body["entities"][0]["attributes"], attributes);
+    api.assert_attributes_read_back(&key, &attributes).await;
 }
 
 /// A rule value past 2^53 whose shortest decimal has fewer digits than its
@@ -1324,6 +1325,28 @@ async fn rule_values_the_database_prints_as_integers_read_back_equal() {
     let a = api.get("/v1/policies", &key).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
     assert_eq!(a.body["policies"].as_array().unwrap().len(), 3);
+}
+
+/// A double that is a whole number past 10^16 (where serde_json writes an
+/// exponent, `1e16`, and `jsonb` keeps the plain digits) reads back as the
+/// same double, not as an integer: in attributes, at any depth, through
+/// the entity's answer and its listing, and as a rule value.
+#[tokio::test]
+async fn whole_doubles_read_back_as_doubles() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let attributes = json!({
+        "a": 1e16,
+        "b": -9.2e18,
+        "c": 1.8e19,
+        "d": [1e17, -1e16],
+        "e": {"f": 1.2345678901234568e17},
+        "g": 1e300,
+        "h": 100.0,
+        "i": 100,
+    });
+    api.assert_attributes_read_back(&key, &attributes).await;
+    api.assert_rule_value_reads_back(&key, &json!(1e16)).await;
 }
 
 /// A number is kept as sent or refused. serde_json parses an integer past
