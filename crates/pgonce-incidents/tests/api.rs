@@ -1352,8 +1352,10 @@ async fn whole_doubles_read_back_as_doubles() {
 /// A number is kept as sent or refused. serde_json parses an integer past
 /// the 64-bit ranges, or a decimal with more digits than a double holds,
 /// into the nearest double, which would be stored and read back changed
-/// (`18446744073709551617` as `1.8446744073709552e19`, `1e-400` as `0`):
-/// such bodies are 422 with nothing written, in attributes and in a rule.
+/// (`18446744073709551617` as `1.8446744073709552e19`, `1e-400` as `0`),
+/// and refuses one past a double's range (`1e400`), which is still valid
+/// JSON: such bodies are 422 with nothing written, in attributes and in a
+/// rule.
 /// At the edges of what is exact, numbers read back as the same numbers.
 #[tokio::test]
 async fn numbers_that_would_not_read_back_as_sent_are_refused() {
@@ -1368,6 +1370,10 @@ async fn numbers_that_would_not_read_back_as_sent_are_refused() {
         "0.10000000000000000001",
         "1e-400",
         "[1, 2.00000000000000000000001]",
+        // Valid JSON, but past a double's range: it cannot be kept either.
+        "1e400",
+        "-1e400",
+        "[0, 1.5e309]",
     ] {
         let a = api
             .send(
@@ -1381,7 +1387,12 @@ async fn numbers_that_would_not_read_back_as_sent_are_refused() {
     }
     // A rule's value is a double: an integer past 2^53 would become its
     // neighbour, though it fits an i64.
-    for value in ["1e-400", "9007199254740993", "18446744073709551615"] {
+    for value in [
+        "1e-400",
+        "1e400",
+        "9007199254740993",
+        "18446744073709551615",
+    ] {
         let policy = format!(
             r#"{{"name": "p", "singleton": "never", "rule": {{"attribute": "x", "op": "gt", "value": {value}}}}}"#
         );

@@ -10,6 +10,9 @@ use serde_json::json;
 
 use crate::error::Error;
 
+/// How serde_json's `NumberOutOfRange` error begins.
+const NUMBER_OUT_OF_RANGE: &str = "number out of range";
+
 /// An error answer of the API.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
@@ -55,10 +58,24 @@ impl ApiError {
 
     /// A JSON body that could not be read: not JSON at all (400), or JSON
     /// of the wrong shape: wrong types, missing or unknown fields (422).
+    ///
+    /// A number past a double's range (`1e400`) is valid JSON, but
+    /// serde_json stops at it with a syntax error, `NumberOutOfRange`: it
+    /// is answered like every other number the API cannot keep (`1e-400`,
+    /// refused once parsed), 422. serde_json does not expose the error's
+    /// code, only its text, so the code is recognised by the text it
+    /// prints (a unit test holds the two together).
     pub(crate) fn from_json(e: serde_json::Error) -> ApiError {
         use serde_json::error::Category;
         match e.classify() {
             Category::Data => ApiError::invalid(e.to_string()),
+            Category::Syntax if e.to_string().starts_with(NUMBER_OUT_OF_RANGE) => {
+                ApiError::invalid(format!(
+                    "the number at line {} column {} is past a double's range: it cannot be kept",
+                    e.line(),
+                    e.column()
+                ))
+            }
             Category::Syntax | Category::Eof | Category::Io => ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "malformed_json",
@@ -133,5 +150,40 @@ impl IntoResponse for ApiError {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A number past a double's range is 422, like any number the API
+    /// cannot keep; a body that is not JSON is still 400, a broken number
+    /// (`1e`) included.
+    #[test]
+    fn a_number_past_a_doubles_range_is_invalid_not_malformed() {
+        let answer = |body: &str| {
+            let e = serde_json::from_str::<serde_json::Value>(body).unwrap_err();
+            let a = ApiError::from_json(e);
+            (a.status, a.code)
+        };
+        for body in [
+            r#"{"x": 1e400}"#,
+            r#"{"x": [-1e400]}"#,
+            &format!("{{\"x\": 1{}}}", "0".repeat(400)),
+        ] {
+            assert_eq!(
+                answer(body),
+                (StatusCode::UNPROCESSABLE_ENTITY, "invalid"),
+                "{body}"
+            );
+        }
+        for body in [r#"{"x": 1e}"#, r#"{"x": 1"#, r#"{"x" 1}"#, "nope"] {
+            assert_eq!(
+                answer(body),
+                (StatusCode::BAD_REQUEST, "malformed_json"),
+                "{body}"
+            );
+        }
     }
 }
