@@ -511,8 +511,11 @@ impl Observation {
 
     /// The FIFO message group: one entity's observations are processed in
     /// order, one at a time (until a visibility timeout runs out).
-    /// `<org>/<entity>`, or `<org>/sha256:<hex>` when that would exceed a
-    /// FIFO group id's 128 bytes (entities may have 200 characters).
+    /// `<org>/<entity>`, or `<org>/sha256:<hex>` (the entity's SHA-256)
+    /// when that would exceed a FIFO group id's 128 bytes (entities may
+    /// have 200 characters), hold a character outside printable ASCII, or
+    /// when the entity itself begins with `sha256:`, so that no entity
+    /// spelt like a hashed id shares the group of the one it hashes.
     pub fn group(&self) -> String {
         scoped_id(self.organization_id, &self.entity)
     }
@@ -526,18 +529,41 @@ impl Observation {
     }
 }
 
+/// The prefix of a hashed [`scoped_id`]'s text.
+const HASHED: &str = "sha256:";
+
 /// `<org>/<text>`, or `<org>/sha256:<hex>` when that would exceed the 128
 /// bytes of a FIFO group or deduplication id (queues count bytes; a name of
 /// 200 characters may take 800) or hold a character outside printable
 /// ASCII, the only ones Amazon SQS takes in these ids.
+///
+/// A text that itself begins with `sha256:` is hashed too: sent as is, the
+/// text `sha256:<hex of K>` would have the id of the long text `K`, and
+/// an observation keyed so would be dropped as a resend of `K`'s (or share
+/// its entity's group). So a plain id never has the hashed form and a
+/// hashed one always has it; two texts share an id only by a SHA-256
+/// collision. Every other text keeps the id it had before this rule.
+///
+/// Nothing durable holds these ids, so the rule needed no migration: a
+/// group lives as long as its messages are on the queue, a deduplication
+/// id for the queue's deduplication window (5 minutes on Amazon SQS), and
+/// the pipeline's own ledger is keyed by the observation's message id, not
+/// by either. While processes of both versions run, only texts beginning
+/// with `sha256:` get two ids: a resend across the upgrade may be queued
+/// twice (the ledger still catches it when it has a `message_id`), and
+/// such an entity's observations may be in two groups until the older
+/// ones are processed.
 fn scoped_id(organization_id: i64, text: &str) -> String {
     let plain = format!("{organization_id}/{text}");
-    if plain.len() <= 128 && plain.bytes().all(|b| b.is_ascii_graphic()) {
+    if plain.len() <= 128
+        && plain.bytes().all(|b| b.is_ascii_graphic())
+        && !text.starts_with(HASHED)
+    {
         return plain;
     }
     use sha2::{Digest, Sha256};
     let digest = Sha256::digest(text.as_bytes());
-    format!("{organization_id}/sha256:{}", hex::encode(digest))
+    format!("{organization_id}/{HASHED}{}", hex::encode(digest))
 }
 
 /// Filters and page of an incident listing. Pages are keyset pages, newest
@@ -657,5 +683,33 @@ mod tests {
             ..ok
         };
         assert!(long.group().len() <= 128 && long.group().starts_with("1/sha256:"));
+    }
+
+    /// An entity or key spelt like a hashed id (`sha256:<hex>`) does not
+    /// share the id of the long one it is the hash of; short ones keep
+    /// their plain ids, those that merely contain the prefix too.
+    #[test]
+    fn a_literal_id_in_the_hashed_form_is_not_the_hashed_id() {
+        let long = Observation {
+            organization_id: 1,
+            entity: "x".repeat(200),
+            attributes: json!({}),
+            message_id: None,
+        };
+        let hashed = long.group();
+        let literal = Observation {
+            entity: hashed["1/".len()..].to_string(),
+            ..long.clone()
+        };
+        assert_ne!(literal.group(), hashed);
+        assert!(literal.group().starts_with("1/sha256:"));
+
+        let hashed = long.dedup_id(&"k".repeat(300));
+        assert!(hashed.starts_with("1/sha256:"), "{hashed}");
+        assert_ne!(long.dedup_id(&hashed["1/".len()..]), hashed);
+
+        assert_eq!(long.dedup_id("obs-1"), "1/obs-1");
+        assert_eq!(long.dedup_id("x-sha256:1"), "1/x-sha256:1");
+        assert_eq!(long.dedup_id("sha256"), "1/sha256");
     }
 }

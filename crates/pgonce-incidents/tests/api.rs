@@ -14,6 +14,7 @@ use http_body_util::BodyExt;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use pgonce::{PgQueue, Queue, ReceiveRequest};
 use pgonce_incidents::api::{ApiConfig, ApiState, openapi, router};
+use pgonce_incidents::model::Observation;
 use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::{Service, ServiceConfig};
 use pgonce_testkit::ScratchDatabase;
@@ -1428,6 +1429,29 @@ async fn numbers_that_would_not_read_back_as_sent_are_refused() {
         assert_eq!(a.status, StatusCode::OK, "{n}: {}", a.body);
         assert_eq!(a.body["attributes"]["x"], back, "{n}");
     }
+}
+
+/// An Idempotency-Key sent literally in the form a long key is hashed to
+/// (`sha256:<hex>`) is a key of its own: its observation is queued, not
+/// dropped as a resend of the long key's.
+#[tokio::test]
+async fn a_key_spelt_like_a_hashed_key_is_not_that_key() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let body = json!({"organization_id": org, "entity": "db-1", "attributes": {}});
+    let observation: Observation = serde_json::from_value(body.clone()).unwrap();
+    let long = "k".repeat(300);
+    let hashed = observation.dedup_id(&long);
+    let literal = hashed.strip_prefix(&format!("{org}/")).unwrap();
+    assert!(literal.starts_with("sha256:"), "{hashed}");
+    for k in [long.as_str(), literal] {
+        let a = api
+            .post_with_key("/v1/observations", &key, k, body.clone())
+            .await;
+        assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+        assert_eq!(a.body["duplicate"], false, "{k}");
+    }
+    assert_eq!(api.queue.stats().await.unwrap().depth, 2);
 }
 
 /// Two Idempotency-Key headers on one request are refused: which one keys
