@@ -1,6 +1,8 @@
 //! The HTTP error: a status and a JSON body `{"error": {"code", "message"}}`
 //! with a stable code. Database detail never reaches the client: an
-//! internal error is logged here and answered with a fixed message.
+//! internal error, and a 503 `busy` or `unavailable`, is logged here and
+//! answered with a fixed message. (A 503 `pooler` names the pooler's
+//! misconfiguration and its fix, which an operator needs to see.)
 
 use axum::Json;
 use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
@@ -106,6 +108,20 @@ impl From<Error> for ApiError {
         if code == "pooler" {
             tracing::error!(error = %e, "API request failed: the connection pooler is misconfigured");
         }
+        // Their text is PostgreSQL's, sqlx's or the queue client's (a
+        // server's message, an address, a lock key): logged, and answered
+        // with a fixed message that says only what to do.
+        if code == "busy" || code == "unavailable" {
+            tracing::warn!(error = %e, code, "API request failed; the client may retry");
+            let message = match (code, &e) {
+                ("busy", _) => "what this request needs is busy with another one; retry it",
+                (_, Error::Pgonce(pgonce::Error::Unavailable { .. })) => {
+                    "the queue cannot be reached now; retry later"
+                }
+                _ => "the database cannot be reached now; retry later",
+            };
+            return ApiError::new(status, code, message);
+        }
         if status == StatusCode::CONFLICT {
             tracing::warn!(error = %e, "API request refused");
         }
@@ -183,6 +199,58 @@ mod tests {
                 answer(body),
                 (StatusCode::BAD_REQUEST, "malformed_json"),
                 "{body}"
+            );
+        }
+    }
+
+    /// A 503's message is the API's own: nothing of PostgreSQL's, sqlx's
+    /// or a queue client's text reaches the client (it is logged instead).
+    #[test]
+    fn service_unavailable_answers_carry_no_database_detail() {
+        let conflict = "could not serialize access due to concurrent update";
+        let refused = std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "connect to 10.1.2.3:5432 refused",
+        );
+        let cases: Vec<(Error, &str, &str)> = vec![
+            (
+                pgonce::Error::SerializationFailure {
+                    sqlstate: "40001".into(),
+                    message: conflict.into(),
+                }
+                .into(),
+                "busy",
+                conflict,
+            ),
+            (
+                pgonce::Error::LockTimeout {
+                    key: pgonce::LockKey::from_raw(-4242),
+                    waited: std::time::Duration::from_secs(10),
+                }
+                .into(),
+                "busy",
+                "4242",
+            ),
+            (
+                pgonce::Error::Unavailable {
+                    backend: "sqs",
+                    reason: "dns error: no host sqs.internal".into(),
+                }
+                .into(),
+                "unavailable",
+                "sqs.internal",
+            ),
+            (sqlx::Error::Io(refused).into(), "unavailable", "10.1.2.3"),
+            (sqlx::Error::PoolTimedOut.into(), "unavailable", "timed out"),
+            (sqlx::Error::PoolClosed.into(), "unavailable", "closed"),
+        ];
+        for (e, code, detail) in cases {
+            let a = ApiError::from(e);
+            assert_eq!((a.status, a.code), (StatusCode::SERVICE_UNAVAILABLE, code));
+            assert!(
+                !a.message.contains(detail) && !a.message.contains("database error"),
+                "{code}: {}",
+                a.message
             );
         }
     }
