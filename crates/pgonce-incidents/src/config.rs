@@ -381,6 +381,10 @@ pub struct ServiceSection {
     /// `entity_lock_timeout`: longest wait for an entity's lock. Default 10s.
     #[serde(with = "humantime_serde")]
     pub entity_lock_timeout: Duration,
+    /// `declaration_lock_timeout`: longest wait of a declaration for its
+    /// idempotency key's lock, then 503 `busy`. Default 10s.
+    #[serde(with = "humantime_serde")]
+    pub declaration_lock_timeout: Duration,
     /// `notify_max_attempts`: attempts of a notification before it is
     /// dead. Default 8; at least 1.
     pub notify_max_attempts: i32,
@@ -392,6 +396,7 @@ impl Default for ServiceSection {
         ServiceSection {
             numbering: Numbering::default(),
             entity_lock_timeout: s.entity_lock_timeout,
+            declaration_lock_timeout: s.declaration_lock_timeout,
             notify_max_attempts: s.notify_max_attempts,
         }
     }
@@ -847,6 +852,10 @@ impl Config {
                 "service.entity_lock_timeout",
                 self.service.entity_lock_timeout,
             ),
+            (
+                "service.declaration_lock_timeout",
+                self.service.declaration_lock_timeout,
+            ),
             ("maintenance.reaper.interval", m.reaper.interval),
             ("maintenance.redriver.interval", m.redriver.interval),
             ("maintenance.cleaner.interval", m.cleaner.interval),
@@ -1005,6 +1014,7 @@ impl Config {
         ServiceConfig {
             numbering: self.service.numbering.into(),
             entity_lock_timeout: self.service.entity_lock_timeout,
+            declaration_lock_timeout: self.service.declaration_lock_timeout,
             notify_max_attempts: self.service.notify_max_attempts,
         }
     }

@@ -58,6 +58,16 @@ pub fn entity_lock_key(entity_id: i64) -> pgonce::Result<LockKey> {
     LockKey::new(ENTITY_LOCK_NAMESPACE, &entity_id.to_string())
 }
 
+/// The lock key of a declaration's idempotency key `key` in the
+/// organization, held by a declaration with that key from its lookup to
+/// its commit.
+pub fn declaration_lock_key(organization_id: i64, key: &str) -> pgonce::Result<LockKey> {
+    LockKey::new(
+        DECLARATION_LOCK_NAMESPACE,
+        &format!("{organization_id}/{key}"),
+    )
+}
+
 /// Settings of a [`Service`].
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -67,6 +77,13 @@ pub struct ServiceConfig {
     /// Longest wait for an entity's lock before
     /// [`pgonce::Error::LockTimeout`]. Default 10 s.
     pub entity_lock_timeout: Duration,
+    /// Longest wait of a declaration for its idempotency key's lock (held
+    /// by a declaration with the same key until it commits) before
+    /// [`pgonce::Error::LockTimeout`], which the API answers 503 `busy`.
+    /// Without a bound, a request would wait as long as the holder takes,
+    /// its pooled connection with it. Default 10 s; 1 ms to
+    /// [`pgonce::lock::MAX_LOCK_TIMEOUT`].
+    pub declaration_lock_timeout: Duration,
     /// Attempts of a notification job before it is dead. Default 8.
     pub notify_max_attempts: i32,
 }
@@ -76,6 +93,7 @@ impl Default for ServiceConfig {
         ServiceConfig {
             numbering: pgonce::SequenceStrategy::AdvisoryLock,
             entity_lock_timeout: Duration::from_secs(10),
+            declaration_lock_timeout: Duration::from_secs(10),
             notify_max_attempts: 8,
         }
     }
@@ -291,6 +309,17 @@ impl Service {
         if config.notify_max_attempts < 1 {
             return Err(Error::invalid("notify_max_attempts", "at least 1"));
         }
+        // Checked here, not at the first declaration with a key: PostgreSQL's
+        // lock_timeout holds at most MAX_LOCK_TIMEOUT, and 0 would mean none.
+        let declaration_wait = config.declaration_lock_timeout;
+        if declaration_wait < Duration::from_millis(1)
+            || declaration_wait > pgonce::lock::MAX_LOCK_TIMEOUT
+        {
+            return Err(Error::invalid(
+                "declaration_lock_timeout",
+                "must be 1 ms to about 24.8 days (PostgreSQL's lock_timeout)",
+            ));
+        }
         Ok(Service {
             pool,
             guard,
@@ -391,7 +420,10 @@ impl Service {
     /// incident, concurrent declarations in the organization included. With
     /// an idempotency key, declaring twice returns the first incident (the
     /// key is locked, then looked up, in the declaring transaction); the same
-    /// key with another title, entity or actor is [`Error::Invalid`].
+    /// key with another title, entity or actor is [`Error::Invalid`]. The
+    /// key's lock is waited for at most
+    /// [`ServiceConfig::declaration_lock_timeout`], then
+    /// [`pgonce::Error::LockTimeout`] with nothing written.
     pub async fn declare(
         &self,
         organization_id: i64,
@@ -452,18 +484,19 @@ impl Service {
 
     /// Locks the declaration key and looks it up. READ COMMITTED: the
     /// lookup's snapshot is taken after the lock, so it sees a declaration
-    /// with this key committed by the lock's previous holder.
+    /// with this key committed by the lock's previous holder. The wait is
+    /// bounded: the holder may take as long as its organization's number
+    /// lock makes it wait, and a request waiting on it holds a pooled
+    /// connection all along. On timeout the caller rolls `tx` back, which
+    /// holds nothing yet.
     async fn declared_before(
         &self,
         tx: &mut Transaction<'_, Postgres>,
         organization_id: i64,
         key: &str,
     ) -> Result<Option<IncidentRow>> {
-        let lock = LockKey::new(
-            DECLARATION_LOCK_NAMESPACE,
-            &format!("{organization_id}/{key}"),
-        )?;
-        pgonce::lock::lock(tx, lock).await?;
+        let lock = declaration_lock_key(organization_id, key)?;
+        pgonce::lock::lock_timeout(tx, lock, self.config.declaration_lock_timeout).await?;
         Ok(sqlx::query_as(include_str!("service/sql/find_by_key.sql"))
             .bind(organization_id)
             .bind(key)

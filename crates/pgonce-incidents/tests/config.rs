@@ -132,6 +132,7 @@ listen = false
 [service]
 numbering = "counter_row"
 entity_lock_timeout = "3s"
+declaration_lock_timeout = "2s"
 notify_max_attempts = 4
 [maintenance]
 enabled = false
@@ -165,6 +166,7 @@ write_timeout = "2s"
     let service = c.service_config();
     assert_eq!(service.numbering, pgonce::SequenceStrategy::CounterRow);
     assert_eq!(service.entity_lock_timeout, Duration::from_secs(3));
+    assert_eq!(service.declaration_lock_timeout, Duration::from_secs(2));
     assert_eq!(service.notify_max_attempts, 4);
     let runtime = c.runtime_config();
     assert!(!runtime.job_maintenance);

@@ -401,6 +401,97 @@ async fn a_declaration_with_a_key_is_made_once() {
     );
 }
 
+/// A declaration waits for its idempotency key's lock at most
+/// `declaration_lock_timeout`, then fails as `busy` (a 503 that names no
+/// lock), with nothing written and its connection back in the pool; once
+/// the holder is done, the same declaration is made. Step by step: A holds
+/// the key's lock, B's declaration is seen blocked by it in pg_locks.
+#[tokio::test]
+async fn a_declaration_waits_for_its_keys_lock_only_so_long() {
+    let w = world().await;
+    let race = Interleaving::new(w._db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx = a.pool().begin().await.unwrap();
+    let key = pgonce_incidents::service::declaration_lock_key(w.org, "pager-1").unwrap();
+    race.step(&a, "hold the key's lock", pgonce::lock::lock(&mut tx, key))
+        .await
+        .unwrap()
+        .unwrap();
+    // Well within the harness's step timeout, which the wait without a
+    // bound runs into instead.
+    let config = ServiceConfig {
+        declaration_lock_timeout: Duration::from_secs(2),
+        ..ServiceConfig::default()
+    };
+    let service = Service::new(b.pool().clone(), config).unwrap();
+    let d = Declaration {
+        title: "db down".into(),
+        entity: None,
+        idempotency_key: Some("pager-1".into()),
+    };
+    let (sb, db, org) = (service.clone(), d.clone(), w.org);
+    let waiting = race
+        .step_blocks(&b, "declare with the key", async move {
+            sb.declare(org, &db, "alice").await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    let refused = waiting.resume().await.unwrap().unwrap_err();
+    assert!(
+        matches!(&refused, Error::Pgonce(pgonce::Error::LockTimeout { key: k, .. }) if *k == key),
+        "{refused:?}"
+    );
+    let answer = pgonce_incidents::api::ApiError::from(refused);
+    assert_eq!((answer.status.as_u16(), answer.code), (503, "busy"));
+    assert!(
+        !answer.message.contains(&key.to_string()),
+        "{}",
+        answer.message
+    );
+    assert!(
+        w.service
+            .list(w.org, &IncidentFilter::default())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    race.step(&a, "COMMIT", tx.commit()).await.unwrap().unwrap();
+    // B's one connection is back in its pool, its transaction ended.
+    let made = race
+        .step(&b, "declare again", service.declare(w.org, &d, "alice"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(made.number, 1);
+}
+
+/// A declaration lock timeout that PostgreSQL's `lock_timeout` cannot hold
+/// (0 there means no bound; past `MAX_LOCK_TIMEOUT` it does not fit) is
+/// refused when the service is built, not at the first declaration.
+#[tokio::test]
+async fn a_declaration_lock_timeout_out_of_range_is_refused() {
+    let w = world().await;
+    let past = pgonce::lock::MAX_LOCK_TIMEOUT + Duration::from_millis(1);
+    for timeout in [Duration::ZERO, Duration::from_micros(999), past] {
+        let config = ServiceConfig {
+            declaration_lock_timeout: timeout,
+            ..ServiceConfig::default()
+        };
+        assert!(
+            matches!(
+                Service::new(w.pool.clone(), config),
+                Err(Error::Invalid {
+                    what: "declaration_lock_timeout",
+                    ..
+                })
+            ),
+            "{timeout:?}"
+        );
+    }
+}
+
 /// OPEN -> ACKNOWLEDGED -> RESOLVED, each change once, each on the
 /// timeline in order; a second resolve is an invalid transition; another
 /// organization cannot see or touch the incident.
