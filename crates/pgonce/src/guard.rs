@@ -399,14 +399,7 @@ impl Guard {
 /// `guard/sql/begin_locked.sql` without its comment lines: the text sent on
 /// every guarded write.
 static BEGIN_LOCKED: LazyLock<String> =
-    LazyLock::new(|| without_comments(include_str!("guard/sql/begin_locked.sql")));
-
-fn without_comments(sql: &str) -> String {
-    sql.lines()
-        .filter(|line| !line.trim_start().starts_with("--"))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
+    LazyLock::new(|| crate::lock::without_comments(include_str!("guard/sql/begin_locked.sql")));
 
 /// A transaction opened by [`Guard::begin`], so at an isolation level under
 /// which the guard's re-read is correct (the type makes a REPEATABLE READ

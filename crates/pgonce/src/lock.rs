@@ -41,6 +41,7 @@
 //! as the baseline it is.
 
 use std::fmt;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -188,43 +189,54 @@ pub(crate) fn lock_timeout_millis(timeout: Duration) -> u128 {
 /// The wait runs in a savepoint with a local `lock_timeout`: on timeout the
 /// savepoint is rolled back, so `tx` stays usable and keeps its earlier
 /// locks and writes; the session's own `lock_timeout` is restored either way.
+/// One round trip when the lock is granted, two when it is not
+/// (`lock/sql/lock_timeout.sql`).
 pub async fn lock_timeout(
     tx: &mut Transaction<'_, Postgres>,
     key: LockKey,
     timeout: Duration,
 ) -> Result<()> {
     check_lock_timeout("lock timeout", timeout, Duration::ZERO)?;
-    let millis = lock_timeout_millis(timeout).to_string();
-    let previous: String = sqlx::query_scalar(include_str!("lock/sql/lock_timeout_get.sql"))
-        .fetch_one(&mut **tx)
-        .await?;
-    let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
-    sqlx::query(include_str!("lock/sql/lock_timeout_set.sql"))
-        .bind(&millis)
-        .execute(&mut *savepoint)
-        .await?;
-    let outcome = sqlx::query(include_str!("lock/sql/lock_bounded.sql"))
-        .bind(key.as_i64())
-        .execute(&mut *savepoint)
+    let sql = LOCK_TIMEOUT
+        .replace("{key}", &key.as_i64().to_string())
+        .replace("{millis}", &lock_timeout_millis(timeout).to_string());
+    let Err(e) = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&mut **tx)
+        .await
+    else {
+        return Ok(());
+    };
+    // The lock statement failed, the savepoint still open: back to it, so
+    // that `tx` is as it was. If that fails too (the savepoint was never
+    // taken, the connection is gone), the first error is the one to tell.
+    let undone = sqlx::raw_sql(sqlx::AssertSqlSafe(LOCK_TIMEOUT_UNDO.as_str()))
+        .execute(&mut **tx)
         .await;
-    match outcome {
-        Ok(_) => {
-            sqlx::query(include_str!("lock/sql/lock_timeout_set.sql"))
-                .bind(&previous)
-                .execute(&mut *savepoint)
-                .await?;
-            savepoint.commit().await?;
-            Ok(())
-        }
-        Err(e) if sqlstate_of(&e).as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE) => {
-            savepoint.rollback().await?;
-            Err(Error::LockTimeout {
-                key,
-                waited: timeout,
-            })
-        }
-        Err(e) => Err(e.into()),
+    match (sqlstate_of(&e).as_deref(), undone) {
+        (Some(sqlstate::LOCK_NOT_AVAILABLE), Ok(_)) => Err(Error::LockTimeout {
+            key,
+            waited: timeout,
+        }),
+        _ => Err(e.into()),
     }
+}
+
+/// `lock/sql/lock_timeout.sql` without its comment lines, as sent.
+static LOCK_TIMEOUT: LazyLock<String> =
+    LazyLock::new(|| without_comments(include_str!("lock/sql/lock_timeout.sql")));
+
+/// `lock/sql/lock_timeout_undo.sql` without its comment lines, as sent.
+static LOCK_TIMEOUT_UNDO: LazyLock<String> =
+    LazyLock::new(|| without_comments(include_str!("lock/sql/lock_timeout_undo.sql")));
+
+/// `sql` without its comment lines: the text of a multi-statement message
+/// (sent as simple query, whose text is not prepared once but sent each
+/// time), kept short on the wire.
+pub(crate) fn without_comments(sql: &str) -> String {
+    sql.lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// Takes several locks in one statement, in ascending key order and each key

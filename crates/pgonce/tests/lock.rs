@@ -213,6 +213,12 @@ async fn a_bounded_wait_times_out_with_a_typed_error_and_leaves_the_transaction_
         .execute(&mut *waiter)
         .await
         .unwrap();
+    // A lock_timeout of the session's own, which the bounded wait must put
+    // back whichever way it ends.
+    sqlx::query("SET lock_timeout = '7s'")
+        .execute(&mut *waiter)
+        .await
+        .unwrap();
     let err = lock::lock_timeout(&mut waiter, key, Duration::from_millis(50))
         .await
         .unwrap_err();
@@ -225,7 +231,7 @@ async fn a_bounded_wait_times_out_with_a_typed_error_and_leaves_the_transaction_
         .fetch_one(&mut *waiter)
         .await
         .unwrap();
-    assert_eq!(setting, "0");
+    assert_eq!(setting, "7s");
     sqlx::query("INSERT INTO written_before VALUES (1)")
         .execute(&mut *waiter)
         .await
@@ -235,6 +241,21 @@ async fn a_bounded_wait_times_out_with_a_typed_error_and_leaves_the_transaction_
     lock::lock_timeout(&mut waiter, key, Duration::from_secs(5))
         .await
         .unwrap();
+    // Granted: held by the waiter's transaction (the savepoint it was taken
+    // in is gone), the session's setting back, the earlier row still there.
+    let mut other = pool.begin().await.unwrap();
+    assert!(!lock::try_lock(&mut other, key).await.unwrap());
+    other.rollback().await.unwrap();
+    let setting: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+        .fetch_one(&mut *waiter)
+        .await
+        .unwrap();
+    assert_eq!(setting, "7s");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM written_before")
+        .fetch_one(&mut *waiter)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
     waiter.commit().await.unwrap();
 }
 

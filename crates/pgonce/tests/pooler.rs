@@ -515,3 +515,37 @@ async fn racing_requests_on_one_key_through_the_pooler_take_it_once() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_bounded_lock_wait_through_the_pooler_times_out_typed_and_keeps_the_transaction() {
+    let (_db, pool) = setup(4).await;
+    let key = LockKey::new("things", "bounded").unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    pgonce::lock::lock(&mut holder, key).await.unwrap();
+
+    let mut waiter = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO things (entity) VALUES ('before the wait')")
+        .execute(&mut *waiter)
+        .await
+        .unwrap();
+    let err = pgonce::lock::lock_timeout(&mut waiter, key, Duration::from_millis(50))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, pgonce::Error::LockTimeout { .. }),
+        "a timeout behind the pooler is typed: {err}"
+    );
+    holder.commit().await.unwrap();
+    // The same transaction, on the same server connection: it goes on,
+    // takes the lock and commits what it wrote before the wait.
+    pgonce::lock::lock_timeout(&mut waiter, key, Duration::from_secs(5))
+        .await
+        .unwrap();
+    waiter.commit().await.unwrap();
+    let written: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM things WHERE entity = 'before the wait'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(written, 1);
+}
