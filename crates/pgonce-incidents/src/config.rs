@@ -863,6 +863,25 @@ impl Config {
         if let Some((key, _)) = settings.iter().find(|(_, d)| *d > LONGEST_SETTING) {
             return Err(invalid(key, "must be at most a year"));
         }
+        // PostgreSQL's lock_timeout is an int of milliseconds: a longer
+        // wait would be refused only when the service starts.
+        for (key, timeout) in [
+            (
+                "service.entity_lock_timeout",
+                self.service.entity_lock_timeout,
+            ),
+            (
+                "service.declaration_lock_timeout",
+                self.service.declaration_lock_timeout,
+            ),
+        ] {
+            if timeout > pgonce::lock::MAX_LOCK_TIMEOUT {
+                return Err(invalid(
+                    key,
+                    "must be at most 24d 20h 31m 23s 647ms (PostgreSQL's lock_timeout)",
+                ));
+            }
+        }
         if p.failure_visibility
             .is_some_and(|v| v > pgonce::queue::MAX_VISIBILITY)
         {

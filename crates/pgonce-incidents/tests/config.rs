@@ -261,7 +261,7 @@ fn what_cannot_work_is_refused_with_the_key_named() {
     largest.database.max_connections = 262_143;
     largest.validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 21] = [
+    let cases: [(Bad, &str); 23] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -323,6 +323,16 @@ fn what_cannot_work_is_refused_with_the_key_named() {
         (
             |c| c.pipeline.failure_visibility = Some(Duration::from_secs(13 * 3600)),
             "pipeline.failure_visibility",
+        ),
+        // Under a year, past what PostgreSQL's lock_timeout holds: refused
+        // with the file, not when the service starts.
+        (
+            |c| c.service.entity_lock_timeout = Duration::from_secs(30 * 24 * 3600),
+            "service.entity_lock_timeout",
+        ),
+        (
+            |c| c.service.declaration_lock_timeout = Duration::from_secs(30 * 24 * 3600),
+            "service.declaration_lock_timeout",
         ),
         (|c| c.api.body_limit = 10, "body limit"),
         (
