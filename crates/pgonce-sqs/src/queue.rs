@@ -276,7 +276,13 @@ impl SqsClient {
 ///   sees its message delivered again; the PostgreSQL queue extends a
 ///   delivery without limit. SQS states no end per delivery:
 ///   [`Received::visibility`] is the receive's visibility, or else the
-///   queue's `VisibilityTimeout` as read when the handle was opened. A
+///   queue's `VisibilityTimeout` as read when the handle was opened,
+///   counted from [`Received::requested_at`], the start of the
+///   ReceiveMessage request that returned the message. SQS may have
+///   delivered it up to that request's long poll wait (20 s at most)
+///   later, and says not when: a delivery made late in a long poll looks
+///   run out that much before it does (a worker's heartbeat stops early),
+///   a slack that cannot be taken out here. A
 ///   handle opened before that attribute changed states the old timeout
 ///   (open the queue again after changing it): a worker counting from a
 ///   longer one may beat after its delivery ran out, extending another
@@ -507,13 +513,13 @@ impl SqsQueue {
         wait: Duration,
         visibility: Option<Duration>,
     ) -> Result<Vec<Received>> {
-        let messages = self.receive_raw(max, wait, visibility).await?;
+        let (requested_at, messages) = self.receive_raw(max, wait, visibility).await?;
         let mut got = Vec::new();
         let mut groups = HashSet::new();
         let mut release = Vec::new();
         let visibility = self.visibility(visibility);
         for m in &messages {
-            let received = to_received(m, &self.inner.name, visibility)?;
+            let received = to_received(m, &self.inner.name, visibility, requested_at)?;
             if self.inner.fifo
                 && let Some(g) = &received.group_id
                 && !groups.insert(g.clone())
@@ -538,14 +544,15 @@ impl SqsQueue {
         Ok(got)
     }
 
-    /// One ReceiveMessage request: its messages as SQS returned them.
-    /// `wait` is at most SQS's 20 s (a longer wait is several requests).
+    /// One ReceiveMessage request: when it began (`Received::requested_at`
+    /// of its deliveries), and its messages as SQS returned them. `wait` is
+    /// at most SQS's 20 s (a longer wait is several requests).
     async fn receive_raw(
         &self,
         max: usize,
         wait: Duration,
         visibility: Option<Duration>,
-    ) -> Result<Vec<Message>> {
+    ) -> Result<(Instant, Vec<Message>)> {
         debug_assert!(wait <= SQS_MAX_WAIT, "{wait:?}");
         let mut call = self
             .sdk()
@@ -561,6 +568,11 @@ impl SqsQueue {
         self.inner.receive_requests.fetch_add(1, Ordering::SeqCst);
         metrics::counter!("pgonce_sqs_receive_requests_total", "queue" => self.inner.name.clone())
             .increment(1);
+        // Before the request: SQS counts a delivery's visibility from some
+        // time within it, not known here (it may have waited up to `wait`
+        // first), so counted from here the stated end is never past the
+        // real one.
+        let requested_at = Instant::now();
         let out = call
             .customize()
             .config_override(
@@ -570,7 +582,7 @@ impl SqsQueue {
             .send()
             .await
             .map_err(|e| map(e, None))?;
-        Ok(out.messages.unwrap_or_default())
+        Ok((requested_at, out.messages.unwrap_or_default()))
     }
 
     /// Tops a FIFO batch up to the request's size, one message per SQS
@@ -1104,7 +1116,7 @@ impl Queue for SqsQueue {
             // One message at a time, moved before the next is received: a
             // FIFO group's in its order, and each held in the dead-letter
             // queue until it is deleted there (see `redrive_receive`).
-            let batch = self
+            let (requested_at, batch) = self
                 .receive_raw(take.max_messages, take.wait, Some(take.visibility))
                 .await?;
             if batch.is_empty() {
@@ -1115,6 +1127,7 @@ impl Queue for SqsQueue {
                     &raw,
                     &self.inner.name,
                     self.visibility(Some(take.visibility)),
+                    requested_at,
                 )?;
                 // The attributes as sent, of whatever type (a producer
                 // outside pgonce may send Number and Binary ones), and the
@@ -1456,8 +1469,13 @@ fn dead_letter_name(policy: &str) -> Option<String> {
 }
 
 /// `m` as delivered by the queue named `queue` (its receipt names it),
-/// hidden for `visibility` from its receive.
-fn to_received(m: &Message, queue: &str, visibility: Duration) -> Result<Received> {
+/// hidden for `visibility` from the request begun at `requested_at`.
+fn to_received(
+    m: &Message,
+    queue: &str,
+    visibility: Duration,
+    requested_at: Instant,
+) -> Result<Received> {
     let system = |name: MessageSystemAttributeName| {
         m.attributes()
             .and_then(|a| a.get(&name))
@@ -1493,6 +1511,7 @@ fn to_received(m: &Message, queue: &str, visibility: Duration) -> Result<Receive
         }
         .receipt(),
         visibility: Some(visibility),
+        requested_at,
     })
 }
 

@@ -82,7 +82,7 @@ mod worker;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 
@@ -319,15 +319,27 @@ pub struct Received {
     pub sent_at: std::time::SystemTime,
     /// The receipt of this delivery, for delete and change_visibility.
     pub receipt: Receipt,
-    /// How long this delivery hides the message, counted from the receive:
-    /// the visibility the request asked for, as the backend took it (SQS:
-    /// rounded up to whole seconds), or the queue's visibility timeout
-    /// (SQS: as read when the handle was opened). A later
-    /// [`Queue::change_visibility`] changes the delivery, not this. A
-    /// consumer knows from it when its delivery runs out, whether or not
-    /// it asked for a visibility: the worker stops its heartbeat there.
-    /// `None`: the backend cannot tell.
+    /// How long this delivery hides the message, counted from
+    /// [`Received::requested_at`]: the visibility the request asked for, as
+    /// the backend took it (SQS: rounded up to whole seconds), or the
+    /// queue's visibility timeout (SQS: as read when the handle was
+    /// opened). A later [`Queue::change_visibility`] changes the delivery,
+    /// not this. A consumer knows from the two when its delivery runs out,
+    /// `requested_at + visibility` at the earliest, whether or not it asked
+    /// for a visibility: the worker stops its heartbeat there. `None`: the
+    /// backend cannot tell.
     pub visibility: Option<Duration>,
+    /// When the request that made this delivery began, by this process's
+    /// clock: taken by the backend just before it sent the statement or
+    /// request that delivered the message, so never after the server began
+    /// counting [`Received::visibility`]. A long poll's wait before that
+    /// statement is not in it: the PostgreSQL queue takes it before each
+    /// of its receive statements, so a message delivered late in a long
+    /// poll is counted from its delivery. Amazon SQS waits inside its
+    /// request (up to 20 s) and says not when it delivered: there it is the
+    /// start of the ReceiveMessage request that returned the message, and
+    /// a delivery made late in that request's wait looks that much shorter.
+    pub requested_at: Instant,
 }
 
 /// A queue's figures at one moment (approximate under concurrent traffic).

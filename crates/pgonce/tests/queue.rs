@@ -1696,14 +1696,13 @@ fn no_poll() -> PgQueueOptions {
 
 /// One receiver of `q`'s family (a [`no_poll`] handle) parked in a long
 /// poll of an hour for up to ten messages.
-async fn parked_receiver(q: &PgQueue) -> tokio::task::JoinHandle<Vec<String>> {
+async fn parked_receiver(q: &PgQueue) -> tokio::task::JoinHandle<Vec<pgonce::Received>> {
     let parked_before = q.parked_receivers();
     let receiver = {
         let q = q.clone();
         tokio::spawn(async move {
             let request = ReceiveRequest::up_to(10).wait(Duration::from_secs(3600));
-            let got = q.receive(request).await.unwrap();
-            got.into_iter().map(|m| m.body).collect()
+            q.receive(request).await.unwrap()
         })
     };
     while q.parked_receivers() == parked_before {
@@ -1714,11 +1713,20 @@ async fn parked_receiver(q: &PgQueue) -> tokio::task::JoinHandle<Vec<String>> {
 
 /// What the receiver `parked_receiver` started got. It returns only when a
 /// notification wakes it; the minute is a failsafe, not a measure.
-async fn woken(receiver: tokio::task::JoinHandle<Vec<String>>, by: &str) -> Vec<String> {
+async fn delivered(
+    receiver: tokio::task::JoinHandle<Vec<pgonce::Received>>,
+    by: &str,
+) -> Vec<pgonce::Received> {
     tokio::time::timeout(Duration::from_secs(60), receiver)
         .await
         .unwrap_or_else(|_| panic!("not woken by {by}: it waits for its poll"))
         .unwrap()
+}
+
+/// The bodies of what [`delivered`] says.
+async fn woken(receiver: tokio::task::JoinHandle<Vec<pgonce::Received>>, by: &str) -> Vec<String> {
+    let got = delivered(receiver, by).await;
+    got.into_iter().map(|m| m.body).collect()
 }
 
 /// Deleting a FIFO group's head in flight makes the next message its
@@ -1926,6 +1934,31 @@ async fn a_heartbeat_after_a_redelivery_leaves_the_other_delivery_alone() {
 async fn deliveries_state_their_visibility() {
     let pool = pool().await;
     conformance_deliveries_state_their_visibility(&queue(&pool, "q", one_second()).await).await;
+}
+
+/// A message delivered to a parked long poll states the look that
+/// delivered it as its request ([`pgonce::Received::requested_at`]), not
+/// the receive's start: its visibility is counted from there, the wait
+/// before it not taken off. Step by step: the receive parks (seen on the
+/// handle's counter, [`parked_receiver`]), then the message is sent, and
+/// the notification wakes the receive to look again.
+#[tokio::test]
+async fn a_long_poll_counts_its_delivery_from_the_look_that_made_it() {
+    let pool = pool().await;
+    let q = PgQueue::create(&pool, "q", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    let receiver = parked_receiver(&q).await;
+    let parked = std::time::Instant::now();
+    q.send(SendMessage::new("m")).await.unwrap();
+    let got = delivered(receiver, "the send").await;
+    assert_eq!(got.len(), 1, "the message sent");
+    assert!(
+        got[0].requested_at >= parked,
+        "requested {:?} before the receive was seen parked: the long poll's wait is counted \
+         as the delivery's",
+        parked - got[0].requested_at
+    );
 }
 
 #[tokio::test]

@@ -782,3 +782,81 @@ async fn a_handler_that_panics_as_it_is_abandoned_has_its_message_handed_back() 
     )
     .await;
 }
+
+/// A message delivered late in a long poll gets its whole visibility
+/// from the statement that delivered it, and the worker counts it from
+/// there: its heartbeat beats, and nobody else gets the message while its
+/// handler runs past the visibility. (The worker counted the delivery
+/// from before the receive, its wait included: delivered 4.5 s into the
+/// receive, with a 6 s visibility, it looked run out at its first beat,
+/// 2 s later; the heartbeat stopped before beating, and the message was
+/// delivered again at the end of its visibility, its handler still
+/// running.)
+///
+/// Step by step: the worker's long poll (wait 5 s) parks, hearing of no
+/// send (no listener), and looks again only at its poll 4.5 s in; once it
+/// is seen parked, the message is sent, so its delivery is the look at
+/// the poll. The handler is held while another consumer long-polls for
+/// 8 s, past the delivery's own end.
+#[tokio::test]
+async fn a_delivery_late_in_a_long_poll_is_kept_by_its_heartbeat() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let visibility = Duration::from_secs(6);
+    let deaf = PgQueueOptions {
+        listen: pgonce::Listen::Off,
+        poll_interval: Duration::from_millis(4500),
+        ..PgQueueOptions::default()
+    };
+    let attributes = QueueAttributes::default().visibility_timeout(visibility);
+    let q = PgQueue::create(&pool, "q", attributes, deaf).await.unwrap();
+    let other = PgQueue::open(&pool, "q", PgQueueOptions::default())
+        .await
+        .unwrap();
+    let gated = Arc::new(Gated::default());
+    let config = WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        wait: Duration::from_secs(5),
+        visibility: None,
+        heartbeat_interval: Some(Duration::from_secs(2)),
+        heartbeat_extension: visibility,
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(q.clone(), Gate(gated.clone()), config).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let mut seen = None;
+    let done = run_beside(&worker, stopped, async {
+        while q.parked_receivers() == 0 {
+            tokio::task::yield_now().await;
+        }
+        q.send(SendMessage::new("m")).await.unwrap();
+        tokio::time::timeout(FAILSAFE, gated.started.notified())
+            .await
+            .expect("the handler started");
+        let taken = other
+            .receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(8)))
+            .await
+            .unwrap();
+        seen = Some((worker.counters(), taken));
+        gated.go.notify_one();
+        tokio::time::timeout(FAILSAFE, gated.finished.notified())
+            .await
+            .expect("the handler finished");
+        stop.send(()).unwrap();
+    })
+    .await;
+    let (beating, taken) = seen.expect("driven to the end");
+    assert!(
+        beating.heartbeats >= 1 && beating.expired == 0 && taken.is_empty(),
+        "while the handler ran: its heartbeat beat ({} beats, {} expired), and no other \
+         consumer got the message (got deliveries {:?})",
+        beating.heartbeats,
+        beating.expired,
+        taken.iter().map(|m| m.receive_count).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (done.succeeded, done.deleted, done.stale),
+        (1, 1, 0),
+        "acked as its only delivery: {done:?}"
+    );
+}

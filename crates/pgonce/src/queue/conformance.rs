@@ -1035,15 +1035,19 @@ pub async fn conformance_heartbeat_after_the_queue_visibility_ran_out<
 
 /// A delivery states the visibility it got ([`Received::visibility`]): the
 /// queue's timeout when the receive asks for none, else the receive's, as
-/// the backend took it (rounded up to whole seconds at most). A consumer
-/// counts from it when its delivery runs out.
+/// the backend took it (rounded up to whole seconds at most); and when the
+/// request that delivered it began ([`Received::requested_at`]), within
+/// the receive call. A consumer counts from the two when its delivery runs
+/// out.
 ///
 /// Needs: an empty standard queue with a 1 s visibility timeout.
 pub async fn conformance_deliveries_state_their_visibility(q: &impl Queue) {
     q.send_batch(vec![SendMessage::new("a"), SendMessage::new("b")])
         .await
         .unwrap();
+    let began = Instant::now();
     let queues = receive_n(q, 1, Duration::from_secs(10)).await;
+    requested_within(&queues[0], began, Instant::now());
     assert_eq!(
         queues[0].visibility,
         Some(Duration::from_secs(1)),
@@ -1051,6 +1055,7 @@ pub async fn conformance_deliveries_state_their_visibility(q: &impl Queue) {
     );
     let asked = Duration::from_millis(2500);
     let own = loop {
+        let began = Instant::now();
         let got = q
             .receive(
                 ReceiveRequest::up_to(1)
@@ -1060,6 +1065,7 @@ pub async fn conformance_deliveries_state_their_visibility(q: &impl Queue) {
             .await
             .unwrap();
         if let Some(m) = got.into_iter().next() {
+            requested_within(&m, began, Instant::now());
             break m;
         }
     };
@@ -1071,6 +1077,20 @@ pub async fn conformance_deliveries_state_their_visibility(q: &impl Queue) {
     );
     q.delete(&own.receipt).await.unwrap();
     q.delete(&queues[0].receipt).await.ok();
+}
+
+/// `m` was delivered by a request begun within the receive call that
+/// ran from `began` to `ended`: a consumer counting from it never counts
+/// from after the server did, nor from before the call.
+fn requested_within(m: &Received, began: Instant, ended: Instant) {
+    assert!(
+        began <= m.requested_at && m.requested_at <= ended,
+        "requested_at {:?} is outside the receive call's {:?} (from {:?} to {:?})",
+        m.requested_at,
+        ended - began,
+        began,
+        ended
+    );
 }
 
 /// The steps of [`conformance_heartbeat_after_a_redelivery`], the worker

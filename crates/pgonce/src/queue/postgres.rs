@@ -816,6 +816,11 @@ impl PgQueue {
         if further {
             query = query.bind(room as i64);
         }
+        // Its deliveries' visibility is counted from the statement's start
+        // (`now()`, in its own transaction), after this: their stated end
+        // is never past the real one. Taken here, not at the receive's
+        // start, so a long poll's wait before this look is not counted.
+        let requested_at = Instant::now();
         let rows: Vec<ReceiveRow> = query.fetch_all(&self.inner.pool).await?;
         let (mut dead, mut expired, mut skipped, mut unseen) = (0u64, 0u64, 0u64, 0u64);
         let mut held = Vec::new();
@@ -842,6 +847,7 @@ impl PgQueue {
                         visibility: row
                             .visibility_ms
                             .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+                        requested_at,
                     });
                 }
                 "dead_lettered" => dead += 1,

@@ -138,9 +138,12 @@ pub struct WorkerConfig {
     /// that is not shorter, and each such delivery's heartbeat stops
     /// before its first beat, the delivery having run out
     /// ([`WorkerCounters::expired`]). The worker counts a delivery from
-    /// before the receive that made it, a long poll's wait included: keep
-    /// the interval shorter than the visibility less `wait`, or a delivery
-    /// made late in a long poll may look run out at its first beat.
+    /// when the backend sent the statement or request that delivered it
+    /// ([`Received::requested_at`]): on the PostgreSQL queue, a long
+    /// poll's wait is not counted. On SQS, whose request waits (up to
+    /// 20 s) and then delivers, it is: there keep the interval shorter
+    /// than the visibility less `wait` (20 s at most), or a delivery made
+    /// late in a long poll may look run out at its first beat.
     pub heartbeat_interval: Option<Duration>,
     /// Each heartbeat makes the message invisible for this long from now.
     /// Default 30 s; longer than `heartbeat_interval` (or the message would
@@ -386,17 +389,13 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         let max = self.shared.config.concurrency.min(self.shared.config.batch);
         let mut request = ReceiveRequest::up_to(max);
         request.visibility = self.shared.config.visibility;
-        let asked_at = Instant::now();
         let messages = self.shared.queue.receive(request).await?;
         let mut tasks = JoinSet::new();
         for message in messages {
             let shared = self.shared.clone();
             let call = call.clone();
-            tasks.spawn(async move {
-                shared
-                    .process(message, asked_at, std::future::pending(), &call)
-                    .await
-            });
+            tasks
+                .spawn(async move { shared.process(message, std::future::pending(), &call).await });
         }
         while let Some(joined) = tasks.join_next().await {
             if joined.is_err() {
@@ -452,7 +451,6 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             // Told to stop, not dropped, at shutdown: dropped with its
             // statement running, what that statement delivered would reach
             // nobody and wait out its visibility timeout.
-            let asked_at = Instant::now();
             let mut receive = Box::pin(
                 self.shared
                     .queue
@@ -471,7 +469,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                         let abandon = raised(abandon.clone());
                         let call = call.clone();
                         tasks.spawn(async move {
-                            shared.process(message, asked_at, abandon, &call).await;
+                            shared.process(message, abandon, &call).await;
                             drop(permit);
                         });
                     }
@@ -727,18 +725,11 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         }
     }
 
-    /// Handles `message` (received by a request made at `asked_at`) and
-    /// acks it; or, once `abandon` resolves with the handler still
+    /// Handles `message` and acks it; or, once `abandon` resolves with the handler still
     /// running, drops the handler and hands the message back, unless its
     /// delivery ran out meanwhile (module docs, Shutdown). Counted for the
     /// call whose counters are `call`.
-    async fn process(
-        &self,
-        message: Received,
-        asked_at: Instant,
-        abandon: impl Future<Output = ()>,
-        call: &Counters,
-    ) {
+    async fn process(&self, message: Received, abandon: impl Future<Output = ()>, call: &Counters) {
         let queue = self.queue.name().to_string();
         self.bump(call, |c| &c.received);
         metrics::counter!("pgonce_queue_worker_received_total", "queue" => queue.clone())
@@ -769,9 +760,13 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         // delivery whose early beats failed would look alive for ever,
         // and a beat sent after it ran out would, where receipts are not
         // fenced (SQS), extend or cut short another worker's delivery.
+        // Counted from when the backend sent what delivered it, not from
+        // the receive's start: a long poll's wait before that is not the
+        // delivery's, and counted, it made a message delivered late in
+        // the wait look run out at its first beat, its heartbeat stopped.
         let lease = Lease::default();
         if let Some(visibility) = message.visibility.or(self.config.visibility) {
-            lease.set(asked_at, visibility);
+            lease.set(message.requested_at, visibility);
         }
         if let (Some(every), Some(visibility)) =
             (self.config.heartbeat_interval, message.visibility)
