@@ -14,7 +14,7 @@ use crate::pooler::PoolerProblem;
 #[non_exhaustive]
 pub enum Error {
     /// A bounded lock wait ran out. The transaction is still usable: the wait
-    /// ran in a savepoint that was rolled back.
+    /// ran in a subtransaction that was rolled back.
     #[error("advisory lock {key} not granted within {waited:?}")]
     LockTimeout {
         /// The advisory key that was not granted.

@@ -45,9 +45,9 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use sqlx::{Postgres, Transaction};
+use sqlx::{FromRow, Postgres, Transaction};
 
-use crate::error::{Error, Result, sqlstate, sqlstate_of};
+use crate::error::{Error, Result};
 
 /// The documented SQL derivation of [`LockKey::new`]: one row, one `bigint`
 /// column `key`, for namespace `$1` and key `$2` (both `text`). Lets any
@@ -186,11 +186,15 @@ pub(crate) fn lock_timeout_millis(timeout: Duration) -> u128 {
 /// A `timeout` past [`MAX_LOCK_TIMEOUT`] is [`Error::Invalid`], before any
 /// statement.
 ///
-/// The wait runs in a savepoint with a local `lock_timeout`: on timeout the
-/// savepoint is rolled back, so `tx` stays usable and keeps its earlier
-/// locks and writes; the session's own `lock_timeout` is restored either way.
-/// One round trip when the lock is granted, two when it is not
-/// (`lock/sql/lock_timeout.sql`).
+/// The wait runs in a subtransaction with a local `lock_timeout`, which the
+/// server rolls back when the wait runs out: `tx` stays usable and keeps
+/// its earlier locks and writes, and the session's own `lock_timeout` is in
+/// force again either way. One round trip (`lock/sql/lock_timeout.sql`),
+/// and nothing for the client to undo after it: a caller that gives up the
+/// call (its own timeout around it, a `select!`) leaves `tx` as the server
+/// then finishes the wait, usable, holding the lock if it was granted.
+/// Other errors of the wait (a deadlock, a cancel, `statement_timeout`)
+/// abort `tx`, as they would any statement.
 pub async fn lock_timeout(
     tx: &mut Transaction<'_, Postgres>,
     key: LockKey,
@@ -200,34 +204,28 @@ pub async fn lock_timeout(
     let sql = LOCK_TIMEOUT
         .replace("{key}", &key.as_i64().to_string())
         .replace("{millis}", &lock_timeout_millis(timeout).to_string());
-    let Err(e) = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-        .execute(&mut **tx)
-        .await
-    else {
-        return Ok(());
-    };
-    // The lock statement failed, the savepoint still open: back to it, so
-    // that `tx` is as it was. If that fails too (the savepoint was never
-    // taken, the connection is gone), the first error is the one to tell.
-    let undone = sqlx::raw_sql(sqlx::AssertSqlSafe(LOCK_TIMEOUT_UNDO.as_str()))
-        .execute(&mut **tx)
-        .await;
-    match (sqlstate_of(&e).as_deref(), undone) {
-        (Some(sqlstate::LOCK_NOT_AVAILABLE), Ok(_)) => Err(Error::LockTimeout {
+    let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .fetch_one(&mut **tx)
+        .await?;
+    match Waited::from_row(&row)? {
+        Waited { held: true } => Ok(()),
+        Waited { held: false } => Err(Error::LockTimeout {
             key,
             waited: timeout,
         }),
-        _ => Err(e.into()),
     }
+}
+
+/// The row of `lock/sql/lock_timeout.sql`.
+#[derive(sqlx::FromRow)]
+struct Waited {
+    /// Whether the transaction holds the lock after the bounded wait.
+    held: bool,
 }
 
 /// `lock/sql/lock_timeout.sql` without its comment lines, as sent.
 static LOCK_TIMEOUT: LazyLock<String> =
     LazyLock::new(|| without_comments(include_str!("lock/sql/lock_timeout.sql")));
-
-/// `lock/sql/lock_timeout_undo.sql` without its comment lines, as sent.
-static LOCK_TIMEOUT_UNDO: LazyLock<String> =
-    LazyLock::new(|| without_comments(include_str!("lock/sql/lock_timeout_undo.sql")));
 
 /// `sql` without its comment lines: the text of a multi-statement message
 /// (sent as simple query, whose text is not prepared once but sent each

@@ -335,3 +335,98 @@ async fn a_lock_timeout_past_the_longest_is_refused_before_any_statement() {
     assert!(held_by_anyone(&pool, key).await);
     tx.commit().await.unwrap();
 }
+
+/// A waiter's transaction, shared with the step that waits in it, so that
+/// the transaction outlives the step's future when that is dropped.
+type SharedTx = std::sync::Arc<tokio::sync::Mutex<sqlx::Transaction<'static, sqlx::Postgres>>>;
+
+/// Starts a bounded wait for `key` in the waiter's transaction `tx` (on
+/// session `waiter`), sees it blocked by `holder`, and gives it up as a
+/// caller's own timeout or `select!` would: its future is dropped where it
+/// waits, the wait still running on the server.
+async fn give_up_a_bounded_wait(
+    race: &Interleaving,
+    waiter: &pgonce_testkit::Session,
+    tx: &SharedTx,
+    key: LockKey,
+) {
+    let in_step = tx.clone();
+    let waiting = race
+        .step_blocks(waiter, "bounded wait", async move {
+            let mut tx = in_step.lock().await;
+            lock::lock_timeout(&mut tx, key, Duration::from_secs(3)).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["H"]);
+    waiting.cancel();
+}
+
+/// The waiter's transaction, once the step given up has let go of it (its
+/// task is dropped when the runtime gets to it, not at `cancel`).
+async fn taken_back(tx: SharedTx) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    drop(tx.lock().await);
+    std::sync::Arc::into_inner(tx)
+        .expect("the step given up holds the transaction no more")
+        .into_inner()
+}
+
+/// A bounded wait whose future is dropped mid-wait (a caller's own
+/// timeout around it) must leave the caller's transaction as it was when
+/// the wait then runs out on the server: usable, its earlier writes
+/// committed by its COMMIT, the session's lock_timeout in force. Sent as
+/// one message whose undo is a second one, the dropped call never sent
+/// that undo: the transaction was left aborted, and its COMMIT rolled the
+/// earlier writes back while reporting success.
+#[tokio::test]
+async fn a_bounded_wait_given_up_that_then_runs_out_leaves_the_transaction_as_it_was() {
+    let db = fresh_database().await;
+    let pool = db.pool(2).await.unwrap();
+    sqlx::query("CREATE TABLE written_before (x int)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let h = race.session("H").await.unwrap();
+    let w = race.session("W").await.unwrap();
+    let key = LockKey::new("entity", "given up, runs out").unwrap();
+    let mut holder = h.pool().begin().await.unwrap();
+    lock::lock(&mut holder, key).await.unwrap();
+
+    let tx: SharedTx =
+        std::sync::Arc::new(tokio::sync::Mutex::new(w.pool().begin().await.unwrap()));
+    {
+        let mut tx = tx.lock().await;
+        sqlx::query("SET lock_timeout = '7s'")
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO written_before VALUES (1)")
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+    give_up_a_bounded_wait(&race, &w, &tx, key).await;
+
+    // The holder keeps the lock throughout: the wait given up runs out on
+    // the server before the waiter's next statement runs.
+    let mut tx = taken_back(tx).await;
+    let setting: Result<String, _> = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+        .fetch_one(&mut *tx)
+        .await;
+    assert_eq!(
+        setting
+            .as_ref()
+            .map_err(|e| e.to_string())
+            .map(String::as_str),
+        Ok("7s"),
+        "the transaction is usable, the session's lock_timeout in force"
+    );
+    tx.commit().await.unwrap();
+    holder.commit().await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM written_before")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "the write before the wait given up is committed");
+}

@@ -1,24 +1,32 @@
 -- A bounded wait for a lock, in one round trip (one simple-query message):
 -- {key} the LockKey and {millis} the bound in milliseconds (at least 1),
--- both numbers from our code, never input text.
+-- both numbers from our code, never input text. One row, `held`: whether
+-- the transaction holds the lock now.
 --
--- Inside the caller's transaction, the statements of one message run in
--- turn, and the first that fails skips the rest. The savepoint is what
--- keeps the caller's transaction usable after a timeout: the caller then
--- sends ROLLBACK TO and RELEASE (lock_timeout_undo.sql), which also undoes
--- the local lock_timeout. On success the lock statement has put the value
--- in force before back (each level of it is evaluated before the one
--- around it: OFFSET 0 keeps the planner from merging them), and RELEASE
--- keeps the lock, which belongs to the transaction, not the savepoint.
-SAVEPOINT pgonce_lock_timeout;
-SELECT set_config('lock_timeout', was, true) AS restored
-FROM (
-    SELECT was, pg_advisory_xact_lock({key}) AS locked
-    FROM (
-        SELECT current_setting('lock_timeout') AS was,
-               set_config('lock_timeout', '{millis}', true) AS bounded
-        OFFSET 0
-    ) AS before_lock
-    OFFSET 0
-) AS after_lock;
-RELEASE SAVEPOINT pgonce_lock_timeout
+-- The wait runs in a PL/pgSQL block with an exception handler, that is in
+-- a subtransaction the server itself rolls back when the wait runs out
+-- (lock_not_available): the local lock_timeout goes with it, and the
+-- caller's transaction is as it was, usable, its earlier locks and writes
+-- kept. Nothing is left for the client to undo, so a caller that stops
+-- waiting for the answer (its future dropped mid-wait) cannot leave the
+-- transaction aborted: the server finishes the message on its own. Any
+-- other error (a deadlock, a cancel, statement_timeout) is not caught and
+-- aborts the transaction, as it would any statement.
+--
+-- Granted, the lock outlives the block's subtransaction (an advisory xact
+-- lock belongs to the transaction once the subtransaction commits), and
+-- the value of lock_timeout in force before is put back. Then the try,
+-- which never waits, tells which way the wait ended: true when granted, or
+-- when the holder let go just after the wait ran out (taken then).
+DO $pgonce_lock_timeout$
+DECLARE
+    was text := current_setting('lock_timeout');
+BEGIN
+    PERFORM set_config('lock_timeout', '{millis}', true);
+    PERFORM pg_advisory_xact_lock({key});
+    PERFORM set_config('lock_timeout', was, true);
+EXCEPTION WHEN lock_not_available THEN
+    NULL;
+END
+$pgonce_lock_timeout$;
+SELECT pg_try_advisory_xact_lock({key}) AS held
