@@ -324,6 +324,31 @@ impl Interleaving {
         }
     }
 
+    /// Whether `session`'s backend is still waiting for a lock once its
+    /// statement has run `millis` by the server's clock; false as soon as
+    /// it is seen not waiting (its statement ended or failed). For a wait
+    /// that must outlast a timeout: the verdict comes from the server's
+    /// own clock, not from how long the test slept.
+    pub async fn still_waiting_after(
+        &self,
+        session: &Session,
+        millis: i32,
+    ) -> Result<bool, HarnessError> {
+        loop {
+            let waited_long: Option<bool> =
+                sqlx::query_scalar(include_str!("sql/waited_longer_than.sql"))
+                    .bind(&session.application_name)
+                    .bind(millis)
+                    .fetch_optional(&self.observer)
+                    .await?;
+            match waited_long {
+                None => return Ok(false),
+                Some(true) => return Ok(true),
+                Some(false) => tokio::time::sleep(POLL_EVERY).await,
+            }
+        }
+    }
+
     /// Whether `session`'s backend is waiting on a lock right now, and on
     /// whom: session names for our sessions, `pid N` for any other backend.
     pub async fn blockers_of(

@@ -138,13 +138,10 @@ impl fmt::Display for LockKey {
 /// The `lock_timeout` the session inherited (an operator's `ALTER ROLE ...
 /// SET lock_timeout`) does not cut the wait short; it is lifted for the
 /// lock statement alone and applies again to the statements after it
-/// (see `lock/sql/lock.sql`). For a bounded wait, [`lock_timeout`].
+/// (see `lock/sql/lock_many.sql`, the statement of [`lock_many`] run here
+/// for the one key). For a bounded wait, [`lock_timeout`].
 pub async fn lock(tx: &mut Transaction<'_, Postgres>, key: LockKey) -> Result<()> {
-    sqlx::query(include_str!("lock/sql/lock.sql"))
-        .bind(key.as_i64())
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
+    lock_many(tx, [key]).await
 }
 
 /// Takes the lock if nobody holds it; never waits. `true` when taken (held
@@ -239,7 +236,9 @@ pub(crate) fn without_comments(sql: &str) -> String {
 
 /// Takes several locks in one statement, in ascending key order and each key
 /// once, so two callers locking overlapping sets can never deadlock on each
-/// other. Held until `tx` ends.
+/// other. Held until `tx` ends. Waits as long as it takes, as [`lock`]
+/// does: the session's `lock_timeout` is lifted for this one statement and
+/// applies again after it (see `lock/sql/lock_many.sql`).
 pub async fn lock_many(
     tx: &mut Transaction<'_, Postgres>,
     keys: impl IntoIterator<Item = LockKey>,

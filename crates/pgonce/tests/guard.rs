@@ -780,28 +780,6 @@ async fn the_guarded_transaction_runs_at_the_configured_level_whatever_the_defau
     }
 }
 
-/// Whether the backend `pid` is still waiting for a lock once it has
-/// waited `millis` by the server's clock; false as soon as it is seen not
-/// waiting (its statement ended or failed).
-async fn still_waiting_after(pool: &PgPool, pid: i32, millis: i32) -> bool {
-    loop {
-        let waited_long: Option<bool> = sqlx::query_scalar(
-            "SELECT clock_timestamp() - query_start > make_interval(secs => $2 / 1000.0) \
-             FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
-        )
-        .bind(pid)
-        .bind(millis)
-        .fetch_optional(pool)
-        .await
-        .unwrap();
-        match waited_long {
-            None => return false,
-            Some(true) => return true,
-            Some(false) => tokio::task::yield_now().await,
-        }
-    }
-}
-
 /// A guard without a lock_timeout waits for its lock as long as it takes,
 /// as its config says, whatever lock_timeout the session inherited (an
 /// operator's `ALTER ROLE ... SET lock_timeout`; here set on the session):
@@ -814,10 +792,6 @@ async fn a_guard_without_a_lock_timeout_waits_past_the_sessions_own() {
     let (db, pool) = setup().await;
     let key = LockKey::new("e", "inherited").unwrap();
     let (race, h, w) = holder_and_waiter(&db, "50ms").await;
-    let w_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(w.pool())
-        .await
-        .unwrap();
 
     let mut holder = h.pool().begin().await.unwrap();
     race.step(&h, "lock", pgonce::lock::lock(&mut holder, key))
@@ -833,7 +807,7 @@ async fn a_guard_without_a_lock_timeout_waits_past_the_sessions_own() {
         .await
         .unwrap();
     assert!(
-        still_waiting_after(&pool, w_pid, 200).await,
+        race.still_waiting_after(&w, 200).await.unwrap(),
         "BEGIN and lock"
     );
     race.step(&h, "COMMIT", holder.commit())
@@ -862,7 +836,7 @@ async fn a_guard_without_a_lock_timeout_waits_past_the_sessions_own() {
         })
         .await
         .unwrap();
-    assert!(still_waiting_after(&pool, w_pid, 200).await, "check");
+    assert!(race.still_waiting_after(&w, 200).await.unwrap(), "check");
     race.step(&h, "COMMIT", holder.commit())
         .await
         .unwrap()

@@ -430,3 +430,61 @@ async fn a_bounded_wait_given_up_that_then_runs_out_leaves_the_transaction_as_it
         .unwrap();
     assert_eq!(rows, 1, "the write before the wait given up is committed");
 }
+
+/// `lock` and `lock_many` wait as long as it takes, whatever lock_timeout
+/// the session inherited (an operator's `ALTER ROLE ... SET lock_timeout`;
+/// here set on the session): each is still waiting at four times that
+/// timeout, goes through once the holder commits, and leaves the session's
+/// value in force for the statements after it. Inheriting it, `lock_many`
+/// failed after 50 ms with PostgreSQL's 55P03 as a database error, its
+/// transaction aborted.
+#[tokio::test]
+async fn lock_and_lock_many_wait_past_the_sessions_lock_timeout() {
+    let db = fresh_database().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    sqlx::query("SELECT set_config('lock_timeout', '50ms', false)")
+        .execute(w.pool())
+        .await
+        .unwrap();
+    let k1 = LockKey::new("entity", "inherited one").unwrap();
+    let k2 = LockKey::new("entity", "inherited two").unwrap();
+
+    for many in [false, true] {
+        let mut holder = h.pool().begin().await.unwrap();
+        race.step(&h, "lock two", lock::lock(&mut holder, k2))
+            .await
+            .unwrap()
+            .unwrap();
+        let pool_w = w.pool().clone();
+        let waiting = race
+            .step_blocks(&w, "lock", async move {
+                let mut tx = pool_w.begin().await?;
+                if many {
+                    lock::lock_many(&mut tx, [k1, k2]).await?;
+                } else {
+                    lock::lock(&mut tx, k2).await?;
+                }
+                let after: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok::<_, Error>(after)
+            })
+            .await
+            .unwrap();
+        assert!(
+            race.still_waiting_after(&w, 200).await.unwrap(),
+            "lock_many: {many}"
+        );
+        race.step(&h, "COMMIT", holder.commit())
+            .await
+            .unwrap()
+            .unwrap();
+        let after = waiting.resume().await.unwrap().unwrap();
+        assert_eq!(after, "50ms", "lock_many: {many}");
+    }
+}
