@@ -3028,6 +3028,74 @@ impl Gate {
     }
 }
 
+/// A receive of one message from `q`, waiting up to `wait`: what it got,
+/// and how long it took.
+fn spawn_receive(
+    q: &PgQueue,
+    wait: Duration,
+) -> tokio::task::JoinHandle<(Vec<Received>, Duration)> {
+    let q = q.clone();
+    tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let got = q
+            .receive(ReceiveRequest::up_to(1).wait(wait))
+            .await
+            .unwrap();
+        (got, started.elapsed())
+    })
+}
+
+/// Until a receive of `q` is parked and its listener LISTENing.
+async fn parked_and_listening(q: &PgQueue, plain: &PgPool) {
+    while q.parked_receivers() == 0 || listeners(plain).await.is_empty() {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Terminates the backend of the one queue listener.
+async fn terminate_listener(plain: &PgPool) {
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_all(plain)
+    .await
+    .unwrap();
+    assert_eq!(killed, [true]);
+}
+
+/// Sends to queue `q` and commits, while nobody listens: the notification
+/// is lost.
+async fn send_unannounced(plain: &PgPool) -> Sent {
+    let sender = PgQueue::open(plain, "q", slow_poll()).await.unwrap();
+    let mut tx = plain.begin().await.unwrap();
+    let sent = sender
+        .send_in(&mut tx, SendMessage::new("sent while nobody listened"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    sent
+}
+
+/// The receive got `sent`, woken before its `wait` ended. Nothing else
+/// ends the park before the wait: the poll interval (60 s) is longer, and
+/// the notification was lost.
+async fn received_before_the_wait(
+    receiver: tokio::task::JoinHandle<(Vec<Received>, Duration)>,
+    sent: &Sent,
+    wait: Duration,
+) {
+    let (got, took) = receiver.await.unwrap();
+    assert_eq!(
+        got.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        [sent.id.as_str()]
+    );
+    assert!(
+        took < wait,
+        "woken once the listener was back, not by the end of the wait: {took:?}"
+    );
+}
+
 /// The listener of a long poll loses its connection (its backend
 /// terminated) and a message is sent and committed before it has
 /// reconnected: that notification is lost. The listener, once it has
@@ -3041,52 +3109,122 @@ async fn a_listener_that_reconnected_wakes_the_parked_receivers_for_what_it_miss
         .await
         .unwrap();
     let wait = Duration::from_secs(30);
-    let receiver = tokio::spawn({
-        let q = q.clone();
-        async move {
-            let started = std::time::Instant::now();
-            let got = q
-                .receive(ReceiveRequest::up_to(1).wait(wait))
-                .await
-                .unwrap();
-            (got, started.elapsed())
+    let receiver = spawn_receive(&q, wait);
+    parked_and_listening(&q, &plain).await;
+
+    gate.open.send_replace(false);
+    terminate_listener(&plain).await;
+    // The listener saw its connection die and is reconnecting.
+    gate.arrived.notified().await;
+    let sent = send_unannounced(&plain).await;
+    gate.open.send_replace(true);
+
+    received_before_the_wait(receiver, &sent, wait).await;
+}
+
+/// A TCP proxy in front of the test server that hands every connection
+/// made through it to the test, to forward or to refuse: lets a test see
+/// each reconnect a listener tries, fail one, and hold the next back for
+/// as long as it needs.
+struct Proxy {
+    options: sqlx::postgres::PgConnectOptions,
+    attempts: tokio::sync::mpsc::UnboundedReceiver<Attempt>,
+}
+
+/// One connection made through a [`Proxy`], not yet forwarded.
+struct Attempt {
+    client: tokio::net::TcpStream,
+    server: (String, u16),
+}
+
+impl Proxy {
+    async fn start(db: &pgonce_testkit::ScratchDatabase) -> Proxy {
+        let options = db.options();
+        let server = (options.get_host().to_string(), options.get_port());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (tx, attempts) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = server.clone();
+                if tx.send(Attempt { client, server }).is_err() {
+                    return;
+                }
+            }
+        });
+        Proxy {
+            options: options.host("127.0.0.1").port(port),
+            attempts,
         }
-    });
-    while q.parked_receivers() == 0 || listeners(&plain).await.is_empty() {
+    }
+
+    /// The next connection made through the proxy.
+    async fn next(&mut self) -> Attempt {
+        self.attempts.recv().await.unwrap()
+    }
+}
+
+impl Attempt {
+    /// Relays the connection to the server from now on.
+    fn forward(self) {
+        let Attempt { mut client, server } = self;
+        tokio::spawn(async move {
+            let mut server = tokio::net::TcpStream::connect(server).await.unwrap();
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+        });
+    }
+
+    /// Closes the connection before a byte went through: the client's
+    /// connect fails at once (not as refused, which its pool would retry).
+    fn refuse(self) {
+        drop(self.client);
+    }
+}
+
+/// The listener of a long poll loses its connection and cannot get a new
+/// one at first (its reconnect fails, as when the server is down longer
+/// than the pool's acquire timeout): the receivers are woken, look, find
+/// nothing and park again. A message is then sent and committed while the
+/// listener's next try is held back, so its notification is lost. Once
+/// that try goes through and the listener LISTENs again, the receivers are
+/// woken to look, and the message is received before the poll interval
+/// (60 s) or the wait (20 s) ends. Before, the listener came back inside
+/// its next `try_recv` without a word, and the receiver slept out the wait.
+#[tokio::test]
+async fn a_listener_back_after_a_failed_reconnect_wakes_the_parked_receivers() {
+    let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
+    let (gated, gate) = Gate::pool(&db).await;
+    let mut proxy = Proxy::start(&db).await;
+    let options = PgQueueOptions {
+        listen: pgonce::Listen::Direct(Box::new(proxy.options.clone())),
+        ..slow_poll()
+    };
+    let q = PgQueue::create(&gated, "q", QueueAttributes::default(), options)
+        .await
+        .unwrap();
+    let wait = Duration::from_secs(20);
+    let receiver = spawn_receive(&q, wait);
+    proxy.next().await.forward();
+    parked_and_listening(&q, &plain).await;
+
+    gate.open.send_replace(false);
+    terminate_listener(&plain).await;
+    // The listener's reconnect fails, and the receiver is woken.
+    proxy.next().await.refuse();
+    gate.arrived.notified().await;
+    assert_eq!(q.parked_receivers(), 0);
+    gate.open.send_replace(true);
+    // It looked, found nothing, and parked again.
+    while q.parked_receivers() == 0 {
         tokio::task::yield_now().await;
     }
 
-    gate.open.send_replace(false);
-    let killed: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
-    )
-    .fetch_all(&plain)
-    .await
-    .unwrap();
-    assert_eq!(killed, [true]);
-    // The listener saw its connection die and is reconnecting.
-    gate.arrived.notified().await;
-    let sender = PgQueue::open(&plain, "q", slow_poll()).await.unwrap();
-    let mut tx = plain.begin().await.unwrap();
-    let sent = sender
-        .send_in(&mut tx, SendMessage::new("sent while nobody listened"))
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    gate.open.send_replace(true);
+    // The listener's next try, held back while a message is sent.
+    let retry = proxy.next().await;
+    let sent = send_unannounced(&plain).await;
+    retry.forward();
 
-    let (got, took) = receiver.await.unwrap();
-    assert_eq!(
-        got.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
-        [sent.id.as_str()]
-    );
-    // Nothing else ends the park before the wait: the poll interval is
-    // longer, and the notification was lost.
-    assert!(
-        took < wait,
-        "woken once the listener was back, not by the end of the wait: {took:?}"
-    );
+    received_before_the_wait(receiver, &sent, wait).await;
 }
 
 /// A message's receipt as its row holds it.

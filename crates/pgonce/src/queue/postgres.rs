@@ -917,7 +917,15 @@ impl PgQueue {
                 else {
                     return Ok::<_, Error>(Waker { notify, task: None });
                 };
-                let task = tokio::spawn(listen(listener, self.inner.name.clone(), notify.clone()));
+                let task = tokio::spawn(listen(
+                    listener,
+                    Relisten {
+                        listen: self.inner.options.listen.clone(),
+                        pool: self.inner.pool.clone(),
+                    },
+                    self.inner.name.clone(),
+                    notify.clone(),
+                ));
                 Ok(Waker {
                     notify,
                     task: Some(task),
@@ -951,7 +959,15 @@ impl PgQueue {
 /// are lost, and a receiver parked on one of them would sleep until its
 /// poll interval; woken once the listener is back, every look it makes
 /// sees what was sent meanwhile.
-async fn listen(mut listener: PgListener, queue: String, notify: Arc<Notify>) {
+///
+/// When that reconnect fails (`Err`: the server down for longer than the
+/// pool's acquire timeout, the login refused), the receivers are woken at
+/// once, but what is sent after that wake and before a listener is back
+/// is lost as well. The next `try_recv` would reconnect without a word, so
+/// the relay does not call it until it has a listener again: it builds a
+/// new one the way the first was built ([`Relisten`]), which returns only
+/// once its LISTEN has run, and wakes the receivers then.
+async fn listen(mut listener: PgListener, relisten: Relisten, queue: String, notify: Arc<Notify>) {
     loop {
         match listener.try_recv().await {
             // One receiver wakes per notification; one that fills its
@@ -965,12 +981,46 @@ async fn listen(mut listener: PgListener, queue: String, notify: Arc<Notify>) {
                 notify.notify_waiters();
             }
             Err(e) => {
-                // No new connection yet: the next try_recv tries again.
                 // Notifications sent meanwhile are lost, so wake everyone
                 // to look.
                 tracing::warn!(queue = %queue, error = %e, "queue listener lost its connection");
                 notify.notify_waiters();
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                // The old listener goes first: one without a connection
+                // holds nothing, and one that still has one (an error
+                // other than a lost connection) gives it back to its pool
+                // after UNLISTEN.
+                drop(listener);
+                listener = relisten.until_listening(&queue, &notify).await;
+                tracing::info!(queue = %queue, "queue listener listening again");
+                notify.notify_waiters();
+            }
+        }
+    }
+}
+
+/// How the relay builds a new listener after its old one failed: the
+/// queue's [`Listen`](crate::Listen) setting and pool.
+struct Relisten {
+    listen: crate::Listen,
+    pool: PgPool,
+}
+
+impl Relisten {
+    /// A new listener LISTENing on the queues' channel, trying every
+    /// half second until one is. Every failed try wakes the receivers as
+    /// the first failure did: what was sent meanwhile has nobody to
+    /// announce it.
+    async fn until_listening(&self, queue: &str, notify: &Notify) -> PgListener {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            match self.listen.listener(&self.pool, CHANNEL).await {
+                Ok(Some(listener)) => return listener,
+                // The relay runs only for a setting that listens.
+                Ok(None) => std::future::pending::<()>().await,
+                Err(e) => {
+                    tracing::warn!(queue = %queue, error = %e, "queue listener cannot listen again yet");
+                    notify.notify_waiters();
+                }
             }
         }
     }
