@@ -177,6 +177,17 @@ impl Session {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+
+    /// Sets `setting` to `value` for the rest of the session, as a role's
+    /// or database's setting (`ALTER ROLE ... SET`) gives every new one.
+    pub async fn set(&self, setting: &str, value: &str) -> Result<(), HarnessError> {
+        sqlx::query("SELECT set_config($1, $2, false)")
+            .bind(setting)
+            .bind(value)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
 }
 
 impl Interleaving {

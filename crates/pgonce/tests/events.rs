@@ -1145,8 +1145,9 @@ async fn an_append_in_the_callers_transaction_commits_and_rolls_back_with_it() {
 }
 
 /// An append opens its transaction and takes its locks in one message; a
-/// lock that fails there (here: `lock_timeout` while another transaction
-/// holds the tag's key exclusive) returns the error and leaves the pooled
+/// lock that fails there (here: `statement_timeout` while another
+/// transaction holds the tag's key exclusive; the session's `lock_timeout`
+/// does not bound the append's locks) returns the error and leaves the pooled
 /// connection idle, not inside an aborted transaction: the next append on
 /// that same (only) connection succeeds and writes exactly one event.
 #[tokio::test]
@@ -1154,7 +1155,7 @@ async fn a_failed_lock_leaves_the_connection_usable() {
     let (db, pool) = db().await;
     let one = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
-        .connect_with(db.options().options([("lock_timeout", "200ms")]))
+        .connect_with(db.options().options([("statement_timeout", "200ms")]))
         .await
         .unwrap();
     let key = pgonce::LockKey::new(pgonce::events::TAG_NAMESPACE, "busy").unwrap();
@@ -1175,6 +1176,99 @@ async fn a_failed_lock_leaves_the_connection_usable() {
         .await
         .unwrap();
     assert_eq!(positions(&read), appended.positions);
+}
+
+/// An append waits for its locks as long as it takes, as the strategies
+/// promise, whatever lock_timeout the session inherited (an operator's
+/// `ALTER ROLE ... SET lock_timeout`; here set on the session): with its
+/// own transaction (advisory keys, the table lock) and inside the caller's
+/// (`append_in`), it is still waiting at four times that timeout, goes
+/// through once the holder commits, and the caller's statements after
+/// `append_in` run with the session's value again. Inheriting it, each
+/// append failed after 50 ms with PostgreSQL's 55P03 as a database error.
+#[tokio::test]
+async fn an_append_waits_for_its_locks_past_the_sessions_lock_timeout() {
+    let (db, pool) = db().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    w.set("lock_timeout", "50ms").await.unwrap();
+    let key = pgonce::LockKey::new(pgonce::events::TAG_NAMESPACE, "inherited").unwrap();
+    let hold_key = format!("SELECT pg_advisory_xact_lock({})", key.as_i64());
+    let table = "LOCK TABLE pgonce.events IN EXCLUSIVE MODE";
+    // The case, the strategy, what the holder holds, whether the append
+    // runs in the caller's transaction (`append_in`), and the session's
+    // default isolation (REPEATABLE READ: the transaction path, whose
+    // BEGIN takes the locks, rather than the one-statement functions).
+    let rc = "read committed";
+    let rr = "repeatable read";
+    let cases = [
+        (
+            "advisory",
+            AppendStrategy::AdvisoryLocks,
+            hold_key.as_str(),
+            false,
+            rc,
+        ),
+        ("table", AppendStrategy::TableLock, table, false, rc),
+        (
+            "append_in",
+            AppendStrategy::AdvisoryLocks,
+            hold_key.as_str(),
+            true,
+            rc,
+        ),
+        (
+            "begin, advisory",
+            AppendStrategy::AdvisoryLocks,
+            hold_key.as_str(),
+            false,
+            rr,
+        ),
+        ("begin, table", AppendStrategy::TableLock, table, false, rr),
+    ];
+    for (case, strategy, hold, within, isolation) in cases {
+        w.set("default_transaction_isolation", isolation)
+            .await
+            .unwrap();
+        let mut holder = h.pool().begin().await.unwrap();
+        let holding = sqlx::query(sqlx::AssertSqlSafe(hold.to_string())).execute(&mut *holder);
+        race.step(&h, hold, holding).await.unwrap().unwrap();
+        let events = store(w.pool(), strategy);
+        let pool_w = w.pool().clone();
+        let waiting = race
+            .step_blocks(&w, case, async move {
+                if !within {
+                    events.append(&[booked("inherited")], None).await?;
+                    return Ok::<_, Error>("50ms".to_string());
+                }
+                let mut tx = pool_w.begin().await?;
+                events.append_in(&mut tx, &[booked("inherited")]).await?;
+                let after: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(after)
+            })
+            .await
+            .unwrap();
+        if !race.still_waiting_after(&w, 200).await.unwrap() {
+            panic!("{case}: no longer waiting: {:?}", waiting.resume().await);
+        }
+        race.step(&h, "COMMIT", holder.commit())
+            .await
+            .unwrap()
+            .unwrap();
+        let after = waiting.resume().await.unwrap().unwrap();
+        assert_eq!(after, "50ms", "{case}");
+    }
+    let read = store(&pool, AppendStrategy::AdvisoryLocks)
+        .read(&tag_query("inherited"), ReadOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(read.len(), cases.len());
 }
 
 /// The lock strategies decide and append in one statement each, which runs

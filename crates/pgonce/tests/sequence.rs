@@ -165,6 +165,21 @@ async fn a_rolled_back_declaration_frees_its_number() {
     }
 }
 
+/// A whole declaration in acme on `session`, seen blocked.
+async fn declaring_acme_blocks(
+    race: &Interleaving,
+    session: &Session,
+    seq: &Sequence,
+    strategy: Strategy,
+) -> pgonce_testkit::Blocked<pgonce::Result<i64>> {
+    let (seq, pool) = (seq.clone(), session.pool().clone());
+    race.step_blocks(session, "declare(acme)", async move {
+        declare(&seq, &pool, "acme").await
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{strategy}: {e}"))
+}
+
 /// Holds scope `acme` in session A, then shows that a declarer of `globex`
 /// runs to completion meanwhile, and one of `acme` waits for A.
 async fn other_scope_runs_same_scope_waits(strategy: Strategy) {
@@ -209,13 +224,7 @@ async fn other_scope_runs_same_scope_waits(strategy: Strategy) {
     );
 
     // The same organization: waits for A, then gets the next number.
-    let (seq_b, pool_b) = (seq.clone(), b.pool().clone());
-    let waiting = race
-        .step_blocks(&b, "declare(acme)", async move {
-            declare(&seq_b, &pool_b, "acme").await
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{strategy}: {e}"));
+    let waiting = declaring_acme_blocks(&race, &b, &seq, strategy).await;
     assert_eq!(waiting.blocked_by(), ["A"], "{strategy}");
     race.step(&a, "COMMIT", tx_a.commit())
         .await
@@ -233,6 +242,58 @@ async fn a_declarer_in_another_scope_does_not_wait_under_the_advisory_lock() {
 #[tokio::test]
 async fn a_declarer_in_another_scope_does_not_wait_under_the_counter_row() {
     other_scope_runs_same_scope_waits(Strategy::CounterRow).await;
+}
+
+/// A declaration waits for its scope's lock as long as it takes, whatever
+/// lock_timeout the session inherited (an operator's `ALTER ROLE ... SET
+/// lock_timeout`; here set on the session): under each strategy that locks
+/// in `pgonce.sequence_take`, it is still waiting at four times that
+/// timeout and gets the next number once the holder commits. Inheriting
+/// it, the declaration failed after 50 ms with PostgreSQL's 55P03 as a
+/// database error.
+#[tokio::test]
+async fn a_declaration_waits_for_its_scope_past_the_sessions_lock_timeout() {
+    let (pool, db) = setup(4).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let w = race.session("W").await.unwrap();
+    w.set("lock_timeout", "50ms").await.unwrap();
+    let strategies = [
+        Strategy::AdvisoryLock,
+        Strategy::TableLock,
+        Strategy::SelectForUpdate,
+    ];
+    // A row in the scope, so select-for-update has one to lock.
+    declare(&sequence(Strategy::AdvisoryLock), &pool, "acme")
+        .await
+        .unwrap();
+    for strategy in strategies {
+        let seq = sequence(strategy);
+        let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        let taken = race
+            .step(&a, "next(acme)", seq.next(&mut tx_a, &"acme"))
+            .await
+            .unwrap()
+            .unwrap();
+        insert_incident(&mut tx_a, "acme", taken.number)
+            .await
+            .unwrap();
+        let waiting = declaring_acme_blocks(&race, &w, &seq, strategy).await;
+        if !race.still_waiting_after(&w, 200).await.unwrap() {
+            panic!(
+                "{strategy}: no longer waiting: {:?}",
+                waiting.resume().await
+            );
+        }
+        race.step(&a, "COMMIT", tx_a.commit())
+            .await
+            .unwrap()
+            .unwrap();
+        let number = waiting.resume().await.unwrap().unwrap();
+        assert_eq!(number, taken.number + 1, "{strategy}");
+    }
 }
 
 #[tokio::test]

@@ -6,7 +6,7 @@
 -- turns that block into the explicit transaction the caller goes on with,
 -- keeping what the statements before it did (PostgreSQL documents this under
 -- "Multiple Statements in a Simple Query"). Putting BEGIN last means a lock
--- that fails (deadlock, lock_timeout) aborts only the implicit block: the
+-- that fails (deadlock, statement_timeout) aborts only the implicit block: the
 -- session is left idle, never inside a failed transaction.
 --
 -- The isolation: READ COMMITTED or SERIALIZABLE, set before any snapshot.
@@ -17,7 +17,17 @@
 -- The table lock: the table-lock strategy's LOCK TABLE (lock_table.sql), or
 -- nothing. A READ COMMITTED statement that follows takes its snapshot after
 -- every one of these locks was granted.
+--
+-- The locks wait as long as it takes: lock_timeout is 0 (no bound) for
+-- them alone, whatever the session inherited (an operator's ALTER ROLE ...
+-- SET lock_timeout), which would otherwise fail the append with a bare
+-- 55P03. The value in force before, kept in a transaction-local custom
+-- setting meanwhile, is restored after them, so the statements the caller
+-- runs next run with the session's.
 SET TRANSACTION ISOLATION LEVEL {isolation};
+SELECT set_config('pgonce.events_lock_timeout_was', current_setting('lock_timeout'), true);
+SET LOCAL lock_timeout = 0;
 SELECT {locks};
 {lock_table}
+SELECT set_config('lock_timeout', current_setting('pgonce.events_lock_timeout_was'), true);
 BEGIN
