@@ -48,6 +48,21 @@
 //! transaction) commits unseen, and the stale re-read lets a duplicate
 //! through. Under READ COMMITTED, the default, the lock alone suffices.
 //!
+//! # How long the lock is waited for
+//!
+//! [`GuardConfig::lock_timeout`] bounds the wait for the guard's lock, or,
+//! `None`, leaves it unbounded; the `lock_timeout` the session inherited
+//! (an operator's `ALTER ROLE ... SET lock_timeout`) does not apply to it.
+//! `statement_timeout` still does, as it bounds every statement: it is the
+//! operator's ceiling on any wait, the guard's included. A wait it ends
+//! fails with [`Error::Database`] carrying PostgreSQL's SQLSTATE 57014
+//! (`query_canceled`, "canceling statement due to statement timeout"), not
+//! [`Error::LockTimeout`]; nothing is written. Waited for in
+//! [`Guard::begin_for`] (and so [`Guard::write`]), the connection goes back
+//! to the pool outside any transaction; waited for in
+//! [`GuardedTransaction::check`], the guarded transaction is aborted and
+//! rolls back when dropped.
+//!
 //! # Example
 //!
 //! ```no_run

@@ -31,6 +31,21 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # How long a lock is waited for
+//!
+//! [`lock`] and [`lock_many`] wait as long as it takes, [`lock_timeout`] as
+//! long as it is told ([`Error::LockTimeout`] after that), whatever
+//! `lock_timeout` the session inherited (an operator's `ALTER ROLE ... SET
+//! lock_timeout`): each sets its own for its lock statement alone and
+//! restores the session's after it. `statement_timeout` still bounds every
+//! wait, as it bounds every statement: it is the operator's ceiling, and
+//! none of these lifts it. A wait it ends fails with [`Error::Database`]
+//! carrying PostgreSQL's SQLSTATE 57014 (`query_canceled`, "canceling
+//! statement due to statement timeout"), not [`Error::LockTimeout`]. After
+//! [`lock`] or [`lock_many`] the caller's transaction is aborted: roll it
+//! back (dropping it does). [`lock_timeout`] waits in a savepoint, which is
+//! rolled back, so the transaction goes on, as after its own timeout.
+//!
 //! # Session-level locks, for comparison only
 //!
 //! `pg_advisory_lock` holds its lock until `pg_advisory_unlock` or the end of

@@ -646,11 +646,7 @@ async fn holder_and_waiter(
         race.session("H").await.unwrap(),
         race.session("W").await.unwrap(),
     );
-    sqlx::query("SELECT set_config('lock_timeout', $1, false)")
-        .bind(w_lock_timeout)
-        .execute(w.pool())
-        .await
-        .unwrap();
+    w.set("lock_timeout", w_lock_timeout).await.unwrap();
     (race, h, w)
 }
 
@@ -842,4 +838,42 @@ async fn a_guard_without_a_lock_timeout_waits_past_the_sessions_own() {
         .unwrap()
         .unwrap();
     check.resume().await.unwrap().unwrap();
+}
+
+/// `statement_timeout` still bounds the guard's wait, as the module docs
+/// say: a guarded write waiting for its lock fails once it runs out with a
+/// database error of SQLSTATE 57014, not `LockTimeout`, writes nothing,
+/// and leaves its connection outside any transaction (the next write on
+/// that one connection goes through).
+#[tokio::test]
+async fn statement_timeout_still_bounds_the_guards_wait() {
+    let (db, pool) = setup().await;
+    let key = LockKey::new("e", "statement timeout").unwrap();
+    let (_race, h, w) = holder_and_waiter(&db, "0").await;
+    w.set("statement_timeout", "100ms").await.unwrap();
+    let mut holder = h.pool().begin().await.unwrap();
+    pgonce::lock::lock(&mut holder, key).await.unwrap();
+
+    let waited = guarded_insert(
+        w.pool().clone(),
+        "e",
+        "statement timeout".into(),
+        ReadSet::new(),
+    )
+    .await;
+    let Err(Error::Database(e)) = &waited else {
+        panic!("{waited:?}");
+    };
+    assert_eq!(pgonce::error::sqlstate_of(e).as_deref(), Some("57014"));
+    holder.commit().await.unwrap();
+    assert_eq!(count_open(&pool, "statement timeout").await, 0);
+    guarded_insert(
+        w.pool().clone(),
+        "e",
+        "statement timeout".into(),
+        ReadSet::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(count_open(&pool, "statement timeout").await, 1);
 }

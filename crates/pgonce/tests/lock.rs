@@ -446,10 +446,7 @@ async fn lock_and_lock_many_wait_past_the_sessions_lock_timeout() {
         race.session("H").await.unwrap(),
         race.session("W").await.unwrap(),
     );
-    sqlx::query("SELECT set_config('lock_timeout', '50ms', false)")
-        .execute(w.pool())
-        .await
-        .unwrap();
+    w.set("lock_timeout", "50ms").await.unwrap();
     let k1 = LockKey::new("entity", "inherited one").unwrap();
     let k2 = LockKey::new("entity", "inherited two").unwrap();
 
@@ -486,5 +483,43 @@ async fn lock_and_lock_many_wait_past_the_sessions_lock_timeout() {
             .unwrap();
         let after = waiting.resume().await.unwrap().unwrap();
         assert_eq!(after, "50ms", "lock_many: {many}");
+    }
+}
+
+/// `statement_timeout` still bounds every wait, as the module docs say:
+/// `lock`, `lock_many` and `lock_timeout` (with a longer bound of its own)
+/// fail once it runs out with a database error of SQLSTATE 57014, not
+/// `LockTimeout`. After `lock` and `lock_many` the caller's transaction is
+/// aborted; `lock_timeout` waits in a savepoint, rolled back, so the
+/// transaction goes on.
+#[tokio::test]
+async fn statement_timeout_still_bounds_every_wait() {
+    let db = fresh_database().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    w.set("statement_timeout", "100ms").await.unwrap();
+    let key = LockKey::new("entity", "statement timeout").unwrap();
+    let mut holder = h.pool().begin().await.unwrap();
+    lock::lock(&mut holder, key).await.unwrap();
+    for how in ["lock", "lock_many", "lock_timeout"] {
+        let mut tx = w.pool().begin().await.unwrap();
+        let waited = match how {
+            "lock" => lock::lock(&mut tx, key).await,
+            "lock_many" => lock::lock_many(&mut tx, [key]).await,
+            _ => lock::lock_timeout(&mut tx, key, Duration::from_secs(60)).await,
+        };
+        let Err(Error::Database(e)) = &waited else {
+            panic!("{how}: {waited:?}");
+        };
+        assert_eq!(
+            pgonce::error::sqlstate_of(e).as_deref(),
+            Some("57014"),
+            "{how}"
+        );
+        let after = sqlx::query("SELECT 1").execute(&mut *tx).await;
+        assert_eq!(after.is_err(), how != "lock_timeout", "{how}: {after:?}");
     }
 }
