@@ -75,6 +75,19 @@ pub enum HarnessError {
         /// How long the harness watched for it.
         waited: Duration,
     },
+    /// A blocked step stopped waiting for its lock before it had waited as
+    /// long as [`Blocked::still_waiting_after`] was told.
+    #[error("session {session}: step `{step}` stopped waiting before {millis} ms: {outcome}")]
+    StoppedWaiting {
+        /// The session's name.
+        session: String,
+        /// The step's description.
+        step: String,
+        /// How long it was to wait, at least.
+        millis: i32,
+        /// What the step returned, as debug text.
+        outcome: String,
+    },
     /// A step (or a resumed blocked step) did not finish within the
     /// harness's timeout: a deadlock in the scenario, or a lock nobody
     /// releases.
@@ -335,20 +348,20 @@ impl Interleaving {
         }
     }
 
-    /// Whether `session`'s backend is still waiting for a lock once its
-    /// statement has run `millis` by the server's clock; false as soon as
-    /// it is seen not waiting (its statement ended or failed). For a wait
-    /// that must outlast a timeout: the verdict comes from the server's
-    /// own clock, not from how long the test slept.
-    pub async fn still_waiting_after(
+    /// Whether the backend named `application_name` is still waiting for a
+    /// lock once its statement has run `millis` by the server's clock;
+    /// false as soon as it is seen not waiting (its statement ended or
+    /// failed). The verdict comes from the server's own clock, not from
+    /// how long the test slept.
+    async fn waiting_longer_than(
         &self,
-        session: &Session,
+        application_name: &str,
         millis: i32,
     ) -> Result<bool, HarnessError> {
         loop {
             let waited_long: Option<bool> =
                 sqlx::query_scalar(include_str!("sql/waited_longer_than.sql"))
-                    .bind(&session.application_name)
+                    .bind(application_name)
                     .bind(millis)
                     .fetch_optional(&self.observer)
                     .await?;
@@ -440,6 +453,46 @@ pub struct Blocked<T> {
     blocked_by: Vec<String>,
     timeout: Duration,
     timeline: Interleaving,
+}
+
+impl<T: std::fmt::Debug> Blocked<T> {
+    /// The step, if it is still waiting for a lock once its statement has
+    /// run `millis` by the server's clock: for a wait that must outlast a
+    /// timeout. [`HarnessError::StoppedWaiting`], with the step's outcome,
+    /// if it stopped waiting before.
+    pub async fn still_waiting_after(self, millis: i32) -> Result<Blocked<T>, HarnessError> {
+        let application_name = format!("{}:{}", self.timeline.prefix, self.session);
+        if self
+            .timeline
+            .waiting_longer_than(&application_name, millis)
+            .await?
+        {
+            return Ok(self);
+        }
+        let (session, step) = (self.session.clone(), self.what.clone());
+        let outcome = format!("{:?}", self.resume().await);
+        Err(HarnessError::StoppedWaiting {
+            session,
+            step,
+            millis,
+            outcome,
+        })
+    }
+
+    /// [`Blocked::still_waiting_after`], then commits `holder`, the
+    /// transaction the step waits for, as a step of `releaser`, and
+    /// returns the step's output once it has finished.
+    pub async fn outlasts_then_commit(
+        self,
+        millis: i32,
+        releaser: &Session,
+        holder: sqlx::Transaction<'_, sqlx::Postgres>,
+    ) -> Result<T, HarnessError> {
+        let waiting = self.still_waiting_after(millis).await?;
+        let timeline = waiting.timeline.clone();
+        timeline.step(releaser, "COMMIT", holder.commit()).await??;
+        waiting.resume().await
+    }
 }
 
 impl<T> Blocked<T> {

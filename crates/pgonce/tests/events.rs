@@ -1254,14 +1254,11 @@ async fn an_append_waits_for_its_locks_past_the_sessions_lock_timeout() {
             })
             .await
             .unwrap();
-        if !race.still_waiting_after(&w, 200).await.unwrap() {
-            panic!("{case}: no longer waiting: {:?}", waiting.resume().await);
-        }
-        race.step(&h, "COMMIT", holder.commit())
+        let after = waiting
+            .outlasts_then_commit(200, &h, holder)
             .await
-            .unwrap()
+            .unwrap_or_else(|e| panic!("{case}: {e}"))
             .unwrap();
-        let after = waiting.resume().await.unwrap().unwrap();
         assert_eq!(after, "50ms", "{case}");
     }
     let read = store(&pool, AppendStrategy::AdvisoryLocks)

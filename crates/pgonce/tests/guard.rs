@@ -802,15 +802,11 @@ async fn a_guard_without_a_lock_timeout_waits_past_the_sessions_own() {
         )
         .await
         .unwrap();
-    assert!(
-        race.still_waiting_after(&w, 200).await.unwrap(),
-        "BEGIN and lock"
-    );
-    race.step(&h, "COMMIT", holder.commit())
+    write
+        .outlasts_then_commit(200, &h, holder)
         .await
         .unwrap()
         .unwrap();
-    write.resume().await.unwrap().unwrap();
     assert_eq!(count_open(&pool, "inherited").await, 1);
 
     let mut holder = h.pool().begin().await.unwrap();
@@ -832,12 +828,11 @@ async fn a_guard_without_a_lock_timeout_waits_past_the_sessions_own() {
         })
         .await
         .unwrap();
-    assert!(race.still_waiting_after(&w, 200).await.unwrap(), "check");
-    race.step(&h, "COMMIT", holder.commit())
+    check
+        .outlasts_then_commit(200, &h, holder)
         .await
         .unwrap()
         .unwrap();
-    check.resume().await.unwrap().unwrap();
 }
 
 /// `statement_timeout` still bounds the guard's wait, as the module docs

@@ -281,17 +281,11 @@ async fn a_declaration_waits_for_its_scope_past_the_sessions_lock_timeout() {
             .await
             .unwrap();
         let waiting = declaring_acme_blocks(&race, &w, &seq, strategy).await;
-        if !race.still_waiting_after(&w, 200).await.unwrap() {
-            panic!(
-                "{strategy}: no longer waiting: {:?}",
-                waiting.resume().await
-            );
-        }
-        race.step(&a, "COMMIT", tx_a.commit())
+        let number = waiting
+            .outlasts_then_commit(200, &a, tx_a)
             .await
-            .unwrap()
+            .unwrap_or_else(|e| panic!("{strategy}: {e}"))
             .unwrap();
-        let number = waiting.resume().await.unwrap().unwrap();
         assert_eq!(number, taken.number + 1, "{strategy}");
     }
 }
