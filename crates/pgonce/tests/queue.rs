@@ -13,7 +13,7 @@ use pgonce::{
     Error, PgQueue, PgQueueOptions, Queue, QueueAttributes, Receipt, ReceiveRequest, Received,
     SendMessage, Sent,
 };
-use pgonce_testkit::{fresh_database, fresh_migrated_database};
+use pgonce_testkit::{Interleaving, fresh_database, fresh_migrated_database};
 use sqlx::{PgPool, Postgres, Transaction};
 
 /// The FIFO receive statement, as `PgQueue::receive` runs it: $1 queue,
@@ -3225,6 +3225,50 @@ async fn a_listener_back_after_a_failed_reconnect_wakes_the_parked_receivers() {
     retry.forward();
 
     received_before_the_wait(receiver, &sent, wait).await;
+}
+
+/// A send waits for its FIFO group's lock as long as it takes, as
+/// `send_in` promises ("other sends to that group wait"), whatever
+/// lock_timeout the session inherited (an operator's `ALTER ROLE ... SET
+/// lock_timeout`; here set on the session): a send, a batch, and a batch
+/// with deduplication ids (which takes its keys first) are each still
+/// waiting at four times that timeout, and go through once the holder's
+/// transaction commits. Inheriting it, each failed after 50 ms with
+/// PostgreSQL's 55P03 as a database error.
+#[tokio::test]
+async fn a_send_waits_for_its_group_past_the_sessions_lock_timeout() {
+    let (db, pool) = fresh_migrated_database(4, pgonce::migrate).await;
+    queue(&pool, "f", QueueAttributes::fifo()).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    w.set("lock_timeout", "50ms").await.unwrap();
+    let holder_q = PgQueue::open(h.pool(), "f", fast_poll()).await.unwrap();
+    let waiter_q = PgQueue::open(w.pool(), "f", fast_poll()).await.unwrap();
+    for case in ["send", "send_batch", "send_batch with dedup ids"] {
+        let mut holder = h.pool().begin().await.unwrap();
+        let holding = holder_q.send_in(&mut holder, SendMessage::new("first").group("g"));
+        race.step(&h, "send_in(g)", holding).await.unwrap().unwrap();
+        let q = waiter_q.clone();
+        let waiting = race
+            .step_blocks(&w, case, async move {
+                let second = SendMessage::new("second").group("g");
+                match case {
+                    "send" => q.send(second).await.map(|_| ()),
+                    "send_batch" => q.send_batch(vec![second]).await.map(|_| ()),
+                    _ => q.send_batch(vec![second.dedup("d")]).await.map(|_| ()),
+                }
+            })
+            .await
+            .unwrap();
+        waiting
+            .outlasts_then_commit(200, &h, holder)
+            .await
+            .unwrap_or_else(|e| panic!("{case}: {e}"))
+            .unwrap();
+    }
 }
 
 /// A message's receipt as its row holds it.

@@ -6,7 +6,8 @@
 -- sender gave the id): no row unless the queue still does, so a handle
 -- opened before the queue changed never sends under the wrong id.
 -- The group's lock is taken before the id is drawn and held until the
--- sending transaction ends: within a group, ids are drawn in commit order,
+-- sending transaction ends (pgonce.queue_lock_keys, migration 0220: waiting
+-- as long as it takes, whatever lock_timeout the session inherited): within a group, ids are drawn in commit order,
 -- so a receive never takes a message as its group's head while an earlier
 -- one is still uncommitted (pick_fifo.sql).
 -- The dedup id's lock, likewise, is taken before its claim: a claim then
@@ -25,7 +26,7 @@ WITH q AS (
     SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue
     WHERE name = $1
       AND ($9::boolean IS NULL OR content_based_dedup = $9)
-      AND (SELECT count(pg_advisory_xact_lock(k)) FROM unnest($8::bigint[]) AS k) >= 0
+      AND pgonce.queue_lock_keys($8::bigint[]) >= 0
 ), claim AS (
     INSERT INTO pgonce.queue_dedup AS d (queue, dedup_id, message_id, expires_at)
     SELECT q.name, $5, nextval('pgonce.queue_message_id_seq'),

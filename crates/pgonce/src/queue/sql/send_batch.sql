@@ -12,7 +12,7 @@ WITH q AS (
     SELECT name, delay_ms FROM pgonce.queue
     WHERE name = $1
       AND NOT content_based_dedup
-      AND (SELECT count(pg_advisory_xact_lock(k)) FROM unnest($7::bigint[]) AS k) >= 0
+      AND pgonce.queue_lock_keys($7::bigint[]) >= 0
 ), ins AS (
     INSERT INTO pgonce.queue_message (queue, body, attributes, group_id, visible_at)
     SELECT q.name, b.body, b.attributes, b.group_id,
