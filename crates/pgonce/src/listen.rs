@@ -16,8 +16,9 @@ use crate::error::Result;
 /// Where to LISTEN for notifications.
 #[derive(Debug, Clone, Default)]
 pub enum Listen {
-    /// A connection opened with the pool's own connect options. Right when
-    /// the pool reaches PostgreSQL directly or through a session-mode pooler.
+    /// A connection opened with the pool's own connect options (outside
+    /// the pool: it takes none of the pool's connections). Right when the
+    /// pool reaches PostgreSQL directly or through a session-mode pooler.
     #[default]
     Pool,
     /// A connection opened with these options: a direct connection to the
@@ -35,18 +36,23 @@ impl Listen {
         pool: &PgPool,
         channel: &str,
     ) -> Result<Option<PgListener>> {
-        let mut listener = match self {
+        // A pool of its own for this one connection, never the caller's:
+        // PgListener reconnects through it after an error, and a reconnect
+        // given up half way (its future dropped, as by a caller's timeout,
+        // after the LISTEN was sent and before its answer was read) puts
+        // the connection back in that pool still LISTENing. In the
+        // caller's pool it would reach the application, whose statements
+        // would then carry notifications nobody reads; in its own, only
+        // the listener takes it again, and LISTENs on it again.
+        let options = match self {
             Listen::Off => return Ok(None),
-            Listen::Pool => PgListener::connect_with(pool).await?,
-            Listen::Direct(options) => {
-                // A pool of its own for this one connection: PgListener
-                // reconnects through it after an error.
-                let direct = PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect_lazy_with((**options).clone());
-                PgListener::connect_with(&direct).await?
-            }
+            Listen::Pool => (*pool.connect_options()).clone(),
+            Listen::Direct(options) => (**options).clone(),
         };
+        let own = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy_with(options);
+        let mut listener = PgListener::connect_with(&own).await?;
         listener.listen(channel).await?;
         Ok(Some(listener))
     }

@@ -2182,3 +2182,177 @@ async fn the_read_above_an_append_locks_the_conditional_index_not_the_table() {
     );
     pending.commit().await.unwrap();
 }
+
+/// A TCP proxy in front of the test server that forwards every connection
+/// and, once armed, holds back the server's replies on the first
+/// connection whose client sends a LISTEN, until released: a LISTEN that
+/// the server has run but whose answer the client has not read.
+struct ListenHoldingProxy {
+    options: sqlx::postgres::PgConnectOptions,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    release: tokio::sync::watch::Sender<bool>,
+}
+
+impl ListenHoldingProxy {
+    async fn start(db: &ScratchDatabase) -> ListenHoldingProxy {
+        let options = db.options();
+        let server = (options.get_host().to_string(), options.get_port());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let release = tokio::sync::watch::channel(false).0;
+        let (armed_, release_) = (armed.clone(), release.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(server.clone())
+                    .await
+                    .unwrap();
+                tokio::spawn(relay(client, server, armed_.clone(), release_.subscribe()));
+            }
+        });
+        ListenHoldingProxy {
+            options: options.host("127.0.0.1").port(port),
+            armed,
+            release,
+        }
+    }
+}
+
+/// Relays one connection both ways; see [`ListenHoldingProxy`].
+async fn relay(
+    client: tokio::net::TcpStream,
+    server: tokio::net::TcpStream,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    mut release: tokio::sync::watch::Receiver<bool>,
+) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let (hold, mut held) = tokio::sync::watch::channel(false);
+    let upstream = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = client_read.read(&mut buf).await.unwrap_or(0);
+            if n == 0 {
+                let _ = server_write.shutdown().await;
+                return;
+            }
+            let listen = buf[..n].windows(6).any(|w| w == b"LISTEN");
+            if listen && armed.swap(false, Ordering::SeqCst) {
+                hold.send_replace(true);
+            }
+            if server_write.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    let downstream = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = server_read.read(&mut buf).await.unwrap_or(0);
+            if *held.borrow_and_update() {
+                release.wait_for(|released| *released).await.unwrap();
+            }
+            if n == 0 {
+                let _ = client_write.shutdown().await;
+                return;
+            }
+            if client_write.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::join!(upstream, downstream);
+}
+
+/// `Subscription::next` waits for a notification with a timeout, and the
+/// listener's reconnect after a lost connection runs inside that wait. A
+/// timeout that fires while the new connection's LISTEN has run on the
+/// server but its answer is not read yet drops the connection where it
+/// is, and it went back to the pool it came from still LISTENing: the
+/// application's pool, with `Listen::Pool`. Driven here: the LISTEN's
+/// answer is held back until the subscription has polled again (after
+/// the timeout); the next connection the application takes from the pool
+/// must not be LISTENing. Before, it was the abandoned one, LISTENing on
+/// the event store's channel.
+#[tokio::test]
+async fn a_reconnect_cut_short_by_the_wait_leaves_no_listening_connection_in_the_pool() {
+    let (db, plain) = db().await;
+    let proxy = ListenHoldingProxy::start(&db).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(proxy.options.clone())
+        .await
+        .unwrap();
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let mut sub = s
+        .subscribe(SubscriptionConfig {
+            poll_interval: Duration::from_millis(300),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // The hook tells of each poll; once stopping is set, it waits at the
+    // poll's snapshot until told to go on.
+    let (polled, mut polls) = tokio::sync::mpsc::unbounded_channel();
+    let stopping = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let go = std::sync::Arc::new(tokio::sync::Notify::new());
+    sub.set_poll_hook(Some({
+        let (stopping, go) = (stopping.clone(), go.clone());
+        Box::new(move |point, _pid| {
+            let (polled, stopping, go) = (polled.clone(), stopping.clone(), go.clone());
+            Box::pin(async move {
+                if point != PollPoint::AfterSnapshot {
+                    return;
+                }
+                let stop = stopping.swap(false, std::sync::atomic::Ordering::SeqCst);
+                let _ = polled.send(stop);
+                if stop {
+                    go.notified().await;
+                }
+            })
+        })
+    }));
+    let subscriber = tokio::spawn(async move {
+        loop {
+            sub.next().await.unwrap();
+        }
+    });
+    polls.recv().await.unwrap();
+    let listener_pid = loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity \
+             WHERE datname = current_database() AND query LIKE 'LISTEN%' AND state = 'idle'",
+        )
+        .fetch_optional(&plain)
+        .await
+        .unwrap();
+        if let Some(pid) = pid {
+            break pid;
+        }
+        tokio::task::yield_now().await;
+    };
+
+    proxy.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(listener_pid)
+        .execute(&plain)
+        .await
+        .unwrap();
+    // The listener reconnects and its LISTEN's answer is held back; the
+    // wait times out and the subscription polls again.
+    while !polls.recv().await.unwrap() {}
+    proxy.release.send_replace(true);
+
+    let mut conn = pool.acquire().await.unwrap();
+    let channels: Vec<String> = sqlx::query_scalar("SELECT pg_listening_channels()")
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(channels, Vec::<String>::new());
+    drop(conn);
+    go.notify_one();
+    subscriber.abort();
+}

@@ -1814,9 +1814,10 @@ enum Lost {
 /// is passed on, not lost with it while the message sits visible.
 async fn a_woken_receiver_that_does_not_look_passes_the_wake_on(lost: Lost) {
     let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
-    // The family's LISTEN connection and one more, held by the test.
+    // One connection, held by the test (the family's LISTEN connection is
+    // one of its own, outside the pool).
     let small = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
+        .max_connections(1)
         .acquire_timeout(Duration::from_secs(2))
         .connect_with(db.options())
         .await
@@ -2982,8 +2983,8 @@ async fn listen_can_be_turned_off_or_sent_to_a_direct_url() {
 }
 
 /// Holds back every connection a pool hands out (fresh or idle) while
-/// closed, and says when one arrives: lets a test keep a listener from
-/// reconnecting for as long as it needs.
+/// closed, and says when one arrives: lets a test see a woken receiver
+/// about to look, and hold it there for as long as it needs.
 struct Gate {
     open: tokio::sync::watch::Sender<bool>,
     arrived: tokio::sync::Notify,
@@ -3104,20 +3105,25 @@ async fn received_before_the_wait(
 #[tokio::test]
 async fn a_listener_that_reconnected_wakes_the_parked_receivers_for_what_it_missed() {
     let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
-    let (gated, gate) = Gate::pool(&db).await;
-    let q = PgQueue::create(&gated, "q", QueueAttributes::default(), slow_poll())
+    let mut proxy = Proxy::start(&db).await;
+    let options = PgQueueOptions {
+        listen: pgonce::Listen::Direct(Box::new(proxy.options.clone())),
+        ..slow_poll()
+    };
+    let q = PgQueue::create(&plain, "q", QueueAttributes::default(), options)
         .await
         .unwrap();
     let wait = Duration::from_secs(30);
     let receiver = spawn_receive(&q, wait);
+    proxy.next().await.forward();
     parked_and_listening(&q, &plain).await;
 
-    gate.open.send_replace(false);
     terminate_listener(&plain).await;
-    // The listener saw its connection die and is reconnecting.
-    gate.arrived.notified().await;
+    // The listener saw its connection die and is reconnecting: held back
+    // while a message is sent.
+    let reconnect = proxy.next().await;
     let sent = send_unannounced(&plain).await;
-    gate.open.send_replace(true);
+    reconnect.forward();
 
     received_before_the_wait(receiver, &sent, wait).await;
 }

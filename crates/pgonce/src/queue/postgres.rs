@@ -226,9 +226,11 @@ impl Default for PgQueueOptions {
 }
 
 /// A handle on one named queue in PostgreSQL. Cheap to clone; clones share
-/// one LISTEN connection, taken from the pool at the first long poll and
-/// kept until the last clone is dropped: size the pool one larger per
-/// handle family (each `create`/`open` call) that long-polls.
+/// one LISTEN connection, opened at the first long poll (with
+/// [`Listen::Pool`], with the pool's connect options but outside the pool:
+/// it takes none of its connections) and kept until the last clone is
+/// dropped: count one server connection more per handle family (each
+/// `create`/`open` call) that long-polls.
 ///
 /// Receipts read `<queue>:<id>:<generation>` and act only on that
 /// generation of that message while it is in that queue (module docs).
