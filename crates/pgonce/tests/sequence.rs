@@ -246,11 +246,11 @@ async fn a_declarer_in_another_scope_does_not_wait_under_the_counter_row() {
 
 /// A declaration waits for its scope's lock as long as it takes, whatever
 /// lock_timeout the session inherited (an operator's `ALTER ROLE ... SET
-/// lock_timeout`; here set on the session): under each strategy that locks
-/// in `pgonce.sequence_take`, it is still waiting at four times that
-/// timeout and gets the next number once the holder commits. Inheriting
-/// it, the declaration failed after 50 ms with PostgreSQL's 55P03 as a
-/// database error.
+/// lock_timeout`; here set on the session): under each strategy, it is
+/// still waiting at four times that timeout and gets the next number once
+/// the holder commits, and the statements after the take run with the
+/// session's value again. Inheriting it, the declaration failed after
+/// 50 ms with PostgreSQL's 55P03 as a database error.
 #[tokio::test]
 async fn a_declaration_waits_for_its_scope_past_the_sessions_lock_timeout() {
     let (pool, db) = setup(4).await;
@@ -262,6 +262,7 @@ async fn a_declaration_waits_for_its_scope_past_the_sessions_lock_timeout() {
         Strategy::AdvisoryLock,
         Strategy::TableLock,
         Strategy::SelectForUpdate,
+        Strategy::CounterRow,
     ];
     // A row in the scope, so select-for-update has one to lock.
     declare(&sequence(Strategy::AdvisoryLock), &pool, "acme")
@@ -287,6 +288,17 @@ async fn a_declaration_waits_for_its_scope_past_the_sessions_lock_timeout() {
             .unwrap_or_else(|e| panic!("{strategy}: {e}"))
             .unwrap();
         assert_eq!(number, taken.number + 1, "{strategy}");
+    }
+    for strategy in strategies {
+        let mut tx = pgonce::begin(w.pool(), IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        sequence(strategy).next(&mut tx, &"acme").await.unwrap();
+        let after: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(after, "50ms", "{strategy}");
     }
 }
 

@@ -13,11 +13,26 @@
 -- statement's snapshot may predate the counter row's lock, so the max may
 -- miss what a counter-row taker committed meanwhile; that taker moved the
 -- counter, which the upsert reads as it is now.
+-- The wait for the row lock lasts as long as it takes, as the other
+-- strategies' waits do (migration 0210), whatever lock_timeout the session
+-- inherited (an operator's ALTER ROLE ... SET lock_timeout): the CTE, read
+-- once, lifts it (0: no bound) when the row to insert is computed, before
+-- the conflict is met and waited for, and RETURNING, computed once the row
+-- is written, puts the value in force before back. If the wait fails, the
+-- transaction is aborted and its ROLLBACK restores the setting anyway.
 -- $1 the counter key (table and columns, NumberedTable::counter_key), $2 scope as text, $3 scope as the column's type.
+WITH unbounded AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS was,
+           set_config('lock_timeout', '0', true) AS lifted
+)
 INSERT INTO pgonce.sequence_counters AS c (sequence, scope, last_number)
-SELECT $1, $2, (COALESCE(max({number}), 0) + 1)::bigint FROM {table} WHERE {scope} = $3
+SELECT $1, $2,
+       (COALESCE(max({number}), 0) + 1
+        + (SELECT 0 FROM unbounded WHERE lifted IS NOT NULL))::bigint
+FROM {table} WHERE {scope} = $3
 ON CONFLICT (sequence, scope) DO UPDATE
 SET last_number = greatest(
     c.last_number,
     (SELECT COALESCE(max({number}), 0)::bigint FROM {table} WHERE {scope} = $3)) + 1
-RETURNING c.last_number
+RETURNING c.last_number,
+          set_config('lock_timeout', (SELECT was FROM unbounded), true) AS restored
