@@ -42,9 +42,11 @@
 //! none of these lifts it. A wait it ends fails with [`Error::Database`]
 //! carrying PostgreSQL's SQLSTATE 57014 (`query_canceled`, "canceling
 //! statement due to statement timeout"), not [`Error::LockTimeout`]. After
-//! [`lock`] or [`lock_many`] the caller's transaction is aborted: roll it
-//! back (dropping it does). [`lock_timeout`] waits in a savepoint, which is
-//! rolled back, so the transaction goes on, as after its own timeout.
+//! any of the three the caller's transaction is aborted: roll it back
+//! (dropping it does). Only [`lock_timeout`]'s own bound leaves it usable:
+//! that one timeout is caught on the server, inside the wait's
+//! subtransaction, so that nothing is left for the client to undo even if
+//! it stops waiting for the answer.
 //!
 //! # Session-level locks, for comparison only
 //!

@@ -515,7 +515,9 @@ async fn statement_timeout_still_bounds_every_wait() {
             Some("57014"),
             "{how}"
         );
+        // Aborted, as by any statement it ends: only lock_timeout's own
+        // bound is caught on the server and leaves the transaction usable.
         let after = sqlx::query("SELECT 1").execute(&mut *tx).await;
-        assert_eq!(after.is_err(), how != "lock_timeout", "{how}: {after:?}");
+        assert!(after.is_err(), "{how}: {after:?}");
     }
 }

@@ -26,7 +26,12 @@ WITH q AS (
     SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue
     WHERE name = $1
       AND ($9::boolean IS NULL OR content_based_dedup = $9)
-      AND pgonce.queue_lock_keys($8::bigint[]) >= 0
+      -- A send with no key to lock (no FIFO group, no deduplication id:
+      -- most standard sends) skips the call, which costs a plan of the
+      -- function and a setting changed and put back at every call; CASE
+      -- evaluates its branches in order.
+      AND CASE WHEN cardinality($8::bigint[]) = 0 THEN true
+               ELSE pgonce.queue_lock_keys($8::bigint[]) >= 0 END
 ), claim AS (
     INSERT INTO pgonce.queue_dedup AS d (queue, dedup_id, message_id, expires_at)
     SELECT q.name, $5, nextval('pgonce.queue_message_id_seq'),

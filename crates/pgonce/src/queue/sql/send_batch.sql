@@ -12,7 +12,12 @@ WITH q AS (
     SELECT name, delay_ms FROM pgonce.queue
     WHERE name = $1
       AND NOT content_based_dedup
-      AND pgonce.queue_lock_keys($7::bigint[]) >= 0
+      -- A send with no key to lock (no FIFO group, no deduplication id:
+      -- most standard sends) skips the call, which costs a plan of the
+      -- function and a setting changed and put back at every call; CASE
+      -- evaluates its branches in order.
+      AND CASE WHEN cardinality($7::bigint[]) = 0 THEN true
+               ELSE pgonce.queue_lock_keys($7::bigint[]) >= 0 END
 ), ins AS (
     INSERT INTO pgonce.queue_message (queue, body, attributes, group_id, visible_at)
     SELECT q.name, b.body, b.attributes, b.group_id,
