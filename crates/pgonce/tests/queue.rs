@@ -716,10 +716,19 @@ async fn open_f_fifo(pool: &PgPool) -> PgQueue {
 
 /// A database with queue f.fifo, for [`batches_queued_behind_a_holder`].
 async fn f_fifo_database() -> (pgonce_testkit::ScratchDatabase, PgPool) {
+    database_with_queue("f.fifo", QueueAttributes::fifo()).await
+}
+
+/// A database of its own (for sessions of a race) with queue `name`, and
+/// a pool of two on it for the setup and the checks.
+async fn database_with_queue(
+    name: &str,
+    attributes: QueueAttributes,
+) -> (pgonce_testkit::ScratchDatabase, PgPool) {
     let db = fresh_database().await;
     let setup = db.pool(2).await.unwrap();
     pgonce::migrate(&setup).await.unwrap();
-    queue(&setup, "f.fifo", QueueAttributes::fifo()).await;
+    queue(&setup, name, attributes).await;
     (db, setup)
 }
 
@@ -4161,4 +4170,121 @@ async fn a_poll_interval_out_of_range_is_refused_before_the_queue_is_touched() {
             Err(Error::QueueNotFound { .. })
         ));
     }
+}
+
+/// A caller's transaction, shared with the step that sends in it, so that
+/// the transaction outlives the step's future when that is dropped.
+type SharedTx = std::sync::Arc<tokio::sync::Mutex<Transaction<'static, Postgres>>>;
+
+/// Starts `send_batch_in` of one message with deduplication id `d` in the
+/// caller's transaction `tx` (on session `caller`), sees it blocked by
+/// `holder`'s send of the same id, and gives it up as a caller's own
+/// timeout or `select!` would: its future is dropped where it waits.
+async fn give_up_a_deduplicated_batch(
+    race: &pgonce_testkit::Interleaving,
+    caller: &pgonce_testkit::Session,
+    q: &PgQueue,
+    tx: &SharedTx,
+    what: &str,
+) {
+    let (q, in_step) = (q.clone(), tx.clone());
+    let sending = race
+        .step_blocks(caller, what, async move {
+            let mut tx = in_step.lock().await;
+            q.send_batch_in(&mut tx, vec![SendMessage::new("w").dedup("d")])
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(sending.blocked_by(), ["H"]);
+    sending.cancel();
+}
+
+/// A deduplicated `send_batch_in` given up while it waits for its
+/// deduplication id's lock, twice (a caller retrying under its own
+/// timeout), must leave the caller's transaction as it was: its COMMIT
+/// commits the writes made before, or fails. The batch ran in a savepoint
+/// sqlx takes, whose guard, armed before sqlx counted the savepoint,
+/// queued a plain ROLLBACK of the caller's whole transaction when the
+/// second try was dropped while its SAVEPOINT waited behind the first
+/// try's lock statement; the caller's COMMIT then did nothing and
+/// reported success.
+#[tokio::test]
+async fn a_deduplicated_batch_given_up_in_a_transaction_leaves_its_earlier_writes() {
+    let (db, setup) = database_with_queue("q", QueueAttributes::default()).await;
+    sqlx::query("CREATE TABLE written_before (x int)")
+        .execute(&setup)
+        .await
+        .unwrap();
+    let race = pgonce_testkit::Interleaving::new(db.options())
+        .await
+        .unwrap();
+    let h = race.session("H").await.unwrap();
+    let w = race.session("W").await.unwrap();
+    let qh = PgQueue::open(h.pool(), "q", fast_poll()).await.unwrap();
+    let qw = PgQueue::open(w.pool(), "q", fast_poll()).await.unwrap();
+    let mut holder = h.pool().begin().await.unwrap();
+    race.try_step(
+        &h,
+        "send d in tx",
+        qh.send_batch_in(&mut holder, vec![SendMessage::new("h").dedup("d")]),
+    )
+    .await
+    .unwrap();
+
+    let tx: SharedTx =
+        std::sync::Arc::new(tokio::sync::Mutex::new(w.pool().begin().await.unwrap()));
+    sqlx::query("INSERT INTO written_before VALUES (1)")
+        .execute(&mut **tx.lock().await)
+        .await
+        .unwrap();
+    give_up_a_deduplicated_batch(&race, &w, &qw, &tx, "send d in tx").await;
+    give_up_a_deduplicated_batch(&race, &w, &qw, &tx, "send d in tx again").await;
+    race.try_step(&h, "roll back", holder.rollback())
+        .await
+        .unwrap();
+
+    // The steps given up let go of the transaction once their tasks are
+    // dropped, which the runtime does when it gets to them.
+    drop(tx.lock().await);
+    let tx = std::sync::Arc::into_inner(tx)
+        .expect("the steps given up hold the transaction no more")
+        .into_inner();
+    let committed = race.step(&w, "commit", tx.commit()).await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM written_before")
+        .fetch_one(&setup)
+        .await
+        .unwrap();
+    assert!(
+        committed.is_err() || rows == 1,
+        "the commit reported {committed:?} with {rows} of 1 earlier write committed"
+    );
+}
+
+/// A deduplicated batch, sent in one statement, deduplicates within
+/// itself as it does against earlier sends: the second message of an id in
+/// the batch is a duplicate of the first (its id), a message of an id sent
+/// before is a duplicate of that send, and the others are sent, in order.
+#[tokio::test]
+async fn a_batch_deduplicates_within_itself_and_against_earlier_sends() {
+    let pool = pool().await;
+    let q = queue(&pool, "q", QueueAttributes::default()).await;
+    let earlier = q.send(SendMessage::new("e").dedup("e")).await.unwrap();
+    let sent = q
+        .send_batch(vec![
+            SendMessage::new("a").dedup("a"),
+            SendMessage::new("a again").dedup("a"),
+            SendMessage::new("e again").dedup("e"),
+            SendMessage::new("plain"),
+        ])
+        .await
+        .unwrap();
+    let duplicates: Vec<bool> = sent.iter().map(|s| s.duplicate).collect();
+    assert_eq!(duplicates, [false, true, true, false], "{sent:?}");
+    assert_eq!(sent[1].id, sent[0].id);
+    assert_eq!(sent[2].id, earlier.id);
+    let first: i64 = sent[0].id.parse().unwrap();
+    let last: i64 = sent[3].id.parse().unwrap();
+    assert!(first < last, "ids are drawn in the batch's order: {sent:?}");
+    assert_eq!(q.stats().await.unwrap().depth, 3);
 }

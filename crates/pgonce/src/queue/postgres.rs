@@ -668,35 +668,24 @@ impl PgQueue {
         }
         let content_based = self.content_based();
         if content_based || messages.iter().any(|m| m.dedup_id.is_some()) {
-            // Deduplicated messages go one by one, in a savepoint so the batch
-            // stays all or none.
-            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let keys = self.send_lock_keys(messages.iter(), true)?;
-            if !keys.is_empty() {
-                sqlx::query(include_str!("sql/lock_groups.sql"))
-                    .bind(&keys)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            let mut sent = Vec::with_capacity(messages.len());
-            for m in messages {
-                sent.push(self.send_on(&mut tx, m, wake).await?);
-            }
-            tx.commit().await?;
-            return Ok(sent);
+            // One statement, not a savepoint around a send per message: a
+            // savepoint begun on the caller's transaction (sqlx's nested
+            // `begin`) that is given up or fails before it is taken rolls
+            // back the caller's whole transaction, and the caller's
+            // `commit` then reports success having written nothing.
+            return self
+                .send_batch_deduplicated(conn, messages, content_based, wake)
+                .await;
         }
         let locks = self.send_lock_keys(messages.iter(), false)?;
-        let bodies: Vec<&str> = messages.iter().map(|m| m.body.as_str()).collect();
-        let attributes: Vec<_> = messages.iter().map(|m| Json(&m.attributes)).collect();
-        let groups: Vec<Option<&str>> = messages.iter().map(|m| m.group_id.as_deref()).collect();
-        let delays: Vec<Option<i64>> = messages.iter().map(|m| m.delay.map(millis)).collect();
+        let columns = BatchColumns::of(&messages);
         let n = messages.len();
         let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/send_batch.sql"))
             .bind(&self.inner.name)
-            .bind(bodies)
-            .bind(attributes)
-            .bind(groups)
-            .bind(delays)
+            .bind(columns.bodies)
+            .bind(columns.attributes)
+            .bind(columns.groups)
+            .bind(columns.delays)
             .bind(self.notify_in_statement(wake))
             .bind(&locks)
             .fetch_all(&mut *conn)
@@ -704,7 +693,7 @@ impl PgQueue {
         if ids.len() != n {
             // Nothing was sent (send_batch.sql is all or none): the queue
             // is gone, or it deduplicates by content now, and the messages
-            // go one by one under the ids of their bodies.
+            // go under the ids of their bodies (send_batch_dedup.sql).
             self.read_again(&mut *conn).await?;
             return Box::pin(self.send_batch_on(conn, messages, wake)).await;
         }
@@ -715,6 +704,66 @@ impl PgQueue {
             .map(|id| Sent {
                 id: id.to_string(),
                 duplicate: false,
+            })
+            .collect())
+    }
+
+    /// A batch with deduplication ids (given, or drawn from the bodies on
+    /// a queue that deduplicates by content), in one statement
+    /// (`sql/send_batch_dedup.sql`): all or none, with nothing left for
+    /// the client to undo if the call is given up mid-way, and one round
+    /// trip. No row means nothing was sent (the queue is gone, or its
+    /// content-based deduplication changed): read again, and sent again
+    /// under the queue's.
+    async fn send_batch_deduplicated(
+        &self,
+        conn: &mut PgConnection,
+        messages: Vec<SendMessage>,
+        content_based: bool,
+        wake: Wake,
+    ) -> Result<Vec<Sent>> {
+        // The bodies' digests are taken once, for the ids and their locks.
+        let dedup_ids: Vec<Option<Cow<'_, str>>> = messages
+            .iter()
+            .map(|m| dedup_id(m, content_based))
+            .collect();
+        let locks = self.lock_keys(
+            messages.iter().filter_map(|m| m.group_id.as_deref()),
+            dedup_ids.iter().flatten().map(|id| id.as_ref()),
+        )?;
+        let columns = BatchColumns::of(&messages);
+        let ids: Vec<Option<&str>> = dedup_ids.iter().map(|d| d.as_deref()).collect();
+        let by_content: Vec<Option<bool>> = messages
+            .iter()
+            .map(|m| m.dedup_id.is_none().then_some(content_based))
+            .collect();
+        let rows: Vec<SentRow> = sqlx::query_as(include_str!("sql/send_batch_dedup.sql"))
+            .bind(&self.inner.name)
+            .bind(columns.bodies)
+            .bind(columns.attributes)
+            .bind(columns.groups)
+            .bind(ids)
+            .bind(columns.delays)
+            .bind(self.notify_in_statement(wake))
+            .bind(&locks)
+            .bind(by_content)
+            .fetch_all(&mut *conn)
+            .await?;
+        if rows.len() != messages.len() {
+            self.read_again(&mut *conn).await?;
+            return Box::pin(self.send_batch_on(conn, messages, wake)).await;
+        }
+        let duplicates = rows.iter().filter(|r| r.duplicate).count();
+        tracing::debug!(queue = %self.inner.name, duplicates, "deduplicated batch sent");
+        metrics::counter!("pgonce_queue_duplicates_total", "queue" => self.inner.name.clone())
+            .increment(duplicates as u64);
+        metrics::counter!("pgonce_queue_sent_total", "queue" => self.inner.name.clone())
+            .increment((rows.len() - duplicates) as u64);
+        Ok(rows
+            .into_iter()
+            .map(|SentRow { id, duplicate }| Sent {
+                id: id.to_string(),
+                duplicate,
             })
             .collect())
     }
@@ -1360,6 +1409,27 @@ impl QueueRow {
             .bind(name)
             .fetch_optional(executor)
             .await?)
+    }
+}
+
+/// A batch's messages as the columns its send statements take
+/// (`sql/send_batch.sql`, `sql/send_batch_dedup.sql`), in input order.
+struct BatchColumns<'m> {
+    bodies: Vec<&'m str>,
+    attributes: Vec<Json<&'m BTreeMap<String, String>>>,
+    groups: Vec<Option<&'m str>>,
+    /// The messages' own delays in milliseconds (`None`: the queue's).
+    delays: Vec<Option<i64>>,
+}
+
+impl<'m> BatchColumns<'m> {
+    fn of(messages: &'m [SendMessage]) -> Self {
+        BatchColumns {
+            bodies: messages.iter().map(|m| m.body.as_str()).collect(),
+            attributes: messages.iter().map(|m| Json(&m.attributes)).collect(),
+            groups: messages.iter().map(|m| m.group_id.as_deref()).collect(),
+            delays: messages.iter().map(|m| m.delay.map(millis)).collect(),
+        }
     }
 }
 

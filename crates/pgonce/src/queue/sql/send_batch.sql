@@ -7,7 +7,7 @@
 -- transaction (send.sql).
 -- Ids are assigned in input order. Only to a queue that does not
 -- deduplicate by content (its messages would each need a dedup id, and go
--- one by one): no row otherwise, and nothing sent.
+-- in send_batch_dedup.sql): no row otherwise, and nothing sent.
 WITH q AS (
     SELECT name, delay_ms FROM pgonce.queue
     WHERE name = $1
