@@ -14,7 +14,7 @@
 //! it is set.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -49,7 +49,8 @@ pub struct RolloutArgs {
     /// without it, prints the current value.
     #[arg(value_parser = clap::value_parser!(u8).range(0..=100))]
     percent: Option<u8>,
-    /// TOML configuration file, for its `[database]` section.
+    /// TOML configuration file: the one `serve` reads, checked as `serve`
+    /// checks it; its `[database]` section is used.
     #[arg(long)]
     config: Option<PathBuf>,
 }
@@ -71,15 +72,21 @@ fn environment() -> anyhow::Result<Vec<(String, String)>> {
     Ok(vars)
 }
 
-/// The configuration of a `serve`/`worker` run: file, environment, flags.
+/// The configuration of a `serve`, `worker` or `rollout` run: file,
+/// environment, flags, then checked whole, so that every command refuses a
+/// bad value the same way, naming its key, before it connects.
 /// `database_url` is the `--database-url` flag, when given on the command
-/// line.
-fn configure(args: &ServeArgs, database_url: Option<&str>) -> anyhow::Result<Config> {
-    let mut config = Config::load(args.config.as_deref(), environment()?)?;
+/// line; `listen`, `--listen`.
+fn configure(
+    file: Option<&Path>,
+    database_url: Option<&str>,
+    listen: Option<SocketAddr>,
+) -> anyhow::Result<Config> {
+    let mut config = Config::load(file, environment()?)?;
     if let Some(url) = database_url {
         config.database.url = Some(url.to_owned());
     }
-    if let Some(listen) = args.listen {
+    if let Some(listen) = listen {
         config.api.listen = listen;
     }
     config.validate()?;
@@ -138,7 +145,7 @@ pub async fn shutdown_signal() {
 
 /// `pgonce serve` (`api: true`) or `pgonce worker`.
 pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> anyhow::Result<()> {
-    let config = configure(args, database_url)?;
+    let config = configure(args.config.as_deref(), database_url, args.listen)?;
     let metrics = install_metrics()?;
     let pool = connect(&config).await?;
     let service = Service::new(pool.clone(), config.service_config())?;
@@ -254,15 +261,10 @@ where
 
 /// `pgonce rollout [PERCENT]`: prints, or changes, the guard rollout.
 pub async fn rollout(args: &RolloutArgs, database_url: Option<&str>) -> anyhow::Result<()> {
-    let mut config = Config::load(args.config.as_deref(), environment()?)?;
-    if let Some(url) = database_url {
-        config.database.url = Some(url.to_owned());
-    }
-    if config.database.url.as_deref().is_none_or(str::is_empty) {
-        anyhow::bail!(
-            "rollout needs a database: set database.url in --config, DATABASE_URL, or --database-url"
-        );
-    }
+    // A value `serve` would refuse (a zero acquire timeout, a direct URL
+    // that is not one) is refused here too, named, rather than met as a
+    // failure to connect.
+    let mut config = configure(args.config.as_deref(), database_url, None)?;
     config.database.max_connections = 2;
     let pool = connect(&config).await?;
     let before = pgonce_incidents::store::rollout_percent(&pool).await?;

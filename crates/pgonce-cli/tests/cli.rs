@@ -79,16 +79,7 @@ fn rollout_and_config_refuse_what_cannot_be_before_touching_the_database() {
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{percent}");
     }
-    let pool = rt.block_on(db.pool(1)).unwrap();
-    let tables: i64 = rt
-        .block_on(
-            sqlx::query_scalar(
-                "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')",
-            )
-            .fetch_one(&pool),
-        )
-        .unwrap();
-    assert_eq!(tables, 0, "the database was migrated");
+    assert_never_migrated(&rt, &db);
     let dir = std::env::temp_dir();
     let out = pgonce()
         .args(["worker", "--database-url", &url, "--config"])
@@ -99,6 +90,20 @@ fn rollout_and_config_refuse_what_cannot_be_before_touching_the_database() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("not a file"), "{stderr}");
     assert!(stderr.contains(&*dir.to_string_lossy()), "{stderr}");
+}
+
+/// Asserts that the database holds no table: no command migrated it.
+fn assert_never_migrated(rt: &tokio::runtime::Runtime, db: &pgonce_testkit::ScratchDatabase) {
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    let tables: i64 = rt
+        .block_on(
+            sqlx::query_scalar(
+                "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')",
+            )
+            .fetch_one(&pool),
+        )
+        .unwrap();
+    assert_eq!(tables, 0, "the database was migrated");
 }
 
 #[test]
@@ -322,4 +327,46 @@ fn migrate_prints_a_database_error_once() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_printed_once(&stderr, "permission denied");
+}
+
+/// `rollout` reads the same configuration as `serve` and refuses a bad
+/// value in it the same way, naming the key, before it connects: a zero
+/// `database.acquire_timeout` was taken, and every connection then "timed
+/// out" as if the database were down; a `database.direct_url` that is not a
+/// URL was reported without the key that held it. Nothing is written.
+#[test]
+fn rollout_refuses_a_bad_database_setting_naming_its_key_before_connecting() {
+    let (rt, db, url) = fresh_database_url();
+    for (variable, value, key) in [
+        (
+            "PGONCE_DATABASE__ACQUIRE_TIMEOUT",
+            "0s",
+            "database.acquire_timeout",
+        ),
+        (
+            "PGONCE_DATABASE__DIRECT_URL",
+            "not a url",
+            "database.direct_url",
+        ),
+        (
+            "PGONCE_DATABASE__MAX_CONNECTIONS",
+            "1",
+            "database.max_connections",
+        ),
+    ] {
+        for percent in [None, Some("50")] {
+            let out = pgonce()
+                .args(["rollout", "--database-url", &url])
+                .args(percent)
+                .env(variable, value)
+                .timeout(Duration::from_secs(20))
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{variable}={value}: {stderr}");
+            assert!(stderr.contains(key), "{variable}={value}: {stderr}");
+            assert!(out.stdout.is_empty(), "{variable}={value}: {stderr}");
+        }
+    }
+    assert_never_migrated(&rt, &db);
 }
