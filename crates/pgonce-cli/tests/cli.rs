@@ -370,3 +370,54 @@ fn rollout_refuses_a_bad_database_setting_naming_its_key_before_connecting() {
     }
     assert_never_migrated(&rt, &db);
 }
+
+/// A schema dropped by hand, in part or whole, after its migrations ran is
+/// refused by `migrate` and by `worker`, naming what is missing, instead of
+/// "migrations applied" (the bookkeeping rows still say so) and a worker
+/// whose every receive then fails on a relation that does not exist.
+#[test]
+fn a_schema_half_dropped_by_hand_is_refused_naming_what_is_missing() {
+    let (rt, db, url) = fresh_database_url();
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    let migrate = || {
+        pgonce()
+            .arg("migrate")
+            .env("DATABASE_URL", &url)
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap()
+    };
+    let first = migrate();
+    assert!(first.status.success(), "{first:?}");
+    let drop = |sql: &str| {
+        rt.block_on(sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool))
+            .unwrap();
+    };
+
+    drop("DROP TABLE pgonce.queue_message CASCADE");
+    let out = migrate();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("pgonce.queue_message"), "{stderr}");
+    let worker = pgonce()
+        .args(["worker", "--database-url", &url])
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&worker.stderr);
+    assert_eq!(worker.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("pgonce.queue_message"), "{stderr}");
+    assert!(!stderr.contains("runtime started"), "{stderr}");
+
+    drop("DROP FUNCTION pgonce.lock_key(text, text) CASCADE");
+    let out = migrate();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("pgonce.lock_key"), "{stderr}");
+
+    drop("DROP SCHEMA pgonce CASCADE");
+    let out = migrate();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("schema pgonce"), "{stderr}");
+}

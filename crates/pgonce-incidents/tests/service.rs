@@ -698,3 +698,17 @@ async fn api_keys_authenticate_their_organization_only() {
         );
     }
 }
+
+/// `SCHEMA`, what `migrate` checks is still there after a run, is what the
+/// service's migrations make: a table added without it, or a name
+/// in it that none makes, fails here.
+#[tokio::test]
+async fn the_schema_checked_after_a_run_is_what_the_migrations_make() {
+    let (_db, pool) = fresh_migrated_database(1, pgonce_incidents::migrate).await;
+    let schema = pgonce_incidents::SCHEMA;
+    let catalog = pgonce_testkit::schema_catalog(&pool, schema.name)
+        .await
+        .unwrap();
+    assert_eq!(catalog.tables, schema.tables);
+    assert_eq!(catalog.functions, schema.functions);
+}

@@ -29,8 +29,8 @@ pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Ste
 pub use moto::{Moto, MotoError};
 pub use pooler::{Pooler, PoolerSetup};
 pub use server::{
-    ScratchDatabase, Server, ServerError, fresh_database, fresh_database_behind_pooler,
-    fresh_migrated_database, fresh_migrated_database_behind_pooler, shared_for_tests,
-    shared_pooler_for_tests,
+    SchemaCatalog, ScratchDatabase, Server, ServerError, fresh_database,
+    fresh_database_behind_pooler, fresh_migrated_database, fresh_migrated_database_behind_pooler,
+    schema_catalog, shared_for_tests, shared_pooler_for_tests,
 };
 pub use webhook::{ReceiverFaults, ReceiverStats, WebhookError, WebhookReceiver};

@@ -342,3 +342,21 @@ async fn fresh_pool(database: &ScratchDatabase, max: u32) -> PgPool {
         .await
         .unwrap_or_else(|e| panic!("cannot connect to a test database: {e}"))
 }
+
+/// The tables and functions a schema holds, each name once, sorted: what
+/// a test compares with the list a crate keeps of what its migrations make.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct SchemaCatalog {
+    /// Its ordinary tables.
+    pub tables: Vec<String>,
+    /// Its functions, by name (overloads once).
+    pub functions: Vec<String>,
+}
+
+/// [`SchemaCatalog`] of `schema` in `pool`'s database.
+pub async fn schema_catalog(pool: &PgPool, schema: &str) -> Result<SchemaCatalog, sqlx::Error> {
+    sqlx::query_as(include_str!("sql/schema_catalog.sql"))
+        .bind(schema)
+        .fetch_one(pool)
+        .await
+}

@@ -355,6 +355,10 @@ pub fn describe(e: &sqlx::Error) -> String {
                 "the database has migration {version}, which this build does not know: \
                  a newer pgonce migrated it; run that version, or a newer one"
             ),
+            // Ours, not a migration source's ("while resolving migrations").
+            MigrateError::Source(inner) if inner.is::<crate::migrate::SchemaMissing>() => {
+                inner.to_string()
+            }
             other => other.to_string(),
         },
         other => other.to_string(),

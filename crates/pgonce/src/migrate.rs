@@ -47,7 +47,103 @@ pub const LIBRARY_VERSIONS: RangeInclusive<i64> = 1..=999;
 /// [`MigrateError::VersionMissing`], with nothing applied, when a newer
 /// pgonce has migrated the database (see [`run_owning`]).
 pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
-    run_owning(pool, &MIGRATOR, LIBRARY_VERSIONS).await
+    run_owning(pool, &MIGRATOR, LIBRARY_VERSIONS).await?;
+    check_schema(pool, &SCHEMA).await
+}
+
+/// What a set of migrations leaves in the database: a schema, its tables
+/// and its functions, by name. The bookkeeping rows say which migrations
+/// ran, not that what they made is still there: [`check_schema`] looks.
+#[derive(Debug, Clone, Copy)]
+pub struct Schema {
+    /// The schema's name.
+    pub name: &'static str,
+    /// Its tables, unqualified.
+    pub tables: &'static [&'static str],
+    /// Its functions, unqualified (one of a name's overloads is enough).
+    pub functions: &'static [&'static str],
+}
+
+/// What [`MIGRATOR`]'s migrations make. A migration that adds a table or a
+/// function adds it here (the migration tests compare this with the
+/// catalog of a freshly migrated database).
+pub const SCHEMA: Schema = Schema {
+    name: "pgonce",
+    tables: &[
+        "events",
+        "idempotency_keys",
+        "job_retries",
+        "jobs",
+        "processed_messages",
+        "queue",
+        "queue_dedup",
+        "queue_message",
+        "sequence_counters",
+    ],
+    functions: &[
+        "events_append",
+        "events_append_one_tag_item",
+        "events_append_tag_item",
+        "events_check_tag_item",
+        "events_decide",
+        "events_decide_tag_item",
+        "events_enter",
+        "events_filter",
+        "events_insert",
+        "events_lock",
+        "events_require_read_committed",
+        "fence_lost",
+        "job_claim",
+        "lock_key",
+        "queue_fifo_heads_after",
+        "queue_pick_standard",
+        "sequence_take",
+    ],
+};
+
+/// Part of a migrated schema is missing: dropped by hand after its
+/// migrations ran, while `_sqlx_migrations` still records them applied, so
+/// no run would make it again. Returned by [`check_schema`] inside
+/// [`MigrateError::Source`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaMissing {
+    /// The schema itself when it is gone, else its missing tables and
+    /// functions (`pgonce.queue_message`, `pgonce.lock_key()`).
+    pub missing: Vec<String>,
+}
+
+impl std::fmt::Display for SchemaMissing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} missing: dropped by hand after the migrations that made them ran \
+             (_sqlx_migrations records those as applied, so they do not run again); \
+             restore from a backup",
+            self.missing.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for SchemaMissing {}
+
+/// Checks that `schema` and all its tables and functions exist: after its
+/// migrations ran, one missing was dropped by hand, and a run that
+/// reported success would leave every statement on it to fail later.
+/// [`SchemaMissing`], in
+/// [`MigrateError::Source`], names what is missing (the schema alone when
+/// it is gone).
+pub async fn check_schema(pool: &PgPool, schema: &Schema) -> Result<(), MigrateError> {
+    let missing: Vec<String> = sqlx::query_scalar(include_str!("migrate/sql/missing_objects.sql"))
+        .bind(schema.name)
+        .bind(schema.tables)
+        .bind(schema.functions)
+        .fetch_all(pool)
+        .await?;
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(MigrateError::Source(Box::new(SchemaMissing { missing })))
+    }
 }
 
 /// Applies `migrator`'s migrations that are not applied yet, in version

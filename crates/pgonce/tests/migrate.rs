@@ -174,3 +174,46 @@ async fn a_migration_failing_half_way_leaves_nothing_of_itself() {
     .unwrap();
     assert_eq!(tables, ["_sqlx_migrations", "one"]);
 }
+
+/// `migrate::SCHEMA`, what `migrate` checks is still there after a run, is
+/// what the migrations make: a migration adding a table or a function that
+/// the list lacks fails here, and so does a name in the list that none
+/// makes.
+#[tokio::test]
+async fn the_schema_checked_after_a_run_is_what_the_migrations_make() {
+    let (_db, pool) = fresh_migrated_database(1, pgonce::migrate).await;
+    let catalog = pgonce_testkit::schema_catalog(&pool, migrate::SCHEMA.name)
+        .await
+        .unwrap();
+    assert_eq!(catalog.tables, migrate::SCHEMA.tables);
+    assert_eq!(catalog.functions, migrate::SCHEMA.functions);
+}
+
+/// A table or function dropped by hand after its migration ran is named by
+/// the next run, which no longer reports success over a schema it did not
+/// make whole; the schema dropped whole is named alone.
+#[tokio::test]
+async fn a_run_over_a_schema_dropped_in_part_names_what_is_missing() {
+    let (_db, pool) = fresh_migrated_database(1, pgonce::migrate).await;
+    let missing = async || match migrate::migrate(&pool).await {
+        Err(MigrateError::Source(e)) => e
+            .downcast::<migrate::SchemaMissing>()
+            .map(|m| m.missing)
+            .unwrap_or_else(|e| panic!("not SchemaMissing: {e}")),
+        other => panic!("expected SchemaMissing, got {other:?}"),
+    };
+    sqlx::query("DROP TABLE pgonce.jobs CASCADE")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("DROP FUNCTION pgonce.job_claim CASCADE")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(missing().await, ["pgonce.jobs", "pgonce.job_claim()"]);
+    sqlx::query("DROP SCHEMA pgonce CASCADE")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(missing().await, ["schema pgonce"]);
+}
