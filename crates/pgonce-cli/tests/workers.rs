@@ -214,3 +214,134 @@ fn two_worker_processes_share_one_queue_and_a_sigkill_loses_nothing() {
         .status();
     a.0.wait().unwrap();
 }
+
+/// A `pgonce worker`'s stderr, line by line, as it comes.
+struct Stderr(std::sync::mpsc::Receiver<String>);
+
+impl Stderr {
+    fn of(child: &mut Child) -> Stderr {
+        use std::io::BufRead;
+        let (lines, rx) = std::sync::mpsc::channel();
+        let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Stderr(rx)
+    }
+
+    /// Waits for a line containing `needle` (the lines before it are
+    /// kept in `seen`); panics past `STUCK`, or if the process closed
+    /// stderr (it exited) first.
+    fn wait_for(&self, needle: &str, seen: &mut Vec<String>) {
+        let deadline = Instant::now() + STUCK;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.0.recv_timeout(left) {
+                Ok(line) => {
+                    let found = line.contains(needle);
+                    seen.push(line);
+                    if found {
+                        return;
+                    }
+                }
+                Err(e) => panic!("no line with {needle:?} ({e}):\n{}", seen.join("\n")),
+            }
+        }
+    }
+}
+
+/// SIGTERM while a `pgonce worker` has messages in hand: the ones that
+/// finished were acked (deleted), the ones still in their handler at the
+/// shutdown deadline are handed back, receivable at once rather than after
+/// their visibility timeout, and the process exits 0. A second signal
+/// (SIGINT) during the drain changes none of that.
+#[test]
+fn sigterm_mid_work_acks_what_finished_hands_back_the_rest_and_exits_0() {
+    let (rt, db, url) = fresh_database_url();
+    let pool = rt.block_on(db.pool(4)).unwrap();
+    rt.block_on(pgonce_incidents::migrate(&pool)).unwrap();
+    let busy = rt.block_on(set_up(&pool));
+    // No policy: its observations finish at once, nothing to evaluate.
+    let (quiet, _key) = rt
+        .block_on(store::create_organization(&pool, "quiet"))
+        .unwrap();
+    let quiet = Org {
+        id: quiet.id,
+        entities: (0..4).map(|e| format!("quiet-{e}")).collect(),
+    };
+    // A minute of visibility: a message back on the queue in less was
+    // handed back, not expired.
+    let queue = rt
+        .block_on(observations_queue(&pool, Duration::from_secs(60), 50))
+        .unwrap();
+    let finished = rt.block_on(send(&queue, &quiet, 0, 4));
+    // One per entity: each its own group, so all are in hand at once.
+    let held = rt.block_on(send(&queue, &busy, 100, 3));
+    let mut child = Reaped(
+        Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+            .arg("worker")
+            .env_remove("DATABASE_URL")
+            .env("PGONCE_DATABASE__URL", &url)
+            .env("PGONCE_PIPELINE__WORKERS", "1")
+            .env("PGONCE_PIPELINE__CONCURRENCY", "8")
+            .env("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "60s")
+            .env("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s")
+            // Evaluations that never finish while the test runs.
+            .env("PGONCE_PIPELINE__EVALUATOR__LATENCY", "1h")
+            .env("RUST_LOG", "warn,pgonce=info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = Stderr::of(&mut child.0);
+    let mut seen = Vec::new();
+    stderr.wait_for("runtime started", &mut seen);
+
+    // The quiet organization's messages done and deleted, the busy one's
+    // all in hand.
+    let deadline = Instant::now() + STUCK;
+    loop {
+        let stats = rt.block_on(queue.stats()).unwrap();
+        if stats.depth == 0 && stats.in_flight == held.len() as u64 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never all in hand: {stats:?}");
+        assert!(child.0.try_wait().unwrap().is_none(), "the worker exited");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let signal = |name: &str| {
+        let sent = Command::new("kill")
+            .args([&format!("-{name}"), &child.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    };
+    signal("TERM");
+    stderr.wait_for("shutting down", &mut seen);
+    signal("INT");
+    stderr.wait_for("pgonce: stopped", &mut seen);
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "{status:?}:\n{}", seen.join("\n"));
+
+    // Acked: the quiet ones are gone. Handed back: the held ones are all
+    // receivable now, none in flight, though their visibility timeout has
+    // most of its minute to run.
+    let stats = rt.block_on(queue.stats()).unwrap();
+    assert_eq!(stats.in_flight, 0, "{stats:?}:\n{}", seen.join("\n"));
+    assert_eq!(stats.depth, held.len() as u64, "{stats:?}");
+    let received = rt
+        .block_on(queue.receive(pgonce::ReceiveRequest::up_to(10)))
+        .unwrap();
+    let mut back: Vec<String> = received.iter().map(|m| m.id.clone()).collect();
+    back.sort();
+    let mut expected = held.clone();
+    expected.sort();
+    assert_eq!(back, expected);
+    assert!(finished.iter().all(|id| !back.contains(id)));
+}
