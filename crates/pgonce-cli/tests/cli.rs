@@ -6,7 +6,7 @@ use assert_cmd::Command;
 
 mod common;
 
-use common::{free_port, fresh_database_url, http_get, wait_for_200};
+use common::{Reaped, free_port, fresh_database_url, http_get, wait_for_200};
 
 fn pgonce() -> Command {
     let mut cmd = Command::cargo_bin("pgonce").unwrap();
@@ -420,4 +420,128 @@ fn a_schema_half_dropped_by_hand_is_refused_naming_what_is_missing() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("schema pgonce"), "{stderr}");
+}
+
+/// The backend of the one session on `pool`'s database, other than the
+/// caller's, that waits for a lock the session `holder` holds: `pgonce
+/// migrate`, seen blocked. Polls the catalog, never the clock.
+fn blocked_backend(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, holder: i32) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let blocked: Option<i32> = rt
+            .block_on(
+                sqlx::query_scalar(
+                    "SELECT pid FROM pg_stat_activity \
+                     WHERE datname = current_database() AND $1 = ANY(pg_blocking_pids(pid))",
+                )
+                .bind(holder)
+                .fetch_optional(pool),
+            )
+            .unwrap();
+        if let Some(pid) = blocked {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "migrate never blocked");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// What a killed `migrate` left: bookkeeping rows, and whether the
+/// `pgonce` schema exists.
+#[derive(Debug, PartialEq, Eq, sqlx::FromRow)]
+struct Left {
+    rows: i64,
+    schema: bool,
+}
+
+/// `pgonce migrate` killed (SIGKILL) inside a migration, its SQL run and
+/// its bookkeeping row waiting on a lock: nothing of that migration stays
+/// (no schema, no row), and the next `migrate` applies everything and
+/// succeeds.
+#[test]
+fn migrate_killed_mid_migration_leaves_nothing_and_runs_again() {
+    let (rt, db, url) = fresh_database_url();
+    // Failed assertions drop the held transaction, which needs the runtime.
+    let _runtime = rt.enter();
+    let pool = rt.block_on(db.pool(2)).unwrap();
+    // The runner's own bookkeeping table, made ahead so that the test can
+    // lock it: a SHARE lock lets the runner read it and stops its INSERT.
+    rt.block_on(
+        sqlx::query(
+            "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, \
+             description TEXT NOT NULL, installed_on TIMESTAMPTZ NOT NULL DEFAULT now(), \
+             success BOOLEAN NOT NULL, checksum BYTEA NOT NULL, execution_time BIGINT NOT NULL)",
+        )
+        .execute(&pool),
+    )
+    .unwrap();
+    let mut gate = rt.block_on(pool.begin()).unwrap();
+    let holder: i32 = rt
+        .block_on(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *gate))
+        .unwrap();
+    rt.block_on(sqlx::query("LOCK TABLE _sqlx_migrations IN SHARE MODE").execute(&mut *gate))
+        .unwrap();
+    let mut child = Reaped(
+        std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+            .arg("migrate")
+            .env("DATABASE_URL", &url)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let backend = blocked_backend(&rt, &pool, holder);
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+    rt.block_on(gate.rollback()).unwrap();
+    // The orphaned backend finds its client gone once it goes on, and
+    // rolls back as it ends.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let alive: bool = rt
+            .block_on(
+                sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
+                    .bind(backend)
+                    .fetch_one(&pool),
+            )
+            .unwrap();
+        if !alive {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the killed migrate's backend lives on"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Left = rt
+        .block_on(
+            sqlx::query_as(
+                "SELECT (SELECT count(*) FROM _sqlx_migrations) AS rows, \
+                 to_regnamespace('pgonce') IS NOT NULL AS schema",
+            )
+            .fetch_one(&pool),
+        )
+        .unwrap();
+    assert_eq!(
+        left,
+        Left {
+            rows: 0,
+            schema: false
+        },
+        "half a migration stayed"
+    );
+
+    let again = pgonce()
+        .arg("migrate")
+        .env("DATABASE_URL", &url)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(again.status.success(), "{again:?}");
+    let rows: i64 = rt
+        .block_on(sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&pool))
+        .unwrap();
+    assert_eq!(rows as usize, pgonce::migrate::MIGRATOR.iter().count());
 }

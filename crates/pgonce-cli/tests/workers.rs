@@ -22,7 +22,7 @@ use sqlx::PgPool;
 
 mod common;
 
-use common::{free_port, fresh_database_url, http_get, wait_for_200};
+use common::{Reaped, free_port, fresh_database_url, http_get, wait_for_200};
 
 /// How long a stuck run may take before the test gives up on it.
 const STUCK: Duration = Duration::from_secs(180);
@@ -52,17 +52,6 @@ fn worker(url: &str, port: u16, webhook: &str) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .expect("pgonce worker starts")
-}
-
-/// A child process killed (SIGKILL) and reaped when dropped, so a failing
-/// assertion leaves no worker running.
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// Observations this worker process finished, from its `/metrics`.

@@ -74,3 +74,14 @@ pub fn wait_for_200(child: &mut std::process::Child, port: u16, path: &str) -> S
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// A child process killed (SIGKILL) and reaped when dropped, so a failing
+/// assertion leaves no `pgonce` running.
+pub struct Reaped(pub std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
