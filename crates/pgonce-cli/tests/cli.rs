@@ -545,3 +545,22 @@ fn migrate_killed_mid_migration_leaves_nothing_and_runs_again() {
         .unwrap();
     assert_eq!(rows as usize, pgonce::migrate::MIGRATOR.iter().count());
 }
+
+/// A `pipeline.max_receive_count` past what the PostgreSQL queue stores
+/// (an int) is refused with the rest of the configuration, naming the key,
+/// before the database is touched: it was found only when the queue was
+/// opened, after the migrations had run, in words naming no key.
+#[test]
+fn worker_refuses_a_max_receive_count_the_queue_cannot_store_before_migrating() {
+    let (rt, db, url) = fresh_database_url();
+    let out = pgonce()
+        .args(["worker", "--database-url", &url])
+        .env("PGONCE_PIPELINE__MAX_RECEIVE_COUNT", "2147483648")
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("pipeline.max_receive_count"), "{stderr}");
+    assert_never_migrated(&rt, &db);
+}

@@ -220,7 +220,7 @@ pub struct PipelineSection {
     #[serde(with = "humantime_serde")]
     pub visibility_timeout: Duration,
     /// `max_receive_count`: deliveries before an observation is
-    /// dead-lettered. Default 5; at least 1.
+    /// dead-lettered. Default 5; 1 to 2147483647 (1000 on SQS).
     pub max_receive_count: u32,
     /// `failure_visibility`: after a failed handler, the message is visible
     /// again after this long. Default none (the visibility timeout).
@@ -962,8 +962,13 @@ impl Config {
                 "must be at least 1s",
             ));
         }
-        if self.pipeline.max_receive_count == 0 {
-            return Err(invalid("pipeline.max_receive_count", "must be at least 1"));
+        // The PostgreSQL queue stores it as an int: a larger one was refused
+        // only when the queue was opened, after the migrations had run.
+        if !(1..=i32::MAX.unsigned_abs()).contains(&self.pipeline.max_receive_count) {
+            return Err(invalid(
+                "pipeline.max_receive_count",
+                "must be 1 to 2147483647",
+            ));
         }
         if self.queue.backend == QueueBackend::Sqs {
             self.queue.sqs.validate(
