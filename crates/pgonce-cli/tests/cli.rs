@@ -31,6 +31,31 @@ fn migrate_against_a_closed_port_fails_fast_with_one_line_naming_the_address() {
     assert!(lines[0].contains("127.0.0.1:1/x"), "{stderr}");
 }
 
+/// `worker` and `serve` started with the database down do not wait for it:
+/// they exit 1 at once with one line naming its address (a service
+/// manager restarts them), and bind nothing meanwhile.
+#[test]
+fn worker_and_serve_with_the_database_down_exit_1_in_one_line_naming_it() {
+    for command in ["worker", "serve"] {
+        let port = free_port();
+        let out = pgonce()
+            .args([command, "--database-url", "postgres://127.0.0.1:1/down"])
+            .env("PGONCE_API__LISTEN", format!("127.0.0.1:{port}"))
+            .env("PGONCE_API__METRICS_LISTEN", format!("127.0.0.1:{port}"))
+            .timeout(Duration::from_secs(30))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{command}: {stderr}");
+        let lines: Vec<_> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{command}: {stderr}");
+        assert!(
+            lines[0].contains("cannot connect to PostgreSQL at 127.0.0.1:1/down"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
 /// A variable in the environment whose value is not UTF-8 does not crash
 /// `serve`, `worker` or `rollout` (`std::env::vars` would panic on it): one
 /// that is not the service's is left out, and the
