@@ -108,6 +108,9 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
 
+    // Only the lab's commands make a throwaway database or cluster; a
+    // product command stopped by a signal has none to speak of.
+    let throwaway = !matches!(cli.command, Command::Migrate | Command::Rollout(_));
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let outcome = runtime.block_on(async {
         // Services shut down gracefully on their own signals.
@@ -137,7 +140,11 @@ fn main() -> ExitCode {
         Ok(None) => ExitCode::SUCCESS,
         Err(e) => match e.downcast_ref::<Interrupted>() {
             Some(Interrupted { signal, code }) => {
-                eprintln!("pgonce: interrupted ({signal}); throwaway database removed");
+                if throwaway {
+                    eprintln!("pgonce: interrupted ({signal}); throwaway database removed");
+                } else {
+                    eprintln!("pgonce: interrupted ({signal})");
+                }
                 ExitCode::from(*code)
             }
             None => {

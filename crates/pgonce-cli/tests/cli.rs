@@ -471,6 +471,57 @@ fn blocked_backend(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, holder: i3
     }
 }
 
+/// A `pgonce migrate` process seen blocked inside its first migration (its
+/// SQL run, its bookkeeping row not yet written), by the lock `gate` holds.
+struct Held {
+    gate: sqlx::Transaction<'static, sqlx::Postgres>,
+    child: Reaped,
+    /// The process's blocked backend.
+    backend: i32,
+}
+
+/// Starts `pgonce migrate` on `url`, `pool`'s database, and returns it
+/// [`Held`]. Its stderr is piped.
+fn migrate_held_mid_migration(
+    rt: &tokio::runtime::Runtime,
+    pool: &sqlx::PgPool,
+    url: &str,
+) -> Held {
+    // The runner's own bookkeeping table, made ahead so that the test can
+    // lock it: a SHARE lock lets the runner read it and stops its INSERT.
+    rt.block_on(
+        sqlx::query(
+            "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, \
+             description TEXT NOT NULL, installed_on TIMESTAMPTZ NOT NULL DEFAULT now(), \
+             success BOOLEAN NOT NULL, checksum BYTEA NOT NULL, execution_time BIGINT NOT NULL)",
+        )
+        .execute(pool),
+    )
+    .unwrap();
+    let mut gate = rt.block_on(pool.begin()).unwrap();
+    let holder: i32 = rt
+        .block_on(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *gate))
+        .unwrap();
+    rt.block_on(sqlx::query("LOCK TABLE _sqlx_migrations IN SHARE MODE").execute(&mut *gate))
+        .unwrap();
+    let child = Reaped(
+        std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+            .arg("migrate")
+            .env("DATABASE_URL", url)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let backend = blocked_backend(rt, pool, holder);
+    Held {
+        gate,
+        child,
+        backend,
+    }
+}
+
 /// What a killed `migrate` left: bookkeeping rows, and whether the
 /// `pgonce` schema exists.
 #[derive(Debug, PartialEq, Eq, sqlx::FromRow)]
@@ -489,34 +540,11 @@ fn migrate_killed_mid_migration_leaves_nothing_and_runs_again() {
     // Failed assertions drop the held transaction, which needs the runtime.
     let _runtime = rt.enter();
     let pool = rt.block_on(db.pool(2)).unwrap();
-    // The runner's own bookkeeping table, made ahead so that the test can
-    // lock it: a SHARE lock lets the runner read it and stops its INSERT.
-    rt.block_on(
-        sqlx::query(
-            "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, \
-             description TEXT NOT NULL, installed_on TIMESTAMPTZ NOT NULL DEFAULT now(), \
-             success BOOLEAN NOT NULL, checksum BYTEA NOT NULL, execution_time BIGINT NOT NULL)",
-        )
-        .execute(&pool),
-    )
-    .unwrap();
-    let mut gate = rt.block_on(pool.begin()).unwrap();
-    let holder: i32 = rt
-        .block_on(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *gate))
-        .unwrap();
-    rt.block_on(sqlx::query("LOCK TABLE _sqlx_migrations IN SHARE MODE").execute(&mut *gate))
-        .unwrap();
-    let mut child = Reaped(
-        std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
-            .arg("migrate")
-            .env("DATABASE_URL", &url)
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let backend = blocked_backend(&rt, &pool, holder);
+    let Held {
+        gate,
+        mut child,
+        backend,
+    } = migrate_held_mid_migration(&rt, &pool, &url);
     child.0.kill().unwrap();
     child.0.wait().unwrap();
     rt.block_on(gate.rollback()).unwrap();
@@ -588,4 +616,28 @@ fn worker_refuses_a_max_receive_count_the_queue_cannot_store_before_migrating() 
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("pipeline.max_receive_count"), "{stderr}");
     assert_never_migrated(&rt, &db);
+}
+
+/// `pgonce migrate` stopped by SIGTERM mid-migration exits 143 saying it was
+/// interrupted, and nothing else: it made no throwaway database, so it
+/// does not claim to have removed one.
+#[test]
+fn migrate_interrupted_says_so_without_a_throwaway_database() {
+    let (rt, db, url) = fresh_database_url();
+    let _runtime = rt.enter();
+    let pool = rt.block_on(db.pool(2)).unwrap();
+    let Held {
+        gate, mut child, ..
+    } = migrate_held_mid_migration(&rt, &pool, &url);
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = child.0.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    rt.block_on(gate.rollback()).unwrap();
+    assert_eq!(status.code(), Some(143), "{stderr}");
+    assert_eq!(stderr.trim(), "pgonce: interrupted (SIGTERM)");
 }
