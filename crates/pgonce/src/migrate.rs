@@ -96,6 +96,7 @@ pub const SCHEMA: Schema = Schema {
         "job_claim",
         "lock_key",
         "queue_fifo_heads_after",
+        "queue_lock_keys",
         "queue_pick_standard",
         "sequence_take",
     ],
