@@ -250,7 +250,8 @@ fn jsonb(value: &Value) -> Json<Box<RawValue>> {
 
 /// Creates the entity `external_id` of the organization on first sight, or
 /// records `attributes` as its latest, written so that its numbers read
-/// back as they were given ([`jsonb`]).
+/// back as they were given: a whole double is stored with a fraction
+/// (`1e16` as `10000000000000000.0`), which `jsonb` keeps.
 pub async fn upsert_entity(
     db: impl PgExecutor<'_>,
     organization_id: i64,
