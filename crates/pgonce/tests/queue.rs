@@ -5,6 +5,8 @@
 
 mod support;
 
+use support::database_with_queue;
+
 use std::time::Duration;
 
 use pgonce::IsolationLevel;
@@ -717,19 +719,6 @@ async fn open_f_fifo(pool: &PgPool) -> PgQueue {
 /// A database with queue f.fifo, for [`batches_queued_behind_a_holder`].
 async fn f_fifo_database() -> (pgonce_testkit::ScratchDatabase, PgPool) {
     database_with_queue("f.fifo", QueueAttributes::fifo()).await
-}
-
-/// A database of its own (for sessions of a race) with queue `name`, and
-/// a pool of two on it for the setup and the checks.
-async fn database_with_queue(
-    name: &str,
-    attributes: QueueAttributes,
-) -> (pgonce_testkit::ScratchDatabase, PgPool) {
-    let db = fresh_database().await;
-    let setup = db.pool(2).await.unwrap();
-    pgonce::migrate(&setup).await.unwrap();
-    queue(&setup, name, attributes).await;
-    (db, setup)
 }
 
 /// Two batches that share deduplication ids in different orders, on FIFO

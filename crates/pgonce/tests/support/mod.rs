@@ -195,3 +195,18 @@ pub fn count_of(
     });
     (count, recorder)
 }
+
+/// A database of its own (for sessions of a race) with queue `name`, and
+/// a pool of two on it for the setup and the checks.
+pub async fn database_with_queue(
+    name: &str,
+    attributes: pgonce::QueueAttributes,
+) -> (pgonce_testkit::ScratchDatabase, sqlx::PgPool) {
+    let db = pgonce_testkit::fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    pgonce::PgQueue::create(&setup, name, attributes, pgonce::PgQueueOptions::default())
+        .await
+        .unwrap();
+    (db, setup)
+}
