@@ -9,7 +9,7 @@ use support::database_with_queue;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use pgonce::{PgQueue, PgQueueOptions, Queue, QueueAttributes, SendMessage, Sent};
+use pgonce::{IsolationLevel, PgQueue, PgQueueOptions, Queue, QueueAttributes, SendMessage, Sent};
 use pgonce_testkit::{Interleaving, fresh_database};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -341,4 +341,32 @@ async fn a_standard_send_with_an_id_waits_for_its_ids_sender() {
         vec![SendMessage::new("b").dedup("d")],
     )
     .await;
+}
+
+/// A duplicate batch send of a long-claimed id leaves the claim as it
+/// was: a REPEATABLE READ transaction whose snapshot predates it then
+/// sends that id as a duplicate, as it does after a duplicate `send`.
+#[tokio::test]
+async fn a_duplicate_batch_does_not_rewrite_a_live_claim() {
+    let (_db, pool) = database_with_queue("q", QueueAttributes::default()).await;
+    let q = PgQueue::open(&pool, "q", options()).await.unwrap();
+    let first = q.send(SendMessage::new("first").dedup("d")).await.unwrap();
+    let mut early = pgonce::begin(&pool, IsolationLevel::RepeatableRead)
+        .await
+        .unwrap();
+    sqlx::query("SELECT count(*) FROM pgonce.queue_dedup")
+        .execute(&mut *early)
+        .await
+        .unwrap();
+    let again = q
+        .send_batch(vec![SendMessage::new("again").dedup("d")])
+        .await
+        .unwrap();
+    assert!(again[0].duplicate && again[0].id == first.id, "{again:?}");
+    let late = q
+        .send_in(&mut early, SendMessage::new("late").dedup("d"))
+        .await;
+    early.rollback().await.unwrap();
+    let late = late.expect("a duplicate in a REPEATABLE READ transaction");
+    assert!(late.duplicate && late.id == first.id, "{late:?}");
 }

@@ -21,12 +21,16 @@
 -- batch with dedup ids always has keys, so the call is never wasted). Ids are drawn in input order (after the sort: nextval is
 -- volatile), so a group's messages keep the batch's order; a duplicate's
 -- drawn id goes unused. The first message of each dedup id claims it
--- (later ones in the batch are its duplicates). The claim always writes
--- the claim row, live or not, so that RETURNING gives the id of every
--- claim: a live one committed by a concurrent sender after this
--- statement's snapshot (it waited for that sender's lock) is seen too, as
--- ON CONFLICT sees the latest committed row, and there is no message the
--- statement cannot resolve.
+-- (later ones in the batch are its duplicates). A live claim this
+-- statement's snapshot sees is left as it is and read from that snapshot
+-- (`seen`): writing it again, as a duplicate, would make a concurrent
+-- REPEATABLE READ sender of the id, whose snapshot predates the write, fail
+-- to serialize where a duplicate `send` lets it through. A claim the
+-- snapshot does not see as it is (committed by a concurrent sender after
+-- the snapshot: this statement waited for that sender's lock) is written
+-- again, live or not, so that RETURNING gives its id, as ON CONFLICT sees
+-- the latest committed row: there is no message the statement cannot
+-- resolve.
 WITH q AS (
     SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue
     WHERE name = $1
@@ -56,12 +60,24 @@ WITH q AS (
                           THEN EXCLUDED.message_id ELSE d.message_id END,
         expires_at = CASE WHEN d.expires_at <= statement_timestamp()
                           THEN EXCLUDED.expires_at ELSE d.expires_at END
+    WHERE d.expires_at <= statement_timestamp()
+       OR NOT EXISTS (
+           SELECT 1 FROM pgonce.queue_dedup s
+           WHERE s.queue = d.queue AND s.dedup_id = d.dedup_id
+             AND s.message_id = d.message_id AND s.expires_at = d.expires_at
+       )
     RETURNING d.dedup_id, d.message_id
+), seen AS (
+    -- The live claims left as they were (their rows as the snapshot has
+    -- them: a claim expired there was renewed by `claim`, which wins).
+    SELECT s.dedup_id, s.message_id FROM pgonce.queue_dedup s
+    WHERE s.queue = $1 AND s.dedup_id = ANY ($5::text[])
 ), sent AS (
     SELECT m.ord, m.body, m.attributes, m.group_id, m.dedup_id, m.delay_ms,
-           coalesce(c.message_id, m.id) AS id,
-           coalesce(c.message_id <> m.id, false) AS duplicate
+           coalesce(c.message_id, s.message_id, m.id) AS id,
+           coalesce(coalesce(c.message_id, s.message_id) <> m.id, false) AS duplicate
     FROM m LEFT JOIN claim c ON c.dedup_id = m.dedup_id
+           LEFT JOIN seen s ON s.dedup_id = m.dedup_id
 ), ins AS (
     INSERT INTO pgonce.queue_message (id, queue, body, attributes, group_id, dedup_id, visible_at)
     SELECT s.id, q.name, s.body, s.attributes, s.group_id, s.dedup_id,
