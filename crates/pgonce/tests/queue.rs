@@ -662,6 +662,47 @@ async fn content_based_deduplication_follows_the_queue_on_handles_opened_before(
     assert_eq!(old.stats().await.unwrap().depth, 5);
 }
 
+/// A deduplicated batch refused because its handle saw an old setting
+/// (content-based deduplication turned off since it opened) holds no key of
+/// the refused attempt when it retries under the queue's setting: keys kept
+/// from a first attempt would be taken out of order with the retry's, which
+/// can deadlock two senders. The planner runs a WHERE's conditions in the
+/// order of its cost estimates, and it ran the locking before the check.
+#[tokio::test]
+async fn a_batch_refused_for_an_old_setting_keeps_no_key_of_that_attempt() {
+    let pool = pool().await;
+    let by_content = |on: bool| QueueAttributes {
+        content_based_dedup: on,
+        ..QueueAttributes::fifo()
+    };
+    let old = queue(&pool, "k.fifo", by_content(true)).await;
+    queue(&pool, "k.fifo", by_content(false)).await;
+    let mut tx = pool.begin().await.unwrap();
+    let sent = old
+        .send_batch_in(
+            &mut tx,
+            vec![
+                SendMessage::new("one").group("g"),
+                SendMessage::new("two").group("g"),
+            ],
+        )
+        .await
+        .unwrap();
+    assert!(sent.iter().all(|s| !s.duplicate), "{sent:?}");
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks
+         WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(
+        held, 1,
+        "the group's key alone, none of the refused attempt's content ids"
+    );
+    tx.commit().await.unwrap();
+}
+
 /// Two batches queued behind a holder, step by step: X runs `hold` in a
 /// transaction it keeps open; the first batch (session "First") is seen
 /// waiting for X, the second ("Second") for the first; X rolls back.

@@ -34,12 +34,17 @@
 WITH q AS (
     SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue
     WHERE name = $1
-      AND NOT EXISTS (
-          SELECT 1 FROM unnest($9::boolean[]) AS c(by_content)
-          WHERE c.by_content IS DISTINCT FROM content_based_dedup
-            AND c.by_content IS NOT NULL
-      )
-      AND pgonce.queue_lock_keys($8::bigint[]) >= 0
+      -- The content-based check first, then the locks: a batch refused
+      -- here (its handle saw an old setting) must hold no key when it
+      -- retries with others, or it could take keys out of order. The
+      -- planner orders a WHERE's conditions by its cost estimates; CASE
+      -- evaluates in the order written.
+      AND CASE WHEN EXISTS (
+                   SELECT 1 FROM unnest($9::boolean[]) AS c(by_content)
+                   WHERE c.by_content IS DISTINCT FROM content_based_dedup
+                     AND c.by_content IS NOT NULL
+               ) THEN false
+               ELSE pgonce.queue_lock_keys($8::bigint[]) >= 0 END
 ), m AS MATERIALIZED (
     SELECT b.ord, b.body, b.attributes, b.group_id, b.dedup_id, b.delay_ms,
            nextval('pgonce.queue_message_id_seq') AS id
