@@ -187,16 +187,23 @@ pub struct PgQueueOptions {
     /// Notify long-polling receivers (`pg_notify`) on each send, and on
     /// what else makes a message receivable at once: a release (visibility
     /// zero), the delete of a FIFO head with more of its group behind it,
-    /// a redrive (which notifies the source queues). Default true. Without it, long polls find new messages only at
-    /// `poll_interval`; with it, every sending transaction takes
-    /// PostgreSQL's notification lock at commit.
+    /// a redrive (which notifies the source queues); and on a hand-back
+    /// that makes a message visible sooner than it was to be (a
+    /// visibility change shorter than the time left). Default true.
+    /// Without it, long polls find new messages only at `poll_interval`;
+    /// with it, every sending transaction takes PostgreSQL's notification
+    /// lock at commit.
     pub notify: bool,
-    /// A long poll re-checks the queue at least this often, for delayed
-    /// messages, expired visibility timeouts and missed notifications.
-    /// Default 1 s; at least 1 ms (shorter would poll the database in a
-    /// busy loop), at most [`MAX_WAIT`](crate::queue::MAX_WAIT) (a wait's
-    /// longest: a longer interval never comes round, and each re-check's
-    /// time, now plus the interval, must exist).
+    /// A long poll re-checks the queue at least this often, for missed
+    /// notifications, and for a message that becomes visible later than
+    /// its look foresaw (its lease taken after that look, by a receiver
+    /// the look could not see). A message its look saw coming (sent with a
+    /// delay, in flight, handed back with a delay) wakes it when it becomes
+    /// visible, whatever this interval. Default 1 s; at least 1 ms
+    /// (shorter would poll the database in a busy loop), at most
+    /// [`MAX_WAIT`](crate::queue::MAX_WAIT) (a wait's longest: a longer
+    /// interval never comes round, and each re-check's time, now plus the
+    /// interval, must exist).
     pub poll_interval: Duration,
     /// Where long polls listen for sends (see [`Listen`]). Default: a
     /// connection like the pool's.
@@ -792,27 +799,41 @@ impl PgQueue {
     /// ones delivered, those leases are taken: they are returned and the
     /// failure logged.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
-        Ok(self.receive_looking(request).await?.0)
+        Ok(self.receive_looking(request).await?.received)
     }
 
-    /// [`Self::receive_once`], and whether it stopped at its budget with
-    /// messages it did not deliver still ahead (a long poll looks again at
-    /// once instead of parking).
-    async fn receive_looking(&self, request: &ReceiveRequest) -> Result<(Vec<Received>, bool)> {
+    /// [`Self::receive_once`], with what a long poll needs to know to wait
+    /// ([`Look`]).
+    async fn receive_looking(&self, request: &ReceiveRequest) -> Result<Look> {
         let max = request.max_messages;
         let mut received = Vec::new();
         let mut passed_over = Vec::new();
+        let mut next_visible = None;
         let mut look = max;
         let mut looked_further = 0;
         let mut undelivered = self
-            .receive_statement(request, look, max, &mut passed_over, &mut received)
+            .receive_statement(
+                request,
+                look,
+                max,
+                &mut passed_over,
+                &mut received,
+                &mut next_visible,
+            )
             .await?;
         while undelivered && received.len() < max && looked_further < MAX_BATCH {
             look = (look * 2).min(MAX_BATCH - looked_further);
             looked_further += look;
             let room = max - received.len();
             match self
-                .receive_statement(request, look, room, &mut passed_over, &mut received)
+                .receive_statement(
+                    request,
+                    look,
+                    room,
+                    &mut passed_over,
+                    &mut received,
+                    &mut next_visible,
+                )
                 .await
             {
                 Ok(more) => undelivered = more,
@@ -836,14 +857,21 @@ impl PgQueue {
                 .increment(1);
         }
         let more = undelivered && received.len() < max && looked_further >= MAX_BATCH;
-        Ok((received, more))
+        Ok(Look {
+            received,
+            more,
+            next_visible,
+        })
     }
 
     /// One receive statement: looks at up to `look` messages other than
     /// `passed_over` and delivers at most `room`; appends its deliveries to
-    /// `received`, and the ids it delivered or held back to `passed_over`.
-    /// True when it picked messages it did not deliver (held back, moved or
-    /// expired), so that looking further may find more.
+    /// `received`, and the ids it delivered or held back to `passed_over`;
+    /// when it delivered nothing and a message of the queue becomes visible
+    /// later, sets `next_visible` to when (by this process's clock, no
+    /// earlier than the server's time). True when it picked messages it
+    /// did not deliver (held back, moved or expired), so that looking
+    /// further may find more.
     async fn receive_statement(
         &self,
         request: &ReceiveRequest,
@@ -851,6 +879,7 @@ impl PgQueue {
         room: usize,
         passed_over: &mut Vec<i64>,
         received: &mut Vec<Received>,
+        next_visible: &mut Option<Instant>,
     ) -> Result<bool> {
         let further = look > room;
         let sql = match (self.inner.fifo, further) {
@@ -873,6 +902,9 @@ impl PgQueue {
         // start, so a long poll's wait before this look is not counted.
         let requested_at = Instant::now();
         let rows: Vec<ReceiveRow> = query.fetch_all(&self.inner.pool).await?;
+        // The server counted the wait from its `now()`, before the rows came
+        // back: a wake counted from here is never early.
+        let answered_at = Instant::now();
         let (mut dead, mut expired, mut skipped, mut unseen) = (0u64, 0u64, 0u64, 0u64);
         let mut held = Vec::new();
         for row in rows {
@@ -905,6 +937,11 @@ impl PgQueue {
                 "held" => held.push(row.id),
                 "skipped" => skipped += 1,
                 "unseen" => unseen += 1,
+                "next_visible" => {
+                    *next_visible = row.next_visible_ms.map(|ms| {
+                        answered_at + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+                    });
+                }
                 _ => expired += 1,
             }
         }
@@ -1107,10 +1144,12 @@ impl Queue for PgQueue {
     }
 
     /// Long polling: the handle LISTENs (one connection per handle family)
-    /// and each send NOTIFYs (as do releases, FIFO heads' deletes and
-    /// redrives: [`PgQueueOptions::notify`]); a parked receive wakes on a
-    /// notification for this queue, at `poll_interval`, or at the end of
-    /// `wait`, whichever comes first. No connection is held while parked. A notification
+    /// and each send NOTIFYs (as do releases, FIFO heads' deletes,
+    /// redrives and shortening hand-backs: [`PgQueueOptions::notify`]); a
+    /// parked receive wakes on a notification for this queue, when the
+    /// queue's next message becomes visible (a delay, a lease or a
+    /// hand-back running out, as its last look found it), at
+    /// `poll_interval`, or at the end of `wait`, whichever comes first. No connection is held while parked. A notification
     /// wakes one receiver of the family, and a receive that fills its
     /// batch wakes the next, so a burst reaches as many receivers as it
     /// needs and a single message does not send the whole family looking.
@@ -1156,7 +1195,11 @@ impl Queue for PgQueue {
             // A notification woke this receiver alone: if it is dropped
             // or fails before its look is done, the next one looks.
             let mut pass_on = PassOn(woken.then_some(&*notify));
-            let (received, more) = self.receive_looking(&request).await?;
+            let Look {
+                received,
+                more,
+                next_visible,
+            } = self.receive_looking(&request).await?;
             pass_on.0 = None;
             let now = Instant::now();
             if received.len() >= request.max_messages {
@@ -1177,7 +1220,12 @@ impl Queue for PgQueue {
                 }
                 continue;
             }
-            let until = deadline.min(now + self.inner.options.poll_interval);
+            // A message that becomes visible during the wait (a delay, a
+            // hand-back or a lease running out) is looked for then: no
+            // notification announces it.
+            let until = deadline
+                .min(now + self.inner.options.poll_interval)
+                .min(next_visible.unwrap_or(deadline));
             self.inner.parked.fetch_add(1, Ordering::SeqCst);
             let _unpark = Unpark(&self.inner.parked);
             // `biased`, stop first: a stop that came during the look ends
@@ -1270,18 +1318,21 @@ impl Queue for PgQueue {
         let Some(parts) = self.receipt_parts(receipt) else {
             return Err(self.count_stale(receipt, 1));
         };
-        let done = sqlx::query(include_str!("sql/change_visibility.sql"))
+        let sooner: Option<bool> = sqlx::query_scalar(include_str!("sql/change_visibility.sql"))
             .bind(&self.inner.name)
             .bind(parts.id)
             .bind(parts.generation)
             .bind(millis(timeout))
-            .execute(&self.inner.pool)
+            .fetch_optional(&self.inner.pool)
             .await?;
-        if done.rows_affected() == 0 {
+        let Some(sooner) = sooner else {
             return Err(self.count_stale(receipt, 1));
-        }
-        if timeout.is_zero() {
-            // Released: receivable now, as if just sent.
+        };
+        if timeout.is_zero() || sooner {
+            // Released: receivable now, as if just sent. Or handed back
+            // for less than the time left: a long poll parked until the
+            // old time (receive_tail.sql's `next_visible`) looks again and
+            // waits for the new one.
             self.sent();
         }
         Ok(())
@@ -1390,6 +1441,20 @@ struct ReceiveRow {
     /// The visibility the delivery got, in ms: the request's or the
     /// queue's.
     visibility_ms: Option<i64>,
+    /// Only in the `next_visible` row (a statement that delivered
+    /// nothing): in how many ms the queue's next message becomes visible.
+    next_visible_ms: Option<i64>,
+}
+
+/// What one look of a receive (its statements) found.
+struct Look {
+    received: Vec<Received>,
+    /// It stopped at its budget with messages it did not deliver still
+    /// ahead: a long poll looks again at once instead of parking.
+    more: bool,
+    /// It delivered nothing, and a message of the queue becomes visible at
+    /// this time: a long poll wakes then to look again.
+    next_visible: Option<Instant>,
 }
 
 /// A queue's row, as much of it as a handle needs (`open_queue.sql`).

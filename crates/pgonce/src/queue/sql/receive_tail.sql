@@ -38,21 +38,36 @@
               coalesce($3, q.visibility_timeout_ms) AS visibility_ms
 )
 SELECT 'delivered' AS fate, id, body, attributes, group_id, receive_count, generation, sent_at,
-       visibility_ms
+       visibility_ms, NULL::bigint AS next_visible_ms
 FROM delivered
 UNION ALL
-SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM moved
+SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM moved
 UNION ALL
-SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM expired
+SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM expired
 UNION ALL
-SELECT fate, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate WHERE fate IN ('held', 'skipped')
+SELECT fate, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
+WHERE fate IN ('held', 'skipped')
 UNION ALL
 -- Picked and locked, but not acted on: a message the standard pick's
 -- snapshot saw and this statement's did not (committed in between by a
 -- transaction that began before this one; migration 0160). It took a
 -- place of the batch and its lock turned other receivers away; the
 -- receive looks again, and wakes them.
-SELECT 'unseen', fate.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
+SELECT 'unseen', fate.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
 WHERE fate.fate IN ('delivered', 'dead_lettered', 'expired')
   AND fate.id NOT IN (SELECT id FROM delivered UNION ALL SELECT id FROM moved
                       UNION ALL SELECT id FROM expired)
+UNION ALL
+-- Nothing delivered: in how many ms (rounded up) the queue's next message
+-- becomes visible, sent with a delay, handed back with one, or its lease
+-- running out, so that a long poll wakes then instead of at its poll
+-- interval. One descent of queue_message_visible, made only when nothing
+-- was delivered: a statement that delivers never reads it (the NOT EXISTS
+-- is a one-time filter). In a FIFO queue the message may be a head's
+-- follower, which is visible and still not receivable: the long poll then
+-- wakes early, looks, and sleeps to the next such time.
+SELECT 'next_visible', 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       ceil(extract(epoch FROM n.visible_at - now()) * 1000)::bigint
+FROM (SELECT min(m.visible_at) AS visible_at FROM pgonce.queue_message m
+      WHERE m.queue = $1 AND m.visible_at > now()) n
+WHERE n.visible_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM delivered)
