@@ -333,12 +333,14 @@ pub struct Received {
     /// clock: taken by the backend just before it sent the statement or
     /// request that delivered the message, so never after the server began
     /// counting [`Received::visibility`]. A long poll's wait before that
-    /// statement is not in it: the PostgreSQL queue takes it before each
-    /// of its receive statements, so a message delivered late in a long
-    /// poll is counted from its delivery. Amazon SQS waits inside its
-    /// request (up to 20 s) and says not when it delivered: there it is the
-    /// start of the ReceiveMessage request that returned the message, and
-    /// a delivery made late in that request's wait looks that much shorter.
+    /// statement is not in it, nor a wait for a pooled connection: the
+    /// PostgreSQL queue takes it before each of its receive statements,
+    /// once it holds the connection that sends it, so a message delivered
+    /// late in a long poll, or after a wait for the pool, is counted from
+    /// its delivery. Amazon SQS waits inside its request (up to 20 s) and
+    /// says not when it delivered: there it is the start of the
+    /// ReceiveMessage request that returned the message, and a delivery
+    /// made late in that request's wait looks that much shorter.
     pub requested_at: Instant,
 }
 

@@ -2098,6 +2098,48 @@ async fn a_fifo_heads_lease_running_out_ends_a_long_poll() {
     assert_eq!(bodies(&got), ["a"]);
 }
 
+/// A receive waiting for a pooled connection has not begun its delivery:
+/// [`Received::requested_at`] is taken once it has the connection, so the
+/// worker counts none of that wait into the lease. It used to be taken
+/// before the pool was asked. Step by step on a pool of one: the test
+/// holds the connection, the receive is started (on this single-threaded
+/// runtime it runs to its wait for the pool as the test yields), the test
+/// notes the time and gives the connection back.
+#[tokio::test]
+async fn a_delivery_is_counted_from_its_statement_not_from_a_wait_for_the_pool() {
+    let (_db, pool) = fresh_migrated_database(1, pgonce::migrate).await;
+    let options = PgQueueOptions {
+        notify: false,
+        ..no_poll()
+    };
+    let q = PgQueue::create(&pool, "q", QueueAttributes::default(), options)
+        .await
+        .unwrap();
+    q.send(SendMessage::new("m")).await.unwrap();
+    let held = pool.acquire().await.unwrap();
+    let receiver = {
+        let q = q.clone();
+        tokio::spawn(async move { q.receive(ReceiveRequest::up_to(1)).await.unwrap() })
+    };
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        !receiver.is_finished(),
+        "the receive waits for the pool's one connection"
+    );
+    let released = std::time::Instant::now();
+    drop(held);
+    let got = receiver.await.unwrap();
+    assert_eq!(bodies(&got), ["m"]);
+    assert!(
+        got[0].requested_at >= released,
+        "requested {:?} before the pool had a connection for it: the wait for the pool is \
+         counted as the delivery's",
+        released - got[0].requested_at
+    );
+}
+
 #[tokio::test]
 async fn a_heartbeat_after_the_queue_visibility_ran_out_leaves_the_other_delivery_alone() {
     let pool = pool().await;

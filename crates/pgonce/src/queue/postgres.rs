@@ -896,12 +896,17 @@ impl PgQueue {
         if further {
             query = query.bind(room as i64);
         }
+        // The connection first: a wait for the pool is no part of the
+        // delivery, and counted in it would end the worker's heartbeat that
+        // much early.
+        let mut conn = self.inner.pool.acquire().await?;
         // Its deliveries' visibility is counted from the statement's start
         // (`now()`, in its own transaction), after this: their stated end
         // is never past the real one. Taken here, not at the receive's
         // start, so a long poll's wait before this look is not counted.
         let requested_at = Instant::now();
-        let rows: Vec<ReceiveRow> = query.fetch_all(&self.inner.pool).await?;
+        let rows: Vec<ReceiveRow> = query.fetch_all(&mut *conn).await?;
+        drop(conn);
         // The server counted the wait from its `now()`, before the rows came
         // back: a wake counted from here is never early.
         let answered_at = Instant::now();
