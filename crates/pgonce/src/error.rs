@@ -263,6 +263,22 @@ pub enum Error {
         name: String,
     },
 
+    /// A send to the PostgreSQL queue found the queue changed under it at
+    /// every one of its `attempts`: its content-based deduplication turned
+    /// over between the handle's read of it and the send (each attempt
+    /// reads it again), or, for a single message with a deduplication id,
+    /// another sender's claim of the id kept committing after the
+    /// attempt's snapshot. Nothing was sent, one message or a batch.
+    /// Sending again is the remedy, once the queue's settings stop
+    /// changing.
+    #[error("queue {queue:?} changed under each of {attempts} attempts to send; nothing sent")]
+    QueueChangedDuringSend {
+        /// The queue's name.
+        queue: String,
+        /// The attempts made.
+        attempts: u32,
+    },
+
     /// A purge refused because an earlier purge of the queue is under way
     /// (Amazon SQS takes one purge per queue per 60 s, the time it may take
     /// to delete the messages). This call deleted nothing: the earlier

@@ -370,3 +370,127 @@ async fn a_duplicate_batch_does_not_rewrite_a_live_claim() {
     let late = late.expect("a duplicate in a REPEATABLE READ transaction");
     assert!(late.duplicate && late.id == first.id, "{late:?}");
 }
+
+/// A session holding `pgonce.queue` whole (ACCESS EXCLUSIVE) in its open
+/// transaction, with queue `q`'s content-based deduplication turned over
+/// in it: every statement that reads the queue waits for it, and sees the
+/// setting turned over once it commits.
+async fn turned_over(
+    pool: sqlx::PgPool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("LOCK TABLE pgonce.queue IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "UPDATE pgonce.queue SET content_based_dedup = NOT content_based_dedup WHERE name = 'q'",
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(tx)
+}
+
+/// The most statements [`a_send_outrun_by_its_queues_setting`] lets a send
+/// run: three attempts and three reads of the setting take six.
+const OUTRUN_ROUNDS: usize = 12;
+
+/// A send whose queue's content-based deduplication turns over before
+/// each of its statements: every attempt goes under the setting the
+/// handle read last, and finds it changed. Step by step: a holder session
+/// (A and C in turn) has the queue table locked with the setting turned
+/// over; B's send is seen waiting for it; the next holder is seen waiting
+/// behind B; the holder commits, so B runs one statement and waits for
+/// the next holder. A single send and a batch give up alike after three
+/// attempts with [`pgonce::Error::QueueChangedDuringSend`], having sent
+/// nothing. A batch used to try again without end (each refusal read the
+/// setting and sent again).
+async fn a_send_outrun_by_its_queues_setting(batch: bool) {
+    let (db, setup) = database_with_queue("q", QueueAttributes::default()).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let holders = [
+        race.session("A").await.unwrap(),
+        race.session("C").await.unwrap(),
+    ];
+    let b = race.session("B").await.unwrap();
+    // B's statements prepared beforehand, on a queue of their own: a
+    // statement's first preparation reads the queue table in a
+    // transaction of its own, which would take a round of its own.
+    PgQueue::create(&setup, "warm", QueueAttributes::default(), options())
+        .await
+        .unwrap();
+    // No notifications: B's one connection runs the sends' statements only.
+    let quiet = PgQueueOptions {
+        notify: false,
+        ..options()
+    };
+    let warm = PgQueue::open(b.pool(), "warm", quiet.clone())
+        .await
+        .unwrap();
+    warm.send(SendMessage::new("w")).await.unwrap();
+    warm.send_batch(vec![SendMessage::new("w")]).await.unwrap();
+    warm.send_batch(vec![SendMessage::new("w").dedup("w")])
+        .await
+        .unwrap();
+    let qb = PgQueue::open(b.pool(), "q", quiet).await.unwrap();
+    let mut held = race
+        .try_step(
+            &holders[0],
+            "lock, turn over",
+            turned_over(holders[0].pool().clone()),
+        )
+        .await
+        .unwrap();
+    let sending = tokio::spawn(async move {
+        let messages = vec![SendMessage::new("m"), SendMessage::new("n")];
+        if batch {
+            qb.send_batch(messages).await.map(|_| ())
+        } else {
+            qb.send(messages.into_iter().next().unwrap())
+                .await
+                .map(|_| ())
+        }
+    });
+    assert_eq!(race.wait_until_blocked(&b, "send").await.unwrap(), ["A"]);
+    let mut rounds = 0;
+    while !sending.is_finished() {
+        rounds += 1;
+        assert!(
+            rounds <= OUTRUN_ROUNDS,
+            "batch {batch}: still sending after {OUTRUN_ROUNDS} statements"
+        );
+        let next = &holders[rounds % 2];
+        let waiting = race
+            .step_blocks(next, "lock, turn over", turned_over(next.pool().clone()))
+            .await
+            .unwrap();
+        race.try_step(&holders[(rounds + 1) % 2], "commit", held.commit())
+            .await
+            .unwrap();
+        held = waiting.try_resume().await.unwrap();
+        // B is waiting for the new holder, or done.
+        while !sending.is_finished() && race.blockers_of(&b).await.unwrap().is_none() {
+            tokio::task::yield_now().await;
+        }
+    }
+    held.rollback().await.unwrap();
+    let outcome = sending.await.unwrap();
+    assert!(
+        matches!(
+            &outcome,
+            Err(pgonce::Error::QueueChangedDuringSend { queue, attempts: 3 }) if queue == "q"
+        ),
+        "batch {batch}: {outcome:?}"
+    );
+    assert_eq!(rounds, 6, "batch {batch}: three attempts, three reads");
+    assert!(stored(&setup, "q").await.is_empty());
+}
+
+#[tokio::test]
+async fn a_send_outrun_by_its_queues_setting_gives_up_after_three_attempts() {
+    a_send_outrun_by_its_queues_setting(false).await;
+}
+
+#[tokio::test]
+async fn a_batch_outrun_by_its_queues_setting_gives_up_after_three_attempts() {
+    a_send_outrun_by_its_queues_setting(true).await;
+}

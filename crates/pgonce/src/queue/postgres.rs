@@ -29,6 +29,10 @@ use notifier::Notifier;
 /// The channel every send notifies, with the queue name as payload.
 const CHANNEL: &str = "pgonce_queue";
 
+/// How many times a send (one message or a batch) tries before it gives
+/// up on a queue that changes under it ([`Error::QueueChangedDuringSend`]).
+const SEND_ATTEMPTS: u32 = 3;
+
 /// The longest retention and deduplication window a queue takes.
 const MAX_RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
 
@@ -608,7 +612,7 @@ impl PgQueue {
         // statement's snapshot (the next attempt sees it), or the queue's
         // content-based deduplication changed since this handle read it
         // (the next attempt sends under the queue's).
-        for _ in 0..3 {
+        for _ in 0..SEND_ATTEMPTS {
             let content_based = self.content_based();
             // The body's digest is taken once, for the id and its lock.
             let dedup_id = dedup_id(&message, content_based);
@@ -645,10 +649,15 @@ impl PgQueue {
             }
             self.read_again(&mut *conn).await?;
         }
-        Err(Error::Invalid {
-            what: "send",
-            why: "deduplication id claimed concurrently and not readable (is the transaction REPEATABLE READ?)".into(),
-        })
+        Err(self.changed_during_send())
+    }
+
+    /// What a send answers when the queue changed under every attempt.
+    fn changed_during_send(&self) -> Error {
+        Error::QueueChangedDuringSend {
+            queue: self.inner.name.clone(),
+            attempts: SEND_ATTEMPTS,
+        }
     }
 
     async fn send_batch_on(
@@ -673,6 +682,27 @@ impl PgQueue {
                 max: MAX_BODY_BYTES * 16,
             });
         }
+        // Nothing sent by an attempt: the queue is gone, or it changed its
+        // content-based deduplication since this handle read it, and the
+        // next attempt sends under the queue's (capped as `send_on`).
+        for _ in 0..SEND_ATTEMPTS {
+            if let Some(sent) = self.send_batch_attempt(conn, &messages, wake).await? {
+                return Ok(sent);
+            }
+            self.read_again(&mut *conn).await?;
+        }
+        Err(self.changed_during_send())
+    }
+
+    /// One attempt at a batch, under the queue's content-based
+    /// deduplication as this handle last read it; `None` when the queue
+    /// refused that setting and nothing was sent.
+    async fn send_batch_attempt(
+        &self,
+        conn: &mut PgConnection,
+        messages: &[SendMessage],
+        wake: Wake,
+    ) -> Result<Option<Vec<Sent>>> {
         let content_based = self.content_based();
         if content_based || messages.iter().any(|m| m.dedup_id.is_some()) {
             // One statement, not a savepoint around a send per message: a
@@ -685,7 +715,7 @@ impl PgQueue {
                 .await;
         }
         let locks = self.send_lock_keys(messages.iter(), false)?;
-        let columns = BatchColumns::of(&messages);
+        let columns = BatchColumns::of(messages);
         let n = messages.len();
         let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/send_batch.sql"))
             .bind(&self.inner.name)
@@ -701,34 +731,34 @@ impl PgQueue {
             // Nothing was sent (send_batch.sql is all or none): the queue
             // is gone, or it deduplicates by content now, and the messages
             // go under the ids of their bodies (send_batch_dedup.sql).
-            self.read_again(&mut *conn).await?;
-            return Box::pin(self.send_batch_on(conn, messages, wake)).await;
+            return Ok(None);
         }
         metrics::counter!("pgonce_queue_sent_total", "queue" => self.inner.name.clone())
             .increment(n as u64);
-        Ok(ids
-            .into_iter()
-            .map(|id| Sent {
-                id: id.to_string(),
-                duplicate: false,
-            })
-            .collect())
+        Ok(Some(
+            ids.into_iter()
+                .map(|id| Sent {
+                    id: id.to_string(),
+                    duplicate: false,
+                })
+                .collect(),
+        ))
     }
 
     /// A batch with deduplication ids (given, or drawn from the bodies on
     /// a queue that deduplicates by content), in one statement
     /// (`sql/send_batch_dedup.sql`): all or none, with nothing left for
     /// the client to undo if the call is given up mid-way, and one round
-    /// trip. No row means nothing was sent (the queue is gone, or its
-    /// content-based deduplication changed): read again, and sent again
+    /// trip. `None`: nothing was sent (the queue is gone, or its
+    /// content-based deduplication changed), to read again and send again
     /// under the queue's.
     async fn send_batch_deduplicated(
         &self,
         conn: &mut PgConnection,
-        messages: Vec<SendMessage>,
+        messages: &[SendMessage],
         content_based: bool,
         wake: Wake,
-    ) -> Result<Vec<Sent>> {
+    ) -> Result<Option<Vec<Sent>>> {
         // The bodies' digests are taken once, for the ids and their locks.
         let dedup_ids: Vec<Option<Cow<'_, str>>> = messages
             .iter()
@@ -738,7 +768,7 @@ impl PgQueue {
             messages.iter().filter_map(|m| m.group_id.as_deref()),
             dedup_ids.iter().flatten().map(|id| id.as_ref()),
         )?;
-        let columns = BatchColumns::of(&messages);
+        let columns = BatchColumns::of(messages);
         let ids: Vec<Option<&str>> = dedup_ids.iter().map(|d| d.as_deref()).collect();
         let by_content: Vec<Option<bool>> = messages
             .iter()
@@ -757,8 +787,7 @@ impl PgQueue {
             .fetch_all(&mut *conn)
             .await?;
         if rows.len() != messages.len() {
-            self.read_again(&mut *conn).await?;
-            return Box::pin(self.send_batch_on(conn, messages, wake)).await;
+            return Ok(None);
         }
         let duplicates = rows.iter().filter(|r| r.duplicate).count();
         tracing::debug!(queue = %self.inner.name, duplicates, "deduplicated batch sent");
@@ -766,13 +795,14 @@ impl PgQueue {
             .increment(duplicates as u64);
         metrics::counter!("pgonce_queue_sent_total", "queue" => self.inner.name.clone())
             .increment((rows.len() - duplicates) as u64);
-        Ok(rows
-            .into_iter()
-            .map(|SentRow { id, duplicate }| Sent {
-                id: id.to_string(),
-                duplicate,
-            })
-            .collect())
+        Ok(Some(
+            rows.into_iter()
+                .map(|SentRow { id, duplicate }| Sent {
+                    id: id.to_string(),
+                    duplicate,
+                })
+                .collect(),
+        ))
     }
 
     /// One receive, no waiting: one receive statement, its own transaction.
