@@ -371,6 +371,87 @@ async fn a_duplicate_batch_does_not_rewrite_a_live_claim() {
     assert!(late.duplicate && late.id == first.id, "{late:?}");
 }
 
+/// A REPEATABLE READ sender of an id that another sender claims while it
+/// waits for the id's lock: A sends `d` in its open transaction; B, whose
+/// snapshot was taken before, sends `d` and is seen waiting for A; A
+/// commits. B's snapshot cannot see A's message, so B can neither send `d`
+/// again nor answer with A's message: it gets a serialization failure,
+/// retryable (a retried transaction sees A's claim and answers
+/// duplicate), whether it sent one message or a batch, and B's transaction
+/// wrote nothing.
+async fn a_repeatable_read_send_behind_a_claim_of_its_id(batch: bool) {
+    let (db, setup) = database_with_queue("q", QueueAttributes::default()).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let qa = PgQueue::open(a.pool(), "q", options()).await.unwrap();
+    let qb = PgQueue::open(b.pool(), "q", options()).await.unwrap();
+    let mut by_a = a.pool().begin().await.unwrap();
+    let sent_by_a = race
+        .try_step(
+            &a,
+            "send d, open",
+            qa.send_in(&mut by_a, SendMessage::new("a").dedup("d")),
+        )
+        .await
+        .unwrap();
+    let mut by_b = pgonce::begin(b.pool(), IsolationLevel::RepeatableRead)
+        .await
+        .unwrap();
+    race.try_step(
+        &b,
+        "take a snapshot",
+        sqlx::query("SELECT count(*) FROM pgonce.queue_dedup").execute(&mut *by_b),
+    )
+    .await
+    .unwrap();
+    let sending = race
+        .step_blocks(&b, "send d", async move {
+            let message = SendMessage::new("b").dedup("d");
+            let sent = if batch {
+                qb.send_batch_in(&mut by_b, vec![message, SendMessage::new("c")])
+                    .await
+                    .map(|_| ())
+            } else {
+                qb.send_in(&mut by_b, message).await.map(|_| ())
+            };
+            by_b.rollback().await.unwrap();
+            sent
+        })
+        .await
+        .unwrap();
+    assert_eq!(sending.blocked_by(), ["A"]);
+    race.try_step(&a, "commit", by_a.commit()).await.unwrap();
+    let outcome = sending.resume().await.unwrap();
+    assert!(
+        matches!(&outcome, Err(e @ pgonce::Error::SerializationFailure { .. }) if e.is_retryable()),
+        "batch {batch}: {outcome:?}"
+    );
+    let kept: Vec<String> = stored(&setup, "q")
+        .await
+        .into_iter()
+        .map(|m| m.body)
+        .collect();
+    assert_eq!(kept, ["a"]);
+    let again = PgQueue::open(&setup, "q", options())
+        .await
+        .unwrap()
+        .send(SendMessage::new("b").dedup("d"))
+        .await
+        .unwrap();
+    assert_eq!((again.id, again.duplicate), (sent_by_a.id, true));
+}
+
+#[tokio::test]
+async fn a_repeatable_read_send_behind_a_claim_of_its_id_fails_to_serialize() {
+    a_repeatable_read_send_behind_a_claim_of_its_id(false).await;
+}
+
+#[tokio::test]
+async fn a_repeatable_read_batch_behind_a_claim_of_its_id_fails_to_serialize() {
+    a_repeatable_read_send_behind_a_claim_of_its_id(true).await;
+}
+
 /// A session holding `pgonce.queue` whole (ACCESS EXCLUSIVE) in its open
 /// transaction, with queue `q`'s content-based deduplication turned over
 /// in it: every statement that reads the queue waits for it, and sees the

@@ -425,6 +425,15 @@ impl PgQueue {
     /// everywhere (or in one [`PgQueue::send_batch_in`], which locks them
     /// in a fixed order), or two transactions can deadlock
     /// ([`Error::SerializationFailure`], retryable).
+    ///
+    /// Under REPEATABLE READ or SERIALIZABLE, a send of a deduplication id
+    /// that another transaction claimed after this one's snapshot was
+    /// taken (committed while this send waited for the id's lock, or
+    /// before) is [`Error::SerializationFailure`], retryable, and sends
+    /// nothing: the snapshot cannot see the message the id names, so the
+    /// send can neither enqueue the id again nor answer with that
+    /// message. The retried transaction sees the claim and gets the
+    /// duplicate. A claim the snapshot sees gives the duplicate at once.
     pub async fn send_in(
         &self,
         tx: &mut Transaction<'_, Postgres>,
@@ -435,7 +444,10 @@ impl PgQueue {
 
     /// Sends several messages inside the caller's transaction, their
     /// delays and deduplication windows running from this send (as
-    /// [`PgQueue::send_in`]'s).
+    /// [`PgQueue::send_in`]'s). Its locks, and under REPEATABLE READ or
+    /// SERIALIZABLE its answer to an id claimed after the snapshot
+    /// ([`Error::SerializationFailure`], nothing sent), are
+    /// [`PgQueue::send_in`]'s.
     pub async fn send_batch_in(
         &self,
         tx: &mut Transaction<'_, Postgres>,
