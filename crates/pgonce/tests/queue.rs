@@ -4464,3 +4464,203 @@ async fn a_batch_deduplicates_within_itself_and_against_earlier_sends() {
     assert!(first < last, "ids are drawn in the batch's order: {sent:?}");
     assert_eq!(q.stats().await.unwrap().depth, 3);
 }
+
+/// A message as a receipt could change it: where it is, its delivery and
+/// when it becomes visible.
+#[derive(Debug, PartialEq, sqlx::FromRow)]
+struct MessageState {
+    id: i64,
+    queue: String,
+    generation: i64,
+    receive_count: i32,
+    visible_at: time::OffsetDateTime,
+}
+
+/// Every message of every queue, by id.
+async fn message_states(pool: &PgPool) -> Vec<MessageState> {
+    sqlx::query_as(
+        "SELECT id, queue, generation, receive_count, visible_at
+         FROM pgonce.queue_message ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// `receipt`, presented to `q` after `when`, is refused as stale by every
+/// call that takes a receipt (a release, a hand-back with a delay, a hide
+/// of 12 hours, a delete, a batch delete) and changes no message.
+async fn stale_and_changes_nothing(pool: &PgPool, q: &PgQueue, receipt: &Receipt, when: &str) {
+    let before = message_states(pool).await;
+    for timeout in [
+        Duration::ZERO,
+        Duration::from_millis(300),
+        Duration::from_secs(12 * 3600),
+    ] {
+        assert!(
+            matches!(
+                q.change_visibility(receipt, timeout).await,
+                Err(Error::StaleReceipt { .. })
+            ),
+            "{receipt} changes the visibility ({timeout:?}) in {} {when}",
+            q.name()
+        );
+    }
+    assert!(
+        matches!(q.delete(receipt).await, Err(Error::StaleReceipt { .. })),
+        "{receipt} deletes in {} {when}",
+        q.name()
+    );
+    let one = std::slice::from_ref(receipt);
+    assert_eq!(
+        q.delete_batch(one).await.unwrap(),
+        one,
+        "{receipt} is not stale in a batch in {} {when}",
+        q.name()
+    );
+    assert_eq!(
+        message_states(pool).await,
+        before,
+        "{receipt} changed a message {when}"
+    );
+}
+
+/// A FIFO message's receipts across a dead-letter move and a redrive back
+/// to its queue: each earlier delivery's receipt, in either queue, acts on
+/// none of its later places.
+#[tokio::test]
+async fn fifo_receipts_do_not_follow_their_message_to_the_dead_letter_queue_and_back() {
+    let pool = pool().await;
+    let (f, dlq) = dead_lettering_at_second_receive(
+        &pool,
+        "f.fifo",
+        "f-dlq.fifo",
+        QueueAttributes::fifo(),
+        fast_poll(),
+    )
+    .await;
+    f.send(SendMessage::new("m").group("g")).await.unwrap();
+    let first = f.receive(ReceiveRequest::up_to(1)).await.unwrap().remove(0);
+    f.change_visibility(&first.receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(
+        f.receive(ReceiveRequest::up_to(1))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    for q in [&f, &dlq] {
+        stale_and_changes_nothing(&pool, q, &first.receipt, "after the move").await;
+    }
+    let dead = dlq
+        .receive(ReceiveRequest::up_to(1))
+        .await
+        .unwrap()
+        .remove(0);
+    dlq.change_visibility(&dead.receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
+    let back = f.receive(ReceiveRequest::up_to(1)).await.unwrap().remove(0);
+    assert_eq!(back.id, first.id);
+    for receipt in [&first.receipt, &dead.receipt] {
+        for q in [&f, &dlq] {
+            stale_and_changes_nothing(&pool, q, receipt, "after the redrive").await;
+        }
+    }
+    f.delete(&back.receipt).await.unwrap();
+}
+
+/// A standard queue `s` and a FIFO queue `f.fifo`, each with a message
+/// to send to it.
+async fn standard_and_fifo(pool: &PgPool) -> [(PgQueue, SendMessage); 2] {
+    [
+        (
+            queue(pool, "s", QueueAttributes::default()).await,
+            SendMessage::new("m"),
+        ),
+        (
+            queue(pool, "f.fifo", QueueAttributes::fifo()).await,
+            SendMessage::new("m").group("g"),
+        ),
+    ]
+}
+
+/// A purge ends every delivery, and a message sent again (the same body,
+/// the same group) is another message: the purged delivery's receipt acts
+/// on neither.
+#[tokio::test]
+async fn a_receipt_from_before_a_purge_acts_on_no_message_sent_after_it() {
+    let pool = pool().await;
+    for (q, message) in standard_and_fifo(&pool).await {
+        q.send(message.clone()).await.unwrap();
+        let purged = q.receive(ReceiveRequest::up_to(1)).await.unwrap().remove(0);
+        assert_eq!(q.purge().await.unwrap(), 1);
+        q.send(message.clone()).await.unwrap();
+        stale_and_changes_nothing(&pool, &q, &purged.receipt, "after a purge and a send").await;
+        let again = q.receive(ReceiveRequest::up_to(1)).await.unwrap().remove(0);
+        assert_ne!(again.id, purged.id);
+        stale_and_changes_nothing(&pool, &q, &purged.receipt, "after the new one's delivery").await;
+        q.delete(&again.receipt).await.unwrap();
+    }
+}
+
+/// A queue deleted and created again under its name is another queue: a
+/// receipt of the old one, presented through a handle of either, acts on
+/// none of the new one's messages.
+#[tokio::test]
+async fn a_receipt_of_a_deleted_queue_acts_on_nothing_of_one_created_under_its_name() {
+    let pool = pool().await;
+    let old = queue(&pool, "s", QueueAttributes::default()).await;
+    old.send(SendMessage::new("m")).await.unwrap();
+    let gone = old
+        .receive(ReceiveRequest::up_to(1))
+        .await
+        .unwrap()
+        .remove(0);
+    sqlx::query("DELETE FROM pgonce.queue WHERE name = 's'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let new = queue(&pool, "s", QueueAttributes::default()).await;
+    new.send(SendMessage::new("m")).await.unwrap();
+    let current = new
+        .receive(ReceiveRequest::up_to(1))
+        .await
+        .unwrap()
+        .remove(0);
+    for q in [&old, &new] {
+        stale_and_changes_nothing(&pool, q, &gone.receipt, "after the queue was made again").await;
+    }
+    new.delete(&current.receipt).await.unwrap();
+}
+
+/// After a redelivery, the earlier delivery's receipt hands nothing back,
+/// with a delay or without, and deletes nothing, one at a time or in a
+/// batch beside the current receipt (which deletes).
+#[tokio::test]
+async fn a_receipt_from_before_a_redelivery_hands_back_and_deletes_nothing() {
+    let pool = pool().await;
+    for (q, message) in standard_and_fifo(&pool).await {
+        q.send(message).await.unwrap();
+        let first = q
+            .receive(ReceiveRequest::up_to(1).visibility(Duration::from_millis(1)))
+            .await
+            .unwrap()
+            .remove(0);
+        let second = q
+            .receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(10)))
+            .await
+            .unwrap()
+            .remove(0);
+        assert_eq!(second.id, first.id);
+        stale_and_changes_nothing(&pool, &q, &first.receipt, "after a redelivery").await;
+        let both = [first.receipt.clone(), second.receipt.clone()];
+        assert_eq!(
+            q.delete_batch(&both).await.unwrap(),
+            std::slice::from_ref(&first.receipt)
+        );
+        assert_eq!(q.stats().await.unwrap().in_flight, 0);
+    }
+}
