@@ -646,21 +646,15 @@ const TEXT_KEYS: &[&str] = &[
 
 /// `PGONCE_` variables that are not the service's configuration but the
 /// test kit's and the test suite's (`scripts/test` exports some of them):
-/// server binaries, the pooler, property-test and fuzzer knobs.
+/// server binaries, the pooler, property-test knobs.
 const NOT_CONFIGURATION: &[&str] = &[
     "PGONCE_PG_BINDIR",
     "PGONCE_PGBOUNCER",
     "PGONCE_PROPTEST_CASES",
 ];
 
-/// Prefixes of such variables.
-const NOT_CONFIGURATION_PREFIXES: &[&str] = &["PGONCE_FUZZ_"];
-
 fn is_configuration(name: &str) -> bool {
     !NOT_CONFIGURATION.contains(&name)
-        && !NOT_CONFIGURATION_PREFIXES
-            .iter()
-            .any(|prefix| name.starts_with(prefix))
 }
 
 /// The environment's layer: the variables given, as nested keys.

@@ -64,7 +64,8 @@ visibility_timeout = "45s"
         ("PGONCE_PG_BINDIR", "/usr/lib/postgresql/17/bin"),
         ("PGONCE_PGBOUNCER", "/root/.cache/pgonce/pgbouncer"),
         ("PGONCE_PROPTEST_CASES", "2000"),
-        ("PGONCE_FUZZ_EXAMPLES", "60"),
+        // The API fuzz test's, named outside PGONCE_.
+        ("API_FUZZ_EXAMPLES", "60"),
     ]);
     let both = Config::load(Some(f.path()), vars).unwrap();
     assert_eq!(both.pipeline.workers, 7);
@@ -248,6 +249,9 @@ fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
     );
     let e = load_err("", &[("PGONCE_WOKERS", "3")]);
     assert!(e.contains("wokers"), "{e}");
+    // No PGONCE_ prefix is set aside for a test's knobs.
+    let e = load_err("", &[("PGONCE_FUZZ_EXAMPLES", "60")]);
+    assert!(e.contains("PGONCE_FUZZ_EXAMPLES"), "{e}");
     // A file that is not there is an error, not an empty file.
     let e = Config::load(Some("/nonexistent/pgonce.toml".as_ref()), env(&[])).unwrap_err();
     assert!(e.to_string().contains("/nonexistent/pgonce.toml"), "{e}");

@@ -8,8 +8,8 @@
 //! Schemathesis is a test dependency the project installs itself
 //! (`scripts/ensure-schemathesis.sh`, sourced by `scripts/test`, exports
 //! `SCHEMATHESIS`). Without it the test is skipped with a message, except
-//! under CI (`CI` set), where it fails. `PGONCE_FUZZ_EXAMPLES` sets the
-//! examples per operation (default 5) and `PGONCE_FUZZ_SEED` the seed, for
+//! under CI (`CI` set), where it fails. `API_FUZZ_EXAMPLES` sets the
+//! examples per operation (default 5) and `API_FUZZ_SEED` the seed, for
 //! a deeper run (README, "Fuzzing the API").
 
 use std::path::{Path, PathBuf};
@@ -90,8 +90,8 @@ async fn schemathesis_finds_nothing() {
         .arg("run")
         .arg(format!("http://{address}/openapi.json"))
         .args(["--checks", "all"])
-        .args(["--seed", &env_or("PGONCE_FUZZ_SEED", "20261125")])
-        .args(["--max-examples", &env_or("PGONCE_FUZZ_EXAMPLES", "5")])
+        .args(["--seed", &env_or("API_FUZZ_SEED", "20261125")])
+        .args(["--max-examples", &env_or("API_FUZZ_EXAMPLES", "5")])
         // One worker: Python 3.11's parser is not safe to use from several
         // threads at once, which Schemathesis's workers do.
         .args(["--workers", "1"])
@@ -103,8 +103,8 @@ async fn schemathesis_finds_nothing() {
         // Schemathesis keeps a cache in its working directory: not the
         // repository's.
         .current_dir(&report)
-        .env("PGONCE_FUZZ_API_KEY", &key)
-        .env("PGONCE_FUZZ_ADMIN_TOKEN", ADMIN)
+        .env("API_FUZZ_API_KEY", &key)
+        .env("API_FUZZ_ADMIN_TOKEN", ADMIN)
         .kill_on_drop(true)
         .output()
         .await
