@@ -45,8 +45,9 @@ pub struct ServeArgs {
 /// `pgonce rollout` flags.
 #[derive(Debug, clap::Args)]
 pub struct RolloutArgs {
-    /// Percent of entities (0-100) whose incidents take the guarded write;
-    /// without it, prints the current value.
+    /// Percent of entities (0-100) whose incidents take the guarded write
+    /// (migrates first, as `serve` does); without it, prints the current
+    /// value, only reading (no migration, a read-only transaction).
     #[arg(value_parser = clap::value_parser!(u8).range(0..=100))]
     percent: Option<u8>,
     /// TOML configuration file: the one `serve` reads, checked as `serve`
@@ -260,21 +261,56 @@ where
 }
 
 /// `pgonce rollout [PERCENT]`: prints, or changes, the guard rollout.
+///
+/// Printing only reads: no migration, and the read in a read-only
+/// transaction, so it works on a standby or as a role that may not write,
+/// and a build newer than the deployment's changes nothing by looking. A
+/// database without the service's schema is named as not migrated rather
+/// than read as the default. Setting migrates first, as `serve` does: a
+/// deployment may set its rollout before its first `serve` starts.
 pub async fn rollout(args: &RolloutArgs, database_url: Option<&str>) -> anyhow::Result<()> {
     // A value `serve` would refuse (a zero acquire timeout, a direct URL
     // that is not one) is refused here too, named, rather than met as a
     // failure to connect.
     let mut config = configure(args.config.as_deref(), database_url, None)?;
     config.database.max_connections = 2;
+    let Some(percent) = args.percent else {
+        let url = config.database.url.as_deref().context("no database.url")?;
+        let database = Database::open(url).await?;
+        let pool = database.pool(1, config.database.acquire_timeout).await?;
+        let current = read_rollout(&pool)
+            .await
+            .with_context(|| format!("reading the guard rollout of {}", database.address()))?;
+        pool.close().await;
+        println!("guard rollout: {current}%");
+        return Ok(());
+    };
     let pool = connect(&config).await?;
     let before = pgonce_incidents::store::rollout_percent(&pool).await?;
-    match args.percent {
-        None => println!("guard rollout: {before}%"),
-        Some(percent) => {
-            pgonce_incidents::store::set_rollout_percent(&pool, percent).await?;
-            println!("guard rollout: {before}% -> {percent}%");
-        }
-    }
+    pgonce_incidents::store::set_rollout_percent(&pool, percent).await?;
+    println!("guard rollout: {before}% -> {percent}%");
     pool.close().await;
     Ok(())
+}
+
+/// The guard rollout, read in a read-only transaction; an error naming the
+/// missing table when the service's schema is not there.
+async fn read_rollout(pool: &PgPool) -> anyhow::Result<u8> {
+    let mut read = pool.begin().await.map_err(pgonce::Error::from)?;
+    sqlx::query("SET TRANSACTION READ ONLY")
+        .execute(&mut *read)
+        .await
+        .map_err(pgonce::Error::from)?;
+    let migrated: bool = sqlx::query_scalar("SELECT to_regclass('incidents.settings') IS NOT NULL")
+        .fetch_one(&mut *read)
+        .await
+        .map_err(pgonce::Error::from)?;
+    anyhow::ensure!(
+        migrated,
+        "not migrated: no table incidents.settings (`pgonce serve`, `pgonce worker` and \
+         `pgonce rollout PERCENT` migrate it)"
+    );
+    let percent = pgonce_incidents::store::rollout_percent(&mut *read).await?;
+    read.rollback().await.map_err(pgonce::Error::from)?;
+    Ok(percent)
 }

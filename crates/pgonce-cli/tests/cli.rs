@@ -641,3 +641,45 @@ fn migrate_interrupted_says_so_without_a_throwaway_database() {
     assert_eq!(status.code(), Some(143), "{stderr}");
     assert_eq!(stderr.trim(), "pgonce: interrupted (SIGTERM)");
 }
+
+/// `rollout` without a percent only reads. On a fresh database it says
+/// the database is not migrated and leaves it without a table; on a
+/// session that may not write (`default_transaction_read_only`, as on a
+/// standby or for a read-only role) it prints the value `rollout PERCENT`
+/// set. It migrated first: it made the schema of the fresh database, and
+/// failed on the read-only session.
+#[test]
+fn rollout_without_a_percent_only_reads() {
+    let (rt, db, url) = fresh_database_url();
+    let read = |url: &str| {
+        pgonce()
+            .args(["rollout", "--database-url", url])
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap()
+    };
+    let out = read(&url);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("not migrated"), "{stderr}");
+    assert!(out.stdout.is_empty(), "{stderr}");
+    assert_never_migrated(&rt, &db);
+
+    let set = pgonce()
+        .args(["rollout", "--database-url", &url, "30"])
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(set.status.success(), "{set:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&set.stdout),
+        "guard rollout: 100% -> 30%\n"
+    );
+
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let read_only = format!("{url}{separator}options=-c%20default_transaction_read_only%3Don");
+    let out = read(&read_only);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "guard rollout: 30%\n");
+}
