@@ -9,6 +9,7 @@
 
 mod database;
 mod serve;
+mod stop;
 
 use std::process::ExitCode;
 
@@ -21,6 +22,7 @@ use tracing_subscriber::EnvFilter;
 use pgonce_lab::{bench, chaos, demo, race, report::Report};
 
 use crate::database::Database;
+use crate::stop::{Interrupted, ServiceStop, StopSignals};
 
 /// What a command leaves to print: the lab's reports; the product's
 /// commands print nothing on stdout.
@@ -110,19 +112,34 @@ fn main() -> ExitCode {
 
     // Only the lab's commands make a throwaway database or cluster; a
     // product command stopped by a signal has none to speak of.
-    let throwaway = !matches!(cli.command, Command::Migrate | Command::Rollout(_));
+    #[cfg(feature = "lab")]
+    let throwaway = matches!(
+        cli.command,
+        Command::Race(_) | Command::Bench(_) | Command::Demo(_) | Command::Chaos(_)
+    );
+    #[cfg(not(feature = "lab"))]
+    let throwaway = false;
+    let service = matches!(cli.command, Command::Serve(_) | Command::Worker(_));
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let outcome = runtime.block_on(async {
-        // Services shut down gracefully on their own signals.
-        if matches!(cli.command, Command::Serve(_) | Command::Worker(_)) {
-            return run(&cli, flag_url).await;
-        }
+        let mut signals = StopSignals::listen().context("installing the signal handlers")?;
+        // A service drains on its first signal once it runs (see `stop`);
+        // any other command stops on its first.
+        let stop = ServiceStop::default();
+        let stopped = async {
+            if service {
+                stop.stop_now(&mut signals).await
+            } else {
+                signals.next().await
+            }
+        };
         tokio::select! {
-            outcome = run(&cli, flag_url) => outcome,
-            interrupted = interrupted() => Err(interrupted.into()),
+            outcome = run(&cli, flag_url, &stop) => outcome,
+            interrupted = stopped => Err(interrupted.into()),
         }
         // Leaving the select drops the command's future, and with it any
-        // throwaway cluster, which stops the server and removes its files.
+        // throwaway cluster, which stops the server and removes its files;
+        // a service's runtime, whose unacked messages the queue redelivers.
     });
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     match outcome {
@@ -173,51 +190,10 @@ fn one_line(e: &anyhow::Error) -> String {
     line.replace('\n', " ")
 }
 
-/// A signal stopped the run; it was abandoned and cleaned up.
-#[derive(Debug)]
-struct Interrupted {
-    signal: &'static str,
-    /// What a shell reports for a process the signal ended: 128 + its number.
-    code: u8,
-}
-
-impl std::fmt::Display for Interrupted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "interrupted ({})", self.signal)
-    }
-}
-
-/// The first of Ctrl-C (SIGINT) and, on Unix, SIGTERM (what `kill`, a
-/// service manager or a container runtime sends). Either stops a command
-/// the same way: its future is dropped, and with it its throwaway database
-/// or cluster and the child processes it started (`kill_on_drop`). An
-/// unhandled SIGTERM would kill the process outright and leave them behind.
-async fn interrupted() -> Interrupted {
-    let sigint = Interrupted {
-        signal: "SIGINT",
-        code: 130,
-    };
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => sigint,
-            _ = term.recv() => Interrupted { signal: "SIGTERM", code: 143 },
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-        sigint
-    }
-}
-
-impl std::error::Error for Interrupted {}
-
 /// `flag_url`: `--database-url` was given on the command line (not only
 /// read from DATABASE_URL).
-async fn run(cli: &Cli, flag_url: bool) -> anyhow::Result<Option<Report>> {
+/// `stop`: a service's, for `serve` and `worker`.
+async fn run(cli: &Cli, flag_url: bool, stop: &ServiceStop) -> anyhow::Result<Option<Report>> {
     let url = cli.database_url.as_deref().filter(|u| !u.is_empty());
     let service_url = url.filter(|_| flag_url);
     match &cli.command {
@@ -241,8 +217,12 @@ async fn run(cli: &Cli, flag_url: bool) -> anyhow::Result<Option<Report>> {
         Command::Demo(args) => demo::run(args, url).await.map(Some),
         #[cfg(feature = "lab")]
         Command::Chaos(args) => chaos::run(args, url).await.map(Some),
-        Command::Serve(args) => serve::run(args, service_url, true).await.map(|()| None),
-        Command::Worker(args) => serve::run(args, service_url, false).await.map(|()| None),
+        Command::Serve(args) => serve::run(args, service_url, true, stop)
+            .await
+            .map(|()| None),
+        Command::Worker(args) => serve::run(args, service_url, false, stop)
+            .await
+            .map(|()| None),
         Command::Rollout(args) => serve::rollout(args, service_url).await.map(|()| None),
     }
 }

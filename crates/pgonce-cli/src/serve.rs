@@ -8,7 +8,8 @@
 //! set), install the Prometheus recorder, and stop gracefully on Ctrl-C or
 //! SIGTERM: stop accepting, finish in-flight requests (long polls of the
 //! event feed end at once, with an empty page), then
-//! [`Runtime::shutdown`]. The observations queue is `[queue] backend`'s:
+//! [`Runtime::shutdown`]. A signal while they start stops them at once
+//! ([`crate::stop`]). The observations queue is `[queue] backend`'s:
 //! the PostgreSQL queue in the same database, or Amazon SQS. `serve` has `/metrics`, `/healthz` and `/readyz`
 //! beside the API; `worker` serves them alone on `api.metrics_listen` when
 //! it is set.
@@ -29,6 +30,7 @@ use pgonce_sqs::SqsClient;
 use sqlx::PgPool;
 
 use crate::database::Database;
+use crate::stop::ServiceStop;
 
 /// `pgonce serve` / `pgonce worker` flags.
 #[derive(Debug, clap::Args)]
@@ -134,10 +136,10 @@ fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// Resolves on Ctrl-C or SIGTERM (the signals every command stops on),
-/// after which `serve` and `worker` drain instead of stopping at once.
-pub async fn shutdown_signal() {
-    let signal = crate::interrupted().await;
+/// Resolves on the signal that drains the service (its first once it
+/// runs, see [`crate::stop`]).
+pub async fn shutdown_signal(stop: &ServiceStop) {
+    let signal = stop.drain_requested().await;
     tracing::info!(
         signal = signal.signal,
         "shutting down: finishing in-flight work"
@@ -145,7 +147,13 @@ pub async fn shutdown_signal() {
 }
 
 /// `pgonce serve` (`api: true`) or `pgonce worker`.
-pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> anyhow::Result<()> {
+/// Until it runs, `stop`'s signals stop it at once; then the first drains.
+pub async fn run(
+    args: &ServeArgs,
+    database_url: Option<&str>,
+    api: bool,
+    stop: &ServiceStop,
+) -> anyhow::Result<()> {
     let config = configure(args.config.as_deref(), database_url, args.listen)?;
     let metrics = install_metrics()?;
     let pool = connect(&config).await?;
@@ -163,7 +171,7 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
                 config.queue_options(),
             )
             .await?;
-            run_on(&config, metrics, pool, service, queue, api).await
+            run_on(&config, metrics, pool, service, queue, api, stop).await
         }
         QueueBackend::Sqs => {
             let section = &config.queue.sqs;
@@ -172,7 +180,7 @@ pub async fn run(args: &ServeArgs, database_url: Option<&str>, api: bool) -> any
                 .await
                 .with_context(|| format!("opening the SQS queue {}", section.queue_name()))?;
             tracing::info!(queue = %queue.url(), "observations on Amazon SQS");
-            run_on(&config, metrics, pool, service, queue, api).await
+            run_on(&config, metrics, pool, service, queue, api, stop).await
         }
     }
 }
@@ -186,6 +194,7 @@ async fn run_on<Q>(
     service: Service,
     queue: Q,
     api: bool,
+    stop: &ServiceStop,
 ) -> anyhow::Result<()>
 where
     Q: Queue + Clone + 'static,
@@ -211,6 +220,8 @@ where
     } else {
         None
     };
+    // Taking work from here on: a signal drains rather than abandons it.
+    stop.running();
     let served = if let Some(listener) = listener {
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
         tracing::info!(listen = %config.api.listen, "pgonce serve: API and runtime started");
@@ -218,12 +229,12 @@ where
         // Long polls end with the signal: the drain waits for every answer
         // under way, and the runtime's stop comes after it.
         let stopping = state.clone();
-        let stop = async move {
-            shutdown_signal().await;
+        let drain = async move {
+            shutdown_signal(stop).await;
             stopping.stop_long_polls();
         };
         // The API's own server: header, body and write timeouts, JSON errors.
-        api::serve(listener, api::router(state), &config.api_config(), stop)
+        api::serve(listener, api::router(state), &config.api_config(), drain)
             .await
             .context("serving HTTP")
     } else if let Some(listener) = operations {
@@ -237,7 +248,7 @@ where
             listener,
             api::operations_router(state),
             &config.api_config(),
-            shutdown_signal(),
+            shutdown_signal(stop),
         )
         .await
         .context("serving metrics")
@@ -246,7 +257,7 @@ where
         // listener alive past shutdown.
         drop(queue);
         tracing::info!("pgonce worker: runtime started");
-        shutdown_signal().await;
+        shutdown_signal(stop).await;
         Ok(())
     };
     if let Some(maintenance) = maintenance {

@@ -6,7 +6,7 @@ use assert_cmd::Command;
 
 mod common;
 
-use common::{Reaped, free_port, fresh_database_url, http_get, wait_for_200};
+use common::{Reaped, blocked_backend, free_port, fresh_database_url, http_get, wait_for_200};
 
 fn pgonce() -> Command {
     let mut cmd = Command::cargo_bin("pgonce").unwrap();
@@ -447,32 +447,8 @@ fn a_schema_half_dropped_by_hand_is_refused_naming_what_is_missing() {
     assert!(stderr.contains("schema pgonce"), "{stderr}");
 }
 
-/// The backend of the one session on `pool`'s database, other than the
-/// caller's, that waits for a lock the session `holder` holds: `pgonce
-/// migrate`, seen blocked. Polls the catalog, never the clock.
-fn blocked_backend(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, holder: i32) -> i32 {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let blocked: Option<i32> = rt
-            .block_on(
-                sqlx::query_scalar(
-                    "SELECT pid FROM pg_stat_activity \
-                     WHERE datname = current_database() AND $1 = ANY(pg_blocking_pids(pid))",
-                )
-                .bind(holder)
-                .fetch_optional(pool),
-            )
-            .unwrap();
-        if let Some(pid) = blocked {
-            return pid;
-        }
-        assert!(Instant::now() < deadline, "migrate never blocked");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// A `pgonce migrate` process seen blocked inside its first migration (its
-/// SQL run, its bookkeeping row not yet written), by the lock `gate` holds.
+/// A `pgonce` process seen blocked inside its first migration (its SQL
+/// run, its bookkeeping row not yet written), by the lock `gate` holds.
 struct Held {
     gate: sqlx::Transaction<'static, sqlx::Postgres>,
     child: Reaped,
@@ -486,6 +462,18 @@ fn migrate_held_mid_migration(
     rt: &tokio::runtime::Runtime,
     pool: &sqlx::PgPool,
     url: &str,
+) -> Held {
+    held_mid_migration(rt, pool, url, "migrate")
+}
+
+/// Starts `pgonce COMMAND` (`migrate`, `serve`, `worker`: each migrates
+/// first) on `url`, `pool`'s database, and returns it [`Held`]. Its stderr
+/// is piped; `serve` listens on a free port.
+fn held_mid_migration(
+    rt: &tokio::runtime::Runtime,
+    pool: &sqlx::PgPool,
+    url: &str,
+    command: &str,
 ) -> Held {
     // The runner's own bookkeeping table, made ahead so that the test can
     // lock it: a SHARE lock lets the runner read it and stops its INSERT.
@@ -506,8 +494,9 @@ fn migrate_held_mid_migration(
         .unwrap();
     let child = Reaped(
         std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
-            .arg("migrate")
+            .arg(command)
             .env("DATABASE_URL", url)
+            .env("PGONCE_API__LISTEN", format!("127.0.0.1:{}", free_port()))
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
@@ -530,6 +519,52 @@ struct Left {
     schema: bool,
 }
 
+/// Waits for `backend`, a stopped process's blocked in its first
+/// migration, to end (the gate released: it finds its client gone once it
+/// goes on, and rolls back as it ends), then asserts that nothing of the
+/// migration stayed: no bookkeeping row, no schema.
+fn assert_nothing_of_the_migration_left(
+    rt: &tokio::runtime::Runtime,
+    pool: &sqlx::PgPool,
+    backend: i32,
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let alive: bool = rt
+            .block_on(
+                sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
+                    .bind(backend)
+                    .fetch_one(pool),
+            )
+            .unwrap();
+        if !alive {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stopped process's backend lives on"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Left = rt
+        .block_on(
+            sqlx::query_as(
+                "SELECT (SELECT count(*) FROM _sqlx_migrations) AS rows, \
+                 to_regnamespace('pgonce') IS NOT NULL AS schema",
+            )
+            .fetch_one(pool),
+        )
+        .unwrap();
+    assert_eq!(
+        left,
+        Left {
+            rows: 0,
+            schema: false
+        },
+        "half a migration stayed"
+    );
+}
+
 /// `pgonce migrate` killed (SIGKILL) inside a migration, its SQL run and
 /// its bookkeeping row waiting on a lock: nothing of that migration stays
 /// (no schema, no row), and the next `migrate` applies everything and
@@ -548,43 +583,7 @@ fn migrate_killed_mid_migration_leaves_nothing_and_runs_again() {
     child.0.kill().unwrap();
     child.0.wait().unwrap();
     rt.block_on(gate.rollback()).unwrap();
-    // The orphaned backend finds its client gone once it goes on, and
-    // rolls back as it ends.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let alive: bool = rt
-            .block_on(
-                sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
-                    .bind(backend)
-                    .fetch_one(&pool),
-            )
-            .unwrap();
-        if !alive {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the killed migrate's backend lives on"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left: Left = rt
-        .block_on(
-            sqlx::query_as(
-                "SELECT (SELECT count(*) FROM _sqlx_migrations) AS rows, \
-                 to_regnamespace('pgonce') IS NOT NULL AS schema",
-            )
-            .fetch_one(&pool),
-        )
-        .unwrap();
-    assert_eq!(
-        left,
-        Left {
-            rows: 0,
-            schema: false
-        },
-        "half a migration stayed"
-    );
+    assert_nothing_of_the_migration_left(&rt, &pool, backend);
 
     let again = pgonce()
         .arg("migrate")
@@ -626,9 +625,28 @@ fn migrate_interrupted_says_so_without_a_throwaway_database() {
     let (rt, db, url) = fresh_database_url();
     let _runtime = rt.enter();
     let pool = rt.block_on(db.pool(2)).unwrap();
+    let Stopped { status, stderr, .. } =
+        sigterm_held(&rt, migrate_held_mid_migration(&rt, &pool, &url));
+    assert_eq!(status.code(), Some(143), "{stderr}");
+    assert_eq!(stderr.trim(), "pgonce: interrupted (SIGTERM)");
+}
+
+/// A [`Held`] process after SIGTERM.
+struct Stopped {
+    status: std::process::ExitStatus,
+    stderr: String,
+    /// Its backend, which was blocked.
+    backend: i32,
+}
+
+/// Sends SIGTERM to `held`'s process, waits for it to end, then releases
+/// the gate.
+fn sigterm_held(rt: &tokio::runtime::Runtime, held: Held) -> Stopped {
     let Held {
-        gate, mut child, ..
-    } = migrate_held_mid_migration(&rt, &pool, &url);
+        gate,
+        mut child,
+        backend,
+    } = held;
     let sent = std::process::Command::new("kill")
         .args(["-TERM", &child.0.id().to_string()])
         .status()
@@ -638,8 +656,33 @@ fn migrate_interrupted_says_so_without_a_throwaway_database() {
     let mut stderr = String::new();
     std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     rt.block_on(gate.rollback()).unwrap();
-    assert_eq!(status.code(), Some(143), "{stderr}");
-    assert_eq!(stderr.trim(), "pgonce: interrupted (SIGTERM)");
+    Stopped {
+        status,
+        stderr,
+        backend,
+    }
+}
+
+/// `serve` and `worker` stopped by SIGTERM while still starting (held
+/// inside their first migration by a lock, seen blocked) exit 143 with one
+/// line saying they were interrupted, as every other command does, and
+/// nothing of the migration stays. They had no handler yet: the signal's
+/// default disposition killed them, with no word and no exit code.
+#[test]
+fn serve_and_worker_interrupted_while_starting_exit_143_in_one_line() {
+    for command in ["serve", "worker"] {
+        let (rt, db, url) = fresh_database_url();
+        let _runtime = rt.enter();
+        let pool = rt.block_on(db.pool(2)).unwrap();
+        let Stopped {
+            status,
+            stderr,
+            backend,
+        } = sigterm_held(&rt, held_mid_migration(&rt, &pool, &url, command));
+        assert_eq!(status.code(), Some(143), "{command}: {status:?} {stderr}");
+        assert_eq!(stderr.trim(), "pgonce: interrupted (SIGTERM)", "{command}");
+        assert_nothing_of_the_migration_left(&rt, &pool, backend);
+    }
 }
 
 /// `rollout` without a percent only reads. On a fresh database it says

@@ -1,5 +1,6 @@
-//! What the CLI's tests share: a fresh database's URL, a free port, and
-//! plain HTTP probes of a child process's endpoints.
+//! What the CLI's tests share: a fresh database's URL, a free port,
+//! plain HTTP probes of a child process's endpoints, and a session seen
+//! blocked.
 #![allow(dead_code)]
 
 use std::time::{Duration, Instant};
@@ -83,5 +84,30 @@ impl Drop for Reaped {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// The backend of the one session on `pool`'s database, other than the
+/// caller's, that waits for a lock the session `holder` holds: a `pgonce`
+/// process's, seen blocked. Polls the catalog, never the clock (the
+/// deadline only ends a stuck run).
+pub fn blocked_backend(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, holder: i32) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let blocked: Option<i32> = rt
+            .block_on(
+                sqlx::query_scalar(
+                    "SELECT pid FROM pg_stat_activity \
+                     WHERE datname = current_database() AND $1 = ANY(pg_blocking_pids(pid))",
+                )
+                .bind(holder)
+                .fetch_optional(pool),
+            )
+            .unwrap();
+        if let Some(pid) = blocked {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "no session ever blocked");
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
