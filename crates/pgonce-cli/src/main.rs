@@ -71,9 +71,10 @@ enum Command {
     /// history checked against the invariants. Exit 0 iff none broke.
     Chaos(chaos::ChaosArgs),
     /// Run the incident service: HTTP API and background workers, until
-    /// Ctrl-C or SIGTERM.
+    /// Ctrl-C or SIGTERM (then drains; a second signal stops at once).
     Serve(serve::ServeArgs),
-    /// Run the incident service's background workers only.
+    /// Run the incident service's background workers only, until Ctrl-C or
+    /// SIGTERM (then drains; a second signal stops at once).
     Worker(serve::ServeArgs),
     /// Show, or set, the percent of entities on the guarded write path
     /// (takes effect without a restart).
@@ -156,8 +157,17 @@ fn main() -> ExitCode {
         Ok(Some(never)) => match never {},
         Ok(None) => ExitCode::SUCCESS,
         Err(e) => match e.downcast_ref::<Interrupted>() {
-            Some(Interrupted { signal, code }) => {
-                if throwaway {
+            Some(Interrupted {
+                signal,
+                code,
+                while_draining,
+            }) => {
+                if *while_draining {
+                    eprintln!(
+                        "pgonce: interrupted again ({signal}) while stopping: stopped at once; \
+                         messages in hand are redelivered after their visibility timeout"
+                    );
+                } else if throwaway {
                     eprintln!("pgonce: interrupted ({signal}); throwaway database removed");
                 } else {
                     eprintln!("pgonce: interrupted ({signal})");

@@ -8,8 +8,8 @@
 //! set), install the Prometheus recorder, and stop gracefully on Ctrl-C or
 //! SIGTERM: stop accepting, finish in-flight requests (long polls of the
 //! event feed end at once, with an empty page), then
-//! [`Runtime::shutdown`]. A signal while they start stops them at once
-//! ([`crate::stop`]). The observations queue is `[queue] backend`'s:
+//! [`Runtime::shutdown`]. A signal while they start, or a second one while
+//! they drain, stops them at once ([`crate::stop`]). The observations queue is `[queue] backend`'s:
 //! the PostgreSQL queue in the same database, or Amazon SQS. `serve` has `/metrics`, `/healthz` and `/readyz`
 //! beside the API; `worker` serves them alone on `api.metrics_listen` when
 //! it is set.
@@ -137,12 +137,12 @@ fn install_metrics() -> anyhow::Result<PrometheusHandle> {
 }
 
 /// Resolves on the signal that drains the service (its first once it
-/// runs, see [`crate::stop`]).
+/// runs; a second stops it at once, see [`crate::stop`]).
 pub async fn shutdown_signal(stop: &ServiceStop) {
     let signal = stop.drain_requested().await;
     tracing::info!(
         signal = signal.signal,
-        "shutting down: finishing in-flight work"
+        "shutting down: finishing in-flight work (a second signal stops at once)"
     );
 }
 

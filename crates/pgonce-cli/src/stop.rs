@@ -5,13 +5,17 @@
 //! with it its throwaway database or cluster and the child processes it
 //! started (`kill_on_drop`). A service (`serve`, `worker`) stops at once
 //! while it is still starting (connecting, migrating: each migration is a
-//! transaction, rolled back). Once it runs, a signal drains it (stop
-//! taking work, finish what is in hand).
+//! transaction, rolled back). Once it runs, the first signal drains it
+//! (stop taking work, finish what is in hand) and a second one stops it at
+//! once, as an operator pressing Ctrl-C again or an orchestrator escalating
+//! expects: what was in hand is left unacked, and the queue redelivers it
+//! after its visibility timeout.
 //!
 //! The handlers are installed before anything else runs and stay for the
 //! whole run: a signal is always the command's to answer, never the
 //! default disposition's (which would kill the process and leave its
-//! throwaway database behind).
+//! throwaway database behind), and never swallowed by a handler no one
+//! listens to any more.
 
 use tokio::sync::watch;
 
@@ -22,6 +26,8 @@ pub struct Interrupted {
     pub signal: &'static str,
     /// What a shell reports for a process the signal ended: 128 + its number.
     pub code: u8,
+    /// It came while a service was draining after an earlier signal.
+    pub while_draining: bool,
 }
 
 impl std::fmt::Display for Interrupted {
@@ -35,11 +41,13 @@ impl std::error::Error for Interrupted {}
 const SIGINT: Interrupted = Interrupted {
     signal: "SIGINT",
     code: 130,
+    while_draining: false,
 };
 
 const SIGTERM: Interrupted = Interrupted {
     signal: "SIGTERM",
     code: 143,
+    while_draining: false,
 };
 
 /// The process's stop signals, listened for from [`StopSignals::listen`]
@@ -94,7 +102,7 @@ enum Phase {
     Starting,
     /// Taking work: the first signal drains it.
     Running,
-    /// Draining since this signal; later ones change nothing.
+    /// Draining since this signal: the next one stops it at once.
     Draining(Interrupted),
 }
 
@@ -141,14 +149,19 @@ impl ServiceStop {
         }
     }
 
-    /// Resolves with a signal that stops the service at once: one while it
-    /// starts. Once it runs, the first signal drains it instead.
+    /// Resolves with the signal that stops the service at once: any while
+    /// it starts; once it runs, the one after the signal that drains it.
     pub async fn stop_now(&self, signals: &mut StopSignals) -> Interrupted {
         loop {
             let signal = signals.next().await;
             match *self.phase.borrow() {
                 Phase::Starting => return signal,
-                Phase::Draining(_) => continue,
+                Phase::Draining(_) => {
+                    return Interrupted {
+                        while_draining: true,
+                        ..signal
+                    };
+                }
                 Phase::Running => {}
             }
             self.phase.send_replace(Phase::Draining(signal));

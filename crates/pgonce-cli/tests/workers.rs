@@ -22,7 +22,7 @@ use sqlx::PgPool;
 
 mod common;
 
-use common::{Reaped, free_port, fresh_database_url, http_get, wait_for_200};
+use common::{Reaped, blocked_backend, free_port, fresh_database_url, http_get, wait_for_200};
 
 /// How long a stuck run may take before the test gives up on it.
 const STUCK: Duration = Duration::from_secs(180);
@@ -204,6 +204,25 @@ fn two_worker_processes_share_one_queue_and_a_sigkill_loses_nothing() {
     a.0.wait().unwrap();
 }
 
+/// A `pgonce worker` on `url` with one pipeline worker and `settings`
+/// (variables), logging at info (`runtime started`, `shutting down`) on
+/// its piped stderr.
+fn one_worker(url: &str, settings: &[(&str, &str)]) -> Reaped {
+    Reaped(
+        Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+            .arg("worker")
+            .env_remove("DATABASE_URL")
+            .env("PGONCE_DATABASE__URL", url)
+            .env("PGONCE_PIPELINE__WORKERS", "1")
+            .envs(settings.iter().copied())
+            .env("RUST_LOG", "warn,pgonce=info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// A `pgonce worker`'s stderr, line by line, as it comes.
 struct Stderr(std::sync::mpsc::Receiver<String>);
 
@@ -246,8 +265,7 @@ impl Stderr {
 /// SIGTERM while a `pgonce worker` has messages in hand: the ones that
 /// finished were acked (deleted), the ones still in their handler at the
 /// shutdown deadline are handed back, receivable at once rather than after
-/// their visibility timeout, and the process exits 0. A second signal
-/// (SIGINT) during the drain changes none of that.
+/// their visibility timeout, and the process exits 0.
 #[test]
 fn sigterm_mid_work_acks_what_finished_hands_back_the_rest_and_exits_0() {
     let (rt, db, url) = fresh_database_url();
@@ -270,22 +288,15 @@ fn sigterm_mid_work_acks_what_finished_hands_back_the_rest_and_exits_0() {
     let finished = rt.block_on(send(&queue, &quiet, 0, 4));
     // One per entity: each its own group, so all are in hand at once.
     let held = rt.block_on(send(&queue, &busy, 100, 3));
-    let mut child = Reaped(
-        Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
-            .arg("worker")
-            .env_remove("DATABASE_URL")
-            .env("PGONCE_DATABASE__URL", &url)
-            .env("PGONCE_PIPELINE__WORKERS", "1")
-            .env("PGONCE_PIPELINE__CONCURRENCY", "8")
-            .env("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "60s")
-            .env("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s")
+    let mut child = one_worker(
+        &url,
+        &[
+            ("PGONCE_PIPELINE__CONCURRENCY", "8"),
+            ("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "60s"),
+            ("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s"),
             // Evaluations that never finish while the test runs.
-            .env("PGONCE_PIPELINE__EVALUATOR__LATENCY", "1h")
-            .env("RUST_LOG", "warn,pgonce=info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
+            ("PGONCE_PIPELINE__EVALUATOR__LATENCY", "1h"),
+        ],
     );
     let stderr = Stderr::of(&mut child.0);
     let mut seen = Vec::new();
@@ -304,16 +315,8 @@ fn sigterm_mid_work_acks_what_finished_hands_back_the_rest_and_exits_0() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
-    let signal = |name: &str| {
-        let sent = Command::new("kill")
-            .args([&format!("-{name}"), &child.0.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(sent.success());
-    };
-    signal("TERM");
+    signal(&child.0, "TERM");
     stderr.wait_for("shutting down", &mut seen);
-    signal("INT");
     stderr.wait_for("pgonce: stopped", &mut seen);
     let status = child.0.wait().unwrap();
     assert!(status.success(), "{status:?}:\n{}", seen.join("\n"));
@@ -333,4 +336,111 @@ fn sigterm_mid_work_acks_what_finished_hands_back_the_rest_and_exits_0() {
     expected.sort();
     assert_eq!(back, expected);
     assert!(finished.iter().all(|id| !back.contains(id)));
+}
+
+/// Sends the signal `name` (`TERM`, `INT`) to `child`.
+fn signal(child: &Child, name: &str) {
+    let sent = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+/// A second signal while a `pgonce worker` drains stops it at once. Its
+/// handler is held mid-message: the test holds the message's entity row,
+/// and the worker's upsert of it is seen blocked in `pg_blocking_pids`.
+/// SIGTERM starts the drain (a shutdown deadline of an hour); SIGINT then
+/// ends the process, while the row is still held, with exit 130 and one
+/// line saying so (the second signal was ignored, and the process drained
+/// on). The message was not acked: once its visibility timeout runs out
+/// it is receivable again, and the pipeline's ledger has no row for it.
+#[test]
+fn a_second_signal_while_draining_stops_at_once_and_the_message_comes_back() {
+    let (rt, db, url) = fresh_database_url();
+    // Failed assertions drop the held transaction, which needs the runtime.
+    let _runtime = rt.enter();
+    let pool = rt.block_on(db.pool(4)).unwrap();
+    rt.block_on(pgonce_incidents::migrate(&pool)).unwrap();
+    let org = rt.block_on(set_up(&pool));
+    let queue = rt
+        .block_on(observations_queue(&pool, Duration::from_secs(2), 50))
+        .unwrap();
+    let mut gate = rt.block_on(pool.begin()).unwrap();
+    let holder: i32 = rt
+        .block_on(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *gate))
+        .unwrap();
+    rt.block_on(
+        sqlx::query(
+            "SELECT 1 FROM incidents.entities \
+             WHERE organization_id = $1 AND external_id = $2 FOR UPDATE",
+        )
+        .bind(org.id)
+        .bind(&org.entities[0])
+        .execute(&mut *gate),
+    )
+    .unwrap();
+    // Observation 0 is the first entity's.
+    let held = rt.block_on(send(&queue, &org, 0, 1));
+
+    let mut child = one_worker(
+        &url,
+        &[
+            ("PGONCE_PIPELINE__CONCURRENCY", "1"),
+            ("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "2s"),
+            ("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1h"),
+        ],
+    );
+    let stderr = Stderr::of(&mut child.0);
+    blocked_backend(&rt, &pool, holder);
+    let deadline = Instant::now() + STUCK;
+
+    let mut seen = Vec::new();
+    signal(&child.0, "TERM");
+    stderr.wait_for("shutting down", &mut seen);
+    signal(&child.0, "INT");
+    let status = loop {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second signal did not stop the worker:\n{}",
+            seen.join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // The process has exited: its stderr ends.
+    seen.extend(stderr.0.iter());
+    assert_eq!(status.code(), Some(130), "{status:?}:\n{}", seen.join("\n"));
+    let last = seen.last().map(String::as_str).unwrap_or_default();
+    assert!(
+        last.starts_with("pgonce: interrupted again (SIGINT) while stopping"),
+        "{}",
+        seen.join("\n")
+    );
+    assert!(!last.contains("stopped;"), "{}", seen.join("\n"));
+    rt.block_on(gate.rollback()).unwrap();
+
+    // Not acked: back on the queue once its visibility timeout ran out, and
+    // not in the ledger.
+    loop {
+        let stats = rt.block_on(queue.stats()).unwrap();
+        if stats.depth == 1 && stats.in_flight == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never redelivered: {stats:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let received = rt
+        .block_on(queue.receive(pgonce::ReceiveRequest::up_to(10)))
+        .unwrap();
+    let back: Vec<String> = received.iter().map(|m| m.id.clone()).collect();
+    assert_eq!(back, held);
+    let recorded: i64 = rt
+        .block_on(
+            sqlx::query_scalar("SELECT count(*) FROM incidents.observations").fetch_one(&pool),
+        )
+        .unwrap();
+    assert_eq!(recorded, 0);
 }
