@@ -24,7 +24,7 @@ use pgonce::Queue;
 use pgonce::maintenance::Maintenance;
 use pgonce_incidents::Service;
 use pgonce_incidents::api::{self, ApiState};
-use pgonce_incidents::config::{Config, QueueBackend};
+use pgonce_incidents::config::{Config, ConfigError, QueueBackend};
 use pgonce_incidents::runtime::{Runtime, observations_queue_with, sqs_observations_queue};
 use pgonce_sqs::SqsClient;
 use sqlx::PgPool;
@@ -155,6 +155,9 @@ pub async fn run(
     stop: &ServiceStop,
 ) -> anyhow::Result<()> {
     let config = configure(args.config.as_deref(), database_url, args.listen)?;
+    if !api {
+        check_worker_has_work(&config)?;
+    }
     let metrics = install_metrics()?;
     let pool = connect(&config).await?;
     let service = Service::new(pool.clone(), config.service_config())?;
@@ -183,6 +186,38 @@ pub async fn run(
             run_on(&config, metrics, pool, service, queue, api, stop).await
         }
     }
+}
+
+/// `pipeline.workers = 0` runs no pipeline worker: `serve` then answers
+/// the API alone, and a `worker` runs only its other work (the notifier,
+/// job maintenance, the cleaner), which it says. A `worker` left with no
+/// work at all would idle silently: it is refused, before it connects.
+fn check_worker_has_work(config: &Config) -> anyhow::Result<()> {
+    if config.pipeline.workers > 0 {
+        return Ok(());
+    }
+    let runs: Vec<&str> = [
+        (config.notifier.webhook_url.is_some(), "the notifier"),
+        (config.maintenance.enabled, "the job reaper and re-driver"),
+        (config.maintenance.cleaner.enabled, "the cleaner"),
+    ]
+    .into_iter()
+    .filter_map(|(on, what)| on.then_some(what))
+    .collect();
+    if runs.is_empty() {
+        return Err(ConfigError::Invalid {
+            key: "pipeline.workers",
+            why: "0 and nothing else to run: `pgonce worker` would idle (set \
+                  notifier.webhook_url, or enable maintenance or maintenance.cleaner)"
+                .into(),
+        }
+        .into());
+    }
+    tracing::warn!(
+        "pipeline.workers = 0: this worker takes no observations; it runs {}",
+        runs.join(", ")
+    );
+    Ok(())
 }
 
 /// The rest of `serve`/`worker`, on either queue: the runtime, the API and

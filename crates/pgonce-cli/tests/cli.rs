@@ -202,8 +202,9 @@ fn a_database_a_newer_build_migrated_is_refused_in_words_that_say_so() {
     assert_eq!(applied(), before + 1);
 }
 
-/// Sends SIGTERM and expects exit 0 within 30 s, having said it stopped.
-fn sigterm_then_exit_0(mut child: std::process::Child) {
+/// Sends SIGTERM and expects exit 0 within 30 s, having said it stopped;
+/// returns its stderr.
+fn sigterm_then_exit_0(mut child: std::process::Child) -> String {
     let killed = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -221,6 +222,7 @@ fn sigterm_then_exit_0(mut child: std::process::Child) {
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert!(status.success(), "{status:?}\n{stderr}");
     assert!(stderr.contains("stopped"), "{stderr}");
+    stderr
 }
 
 #[test]
@@ -247,16 +249,7 @@ fn serve_answers_then_drains_and_exits_0_on_sigterm() {
 fn worker_serves_metrics_and_readiness_on_metrics_listen() {
     let (rt, db, url) = fresh_database_url();
     let port = free_port();
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
-        .arg("worker")
-        .env("DATABASE_URL", &url)
-        .env("PGONCE_METRICS_LISTEN", format!("127.0.0.1:{port}"))
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for_200(&mut child, port, "/readyz");
+    let mut child = ready_worker(&url, port, &[]);
     // One message for the worker to receive (malformed: it fails, and is
     // retried, which is all this needs), then its counter in the scrape.
     rt.block_on(async {
@@ -283,6 +276,24 @@ fn worker_serves_metrics_and_readiness_on_metrics_listen() {
     let api = http_get(port, "/v1/incidents").unwrap_or_default();
     assert!(api.starts_with("HTTP/1.1 404"), "no API here: {api}");
     sigterm_then_exit_0(child);
+}
+
+/// A `pgonce worker` on `url` with the variables `vars`, its metrics on
+/// `port` (the flat `PGONCE_METRICS_LISTEN`), once `/readyz` answers 200.
+/// Its stderr is piped.
+fn ready_worker(url: &str, port: u16, vars: &[(&str, &str)]) -> std::process::Child {
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+        .arg("worker")
+        .env("DATABASE_URL", url)
+        .env("PGONCE_METRICS_LISTEN", format!("127.0.0.1:{port}"))
+        .envs(vars.iter().copied())
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_200(&mut child, port, "/readyz");
+    child
 }
 
 #[test]
@@ -604,17 +615,28 @@ fn migrate_killed_mid_migration_leaves_nothing_and_runs_again() {
 /// opened, after the migrations had run, in words naming no key.
 #[test]
 fn worker_refuses_a_max_receive_count_the_queue_cannot_store_before_migrating() {
+    worker_refused_before_migrating(
+        &[("PGONCE_PIPELINE__MAX_RECEIVE_COUNT", "2147483648")],
+        "pipeline.max_receive_count",
+    );
+}
+
+/// Runs `pgonce worker` on a fresh database with the variables `vars`, and
+/// asserts that it exits 1 naming `key`, the database left unmigrated;
+/// returns its stderr.
+fn worker_refused_before_migrating(vars: &[(&str, &str)], key: &str) -> String {
     let (rt, db, url) = fresh_database_url();
     let out = pgonce()
         .args(["worker", "--database-url", &url])
-        .env("PGONCE_PIPELINE__MAX_RECEIVE_COUNT", "2147483648")
+        .envs(vars.iter().copied())
         .timeout(Duration::from_secs(60))
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("pipeline.max_receive_count"), "{stderr}");
+    assert!(stderr.contains(key), "{stderr}");
     assert_never_migrated(&rt, &db);
+    stderr
 }
 
 /// `pgonce migrate` stopped by SIGTERM mid-migration exits 143 saying it was
@@ -725,4 +747,31 @@ fn rollout_without_a_percent_only_reads() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert_eq!(String::from_utf8_lossy(&out.stdout), "guard rollout: 30%\n");
+}
+
+/// `pipeline.workers = 0`: a `worker` that still has other work (here
+/// the job reaper, re-driver and cleaner, on by default) runs it and says
+/// it takes no observations; one with nothing at all to run is refused,
+/// naming the key, before it migrates. It idled silently, taking nothing.
+#[test]
+fn worker_with_no_pipeline_worker_says_so_or_is_refused() {
+    let stderr = worker_refused_before_migrating(
+        &[
+            ("PGONCE_PIPELINE__WORKERS", "0"),
+            ("PGONCE_MAINTENANCE__ENABLED", "false"),
+            ("PGONCE_MAINTENANCE__CLEANER__ENABLED", "false"),
+        ],
+        "pipeline.workers",
+    );
+    assert!(stderr.contains("nothing else to run"), "{stderr}");
+    let (_rt, _db, url) = fresh_database_url();
+    let child = ready_worker(&url, free_port(), &[("PGONCE_PIPELINE__WORKERS", "0")]);
+    let stderr = sigterm_then_exit_0(child);
+    assert!(
+        stderr.contains(
+            "pipeline.workers = 0: this worker takes no observations; it runs \
+             the job reaper and re-driver, the cleaner"
+        ),
+        "{stderr}"
+    );
 }
