@@ -75,7 +75,7 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Run the incident service's background workers only, until Ctrl-C or
     /// SIGTERM (then drains; a second signal stops at once).
-    Worker(serve::ServeArgs),
+    Worker(serve::WorkerArgs),
     /// Show, or set, the percent of entities on the guarded write path
     /// (takes effect without a restart).
     Rollout(serve::RolloutArgs),
@@ -227,12 +227,8 @@ async fn run(cli: &Cli, flag_url: bool, stop: &ServiceStop) -> anyhow::Result<Op
         Command::Demo(args) => demo::run(args, url).await.map(Some),
         #[cfg(feature = "lab")]
         Command::Chaos(args) => chaos::run(args, url).await.map(Some),
-        Command::Serve(args) => serve::run(args, service_url, true, stop)
-            .await
-            .map(|()| None),
-        Command::Worker(args) => serve::run(args, service_url, false, stop)
-            .await
-            .map(|()| None),
+        Command::Serve(args) => serve::serve(args, service_url, stop).await.map(|()| None),
+        Command::Worker(args) => serve::worker(args, service_url, stop).await.map(|()| None),
         Command::Rollout(args) => serve::rollout(args, service_url).await.map(|()| None),
     }
 }

@@ -32,14 +32,22 @@ use sqlx::PgPool;
 use crate::database::Database;
 use crate::stop::ServiceStop;
 
-/// `pgonce serve` / `pgonce worker` flags.
+/// `pgonce worker` flags, which `serve` has too.
 #[derive(Debug, clap::Args)]
-pub struct ServeArgs {
+pub struct WorkerArgs {
     /// TOML configuration file (keys: docs/configuration.md).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Address to listen on (serve only), over `api.listen`. Default
-    /// 127.0.0.1:8080.
+}
+
+/// `pgonce serve` flags: `worker`'s and `--listen`, which `worker` refuses
+/// (it serves no API; its metrics listen on `api.metrics_listen`) rather
+/// than take and ignore.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    worker: WorkerArgs,
+    /// Address to listen on, over `api.listen`. Default 127.0.0.1:8080.
     #[arg(long)]
     listen: Option<SocketAddr>,
 }
@@ -146,15 +154,36 @@ pub async fn shutdown_signal(stop: &ServiceStop) {
     );
 }
 
-/// `pgonce serve` (`api: true`) or `pgonce worker`.
-/// Until it runs, `stop`'s signals stop it at once; then the first drains.
-pub async fn run(
+/// `pgonce serve`: the HTTP API and the runtime.
+pub async fn serve(
     args: &ServeArgs,
+    database_url: Option<&str>,
+    stop: &ServiceStop,
+) -> anyhow::Result<()> {
+    let file = args.worker.config.as_deref();
+    run(file, args.listen, database_url, true, stop).await
+}
+
+/// `pgonce worker`: the runtime only.
+pub async fn worker(
+    args: &WorkerArgs,
+    database_url: Option<&str>,
+    stop: &ServiceStop,
+) -> anyhow::Result<()> {
+    run(args.config.as_deref(), None, database_url, false, stop).await
+}
+
+/// `pgonce serve` (`api: true`) or `pgonce worker`, configured from `file`,
+/// the environment, then `listen` and `database_url`.
+/// Until it runs, `stop`'s signals stop it at once; then the first drains.
+async fn run(
+    file: Option<&Path>,
+    listen: Option<SocketAddr>,
     database_url: Option<&str>,
     api: bool,
     stop: &ServiceStop,
 ) -> anyhow::Result<()> {
-    let config = configure(args.config.as_deref(), database_url, args.listen)?;
+    let config = configure(file, database_url, listen)?;
     if !api {
         check_worker_has_work(&config)?;
     }

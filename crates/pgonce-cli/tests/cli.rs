@@ -775,3 +775,22 @@ fn worker_with_no_pipeline_worker_says_so_or_is_refused() {
         "{stderr}"
     );
 }
+
+/// `--listen` is `serve`'s: `worker` serves no API, and refuses the flag
+/// as a usage error (exit 2, naming it) before it touches the database.
+/// It took the flag and ignored it, migrating and running with nothing on
+/// the address the operator named.
+#[test]
+fn worker_refuses_listen_which_only_serve_has() {
+    let (rt, db, url) = fresh_database_url();
+    let out = pgonce()
+        .args(["worker", "--database-url", &url, "--listen"])
+        .arg(format!("127.0.0.1:{}", free_port()))
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--listen"), "{stderr}");
+    assert_never_migrated(&rt, &db);
+}
