@@ -644,14 +644,10 @@ const TEXT_KEYS: &[&str] = &[
     "queue.sqs.endpoint_url",
 ];
 
-/// `PGONCE_` variables that are not the service's configuration but the
-/// test kit's and the test suite's (`scripts/test` exports some of them):
-/// server binaries, the pooler, property-test knobs.
-const NOT_CONFIGURATION: &[&str] = &[
-    "PGONCE_PG_BINDIR",
-    "PGONCE_PGBOUNCER",
-    "PGONCE_PROPTEST_CASES",
-];
+/// `PGONCE_` variables that are not the service's configuration: where
+/// the PostgreSQL server binaries and PgBouncer are, which the lab's
+/// commands and the test kit read (`scripts/test` exports them).
+const NOT_CONFIGURATION: &[&str] = &["PGONCE_PG_BINDIR", "PGONCE_PGBOUNCER"];
 
 fn is_configuration(name: &str) -> bool {
     !NOT_CONFIGURATION.contains(&name)

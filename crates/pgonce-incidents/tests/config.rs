@@ -59,12 +59,13 @@ visibility_timeout = "45s"
         ("PGONCE_API__ADMIN_TOKEN", "0123456789abcdef"),
         ("PGONCE_PIPELINE__EVALUATOR__LATENCY", "5ms"),
         ("UNRELATED", "ignored"),
-        // The test kit's and the test suite's own variables, which
-        // scripts/test exports: not configuration, never refused.
+        // The server binaries and the pooler, which the lab and the test
+        // kit read and scripts/test exports: not configuration, never
+        // refused.
         ("PGONCE_PG_BINDIR", "/usr/lib/postgresql/17/bin"),
         ("PGONCE_PGBOUNCER", "/root/.cache/pgonce/pgbouncer"),
-        ("PGONCE_PROPTEST_CASES", "2000"),
-        // The API fuzz test's, named outside PGONCE_.
+        // The test suite's knobs, named outside PGONCE_.
+        ("MODEL_TEST_CASES", "2000"),
         ("API_FUZZ_EXAMPLES", "60"),
     ]);
     let both = Config::load(Some(f.path()), vars).unwrap();
@@ -249,9 +250,11 @@ fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
     );
     let e = load_err("", &[("PGONCE_WOKERS", "3")]);
     assert!(e.contains("wokers"), "{e}");
-    // No PGONCE_ prefix is set aside for a test's knobs.
-    let e = load_err("", &[("PGONCE_FUZZ_EXAMPLES", "60")]);
-    assert!(e.contains("PGONCE_FUZZ_EXAMPLES"), "{e}");
+    // No PGONCE_ name is set aside for a test's knobs.
+    for test_knob in ["PGONCE_FUZZ_EXAMPLES", "PGONCE_PROPTEST_CASES"] {
+        let e = load_err("", &[(test_knob, "60")]);
+        assert!(e.contains(test_knob), "{e}");
+    }
     // A file that is not there is an error, not an empty file.
     let e = Config::load(Some("/nonexistent/pgonce.toml".as_ref()), env(&[])).unwrap_err();
     assert!(e.to_string().contains("/nonexistent/pgonce.toml"), "{e}");

@@ -12,7 +12,7 @@
 //! Time is moved, never waited for: a hold runs out, or a key ages past its
 //! retention, by an `UPDATE` that sets the row's timestamp into the past.
 //!
-//! `PGONCE_PROPTEST_CASES` sets the number of cases (default 16); see
+//! `MODEL_TEST_CASES` sets the number of cases (default 16); see
 //! docs/testing.md.
 
 mod support;

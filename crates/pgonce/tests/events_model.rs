@@ -29,7 +29,7 @@
 //! * every transaction not refused commits or rolls back as planned, and
 //!   the log holds exactly the committed appends.
 //!
-//! `PGONCE_PROPTEST_CASES` sets the number of rounds (default 128); see
+//! `MODEL_TEST_CASES` sets the number of rounds (default 128); see
 //! docs/testing.md.
 
 mod support;
@@ -45,7 +45,7 @@ use support::mixed::{
     MixedKind, MixedTx, Refused, course, mixed_round, mixed_violations, tag_query,
 };
 
-/// Rounds per run unless `PGONCE_PROPTEST_CASES` says otherwise.
+/// Rounds per run unless `MODEL_TEST_CASES` says otherwise.
 const DEFAULT_ROUNDS: u64 = 128;
 
 const READ_COMMITTED: IsolationLevel = IsolationLevel::ReadCommitted;

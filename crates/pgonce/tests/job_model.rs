@@ -20,7 +20,7 @@
 //! row's timestamp into the past, so no verdict depends on the machine's
 //! speed.
 //!
-//! `PGONCE_PROPTEST_CASES` sets the number of cases (default 16); see
+//! `MODEL_TEST_CASES` sets the number of cases (default 16); see
 //! docs/testing.md.
 
 mod support;

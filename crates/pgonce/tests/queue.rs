@@ -2720,7 +2720,7 @@ mod receipts {
 /// Receipts of every delivery are kept, and presented late, to the wrong
 /// queue, and mixed in batches; a few never-issued receipts too.
 ///
-/// `PGONCE_PROPTEST_CASES` sets the number of cases (default 64; see docs/testing.md).
+/// `MODEL_TEST_CASES` sets the number of cases (default 64; see docs/testing.md).
 mod model {
     use std::collections::BTreeMap;
 

@@ -16,7 +16,7 @@
 //! backlog of hundreds of messages would otherwise take hundreds of round
 //! trips); receives and deletes go through [`PgQueue`].
 //!
-//! `PGONCE_PROPTEST_CASES` sets the number of cases (default 32); see
+//! `MODEL_TEST_CASES` sets the number of cases (default 32); see
 //! docs/testing.md.
 
 mod support;

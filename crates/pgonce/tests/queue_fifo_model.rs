@@ -21,7 +21,7 @@
 //! Time is moved, never waited for: a visibility timeout runs out by an
 //! `UPDATE` that sets `visible_at` into the past.
 //!
-//! `PGONCE_PROPTEST_CASES` sets the number of cases (default 48); see
+//! `MODEL_TEST_CASES` sets the number of cases (default 48); see
 //! docs/testing.md.
 
 mod support;

@@ -39,7 +39,7 @@
 //! The interleaving is the case's operations, replayed the same way every
 //! time: a failing case is shrunk, printed and its seed persisted in
 //! `tests/sequence_model.proptest-regressions`, so the next run replays it
-//! first. `PGONCE_PROPTEST_CASES` sets the number of cases (default 16);
+//! first. `MODEL_TEST_CASES` sets the number of cases (default 16);
 //! see docs/testing.md.
 
 mod support;

@@ -21,10 +21,10 @@ pub fn incompressible(len: usize) -> String {
 }
 
 /// The environment variable that sets every model's number of cases.
-pub const CASES_VAR: &str = "PGONCE_PROPTEST_CASES";
+pub const CASES_VAR: &str = "MODEL_TEST_CASES";
 
 /// A proptest configuration for a model checked against PostgreSQL:
-/// `default_cases` cases unless `PGONCE_PROPTEST_CASES` says otherwise, and
+/// `default_cases` cases unless `MODEL_TEST_CASES` says otherwise, and
 /// a failing case's seed persisted beside the test file
 /// (`tests/<file>.proptest-regressions`, committed), so the next run
 /// replays it first.
