@@ -42,7 +42,8 @@ struct Cli {
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
 
-    /// Print exactly one JSON object on stdout instead of tables.
+    /// Print exactly one JSON object on stdout instead of tables (`race`,
+    /// `bench`, `demo`, `chaos`; the other commands refuse it).
     #[cfg(feature = "lab")]
     #[arg(long, global = true)]
     json: bool,
@@ -87,6 +88,24 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    // A global flag, so that it goes anywhere on a lab command's line; the
+    // product's commands print no report, and refuse it rather than print
+    // text to a caller that asked for JSON.
+    #[cfg(feature = "lab")]
+    if cli.json
+        && matches!(
+            cli.command,
+            Command::Migrate | Command::Serve(_) | Command::Worker(_) | Command::Rollout(_)
+        )
+    {
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "--json is for the lab's reports (race, bench, demo, chaos); \
+                 migrate, serve, worker and rollout print none",
+            )
+            .exit();
+    }
     // The service's configuration reads DATABASE_URL itself, below its
     // own PGONCE_DATABASE__URL: only a --database-url typed on the command
     // line overrides the configuration.

@@ -6,7 +6,10 @@ use assert_cmd::Command;
 
 mod common;
 
-use common::{Reaped, blocked_backend, free_port, fresh_database_url, http_get, wait_for_200};
+use common::{
+    Reaped, assert_never_migrated, blocked_backend, free_port, fresh_database_url, http_get,
+    wait_for_200,
+};
 
 fn pgonce() -> Command {
     let mut cmd = Command::cargo_bin("pgonce").unwrap();
@@ -115,20 +118,6 @@ fn rollout_and_config_refuse_what_cannot_be_before_touching_the_database() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("not a file"), "{stderr}");
     assert!(stderr.contains(&*dir.to_string_lossy()), "{stderr}");
-}
-
-/// Asserts that the database holds no table: no command migrated it.
-fn assert_never_migrated(rt: &tokio::runtime::Runtime, db: &pgonce_testkit::ScratchDatabase) {
-    let pool = rt.block_on(db.pool(1)).unwrap();
-    let tables: i64 = rt
-        .block_on(
-            sqlx::query_scalar(
-                "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')",
-            )
-            .fetch_one(&pool),
-        )
-        .unwrap();
-    assert_eq!(tables, 0, "the database was migrated");
 }
 
 #[test]

@@ -450,3 +450,25 @@ fn a_plot_that_fails_to_write_after_the_run_keeps_the_report() {
     );
     assert!(!report["results"].as_array().unwrap().is_empty());
 }
+
+/// `--json` shapes the lab's reports; the product's commands (`migrate`,
+/// `rollout`, `serve`, `worker`) refuse it as a usage error (exit 2,
+/// naming it) before they touch the database. They took it and ignored
+/// it: `rollout --json` migrated, then printed text to a caller that asked
+/// for JSON.
+#[test]
+fn the_products_commands_refuse_json() {
+    let (rt, db, url) = common::fresh_database_url();
+    for command in ["migrate", "rollout", "serve", "worker"] {
+        let out = pgonce()
+            .args([command, "--json", "--database-url", &url])
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{command}: {stderr}");
+        assert!(stderr.contains("--json"), "{command}: {stderr}");
+        assert!(out.stdout.is_empty(), "{command}: {stderr}");
+    }
+    common::assert_never_migrated(&rt, &db);
+}

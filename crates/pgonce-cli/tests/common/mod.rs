@@ -111,3 +111,17 @@ pub fn blocked_backend(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, holder
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Asserts that the database holds no table: no command migrated it.
+pub fn assert_never_migrated(rt: &tokio::runtime::Runtime, db: &pgonce_testkit::ScratchDatabase) {
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    let tables: i64 = rt
+        .block_on(
+            sqlx::query_scalar(
+                "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')",
+            )
+            .fetch_one(&pool),
+        )
+        .unwrap();
+    assert_eq!(tables, 0, "the database was migrated");
+}
