@@ -31,14 +31,24 @@ enum Report {}
 
 /// Database safeguards for at-least-once queue workers on PostgreSQL.
 ///
-/// Without --database-url (or DATABASE_URL), `demo`, `race`, `bench` and
-/// `chaos` start a throwaway PostgreSQL cluster from the installed binaries and
-/// remove it when they finish. Logs go to stderr; RUST_LOG sets the level.
+// The lab's sentences only in the build that has its commands: the
+// product's help named commands it does not have.
+#[cfg_attr(
+    feature = "lab",
+    doc = "Without --database-url (or DATABASE_URL), `demo`, `race`, `bench` and \
+           `chaos` start a throwaway PostgreSQL cluster from the installed binaries and \
+           remove it when they finish."
+)]
+/// Logs go to stderr; RUST_LOG sets the level.
 #[derive(Debug, Parser)]
 #[command(name = "pgonce", version, about, long_about)]
 struct Cli {
-    /// PostgreSQL to use, e.g. postgres://user@host:5432/db. `race`, `bench`,
-    /// `demo` and `chaos` create (and drop) a scratch database on that server.
+    /// PostgreSQL to use, e.g. postgres://user@host:5432/db.
+    #[cfg_attr(
+        feature = "lab",
+        doc = "`race`, `bench`, `demo` and `chaos` create (and drop) a scratch database \
+               on that server."
+    )]
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
 

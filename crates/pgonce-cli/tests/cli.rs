@@ -783,3 +783,24 @@ fn worker_refuses_listen_which_only_serve_has() {
     assert!(stderr.contains("--listen"), "{stderr}");
     assert_never_migrated(&rt, &db);
 }
+
+/// `--help` names only the commands this build has. The product's build
+/// (without the `lab` feature) has no `race`, `bench`, `demo` or `chaos`;
+/// its help said they start a throwaway cluster and create a scratch
+/// database on the `--database-url` server.
+#[test]
+fn help_names_only_the_commands_this_build_has() {
+    for args in [&["--help"][..], &["serve", "--help"]] {
+        let out = pgonce().args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let help = String::from_utf8_lossy(&out.stdout);
+        let words: Vec<&str> = help.split(|c: char| !c.is_alphanumeric()).collect();
+        for lab in ["race", "bench", "demo", "chaos"] {
+            assert_eq!(
+                words.contains(&lab),
+                cfg!(feature = "lab"),
+                "{args:?} and {lab}:\n{help}"
+            );
+        }
+    }
+}
