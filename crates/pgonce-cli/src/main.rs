@@ -64,7 +64,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Apply pgonce's migrations to the --database-url database.
+    /// Apply the library's migrations (the `pgonce` schema) to the
+    /// --database-url database (or DATABASE_URL's), for applications that
+    /// use the library. The incident service's own schema is applied by
+    /// `serve`, `worker` and `rollout PERCENT`, from their configuration.
     Migrate,
     #[cfg(feature = "lab")]
     /// Replay a race step by step under each strategy.
