@@ -1,6 +1,7 @@
 //! The library's one error type. Outcomes that are not bugs (a conflict, an
-//! already-handled message, a lost lease, a lock wait that timed out) are
-//! named variants a caller matches on; everything else is `Database`.
+//! already-handled message, a lost lease, a lock wait that timed out, a
+//! statement canceled by its timeout) are named variants a caller matches
+//! on; everything else is `Database`.
 
 use std::time::Duration;
 
@@ -45,6 +46,23 @@ pub enum Error {
         /// `40001` (serialization failure) or `40P01` (deadlock detected).
         sqlstate: String,
         /// PostgreSQL's message.
+        message: String,
+    },
+
+    /// PostgreSQL canceled the statement (SQLSTATE 57014,
+    /// `query_canceled`): the session's `statement_timeout` ran out (an
+    /// operator's `ALTER ROLE ... SET statement_timeout`, the ceiling on
+    /// every wait, lock waits included), or a cancel request stopped it
+    /// (`pg_cancel_backend`, a client's cancel). PostgreSQL reports both
+    /// with this one code; `message` says which, in the server's language.
+    /// Not a bug: nothing of the statement is written, and the transaction
+    /// it ran in is aborted (roll it back; dropping it does). After a
+    /// timeout, running the transaction again may go through once what it
+    /// waited for is released; a cancel was someone's decision to stop it.
+    #[error("statement canceled by PostgreSQL ({message}); nothing of it was written")]
+    QueryCanceled {
+        /// PostgreSQL's message ("canceling statement due to statement
+        /// timeout", "... due to user request").
         message: String,
     },
 
@@ -394,6 +412,9 @@ pub mod sqlstate {
     pub const SERIALIZATION_FAILURE: &str = "40001";
     /// `deadlock_detected`.
     pub const DEADLOCK_DETECTED: &str = "40P01";
+    /// `query_canceled`, raised when `statement_timeout` expires or a
+    /// cancel request (`pg_cancel_backend`) stops a statement.
+    pub const QUERY_CANCELED: &str = "57014";
     /// `lock_not_available`, raised when `lock_timeout` expires.
     pub const LOCK_NOT_AVAILABLE: &str = "55P03";
     /// `unique_violation`.
@@ -424,15 +445,22 @@ impl From<sqlx::Error> for Error {
             Some(code @ (sqlstate::SERIALIZATION_FAILURE | sqlstate::DEADLOCK_DETECTED)) => {
                 Error::SerializationFailure {
                     sqlstate: code.to_string(),
-                    message: e
-                        .as_database_error()
-                        .map(|d| d.message().to_string())
-                        .unwrap_or_default(),
+                    message: database_message(&e),
                 }
             }
+            Some(sqlstate::QUERY_CANCELED) => Error::QueryCanceled {
+                message: database_message(&e),
+            },
             _ => Error::Database(e),
         }
     }
+}
+
+/// PostgreSQL's message of a database error (empty for other errors).
+fn database_message(e: &sqlx::Error) -> String {
+    e.as_database_error()
+        .map(|d| d.message().to_string())
+        .unwrap_or_default()
 }
 
 impl Error {
@@ -444,7 +472,12 @@ impl Error {
         }
     }
 
-    /// True for failures that retrying the whole transaction can cure.
+    /// True for failures that retrying the whole transaction can cure:
+    /// [`Error::SerializationFailure`]. Not [`Error::QueryCanceled`]:
+    /// retried without a pause, a statement cut by the operator's
+    /// `statement_timeout` waits that bound out again, and a canceled one
+    /// was meant to stop; whether and when to run it again is the caller's
+    /// call.
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::SerializationFailure { .. })
     }

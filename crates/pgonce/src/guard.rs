@@ -55,8 +55,8 @@
 //! (an operator's `ALTER ROLE ... SET lock_timeout`) does not apply to it.
 //! `statement_timeout` still does, as it bounds every statement: it is the
 //! operator's ceiling on any wait, the guard's included. A wait it ends
-//! fails with [`Error::Database`] carrying PostgreSQL's SQLSTATE 57014
-//! (`query_canceled`, "canceling statement due to statement timeout"), not
+//! fails with [`Error::QueryCanceled`] (PostgreSQL's SQLSTATE 57014,
+//! "canceling statement due to statement timeout"), not
 //! [`Error::LockTimeout`]; nothing is written. Waited for in
 //! [`Guard::begin_for`] (and so [`Guard::write`]), the connection goes back
 //! to the pool outside any transaction; waited for in

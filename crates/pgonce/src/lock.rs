@@ -39,8 +39,8 @@
 //! lock_timeout`): each sets its own for its lock statement alone and
 //! restores the session's after it. `statement_timeout` still bounds every
 //! wait, as it bounds every statement: it is the operator's ceiling, and
-//! none of these lifts it. A wait it ends fails with [`Error::Database`]
-//! carrying PostgreSQL's SQLSTATE 57014 (`query_canceled`, "canceling
+//! none of these lifts it. A wait it ends fails with
+//! [`Error::QueryCanceled`] (PostgreSQL's SQLSTATE 57014, "canceling
 //! statement due to statement timeout"), not [`Error::LockTimeout`]. After
 //! any of the three the caller's transaction is aborted: roll it back
 //! (dropping it does). Only [`lock_timeout`]'s own bound leaves it usable:

@@ -1268,6 +1268,60 @@ async fn an_append_waits_for_its_locks_past_the_sessions_lock_timeout() {
     assert_eq!(read.len(), cases.len());
 }
 
+/// `statement_timeout` still bounds an append's wait for its locks (the
+/// operator's ceiling, which the append does not lift): waiting for a tag's
+/// key another transaction holds, with and without the caller's
+/// transaction, the append fails once it runs out with the typed
+/// `QueryCanceled` (SQLSTATE 57014), not a bare database error, and
+/// appends nothing. It was `Error::Database`, which a caller could not
+/// tell from a bug.
+#[tokio::test]
+async fn statement_timeout_ends_an_appends_wait_with_a_typed_error() {
+    let (db, pool) = db().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    w.set("statement_timeout", "2s").await.unwrap();
+    let key = pgonce::LockKey::new(pgonce::events::TAG_NAMESPACE, "timed out").unwrap();
+    let mut holder = h.pool().begin().await.unwrap();
+    race.step(
+        &h,
+        "hold the tag's key",
+        pgonce::lock::lock(&mut holder, key),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    for within in [false, true] {
+        let events = store(w.pool(), AppendStrategy::AdvisoryLocks);
+        let pool_w = w.pool().clone();
+        let what = format!("append, within: {within}");
+        let waited = support::outcome_of_blocked_wait(&race, &w, "H", &what, async move {
+            if !within {
+                return events.append(&[booked("timed out")], None).await.map(drop);
+            }
+            let mut tx = pool_w.begin().await?;
+            events
+                .append_in(&mut tx, &[booked("timed out")])
+                .await
+                .map(drop)
+        })
+        .await;
+        let Err(Error::QueryCanceled { message }) = &waited else {
+            panic!("within: {within}: {waited:?}");
+        };
+        assert!(message.contains("statement timeout"), "{message}");
+    }
+    holder.rollback().await.unwrap();
+    let read = store(&pool, AppendStrategy::AdvisoryLocks)
+        .read(&tag_query("timed out"), ReadOptions::default())
+        .await
+        .unwrap();
+    assert!(read.is_empty(), "nothing appended: {read:?}");
+}
+
 /// The lock strategies decide and append in one statement each, which runs
 /// only under READ COMMITTED; on sessions that default to another isolation
 /// level they take the transaction path instead, and conditions still hold:

@@ -836,39 +836,35 @@ async fn a_guard_without_a_lock_timeout_waits_past_the_sessions_own() {
 }
 
 /// `statement_timeout` still bounds the guard's wait, as the module docs
-/// say: a guarded write waiting for its lock fails once it runs out with a
-/// database error of SQLSTATE 57014, not `LockTimeout`, writes nothing,
+/// say: a guarded write waiting for its lock fails once it runs out with
+/// the typed `QueryCanceled` (SQLSTATE 57014), not `LockTimeout` nor a bare
+/// database error, writes nothing,
 /// and leaves its connection outside any transaction (the next write on
 /// that one connection goes through).
 #[tokio::test]
 async fn statement_timeout_still_bounds_the_guards_wait() {
     let (db, pool) = setup().await;
     let key = LockKey::new("e", "statement timeout").unwrap();
-    let (_race, h, w) = holder_and_waiter(&db, "0").await;
-    w.set("statement_timeout", "100ms").await.unwrap();
+    let (race, h, w) = holder_and_waiter(&db, "0").await;
+    w.set("statement_timeout", "2s").await.unwrap();
     let mut holder = h.pool().begin().await.unwrap();
     pgonce::lock::lock(&mut holder, key).await.unwrap();
 
-    let waited = guarded_insert(
-        w.pool().clone(),
-        "e",
-        "statement timeout".into(),
-        ReadSet::new(),
-    )
-    .await;
-    let Err(Error::Database(e)) = &waited else {
+    let insert = || {
+        guarded_insert(
+            w.pool().clone(),
+            "e",
+            "statement timeout".into(),
+            ReadSet::new(),
+        )
+    };
+    let waited = support::outcome_of_blocked_wait(&race, &w, "H", "guarded insert", insert()).await;
+    let Err(Error::QueryCanceled { message }) = &waited else {
         panic!("{waited:?}");
     };
-    assert_eq!(pgonce::error::sqlstate_of(e).as_deref(), Some("57014"));
+    assert!(message.contains("statement timeout"), "{message}");
     holder.commit().await.unwrap();
     assert_eq!(count_open(&pool, "statement timeout").await, 0);
-    guarded_insert(
-        w.pool().clone(),
-        "e",
-        "statement timeout".into(),
-        ReadSet::new(),
-    )
-    .await
-    .unwrap();
+    insert().await.unwrap();
     assert_eq!(count_open(&pool, "statement timeout").await, 1);
 }

@@ -1027,7 +1027,54 @@ async fn a_receive_whose_follow_up_fails_returns_what_it_delivered_or_the_error(
     let got = receive_whose_follow_up_is_cancelled(true, 2).await.unwrap();
     assert_eq!(bodies(&got), ["b"], "b's lease is the caller's");
     let refused = receive_whose_follow_up_is_cancelled(false, 1).await;
-    assert!(matches!(refused, Err(Error::Database(_))), "{refused:?}");
+    assert!(
+        matches!(refused, Err(Error::QueryCanceled { .. })),
+        "{refused:?}"
+    );
+}
+
+/// `statement_timeout` bounds a receive's wait (here for the messages'
+/// table, which another transaction holds locked): the receive fails once
+/// it runs out with the typed `QueryCanceled` (SQLSTATE 57014), not a bare
+/// database error a caller cannot tell from a bug, and delivers nothing:
+/// the message is received whole once the holder is gone.
+#[tokio::test]
+async fn statement_timeout_ends_a_receives_wait_with_a_typed_error() {
+    let (db, setup) = database_with_queue("timed", QueueAttributes::default()).await;
+    let q = PgQueue::open(&setup, "timed", fast_poll()).await.unwrap();
+    q.send(SendMessage::new("m")).await.unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (h, w) = (
+        race.session("H").await.unwrap(),
+        race.session("W").await.unwrap(),
+    );
+    w.set("statement_timeout", "2s").await.unwrap();
+    let qw = PgQueue::open(w.pool(), "timed", fast_poll()).await.unwrap();
+    let mut holder = h.pool().begin().await.unwrap();
+    race.step(
+        &h,
+        "lock the messages' table",
+        sqlx::query("LOCK TABLE pgonce.queue_message IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut *holder),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let waited = support::outcome_of_blocked_wait(&race, &w, "H", "receive", async move {
+        qw.receive(ReceiveRequest::up_to(1)).await
+    })
+    .await;
+    let Err(Error::QueryCanceled { message }) = &waited else {
+        panic!("{waited:?}");
+    };
+    assert!(message.contains("statement timeout"), "{message}");
+    holder.rollback().await.unwrap();
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&got), ["m"]);
+    assert_eq!(
+        got[0].receive_count, 1,
+        "the canceled receive delivered nothing"
+    );
 }
 
 /// A run of heads a receive does not deliver costs it a few statements,

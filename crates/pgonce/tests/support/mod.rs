@@ -210,3 +210,18 @@ pub async fn database_with_queue(
         .unwrap();
     (db, setup)
 }
+
+/// What `step`, run in `session`, ends with once it has been seen waiting
+/// for `holder` (a session of `race`) and that wait has run out: for waits
+/// a timeout of the session ends (`lock_timeout`, `statement_timeout`).
+pub async fn outcome_of_blocked_wait<T: Send + 'static>(
+    race: &pgonce_testkit::Interleaving,
+    session: &pgonce_testkit::Session,
+    holder: &str,
+    what: &str,
+    step: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    let waiting = race.step_blocks(session, what, step).await.unwrap();
+    assert_eq!(waiting.blocked_by(), [holder], "{what}");
+    waiting.resume().await.unwrap()
+}
