@@ -264,12 +264,18 @@ pub async fn lock_many(
     if keys.is_empty() {
         return Ok(());
     }
-    sqlx::query(include_str!("lock/sql/lock_many.sql"))
+    sqlx::query(LOCK_MANY_SQL)
         .bind(keys)
         .execute(&mut **tx)
         .await?;
     Ok(())
 }
+
+/// `lock/sql/lock_many.sql`: takes the advisory keys `$1` (a `bigint[]`,
+/// sorted ascending, free of duplicates), waiting as long as it takes
+/// whatever `lock_timeout` the session inherited, which it restores after
+/// the locks. For callers whose errors are not [`Error`]s (the migrator).
+pub(crate) const LOCK_MANY_SQL: &str = include_str!("lock/sql/lock_many.sql");
 
 fn sorted_unique(keys: impl IntoIterator<Item = LockKey>) -> Vec<i64> {
     let mut keys: Vec<i64> = keys.into_iter().map(LockKey::as_i64).collect();

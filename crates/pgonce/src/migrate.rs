@@ -12,7 +12,10 @@
 //! applied only once it holds that lock:
 //!
 //! 1. `BEGIN`; `pg_advisory_xact_lock(K)`, which waits for any other runner
-//!    busy with a migration;
+//!    busy with a migration, as long as it takes: the `lock_timeout` the
+//!    session inherited (an operator's `ALTER ROLE ... SET lock_timeout`)
+//!    is lifted for this wait alone and bounds the migration's own
+//!    statements as before (`statement_timeout` bounds every one);
 //! 2. create the bookkeeping table if it is missing (under the lock, so two
 //!    first runs cannot race on it);
 //! 3. refuse a database a newer build has migrated: a row in the runner's
@@ -214,8 +217,13 @@ struct Runner<'a> {
 impl Runner<'_> {
     async fn apply_one(&self, pool: &PgPool, migration: &Migration) -> Result<(), MigrateError> {
         let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(self.key.as_i64())
+        // Waits for another runner's migration as long as it takes (a
+        // migration may build an index for minutes): the lock statement
+        // lifts the lock_timeout the session inherited (an operator's
+        // ALTER ROLE ... SET lock_timeout) for itself alone, so the
+        // migration's own statements keep it.
+        sqlx::query(crate::lock::LOCK_MANY_SQL)
+            .bind(vec![self.key.as_i64()])
             .execute(&mut *tx)
             .await?;
         tx.execute(

@@ -6,9 +6,11 @@
 use std::sync::LazyLock;
 
 use pgonce::migrate::{self, MIGRATOR};
-use pgonce_testkit::{Interleaving, fresh_database, fresh_migrated_database};
-use sqlx::PgPool;
+use pgonce_testkit::{
+    Interleaving, ScratchDatabase, Session, fresh_database, fresh_migrated_database,
+};
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
+use sqlx::{PgPool, Postgres, Transaction};
 
 fn migration(version: i64, sql: &'static str) -> Migration {
     Migration::new(
@@ -46,35 +48,75 @@ static GATED: LazyLock<Migrator> = LazyLock::new(|| {
     ])
 });
 
-/// Two runners started at once on an empty database (no bookkeeping table
-/// yet): the first is held inside its first migration, the second is seen
-/// waiting on the first's lock, and once the first is let go each
-/// migration has run once and both runners succeed.
-#[tokio::test]
-async fn a_second_runner_waits_for_the_first_and_finds_its_migrations_applied() {
+/// An empty database (no bookkeeping table yet) with `public.gate`, and a
+/// pool of two on it for the checks.
+async fn gated_database() -> (ScratchDatabase, PgPool) {
     let db = fresh_database().await;
     let pool = db.pool(2).await.unwrap();
     sqlx::query("CREATE TABLE public.gate (n int)")
         .execute(&pool)
         .await
         .unwrap();
+    (db, pool)
+}
+
+/// `public.gate` locked by a transaction of `gate`: a runner of [`GATED`]
+/// is held inside migration 1 until that transaction ends.
+async fn lock_gate(race: &Interleaving, gate: &Session) -> Transaction<'static, Postgres> {
+    let mut held = race
+        .try_step(gate, "BEGIN", gate.pool().begin())
+        .await
+        .unwrap();
+    race.try_step(
+        gate,
+        "LOCK TABLE gate",
+        sqlx::query("LOCK TABLE public.gate IN ACCESS EXCLUSIVE MODE").execute(&mut *held),
+    )
+    .await
+    .unwrap();
+    held
+}
+
+/// Two runners started at once on an empty database (no bookkeeping table
+/// yet): the first is held inside its first migration, the second is seen
+/// waiting on the first's lock, and once the first is let go each
+/// migration has run once and both runners succeed.
+#[tokio::test]
+async fn a_second_runner_waits_for_the_first_and_finds_its_migrations_applied() {
+    second_runner_waits_for_the_first(None).await;
+}
+
+/// A runner waits for another runner's migration as long as it takes,
+/// whatever lock_timeout its session inherited (an operator's `ALTER ROLE
+/// ... SET lock_timeout`; here set on the session): held behind the first
+/// runner, which is itself held inside its first migration, the second is
+/// still waiting at four times that timeout and succeeds once the first is
+/// let go. Inheriting it, the second runner failed after 50 ms with
+/// PostgreSQL's 55P03 and applied nothing, although the first was merely
+/// busy.
+#[tokio::test]
+async fn a_runner_waits_for_another_past_the_sessions_lock_timeout() {
+    second_runner_waits_for_the_first(Some(50)).await;
+}
+
+/// The two runners' race, the second's session with `lock_timeout` set to
+/// `lock_timeout_ms` if given: then it must still be waiting at four times
+/// that before the first is let go.
+async fn second_runner_waits_for_the_first(lock_timeout_ms: Option<i32>) {
+    let (db, pool) = gated_database().await;
     let race = Interleaving::new(db.options()).await.unwrap();
     let (gate, first, second) = (
         race.session("gate").await.unwrap(),
         race.session("first").await.unwrap(),
         race.session("second").await.unwrap(),
     );
-    let mut held = race
-        .try_step(&gate, "BEGIN", gate.pool().begin())
-        .await
-        .unwrap();
-    race.try_step(
-        &gate,
-        "LOCK TABLE gate",
-        sqlx::query("LOCK TABLE public.gate IN ACCESS EXCLUSIVE MODE").execute(&mut *held),
-    )
-    .await
-    .unwrap();
+    if let Some(ms) = lock_timeout_ms {
+        second
+            .set("lock_timeout", &format!("{ms}ms"))
+            .await
+            .unwrap();
+    }
+    let held = lock_gate(&race, &gate).await;
     let pool_first = first.pool().clone();
     let running = race
         .step_blocks(&first, "migrate", async move {
@@ -84,19 +126,55 @@ async fn a_second_runner_waits_for_the_first_and_finds_its_migrations_applied() 
         .unwrap();
     assert_eq!(running.blocked_by(), ["gate"]);
     let pool_second = second.pool().clone();
-    let waiting = race
+    let mut waiting = race
         .step_blocks(&second, "migrate", async move {
             migrate::run(&pool_second, &GATED).await
         })
         .await
         .unwrap();
     assert_eq!(waiting.blocked_by(), ["first"]);
+    if let Some(ms) = lock_timeout_ms {
+        waiting = waiting.still_waiting_after(4 * ms).await.unwrap();
+    }
     race.try_step(&gate, "COMMIT", held.commit()).await.unwrap();
     running.try_resume().await.unwrap();
     waiting.try_resume().await.unwrap();
     assert_eq!(applied(&pool).await, [1, 2]);
     assert_eq!(count(&pool, "public.gate").await, 1);
     assert_eq!(count(&pool, "public.made").await, 1);
+}
+
+/// The runner lifts the session's lock_timeout for its wait for another
+/// runner only: a migration's own statements keep it. A runner under
+/// lock_timeout 50 ms whose migration meets a table locked by someone else
+/// fails with PostgreSQL's 55P03 and applies nothing.
+#[tokio::test]
+async fn a_migrations_own_statements_keep_the_sessions_lock_timeout() {
+    let (db, pool) = gated_database().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (gate, runner) = (
+        race.session("gate").await.unwrap(),
+        race.session("runner").await.unwrap(),
+    );
+    runner.set("lock_timeout", "50ms").await.unwrap();
+    let held = lock_gate(&race, &gate).await;
+    let refused = migrate::run(runner.pool(), &GATED).await;
+    let Err(MigrateError::ExecuteMigration(e, 1)) = &refused else {
+        panic!("{refused:?}");
+    };
+    assert_eq!(pgonce::error::sqlstate_of(e).as_deref(), Some("55P03"));
+    race.try_step(&gate, "ROLLBACK", held.rollback())
+        .await
+        .unwrap();
+    let bookkeeping: Option<String> =
+        sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations')::text")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        bookkeeping, None,
+        "nothing applied, the bookkeeping table neither"
+    );
 }
 
 /// A database a newer pgonce migrated holds a row of pgonce's range
