@@ -29,6 +29,18 @@
 //! [`crate::maintenance`] runs the same deletes beside the library's other
 //! cleaners, for a server that runs one maintenance loop for everything.
 //!
+//! # Waits
+//!
+//! A concurrent delivery's [`mark_processed`] waits for the first one's
+//! transaction, and [`acquire`], [`finish`] and [`release`] wait for a
+//! transaction writing the same key, within the `lock_timeout` the session
+//! inherited if there is one (an operator's `ALTER ROLE ... SET
+//! lock_timeout`): past it [`Error::LockNotAvailable`], nothing written
+//! (the message is then redelivered, or the request retried, and meets
+//! what that transaction left). `statement_timeout` bounds every statement:
+//! past it [`Error::QueryCanceled`]. The [`Collector`] never waits for a
+//! key: it skips locked ones.
+//!
 //! # Isolation
 //!
 //! [`mark_processed`] runs in the caller's transaction. Under READ COMMITTED

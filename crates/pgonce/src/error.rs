@@ -49,6 +49,26 @@ pub enum Error {
         message: String,
     },
 
+    /// A wait for a lock (a row another transaction is changing: the same
+    /// job, idempotency key or processed-message key; a table someone's
+    /// DDL holds) ran past the session's `lock_timeout` (SQLSTATE 55P03,
+    /// `lock_not_available`): an operator's
+    /// `ALTER ROLE ... SET lock_timeout`, or the database's. pgonce lifts
+    /// that bound only for the waits it documents as lasting as long as
+    /// they take (the advisory locks of [`crate::lock`], a guard, an event
+    /// append, a sequence's take, a queue send, a migration run); every
+    /// other wait keeps it. Nothing of the statement is written; the
+    /// transaction it ran in is aborted (roll it back; dropping it does).
+    /// Not a bug: running it again once the other transaction has ended
+    /// goes through, or meets the outcome that transaction left (a
+    /// job already handled, a key already processed).
+    #[error("lock not granted within the session's lock_timeout ({message}); nothing written")]
+    LockNotAvailable {
+        /// PostgreSQL's message ("canceling statement due to lock
+        /// timeout").
+        message: String,
+    },
+
     /// PostgreSQL canceled the statement (SQLSTATE 57014,
     /// `query_canceled`): the session's `statement_timeout` ran out (an
     /// operator's `ALTER ROLE ... SET statement_timeout`, the ceiling on
@@ -448,6 +468,9 @@ impl From<sqlx::Error> for Error {
                     message: database_message(&e),
                 }
             }
+            Some(sqlstate::LOCK_NOT_AVAILABLE) => Error::LockNotAvailable {
+                message: database_message(&e),
+            },
             Some(sqlstate::QUERY_CANCELED) => Error::QueryCanceled {
                 message: database_message(&e),
             },
@@ -473,11 +496,11 @@ impl Error {
     }
 
     /// True for failures that retrying the whole transaction can cure:
-    /// [`Error::SerializationFailure`]. Not [`Error::QueryCanceled`]:
-    /// retried without a pause, a statement cut by the operator's
-    /// `statement_timeout` waits that bound out again, and a canceled one
-    /// was meant to stop; whether and when to run it again is the caller's
-    /// call.
+    /// [`Error::SerializationFailure`]. Not [`Error::QueryCanceled`] nor
+    /// [`Error::LockNotAvailable`]: retried without a pause, a statement
+    /// cut by the operator's `statement_timeout` or `lock_timeout` waits
+    /// that bound out again, and a canceled one was meant to stop; whether
+    /// and when to run it again is the caller's call.
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::SerializationFailure { .. })
     }

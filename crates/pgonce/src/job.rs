@@ -89,6 +89,19 @@
 //! heartbeat in the work's transaction (which also keeps the reaper off
 //! the row until it ends) or run the work at READ COMMITTED.
 //!
+//! # Waits
+//!
+//! A statement that meets a job row another transaction is changing (a
+//! transition, a claim or a lease's write in a transaction not yet ended,
+//! an operator's retry) waits for that transaction, as the races above
+//! describe, within the `lock_timeout` the session inherited if there is
+//! one (an operator's `ALTER ROLE ... SET lock_timeout`): past it the call
+//! fails with [`Error::LockNotAvailable`], nothing written. A worker keeps
+//! its message then, as for [`Error::JobBusy`]. `statement_timeout` bounds
+//! every statement: past it [`Error::QueryCanceled`], nothing written.
+//! [`claim_batch`], the [`Reaper`] and the [`Redriver`] never wait for a
+//! row: they skip locked ones.
+//!
 //! # The consumer policy
 //!
 //! See [`crate::queue::AckPolicy`]: with `AlwaysDelete` the queue message is deleted

@@ -97,6 +97,77 @@ async fn a_failed_effect_forgets_the_key_so_the_message_can_be_processed_again()
     assert_eq!(counter(&pool).await, 1);
 }
 
+/// A dedupe statement that meets a key another transaction is writing
+/// waits for it within the session's lock_timeout (an operator's `ALTER
+/// ROLE ... SET lock_timeout`; here set on the session): past it, the
+/// typed `LockNotAvailable` with nothing written, not a bare database
+/// error. Seen blocked on A's transaction first: a duplicate delivery's
+/// mark behind the first delivery's, and a retried request's acquire
+/// behind the holder's `finish`. Each gave PostgreSQL's 55P03 as
+/// `Error::Database`. Once A commits, both see what A left.
+#[tokio::test]
+async fn a_wait_past_the_sessions_lock_timeout_is_typed_and_writes_nothing() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    b.set("lock_timeout", "1s").await.unwrap();
+    let print = dedupe::fingerprint(&json!({"amount": 1})).unwrap();
+    let Acquired::Process(hold) =
+        dedupe::acquire(&pool, "api", "k", &print, Duration::from_secs(60))
+            .await
+            .unwrap()
+    else {
+        panic!("a new key is held");
+    };
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    race.step(&a, "mark m", dedupe::mark_processed(&mut tx_a, "c", "m"))
+        .await
+        .unwrap()
+        .unwrap();
+    race.step(
+        &a,
+        "finish k",
+        dedupe::finish(&mut *tx_a, &hold, &json!("ok")),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    for case in ["mark_processed", "acquire"] {
+        let pool_b = b.pool().clone();
+        let print = print.clone();
+        let waited = support::outcome_of_blocked_wait(&race, &b, "A", case, async move {
+            if case == "acquire" {
+                return dedupe::acquire(&pool_b, "api", "k", &print, Duration::from_secs(60))
+                    .await
+                    .map(drop);
+            }
+            let mut tx = pgonce::begin(&pool_b, IsolationLevel::ReadCommitted).await?;
+            dedupe::mark_processed(&mut tx, "c", "m").await.map(drop)
+        })
+        .await;
+        assert!(
+            matches!(&waited, Err(Error::LockNotAvailable { .. })),
+            "{case}: {waited:?}"
+        );
+    }
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut tx = pgonce::begin(b.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    assert!(!dedupe::mark_processed(&mut tx, "c", "m").await.unwrap());
+    tx.rollback().await.unwrap();
+    let again = dedupe::acquire(b.pool(), "api", "k", &print, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(again, Acquired::Replay(json!("ok")));
+}
+
 #[tokio::test]
 async fn two_concurrent_deliveries_of_one_message_bump_the_counter_once() {
     let (db, pool) = setup().await;

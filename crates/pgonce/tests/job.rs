@@ -1324,6 +1324,97 @@ const ALICE: job::RetryBy<'static> = job::RetryBy {
     reason: Some("credential rotated"),
 };
 
+/// A job statement that meets a row another transaction is changing waits
+/// for it within the session's lock_timeout (an operator's `ALTER ROLE ...
+/// SET lock_timeout`; here set on the session): past it, the typed
+/// `LockNotAvailable` with nothing written, not a bare database error a
+/// caller cannot tell from a bug. Seen blocked on A's transaction first:
+/// an operator's retry (one job, a filtered set) behind a concurrent
+/// retry, and a claim and a transition behind a transition. Each gave
+/// PostgreSQL's 55P03 as `Error::Database`.
+#[tokio::test]
+async fn a_wait_past_the_sessions_lock_timeout_is_typed_and_writes_nothing() {
+    let (db, pool) = setup().await;
+    let dead = dead_job(&pool, "send").await;
+    let pending = new_job(&pool, 3).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    b.set("lock_timeout", "1s").await.unwrap();
+    let bob = job::RetryBy {
+        who: "bob",
+        reason: None,
+    };
+
+    let mut tx_a = a.pool().begin().await.unwrap();
+    race.step(
+        &a,
+        "retry dead job",
+        job::retry_dead(&mut tx_a, dead, ALICE),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    race.step(
+        &a,
+        "complete the pending job",
+        job::transition(
+            &mut *tx_a,
+            pending,
+            JobStatus::Pending,
+            JobStatus::Completed,
+            None,
+            None,
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let cases = ["retry_dead", "retry_dead_jobs", "claim", "transition"];
+    for case in cases {
+        let pool_b = b.pool().clone();
+        let waited = support::outcome_of_blocked_wait(&race, &b, "A", case, async move {
+            let mut conn = pool_b.acquire().await?;
+            match case {
+                "retry_dead" => job::retry_dead(&mut conn, dead, bob).await,
+                "retry_dead_jobs" => {
+                    job::retry_dead_jobs(&mut conn, &DeadJobFilter::default(), bob)
+                        .await
+                        .map(drop)
+                }
+                "claim" => job::claim(&mut *conn, pending, LEASE).await.map(drop),
+                _ => {
+                    job::transition(
+                        &mut *conn,
+                        pending,
+                        JobStatus::Pending,
+                        JobStatus::Dead,
+                        None,
+                        Some("cancelled"),
+                    )
+                    .await
+                }
+            }
+        })
+        .await;
+        assert!(
+            matches!(&waited, Err(Error::LockNotAvailable { .. })),
+            "{case}: {waited:?}"
+        );
+    }
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let audit = job::retries(&mut conn, dead).await.unwrap();
+    assert_eq!(audit.len(), 1, "A's retry alone: {audit:?}");
+    assert_eq!(audit[0].retried_by, "alice");
+    let row = job::get(&pool, pending).await.unwrap().unwrap();
+    assert_eq!(row.status.as_str(), "completed", "A's transition alone");
+    assert_eq!(row.last_error, None);
+}
+
 /// Once its cause is fixed, a dead job is retried by an operator. Two
 /// operators retrying it at once: one retries (one audit row), the other is
 /// refused as the job is no longer dead. Two workers then race for it: it

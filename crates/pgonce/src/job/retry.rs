@@ -14,7 +14,11 @@
 //! workers publish one message per returned id, as for the re-driver's ids).
 //!
 //! Concurrent retriers of the same job serialize on its row: one retries it
-//! and writes one audit row; the other finds it no longer dead.
+//! and writes one audit row; the other finds it no longer dead. The other
+//! waits for the first's transaction within the `lock_timeout` its session
+//! inherited, if any (an operator's `ALTER ROLE ... SET lock_timeout`):
+//! past it, [`Error::LockNotAvailable`] with nothing retried; run it again
+//! once the first retrier's transaction has ended.
 //!
 //! Retrying a job that is not dead is a typed refusal for a single job
 //! ([`Error::JobNotDead`], nothing written) and, for a filtered set, simply
