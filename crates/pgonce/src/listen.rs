@@ -19,6 +19,20 @@ pub enum Listen {
     /// A connection opened with the pool's own connect options (outside
     /// the pool: it takes none of the pool's connections). Right when the
     /// pool reaches PostgreSQL directly or through a session-mode pooler.
+    ///
+    /// The pool's hooks (`PgPoolOptions::after_connect`,
+    /// `before_acquire`) do not run on it: what they set (a `search_path`,
+    /// a role, an `application_name`) is not set there. Nothing the
+    /// listener does needs it: it runs `LISTEN` on a channel pgonce names
+    /// (`pgonce_queue`, `pgonce_events`), which is not looked up in any
+    /// schema and needs no privilege, and no other statement than `LISTEN`
+    /// and `UNLISTEN` (sqlx's `PgListener`, when it lets go); the
+    /// `pg_notify` calls run on the pool's connections, hooks and all.
+    /// What the connect options carry does apply (their
+    /// `application_name`, and settings given with
+    /// `PgConnectOptions::options`): set there what the listener's
+    /// session should show, or use [`Listen::Direct`] with options of its
+    /// own.
     #[default]
     Pool,
     /// A connection opened with these options: a direct connection to the

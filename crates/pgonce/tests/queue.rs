@@ -1621,12 +1621,56 @@ async fn a_long_poll_wakes_on_send_not_on_its_timer() {
     let q = PgQueue::create(&pool, "q", QueueAttributes::default(), slow_poll())
         .await
         .unwrap();
+    long_poll_wakes_on_send(&q).await;
+}
+
+/// The conformance check that a send wakes a long poll, on `q`: the send
+/// goes once the receive is parked.
+async fn long_poll_wakes_on_send(q: &PgQueue) {
     let parked = async {
         while q.parked_receivers() == 0 {
             tokio::task::yield_now().await;
         }
     };
-    conformance_long_poll_wakes_on_send(&q, parked).await;
+    conformance_long_poll_wakes_on_send(q, parked).await;
+}
+
+/// `Listen::Pool` opens its listener with the pool's connect options, so
+/// the pool's `after_connect` hook does not run on it; nothing it runs
+/// needs what the hook sets. A pool whose hook points `search_path` at a
+/// schema that does not exist and names its sessions: a long poll parked
+/// on it (re-polling once a minute) is woken by a send all the same, and
+/// the listening session is the connect options' `application_name`, not
+/// the hook's.
+#[tokio::test]
+async fn a_pool_listener_needs_nothing_the_pools_hooks_set() {
+    use sqlx::Executor;
+    let db = fresh_database().await;
+    pgonce::migrate(&db.pool(1).await.unwrap()).await.unwrap();
+    let hooked = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET search_path TO no_such_schema; SET application_name = 'hooked'")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect_with(db.options().application_name("from-options"))
+        .await
+        .unwrap();
+    let q = PgQueue::create(&hooked, "q", QueueAttributes::default(), slow_poll())
+        .await
+        .unwrap();
+    long_poll_wakes_on_send(&q).await;
+    let listening: Vec<String> = sqlx::query_scalar(
+        "SELECT application_name FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_all(&hooked)
+    .await
+    .unwrap();
+    assert_eq!(listening, ["from-options"]);
 }
 
 /// Receivers of one handle family parked in long polls, each for one
