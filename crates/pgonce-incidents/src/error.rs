@@ -88,6 +88,14 @@ impl Error {
             Error::Pgonce(pgonce::Error::MessageTooLarge { .. }) => "payload_too_large",
             Error::Pgonce(pgonce::Error::LockTimeout { .. }) => "busy",
             Error::Pgonce(pgonce::Error::SerializationFailure { .. }) => "busy",
+            // The operator's bounds on the database's waits: a row lock
+            // past `lock_timeout`, a statement past `statement_timeout` (or
+            // canceled). Contention or load on the data, as above; the
+            // request changed nothing and may be sent again.
+            Error::Pgonce(pgonce::Error::LockNotAvailable { .. }) => "busy",
+            Error::Pgonce(pgonce::Error::QueryCanceled { .. }) => "busy",
+            // The queue's settings changed under each attempt to send.
+            Error::Pgonce(pgonce::Error::QueueChangedDuringSend { .. }) => "busy",
             Error::Pgonce(pgonce::Error::Unavailable { .. }) => "unavailable",
             // The pooler in front of PostgreSQL is set up wrongly: an
             // operator's to fix, named in the message; not this request's.

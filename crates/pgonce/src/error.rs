@@ -496,13 +496,18 @@ impl Error {
     }
 
     /// True for failures that retrying the whole transaction can cure:
-    /// [`Error::SerializationFailure`]. Not [`Error::QueryCanceled`] nor
+    /// [`Error::SerializationFailure`], and
+    /// [`Error::QueueChangedDuringSend`] (the queue's settings changed
+    /// under each attempt; nothing was sent). Not [`Error::QueryCanceled`] nor
     /// [`Error::LockNotAvailable`]: retried without a pause, a statement
     /// cut by the operator's `statement_timeout` or `lock_timeout` waits
     /// that bound out again, and a canceled one was meant to stop; whether
     /// and when to run it again is the caller's call.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::SerializationFailure { .. })
+        matches!(
+            self,
+            Error::SerializationFailure { .. } | Error::QueueChangedDuringSend { .. }
+        )
     }
 }
 

@@ -558,7 +558,8 @@ async fn a_send_outrun_by_its_queues_setting(batch: bool) {
     assert!(
         matches!(
             &outcome,
-            Err(pgonce::Error::QueueChangedDuringSend { queue, attempts: 3 }) if queue == "q"
+            Err(e @ pgonce::Error::QueueChangedDuringSend { queue, attempts: 3 })
+                if queue == "q" && e.is_retryable()
         ),
         "batch {batch}: {outcome:?}"
     );

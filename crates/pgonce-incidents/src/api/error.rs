@@ -232,6 +232,31 @@ mod tests {
                 "4242",
             ),
             (
+                pgonce::Error::LockNotAvailable {
+                    message: "canceling statement due to lock timeout".into(),
+                }
+                .into(),
+                "busy",
+                "lock timeout",
+            ),
+            (
+                pgonce::Error::QueryCanceled {
+                    message: "canceling statement due to statement timeout".into(),
+                }
+                .into(),
+                "busy",
+                "statement timeout",
+            ),
+            (
+                pgonce::Error::QueueChangedDuringSend {
+                    queue: "observations".into(),
+                    attempts: 3,
+                }
+                .into(),
+                "busy",
+                "observations",
+            ),
+            (
                 pgonce::Error::Unavailable {
                     backend: "sqs",
                     reason: "dns error: no host sqs.internal".into(),
