@@ -193,7 +193,8 @@ pub struct NewJob {
     pub payload: Value,
     /// Failed attempts allowed before `dead`. Default 5; at least 1.
     pub max_attempts: i32,
-    /// Not runnable before this time. Default: now.
+    /// Not runnable before this time. Default: now. From 4714-11-24 BC to
+    /// the end of 9999 in UTC (what PostgreSQL stores and pgonce reads back).
     pub run_at: Option<OffsetDateTime>,
 }
 
@@ -230,9 +231,10 @@ fn check_kind(kind: &str) -> Result<()> {
 }
 
 /// Inserts a pending job and returns its id. Rejects a kind PostgreSQL
-/// cannot store ([`MAX_KIND_BYTES`]), `max_attempts < 1`, or a payload
-/// jsonb cannot hold or pgonce could not read back ([`crate::json`])
-/// before writing anything.
+/// cannot store ([`MAX_KIND_BYTES`]), `max_attempts < 1`, a payload
+/// jsonb cannot hold or pgonce could not read back ([`crate::json`]), or
+/// a `run_at` PostgreSQL cannot store or pgonce could not read back
+/// (before 4714-11-24 BC, or after 9999 in UTC) before writing anything.
 pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
     check_kind(&job.kind)?;
     if job.max_attempts < 1 {
@@ -242,6 +244,9 @@ pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
         });
     }
     crate::json::check_storable("job payload", &job.payload)?;
+    if let Some(run_at) = job.run_at {
+        crate::timestamp::check_storable("job run_at", run_at)?;
+    }
     let id = sqlx::query_scalar(include_str!("job/sql/enqueue.sql"))
         .bind(&job.kind)
         .bind(&job.payload)

@@ -51,6 +51,7 @@ pub mod queue;
 mod sequence;
 mod service;
 mod text;
+mod timestamp;
 mod transaction;
 
 pub use error::{Error, Result};

@@ -1875,3 +1875,103 @@ async fn a_retry_with_text_postgres_cannot_store_is_refused_and_the_job_stays_de
     tx.commit().await.unwrap();
     assert_eq!(status(&pool, id).await, JobStatus::Pending);
 }
+
+/// A moment given in `offset`, as `time` holds it.
+fn at(date: time::Date, clock: time::Time, offset: time::UtcOffset) -> time::OffsetDateTime {
+    time::PrimitiveDateTime::new(date, clock).assume_offset(offset)
+}
+
+/// A job's `run_at` and a dead-job filter's bounds are timestamps the caller
+/// gives. `time` holds years -9999 to 9999 in any offset; PostgreSQL stores
+/// nothing before 4714-11-24 BC (Julian day 0), and a time past the end of
+/// 9999 in UTC cannot be read back. Such a time used to be PostgreSQL's
+/// "timestamp out of range" (22008), which aborted the caller's transaction,
+/// or, for one still in 9999 in its own offset but past it in UTC, a panic
+/// inside sqlx's encoding. Both ends are a typed refusal now, before any
+/// statement, and the range's own ends are stored and read back equal.
+#[tokio::test]
+async fn a_time_postgres_cannot_store_or_read_back_is_refused_before_the_transaction_is_touched() {
+    use time::{Date, Month, OffsetDateTime, Time, UtcOffset};
+    let (_db, pool) = setup().await;
+    let earliest = at(
+        Date::from_julian_day(0).unwrap(),
+        Time::MIDNIGHT,
+        UtcOffset::UTC,
+    );
+    let last_day = Date::from_calendar_date(9999, Month::December, 31).unwrap();
+    let latest = at(
+        last_day,
+        Time::from_hms_micro(23, 59, 59, 999_999).unwrap(),
+        UtcOffset::UTC,
+    );
+    let refused = [
+        OffsetDateTime::new_utc(Date::MIN, Time::MIDNIGHT),
+        earliest - time::Duration::microseconds(1),
+        // Still 9999 where it was written, 10000 in UTC.
+        at(
+            last_day,
+            Time::from_hms(23, 0, 0).unwrap(),
+            UtcOffset::from_hms(-5, 0, 0).unwrap(),
+        ),
+    ];
+    let id = dead_job(&pool, "send").await;
+    let mut tx = pool.begin().await.unwrap();
+    for t in refused {
+        let mut new = NewJob::new("send", json!({}));
+        new.run_at = Some(t);
+        let out = job::enqueue(&mut *tx, &new).await;
+        assert!(
+            matches!(
+                &out,
+                Err(Error::Invalid {
+                    what: "job run_at",
+                    ..
+                })
+            ),
+            "{t}: {out:?}"
+        );
+        for filter in [
+            DeadJobFilter {
+                dead_since: Some(t),
+                ..DeadJobFilter::default()
+            },
+            DeadJobFilter {
+                dead_before: Some(t),
+                ..DeadJobFilter::default()
+            },
+        ] {
+            let out = job::retry_dead_jobs(&mut tx, &filter, ALICE).await;
+            assert!(
+                matches!(
+                    &out,
+                    Err(Error::Invalid {
+                        what: "dead job filter",
+                        ..
+                    })
+                ),
+                "{t}: {out:?}"
+            );
+        }
+    }
+    // Nothing aborted the transaction: both ends of the range go in, and
+    // the filter spanning them retries the dead job.
+    let mut stored = Vec::new();
+    for t in [earliest, latest] {
+        let mut new = NewJob::new("send", json!({}));
+        new.run_at = Some(t);
+        stored.push((job::enqueue(&mut *tx, &new).await.unwrap(), t));
+    }
+    let span = DeadJobFilter {
+        dead_since: Some(earliest),
+        dead_before: Some(latest),
+        ..DeadJobFilter::default()
+    };
+    assert_eq!(
+        job::retry_dead_jobs(&mut tx, &span, ALICE).await.unwrap(),
+        [id]
+    );
+    tx.commit().await.unwrap();
+    for (id, t) in stored {
+        assert_eq!(job::get(&pool, id).await.unwrap().unwrap().run_at, t);
+    }
+}

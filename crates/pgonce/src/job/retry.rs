@@ -35,7 +35,8 @@ use crate::error::{Error, Result};
 pub struct DeadJobFilter {
     /// Only jobs of this kind.
     pub kind: Option<String>,
-    /// Only jobs that died at or after this time.
+    /// Only jobs that died at or after this time. Like `dead_before`, from
+    /// 4714-11-24 BC to the end of 9999 in UTC, or [`Error::Invalid`].
     pub dead_since: Option<OffsetDateTime>,
     /// Only jobs that died before this time.
     pub dead_before: Option<OffsetDateTime>,
@@ -156,6 +157,12 @@ pub async fn retry_dead_jobs(
     check_by(&by)?;
     if let Some(kind) = &filter.kind {
         super::check_kind(kind)?;
+    }
+    for bound in [filter.dead_since, filter.dead_before]
+        .into_iter()
+        .flatten()
+    {
+        crate::timestamp::check_storable("dead job filter", bound)?;
     }
     if filter.limit < 1 {
         return Err(Error::Invalid {
