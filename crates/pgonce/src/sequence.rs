@@ -128,6 +128,14 @@
 //! | [`Strategy::CounterRow`] | row lock on the scope's row of `pgonce.sequence_counters` | yes | any (under REPEATABLE READ / SERIALIZABLE a declarer that waited for the row aborts with a retryable [`Error::SerializationFailure`] when the holder commits: never a duplicate) |
 //! | [`Strategy::TableLock`] | `LOCK TABLE ... IN EXCLUSIVE MODE`, then max + 1 | no: blocks every write to the table | READ COMMITTED |
 //! | [`Strategy::SelectForUpdate`] | `SELECT ... FOR UPDATE` of the scope's rows, then max + 1 | yes | READ COMMITTED; an empty scope has no rows to lock, so its first declarations race and all but one fail with [`Error::NumberTaken`] |
+//!
+//! Strategies do not lock each other out: each takes only its own lock.
+//! They may number one scope in turn (each continues the others' numbers),
+//! but two of them numbering it at the same moment (a deploy that changes
+//! the strategy, old and new versions running side by side) compute the
+//! same number, and the unique index refuses the one that commits second
+//! with [`Error::NumberTaken`]: never a duplicate or a gap, and its retry
+//! takes the next number.
 
 use std::fmt;
 use std::sync::Arc;
@@ -646,8 +654,10 @@ impl Sequence {
     /// On any error `tx` is rolled back, so nothing of the declaration is
     /// committed and the number is free again. A unique violation on the
     /// numbered table raised by `write` becomes [`Error::NumberTaken`] (only
-    /// possible under [`Strategy::SelectForUpdate`], or when rows are written
-    /// without this module). Other errors as in [`Sequence::next`].
+    /// possible under [`Strategy::SelectForUpdate`], when rows are written
+    /// without this module, or when a sequence of another strategy numbers
+    /// the same scope at the same moment: see "Strategies" in the module
+    /// docs). Other errors as in [`Sequence::next`].
     ///
     /// `tx` must be a top-level transaction: a savepoint (a transaction
     /// begun inside an open one, `sqlx::Acquire::begin(&mut tx)`) is refused with [`Error::NestedTransaction`] before

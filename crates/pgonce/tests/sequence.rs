@@ -579,6 +579,61 @@ async fn strategies_take_turns_on_one_scope_and_continue_one_anothers_numbers() 
     );
 }
 
+/// Two strategies side by side on one scope at the same moment (a deploy
+/// switching strategies, both versions running) do not lock each other
+/// out: each takes its own lock (an advisory lock, the counter row, the
+/// table), so the second computes the number the first holds, and its
+/// INSERT waits on the first's index entry (or, after a table lock, on the
+/// table). When the first commits, the unique index refuses the second:
+/// `NumberTaken`, its transaction rolled back, never a duplicate or a gap,
+/// and its retry takes the next number. Shown step by step for each
+/// strategy whose lock the other does not take, holder first.
+#[tokio::test]
+async fn two_strategies_at_once_on_one_scope_refuse_the_second_as_taken_never_a_duplicate() {
+    let (pool, db) = setup(8).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let pairs = [
+        (Strategy::AdvisoryLock, Strategy::CounterRow),
+        (Strategy::CounterRow, Strategy::AdvisoryLock),
+        (Strategy::TableLock, Strategy::AdvisoryLock),
+        (Strategy::TableLock, Strategy::CounterRow),
+    ];
+    for (holder, second) in pairs {
+        let scope = format!("{holder}-then-{second}");
+        let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        let taken = race
+            .step(&a, "next", sequence(holder).next(&mut tx_a, &scope))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(taken.number, 1);
+        insert_incident(&mut tx_a, &scope, 1).await.unwrap();
+        let (pool_b, scope_b) = (b.pool().clone(), scope.clone());
+        let waiting = race
+            .step_blocks(&b, "declare", async move {
+                declare(&sequence(second), &pool_b, &scope_b).await
+            })
+            .await
+            .unwrap();
+        assert_eq!(waiting.blocked_by(), ["A"], "{scope}");
+        race.step(&a, "COMMIT", tx_a.commit())
+            .await
+            .unwrap()
+            .unwrap();
+        let refused = waiting.resume().await.unwrap();
+        assert!(
+            matches!(&refused, Err(Error::NumberTaken { number: 1, .. })),
+            "{scope}: {refused:?}"
+        );
+        assert_eq!(declare(&sequence(second), &pool, &scope).await.unwrap(), 2);
+        assert_eq!(committed(&pool).await[&scope], [1, 2], "{scope}");
+    }
+}
+
 #[tokio::test]
 async fn another_unique_index_of_the_table_is_not_a_taken_number() {
     let (pool, _db) = setup(2).await;
