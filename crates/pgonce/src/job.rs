@@ -800,6 +800,11 @@ pub async fn heartbeat<'c>(
 /// [`crate::json::MAX_JSON_NESTING`]) is an [`UnreadableJson`] holding its
 /// text: the rest of the row reads all the same, so an operator can see
 /// what such a job is, where it stands, and what was stored.
+///
+/// A time written by hand past what pgonce reads back (PostgreSQL's
+/// `infinity` or `-infinity` in `run_at` or `lease_expires_at`) reads as
+/// the nearest end of that range: 4714-11-24 BC, or the end of 9999 in
+/// UTC. [`claim`]'s [`Error::JobBusy`] and [`fail`] read them the same way.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct JobRow {

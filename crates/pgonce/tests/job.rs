@@ -1881,6 +1881,24 @@ fn at(date: time::Date, clock: time::Time, offset: time::UtcOffset) -> time::Off
     time::PrimitiveDateTime::new(date, clock).assume_offset(offset)
 }
 
+/// The first and last times pgonce stores and reads back: 4714-11-24 BC
+/// (Julian day 0, PostgreSQL's first) and the end of 9999 in UTC (the
+/// last sqlx decodes).
+fn readable_range() -> (time::OffsetDateTime, time::OffsetDateTime) {
+    use time::{Date, Month, Time, UtcOffset};
+    let earliest = at(
+        Date::from_julian_day(0).unwrap(),
+        Time::MIDNIGHT,
+        UtcOffset::UTC,
+    );
+    let latest = at(
+        Date::from_calendar_date(9999, Month::December, 31).unwrap(),
+        Time::from_hms_micro(23, 59, 59, 999_999).unwrap(),
+        UtcOffset::UTC,
+    );
+    (earliest, latest)
+}
+
 /// A job's `run_at` and a dead-job filter's bounds are timestamps the caller
 /// gives. `time` holds years -9999 to 9999 in any offset; PostgreSQL stores
 /// nothing before 4714-11-24 BC (Julian day 0), and a time past the end of
@@ -1891,25 +1909,15 @@ fn at(date: time::Date, clock: time::Time, offset: time::UtcOffset) -> time::Off
 /// statement, and the range's own ends are stored and read back equal.
 #[tokio::test]
 async fn a_time_postgres_cannot_store_or_read_back_is_refused_before_the_transaction_is_touched() {
-    use time::{Date, Month, OffsetDateTime, Time, UtcOffset};
+    use time::{Date, OffsetDateTime, Time, UtcOffset};
     let (_db, pool) = setup().await;
-    let earliest = at(
-        Date::from_julian_day(0).unwrap(),
-        Time::MIDNIGHT,
-        UtcOffset::UTC,
-    );
-    let last_day = Date::from_calendar_date(9999, Month::December, 31).unwrap();
-    let latest = at(
-        last_day,
-        Time::from_hms_micro(23, 59, 59, 999_999).unwrap(),
-        UtcOffset::UTC,
-    );
+    let (earliest, latest) = readable_range();
     let refused = [
         OffsetDateTime::new_utc(Date::MIN, Time::MIDNIGHT),
         earliest - time::Duration::microseconds(1),
         // Still 9999 where it was written, 10000 in UTC.
         at(
-            last_day,
+            latest.date(),
             Time::from_hms(23, 0, 0).unwrap(),
             UtcOffset::from_hms(-5, 0, 0).unwrap(),
         ),
@@ -1974,4 +1982,65 @@ async fn a_time_postgres_cannot_store_or_read_back_is_refused_before_the_transac
     for (id, t) in stored {
         assert_eq!(job::get(&pool, id).await.unwrap().unwrap().run_at, t);
     }
+}
+
+/// What a claim of job `id` that must lose says: the job's status and
+/// when it can be claimed at the earliest.
+async fn busy(pool: &PgPool, id: i64) -> (JobStatus, time::OffsetDateTime) {
+    match job::claim(pool, id, LEASE).await {
+        Err(Error::JobBusy {
+            status, not_before, ..
+        }) => (status, not_before),
+        other => panic!("job {id}: expected JobBusy, got {other:?}"),
+    }
+}
+
+/// PostgreSQL's `infinity` and `-infinity` are timestamps an operator may
+/// write by hand: `run_at = 'infinity'` parks a job, `'-infinity'` puts it
+/// first, `lease_expires_at = 'infinity'` pins a lease. sqlx's decoding of
+/// a time past the end of 9999 (or before year -9999) panics, so every
+/// read of such a job panicked: a duplicate delivery's claim (the job's
+/// state when the claim loses), `get`, and `fail` on the last attempt
+/// (which returns the job's `run_at`). Such times now read as the ends of
+/// what pgonce reads back, and the job is handled as it says.
+#[tokio::test]
+async fn times_set_to_infinity_by_hand_read_as_the_ends_of_the_range_never_a_panic() {
+    let (_db, pool) = setup().await;
+    let (earliest, latest) = readable_range();
+    let by_hand = async |id: i64, set: &str| {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE pgonce.jobs SET {set} WHERE id = $1"
+        )))
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    };
+
+    // Parked: busy until the end of what reads back, never claimed.
+    let parked = new_job(&pool, 1).await;
+    by_hand(parked, "run_at = 'infinity'").await;
+    assert_eq!(busy(&pool, parked).await, (JobStatus::Pending, latest));
+    let row = job::get(&pool, parked).await.unwrap().unwrap();
+    assert_eq!((row.run_at, row.lease_expires_at), (latest, None));
+
+    // First in line: claimed, and dies on its last attempt like any job.
+    let first = new_job(&pool, 1).await;
+    by_hand(first, "run_at = '-infinity'").await;
+    assert_eq!(
+        job::get(&pool, first).await.unwrap().unwrap().run_at,
+        earliest
+    );
+    let lease = job::claim(&pool, first, LEASE).await.unwrap();
+    let out = job::fail(&pool, &lease, "boom", &RetryPolicy::default()).await;
+    assert_eq!(out.unwrap(), FailOutcome::Dead { attempts: 1 });
+
+    // A lease pinned by hand: a duplicate delivery is told to come back.
+    let pinned = new_job(&pool, 1).await;
+    let lease = job::claim(&pool, pinned, LEASE).await.unwrap();
+    by_hand(pinned, "lease_expires_at = 'infinity'").await;
+    assert_eq!(busy(&pool, pinned).await, (JobStatus::Processing, latest));
+    let row = job::get(&pool, pinned).await.unwrap().unwrap();
+    assert_eq!(row.lease_expires_at, Some(latest));
+    job::complete(&pool, &lease, &json!("done")).await.unwrap();
 }

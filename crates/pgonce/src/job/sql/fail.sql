@@ -27,7 +27,12 @@ WITH failed AS (
       AND lease_token = $2
     RETURNING status, attempts, run_at
 )
-SELECT status, attempts, run_at FROM failed
+-- A dead job keeps its run_at, which may have been written by hand past
+-- what pgonce reads back: it reads as the nearest end of that range.
+SELECT status, attempts,
+       least(greatest(run_at, '4714-11-24 00:00:00+00 BC'::timestamptz),
+             '9999-12-31 23:59:59.999999+00'::timestamptz) AS run_at
+FROM failed
 UNION ALL
 SELECT NULL, NULL, NULL WHERE CASE WHEN EXISTS (SELECT FROM failed) THEN false
     ELSE pgonce.fence_lost($7, 'the lease on job ' || $1) END
