@@ -162,7 +162,9 @@ pub struct KeyHold {
     /// whose snapshot predates it cannot see the hold: they fail with
     /// [`Error::SerializationFailure`] (retry the transaction) rather than
     /// [`Error::LeaseLost`]. 0 when unknown (a hold rebuilt from its token):
-    /// such a hold is lost wherever it is not seen.
+    /// such a hold is lost wherever it is not seen. So is one naming a
+    /// transaction the server has not reached (an acquire committed with
+    /// `synchronous_commit = off` and lost in a crash).
     pub acquired_in: i64,
 }
 

@@ -335,7 +335,9 @@ pub struct Lease {
     /// see the lease: they fail with [`Error::SerializationFailure`] (retry
     /// the transaction) rather than [`Error::LeaseLost`]. 0 when unknown (a
     /// lease rebuilt from its token): such a lease is lost wherever it is
-    /// not seen.
+    /// not seen. So is one naming a transaction the server has not reached
+    /// (a claim committed with `synchronous_commit = off` and lost in a
+    /// crash): no such transaction can still commit it.
     pub claimed_in: i64,
 }
 

@@ -920,3 +920,36 @@ async fn a_key_collected_and_made_again_between_acquires_statements_is_never_in_
         "{out:?}"
     );
 }
+
+/// A hold naming a transaction the server has not reached (its acquire
+/// committed with `synchronous_commit = off` and lost in a crash, or the
+/// hold rebuilt with a wrong id) is lost: finish and release are told so
+/// at once. They were asked to retry (40001), and every retry again, until
+/// the server's counter passed that id.
+#[tokio::test]
+async fn a_hold_from_a_transaction_the_server_has_not_reached_is_lost_not_retried() {
+    let (_db, pool) = setup().await;
+    let next: i64 =
+        sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let hold = KeyHold {
+        scope: "api".into(),
+        key: "k".into(),
+        token: uuid::Uuid::new_v4(),
+        held_until: time::OffsetDateTime::now_utc(),
+        first_use: true,
+        acquired_in: next + 1_000_000,
+    };
+    let out = dedupe::finish(&pool, &hold, &json!("done")).await;
+    assert!(
+        matches!(out, Err(Error::LeaseLost { .. })),
+        "finish: {out:?}"
+    );
+    let out = dedupe::release(&pool, &hold).await;
+    assert!(
+        matches!(out, Err(Error::LeaseLost { .. })),
+        "release: {out:?}"
+    );
+}

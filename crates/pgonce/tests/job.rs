@@ -2044,3 +2044,56 @@ async fn times_set_to_infinity_by_hand_read_as_the_ends_of_the_range_never_a_pan
     assert_eq!(row.lease_expires_at, Some(latest));
     job::complete(&pool, &lease, &json!("done")).await.unwrap();
 }
+
+/// The id the server's next transaction will get: no transaction has
+/// taken it, or any later one.
+async fn next_xid(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A lease naming a transaction the server has not reached: its claim was
+/// committed with `synchronous_commit = off` and lost in a crash (recovery
+/// may hand that transaction id out again, later), or the lease was
+/// rebuilt with a wrong id. No such transaction took the lease, and none
+/// can still commit it, so the lease is lost. The fence asked for a retry
+/// (40001) instead, and every retry asked again, until the server's
+/// counter passed that id: on a quiet server, for good.
+#[tokio::test]
+async fn a_lease_from_a_transaction_the_server_has_not_reached_is_lost_not_retried() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let future = next_xid(&pool).await + 1_000_000;
+    for claimed_in in [future, i64::MAX, -1] {
+        let lease = job::Lease {
+            job_id: id,
+            token: uuid::Uuid::new_v4(),
+            expires_at: time::OffsetDateTime::now_utc(),
+            claimed_in,
+        };
+        let lost = |what: &str, out: pgonce::Result<()>| {
+            assert!(
+                matches!(out, Err(Error::LeaseLost { .. })),
+                "{what} under a lease taken in {claimed_in}: {out:?}"
+            );
+        };
+        lost("complete", job::complete(&pool, &lease, &json!("x")).await);
+        lost(
+            "fail",
+            job::fail(&pool, &lease, "x", &RetryPolicy::default())
+                .await
+                .map(drop),
+        );
+        lost(
+            "heartbeat",
+            job::heartbeat(&pool, &lease, LEASE).await.map(drop),
+        );
+        let many = job::complete_many(&pool, &[(lease.clone(), json!("x"))]).await;
+        assert_eq!(many.unwrap(), [id], "complete_many, {claimed_in}");
+    }
+    // The job is as the lost claim left it: pending, and claimable.
+    assert_eq!(status(&pool, id).await, JobStatus::Pending);
+    job::claim(&pool, id, LEASE).await.unwrap();
+}
