@@ -164,7 +164,8 @@ pub struct KeyHold {
     /// [`Error::LeaseLost`]. 0 when unknown (a hold rebuilt from its token):
     /// such a hold is lost wherever it is not seen. So is one naming a
     /// transaction the server has not reached (an acquire committed with
-    /// `synchronous_commit = off` and lost in a crash).
+    /// `synchronous_commit = off` and lost in a crash: recovery hands the
+    /// id out again later).
     pub acquired_in: i64,
 }
 

@@ -336,8 +336,9 @@ pub struct Lease {
     /// the transaction) rather than [`Error::LeaseLost`]. 0 when unknown (a
     /// lease rebuilt from its token): such a lease is lost wherever it is
     /// not seen. So is one naming a transaction the server has not reached
-    /// (a claim committed with `synchronous_commit = off` and lost in a
-    /// crash): no such transaction can still commit it.
+    /// (a claim still open when the server crashed, or committed with
+    /// `synchronous_commit = off` and lost in the crash: recovery hands the
+    /// id out again later): no such transaction can still commit it.
     pub claimed_in: i64,
 }
 
