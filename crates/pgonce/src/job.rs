@@ -106,7 +106,10 @@
 //!
 //! See [`crate::queue::AckPolicy`]: with `AlwaysDelete` the queue message is deleted
 //! whatever the outcome, the row is the retry ledger, and the queue's
-//! dead-letter queue only catches infrastructure failures.
+//! dead-letter queue only catches infrastructure failures. Except when
+//! nothing was recorded: a [`Error::JobBusy`] (the job is in another
+//! delivery's hands), a panic, or a retryable error (PostgreSQL rolled
+//! the attempt's transaction back) keeps the message.
 
 mod reaper;
 mod redrive;

@@ -309,6 +309,64 @@ async fn a_job_busy_wrapped_in_the_handlers_own_error_keeps_the_message() {
     );
 }
 
+/// Does a job's work in a REPEATABLE READ transaction whose snapshot was
+/// taken before the job was claimed on the pool: completing in it is a
+/// serialization failure (SQLSTATE 40001), which the handler returns.
+struct ClaimsAfterItsSnapshot {
+    pool: PgPool,
+    job_id: i64,
+}
+
+impl Handler for ClaimsAfterItsSnapshot {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let mut work = pgonce::begin(&self.pool, pgonce::IsolationLevel::RepeatableRead).await?;
+        sqlx::query("SELECT count(*) FROM pgonce.jobs")
+            .execute(&mut *work)
+            .await?;
+        let lease = pgonce::job::claim(&self.pool, self.job_id, Duration::from_secs(60)).await?;
+        pgonce::job::complete(&mut *work, &lease, &serde_json::json!("done")).await?;
+        work.commit().await?;
+        Ok(())
+    }
+}
+
+/// A transaction PostgreSQL aborted to keep it serializable recorded
+/// nothing: under `AlwaysDelete`, where the database is the retry ledger,
+/// the message is all that still drives the job, and must be kept (as for a
+/// panic). It was deleted, and with the claim's lease reaped the job sat
+/// pending with no message to run it.
+#[tokio::test]
+async fn a_serialization_failure_keeps_the_message_under_always_delete() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    q.send(SendMessage::new("job")).await.unwrap();
+    let job_id = pgonce::job::enqueue(
+        &pool,
+        &pgonce::job::NewJob::new("send", serde_json::json!({})),
+    )
+    .await
+    .unwrap();
+    let config = WorkerConfig {
+        ack: pgonce::AckPolicy::AlwaysDelete,
+        failure_visibility: Some(Duration::ZERO),
+        ..WorkerConfig::default()
+    };
+    let handler = ClaimsAfterItsSnapshot {
+        pool: pool.clone(),
+        job_id,
+    };
+    let worker = Worker::new(q.clone(), handler, config).unwrap();
+    let done = worker.run_once().await.unwrap();
+    assert_eq!((done.failed, done.deleted), (1, 0), "the message is kept");
+    receivable_now(&q, 2, "the message of a transaction to retry comes back").await;
+    assert!(!pgonce::AckPolicy::AlwaysDelete.delete_message::<()>(&Err(
+        pgonce::Error::SerializationFailure {
+            sqlstate: "40001".into(),
+            message: "could not serialize access".into(),
+        }
+    )));
+}
+
 /// [`Gate`], but fails.
 struct GatedFailure(Arc<Gated>);
 

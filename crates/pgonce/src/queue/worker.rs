@@ -94,7 +94,9 @@ pub enum AckPolicy {
     /// database (a job row with an attempt count, see the job pattern),
     /// which is then the retry ledger; the queue only carries the nudge.
     /// A handler that panicked recorded nothing, so its message is kept
-    /// (visible again after `failure_visibility`, if set).
+    /// (visible again after `failure_visibility`, if set); so is one whose
+    /// error is, or is caused by, a retryable [`Error`] (a serialization
+    /// failure or deadlock: PostgreSQL rolled its transaction back).
     AlwaysDelete,
 }
 
@@ -104,11 +106,14 @@ impl AckPolicy {
     /// success (another delivery did the work). [`Error::JobBusy`] keeps the
     /// message under either policy: the job is not done and is in another
     /// delivery's hands, and if that delivery dies this message is what
-    /// drives the reaped job. A process that died never gets here, so never
+    /// drives the reaped job. A retryable error ([`Error::is_retryable`]: a
+    /// transaction PostgreSQL aborted) keeps it too: nothing of the attempt
+    /// was recorded. A process that died never gets here, so never
     /// deletes, and the message comes back.
     pub fn delete_message<T>(self, outcome: &crate::Result<T>) -> bool {
         match (self, outcome) {
             (_, Err(crate::Error::JobBusy { .. })) => false,
+            (_, Err(e)) if e.is_retryable() => false,
             (AckPolicy::AlwaysDelete, _) => true,
             (AckPolicy::DeleteOnSuccess, Ok(_)) => true,
             (AckPolicy::DeleteOnSuccess, Err(crate::Error::AlreadyHandled { .. })) => true,
@@ -860,9 +865,10 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                     .increment(1);
                 tracing::warn!(queue = %queue, id = %message.id, receive_count = message.receive_count,
                     error = %e, "handler failed");
-                // A handler that panicked recorded nothing: its message is
-                // kept whatever the policy, as if its process had died.
-                !panicked && self.config.ack == AckPolicy::AlwaysDelete
+                // A handler that panicked, or whose transaction PostgreSQL
+                // aborted (a retryable error), recorded nothing: its message
+                // is kept whatever the policy, as if its process had died.
+                !panicked && !retryable(&**e) && self.config.ack == AckPolicy::AlwaysDelete
             }
         };
         // A failure's visibility change on a delivery that ran out would
@@ -897,19 +903,29 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
     }
 }
 
+/// The pgonce [`Error`]s in `error`'s chain of sources, `error` included.
+fn pgonce_errors<'e>(
+    error: &'e (dyn std::error::Error + Send + Sync + 'static),
+) -> impl Iterator<Item = &'e Error> {
+    let first: &'e (dyn std::error::Error + 'static) = error;
+    std::iter::successors(Some(first), |e| e.source()).filter_map(|e| e.downcast_ref::<Error>())
+}
+
 /// The `not_before` of the first [`Error::JobBusy`] in `error`'s chain of
 /// sources, `error` included.
 fn job_busy_until(
     error: &(dyn std::error::Error + Send + Sync + 'static),
 ) -> Option<time::OffsetDateTime> {
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(e) = next {
-        if let Some(Error::JobBusy { not_before, .. }) = e.downcast_ref::<Error>() {
-            return Some(*not_before);
-        }
-        next = e.source();
-    }
-    None
+    pgonce_errors(error).find_map(|e| match e {
+        Error::JobBusy { not_before, .. } => Some(*not_before),
+        _ => None,
+    })
+}
+
+/// Whether `error`, or one of its sources, is a retryable pgonce [`Error`]
+/// (its transaction was rolled back by PostgreSQL).
+fn retryable(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    pgonce_errors(error).any(Error::is_retryable)
 }
 
 /// How long a message of a busy job stays invisible: until `not_before`,
