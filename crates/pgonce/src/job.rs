@@ -60,8 +60,11 @@
 //! # Isolation
 //!
 //! Every function runs one statement on the executor it is given: a pool (the
-//! statement is its own READ COMMITTED transaction) or the caller's
-//! transaction, so the job's transition commits with the caller's writes.
+//! statement is its own transaction, at the database's default isolation
+//! level: READ COMMITTED unless an operator set another with `ALTER
+//! DATABASE ... SET default_transaction_isolation`, and then the rules
+//! below for that level apply) or the caller's transaction, so the job's
+//! transition commits with the caller's writes.
 //! Under READ COMMITTED a delivery that lost a race re-reads the row after the
 //! winner commits, matches nothing and gets [`Error::AlreadyHandled`] (or
 //! [`Error::JobBusy`] from [`claim`], or [`Error::LeaseLost`]). Under REPEATABLE READ or SERIALIZABLE PostgreSQL

@@ -2097,3 +2097,47 @@ async fn a_lease_from_a_transaction_the_server_has_not_reached_is_lost_not_retri
     assert_eq!(status(&pool, id).await, JobStatus::Pending);
     job::claim(&pool, id, LEASE).await.unwrap();
 }
+
+/// A statement run on a pool is a transaction of its own at the database's
+/// default isolation level: READ COMMITTED unless an operator set another
+/// (`ALTER DATABASE ... SET default_transaction_isolation`). Under
+/// REPEATABLE READ a claim that loses a race on the pool is then a
+/// serialization failure, not `JobBusy`; its message is kept all the same
+/// under either policy, and the retry, with a fresh snapshot, is busy.
+#[tokio::test]
+async fn a_pool_at_a_stricter_default_isolation_loses_a_claim_race_with_a_retry() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" SET default_transaction_isolation = 'repeatable read'",
+        db.name()
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let (a, _, lost) = claim_race(&race, id).await;
+    let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(a.pool())
+        .await
+        .unwrap();
+    assert_eq!(level, "repeatable read");
+    assert!(lost.as_ref().is_err_and(Error::is_retryable), "{lost:?}");
+    for policy in [
+        pgonce::AckPolicy::DeleteOnSuccess,
+        pgonce::AckPolicy::AlwaysDelete,
+    ] {
+        assert!(!policy.delete_message(&lost), "{policy:?}");
+    }
+    let again = job::claim(a.pool(), id, LEASE).await;
+    assert!(
+        matches!(
+            again,
+            Err(Error::JobBusy {
+                status: JobStatus::Processing,
+                ..
+            })
+        ),
+        "{again:?}"
+    );
+}
