@@ -2141,3 +2141,58 @@ async fn a_pool_at_a_stricter_default_isolation_loses_a_claim_race_with_a_retry(
         "{again:?}"
     );
 }
+
+/// A job that failed once and is due for its retry now.
+async fn failed_and_due(pool: &PgPool) -> i64 {
+    let id = new_job(pool, 5).await;
+    let lease = job::claim(pool, id, LEASE).await.unwrap();
+    job::fail(pool, &lease, "x", &RetryPolicy::default())
+        .await
+        .unwrap();
+    sqlx::query("UPDATE pgonce.jobs SET run_at = now() - interval '1 second' WHERE id = $1")
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
+    id
+}
+
+/// The re-driver's ids are what a queue worker re-publishes: a job made
+/// pending without its id handed back has no message to drive it. A pass
+/// commits batch by batch; one whose later batch failed (its connection
+/// lost to a restart, a statement refused) returned only the error, and
+/// the ids of the batches it had committed were gone with it. It returns
+/// them now, and the next pass takes the rest.
+#[tokio::test]
+async fn a_redrive_pass_failing_part_way_hands_back_what_it_committed() {
+    let (_db, pool) = setup().await;
+    let first = failed_and_due(&pool).await;
+    let second = failed_and_due(&pool).await;
+    // The second batch's statement fails, as a lost connection would.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'refused on purpose'; END $$; \
+         CREATE TRIGGER refuse BEFORE UPDATE ON pgonce.jobs FOR EACH ROW \
+         WHEN (NEW.id = {second} AND NEW.status = 'pending') EXECUTE FUNCTION public.refuse();"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let redriver = Redriver::new(
+        pool.clone(),
+        RedriverConfig {
+            batch_size: 1,
+            ..RedriverConfig::default()
+        },
+    )
+    .unwrap();
+    let pass = redriver.run_once().await;
+    assert!(matches!(&pass, Ok(c) if c.ids == [first]), "{pass:?}");
+    assert_eq!(status(&pool, first).await, JobStatus::Pending);
+    assert_eq!(status(&pool, second).await, JobStatus::Failed);
+    sqlx::query("DROP TRIGGER refuse ON pgonce.jobs")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(redriver.run_once().await.unwrap().ids, [second]);
+}

@@ -53,14 +53,28 @@ impl Redriver {
         Ok(Redriver { pool, config })
     }
 
-    /// One pass: every failed job due by now becomes pending.
+    /// One pass: every failed job due by now becomes pending, batch by
+    /// batch, each batch committed on its own. A batch that fails after
+    /// others committed ends the pass with what they made pending (the
+    /// failure is logged): those jobs are pending already, and their ids
+    /// are the only record of which to re-publish. The next pass takes the
+    /// rest. A pass whose first batch fails returns the error.
     pub async fn run_once(&self) -> Result<RedriveCounts> {
         let mut counts = RedriveCounts::default();
         loop {
-            let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/redrive.sql"))
+            let batch = sqlx::query_scalar(include_str!("sql/redrive.sql"))
                 .bind(self.config.batch_size)
                 .fetch_all(&self.pool)
-                .await?;
+                .await;
+            let ids: Vec<i64> = match batch {
+                Ok(ids) => ids,
+                Err(e) if counts.redriven > 0 => {
+                    tracing::warn!(redriven = counts.redriven, error = %e,
+                        "re-drive pass cut short: returning the jobs it made pending");
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            };
             let n = ids.len();
             counts.redriven += n as u64;
             counts.ids.extend(ids);
