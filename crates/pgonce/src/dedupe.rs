@@ -49,7 +49,9 @@
 //! 40001 ([`Error::SerializationFailure`]): retry the transaction, and the
 //! retry returns `false`.
 //!
-//! [`acquire`] commits the hold on a connection of its own; [`finish`] and
+//! [`acquire`] commits the hold on a connection of its own, and says why
+//! it took nothing from a READ COMMITTED transaction, whatever the
+//! database's default isolation level; [`finish`] and
 //! [`release`] run in the caller's transaction. Under REPEATABLE READ or
 //! SERIALIZABLE a transaction whose snapshot predates the hold (begun and
 //! read from before [`acquire`], as a transaction per request is) cannot
@@ -242,9 +244,16 @@ pub async fn acquire(
         ));
     }
     // The upsert alone first: a new key, or one whose holder's hold ran
-    // out, is taken in one statement, the commonest case.
-    if let Some(row) = upsert_key(pool, scope, key, fingerprint, hold_for).await? {
-        return Ok(taken(scope, key, row));
+    // out, is taken in one statement, the commonest case. That statement
+    // is a transaction at the database's default isolation level: under a
+    // stricter one than READ COMMITTED, meeting a key another request
+    // wrote since its snapshot is a serialization failure, and the READ
+    // COMMITTED transaction below says what happened instead.
+    match upsert_key(pool, scope, key, fingerprint, hold_for).await {
+        Ok(Some(row)) => return Ok(taken(scope, key, row)),
+        Ok(None) => {}
+        Err(e) if e.is_retryable() => {}
+        Err(e) => return Err(e),
     }
     // The key was there and not taken: why is read in one READ COMMITTED
     // transaction with the upsert tried again, so that the key cannot

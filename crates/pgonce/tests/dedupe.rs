@@ -953,3 +953,61 @@ async fn a_hold_from_a_transaction_the_server_has_not_reached_is_lost_not_retrie
         "release: {out:?}"
     );
 }
+
+/// `acquire` tries its upsert alone first, on the pool: a transaction of
+/// its own at the database's default isolation level. Under a stricter
+/// default (`ALTER DATABASE ... SET default_transaction_isolation`) an
+/// upsert that waited for another request's first use of the key, and met
+/// the key once that committed, was a serialization failure (40001)
+/// handed to the caller. It is one of acquire's outcomes now: here the
+/// other request still holds the key, so `IdempotencyInProgress`.
+#[tokio::test]
+async fn an_acquire_meeting_a_first_use_under_a_stricter_default_isolation_says_why() {
+    let (db, pool) = setup().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" SET default_transaction_isolation = 'serializable'",
+        db.name()
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let first = race.session("first").await.unwrap();
+    let second = race.session("second").await.unwrap();
+    // The first request's use of the key, as acquire writes it, not yet
+    // committed.
+    let mut tx = pgonce::begin(first.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    race.step(
+        &first,
+        "first use",
+        sqlx::query(
+            "INSERT INTO pgonce.idempotency_keys (scope, key, fingerprint, hold_token, held_until) \
+             VALUES ('api', 'k', $1, gen_random_uuid(), now() + interval '1 hour')",
+        )
+        .bind(&fp)
+        .execute(&mut *tx),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let (pool_2, fp_2) = (second.pool().clone(), fp.clone());
+    let waiting = race
+        .step_blocks(&second, "acquire", async move {
+            dedupe::acquire(&pool_2, "api", "k", &fp_2, Duration::from_secs(60)).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["first"]);
+    race.step(&first, "COMMIT", tx.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let out = waiting.resume().await.unwrap();
+    assert!(
+        matches!(out, Err(Error::IdempotencyInProgress { .. })),
+        "{out:?}"
+    );
+}
