@@ -96,7 +96,8 @@ pub enum AckPolicy {
     /// A handler that panicked recorded nothing, so its message is kept
     /// (visible again after `failure_visibility`, if set); so is one whose
     /// error is, or is caused by, a retryable [`Error`] (a serialization
-    /// failure or deadlock: PostgreSQL rolled its transaction back).
+    /// failure or deadlock, whose transaction PostgreSQL rolled back, or a
+    /// send that sent nothing: [`Error::is_retryable`]).
     AlwaysDelete,
 }
 
@@ -107,8 +108,8 @@ impl AckPolicy {
     /// message under either policy: the job is not done and is in another
     /// delivery's hands, and if that delivery dies this message is what
     /// drives the reaped job. A retryable error ([`Error::is_retryable`]: a
-    /// transaction PostgreSQL aborted) keeps it too: nothing of the attempt
-    /// was recorded. A process that died never gets here, so never
+    /// transaction PostgreSQL aborted, a send that sent nothing) keeps it
+    /// too: nothing of the attempt was recorded. A process that died never gets here, so never
     /// deletes, and the message comes back.
     pub fn delete_message<T>(self, outcome: &crate::Result<T>) -> bool {
         match (self, outcome) {
