@@ -197,7 +197,8 @@ fn main() -> ExitCode {
                 if *while_draining {
                     eprintln!(
                         "pgonce: interrupted again ({signal}) while stopping: stopped at once; \
-                         messages in hand are redelivered after their visibility timeout"
+                         messages in hand are redelivered after their visibility timeout, \
+                         claimed notifications sent again after their lease"
                     );
                 } else if throwaway {
                     eprintln!("pgonce: interrupted ({signal}); throwaway database removed");

@@ -9,7 +9,8 @@
 //! (stop taking work, finish what is in hand) and a second one stops it at
 //! once, as an operator pressing Ctrl-C again or an orchestrator escalating
 //! expects: what was in hand is left unacked, and the queue redelivers it
-//! after its visibility timeout.
+//! after its visibility timeout; a notification being posted stays claimed,
+//! and is sent again (same idempotency key) once its lease ends.
 //!
 //! The handlers are installed before anything else runs and stay for the
 //! whole run: a signal is always the command's to answer, never the

@@ -444,3 +444,205 @@ fn a_second_signal_while_draining_stops_at_once_and_the_message_comes_back() {
         .unwrap();
     assert_eq!(recorded, 0);
 }
+
+/// A webhook receiver that holds every request it gets unanswered (its
+/// connection kept open) until [`HeldWebhook::answer_from_now`], then
+/// answers 200: a receiver busy with a notification while its sender is
+/// stopped. Written on a plain socket because the test kit's receiver
+/// answers every request it keeps.
+struct HeldWebhook {
+    url: String,
+    /// The idempotency key of each request, in arrival order.
+    keys: std::sync::mpsc::Receiver<String>,
+    answer: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl HeldWebhook {
+    fn start() -> HeldWebhook {
+        use std::io::{BufRead, Read, Write};
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        let (sent, keys) = std::sync::mpsc::channel();
+        let answer = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let answering = answer.clone();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming().map_while(Result::ok) {
+                let mut reader = std::io::BufReader::new(stream);
+                let (mut key, mut length) = (String::new(), 0usize);
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                        break;
+                    }
+                    let (name, value) = line.split_once(':').unwrap_or((&line, ""));
+                    match name.to_ascii_lowercase().as_str() {
+                        "idempotency-key" => key = value.trim().to_owned(),
+                        "content-length" => length = value.trim().parse().unwrap_or(0),
+                        _ => {}
+                    }
+                }
+                let mut body = vec![0; length];
+                let _ = reader.read_exact(&mut body);
+                if sent.send(key).is_err() {
+                    return;
+                }
+                let mut stream = reader.into_inner();
+                if answering.load(Ordering::SeqCst) {
+                    let _ = stream.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                    );
+                } else {
+                    held.push(stream);
+                }
+            }
+        });
+        HeldWebhook { url, keys, answer }
+    }
+
+    /// Requests that come from now on are answered 200 at once.
+    fn answer_from_now(&self) {
+        self.answer.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The key of the next request; panics past `STUCK`.
+    fn next_key(&self) -> String {
+        self.keys
+            .recv_timeout(STUCK)
+            .expect("no webhook request came")
+    }
+}
+
+/// Where the one notification job stands, and what the ledger holds.
+#[derive(Debug, PartialEq, Eq, sqlx::FromRow)]
+struct NotificationState {
+    status: String,
+    /// Its lease is still running.
+    leased: bool,
+    /// Rows in `incidents.notifications`.
+    recorded: i64,
+}
+
+async fn notification_state(pool: &PgPool) -> NotificationState {
+    sqlx::query_as(
+        "SELECT j.status, coalesce(j.lease_expires_at > now(), false) AS leased, \
+         (SELECT count(*) FROM incidents.notifications) AS recorded \
+         FROM pgonce.jobs j WHERE j.kind = $1",
+    )
+    .bind(pgonce_incidents::service::NOTIFY_JOB_KIND)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A second signal while a `pgonce worker`'s notifier is mid-POST (the
+/// receiver holds the request) stops it at once: the job stays claimed,
+/// nothing recorded. Once its lease ends (ended here by moving its end to
+/// now, rather than waiting an hour) another worker's reaper offers it
+/// again and its notifier sends it with the same idempotency key: the
+/// receiver got the key twice, drops the second as a duplicate, and the
+/// ledger holds one notification, the job completed once.
+#[test]
+fn a_second_signal_while_a_notification_is_posted_leaves_it_claimed_then_sent_once() {
+    let (rt, db, url) = fresh_database_url();
+    let pool = rt.block_on(db.pool(4)).unwrap();
+    rt.block_on(pgonce_incidents::migrate(&pool)).unwrap();
+    // One policy, one entity: the observation opens one incident.
+    let (org, _key) = rt
+        .block_on(store::create_organization(&pool, "notified"))
+        .unwrap();
+    let rule = Rule {
+        attribute: "cpu".into(),
+        op: Op::Gt,
+        value: 50.0,
+    };
+    rt.block_on(store::create_policy(
+        &pool,
+        org.id,
+        "cpu-one",
+        Singleton::Always,
+        &rule,
+    ))
+    .unwrap();
+    let org = Org {
+        id: org.id,
+        entities: vec!["svc-0".into()],
+    };
+    let queue = rt
+        .block_on(observations_queue(&pool, Duration::from_secs(60), 50))
+        .unwrap();
+    // Observation 2: cpu 74, over the rule.
+    let _ = rt.block_on(send(&queue, &org, 2, 1));
+    let webhook = HeldWebhook::start();
+    let settings = [
+        ("PGONCE_NOTIFIER__WEBHOOK_URL", webhook.url.as_str()),
+        ("PGONCE_NOTIFIER__TIMEOUT", "1h"),
+        ("PGONCE_NOTIFIER__LEASE", "2h"),
+        ("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "60s"),
+    ];
+
+    let mut first = one_worker(&url, &settings);
+    let stderr = Stderr::of(&mut first.0);
+    let key = webhook.next_key();
+    assert!(key.starts_with("incident-"), "{key}");
+    let mut seen = Vec::new();
+    signal(&first.0, "TERM");
+    stderr.wait_for("shutting down", &mut seen);
+    signal(&first.0, "INT");
+    let status = first.0.wait().unwrap();
+    seen.extend(stderr.0.iter());
+    assert_eq!(status.code(), Some(130), "{status:?}:\n{}", seen.join("\n"));
+    // The one line names what comes back, the notification too.
+    let last = seen.last().map(String::as_str).unwrap_or_default();
+    assert!(
+        last.starts_with("pgonce: interrupted again (SIGINT) while stopping")
+            && last.contains("claimed notifications sent again after their lease"),
+        "{}",
+        seen.join("\n")
+    );
+    let held = rt.block_on(notification_state(&pool));
+    assert_eq!(
+        held,
+        NotificationState {
+            status: "processing".into(),
+            leased: true,
+            recorded: 0
+        },
+        "{}",
+        seen.join("\n")
+    );
+
+    // The lease ends.
+    rt.block_on(
+        sqlx::query("UPDATE pgonce.jobs SET lease_expires_at = now() WHERE kind = $1")
+            .bind(pgonce_incidents::service::NOTIFY_JOB_KIND)
+            .execute(&pool),
+    )
+    .unwrap();
+    webhook.answer_from_now();
+    let second = one_worker(&url, &settings);
+    assert_eq!(webhook.next_key(), key);
+    let deadline = Instant::now() + STUCK;
+    let done = loop {
+        let state = rt.block_on(notification_state(&pool));
+        if state.status != "processing" && state.status != "pending" {
+            break state;
+        }
+        assert!(Instant::now() < deadline, "never completed: {state:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        done,
+        NotificationState {
+            status: "completed".into(),
+            leased: false,
+            recorded: 1
+        }
+    );
+    signal(&second.0, "TERM");
+    let mut second = second;
+    assert!(second.0.wait().unwrap().success());
+    // Sent twice with one key (the receiver drops the second), no third.
+    assert!(webhook.keys.try_recv().is_err());
+}
