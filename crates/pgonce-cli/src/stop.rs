@@ -12,6 +12,12 @@
 //! after its visibility timeout; a notification being posted stays claimed,
 //! and is sent again (same idempotency key) once its lease ends.
 //!
+//! Stopping the process does not stop a statement it had sent: PostgreSQL
+//! finishes it (a lock wait goes on until the lock is released, and a
+//! statement that is its own transaction then commits), unless the role or
+//! database sets `client_connection_check_interval`, with which the server
+//! ends the session, rolled back, once it sees the client gone.
+//!
 //! The handlers are installed before anything else runs and stay for the
 //! whole run: a signal is always the command's to answer, never the
 //! default disposition's (which would kill the process and leave its

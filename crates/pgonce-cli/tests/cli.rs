@@ -8,7 +8,7 @@ mod common;
 
 use common::{
     Reaped, assert_never_migrated, blocked_backend, free_port, fresh_database_url, http_get,
-    wait_for_200,
+    open_gate, wait_for_200,
 };
 
 fn pgonce() -> Command {
@@ -486,10 +486,7 @@ fn held_mid_migration(
         .execute(pool),
     )
     .unwrap();
-    let mut gate = rt.block_on(pool.begin()).unwrap();
-    let holder: i32 = rt
-        .block_on(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *gate))
-        .unwrap();
+    let (mut gate, holder) = open_gate(rt, pool);
     rt.block_on(sqlx::query("LOCK TABLE _sqlx_migrations IN SHARE MODE").execute(&mut *gate))
         .unwrap();
     let child = Reaped(
@@ -528,24 +525,7 @@ fn assert_nothing_of_the_migration_left(
     pool: &sqlx::PgPool,
     backend: i32,
 ) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let alive: bool = rt
-            .block_on(
-                sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
-                    .bind(backend)
-                    .fetch_one(pool),
-            )
-            .unwrap();
-        if !alive {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the stopped process's backend lives on"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until_ended(rt, pool, backend);
     let left: Left = rt
         .block_on(
             sqlx::query_as(
@@ -650,6 +630,20 @@ struct Stopped {
     backend: i32,
 }
 
+/// Sends SIGTERM to `child`, whose stderr is piped, and waits for it to
+/// end; returns how it ended and what it wrote.
+fn sigterm_and_wait(child: &mut std::process::Child) -> (std::process::ExitStatus, String) {
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    (status, stderr)
+}
+
 /// Sends SIGTERM to `held`'s process, waits for it to end, then releases
 /// the gate.
 fn sigterm_held(rt: &tokio::runtime::Runtime, held: Held) -> Stopped {
@@ -658,14 +652,7 @@ fn sigterm_held(rt: &tokio::runtime::Runtime, held: Held) -> Stopped {
         mut child,
         backend,
     } = held;
-    let sent = std::process::Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let status = child.0.wait().unwrap();
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let (status, stderr) = sigterm_and_wait(&mut child.0);
     rt.block_on(gate.rollback()).unwrap();
     Stopped {
         status,
@@ -802,5 +789,99 @@ fn help_names_only_the_commands_this_build_has() {
                 "{args:?} and {lab}:\n{help}"
             );
         }
+    }
+}
+
+/// The observations queue's visibility timeout as stored.
+fn stored_visibility_ms(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool) -> i64 {
+    rt.block_on(
+        sqlx::query_scalar("SELECT visibility_timeout_ms FROM pgonce.queue WHERE name = $1")
+            .bind(pgonce_incidents::runtime::OBSERVATIONS_QUEUE)
+            .fetch_one(pool),
+    )
+    .unwrap()
+}
+
+/// Waits until the session `backend` has ended.
+fn wait_until_ended(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, backend: i32) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let alive: bool = rt
+            .block_on(
+                sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
+                    .bind(backend)
+                    .fetch_one(pool),
+            )
+            .unwrap();
+        if !alive {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the session {backend} lives on");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A `pgonce worker` stopped at once while it opens its queue (migrated,
+/// its update of the queue's settings waiting on the queue's row, which
+/// the test holds) exits 143 in one line; the statement it had sent is
+/// PostgreSQL's: it waits on, and once the row is released it runs and
+/// commits, though the process is gone. With `client_connection_check_
+/// interval` set for the database, PostgreSQL sees the client gone and
+/// ends the session while the row is still held: nothing lands.
+#[test]
+fn a_statement_in_flight_at_a_stop_runs_on_unless_the_server_checks_the_client() {
+    for checked in [false, true] {
+        let (rt, db, url) = fresh_database_url();
+        let _runtime = rt.enter();
+        let pool = rt.block_on(db.pool(2)).unwrap();
+        rt.block_on(pgonce_incidents::migrate(&pool)).unwrap();
+        rt.block_on(pgonce_incidents::runtime::observations_queue(
+            &pool,
+            Duration::from_secs(30),
+            5,
+        ))
+        .unwrap();
+        if checked {
+            let set = format!(
+                "ALTER DATABASE {} SET client_connection_check_interval = '100ms'",
+                db.name()
+            );
+            rt.block_on(sqlx::query(sqlx::AssertSqlSafe(set)).execute(&pool))
+                .unwrap();
+        }
+        let (mut gate, holder) = open_gate(&rt, &pool);
+        rt.block_on(
+            sqlx::query("SELECT 1 FROM pgonce.queue WHERE name = $1 FOR UPDATE")
+                .bind(pgonce_incidents::runtime::OBSERVATIONS_QUEUE)
+                .execute(&mut *gate),
+        )
+        .unwrap();
+        let mut child = Reaped(
+            std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+                .arg("worker")
+                .env("DATABASE_URL", &url)
+                .env("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "7s")
+                .env("RUST_LOG", "warn")
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let backend = blocked_backend(&rt, &pool, holder);
+        let (status, stderr) = sigterm_and_wait(&mut child.0);
+        assert_eq!(status.code(), Some(143), "{stderr}");
+        assert_eq!(stderr.trim(), "pgonce: interrupted (SIGTERM)");
+        if checked {
+            // Ended by the server, the row still held.
+            wait_until_ended(&rt, &pool, backend);
+        }
+        rt.block_on(gate.rollback()).unwrap();
+        wait_until_ended(&rt, &pool, backend);
+        let expected = if checked { 30_000 } else { 7_000 };
+        assert_eq!(
+            stored_visibility_ms(&rt, &pool),
+            expected,
+            "checked: {checked}"
+        );
     }
 }

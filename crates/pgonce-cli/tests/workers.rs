@@ -22,7 +22,9 @@ use sqlx::PgPool;
 
 mod common;
 
-use common::{Reaped, blocked_backend, free_port, fresh_database_url, http_get, wait_for_200};
+use common::{
+    Reaped, blocked_backend, free_port, fresh_database_url, http_get, open_gate, wait_for_200,
+};
 
 /// How long a stuck run may take before the test gives up on it.
 const STUCK: Duration = Duration::from_secs(180);
@@ -366,10 +368,7 @@ fn a_second_signal_while_draining_stops_at_once_and_the_message_comes_back() {
     let queue = rt
         .block_on(observations_queue(&pool, Duration::from_secs(2), 50))
         .unwrap();
-    let mut gate = rt.block_on(pool.begin()).unwrap();
-    let holder: i32 = rt
-        .block_on(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *gate))
-        .unwrap();
+    let (mut gate, holder) = open_gate(&rt, &pool);
     rt.block_on(
         sqlx::query(
             "SELECT 1 FROM incidents.entities \

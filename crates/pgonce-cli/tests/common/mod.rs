@@ -112,6 +112,20 @@ pub fn blocked_backend(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, holder
     }
 }
 
+/// A transaction open on `pool`, to take the locks a test holds a
+/// `pgonce` process on, and its backend, which that process is then seen
+/// blocked by ([`blocked_backend`]).
+pub fn open_gate(
+    rt: &tokio::runtime::Runtime,
+    pool: &sqlx::PgPool,
+) -> (sqlx::Transaction<'static, sqlx::Postgres>, i32) {
+    let mut gate = rt.block_on(pool.begin()).unwrap();
+    let holder: i32 = rt
+        .block_on(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *gate))
+        .unwrap();
+    (gate, holder)
+}
+
 /// Asserts that the database holds no table: no command migrated it.
 pub fn assert_never_migrated(rt: &tokio::runtime::Runtime, db: &pgonce_testkit::ScratchDatabase) {
     let pool = rt.block_on(db.pool(1)).unwrap();
