@@ -336,13 +336,7 @@ fn migrate_prints_a_database_error_once() {
             .await
             .unwrap();
     });
-    let o = db.options();
-    let no_rights = format!(
-        "postgres://pgonce_no_rights:no-rights-pw@{}:{}/{}",
-        o.get_host(),
-        o.get_port(),
-        db.name()
-    );
+    let no_rights = as_role(&db, "pgonce_no_rights", "no-rights-pw");
     let out = pgonce()
         .env("DATABASE_URL", &no_rights)
         .arg("migrate")
@@ -706,8 +700,21 @@ fn rollout_without_a_percent_only_reads() {
     assert!(out.stdout.is_empty(), "{stderr}");
     assert_never_migrated(&rt, &db);
 
+    set_rollout_30(&url);
+
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let read_only = format!("{url}{separator}options=-c%20default_transaction_read_only%3Don");
+    let out = read(&read_only);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "guard rollout: 30%\n");
+}
+
+/// `pgonce rollout 30` on a fresh database `url`: it migrates, and says
+/// it moved the rollout from its default.
+fn set_rollout_30(url: &str) {
     let set = pgonce()
-        .args(["rollout", "--database-url", &url, "30"])
+        .args(["rollout", "--database-url", url, "30"])
         .timeout(Duration::from_secs(60))
         .output()
         .unwrap();
@@ -716,13 +723,17 @@ fn rollout_without_a_percent_only_reads() {
         String::from_utf8_lossy(&set.stdout),
         "guard rollout: 100% -> 30%\n"
     );
+}
 
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let read_only = format!("{url}{separator}options=-c%20default_transaction_read_only%3Don");
-    let out = read(&read_only);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "guard rollout: 30%\n");
+/// A URL for `db` as the role `user` with `password`.
+fn as_role(db: &pgonce_testkit::ScratchDatabase, user: &str, password: &str) -> String {
+    let o = db.options();
+    format!(
+        "postgres://{user}:{password}@{}:{}/{}",
+        o.get_host(),
+        o.get_port(),
+        db.name()
+    )
 }
 
 /// `pipeline.workers = 0`: a `worker` that still has other work (here
@@ -884,4 +895,56 @@ fn a_statement_in_flight_at_a_stop_runs_on_unless_the_server_checks_the_client()
             "checked: {checked}"
         );
     }
+}
+
+/// `rollout` without a percent, as a role that may not read the setting,
+/// fails in one line naming what it may not read (the schema, then the
+/// table), exit 1, nothing on stdout; granted SELECT, it prints the value.
+#[test]
+fn rollout_read_by_a_role_without_the_right_names_what_it_may_not_read() {
+    let (rt, db, url) = fresh_database_url();
+    set_rollout_30(&url);
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    let run = |sql: &str| {
+        rt.block_on(sqlx::query(sqlx::AssertSqlSafe(sql.to_owned())).execute(&pool))
+            .unwrap();
+    };
+    run("DROP ROLE IF EXISTS pgonce_rollout_reader");
+    run("CREATE ROLE pgonce_rollout_reader LOGIN PASSWORD 'reader-pw'");
+    let reader = as_role(&db, "pgonce_rollout_reader", "reader-pw");
+    let read = || {
+        pgonce()
+            .args(["rollout", "--database-url", &reader])
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap()
+    };
+    for (grant, refused) in [
+        (None, "permission denied for schema incidents"),
+        (
+            Some("GRANT USAGE ON SCHEMA incidents TO pgonce_rollout_reader"),
+            "permission denied for table settings",
+        ),
+    ] {
+        if let Some(grant) = grant {
+            run(grant);
+        }
+        let out = read();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(out.stdout.is_empty(), "{stderr}");
+        let lines: Vec<_> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{stderr}");
+        assert!(
+            lines[0].starts_with("pgonce: error: reading the guard rollout of ")
+                && lines[0].contains(refused),
+            "{stderr}"
+        );
+    }
+    run("GRANT SELECT ON incidents.settings TO pgonce_rollout_reader");
+    let out = read();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "guard rollout: 30%\n");
+    run("DROP OWNED BY pgonce_rollout_reader");
+    run("DROP ROLE pgonce_rollout_reader");
 }
