@@ -48,15 +48,21 @@ fn worker_and_serve_with_the_database_down_exit_1_in_one_line_naming_it() {
             .timeout(Duration::from_secs(30))
             .output()
             .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{command}: {stderr}");
-        let lines: Vec<_> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-        assert_eq!(lines.len(), 1, "{command}: {stderr}");
+        let line = the_one_line_of_exit_1(command, &out);
         assert!(
-            lines[0].contains("cannot connect to PostgreSQL at 127.0.0.1:1/down"),
-            "{command}: {stderr}"
+            line.contains("cannot connect to PostgreSQL at 127.0.0.1:1/down"),
+            "{command}: {line}"
         );
     }
+}
+
+/// The one line `command` printed on stderr, having exited 1.
+fn the_one_line_of_exit_1(command: &str, out: &std::process::Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{command}: {stderr}");
+    let lines: Vec<_> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{command}: {stderr}");
+    lines[0].to_owned()
 }
 
 /// A variable in the environment whose value is not UTF-8 does not crash
@@ -947,4 +953,56 @@ fn rollout_read_by_a_role_without_the_right_names_what_it_may_not_read() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "guard rollout: 30%\n");
     run("DROP OWNED BY pgonce_rollout_reader");
     run("DROP ROLE pgonce_rollout_reader");
+}
+
+/// `serve` whose API address is taken, and `worker` whose
+/// `api.metrics_listen` is, exit 1 with one line naming the address, and
+/// take no message: they bind before any worker starts (a message waiting
+/// on the queue stays there, never received).
+#[test]
+fn serve_and_worker_with_their_address_in_use_exit_1_naming_it_and_take_nothing() {
+    use pgonce::Queue;
+    let (rt, db, url) = fresh_database_url();
+    let pool = rt.block_on(db.pool(2)).unwrap();
+    rt.block_on(pgonce_incidents::migrate(&pool)).unwrap();
+    let queue = rt
+        .block_on(pgonce_incidents::runtime::observations_queue(
+            &pool,
+            Duration::from_secs(30),
+            5,
+        ))
+        .unwrap();
+    rt.block_on(queue.send(pgonce::SendMessage::new("waiting").group("in-use")))
+        .unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = taken.local_addr().unwrap().to_string();
+    for (command, variable) in [
+        ("serve", "PGONCE_API__LISTEN"),
+        ("worker", "PGONCE_API__METRICS_LISTEN"),
+    ] {
+        let out = pgonce()
+            .arg(command)
+            .env("DATABASE_URL", &url)
+            .env(variable, &address)
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let line = the_one_line_of_exit_1(command, &out);
+        assert!(
+            line.starts_with(&format!("pgonce: error: listening on {address}: ")),
+            "{command}: {line}"
+        );
+        let stats = rt.block_on(queue.stats()).unwrap();
+        assert_eq!(
+            (stats.depth, stats.in_flight),
+            (1, 0),
+            "{command}: {stats:?}"
+        );
+    }
+    let received: i32 = rt
+        .block_on(
+            sqlx::query_scalar("SELECT receive_count FROM pgonce.queue_message").fetch_one(&pool),
+        )
+        .unwrap();
+    assert_eq!(received, 0);
 }
