@@ -535,21 +535,11 @@ async fn notification_state(pool: &PgPool) -> NotificationState {
     .unwrap()
 }
 
-/// A second signal while a `pgonce worker`'s notifier is mid-POST (the
-/// receiver holds the request) stops it at once: the job stays claimed,
-/// nothing recorded. Once its lease ends (ended here by moving its end to
-/// now, rather than waiting an hour) another worker's reaper offers it
-/// again and its notifier sends it with the same idempotency key: the
-/// receiver got the key twice, drops the second as a duplicate, and the
-/// ledger holds one notification, the job completed once.
-#[test]
-fn a_second_signal_while_a_notification_is_posted_leaves_it_claimed_then_sent_once() {
-    let (rt, db, url) = fresh_database_url();
-    let pool = rt.block_on(db.pool(4)).unwrap();
-    rt.block_on(pgonce_incidents::migrate(&pool)).unwrap();
-    // One policy, one entity: the observation opens one incident.
+/// A migrated database on which one observation waits that opens one
+/// incident (one policy, one entity), so one notification.
+fn one_incident_to_notify(rt: &tokio::runtime::Runtime, pool: &PgPool) {
     let (org, _key) = rt
-        .block_on(store::create_organization(&pool, "notified"))
+        .block_on(store::create_organization(pool, "notified"))
         .unwrap();
     let rule = Rule {
         attribute: "cpu".into(),
@@ -557,7 +547,7 @@ fn a_second_signal_while_a_notification_is_posted_leaves_it_claimed_then_sent_on
         value: 50.0,
     };
     rt.block_on(store::create_policy(
-        &pool,
+        pool,
         org.id,
         "cpu-one",
         Singleton::Always,
@@ -569,62 +559,94 @@ fn a_second_signal_while_a_notification_is_posted_leaves_it_claimed_then_sent_on
         entities: vec!["svc-0".into()],
     };
     let queue = rt
-        .block_on(observations_queue(&pool, Duration::from_secs(60), 50))
+        .block_on(observations_queue(pool, Duration::from_secs(60), 50))
         .unwrap();
     // Observation 2: cpu 74, over the rule.
     let _ = rt.block_on(send(&queue, &org, 2, 1));
-    let webhook = HeldWebhook::start();
-    let settings = [
-        ("PGONCE_NOTIFIER__WEBHOOK_URL", webhook.url.as_str()),
-        ("PGONCE_NOTIFIER__TIMEOUT", "1h"),
-        ("PGONCE_NOTIFIER__LEASE", "2h"),
-        ("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "60s"),
-    ];
+}
 
-    let mut first = one_worker(&url, &settings);
-    let stderr = Stderr::of(&mut first.0);
-    let key = webhook.next_key();
-    assert!(key.starts_with("incident-"), "{key}");
-    let mut seen = Vec::new();
-    signal(&first.0, "TERM");
-    stderr.wait_for("shutting down", &mut seen);
-    signal(&first.0, "INT");
-    let status = first.0.wait().unwrap();
-    seen.extend(stderr.0.iter());
-    assert_eq!(status.code(), Some(130), "{status:?}:\n{}", seen.join("\n"));
-    // The one line names what comes back, the notification too.
-    let last = seen.last().map(String::as_str).unwrap_or_default();
-    assert!(
-        last.starts_with("pgonce: interrupted again (SIGINT) while stopping")
-            && last.contains("claimed notifications sent again after their lease"),
-        "{}",
-        seen.join("\n")
-    );
-    let held = rt.block_on(notification_state(&pool));
-    assert_eq!(
-        held,
-        NotificationState {
-            status: "processing".into(),
-            leased: true,
-            recorded: 0
-        },
-        "{}",
-        seen.join("\n")
-    );
+/// A fresh, migrated database with [`one_incident_to_notify`], and a
+/// receiver that holds what it gets: what the notifier tests start from.
+struct Notified {
+    rt: tokio::runtime::Runtime,
+    _db: pgonce_testkit::ScratchDatabase,
+    pool: PgPool,
+    url: String,
+    webhook: HeldWebhook,
+}
 
-    // The lease ends.
-    rt.block_on(
-        sqlx::query("UPDATE pgonce.jobs SET lease_expires_at = now() WHERE kind = $1")
-            .bind(pgonce_incidents::service::NOTIFY_JOB_KIND)
-            .execute(&pool),
-    )
-    .unwrap();
+impl Notified {
+    fn new() -> Notified {
+        let (rt, db, url) = fresh_database_url();
+        let pool = rt.block_on(db.pool(4)).unwrap();
+        rt.block_on(pgonce_incidents::migrate(&pool)).unwrap();
+        one_incident_to_notify(&rt, &pool);
+        Notified {
+            rt,
+            _db: db,
+            pool,
+            url,
+            webhook: HeldWebhook::start(),
+        }
+    }
+
+    /// A worker's settings: its notifier posts to the receiver, each POST
+    /// bounded by `timeout`, each claim by `lease`, failed sends retried
+    /// within a fraction of a second.
+    fn settings(&self, timeout: &str, lease: &str) -> Vec<(&'static str, String)> {
+        vec![
+            ("PGONCE_NOTIFIER__WEBHOOK_URL", self.webhook.url.clone()),
+            ("PGONCE_NOTIFIER__TIMEOUT", timeout.into()),
+            ("PGONCE_NOTIFIER__LEASE", lease.into()),
+            ("PGONCE_NOTIFIER__RETRY__BASE", "100ms".into()),
+            ("PGONCE_NOTIFIER__RETRY__MAX", "200ms".into()),
+            ("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "60s".into()),
+        ]
+    }
+
+    /// A worker with `settings`, once the receiver holds its POST; with
+    /// its stderr and the POST's key.
+    fn worker_posting(&self, settings: &[(&'static str, String)]) -> (Reaped, Stderr, String) {
+        let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut worker = one_worker(&self.url, &settings);
+        let stderr = Stderr::of(&mut worker.0);
+        let key = self.webhook.next_key();
+        assert!(key.starts_with("incident-"), "{key}");
+        (worker, stderr, key)
+    }
+
+    /// See [`sent_once_by_another_worker`].
+    fn sent_once(&self, settings: &[(&'static str, String)], key: &str) {
+        let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        sent_once_by_another_worker(
+            &self.rt,
+            &self.pool,
+            &self.url,
+            &settings,
+            &self.webhook,
+            key,
+        );
+    }
+}
+
+/// The notification whose key is `key`, left unsent by a stopped worker,
+/// is sent by another one (`settings`) to `webhook`, answering now: it
+/// posts with the same key, and the job completes once, one row in the
+/// ledger. Then that worker drains on SIGTERM and exits 0.
+fn sent_once_by_another_worker(
+    rt: &tokio::runtime::Runtime,
+    pool: &PgPool,
+    url: &str,
+    settings: &[(&str, &str)],
+    webhook: &HeldWebhook,
+    key: &str,
+) {
     webhook.answer_from_now();
-    let second = one_worker(&url, &settings);
+    let mut second = one_worker(url, settings);
     assert_eq!(webhook.next_key(), key);
     let deadline = Instant::now() + STUCK;
     let done = loop {
-        let state = rt.block_on(notification_state(&pool));
+        let state = rt.block_on(notification_state(pool));
         if state.status != "processing" && state.status != "pending" {
             break state;
         }
@@ -640,8 +662,99 @@ fn a_second_signal_while_a_notification_is_posted_leaves_it_claimed_then_sent_on
         }
     );
     signal(&second.0, "TERM");
-    let mut second = second;
     assert!(second.0.wait().unwrap().success());
-    // Sent twice with one key (the receiver drops the second), no third.
-    assert!(webhook.keys.try_recv().is_err());
+    // Every post carried the one key: the receiver drops all but the first.
+    assert!(webhook.keys.try_iter().all(|k| k == key));
+}
+
+/// A second signal while a `pgonce worker`'s notifier is mid-POST (the
+/// receiver holds the request) stops it at once: the job stays claimed,
+/// nothing recorded. Once its lease ends (ended here by moving its end to
+/// now, rather than waiting an hour) another worker's reaper offers it
+/// again and its notifier sends it with the same idempotency key: the
+/// receiver got the key twice, drops the second as a duplicate, and the
+/// ledger holds one notification, the job completed once.
+#[test]
+fn a_second_signal_while_a_notification_is_posted_leaves_it_claimed_then_sent_once() {
+    let notified = Notified::new();
+    let (rt, pool) = (&notified.rt, &notified.pool);
+    let settings = notified.settings("1h", "2h");
+    let (mut first, stderr, key) = notified.worker_posting(&settings);
+    let mut seen = Vec::new();
+    signal(&first.0, "TERM");
+    stderr.wait_for("shutting down", &mut seen);
+    signal(&first.0, "INT");
+    let status = first.0.wait().unwrap();
+    seen.extend(stderr.0.iter());
+    assert_eq!(status.code(), Some(130), "{status:?}:\n{}", seen.join("\n"));
+    // The one line names what comes back, the notification too.
+    let last = seen.last().map(String::as_str).unwrap_or_default();
+    assert!(
+        last.starts_with("pgonce: interrupted again (SIGINT) while stopping")
+            && last.contains("claimed notifications sent again after their lease"),
+        "{}",
+        seen.join("\n")
+    );
+    let held = rt.block_on(notification_state(pool));
+    assert_eq!(
+        held,
+        NotificationState {
+            status: "processing".into(),
+            leased: true,
+            recorded: 0
+        },
+        "{}",
+        seen.join("\n")
+    );
+
+    // The lease ends.
+    rt.block_on(
+        sqlx::query("UPDATE pgonce.jobs SET lease_expires_at = now() WHERE kind = $1")
+            .bind(pgonce_incidents::service::NOTIFY_JOB_KIND)
+            .execute(pool),
+    )
+    .unwrap();
+    notified.sent_once(&settings, &key);
+}
+
+/// SIGTERM while a `pgonce worker`'s notifier is mid-POST (the receiver
+/// holds the request) drains it: the drain waits for the POST, which its
+/// timeout ends, records the failed attempt (the job to be retried, why
+/// kept, nothing in the ledger) and exits 0. Another worker then sends it once,
+/// with the same idempotency key.
+#[test]
+fn sigterm_while_a_notification_is_posted_waits_for_it_then_it_is_sent_once() {
+    let notified = Notified::new();
+    let (rt, pool) = (&notified.rt, &notified.pool);
+    let settings = notified.settings("3s", "1h");
+    let (mut first, stderr, key) = notified.worker_posting(&settings);
+    let mut seen = Vec::new();
+    signal(&first.0, "TERM");
+    stderr.wait_for("pgonce: stopped", &mut seen);
+    let status = first.0.wait().unwrap();
+    assert!(status.success(), "{status:?}:\n{}", seen.join("\n"));
+    let last = seen.last().map(String::as_str).unwrap_or_default();
+    assert!(last.contains("sent: 0, failed: 1"), "{}", seen.join("\n"));
+    let failed = rt.block_on(notification_state(pool));
+    assert_eq!(
+        failed,
+        NotificationState {
+            status: "failed".into(),
+            leased: false,
+            recorded: 0
+        },
+        "{}",
+        seen.join("\n")
+    );
+    // Why, as the job keeps it: the receiver got the request, and did not
+    // answer in time; it was not unreachable.
+    let why: String = rt
+        .block_on(
+            sqlx::query_scalar("SELECT last_error FROM pgonce.jobs WHERE kind = $1")
+                .bind(pgonce_incidents::service::NOTIFY_JOB_KIND)
+                .fetch_one(pool),
+        )
+        .unwrap();
+    assert_eq!(why, "webhook did not answer within 3s");
+    notified.sent_once(&settings, &key);
 }

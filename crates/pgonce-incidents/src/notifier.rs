@@ -304,8 +304,10 @@ impl Notifier {
         Ok(counts)
     }
 
-    /// One POST; any transport error or non-2xx status (a redirect too) is
-    /// a failure to retry.
+    /// One POST; any transport error, a timeout, or a non-2xx status (a
+    /// redirect too) is a failure to retry, its reason what the job keeps
+    /// (`webhook answered ...`, `webhook did not answer within ...`,
+    /// `webhook unreachable: ...`).
     async fn send(&self, incident_id: i64) -> Result<Sent> {
         let row: Option<IncidentSummary> =
             sqlx::query_as(include_str!("notifier/sql/incident.sql"))
@@ -345,6 +347,12 @@ impl Notifier {
         Ok(match response {
             Ok(r) if r.status().is_success() => Sent::Delivered(r.status().as_u16()),
             Ok(r) => Sent::Failed(format!("webhook answered {}", r.status())),
+            // Not "unreachable": the receiver may hold the request, and may
+            // have taken the notification (the retry carries the same key).
+            Err(e) if e.is_timeout() => Sent::Failed(format!(
+                "webhook did not answer within {:?}",
+                self.config.timeout
+            )),
             Err(e) => Sent::Failed(format!("webhook unreachable: {e}")),
         })
     }
