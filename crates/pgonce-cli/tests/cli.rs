@@ -1006,3 +1006,72 @@ fn serve_and_worker_with_their_address_in_use_exit_1_naming_it_and_take_nothing(
         .unwrap();
     assert_eq!(received, 0);
 }
+
+/// `serve`'s drain waits for every API request under way, however long:
+/// a request seen blocked on a lock the test holds when SIGTERM comes is
+/// answered 200 once the lock is released, and only then does the process
+/// exit 0. `pipeline.shutdown_deadline` (1 s here) bounds the pipeline's
+/// handlers, not the API's requests.
+#[test]
+fn serve_drains_an_api_request_under_way_until_it_is_answered() {
+    let (rt, db, url) = fresh_database_url();
+    let _runtime = rt.enter();
+    let port = free_port();
+    let mut child = Reaped(
+        std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .env("DATABASE_URL", &url)
+            .env("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s")
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_200(&mut child.0, port, "/readyz");
+    let pool = rt.block_on(db.pool(2)).unwrap();
+    let (_org, key) = rt
+        .block_on(pgonce_incidents::store::create_organization(
+            &pool, "drained",
+        ))
+        .unwrap();
+    let (mut gate, holder) = open_gate(&rt, &pool);
+    rt.block_on(
+        sqlx::query("LOCK TABLE incidents.incidents IN ACCESS EXCLUSIVE MODE").execute(&mut *gate),
+    )
+    .unwrap();
+    let request = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            s,
+            "GET /v1/incidents?limit=5 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+             Connection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer
+    });
+    blocked_backend(&rt, &pool, holder);
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    // Still draining: the API no longer takes connections, once it has
+    // let go of its address (polled; the deadline only ends a stuck run).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+        assert!(Instant::now() < deadline, "still taking connections");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(child.0.try_wait().unwrap().is_none(), "exited mid-request");
+    rt.block_on(gate.rollback()).unwrap();
+    let answer = request.join().unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let status = child.0.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{status:?}: {stderr}");
+}
