@@ -3895,6 +3895,95 @@ async fn delete_batch_rechecks_the_matched_receipt_after_a_concurrent_delivery()
     assert_eq!(left, 1, "the message is kept");
 }
 
+/// A hand-back that lands after a concurrent heartbeat of the same
+/// delivery wakes a receiver that saw the heartbeat's time, step by step.
+/// m is delivered for 1 s; A extends its lease to an hour (a heartbeat,
+/// uncommitted); C waits to lock the row behind A, and B's hand-back for
+/// 2 s waits behind C (both seen in pg_blocking_pids). A commits, so C
+/// holds the row and B still waits (seen). The long poll R then looks,
+/// sees m visible in an hour and parks. C commits and B's hand-back lands:
+/// m becomes visible 2 s from then, far sooner than the hour R waits for,
+/// so B must wake R. B used to compare its new time with the row as its
+/// statement's snapshot saw it before the wait (the 1 s lease, earlier
+/// than 2 s from now): "not sooner", no notification, and R slept to its
+/// poll interval with m visible.
+#[tokio::test]
+async fn a_hand_back_after_a_concurrent_heartbeat_wakes_a_long_poll() {
+    let (db, race, mut sessions) = raced(QueueAttributes::default(), &["A", "C", "B"]).await;
+    let (b, qb) = sessions.pop().unwrap();
+    let (c, _) = sessions.pop().unwrap();
+    let (a, _) = sessions.pop().unwrap();
+    let receiver_pool = db.pool(2).await.unwrap();
+    let r = PgQueue::open(&receiver_pool, "q", no_poll()).await.unwrap();
+    qb.send(SendMessage::new("m")).await.unwrap();
+    let got = qb
+        .receive(ReceiveRequest::up_to(1).visibility(Duration::from_secs(1)))
+        .await
+        .unwrap()
+        .remove(0);
+    let id: i64 = got.id.parse().unwrap();
+
+    let mut heartbeat = a.pool().begin().await.unwrap();
+    race.step(
+        &a,
+        "extend the lease to an hour, uncommitted",
+        sqlx::query(
+            "UPDATE pgonce.queue_message SET visible_at = now() + interval '1 hour' \
+             WHERE id = $1",
+        )
+        .bind(id)
+        .execute(&mut *heartbeat),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let c_pool = c.pool().clone();
+    let locker = race
+        .step_blocks(&c, "lock the row", async move {
+            let mut tx = c_pool.begin().await?;
+            sqlx::query("SELECT 1 FROM pgonce.queue_message WHERE id = $1 FOR UPDATE")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            Ok::<_, sqlx::Error>(tx)
+        })
+        .await
+        .unwrap();
+    assert_eq!(locker.blocked_by(), ["A"]);
+    let receipt = got.receipt.clone();
+    // A clone, kept to the end: a handle family's notifier, which sends
+    // the wake, stops when the family's last handle is dropped.
+    let handing_back = qb.clone();
+    let hand_back = race
+        .step_blocks(&b, "hand back for 2 s", async move {
+            handing_back
+                .change_visibility(&receipt, Duration::from_secs(2))
+                .await
+        })
+        .await
+        .unwrap();
+    race.step(&a, "commit", heartbeat.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let lock = locker.resume().await.unwrap().unwrap();
+    assert_eq!(
+        race.wait_until_blocked(&b, "hand back for 2 s, behind C")
+            .await
+            .unwrap(),
+        ["C"]
+    );
+    let receiver = parked_receiver(&r).await;
+    race.step(&c, "commit", lock.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    hand_back.resume().await.unwrap().unwrap();
+    let got = delivered(receiver, "a hand-back after a concurrent heartbeat").await;
+    assert_eq!(bodies(&got), ["m"]);
+    drop(qb);
+}
+
 /// The FIFO receive of up to 10 messages from `queue` (a name without
 /// quotes), its first statement and a follow-up's, each explained under a
 /// custom and then a generic plan.

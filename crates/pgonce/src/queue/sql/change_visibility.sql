@@ -5,10 +5,22 @@
 -- (a hand-back, not a heartbeat's extension): a long poll parked until the
 -- old time is then woken to look again (postgres.rs, change_visibility).
 WITH before AS (
-    SELECT visible_at FROM pgonce.queue_message
+    -- The old time is read under the row's lock, as the update finds the
+    -- row: after waiting for a concurrent change of the same delivery (a
+    -- heartbeat), the lock returns the row that change left. Read from
+    -- the statement's snapshot instead, it was the time before that
+    -- change: a hand-back for less than a heartbeat had just set, but more
+    -- than the lease before it, was "not sooner", and a long poll that saw
+    -- the heartbeat's time slept past the message (tests/queue.rs,
+    -- `a_hand_back_after_a_concurrent_heartbeat_wakes_a_long_poll`). The
+    -- update joins it, so the lock is taken first; NO KEY, the lock the
+    -- update takes anyway (it changes no key).
+    SELECT id, visible_at FROM pgonce.queue_message
     WHERE id = $2 AND generation = $3 AND queue IS NOT DISTINCT FROM $1
+    FOR NO KEY UPDATE
 )
-UPDATE pgonce.queue_message
+UPDATE pgonce.queue_message m
 SET visible_at = now() + $4 * interval '1 millisecond'
-WHERE id = $2 AND generation = $3 AND queue IS NOT DISTINCT FROM $1
-RETURNING coalesce(visible_at < (SELECT visible_at FROM before), false) AS sooner
+FROM before
+WHERE m.id = $2 AND m.generation = $3 AND m.queue IS NOT DISTINCT FROM $1 AND m.id = before.id
+RETURNING m.visible_at < before.visible_at AS sooner
