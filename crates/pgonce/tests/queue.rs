@@ -2169,6 +2169,57 @@ async fn messages_becoming_visible_end_a_long_poll() {
     assert_eq!(bodies(&got), ["handed back"]);
 }
 
+/// A message sent with a delay while two receivers of a family are
+/// parked reaches the one that stays, though the notification woke the
+/// other, which then stopped before the delay ran out. Step by step on a
+/// single-threaded runtime: R1 parks, then R2 (both for an hour, on a
+/// [`no_poll`] handle); the delayed send's notification wakes the receiver
+/// that waited longest, R1, seen to look once (an empty receive) and park
+/// again; R1 is stopped. R2 must wake when the delay runs out. The
+/// notification used to end with R1, and R2 slept to its poll interval.
+#[tokio::test(flavor = "current_thread")]
+async fn a_delayed_send_reaches_a_parked_receiver_when_the_woken_one_stops() {
+    use std::sync::atomic::Ordering;
+    let pool = pool().await;
+    let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let q = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let first = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            let request = ReceiveRequest::up_to(10).wait(LONG_POLL);
+            q.receive_or_stop(request, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap()
+        })
+    };
+    while q.parked_receivers() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let second = parked_receiver(&q).await;
+    let looked = empty.load(Ordering::SeqCst);
+    q.send(SendMessage::new("delayed").delay(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    while empty.load(Ordering::SeqCst) == looked || q.parked_receivers() < 2 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        empty.load(Ordering::SeqCst),
+        looked + 1,
+        "one receiver woken"
+    );
+    stop.send(()).unwrap();
+    assert!(first.await.unwrap().is_empty(), "stopped, with nothing");
+    let got = delivered(second, "a delay announced to a receiver that stopped").await;
+    assert_eq!(bodies(&got), ["delayed"]);
+}
+
 /// A FIFO group's head whose lease runs out during a long poll is
 /// delivered again then, before the messages of its group behind it.
 #[tokio::test]

@@ -1201,7 +1201,9 @@ impl Queue for PgQueue {
     /// batch wakes the next, so a burst reaches as many receivers as it
     /// needs and a single message does not send the whole family looking.
     /// A woken receive dropped or failing before it has looked wakes
-    /// another in its place.
+    /// another in its place, as does one woken for a message that becomes
+    /// visible later (sent or handed back with a delay) which ends before
+    /// then: the others, parked before it was announced, do not know of it.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
         self.receive_or_stop(request, std::future::pending()).await
     }
@@ -1233,6 +1235,13 @@ impl Queue for PgQueue {
         // only `poll_interval` and `wait` wake us.
         let notify = self.waker().await?.notify.clone();
         let mut woken = false;
+        // When the last look's queue next becomes visible, and what a
+        // notification told this receive alone (`Foreseen`).
+        let mut last_next_visible = None;
+        let mut foreseen = Foreseen {
+            notify: &notify,
+            at: None,
+        };
         loop {
             // Registered before looking, so a send committed between the
             // look and the wait still wakes us.
@@ -1242,6 +1251,7 @@ impl Queue for PgQueue {
             // A notification woke this receiver alone: if it is dropped
             // or fails before its look is done, the next one looks.
             let mut pass_on = PassOn(woken.then_some(&*notify));
+            let looked_at = Instant::now();
             let Look {
                 received,
                 more,
@@ -1249,6 +1259,18 @@ impl Queue for PgQueue {
             } = self.receive_looking(&request).await?;
             pass_on.0 = None;
             let now = Instant::now();
+            if foreseen.at.is_some_and(|at| at <= looked_at) {
+                // Its time came, and this look was made after it.
+                foreseen.at = None;
+            }
+            if woken && next_visible.is_some_and(|t| last_next_visible.is_none_or(|l| t < l)) {
+                // The notification announced a message that becomes
+                // visible later (sent with a delay, handed back with one),
+                // sooner than the last look knew of: the receivers it did
+                // not wake know no more than that look did.
+                foreseen.at = next_visible;
+            }
+            last_next_visible = next_visible;
             if received.len() >= request.max_messages {
                 // A full batch: there may be more than this receive could
                 // take, and a notification wakes one receiver, so pass it
@@ -1617,6 +1639,25 @@ impl Drop for PassOn<'_> {
     fn drop(&mut self) {
         if let Some(notify) = self.0 {
             notify.notify_one();
+        }
+    }
+}
+
+/// A message a notification told this receive of, which becomes visible
+/// at `at` (sent with a delay, handed back with one): the notification
+/// woke this receiver alone, and the others of the family, parked until
+/// what their own looks saw, would sleep past it. A receive that ends
+/// before `at` (its wait over, stopped, dropped or failed) wakes one of
+/// them, which looks and waits for it in its place.
+struct Foreseen<'a> {
+    notify: &'a Notify,
+    at: Option<Instant>,
+}
+
+impl Drop for Foreseen<'_> {
+    fn drop(&mut self) {
+        if self.at.is_some_and(|at| at > Instant::now()) {
+            self.notify.notify_one();
         }
     }
 }
