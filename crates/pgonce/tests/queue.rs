@@ -2169,6 +2169,69 @@ async fn messages_becoming_visible_end_a_long_poll() {
     assert_eq!(bodies(&got), ["handed back"]);
 }
 
+/// How many empty looks a long poll of `wait` on `q` (a [`no_poll`]
+/// handle) makes, on this single-threaded runtime's `empty` counter.
+async fn empty_looks_in_a_long_poll(
+    q: &PgQueue,
+    empty: &std::sync::atomic::AtomicU64,
+    wait: Duration,
+) -> u64 {
+    let before = empty.load(std::sync::atomic::Ordering::SeqCst);
+    let got = q
+        .receive(ReceiveRequest::up_to(10).wait(wait))
+        .await
+        .unwrap();
+    assert!(got.is_empty(), "nothing to receive");
+    empty.load(std::sync::atomic::Ordering::SeqCst) - before
+}
+
+/// What a long poll's wake for the queue's next visible message must not
+/// do: wake for a message of another queue, or again and again for
+/// messages that are visible but not receivable. A delay running out on
+/// another queue, and a FIFO group's followers (visible, behind a head in
+/// flight for an hour), leave a parked long poll alone: it looks as it
+/// starts and as its wait ends, twice, whatever the machine's speed (its
+/// poll interval is an hour away). Counted, not timed.
+#[tokio::test(flavor = "current_thread")]
+async fn a_long_poll_does_not_wake_for_what_it_cannot_receive() {
+    let pool = pool().await;
+    let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let wait = Duration::from_millis(1500);
+
+    let s = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    let o = PgQueue::create(&pool, "o", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    o.send(SendMessage::new("elsewhere").delay(Duration::from_millis(300)))
+        .await
+        .unwrap();
+    assert_eq!(
+        empty_looks_in_a_long_poll(&s, &empty, wait).await,
+        2,
+        "woken by another queue's delay"
+    );
+
+    let f = PgQueue::create(&pool, "f.fifo", QueueAttributes::fifo(), no_poll())
+        .await
+        .unwrap();
+    for body in ["head", "b", "c"] {
+        f.send(SendMessage::new(body).group("g")).await.unwrap();
+    }
+    let head = f
+        .receive(ReceiveRequest::up_to(10).visibility(Duration::from_secs(3600)))
+        .await
+        .unwrap();
+    assert_eq!(bodies(&head), ["head"]);
+    assert_eq!(
+        empty_looks_in_a_long_poll(&f, &empty, wait).await,
+        2,
+        "woken for followers behind a head in flight"
+    );
+}
+
 /// A message sent with a delay while two receivers of a family are
 /// parked reaches the one that stays, though the notification woke the
 /// other, which then stopped before the delay ran out. Step by step on a
