@@ -2169,6 +2169,36 @@ async fn messages_becoming_visible_end_a_long_poll() {
     assert_eq!(bodies(&got), ["handed back"]);
 }
 
+/// A send, and a hand-back, through a handle dropped as soon as it
+/// returns (a handle opened for one call, a process about to exit) still
+/// wake a receiver parked on another handle family. The notification is
+/// sent after the commit by the family's notifier task, which dropping
+/// the family's last handle aborted before it ran (on this
+/// single-threaded runtime, always): the receiver slept to its poll
+/// interval.
+#[tokio::test]
+async fn a_handle_dropped_after_its_call_still_wakes_parked_receivers() {
+    let pool = pool().await;
+    let q = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    let receiver = parked_receiver(&q).await;
+    let once = PgQueue::open(&pool, "s", no_poll()).await.unwrap();
+    once.send(SendMessage::new("m")).await.unwrap();
+    drop(once);
+    let got = delivered(receiver, "a send through a dropped handle").await;
+    assert_eq!(bodies(&got), ["m"]);
+
+    let receiver = parked_receiver(&q).await;
+    let once = PgQueue::open(&pool, "s", no_poll()).await.unwrap();
+    once.change_visibility(&got[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    drop(once);
+    let got = delivered(receiver, "a hand-back through a dropped handle").await;
+    assert_eq!(bodies(&got), ["m"]);
+}
+
 /// How many empty looks a long poll of `wait` on `q` (a [`no_poll`]
 /// handle) makes, on this single-threaded runtime's `empty` counter.
 async fn empty_looks_in_a_long_poll(
@@ -4065,14 +4095,9 @@ async fn a_hand_back_after_a_concurrent_heartbeat_wakes_a_long_poll() {
         .unwrap();
     assert_eq!(locker.blocked_by(), ["A"]);
     let receipt = got.receipt.clone();
-    // A clone, kept to the end: a handle family's notifier, which sends
-    // the wake, stops when the family's last handle is dropped.
-    let handing_back = qb.clone();
     let hand_back = race
         .step_blocks(&b, "hand back for 2 s", async move {
-            handing_back
-                .change_visibility(&receipt, Duration::from_secs(2))
-                .await
+            qb.change_visibility(&receipt, Duration::from_secs(2)).await
         })
         .await
         .unwrap();
@@ -4095,7 +4120,6 @@ async fn a_hand_back_after_a_concurrent_heartbeat_wakes_a_long_poll() {
     hand_back.resume().await.unwrap().unwrap();
     let got = delivered(receiver, "a hand-back after a concurrent heartbeat").await;
     assert_eq!(bodies(&got), ["m"]);
-    drop(qb);
 }
 
 /// The FIFO receive of up to 10 messages from `queue` (a name without

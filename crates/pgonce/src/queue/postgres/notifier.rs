@@ -18,7 +18,10 @@
 //! What it costs: a receiver is woken one round trip after the commit
 //! instead of at it; a process that dies between a commit and its
 //! notification leaves the receivers to their `poll_interval`, as a lost
-//! notification always did (the LISTEN connection can drop too). Sends in
+//! notification always did (the LISTEN connection can drop too). A handle
+//! family dropped with a notification owed (its last handle dropped as
+//! soon as a send returned) lets the task send it first: the task ends
+//! then, or with its runtime. Sends in
 //! the caller's transaction (`send_in`) still notify inside it: only the
 //! caller knows when it commits.
 
@@ -30,15 +33,17 @@ use tokio::sync::Notify;
 
 use super::CHANNEL;
 
-/// One per handle family; the task stops when this is dropped.
+/// One per handle family; the task stops when this is dropped, once it
+/// has sent the notification it owes, if any.
 pub(super) struct Notifier {
     state: Arc<State>,
-    task: tokio::task::JoinHandle<()>,
 }
 
 struct State {
     /// A send committed since the last notification was sent.
     pending: AtomicBool,
+    /// The handle family is gone: no send will come after what is pending.
+    closed: AtomicBool,
     wake: Notify,
 }
 
@@ -47,10 +52,11 @@ impl Notifier {
     pub(super) fn start(pool: PgPool, queue: String) -> Notifier {
         let state = Arc::new(State {
             pending: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             wake: Notify::new(),
         });
-        let task = tokio::spawn(run(pool, queue, state.clone()));
-        Notifier { state, task }
+        tokio::spawn(run(pool, queue, state.clone()));
+        Notifier { state }
     }
 
     /// Asks for a notification after a send committed. Returns at once.
@@ -63,8 +69,13 @@ impl Notifier {
 }
 
 impl Drop for Notifier {
+    /// Not an abort: the last send's notification may not have been sent
+    /// yet (the task runs after the send returned), and aborted it never
+    /// was, so receivers parked on other handle families slept to their
+    /// poll interval past the message.
     fn drop(&mut self) {
-        self.task.abort();
+        self.state.closed.store(true, Ordering::SeqCst);
+        self.state.wake.notify_one();
     }
 }
 
@@ -83,6 +94,10 @@ async fn run(pool: PgPool, queue: String, state: Arc<State>) {
                 // Receivers still look at their poll_interval.
                 tracing::warn!(queue = %queue, error = %e, "queue notification not sent");
             }
+        }
+        // Set before the wake that got here, after the family's last send.
+        if state.closed.load(Ordering::SeqCst) {
+            return;
         }
     }
 }
