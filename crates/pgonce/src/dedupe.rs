@@ -59,6 +59,11 @@
 //! [`Error::LeaseLost`]: the hold is still its own, and the transaction's
 //! retry sees it (migration 0200). Only a hold that is really lost gives
 //! [`Error::LeaseLost`], at every isolation level.
+//!
+//! The [`Collector`] deletes in READ COMMITTED transactions of its own,
+//! whatever the database's default: it skips locked keys and re-checks the
+//! rest, and under a stricter level a key changed since its statement's
+//! snapshot would fail the pass with 40001.
 
 use std::future::Future;
 use std::time::Duration;
@@ -457,12 +462,15 @@ impl Collector {
     async fn delete_all(&self, sql: &'static str, retention: Duration) -> Result<u64> {
         let mut total = 0;
         loop {
-            let n = sqlx::query(sql)
-                .bind(retention.as_secs_f64())
-                .bind(self.config.batch_size)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
+            let n = crate::transaction::read_committed(&self.pool, async |conn| {
+                sqlx::query(sql)
+                    .bind(retention.as_secs_f64())
+                    .bind(self.config.batch_size)
+                    .execute(conn)
+                    .await
+            })
+            .await?
+            .rows_affected();
             total += n;
             if (n as i64) < self.config.batch_size {
                 return Ok(total);

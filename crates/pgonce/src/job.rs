@@ -64,7 +64,12 @@
 //! level: READ COMMITTED unless an operator set another with `ALTER
 //! DATABASE ... SET default_transaction_isolation`, and then the rules
 //! below for that level apply) or the caller's transaction, so the job's
-//! transition commits with the caller's writes.
+//! transition commits with the caller's writes. The exceptions are the
+//! passes that skip locked rows and re-check them, correct at READ
+//! COMMITTED: [`claim_batch`] on a pool or a bare connection, the
+//! [`Reaper`], the [`Redriver`] and an operator's [`retry_dead`] or
+//! [`retry_dead_jobs`] on a bare connection each run in a READ COMMITTED
+//! transaction of their own, whatever the database's default.
 //! Under READ COMMITTED a delivery that lost a race re-reads the row after the
 //! winner commits, matches nothing and gets [`Error::AlreadyHandled`] (or
 //! [`Error::JobBusy`] from [`claim`], or [`Error::LeaseLost`]). Under REPEATABLE READ or SERIALIZABLE PostgreSQL
@@ -490,9 +495,50 @@ pub struct ClaimedJob {
     pub lease: Lease,
 }
 
+/// Where [`claim_batch`] runs its statement: a pool (`&pool`) or a
+/// connection (`&mut *tx` for a transaction of the caller's, `&mut conn`
+/// for a bare one).
+///
+/// On a pool, or a connection outside a transaction, the claim runs in a
+/// READ COMMITTED transaction of its own, whatever the database's default
+/// isolation level: `SKIP LOCKED` then the outer re-check is what keeps
+/// concurrent pollers apart, and it is correct at READ COMMITTED. Under a
+/// stricter default, a job another poller claimed (or anyone changed)
+/// after the statement's snapshot would be a serialization failure
+/// instead of a job passed over. In a caller's transaction the claim runs
+/// at that transaction's level.
+#[derive(Debug)]
+pub struct ClaimBatchOn<'c>(ClaimBatchTarget<'c>);
+
+#[derive(Debug)]
+enum ClaimBatchTarget<'c> {
+    Pool(&'c sqlx::PgPool),
+    Connection(&'c mut sqlx::PgConnection),
+}
+
+impl<'c> From<&'c sqlx::PgPool> for ClaimBatchOn<'c> {
+    fn from(pool: &'c sqlx::PgPool) -> ClaimBatchOn<'c> {
+        ClaimBatchOn(ClaimBatchTarget::Pool(pool))
+    }
+}
+
+impl<'c> From<&'c mut sqlx::PgConnection> for ClaimBatchOn<'c> {
+    fn from(conn: &'c mut sqlx::PgConnection) -> ClaimBatchOn<'c> {
+        ClaimBatchOn(ClaimBatchTarget::Connection(conn))
+    }
+}
+
+impl<'c> From<&'c mut sqlx::pool::PoolConnection<sqlx::Postgres>> for ClaimBatchOn<'c> {
+    fn from(conn: &'c mut sqlx::pool::PoolConnection<sqlx::Postgres>) -> ClaimBatchOn<'c> {
+        ClaimBatchOn(ClaimBatchTarget::Connection(&mut *conn))
+    }
+}
+
 /// Claims up to `limit` runnable jobs of `kind` in one statement
 /// (`FOR UPDATE SKIP LOCKED` in a CTE, then `UPDATE ... RETURNING`), so
 /// concurrent workers never claim the same job and never wait for each other.
+/// On a pool or a bare connection the statement runs at READ COMMITTED
+/// whatever the database's default level (see [`ClaimBatchOn`]).
 ///
 /// A job whose payload cannot be read back (written around [`enqueue`],
 /// which refuses such a payload, and nested past
@@ -504,7 +550,7 @@ pub struct ClaimedJob {
 /// are read, so failing the whole call would leave every job of the batch
 /// claimed by nobody.
 pub async fn claim_batch<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<ClaimBatchOn<'c>>,
     kind: &str,
     limit: i64,
     lease_for: Duration,
@@ -529,12 +575,20 @@ pub async fn claim_batch<'c>(
         lease_expires_at: OffsetDateTime,
         claimed_in: i64,
     }
-    let rows: Vec<Row> = sqlx::query_as(include_str!("job/sql/claim_batch.sql"))
-        .bind(kind)
-        .bind(limit)
-        .bind(secs)
-        .fetch_all(db)
-        .await?;
+    let statement = async |conn: &mut sqlx::PgConnection| -> sqlx::Result<Vec<Row>> {
+        sqlx::query_as(include_str!("job/sql/claim_batch.sql"))
+            .bind(kind)
+            .bind(limit)
+            .bind(secs)
+            .fetch_all(conn)
+            .await
+    };
+    let rows = match db.into().0 {
+        ClaimBatchTarget::Pool(pool) => crate::transaction::read_committed(pool, statement).await?,
+        ClaimBatchTarget::Connection(conn) => {
+            crate::transaction::read_committed_unless_in_transaction(conn, statement).await?
+        }
+    };
     let claimed: Vec<ClaimedJob> = rows
         .into_iter()
         .filter_map(|row| match crate::json::read_back(row.payload) {

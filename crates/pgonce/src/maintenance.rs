@@ -8,7 +8,10 @@
 //!
 //! # How a cleaner deletes
 //!
-//! Each batch is one statement: `DELETE ... USING (SELECT ... ORDER BY age
+//! Each batch is one statement, in a READ COMMITTED transaction of its own
+//! whatever the database's default isolation level (under a stricter one a
+//! row changed since the statement's snapshot would fail the pass with
+//! 40001): `DELETE ... USING (SELECT ... ORDER BY age
 //! LIMIT batch_size FOR UPDATE SKIP LOCKED)`, over an index on the age column
 //! restricted to the rows the cleaner may take (migration 0100). So a batch
 //! holds at most `batch_size` row locks for one statement, never waits for a
@@ -270,12 +273,15 @@ pub async fn run_once(pool: &PgPool, config: &MaintenanceConfig) -> Result<Clean
             continue;
         };
         loop {
-            let n = sqlx::query(cleaner.sql())
-                .bind(retention.as_secs_f64())
-                .bind(config.batch_size)
-                .execute(pool)
-                .await?
-                .rows_affected();
+            let n = crate::transaction::read_committed(pool, async |conn| {
+                sqlx::query(cleaner.sql())
+                    .bind(retention.as_secs_f64())
+                    .bind(config.batch_size)
+                    .execute(conn)
+                    .await
+            })
+            .await?
+            .rows_affected();
             *batches += 1;
             *deleted += n;
             metrics::counter!("pgonce_maintenance_deleted_total", "table" => cleaner.label())

@@ -25,7 +25,7 @@
 
 use std::fmt;
 
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 
 /// A transaction isolation level of PostgreSQL, as a BEGIN states it.
 /// READ UNCOMMITTED is left out: PostgreSQL runs it as READ COMMITTED.
@@ -121,6 +121,50 @@ pub async fn begin_read_only(
     level: IsolationLevel,
 ) -> sqlx::Result<Transaction<'static, Postgres>> {
     begin_detached(pool, level.begin_read_only().to_owned()).await
+}
+
+/// Runs `work` in a READ COMMITTED transaction of its own on a connection
+/// of `pool` ([`begin`]) and commits it; on an error the transaction rolls
+/// back. For the library's own passes (the reaper, the re-driver, the
+/// cleaners), whose `FOR UPDATE SKIP LOCKED` then re-check is correct at
+/// READ COMMITTED: run alone on the pool, their statements would be
+/// transactions at the database's default level, and under a stricter one
+/// a row changed by a writer that committed after the statement's snapshot
+/// would be a serialization failure (40001) instead of a row skipped or
+/// re-checked.
+pub(crate) async fn read_committed<T, E: From<sqlx::Error>>(
+    pool: &PgPool,
+    work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+) -> Result<T, E> {
+    let mut tx = begin(pool, IsolationLevel::ReadCommitted).await?;
+    let out = work(&mut tx).await?;
+    tx.commit().await?;
+    Ok(out)
+}
+
+/// Runs `work` on `conn`: in the transaction sqlx has open on it if there
+/// is one (its level is the caller's), otherwise in a READ COMMITTED
+/// transaction of its own, committed once `work` succeeds and rolled back
+/// when it fails. For the library's functions that take a bare
+/// connection, whose statements would otherwise each be a transaction at
+/// the database's default level (see [`read_committed`]).
+///
+/// sqlx tracks the transactions it began; one begun with a BEGIN run by
+/// hand is not seen, and the BEGIN here would then only warn and the
+/// COMMIT end the caller's transaction. Begin transactions through sqlx.
+pub(crate) async fn read_committed_unless_in_transaction<T, E: From<sqlx::Error>>(
+    conn: &mut PgConnection,
+    work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+) -> Result<T, E> {
+    if conn.is_in_transaction() {
+        return work(conn).await;
+    }
+    let mut tx = conn
+        .begin_with(IsolationLevel::ReadCommitted.begin())
+        .await?;
+    let out = work(&mut tx).await?;
+    tx.commit().await?;
+    Ok(out)
 }
 
 /// Runs `sql`, a BEGIN statement (possibly followed by statements that take

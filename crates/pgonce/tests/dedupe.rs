@@ -1011,3 +1011,47 @@ async fn an_acquire_meeting_a_first_use_under_a_stricter_default_isolation_says_
         "{out:?}"
     );
 }
+
+/// The collector's deletes ran alone on its pool, at the database's
+/// default level: under REPEATABLE READ, an old processed-message row
+/// changed after the statement's snapshot was a serialization failure and
+/// the pass failed. At READ COMMITTED it re-reads the row: here refreshed,
+/// so it stays.
+#[tokio::test]
+async fn the_collector_under_a_stricter_default_isolation_keeps_a_row_refreshed_meanwhile() {
+    let (db, pool) = setup().await;
+    sqlx::query(
+        "INSERT INTO pgonce.processed_messages (consumer, message_id, processed_at) \
+         VALUES ('c', 'm', now() - interval '30 days')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (race, passer, writer) =
+        support::pass_and_writer(db.options(), "collector", "consumer").await;
+    let collector = Collector::new(passer.pool().clone(), CollectorConfig::default()).unwrap();
+    sqlx::query("UPDATE pgonce.processed_messages SET processed_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(collector.run_once().await.unwrap().processed_messages, 0);
+    sqlx::query("UPDATE pgonce.processed_messages SET processed_at = now() - interval '30 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = support::pass_meeting_a_committed_change(
+        &race,
+        &passer,
+        &writer,
+        "pgonce.processed_messages",
+        "UPDATE pgonce.processed_messages SET processed_at = now()",
+        async move { collector.run_once().await },
+    )
+    .await;
+    assert_eq!(out.unwrap().processed_messages, 0);
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.processed_messages")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, 1);
+}

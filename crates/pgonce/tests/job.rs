@@ -15,8 +15,8 @@ use std::time::Duration;
 use pgonce::Error;
 use pgonce::IsolationLevel;
 use pgonce::job::{
-    self, DeadJobFilter, FailOutcome, JobStatus, NewJob, Reaper, ReaperConfig, Redriver,
-    RedriverConfig, RetryPolicy,
+    self, DeadJobFilter, FailOutcome, JobStatus, NewJob, ReapCounts, Reaper, ReaperConfig,
+    Redriver, RedriverConfig, RetryPolicy,
 };
 use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use serde_json::json;
@@ -2195,4 +2195,169 @@ async fn a_redrive_pass_failing_part_way_hands_back_what_it_committed() {
         .await
         .unwrap();
     assert_eq!(redriver.run_once().await.unwrap().ids, [second]);
+}
+
+/// The reaper's statement ran alone on its pool: a transaction at the
+/// database's default isolation level. Under REPEATABLE READ, a lease a
+/// heartbeat extended after the statement's snapshot was a serialization
+/// failure (40001) and the pass failed. At READ COMMITTED, as the reaper
+/// runs now whatever the default, it re-reads the row and leaves the job.
+#[tokio::test]
+async fn the_reaper_under_a_stricter_default_isolation_leaves_a_lease_extended_meanwhile() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    job::claim(&pool, id, LEASE).await.unwrap();
+    let (race, passer, writer) = support::pass_and_writer(db.options(), "reaper", "worker").await;
+    let reaper = reaper(passer.pool());
+    assert_eq!(reaper.run_once().await.unwrap(), ReapCounts::default());
+    expire_lease(&pool, id).await;
+    let out = support::pass_meeting_a_committed_change(
+        &race,
+        &passer,
+        &writer,
+        "pgonce.jobs",
+        &format!(
+            "UPDATE pgonce.jobs SET lease_expires_at = now() + interval '1 hour' WHERE id = {id}"
+        ),
+        async move { reaper.run_once().await },
+    )
+    .await;
+    assert_eq!(out.unwrap(), ReapCounts::default());
+    assert_eq!(status(&pool, id).await, JobStatus::Processing);
+}
+
+/// As for the reaper: the re-driver's statement ran at the database's
+/// default level, and under REPEATABLE READ a due failed job an operator
+/// postponed after the statement's snapshot was a serialization failure.
+/// At READ COMMITTED the re-driver re-reads it and leaves it failed.
+#[tokio::test]
+async fn the_redriver_under_a_stricter_default_isolation_leaves_a_job_postponed_meanwhile() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    job::fail(&pool, &lease, "boom", &RetryPolicy::default())
+        .await
+        .unwrap();
+    let (race, passer, writer) =
+        support::pass_and_writer(db.options(), "redriver", "operator").await;
+    let redriver = Redriver::new(passer.pool().clone(), RedriverConfig::default()).unwrap();
+    assert_eq!(redriver.run_once().await.unwrap().redriven, 0);
+    sqlx::query("UPDATE pgonce.jobs SET run_at = now() - interval '1 second' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = support::pass_meeting_a_committed_change(
+        &race,
+        &passer,
+        &writer,
+        "pgonce.jobs",
+        &format!("UPDATE pgonce.jobs SET run_at = now() + interval '1 hour' WHERE id = {id}"),
+        async move { redriver.run_once().await },
+    )
+    .await;
+    assert_eq!(out.unwrap().redriven, 0);
+    assert_eq!(status(&pool, id).await, JobStatus::Failed);
+}
+
+/// `retry_dead` on a bare connection ran each statement at the database's
+/// default level: under SERIALIZABLE, waiting for another operator's retry
+/// of the same job and meeting it once committed was a serialization
+/// failure. It runs in a READ COMMITTED transaction of its own now and
+/// says the job is no longer dead.
+#[tokio::test]
+async fn retry_dead_on_a_bare_connection_under_a_stricter_default_isolation_says_not_dead() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 1).await;
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    job::fail(&pool, &lease, "boom", &RetryPolicy::default())
+        .await
+        .unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Dead);
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let first = race.session("first").await.unwrap();
+    let second = race.session("second").await.unwrap();
+    second
+        .set("default_transaction_isolation", "serializable")
+        .await
+        .unwrap();
+    let by = job::RetryBy {
+        who: "ops",
+        reason: None,
+    };
+    let mut tx = pgonce::begin(first.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    race.step(&first, "retry", job::retry_dead(&mut tx, id, by))
+        .await
+        .unwrap()
+        .unwrap();
+    let second_pool = second.pool().clone();
+    let waiting = race
+        .step_blocks(&second, "retry", async move {
+            let mut conn = second_pool.acquire().await.unwrap();
+            let by = job::RetryBy {
+                who: "ops",
+                reason: None,
+            };
+            job::retry_dead(&mut conn, id, by).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["first"]);
+    race.step(&first, "COMMIT", tx.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let out = waiting.resume().await.unwrap();
+    assert!(
+        matches!(
+            out,
+            Err(Error::JobNotDead {
+                status: Some(JobStatus::Pending),
+                ..
+            })
+        ),
+        "{out:?}"
+    );
+    let retries: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.job_retries")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(retries, 1);
+}
+
+/// `claim_batch` on a pool ran its statement alone, at the database's
+/// default level: under REPEATABLE READ, a runnable job another poller
+/// claimed after the statement's snapshot was a serialization failure, and
+/// the poller got an error instead of passing the job over. It runs at
+/// READ COMMITTED now whatever the default, and re-reads the job.
+#[tokio::test]
+async fn claim_batch_on_a_pool_under_a_stricter_default_isolation_passes_over_a_job_claimed_meanwhile()
+ {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let (race, passer, writer) =
+        support::pass_and_writer(db.options(), "poller", "other poller").await;
+    assert!(
+        job::claim_batch(passer.pool(), "other", 10, LEASE)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let poller = passer.pool().clone();
+    let out = support::pass_meeting_a_committed_change(
+        &race,
+        &passer,
+        &writer,
+        "pgonce.jobs",
+        &format!(
+            "UPDATE pgonce.jobs SET status = 'processing', lease_token = gen_random_uuid(), \
+             lease_expires_at = now() + interval '1 minute', claimed_at = now() WHERE id = {id}"
+        ),
+        async move { job::claim_batch(&poller, "send", 10, LEASE).await },
+    )
+    .await;
+    assert!(out.unwrap().is_empty());
+    assert_eq!(status(&pool, id).await, JobStatus::Processing);
 }

@@ -6,6 +6,8 @@
 //! Ages are set by writing timestamps in the past: time passing is not what
 //! these tests are about.
 
+mod support;
+
 use std::time::Duration;
 
 use pgonce::Error;
@@ -477,4 +479,51 @@ async fn the_longest_interval_runs_its_first_pass_and_stops_on_shutdown() {
     tokio::time::timeout(Duration::from_secs(5), handle.stop())
         .await
         .expect("the loop stops on shutdown");
+}
+
+/// The cleaners' deletes ran alone on the pool, at the database's default
+/// level: under REPEATABLE READ, an old completed job changed after the
+/// statement's snapshot (here put back to pending by hand) was a
+/// serialization failure and the pass failed. At READ COMMITTED the
+/// cleaner re-reads the row, finds it no longer completed, and keeps it.
+#[tokio::test]
+async fn a_cleaner_under_a_stricter_default_isolation_keeps_a_row_changed_meanwhile() {
+    let (db, pool) = setup().await;
+    let id = job(&pool, "pending", 30 * DAY).await;
+    let config = MaintenanceConfig {
+        completed_jobs: Some(Duration::from_secs(DAY)),
+        dead_jobs: None,
+        queue_dedup: None,
+        dead_letter_messages: None,
+        idempotency_keys: None,
+        processed_messages: None,
+        ..MaintenanceConfig::default()
+    };
+    let (race, passer, writer) =
+        support::pass_and_writer(db.options(), "maintenance", "operator").await;
+    let first = maintenance::run_once(passer.pool(), &config).await.unwrap();
+    assert_eq!(first.completed_jobs, 0);
+    exec(
+        &pool,
+        "UPDATE pgonce.jobs SET status = 'completed', finished_at = now() - interval '30 days'",
+    )
+    .await;
+    let pass_pool = passer.pool().clone();
+    let out = support::pass_meeting_a_committed_change(
+        &race,
+        &passer,
+        &writer,
+        "pgonce.jobs",
+        &format!("UPDATE pgonce.jobs SET status = 'pending', finished_at = NULL WHERE id = {id}"),
+        async move { maintenance::run_once(&pass_pool, &config).await },
+    )
+    .await;
+    assert_eq!(out.unwrap().completed_jobs, 0);
+    assert_eq!(
+        jobs(&pool).await,
+        [JobRow {
+            id,
+            status: "pending".to_string()
+        }]
+    );
 }

@@ -63,10 +63,13 @@ impl Reaper {
     pub async fn run_once(&self) -> Result<ReapCounts> {
         let mut counts = ReapCounts::default();
         loop {
-            let rows: Vec<Reaped> = sqlx::query_as(include_str!("sql/reap.sql"))
-                .bind(self.config.batch_size)
-                .fetch_all(&self.pool)
-                .await?;
+            let rows: Vec<Reaped> = crate::transaction::read_committed(&self.pool, async |conn| {
+                sqlx::query_as(include_str!("sql/reap.sql"))
+                    .bind(self.config.batch_size)
+                    .fetch_all(conn)
+                    .await
+            })
+            .await?;
             for Reaped { id, status } in &rows {
                 if status == "dead" {
                     counts.dead += 1;

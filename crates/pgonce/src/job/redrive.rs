@@ -62,10 +62,13 @@ impl Redriver {
     pub async fn run_once(&self) -> Result<RedriveCounts> {
         let mut counts = RedriveCounts::default();
         loop {
-            let batch = sqlx::query_scalar(include_str!("sql/redrive.sql"))
-                .bind(self.config.batch_size)
-                .fetch_all(&self.pool)
-                .await;
+            let batch = crate::transaction::read_committed(&self.pool, async |conn| {
+                sqlx::query_scalar(include_str!("sql/redrive.sql"))
+                    .bind(self.config.batch_size)
+                    .fetch_all(conn)
+                    .await
+            })
+            .await;
             let ids: Vec<i64> = match batch {
                 Ok(ids) => ids,
                 Err(e) if counts.redriven > 0 => {

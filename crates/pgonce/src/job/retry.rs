@@ -129,21 +129,26 @@ async fn run(
 ///
 /// Takes a connection (`&mut *tx` to retry inside a transaction): a refusal
 /// reads the job's state with a second statement, which under READ
-/// COMMITTED sees a concurrent retrier's committed work.
+/// COMMITTED sees a concurrent retrier's committed work. On a connection
+/// outside a transaction both statements run in a READ COMMITTED
+/// transaction of their own, whatever the database's default level.
 pub async fn retry_dead(conn: &mut PgConnection, id: i64, by: RetryBy<'_>) -> Result<()> {
     check_by(&by)?;
     let filter = DeadJobFilter {
         limit: 1,
         ..DeadJobFilter::default()
     };
-    if !run(conn, Some(id), &filter, &by).await?.is_empty() {
-        return Ok(());
-    }
-    let status = match super::get(conn, id).await? {
-        Some(row) => Some(row.status()?),
-        None => None,
-    };
-    Err(Error::JobNotDead { job_id: id, status })
+    crate::transaction::read_committed_unless_in_transaction(conn, async |conn| {
+        if !run(conn, Some(id), &filter, &by).await?.is_empty() {
+            return Ok(());
+        }
+        let status = match super::get(&mut *conn, id).await? {
+            Some(row) => Some(row.status()?),
+            None => None,
+        };
+        Err(Error::JobNotDead { job_id: id, status })
+    })
+    .await
 }
 
 /// Retries the dead jobs `filter` selects (oldest death first, at most
@@ -170,7 +175,10 @@ pub async fn retry_dead_jobs(
             why: format!("limit must be at least 1, got {}", filter.limit),
         });
     }
-    run(conn, None, filter, &by).await
+    crate::transaction::read_committed_unless_in_transaction(conn, async |conn| {
+        run(conn, None, filter, &by).await
+    })
+    .await
 }
 
 /// The audit of job `id`'s retries, oldest first.

@@ -225,3 +225,71 @@ pub async fn outcome_of_blocked_wait<T: Send + 'static>(
     assert_eq!(waiting.blocked_by(), [holder], "{what}");
     waiting.resume().await.unwrap()
 }
+
+/// A harness on the database `options` points to, with a session named
+/// `pass` whose default isolation level is REPEATABLE READ (as `ALTER
+/// DATABASE ... SET default_transaction_isolation` gives every new one)
+/// and a session named `writer` at the server's default.
+pub async fn pass_and_writer(
+    options: sqlx::postgres::PgConnectOptions,
+    pass: &str,
+    writer: &str,
+) -> (
+    pgonce_testkit::Interleaving,
+    pgonce_testkit::Session,
+    pgonce_testkit::Session,
+) {
+    let race = pgonce_testkit::Interleaving::new(options).await.unwrap();
+    let pass = race.session(pass).await.unwrap();
+    let writer = race.session(writer).await.unwrap();
+    pass.set("default_transaction_isolation", "repeatable read")
+        .await
+        .unwrap();
+    (race, pass, writer)
+}
+
+/// Drives one of the library's passes into a row change committed after
+/// its statement began, under a stricter default isolation than READ
+/// COMMITTED: `pass` (whose statement `pass_session` has run once already,
+/// so that it is prepared and its next run binds before it locks) is seen
+/// blocked behind `writer`'s lock on `table`, taken with the uncommitted
+/// `change`; then `writer` commits and `pass` goes on. Run at the database's
+/// default level, the pass's snapshot predates the change and meeting the
+/// changed row is a serialization failure (40001); at READ COMMITTED it
+/// re-reads the row, or skips it. Returns what `pass` returned.
+pub async fn pass_meeting_a_committed_change<T: Send + 'static>(
+    race: &pgonce_testkit::Interleaving,
+    pass_session: &pgonce_testkit::Session,
+    writer: &pgonce_testkit::Session,
+    table: &str,
+    change: &str,
+    pass: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    let mut tx = pgonce::begin(writer.pool(), pgonce::IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    let lock = format!("LOCK TABLE {table} IN SHARE ROW EXCLUSIVE MODE");
+    race.step(
+        writer,
+        &lock,
+        sqlx::query(sqlx::AssertSqlSafe(lock.clone())).execute(&mut *tx),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    race.step(
+        writer,
+        change,
+        sqlx::query(sqlx::AssertSqlSafe(change.to_owned())).execute(&mut *tx),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let waiting = race.step_blocks(pass_session, "pass", pass).await.unwrap();
+    assert_eq!(waiting.blocked_by(), [writer.name()]);
+    race.step(writer, "COMMIT", tx.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    waiting.resume().await.unwrap()
+}
