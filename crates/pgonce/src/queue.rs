@@ -315,7 +315,9 @@ pub struct Received {
     pub group_id: Option<String>,
     /// How many times this message has been delivered, this time included.
     pub receive_count: u32,
-    /// When it was sent.
+    /// When it was sent. On the PostgreSQL queue a time written by hand
+    /// past what pgonce reads back (PostgreSQL's `infinity`) reads as the
+    /// end of 9999 in UTC.
     pub sent_at: std::time::SystemTime,
     /// The receipt of this delivery, for delete and change_visibility.
     pub receipt: Receipt,

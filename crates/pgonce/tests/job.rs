@@ -2361,3 +2361,42 @@ async fn claim_batch_on_a_pool_under_a_stricter_default_isolation_passes_over_a_
     assert!(out.unwrap().is_empty());
     assert_eq!(status(&pool, id).await, JobStatus::Processing);
 }
+
+/// `job::retries` read `retried_at` and `dead_since` as they were stored,
+/// and sqlx's decoding panics on PostgreSQL's `infinity`: a dead job whose
+/// `finished_at` an operator had set to `infinity` by hand carried it into
+/// its audit row when retried, and reading the audit panicked. Such a time
+/// reads as the nearest end of the range, as `get` reads the job's.
+#[tokio::test]
+async fn retries_set_to_infinity_by_hand_read_as_the_ends_of_the_range_never_a_panic() {
+    let (_db, pool) = setup().await;
+    let (earliest, latest) = readable_range();
+    let id = new_job(&pool, 1).await;
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    job::fail(&pool, &lease, "boom", &RetryPolicy::default())
+        .await
+        .unwrap();
+    sqlx::query("UPDATE pgonce.jobs SET finished_at = 'infinity' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let by = job::RetryBy {
+        who: "ops",
+        reason: None,
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    job::retry_dead(&mut conn, id, by).await.unwrap();
+    let audit = job::retries(&mut conn, id).await.unwrap();
+    assert_eq!(audit.len(), 1);
+    assert_eq!(audit[0].dead_since, latest);
+    sqlx::query("UPDATE pgonce.job_retries SET retried_at = '-infinity', dead_since = '-infinity'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let audit = job::retries(&mut conn, id).await.unwrap();
+    assert_eq!(
+        (audit[0].retried_at, audit[0].dead_since),
+        (earliest, earliest)
+    );
+}

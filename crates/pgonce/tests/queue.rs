@@ -4982,3 +4982,26 @@ async fn a_receipt_from_before_a_redelivery_hands_back_and_deletes_nothing() {
         assert_eq!(q.stats().await.unwrap().in_flight, 0);
     }
 }
+
+/// A message's `sent_at` set by hand to PostgreSQL's `infinity` (sqlx's
+/// decoding panics on it) is delivered with the end of 9999 as its send
+/// time, the nearest end of what pgonce reads back, instead of panicking
+/// every receive that reaches it.
+#[tokio::test]
+async fn a_send_time_set_to_infinity_by_hand_is_delivered_not_a_panic() {
+    let pool = pool().await;
+    let q = queue(&pool, "q", QueueAttributes::default()).await;
+    let sent = q.send(SendMessage::new("parked")).await.unwrap();
+    sqlx::query("UPDATE pgonce.queue_message SET sent_at = 'infinity'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&got), ["parked"]);
+    assert_eq!(got[0].id, sent.id);
+    let latest = time::OffsetDateTime::new_utc(
+        time::Date::from_calendar_date(9999, time::Month::December, 31).unwrap(),
+        time::Time::from_hms_micro(23, 59, 59, 999_999).unwrap(),
+    );
+    assert_eq!(got[0].sent_at, std::time::SystemTime::from(latest));
+}

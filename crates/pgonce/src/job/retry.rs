@@ -64,7 +64,10 @@ pub struct RetryBy<'a> {
     pub reason: Option<&'a str>,
 }
 
-/// One row of `pgonce.job_retries`.
+/// One row of `pgonce.job_retries`. A time written by hand past what
+/// pgonce reads back (PostgreSQL's `infinity` or `-infinity`, in the audit
+/// row or in the dead job's `finished_at` it copied) reads as the nearest
+/// end of that range, as in [`crate::job::JobRow`].
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct JobRetry {
     /// The audit row's id.

@@ -37,7 +37,12 @@
     RETURNING m.id, m.body, m.attributes, m.group_id, m.receive_count, m.generation, m.sent_at,
               coalesce($3, q.visibility_timeout_ms) AS visibility_ms
 )
-SELECT 'delivered' AS fate, id, body, attributes, group_id, receive_count, generation, sent_at,
+-- A sent_at past what pgonce reads back (infinity, -infinity, written by
+-- hand; sqlx's decoding panics on it) reads as the nearest end of that
+-- range: 4714-11-24 BC, the end of 9999 in UTC (see job/sql/claim.sql).
+SELECT 'delivered' AS fate, id, body, attributes, group_id, receive_count, generation,
+       least(greatest(sent_at, '4714-11-24 00:00:00+00 BC'::timestamptz),
+             '9999-12-31 23:59:59.999999+00'::timestamptz) AS sent_at,
        visibility_ms, NULL::bigint AS next_visible_ms
 FROM delivered
 UNION ALL
