@@ -599,8 +599,10 @@ impl Sequence {
     }
 
     /// [`Error::SequenceExhausted`] for the one value out of range the
-    /// statements taking a number can meet, the scope's maximum + 1 (the
-    /// scope is compared with its column across types, never converted);
+    /// statements taking a number can meet, the scope's next number (its
+    /// maximum + 1, or its counter row's, computed in the number column's
+    /// type) (the scope is compared with its column across types, never
+    /// converted);
     /// any other error as it is.
     /// The typed error of a take that failed: the scope's numbers past its
     /// column's type, or a scope whose type does not compare with its

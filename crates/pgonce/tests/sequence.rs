@@ -900,6 +900,66 @@ async fn a_scope_at_the_largest_number_is_exhausted_with_a_typed_error() {
     );
 }
 
+/// The counter row on an `int` column ahead of the table (a take committed
+/// without its row, then a row deleted: the gaps the module documents),
+/// at the column's largest value. Its upsert moved the counter in `bigint`,
+/// so `next` handed out 2147483648, which the column cannot hold, and the
+/// write failed with a raw out-of-range error. It is the scope exhausted,
+/// as for the other strategies and for a counter level with the table.
+#[tokio::test]
+async fn a_counter_ahead_of_an_int_column_at_its_largest_value_is_exhausted() {
+    let (pool, _db) = setup(2).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.int_tickets (org text NOT NULL, n int NOT NULL, PRIMARY KEY (org, n))",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let seq = Sequence::new(
+        NumberedTable::new("public.int_tickets", "org", "n").unwrap(),
+        SequenceConfig {
+            strategy: Strategy::CounterRow,
+        },
+    )
+    .unwrap();
+    let take = async || {
+        let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        let out = seq.next(&mut tx, &"full").await.map(|taken| taken.number);
+        tx.commit().await.ok();
+        out
+    };
+    // The scope's counter created at the column's largest value, that
+    // number then given up (committed without its row).
+    sqlx::query("INSERT INTO int_tickets (org, n) VALUES ('full', 2147483646)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(take().await.unwrap(), i64::from(i32::MAX));
+    let out = take().await;
+    assert!(
+        matches!(&out, Err(Error::SequenceExhausted { scope, .. }) if scope == "full"),
+        "{out:?}"
+    );
+    // A row deleted: the counter is further ahead, and still exhausted.
+    sqlx::query("DELETE FROM int_tickets")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = take().await;
+    assert!(
+        matches!(&out, Err(Error::SequenceExhausted { scope, .. }) if scope == "full"),
+        "{out:?}"
+    );
+    let last: i64 =
+        sqlx::query_scalar("SELECT last_number FROM pgonce.sequence_counters WHERE scope = 'full'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(last, i64::from(i32::MAX));
+}
+
 /// A declaration of `scope` whose write records that it ran.
 async fn declare_noting_the_write(
     seq: &Sequence,

@@ -31,8 +31,17 @@ SELECT $1, $2,
         + (SELECT 0 FROM unbounded WHERE lifted IS NOT NULL))::bigint
 FROM {table} WHERE {scope} = $3
 ON CONFLICT (sequence, scope) DO UPDATE
-SET last_number = greatest(
-    c.last_number,
-    (SELECT COALESCE(max({number}), 0)::bigint FROM {table} WHERE {scope} = $3)) + 1
+SET last_number = (
+    -- The next number in the number column's type, as the insert above and
+    -- the other strategies compute it: past an int column's largest value
+    -- it is out of range (22003, the scope exhausted) rather than a number
+    -- the column cannot hold. The counter can be ahead of the table (a take
+    -- committed without its row, a row deleted), so the table's max alone
+    -- does not meet that bound. pg_typeof(max(n)) is the column's type even
+    -- when the scope has no row.
+    SELECT CASE column_type WHEN 'integer'::regtype THEN next::integer ELSE next END
+    FROM (SELECT greatest(c.last_number, COALESCE(max({number}), 0)::bigint) + 1 AS next,
+                 pg_typeof(max({number})) AS column_type
+          FROM {table} WHERE {scope} = $3) AS taken)
 RETURNING c.last_number,
           set_config('lock_timeout', (SELECT was FROM unbounded), true) AS restored
