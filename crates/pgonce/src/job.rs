@@ -49,7 +49,7 @@
 //! |---|---|---|
 //! | `pending` | [`claim`] / [`claim_batch`] to `processing`; [`transition`] to `completed` or `dead` | workers |
 //! | `processing` | [`complete`] to `completed`; [`fail`] to `failed` or `dead`; lease expiry to `pending` or `dead` | the lease holder; the [`Reaper`] once the lease expired |
-//! | `failed` | due (`run_at` passed) to `pending` | the [`Redriver`] |
+//! | `failed` | due (`run_at` passed): [`claim`] to `processing`, or to `pending` | a delivery of its message; the [`Redriver`] |
 //! | `completed` | terminal | |
 //! | `dead` | terminal for workers (`last_error` says why); an operator's [`retry_dead`] / [`retry_dead_jobs`] to `pending`, audited | an operator |
 //!
@@ -145,7 +145,10 @@ pub enum JobStatus {
     Pending,
     /// Claimed under a lease. Reaped by the [`Reaper`] when the lease expires.
     Processing,
-    /// Failed, waiting for its retry; the [`Redriver`] makes it pending again.
+    /// Failed, waiting for its retry at `run_at`. Once that has passed, a
+    /// [`claim`] takes it as it takes a due pending job, and the
+    /// [`Redriver`] makes it pending again (for [`claim_batch`] pollers,
+    /// and for jobs whose message is gone).
     Failed,
     /// Terminal: done, with its result.
     Completed,
@@ -383,14 +386,16 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
     Ok(lease_for.as_secs_f64())
 }
 
-/// Phase 1 of two-phase: claims pending job `id` (pending to processing)
-/// with a lease of `lease_for`. Only one delivery can win; the others must
-/// not run the side effect, and get:
+/// Phase 1 of two-phase: claims job `id` (to processing) with a lease of
+/// `lease_for` when it is due (`run_at` passed) and `pending`, or `failed`
+/// with its retry due: a delivery of a failed job's kept message claims it
+/// without waiting for the [`Redriver`] (migration 0240). Only one delivery
+/// can win; the others must not run the side effect, and get:
 ///
 /// * [`Error::AlreadyHandled`] when the job is terminal (`completed`,
 ///   `dead`) or does not exist: acknowledge the message, the work is done;
 /// * [`Error::JobBusy`] when it is not terminal (`processing` under someone
-///   else's lease, `failed` waiting for its retry, `pending` but not due, or
+///   else's lease, `failed` and its retry not yet due, `pending` but not due, or
 ///   `pending` again because a lease was reaped in between): do **not**
 ///   acknowledge. The message must come back: if the holder crashes, the
 ///   [`Reaper`] returns the job to `pending` and this redelivered message is

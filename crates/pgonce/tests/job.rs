@@ -2400,3 +2400,42 @@ async fn retries_set_to_infinity_by_hand_read_as_the_ends_of_the_range_never_a_p
         (earliest, earliest)
     );
 }
+
+/// A failed job whose retry has come due is claimed by its message, as a
+/// due pending job is: the claim does not wait for the re-driver. Before,
+/// it answered `JobBusy` with a `not_before` already past until the
+/// re-driver's next pass, and each return of the kept message counted
+/// towards the dead-letter queue. Before its `run_at` it is still busy.
+#[tokio::test]
+async fn a_failed_job_whose_retry_is_due_is_claimed_without_the_redriver() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    let outcome = job::fail(&pool, &lease, "boom", &RetryPolicy::default())
+        .await
+        .unwrap();
+    let FailOutcome::Retry { run_at, .. } = outcome else {
+        panic!("expected a retry, got {outcome:?}");
+    };
+    let out = job::claim(&pool, id, LEASE).await;
+    assert!(
+        matches!(out, Err(Error::JobBusy { status: JobStatus::Failed, not_before, .. })
+            if not_before == run_at),
+        "{out:?}"
+    );
+    sqlx::query("UPDATE pgonce.jobs SET run_at = now() - interval '1 second' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status().unwrap(), row.attempts),
+        (JobStatus::Processing, 1)
+    );
+    let redriver = Redriver::new(pool.clone(), RedriverConfig::default()).unwrap();
+    assert_eq!(redriver.run_once().await.unwrap().redriven, 0);
+    job::complete(&pool, &lease, &json!("done")).await.unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+}

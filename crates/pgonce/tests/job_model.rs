@@ -144,8 +144,15 @@ struct Job {
 }
 
 impl Job {
+    /// What `claim_batch` takes: a due pending job.
     fn claimable(&self) -> bool {
         self.status == JobStatus::Pending && self.due
+    }
+
+    /// What a single `claim` takes: a due pending job, or a failed one
+    /// whose retry has come due, without waiting for the re-driver.
+    fn claimable_by_its_message(&self) -> bool {
+        matches!(self.status, JobStatus::Pending | JobStatus::Failed) && self.due
     }
 
     /// Enters a terminal state now.
@@ -304,7 +311,7 @@ impl Model {
     /// What a single claim of job `j` must return.
     fn claim_outcome(&self, j: usize) -> &'static str {
         match &self.jobs[j] {
-            Some(job) if job.claimable() => "lease",
+            Some(job) if job.claimable_by_its_message() => "lease",
             Some(job) if !job.status.is_terminal() => job.status.as_str(),
             _ => "already handled",
         }
@@ -937,7 +944,9 @@ async fn run(h: &Harness<'_>, ops: &[Op], tally: &mut Tally) -> Result<(), Strin
 
 /// Two races on jobs 0 and 1 (A commits; A rolls back and B wins), the
 /// rolled-back lease presented late, job 1 failed to dead and retried by
-/// an operator, job 0's lease run out and reaped.
+/// an operator, job 0's lease run out and reaped; then job 2 failed, busy
+/// until its retry comes due, and raced for once it has (a delivery of its
+/// message claims it without waiting for the re-driver).
 fn scripted_case() -> Vec<Op> {
     vec![
         Op::ClaimRace(0, true),
@@ -947,6 +956,15 @@ fn scripted_case() -> Vec<Op> {
         Op::RetryDead(1),
         Op::Expire(0),
         Op::Reap,
+        Op::Enqueue {
+            max_attempts: 3,
+            later: false,
+        },
+        Op::Claim(2),
+        Op::Fail(0),
+        Op::Claim(2),
+        Op::MakeDue(2),
+        Op::ClaimRace(2, true),
     ]
 }
 

@@ -2,7 +2,9 @@
 //! passed (`run_at <= now()`) become `pending` again. The row, not the queue,
 //! is the retry ledger: with [`crate::queue::AckPolicy::AlwaysDelete`] the message
 //! of a failed job is gone, and the ids this returns are what a queue worker
-//! re-publishes.
+//! re-publishes. A delivery of a failed job's kept message may claim it
+//! first, once due ([`crate::job::claim`] takes a due failed job); the
+//! re-driver then passes it over.
 
 use std::future::Future;
 use std::time::Duration;
