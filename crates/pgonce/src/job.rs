@@ -511,7 +511,10 @@ pub struct ClaimedJob {
 /// stricter default, a job another poller claimed (or anyone changed)
 /// after the statement's snapshot would be a serialization failure
 /// instead of a job passed over. In a caller's transaction the claim runs
-/// at that transaction's level.
+/// at that transaction's level. On a bare connection the BEGIN is sent on
+/// it: a call dropped while that BEGIN is on its way can leave the
+/// connection inside a transaction, as sqlx's own `begin` can; on a pool
+/// it cannot.
 #[derive(Debug)]
 pub struct ClaimBatchOn<'c>(ClaimBatchTarget<'c>);
 

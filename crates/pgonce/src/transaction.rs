@@ -152,6 +152,12 @@ pub(crate) async fn read_committed<T, E: From<sqlx::Error>>(
 /// sqlx tracks the transactions it began; one begun with a BEGIN run by
 /// hand is not seen, and the BEGIN here would then only warn and the
 /// COMMIT end the caller's transaction. Begin transactions through sqlx.
+///
+/// Not cancel safe as [`begin`] is: the BEGIN runs on `conn` itself (a
+/// borrowed connection cannot be handed to a task), so a future dropped
+/// after the BEGIN was sent and before its answer was read leaves `conn`
+/// inside a transaction sqlx does not know of, as sqlx's own
+/// `Connection::begin` does. Callers that own a pool use [`read_committed`].
 pub(crate) async fn read_committed_unless_in_transaction<T, E: From<sqlx::Error>>(
     conn: &mut PgConnection,
     work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,

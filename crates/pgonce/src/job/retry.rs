@@ -134,7 +134,9 @@ async fn run(
 /// reads the job's state with a second statement, which under READ
 /// COMMITTED sees a concurrent retrier's committed work. On a connection
 /// outside a transaction both statements run in a READ COMMITTED
-/// transaction of their own, whatever the database's default level.
+/// transaction of their own, whatever the database's default level; a call
+/// dropped while its BEGIN is on its way can leave the connection inside
+/// that transaction, as sqlx's own `begin` can: close such a connection.
 pub async fn retry_dead(conn: &mut PgConnection, id: i64, by: RetryBy<'_>) -> Result<()> {
     check_by(&by)?;
     let filter = DeadJobFilter {
