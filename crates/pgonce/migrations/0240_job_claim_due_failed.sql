@@ -1,7 +1,7 @@
 -- A claim takes a failed job whose retry has come due (run_at passed), as
 -- it takes a due pending one, without waiting for the re-driver.
 --
--- A failed job's message is kept (AckPolicy::KeepOnRetryable) and comes
+-- A failed job's message is kept (AckPolicy::DeleteOnSuccess) and comes
 -- back once its retry is due. The claim took only pending jobs, so until
 -- the re-driver's next pass made the job pending the delivery was told
 -- JobBusy with a not_before already past: the message came back again at
