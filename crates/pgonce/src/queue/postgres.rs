@@ -250,6 +250,18 @@ impl Default for PgQueueOptions {
 /// the `*_in` methods, which run in the caller's transaction (transactional
 /// enqueue: the message exists, and wakes receivers, only if that
 /// transaction commits).
+///
+/// Those implicit transactions run at the session's default isolation,
+/// which the queue's statements are written for at PostgreSQL's own
+/// default, READ COMMITTED: a receive skips or re-checks a message another
+/// transaction changed since its snapshot. Under a stricter default (`ALTER
+/// DATABASE ... SET default_transaction_isolation = 'repeatable read'`, or
+/// per role), such a statement fails instead with the retryable
+/// [`Error::SerializationFailure`]: nothing is delivered, deleted or
+/// changed by it, and the next attempt (the worker's next receive, a
+/// retried delete) sees the change. It costs a failed round trip under
+/// contention, never a message; wrapping each statement in its own READ
+/// COMMITTED transaction would cost two more round trips on every call.
 #[derive(Clone)]
 pub struct PgQueue {
     inner: Arc<Inner>,
