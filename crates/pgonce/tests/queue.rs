@@ -2247,8 +2247,19 @@ async fn a_long_poll_does_not_wake_for_what_it_cannot_receive() {
     let f = PgQueue::create(&pool, "f.fifo", QueueAttributes::fifo(), no_poll())
         .await
         .unwrap();
+    // Sent through a handle that notifies no one: a send's notification
+    // goes out after the send returns, from a task of its own, and one
+    // that came during the long poll below would wake it, as it should.
+    let quiet = PgQueueOptions {
+        notify: false,
+        ..no_poll()
+    };
+    let sender = PgQueue::open(&pool, "f.fifo", quiet).await.unwrap();
     for body in ["head", "b", "c"] {
-        f.send(SendMessage::new(body).group("g")).await.unwrap();
+        sender
+            .send(SendMessage::new(body).group("g"))
+            .await
+            .unwrap();
     }
     let head = f
         .receive(ReceiveRequest::up_to(10).visibility(Duration::from_secs(3600)))
