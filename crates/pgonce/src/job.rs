@@ -68,8 +68,10 @@
 //! passes that skip locked rows and re-check them, correct at READ
 //! COMMITTED: [`claim_batch`] on a pool or a bare connection, the
 //! [`Reaper`], the [`Redriver`] and an operator's [`retry_dead`] or
-//! [`retry_dead_jobs`] on a bare connection each run in a READ COMMITTED
-//! transaction of their own, whatever the database's default.
+//! [`retry_dead_jobs`] on a bare connection (outside any transaction,
+//! whether begun through sqlx or by a `BEGIN` run as a statement) each run
+//! in a READ COMMITTED transaction of their own, whatever the database's
+//! default.
 //! Under READ COMMITTED a delivery that lost a race re-reads the row after the
 //! winner commits, matches nothing and gets [`Error::AlreadyHandled`] (or
 //! [`Error::JobBusy`] from [`claim`], or [`Error::LeaseLost`]). Under REPEATABLE READ or SERIALIZABLE PostgreSQL
@@ -511,7 +513,9 @@ pub struct ClaimedJob {
 /// stricter default, a job another poller claimed (or anyone changed)
 /// after the statement's snapshot would be a serialization failure
 /// instead of a job passed over. In a caller's transaction the claim runs
-/// at that transaction's level. On a bare connection the BEGIN is sent on
+/// at that transaction's level, whether sqlx began it or a `BEGIN` run as a
+/// statement did (a probe of the server's clocks tells, one round trip on a
+/// bare connection). On a bare connection the BEGIN is sent on
 /// it: a call dropped while that BEGIN is on its way can leave the
 /// connection inside a transaction, as sqlx's own `begin` can; on a pool
 /// it cannot.

@@ -25,7 +25,7 @@
 
 use std::fmt;
 
-use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Row, Transaction};
 
 /// A transaction isolation level of PostgreSQL, as a BEGIN states it.
 /// READ UNCOMMITTED is left out: PostgreSQL runs it as READ COMMITTED.
@@ -142,16 +142,20 @@ pub(crate) async fn read_committed<T, E: From<sqlx::Error>>(
     Ok(out)
 }
 
-/// Runs `work` on `conn`: in the transaction sqlx has open on it if there
-/// is one (its level is the caller's), otherwise in a READ COMMITTED
-/// transaction of its own, committed once `work` succeeds and rolled back
-/// when it fails. For the library's functions that take a bare
-/// connection, whose statements would otherwise each be a transaction at
-/// the database's default level (see [`read_committed`]).
+/// Runs `work` on `conn`: in the transaction open on it if there is one
+/// (its level is the caller's), otherwise in a READ COMMITTED transaction
+/// of its own, committed once `work` succeeds and rolled back when it
+/// fails. For the library's functions that take a bare connection, whose
+/// statements would otherwise each be a transaction at the database's
+/// default level (see [`read_committed`]).
 ///
-/// sqlx tracks the transactions it began; one begun with a BEGIN run by
-/// hand is not seen, and the BEGIN here would then only warn and the
-/// COMMIT end the caller's transaction. Begin transactions through sqlx.
+/// A transaction counts whether sqlx began it or the caller ran `BEGIN`
+/// as a statement, which sqlx does not track: a BEGIN and COMMIT of our
+/// own inside the caller's transaction would commit it half way (the
+/// BEGIN only warns), or be refused once it has a REPEATABLE READ or
+/// SERIALIZABLE snapshot (SQLSTATE 25001), aborting it. Telling the two
+/// apart costs a round trip, on a connection sqlx shows outside a
+/// transaction only ([`in_transaction_block`]).
 ///
 /// Not cancel safe as [`begin`] is: the BEGIN runs on `conn` itself (a
 /// borrowed connection cannot be handed to a task), so a future dropped
@@ -162,7 +166,7 @@ pub(crate) async fn read_committed_unless_in_transaction<T, E: From<sqlx::Error>
     conn: &mut PgConnection,
     work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
 ) -> Result<T, E> {
-    if conn.is_in_transaction() {
+    if conn.is_in_transaction() || in_transaction_block(conn).await? {
         return work(conn).await;
     }
     let mut tx = conn
@@ -171,6 +175,27 @@ pub(crate) async fn read_committed_unless_in_transaction<T, E: From<sqlx::Error>
     let out = work(&mut tx).await?;
     tx.commit().await?;
     Ok(out)
+}
+
+/// Whether the server has a transaction block open on `conn`, begun by a
+/// `BEGIN` sqlx did not send. Hand-written: sqlx reads the server's
+/// transaction status from every ReadyForQuery message but keeps it to
+/// itself (`PgConnection::in_transaction` is crate-private in sqlx 0.9),
+/// and its `is_in_transaction` counts only the transactions it began.
+///
+/// PostgreSQL's `statement_timestamp()` is when the latest command message
+/// arrived and `transaction_timestamp()` when the transaction started;
+/// "they return the same value during the first command of a transaction"
+/// (the date/time functions' documentation). Sent as a simple query (one
+/// message: `raw_sql`, not a prepared statement, whose Bind and Execute
+/// are messages of their own), the probe is the first command of its
+/// transaction outside a block, and a later one inside it, whose start
+/// (its BEGIN's arrival) lies at least a round trip before.
+async fn in_transaction_block(conn: &mut PgConnection) -> sqlx::Result<bool> {
+    let row = sqlx::raw_sql("SELECT statement_timestamp() <> transaction_timestamp()")
+        .fetch_one(&mut *conn)
+        .await?;
+    row.try_get(0)
 }
 
 /// Runs `sql`, a BEGIN statement (possibly followed by statements that take

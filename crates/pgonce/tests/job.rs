@@ -2439,3 +2439,49 @@ async fn a_failed_job_whose_retry_is_due_is_claimed_without_the_redriver() {
     job::complete(&pool, &lease, &json!("done")).await.unwrap();
     assert_eq!(status(&pool, id).await, JobStatus::Completed);
 }
+
+/// A caller's transaction begun by hand (`BEGIN` run as a statement, so
+/// sqlx does not know of it) on the connection given to claim_batch or
+/// retry_dead: the call runs inside it, at its level, and the caller's
+/// ROLLBACK undoes the caller's own write and the call's together. A BEGIN
+/// and COMMIT of the call's own would have committed the caller's
+/// transaction half way (READ COMMITTED), or been refused (REPEATABLE
+/// READ, whose snapshot was taken).
+#[tokio::test]
+async fn a_transaction_begun_by_hand_holds_claim_batch_and_retry_dead() {
+    let (_db, pool) = setup().await;
+    let pending = new_job(&pool, 5).await;
+    let dead = new_job(&pool, 1).await;
+    let lease = job::claim(&pool, dead, LEASE).await.unwrap();
+    job::fail(&pool, &lease, "boom", &RetryPolicy::default())
+        .await
+        .unwrap();
+    for begin in ["BEGIN", "BEGIN ISOLATION LEVEL REPEATABLE READ"] {
+        let mut conn = pool.acquire().await.unwrap();
+        let first =
+            format!("{begin}; INSERT INTO pgonce.jobs (kind, payload) VALUES ('by hand', '{{}}')");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(first))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let claimed = job::claim_batch(&mut conn, "send", 5, LEASE).await;
+        let ids: Vec<i64> = claimed.unwrap().iter().map(|c| c.lease.job_id).collect();
+        assert_eq!(ids, [pending], "{begin}");
+        job::retry_dead(&mut conn, dead, ALICE).await.unwrap();
+        sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+        let by_hand: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs WHERE kind = 'by hand'")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            (
+                by_hand,
+                status(&pool, pending).await,
+                status(&pool, dead).await
+            ),
+            (0, JobStatus::Pending, JobStatus::Dead),
+            "{begin}"
+        );
+    }
+}

@@ -132,7 +132,8 @@ async fn run(
 ///
 /// Takes a connection (`&mut *tx` to retry inside a transaction): a refusal
 /// reads the job's state with a second statement, which under READ
-/// COMMITTED sees a concurrent retrier's committed work. On a connection
+/// COMMITTED sees a concurrent retrier's committed work. A transaction
+/// begun by a `BEGIN` run as a statement counts as one. On a connection
 /// outside a transaction both statements run in a READ COMMITTED
 /// transaction of their own, whatever the database's default level; a call
 /// dropped while its BEGIN is on its way can leave the connection inside
