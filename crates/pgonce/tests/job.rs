@@ -2440,6 +2440,167 @@ async fn a_failed_job_whose_retry_is_due_is_claimed_without_the_redriver() {
     assert_eq!(status(&pool, id).await, JobStatus::Completed);
 }
 
+/// A claim of a due failed job (migration 0240) and the Redriver's pass
+/// over it, in either order: the claim holding the row, the pass skips it
+/// and the job ends processing under the claim's lease; the pass holding
+/// the row (kept inside its transaction by a trigger that waits for an
+/// advisory lock), the claim waits for it, then takes the job the pass
+/// made pending. Each way the job runs once, under one lease, its attempt
+/// counted once.
+#[tokio::test]
+async fn a_claim_and_the_redriver_racing_for_a_due_failed_job_agree_in_either_order() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+
+    // The claim first: the pass skips the row it holds.
+    let id = failed_and_due(&pool).await;
+    let mut tx_a = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    let lease = race
+        .step(&a, "claim", job::claim(&mut *tx_a, id, LEASE))
+        .await
+        .unwrap()
+        .unwrap();
+    let redriver = Redriver::new(pool.clone(), RedriverConfig::default()).unwrap();
+    assert_eq!(redriver.run_once().await.unwrap().ids, Vec::<i64>::new());
+    race.step(&a, "COMMIT", tx_a.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(redriver.run_once().await.unwrap().ids, Vec::<i64>::new());
+    job::complete(&pool, &lease, &json!("done")).await.unwrap();
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status().unwrap(), row.attempts),
+        (JobStatus::Completed, 1)
+    );
+
+    // The pass first: held inside its transaction after its UPDATE, the
+    // claim waits for its row lock, then claims the pending job.
+    let id = failed_and_due(&pool).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.hold_redrive() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+             IF OLD.status = 'failed' AND NEW.status = 'pending' THEN \
+                 PERFORM pg_advisory_xact_lock_shared(4240); \
+             END IF; \
+             RETURN NEW; \
+         END $$; \
+         CREATE TRIGGER hold_redrive AFTER UPDATE ON pgonce.jobs \
+             FOR EACH ROW EXECUTE FUNCTION public.hold_redrive();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let h = race.session("H").await.unwrap();
+    let r = race.session("R").await.unwrap();
+    let c = race.session("C").await.unwrap();
+    let mut tx_h = pgonce::begin(h.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    race.step(
+        &h,
+        "advisory lock",
+        sqlx::query("SELECT pg_advisory_xact_lock(4240)").execute(&mut *tx_h),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let redriver_r = Redriver::new(r.pool().clone(), RedriverConfig::default()).unwrap();
+    let pass = race
+        .step_blocks(&r, "redrive", async move { redriver_r.run_once().await })
+        .await
+        .unwrap();
+    assert_eq!(pass.blocked_by(), ["H"]);
+    let pool_c = c.pool().clone();
+    let claim = race
+        .step_blocks(
+            &c,
+            "claim",
+            async move { job::claim(&pool_c, id, LEASE).await },
+        )
+        .await
+        .unwrap();
+    assert_eq!(claim.blocked_by(), ["R"]);
+    race.step(&h, "COMMIT", tx_h.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(pass.resume().await.unwrap().unwrap().ids, [id]);
+    let lease = claim.resume().await.unwrap().unwrap();
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status().unwrap(), row.attempts),
+        (JobStatus::Processing, 1)
+    );
+    assert_eq!(redriver.run_once().await.unwrap().ids, Vec::<i64>::new());
+    job::complete(&pool, &lease, &json!("done")).await.unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+}
+
+/// A Reaper pass given up (its future dropped) while its statement waits,
+/// inside the READ COMMITTED transaction the pass opened on a connection
+/// of its pool: the statement's work is rolled back, and the connection
+/// goes back to the pool outside any transaction, so what runs on it next
+/// commits.
+#[tokio::test]
+async fn a_reaper_pass_dropped_mid_transaction_leaves_its_connection_clean() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    job::claim(&pool, id, LEASE).await.unwrap();
+    expire_lease(&pool, id).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let w = race.session("W").await.unwrap();
+    let p = race.session("P").await.unwrap();
+    let mut tx_w = pgonce::begin(w.pool(), IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    race.step(
+        &w,
+        "lock jobs",
+        sqlx::query("LOCK TABLE pgonce.jobs IN SHARE ROW EXCLUSIVE MODE").execute(&mut *tx_w),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let reaper_p = reaper(p.pool());
+    let pass = race
+        .step_blocks(&p, "reap", async move { reaper_p.run_once().await })
+        .await
+        .unwrap();
+    assert_eq!(pass.blocked_by(), ["W"]);
+    pass.cancel();
+    race.step(&w, "COMMIT", tx_w.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    // The session's one connection, once the pool has it back: idle, not
+    // idle in a transaction, as another backend sees it.
+    let mut conn = p.pool().acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let state: String = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "idle");
+    drop(conn);
+    assert_eq!(status(&pool, id).await, JobStatus::Processing);
+    sqlx::query("UPDATE pgonce.jobs SET last_error = 'written after' WHERE id = $1")
+        .bind(id)
+        .execute(p.pool())
+        .await
+        .unwrap();
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(row.last_error.as_deref(), Some("written after"));
+    assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
+}
+
 /// A caller's transaction begun by hand (`BEGIN` run as a statement, so
 /// sqlx does not know of it) on the connection given to claim_batch or
 /// retry_dead: the call runs inside it, at its level, and the caller's
