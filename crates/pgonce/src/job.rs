@@ -118,8 +118,9 @@
 //! whatever the outcome, the row is the retry ledger, and the queue's
 //! dead-letter queue only catches infrastructure failures. Except when
 //! nothing was recorded: a [`Error::JobBusy`] (the job is in another
-//! delivery's hands), a panic, or a retryable error (PostgreSQL rolled
-//! the attempt's transaction back) keeps the message.
+//! delivery's hands), a panic, a retryable error (PostgreSQL rolled
+//! the attempt's transaction back), or an [`Error::LockNotAvailable`] (a
+//! wait for the job's row given up, see Waits) keeps the message.
 
 mod reaper;
 mod redrive;

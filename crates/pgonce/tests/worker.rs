@@ -330,6 +330,28 @@ impl Handler for ClaimsAfterItsSnapshot {
     }
 }
 
+/// Queue `q` with one message, and a pending job for it to drive.
+async fn a_job_and_its_message(pool: &PgPool) -> (PgQueue, i64) {
+    let q = queue(pool, "q").await;
+    q.send(SendMessage::new("job")).await.unwrap();
+    let job_id = pgonce::job::enqueue(
+        pool,
+        &pgonce::job::NewJob::new("send", serde_json::json!({})),
+    )
+    .await
+    .unwrap();
+    (q, job_id)
+}
+
+/// `AlwaysDelete`, with a kept message visible again at once.
+fn always_delete_failures_back_at_once() -> WorkerConfig {
+    WorkerConfig {
+        ack: pgonce::AckPolicy::AlwaysDelete,
+        failure_visibility: Some(Duration::ZERO),
+        ..WorkerConfig::default()
+    }
+}
+
 /// A transaction PostgreSQL aborted to keep it serializable recorded
 /// nothing: under `AlwaysDelete`, where the database is the retry ledger,
 /// the message is all that still drives the job, and must be kept (as for a
@@ -338,19 +360,8 @@ impl Handler for ClaimsAfterItsSnapshot {
 #[tokio::test]
 async fn a_serialization_failure_keeps_the_message_under_always_delete() {
     let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
-    let q = queue(&pool, "q").await;
-    q.send(SendMessage::new("job")).await.unwrap();
-    let job_id = pgonce::job::enqueue(
-        &pool,
-        &pgonce::job::NewJob::new("send", serde_json::json!({})),
-    )
-    .await
-    .unwrap();
-    let config = WorkerConfig {
-        ack: pgonce::AckPolicy::AlwaysDelete,
-        failure_visibility: Some(Duration::ZERO),
-        ..WorkerConfig::default()
-    };
+    let (q, job_id) = a_job_and_its_message(&pool).await;
+    let config = always_delete_failures_back_at_once();
     let handler = ClaimsAfterItsSnapshot {
         pool: pool.clone(),
         job_id,
@@ -363,6 +374,62 @@ async fn a_serialization_failure_keeps_the_message_under_always_delete() {
         pgonce::Error::SerializationFailure {
             sqlstate: "40001".into(),
             message: "could not serialize access".into(),
+        }
+    )));
+}
+
+/// Claims its job on a connection of its own whose session has a
+/// `lock_timeout` (as an operator's `ALTER ROLE ... SET lock_timeout` gives
+/// it), and returns the claim's error.
+struct ClaimsUnderALockTimeout {
+    pool: PgPool,
+    job_id: i64,
+}
+
+impl Handler for ClaimsUnderALockTimeout {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let mut conn = self.pool.acquire().await?;
+        sqlx::query("SET lock_timeout = '100ms'")
+            .execute(&mut *conn)
+            .await?;
+        let claimed = pgonce::job::claim(&mut *conn, self.job_id, Duration::from_secs(60)).await;
+        sqlx::query("RESET lock_timeout")
+            .execute(&mut *conn)
+            .await?;
+        claimed?;
+        Ok(())
+    }
+}
+
+/// A claim that gave up waiting for the job's row past the session's
+/// `lock_timeout` wrote nothing: under `AlwaysDelete` its message, which
+/// the job module says a worker keeps then, is all that drives the job once
+/// the row's holder rolls back. It was deleted, and the job sat pending
+/// with no message.
+#[tokio::test]
+async fn a_claim_past_the_lock_timeout_keeps_the_message_under_always_delete() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let (q, job_id) = a_job_and_its_message(&pool).await;
+    // Another transaction holds the job's row until the end.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM pgonce.jobs WHERE id = $1 FOR UPDATE")
+        .bind(job_id)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let config = always_delete_failures_back_at_once();
+    let handler = ClaimsUnderALockTimeout {
+        pool: pool.clone(),
+        job_id,
+    };
+    let worker = Worker::new(q.clone(), handler, config).unwrap();
+    let done = worker.run_once().await.unwrap();
+    assert_eq!((done.failed, done.deleted), (1, 0), "the message is kept");
+    holder.rollback().await.unwrap();
+    receivable_now(&q, 2, "the message of a claim that gave up comes back").await;
+    assert!(!pgonce::AckPolicy::AlwaysDelete.delete_message::<()>(&Err(
+        pgonce::Error::LockNotAvailable {
+            message: "canceling statement due to lock timeout".into(),
         }
     )));
 }

@@ -97,7 +97,9 @@ pub enum AckPolicy {
     /// (visible again after `failure_visibility`, if set); so is one whose
     /// error is, or is caused by, a retryable [`Error`] (a serialization
     /// failure or deadlock, whose transaction PostgreSQL rolled back, or a
-    /// send that sent nothing: [`Error::is_retryable`]).
+    /// send that sent nothing: [`Error::is_retryable`]) or an
+    /// [`Error::LockNotAvailable`] (a row wait, such as a job's claim,
+    /// given up past the session's `lock_timeout`, nothing written).
     AlwaysDelete,
 }
 
@@ -108,13 +110,14 @@ impl AckPolicy {
     /// message under either policy: the job is not done and is in another
     /// delivery's hands, and if that delivery dies this message is what
     /// drives the reaped job. A retryable error ([`Error::is_retryable`]: a
-    /// transaction PostgreSQL aborted, a send that sent nothing) keeps it
-    /// too: nothing of the attempt was recorded. A process that died never gets here, so never
+    /// transaction PostgreSQL aborted, a send that sent nothing) and an
+    /// [`Error::LockNotAvailable`] (a wait for a row given up, nothing
+    /// written) keep it too: nothing of the attempt was recorded. A process that died never gets here, so never
     /// deletes, and the message comes back.
     pub fn delete_message<T>(self, outcome: &crate::Result<T>) -> bool {
         match (self, outcome) {
             (_, Err(crate::Error::JobBusy { .. })) => false,
-            (_, Err(e)) if e.is_retryable() => false,
+            (_, Err(e)) if recorded_nothing(e) => false,
             (AckPolicy::AlwaysDelete, _) => true,
             (AckPolicy::DeleteOnSuccess, Ok(_)) => true,
             (AckPolicy::DeleteOnSuccess, Err(crate::Error::AlreadyHandled { .. })) => true,
@@ -866,10 +869,13 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                     .increment(1);
                 tracing::warn!(queue = %queue, id = %message.id, receive_count = message.receive_count,
                     error = %e, "handler failed");
-                // A handler that panicked, or whose transaction PostgreSQL
-                // aborted (a retryable error), recorded nothing: its message
-                // is kept whatever the policy, as if its process had died.
-                !panicked && !retryable(&**e) && self.config.ack == AckPolicy::AlwaysDelete
+                // A handler that panicked, whose transaction PostgreSQL
+                // aborted (a retryable error) or whose wait for a row ran
+                // past the lock_timeout recorded nothing: its message is
+                // kept whatever the policy, as if its process had died.
+                !panicked
+                    && !pgonce_errors(&**e).any(recorded_nothing)
+                    && self.config.ack == AckPolicy::AlwaysDelete
             }
         };
         // A failure's visibility change on a delivery that ran out would
@@ -923,10 +929,14 @@ fn job_busy_until(
     })
 }
 
-/// Whether `error`, or one of its sources, is a retryable pgonce [`Error`]
-/// (its transaction was rolled back by PostgreSQL).
-fn retryable(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
-    pgonce_errors(error).any(Error::is_retryable)
+/// Whether `error` says the attempt recorded nothing, so that its message
+/// is kept under either policy: a retryable error (PostgreSQL rolled the
+/// transaction back, a send sent nothing) or a row wait given up past the
+/// session's `lock_timeout` (the statement wrote nothing, and the message
+/// is what drives the job once the row's holder is done, as the job
+/// module's Waits section says).
+fn recorded_nothing(error: &Error) -> bool {
+    error.is_retryable() || matches!(error, Error::LockNotAvailable { .. })
 }
 
 /// How long a message of a busy job stays invisible: until `not_before`,
