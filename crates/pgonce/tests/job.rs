@@ -2066,7 +2066,18 @@ async fn a_lease_from_a_transaction_the_server_has_not_reached_is_lost_not_retri
     let (_db, pool) = setup().await;
     let id = new_job(&pool, 5).await;
     let future = next_xid(&pool).await + 1_000_000;
-    for claimed_in in [future, i64::MAX, -1] {
+    // The job's insert committed in this (32-bit) transaction id: one
+    // epoch later, the 64-bit id names a transaction not reached yet, not
+    // that one.
+    let inserted_in: i64 =
+        sqlx::query_scalar("SELECT xmin::text::bigint FROM pgonce.jobs WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    // 3, the first normal id: older than any transaction the server keeps
+    // a status for (pg_xact_status says NULL), visible in every snapshot.
+    for claimed_in in [future, i64::MAX, -1, (1 << 32) + inserted_in, 3] {
         let lease = job::Lease {
             job_id: id,
             token: uuid::Uuid::new_v4(),
@@ -2092,6 +2103,16 @@ async fn a_lease_from_a_transaction_the_server_has_not_reached_is_lost_not_retri
         );
         let many = job::complete_many(&pool, &[(lease.clone(), json!("x"))]).await;
         assert_eq!(many.unwrap(), [id], "complete_many, {claimed_in}");
+        // In a REPEATABLE READ transaction too, whose snapshot sees no
+        // transaction newer than itself.
+        let mut tx = pgonce::begin(&pool, IsolationLevel::RepeatableRead)
+            .await
+            .unwrap();
+        lost(
+            "complete at REPEATABLE READ",
+            job::complete(&mut *tx, &lease, &json!("x")).await,
+        );
+        tx.rollback().await.unwrap();
     }
     // The job is as the lost claim left it: pending, and claimable.
     assert_eq!(status(&pool, id).await, JobStatus::Pending);
