@@ -2667,3 +2667,42 @@ async fn a_transaction_begun_by_hand_holds_claim_batch_and_retry_dead() {
         );
     }
 }
+
+/// A claim made in a subtransaction (a savepoint) records the top-level
+/// transaction's id, which `pg_current_xact_id()` returns there: rolled
+/// back to the savepoint, the lease is lost to the same transaction's
+/// complete (no 40001: the fence knows its own transaction); released,
+/// the same transaction completes under it, and another connection is
+/// told to retry (40001) while that transaction is open.
+#[tokio::test]
+async fn a_claim_in_a_savepoint_is_fenced_by_its_top_level_transaction() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    let mut savepoint = sqlx::Connection::begin(&mut *tx).await.unwrap();
+    let lease = job::claim(&mut *savepoint, id, LEASE).await.unwrap();
+    savepoint.rollback().await.unwrap();
+    let out = job::complete(&mut *tx, &lease, &json!("x")).await;
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+    tx.rollback().await.unwrap();
+
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    let mut savepoint = sqlx::Connection::begin(&mut *tx).await.unwrap();
+    let lease = job::claim(&mut *savepoint, id, LEASE).await.unwrap();
+    savepoint.commit().await.unwrap();
+    let elsewhere = job::complete(&pool, &lease, &json!("x")).await;
+    assert!(
+        matches!(elsewhere, Err(Error::SerializationFailure { .. })),
+        "{elsewhere:?}"
+    );
+    job::complete(&mut *tx, &lease, &json!("done"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Completed);
+}
