@@ -108,7 +108,8 @@
 //! one (an operator's `ALTER ROLE ... SET lock_timeout`): past it the call
 //! fails with [`Error::LockNotAvailable`], nothing written. A worker keeps
 //! its message then, as for [`Error::JobBusy`]. `statement_timeout` bounds
-//! every statement: past it [`Error::QueryCanceled`], nothing written.
+//! every statement: past it [`Error::QueryCanceled`], nothing written, and
+//! the message is kept too.
 //! [`claim_batch`], the [`Reaper`] and the [`Redriver`] never wait for a
 //! row: they skip locked ones.
 //!
@@ -119,8 +120,10 @@
 //! dead-letter queue only catches infrastructure failures. Except when
 //! nothing was recorded: a [`Error::JobBusy`] (the job is in another
 //! delivery's hands), a panic, a retryable error (PostgreSQL rolled
-//! the attempt's transaction back), or an [`Error::LockNotAvailable`] (a
-//! wait for the job's row given up, see Waits) keeps the message.
+//! the attempt's transaction back), an [`Error::LockNotAvailable`] (a
+//! wait for the job's row given up, see Waits) or an
+//! [`Error::QueryCanceled`] (a statement cut by `statement_timeout`) keeps
+//! the message.
 
 mod reaper;
 mod redrive;

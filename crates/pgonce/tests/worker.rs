@@ -381,19 +381,24 @@ async fn a_serialization_failure_keeps_the_message_under_always_delete() {
 /// Claims its job on a connection of its own whose session has a
 /// `lock_timeout` (as an operator's `ALTER ROLE ... SET lock_timeout` gives
 /// it), and returns the claim's error.
-struct ClaimsUnderALockTimeout {
+struct ClaimsUnderATimeout {
     pool: PgPool,
     job_id: i64,
+    /// `lock_timeout` or `statement_timeout`, set to 100 ms for the claim.
+    setting: &'static str,
 }
 
-impl Handler for ClaimsUnderALockTimeout {
+impl Handler for ClaimsUnderATimeout {
     async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
         let mut conn = self.pool.acquire().await?;
-        sqlx::query("SET lock_timeout = '100ms'")
+        sqlx::query("SELECT set_config($1, '100ms', false)")
+            .bind(self.setting)
             .execute(&mut *conn)
             .await?;
         let claimed = pgonce::job::claim(&mut *conn, self.job_id, Duration::from_secs(60)).await;
-        sqlx::query("RESET lock_timeout")
+        // Back to no bound, as the test database has it.
+        sqlx::query("SELECT set_config($1, '0', false)")
+            .bind(self.setting)
             .execute(&mut *conn)
             .await?;
         claimed?;
@@ -402,12 +407,23 @@ impl Handler for ClaimsUnderALockTimeout {
 }
 
 /// A claim that gave up waiting for the job's row past the session's
-/// `lock_timeout` wrote nothing: under `AlwaysDelete` its message, which
-/// the job module says a worker keeps then, is all that drives the job once
-/// the row's holder rolls back. It was deleted, and the job sat pending
-/// with no message.
+/// `lock_timeout` (or `statement_timeout`) wrote nothing: under
+/// `AlwaysDelete` its message, which the job module says a worker keeps
+/// then, is all that drives the job once the row's holder rolls back. It
+/// was deleted, and the job sat pending with no message.
 #[tokio::test]
 async fn a_claim_past_the_lock_timeout_keeps_the_message_under_always_delete() {
+    a_claim_past_a_timeout_keeps_the_message("lock_timeout").await;
+}
+
+/// [`a_claim_past_the_lock_timeout_keeps_the_message_under_always_delete`],
+/// with the wait cut by `statement_timeout` ([`pgonce::Error::QueryCanceled`]).
+#[tokio::test]
+async fn a_claim_past_the_statement_timeout_keeps_the_message_under_always_delete() {
+    a_claim_past_a_timeout_keeps_the_message("statement_timeout").await;
+}
+
+async fn a_claim_past_a_timeout_keeps_the_message(setting: &'static str) {
     let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
     let (q, job_id) = a_job_and_its_message(&pool).await;
     // Another transaction holds the job's row until the end.
@@ -418,20 +434,30 @@ async fn a_claim_past_the_lock_timeout_keeps_the_message_under_always_delete() {
         .await
         .unwrap();
     let config = always_delete_failures_back_at_once();
-    let handler = ClaimsUnderALockTimeout {
+    let handler = ClaimsUnderATimeout {
         pool: pool.clone(),
         job_id,
+        setting,
     };
     let worker = Worker::new(q.clone(), handler, config).unwrap();
     let done = worker.run_once().await.unwrap();
-    assert_eq!((done.failed, done.deleted), (1, 0), "the message is kept");
+    assert_eq!(
+        (done.failed, done.deleted),
+        (1, 0),
+        "{setting}: the message is kept"
+    );
     holder.rollback().await.unwrap();
     receivable_now(&q, 2, "the message of a claim that gave up comes back").await;
-    assert!(!pgonce::AckPolicy::AlwaysDelete.delete_message::<()>(&Err(
+    let cut = if setting == "lock_timeout" {
         pgonce::Error::LockNotAvailable {
             message: "canceling statement due to lock timeout".into(),
         }
-    )));
+    } else {
+        pgonce::Error::QueryCanceled {
+            message: "canceling statement due to statement timeout".into(),
+        }
+    };
+    assert!(!pgonce::AckPolicy::AlwaysDelete.delete_message::<()>(&Err(cut)));
 }
 
 /// [`Gate`], but fails.

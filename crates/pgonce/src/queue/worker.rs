@@ -97,9 +97,11 @@ pub enum AckPolicy {
     /// (visible again after `failure_visibility`, if set); so is one whose
     /// error is, or is caused by, a retryable [`Error`] (a serialization
     /// failure or deadlock, whose transaction PostgreSQL rolled back, or a
-    /// send that sent nothing: [`Error::is_retryable`]) or an
+    /// send that sent nothing: [`Error::is_retryable`]), an
     /// [`Error::LockNotAvailable`] (a row wait, such as a job's claim,
-    /// given up past the session's `lock_timeout`, nothing written).
+    /// given up past the session's `lock_timeout`, nothing written) or an
+    /// [`Error::QueryCanceled`] (a statement cut by `statement_timeout`,
+    /// or canceled, its work undone).
     AlwaysDelete,
 }
 
@@ -110,9 +112,11 @@ impl AckPolicy {
     /// message under either policy: the job is not done and is in another
     /// delivery's hands, and if that delivery dies this message is what
     /// drives the reaped job. A retryable error ([`Error::is_retryable`]: a
-    /// transaction PostgreSQL aborted, a send that sent nothing) and an
+    /// transaction PostgreSQL aborted, a send that sent nothing), an
     /// [`Error::LockNotAvailable`] (a wait for a row given up, nothing
-    /// written) keep it too: nothing of the attempt was recorded. A process that died never gets here, so never
+    /// written) and an [`Error::QueryCanceled`] (a statement cut by
+    /// `statement_timeout`, its work undone) keep it too: nothing of the
+    /// attempt was recorded. A process that died never gets here, so never
     /// deletes, and the message comes back.
     pub fn delete_message<T>(self, outcome: &crate::Result<T>) -> bool {
         match (self, outcome) {
@@ -934,9 +938,15 @@ fn job_busy_until(
 /// transaction back, a send sent nothing) or a row wait given up past the
 /// session's `lock_timeout` (the statement wrote nothing, and the message
 /// is what drives the job once the row's holder is done, as the job
-/// module's Waits section says).
+/// module's Waits section says), or a statement cut by the session's
+/// `statement_timeout` or canceled (PostgreSQL undid its work, and the
+/// same holds for the message).
 fn recorded_nothing(error: &Error) -> bool {
-    error.is_retryable() || matches!(error, Error::LockNotAvailable { .. })
+    error.is_retryable()
+        || matches!(
+            error,
+            Error::LockNotAvailable { .. } | Error::QueryCanceled { .. }
+        )
 }
 
 /// How long a message of a busy job stays invisible: until `not_before`,
