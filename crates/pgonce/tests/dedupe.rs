@@ -929,11 +929,7 @@ async fn a_key_collected_and_made_again_between_acquires_statements_is_never_in_
 #[tokio::test]
 async fn a_hold_from_a_transaction_the_server_has_not_reached_is_lost_not_retried() {
     let (_db, pool) = setup().await;
-    let next: i64 =
-        sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let next = support::next_xid(&pool).await;
     let hold = KeyHold {
         scope: "api".into(),
         key: "k".into(),

@@ -2045,15 +2045,6 @@ async fn times_set_to_infinity_by_hand_read_as_the_ends_of_the_range_never_a_pan
     job::complete(&pool, &lease, &json!("done")).await.unwrap();
 }
 
-/// The id the server's next transaction will get: no transaction has
-/// taken it, or any later one.
-async fn next_xid(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
 /// A lease naming a transaction the server has not reached: its claim was
 /// committed with `synchronous_commit = off` and lost in a crash (recovery
 /// may hand that transaction id out again, later), or the lease was
@@ -2065,7 +2056,7 @@ async fn next_xid(pool: &PgPool) -> i64 {
 async fn a_lease_from_a_transaction_the_server_has_not_reached_is_lost_not_retried() {
     let (_db, pool) = setup().await;
     let id = new_job(&pool, 5).await;
-    let future = next_xid(&pool).await + 1_000_000;
+    let future = support::next_xid(&pool).await + 1_000_000;
     // The job's insert committed in this (32-bit) transaction id: one
     // epoch later, the 64-bit id names a transaction not reached yet, not
     // that one.

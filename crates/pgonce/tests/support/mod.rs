@@ -226,6 +226,15 @@ pub async fn outcome_of_blocked_wait<T: Send + 'static>(
     waiting.resume().await.unwrap()
 }
 
+/// The id the server's next transaction will get: no transaction has
+/// taken it, or any later one.
+pub async fn next_xid(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// A harness on the database `options` points to, with a session named
 /// `pass` whose default isolation level is REPEATABLE READ (as `ALTER
 /// DATABASE ... SET default_transaction_isolation` gives every new one)
