@@ -118,9 +118,10 @@ impl SqsClient {
                 .attribute(&url, QueueAttributeName::ContentBasedDeduplication)
                 .await?
                 .is_some_and(|on| on == "true");
-        // What a receive that asks for no visibility of its own gives its
-        // deliveries (`Received::visibility`), and how long a FIFO receive
-        // may top its batch up (`top_up_fifo`); SQS's default is 30 s.
+        // What a receive that asks for no visibility of its own asks SQS
+        // for and states (`Received::visibility`), and how long a FIFO
+        // receive may top its batch up (`top_up_fifo`); SQS's default is
+        // 30 s.
         let visibility = self
             .attribute(&url, QueueAttributeName::VisibilityTimeout)
             .await?;
@@ -222,8 +223,8 @@ impl SqsClient {
 ///   toward `max_receive_count`, and the ones pgonce could not hand out
 ///   would be dead-lettered after enough such receives, unseen. A FIFO
 ///   batch of n messages therefore costs n + 1 requests. The top-up stops
-///   after a quarter of the visibility timeout (given, or the queue's, read
-///   when the handle is opened), so a slow server hands out a smaller batch
+///   after a quarter of the visibility timeout (given, or the handle's, see
+///   Visibility), so a slow server hands out a smaller batch
 ///   rather than messages whose visibility ran out while it filled; with a
 ///   visibility of zero a FIFO receive returns one message.
 /// * **Messages** are refused with [`Error::Invalid`] before any request
@@ -276,18 +277,20 @@ impl SqsClient {
 ///   sees its message delivered again; the PostgreSQL queue extends a
 ///   delivery without limit. SQS states no end per delivery:
 ///   [`Received::visibility`] is the receive's visibility, or else the
-///   queue's `VisibilityTimeout` as read when the handle was opened,
+///   handle's: the queue's `VisibilityTimeout` as read when the handle was
+///   opened. Every ReceiveMessage request carries that visibility, so SQS
+///   hides each delivery for what it states, whatever the queue's attribute
+///   says by then: a change to the attribute reaches the handles opened
+///   after it, not those already open (open the queue again to take it
+///   up). (Left to the queue's attribute, a handle opened before a change
+///   stated the old timeout: a worker counting from a longer one beat
+///   after its delivery ran out, extending another consumer's.) It is
 ///   counted from [`Received::requested_at`], the start of the
 ///   ReceiveMessage request that returned the message. SQS may have
 ///   delivered it up to that request's long poll wait (20 s at most)
 ///   later, and says not when: a delivery made late in a long poll looks
 ///   run out that much before it does (a worker's heartbeat stops early),
-///   a slack that cannot be taken out here. A
-///   handle opened before that attribute changed states the old timeout
-///   (open the queue again after changing it): a worker counting from a
-///   longer one may beat after its delivery ran out, extending another
-///   consumer's; from a shorter one, it stops beating early, and the
-///   message may be delivered again while its handler runs.
+///   a slack that cannot be taken out here.
 /// * **Long polls** wait 20 s per ReceiveMessage request at most: a
 ///   receive with a longer wait is a series of requests. Told to stop
 ///   ([`Queue::receive_or_stop`]), it finishes the request under way and
@@ -328,10 +331,11 @@ struct Inner {
     /// the handle is opened).
     content_based_dedup: bool,
     /// The queue's visibility timeout (read when the handle is opened):
-    /// what a receive's deliveries get unless it asks for another
-    /// (`Received::visibility`); see `top_up_fifo` too. A change made to
-    /// the queue after that is not seen: such a handle states the old
-    /// timeout for its deliveries (see [`SqsQueue`], Visibility).
+    /// what a receive asks SQS for, and states for its deliveries, unless
+    /// it asks for another (`Received::visibility`); see `top_up_fifo`
+    /// too. A change made to the queue after that is not seen, and not
+    /// applied either: every receive sends this (see [`SqsQueue`],
+    /// Visibility).
     visibility: Duration,
     /// The most bytes SQS takes of one message (body and attributes) in
     /// this queue, and of one batch request's messages together (read when
@@ -371,8 +375,8 @@ impl SqsQueue {
         &self.inner.client.config
     }
 
-    /// The visibility a receive asking for `asked` gives its deliveries:
-    /// that, in the whole seconds sent (`receive_raw`), or the queue's
+    /// The visibility a receive asking for `asked` gives its deliveries,
+    /// in the whole seconds `receive_raw` sends: `asked`, or the queue's
     /// timeout as read when the handle was opened.
     fn visibility(&self, asked: Option<Duration>) -> Duration {
         Duration::from_secs(ceil_secs(asked.unwrap_or(self.inner.visibility)))
@@ -554,17 +558,20 @@ impl SqsQueue {
         visibility: Option<Duration>,
     ) -> Result<(Instant, Vec<Message>)> {
         debug_assert!(wait <= SQS_MAX_WAIT, "{wait:?}");
-        let mut call = self
+        // The visibility always goes with the request, the queue's as read
+        // when the handle was opened included: SQS applies what it is
+        // given, so the deliveries last what they state
+        // (`Received::visibility`), whatever the queue's attribute was
+        // changed to since.
+        let call = self
             .sdk()
             .receive_message()
             .queue_url(&self.inner.url)
             .max_number_of_messages(max.min(SQS_BATCH) as i32)
             .wait_time_seconds(ceil_secs(wait) as i32)
+            .visibility_timeout(self.visibility(visibility).as_secs() as i32)
             .message_system_attribute_names(MessageSystemAttributeName::All)
             .message_attribute_names("All");
-        if let Some(v) = visibility {
-            call = call.visibility_timeout(ceil_secs(v) as i32);
-        }
         self.inner.receive_requests.fetch_add(1, Ordering::SeqCst);
         metrics::counter!("pgonce_sqs_receive_requests_total", "queue" => self.inner.name.clone())
             .increment(1);

@@ -1163,3 +1163,82 @@ async fn a_receive_stopped_before_it_begins_asks_for_nothing_and_one_stopped_aft
         "one request, one group's head"
     );
 }
+
+/// Whole seconds of `left`, rounded down: a receive that waits this long
+/// asks SQS for a wait that ends before `left` does (the backend sends
+/// waits rounded up).
+fn whole_seconds_within(left: Duration) -> Duration {
+    Duration::from_secs(left.as_secs())
+}
+
+/// A delivery states the visibility SQS gave it, however the queue's
+/// `VisibilityTimeout` was changed after the handle was opened: the
+/// message is not delivered again before `requested_at + visibility`, and
+/// is after it. Both ways: a timeout shortened (3 s to 1 s), where a
+/// longer stated end is the dangerous side (a worker beats on, and
+/// believes it holds, a message SQS already delivered again), and one
+/// lengthened (1 s to 30 s), where the message stays hidden past the
+/// stated end. (The handle stated the timeout it read when it was opened
+/// and let SQS apply the queue's current one: 3 s stated and redelivered
+/// after 1 s; 1 s stated and hidden for 30 s.)
+#[tokio::test]
+async fn a_delivery_states_the_visibility_sqs_gave_it_after_the_queue_timeout_changed() {
+    use aws_sdk_sqs::types::QueueAttributeName;
+    for (opened, changed_to) in [(1, 30)] {
+        let attributes = QueueAttributes::default().visibility_timeout(Duration::from_secs(opened));
+        let (moto, q) = started("q", attributes).await;
+        support::client(&moto)
+            .await
+            .sdk()
+            .set_queue_attributes()
+            .queue_url(q.url())
+            .attributes(
+                QueueAttributeName::VisibilityTimeout,
+                changed_to.to_string(),
+            )
+            .send()
+            .await
+            .unwrap();
+        q.send(SendMessage::new("m")).await.unwrap();
+        let first = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+        let [first] = &first[..] else {
+            panic!("one delivery: {first:?}")
+        };
+        let stated = first.visibility.expect("SQS deliveries state a visibility");
+        let ends = first.requested_at + stated;
+        let case = format!("opened at {opened} s, changed to {changed_to} s, stated {stated:?}");
+        // Polls that end before the stated end find nothing: SQS hides the
+        // message from some time after `requested_at` for as long as it
+        // gave it, so one found while the stated end is still ahead was
+        // hidden for less than stated.
+        loop {
+            let wait = whole_seconds_within(ends.saturating_duration_since(Instant::now()));
+            if wait.is_zero() {
+                break;
+            }
+            let got = q
+                .receive(ReceiveRequest::up_to(1).wait(wait))
+                .await
+                .unwrap();
+            assert!(
+                got.is_empty() || Instant::now() >= ends,
+                "{case}: delivered again before the end its first delivery stated"
+            );
+            if !got.is_empty() {
+                break;
+            }
+        }
+        // After it, the message is there to take (a poll waits for it).
+        let wait = Duration::from_secs(20);
+        let again = q
+            .receive(ReceiveRequest::up_to(1).wait(wait))
+            .await
+            .unwrap();
+        let counts: Vec<u32> = again.iter().map(|m| m.receive_count).collect();
+        assert_eq!(
+            counts,
+            [2],
+            "{case}: not delivered again within {wait:?} of the end its first delivery stated"
+        );
+    }
+}

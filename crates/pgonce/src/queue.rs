@@ -325,7 +325,7 @@ pub struct Received {
     /// [`Received::requested_at`]: the visibility the request asked for, as
     /// the backend took it (SQS: rounded up to whole seconds), or the
     /// queue's visibility timeout (SQS: as read when the handle was
-    /// opened). A later [`Queue::change_visibility`] changes the delivery,
+    /// opened, which every receive of the handle asks SQS for). A later [`Queue::change_visibility`] changes the delivery,
     /// not this. A consumer knows from the two when its delivery runs out,
     /// `requested_at + visibility` at the earliest, whether or not it asked
     /// for a visibility: the worker stops its heartbeat there. `None`: the
