@@ -4,11 +4,13 @@
 //! The configuration is [`pgonce_incidents::config::Config`]: defaults, a
 //! TOML file (`--config`), the environment (`PGONCE_...`, `DATABASE_URL`);
 //! the command-line flags here come last. Validated before anything
-//! starts. Both commands migrate on start (over `database.direct_url` when
-//! set), install the Prometheus recorder, and stop gracefully on Ctrl-C or
-//! SIGTERM: stop accepting, finish in-flight requests (long polls of the
-//! event feed end at once, with an empty page), then
-//! [`Runtime::shutdown`]. A signal while they start, or a second one while
+//! starts. Both commands bind their listener first (`serve`'s API,
+//! `worker`'s `api.metrics_listen` when set), so that an address in use
+//! stops them before they touch the database; then they migrate (over
+//! `database.direct_url` when set), install the Prometheus recorder, and
+//! stop gracefully on Ctrl-C or SIGTERM: stop accepting, finish in-flight
+//! requests (long polls of the event feed end at once, with an empty
+//! page), then [`Runtime::shutdown`]. A signal while they start, or a second one while
 //! they drain, stops them at once ([`crate::stop`]). The observations queue is `[queue] backend`'s:
 //! the PostgreSQL queue in the same database, or Amazon SQS. `serve` has `/metrics`, `/healthz` and `/readyz`
 //! beside the API; `worker` serves them alone on `api.metrics_listen` when
@@ -187,6 +189,7 @@ async fn run(
     if !api {
         check_worker_has_work(&config)?;
     }
+    let listeners = Listeners::bind(&config, api).await?;
     let metrics = install_metrics()?;
     let pool = connect(&config).await?;
     let service = Service::new(pool.clone(), config.service_config())?;
@@ -203,7 +206,7 @@ async fn run(
                 config.queue_options(),
             )
             .await?;
-            run_on(&config, metrics, pool, service, queue, api, stop).await
+            run_on(&config, listeners, metrics, pool, service, queue, stop).await
         }
         QueueBackend::Sqs => {
             let section = &config.queue.sqs;
@@ -212,8 +215,43 @@ async fn run(
                 .await
                 .with_context(|| format!("opening the SQS queue {}", section.queue_name()))?;
             tracing::info!(queue = %queue.url(), "observations on Amazon SQS");
-            run_on(&config, metrics, pool, service, queue, api, stop).await
+            run_on(&config, listeners, metrics, pool, service, queue, stop).await
         }
+    }
+}
+
+/// What `serve` or `worker` listens on, bound before it migrates or
+/// starts any worker: an address in use stops it with one line, the
+/// database untouched and nothing received. Connections made to it while
+/// it migrates wait in the listen backlog and are answered once it serves.
+struct Listeners {
+    /// `serve`'s API (`api.listen`).
+    api: Option<tokio::net::TcpListener>,
+    /// `worker`'s metrics and readiness (`api.metrics_listen`, when set).
+    operations: Option<tokio::net::TcpListener>,
+}
+
+impl Listeners {
+    /// Binds `serve`'s (`api: true`) or `worker`'s listener.
+    async fn bind(config: &Config, api: bool) -> anyhow::Result<Listeners> {
+        let bind = async |address: SocketAddr| {
+            let bound = tokio::net::TcpListener::bind(address).await;
+            bound.with_context(|| format!("listening on {address}"))
+        };
+        Ok(match (api, config.api.metrics_listen) {
+            (true, _) => Listeners {
+                api: Some(bind(config.api.listen).await?),
+                operations: None,
+            },
+            (false, Some(address)) => Listeners {
+                api: None,
+                operations: Some(bind(address).await?),
+            },
+            (false, None) => Listeners {
+                api: None,
+                operations: None,
+            },
+        })
     }
 }
 
@@ -253,27 +291,16 @@ fn check_worker_has_work(config: &Config) -> anyhow::Result<()> {
 /// the pipeline are generic over [`Queue`] and behave the same on both.
 async fn run_on<Q>(
     config: &Config,
+    listeners: Listeners,
     metrics: PrometheusHandle,
     pool: PgPool,
     service: Service,
     queue: Q,
-    api: bool,
     stop: &ServiceStop,
 ) -> anyhow::Result<()>
 where
     Q: Queue + Clone + 'static,
 {
-    // Bind before any worker starts: a port in use stops `serve` with one
-    // line and nothing received, rather than aborting workers mid-message.
-    let bind = async |address: SocketAddr| {
-        let bound = tokio::net::TcpListener::bind(address).await;
-        bound.with_context(|| format!("listening on {address}"))
-    };
-    let (listener, operations) = match (api, config.api.metrics_listen) {
-        (true, _) => (Some(bind(config.api.listen).await?), None),
-        (false, Some(address)) => (None, Some(bind(address).await?)),
-        (false, None) => (None, None),
-    };
     let runtime = Runtime::start(&service, queue.clone(), config.runtime_config())?;
     let cleaner = &config.maintenance.cleaner;
     let maintenance = if cleaner.enabled {
@@ -286,7 +313,7 @@ where
     };
     // Taking work from here on: a signal drains rather than abandons it.
     stop.running();
-    let served = if let Some(listener) = listener {
+    let served = if let Some(listener) = listeners.api {
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
         tracing::info!(listen = %config.api.listen, "pgonce serve: API and runtime started");
         eprintln!("pgonce: serving on http://{}", listener.local_addr()?);
@@ -301,7 +328,7 @@ where
         api::serve(listener, api::router(state), &config.api_config(), drain)
             .await
             .context("serving HTTP")
-    } else if let Some(listener) = operations {
+    } else if let Some(listener) = listeners.operations {
         let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
         tracing::info!("pgonce worker: runtime started");
         eprintln!(
