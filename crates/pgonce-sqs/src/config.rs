@@ -30,7 +30,9 @@ pub struct SqsConfig {
     /// [`Error::Unavailable`]. Default 10 s; 100 ms to 5 min.
     pub operation_timeout: Duration,
     /// Attempts per call on throttling and transport errors (1: no retry).
-    /// Default 3; 1 to 10.
+    /// A send to a standard queue is attempted again only where SQS did
+    /// not take the attempt before (see `SqsQueue`, Retries). Default 3; 1
+    /// to 10.
     pub max_attempts: u32,
 }
 

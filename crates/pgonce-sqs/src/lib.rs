@@ -7,6 +7,8 @@
 //! * `queue`: [`SqsClient`] (creates and opens queues) and [`SqsQueue`]
 //!   (the trait on one queue; its docs list where SQS differs from the
 //!   contract).
+//! * `retry`: what the SDK may retry of a send: not, on a standard queue,
+//!   a request SQS may have taken.
 //! * `error`: SDK errors to [`pgonce::Error`] in one place. A call that
 //!   cannot reach SQS within [`SqsConfig::operation_timeout`] fails with
 //!   [`pgonce::Error::Unavailable`]; errors SQS returns that have no variant
@@ -43,6 +45,7 @@
 mod config;
 mod error;
 mod queue;
+mod retry;
 
 pub use config::SqsConfig;
 pub use queue::{SQS_DEDUP_WINDOW, SqsClient, SqsQueue};

@@ -22,6 +22,7 @@ use pgonce::{
 
 use crate::SqsConfig;
 use crate::error::{BACKEND, from_code, map, stale};
+use crate::retry;
 
 /// The message attribute that carries a message's pgonce id across a
 /// redrive (SQS gives the re-sent copy a new MessageId).
@@ -262,14 +263,30 @@ impl SqsClient {
 ///   failed request's refused or unanswered ones, and those of the
 ///   requests after it, not sent, so that a FIFO group's later messages
 ///   never go ahead of one to be sent again. Sending those again sends no
-///   duplicate, but of a request that failed after SQS took it (a
-///   timeout); sending the whole batch again would send duplicates on a
+///   duplicate, but of a request that failed after SQS took it (see
+///   Retries); sending the whole batch again would send duplicates on a
 ///   standard queue.
 ///   `delete_batch` goes out in requests of 10 distinct handles (a receipt
 ///   given twice goes once, as SQS refuses a request naming a handle
 ///   twice); a request that fails ends the call with
 ///   [`Error::DeleteBatchIncomplete`], which names the receipts still to
 ///   delete, as what the requests before it deleted stays deleted.
+/// * **Retries** of a send (SendMessage, SendMessageBatch, a redrive's
+///   re-send) by the SDK (up to [`SqsConfig::max_attempts`]) are blind to
+///   whether SQS took the failed attempt. On a FIFO queue that is
+///   harmless: every message goes with a deduplication id (the caller's, a
+///   fresh one per call, or the body's with content-based deduplication),
+///   the same on each attempt, and SQS drops a second copy within its
+///   5-minute window. A standard queue takes it as a second message, so
+///   there the SDK retries only what SQS did not take: a request it
+///   refused with a client error (throttled), or whose connection was
+///   never made. An attempt it may have taken (the connection dropped
+///   after the request went out, an answer not read, a server error) ends
+///   the call: [`Error::Unavailable`] (a batch: [`Error::SendBatchIncomplete`]
+///   with that cause, the request's messages unsent), or [`Error::Backend`]
+///   for a server error, and the messages may or may not be in the queue;
+///   sending them again is at least once. So is an operation timeout,
+///   which ends every attempt and is never retried.
 /// * **Visibility** of one delivery ends at most 12 hours after its
 ///   receive: SQS refuses a `change_visibility` that would reach past that
 ///   ([`Error::Backend`], `InvalidParameterValue`, not `StaleReceipt`).
@@ -473,7 +490,7 @@ impl SqsQueue {
     /// One SendMessage request.
     async fn send_one(&self, outgoing: &Outgoing<'_>) -> Result<Sent> {
         let message = outgoing.message;
-        let out = self
+        let mut call = self
             .sdk()
             .send_message()
             .queue_url(&self.inner.url)
@@ -482,9 +499,11 @@ impl SqsQueue {
             .set_message_group_id(message.group_id.clone())
             .set_message_deduplication_id(outgoing.dedup_id.clone())
             .set_delay_seconds(message.delay.map(|d| ceil_secs(d) as i32))
-            .send()
-            .await
-            .map_err(|e| map(e, None))?;
+            .customize();
+        if let Some(config) = retry::for_sends(self.inner.fifo) {
+            call = call.config_override(config);
+        }
+        let out = call.send().await.map_err(|e| map(e, None))?;
         Ok(Sent {
             id: out.message_id().unwrap_or_default().to_string(),
             duplicate: false,
@@ -696,14 +715,16 @@ impl SqsQueue {
                     .map_err(|e| backend_error(&e.to_string()))
             })
             .collect::<Result<Vec<_>>>()?;
-        let out = self
+        let mut call = self
             .sdk()
             .send_message_batch()
             .queue_url(&self.inner.url)
             .set_entries(Some(entries))
-            .send()
-            .await
-            .map_err(|e| map(e, None))?;
+            .customize();
+        if let Some(config) = retry::for_sends(self.inner.fifo) {
+            call = call.config_override(config);
+        }
+        let out = call.send().await.map_err(|e| map(e, None))?;
         let n = places.len();
         let place = |id: &str| entry_place(id, n);
         for done in out.successful() {
@@ -1155,16 +1176,19 @@ impl Queue for SqsQueue {
                 // queues).
                 let dedup_id =
                     source_fifo.then(|| raw.message_id().map_or_else(fresh_id, str::to_string));
-                self.sdk()
+                let mut resend = self
+                    .sdk()
                     .send_message()
                     .queue_url(&source)
                     .message_body(&m.body)
                     .set_message_attributes(Some(attributes))
                     .set_message_group_id(m.group_id.clone())
                     .set_message_deduplication_id(dedup_id)
-                    .send()
-                    .await
-                    .map_err(|e| map(e, None))?;
+                    .customize();
+                if let Some(config) = retry::for_sends(source_fifo) {
+                    resend = resend.config_override(config);
+                }
+                resend.send().await.map_err(|e| map(e, None))?;
                 self.delete(&m.receipt).await?;
                 moved += 1;
             }

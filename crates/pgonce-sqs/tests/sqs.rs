@@ -1242,3 +1242,116 @@ async fn a_delivery_states_the_visibility_sqs_gave_it_after_the_queue_timeout_ch
         );
     }
 }
+
+/// Queue `name`, created as `attributes` through moto itself, opened
+/// through a client of `config` (one of a front to moto).
+async fn through(
+    moto: &Moto,
+    name: &str,
+    attributes: QueueAttributes,
+    config: SqsConfig,
+) -> SqsQueue {
+    support::client(moto)
+        .await
+        .create_queue(name, attributes)
+        .await
+        .unwrap();
+    SqsClient::connect(config)
+        .await
+        .unwrap()
+        .open(name)
+        .await
+        .unwrap()
+}
+
+/// A send to a standard queue whose request SQS took but whose answer was
+/// lost (the connection dropped) is not sent again by the SDK: the call
+/// fails `Unavailable` (a batch: `SendBatchIncomplete`, every message
+/// unsent, that cause), and each message is in the queue once. A standard
+/// queue cannot drop a second copy, so a blind resend is a duplicate.
+/// Nor is one answered with a server error (5xx), which says not whether
+/// SQS acted. One SQS refused (throttled, 4xx) is sent again, and goes
+/// through. (The SDK retried the request whose answer was lost, a
+/// transient error to it, and the call succeeded with every message in
+/// the queue twice.)
+#[tokio::test]
+async fn a_standard_send_whose_answer_is_lost_is_not_sent_again() {
+    let moto = support::start();
+    let front = support::Front::start(&moto).await;
+    let config = SqsConfig::local(front.endpoint());
+    let q = through(&moto, "q", QueueAttributes::default(), config).await;
+
+    front.fail("SendMessageBatch", support::Fault::AnswerLost, 1);
+    let batch = (0..3).map(|i| SendMessage::new(i.to_string())).collect();
+    let got = q.send_batch(batch).await;
+    let Err(Error::SendBatchIncomplete {
+        sent,
+        unsent,
+        cause,
+    }) = &got
+    else {
+        panic!("the lost answer goes unreported: {got:?}")
+    };
+    assert_eq!((sent.len(), &unsent[..]), (3, &[0, 1, 2][..]), "{got:?}");
+    assert!(matches!(**cause, Error::Unavailable { .. }), "{cause:?}");
+    assert_eq!(front.requests("SendMessageBatch"), 1, "sent once");
+
+    front.fail("SendMessage", support::Fault::AnswerLost, 1);
+    let got = q.send(SendMessage::new("3")).await;
+    assert!(matches!(got, Err(Error::Unavailable { .. })), "{got:?}");
+    assert_eq!(front.requests("SendMessage"), 1, "sent once");
+
+    front.fail("SendMessage", support::Fault::Refused, 1);
+    let got = q.send(SendMessage::new("refused")).await;
+    assert!(
+        matches!(&got, Err(Error::Backend { code, .. }) if code == "ServiceUnavailable"),
+        "{got:?}"
+    );
+    assert_eq!(front.requests("SendMessage"), 2, "not sent again");
+
+    front.fail("SendMessage", support::Fault::Throttled, 1);
+    q.send(SendMessage::new("4")).await.unwrap();
+    assert_eq!(front.requests("SendMessage"), 4, "throttled, then sent");
+
+    let want: Vec<String> = (0..5).map(|i| i.to_string()).collect();
+    assert_eq!(bodies(&everything(&q).await), want, "each message once");
+}
+
+/// On a FIFO queue the SDK's retry of a request whose answer was lost is
+/// harmless: every message goes with a deduplication id (the caller's, a
+/// fresh one per call, or the body's with content-based deduplication),
+/// the same on the retry, and SQS drops the second copy. The call
+/// succeeds; each message is in the queue once.
+#[tokio::test]
+async fn a_fifo_send_whose_answer_is_lost_is_sent_again_without_a_duplicate() {
+    let moto = support::start();
+    let front = support::Front::start(&moto).await;
+    let config = SqsConfig::local(front.endpoint());
+    let q = through(&moto, "f.fifo", QueueAttributes::fifo(), config).await;
+    front.fail("SendMessageBatch", support::Fault::AnswerLost, 1);
+    let batch = (0..3)
+        .map(|i| SendMessage::new(i.to_string()).group(i.to_string()))
+        .collect();
+    q.send_batch(batch).await.unwrap();
+    assert_eq!(front.requests("SendMessageBatch"), 2, "sent again once");
+    let want: Vec<String> = (0..3).map(|i| i.to_string()).collect();
+    assert_eq!(bodies(&everything(&q).await), want, "each message once");
+}
+
+/// A send to a standard queue that SQS took but did not answer within the
+/// operation timeout fails `Unavailable` at the timeout, not sent again:
+/// the SDK's retries run within that timeout, which ends them all. The
+/// message is in the queue once; the error says it may be.
+#[tokio::test]
+async fn a_standard_send_cut_off_by_its_timeout_fails_typed_and_is_not_sent_again() {
+    let moto = support::start();
+    let front = support::Front::start(&moto).await;
+    let timeout = Duration::from_secs(1);
+    let config = SqsConfig::local(front.endpoint()).operation_timeout(timeout);
+    let q = through(&moto, "q", QueueAttributes::default(), config).await;
+    front.fail("SendMessage", support::Fault::AnswerWithheld, 1);
+    let send = q.send(SendMessage::new("0"));
+    assert_unavailable("send, answer withheld", send, timeout, Duration::ZERO).await;
+    assert_eq!(front.requests("SendMessage"), 1, "sent once");
+    assert_eq!(bodies(&everything(&q).await), ["0"], "in the queue once");
+}
