@@ -302,8 +302,11 @@ impl SqsClient {
 ///   up). (Left to the queue's attribute, a handle opened before a change
 ///   stated the old timeout: a worker counting from a longer one beat
 ///   after its delivery ran out, extending another consumer's.) It is
-///   counted from [`Received::requested_at`], the start of the
-///   ReceiveMessage request that returned the message. SQS may have
+///   counted from [`Received::requested_at`], when the attempt of the
+///   ReceiveMessage request that returned the message went out (after
+///   the SDK's retries of earlier attempts, refused or unanswered, and
+///   their backoff: a message an unanswered attempt delivered stays
+///   hidden for its own visibility and comes back then). SQS may have
 ///   delivered it up to that request's long poll wait (20 s at most)
 ///   later, and says not when: a delivery made late in a long poll looks
 ///   run out that much before it does (a worker's heartbeat stops early),
@@ -567,8 +570,9 @@ impl SqsQueue {
         Ok(got)
     }
 
-    /// One ReceiveMessage request: when it began (`Received::requested_at`
-    /// of its deliveries), and its messages as SQS returned them. `wait` is
+    /// One ReceiveMessage request: when the attempt of it that answered
+    /// went out (`Received::requested_at` of its deliveries), and its
+    /// messages as SQS returned them. `wait` is
     /// at most SQS's 20 s (a longer wait is several requests).
     async fn receive_raw(
         &self,
@@ -594,20 +598,26 @@ impl SqsQueue {
         self.inner.receive_requests.fetch_add(1, Ordering::SeqCst);
         metrics::counter!("pgonce_sqs_receive_requests_total", "queue" => self.inner.name.clone())
             .increment(1);
-        // Before the request: SQS counts a delivery's visibility from some
-        // time within it, not known here (it may have waited up to `wait`
-        // first), so counted from here the stated end is never past the
-        // real one.
-        let requested_at = Instant::now();
+        // When the attempt that answered went out: SQS counts a delivery's
+        // visibility from some time within that attempt, not known here (it
+        // may have waited up to `wait` first), so counted from there the
+        // stated end is never past the real one. Not from the start of the
+        // call: the SDK may have sent and retried attempts before (refused,
+        // or their answer lost), and counted from the first, a delivery
+        // looked run out those attempts and their backoff early.
+        let attempts = retry::AttemptClock::default();
+        let called_at = Instant::now();
         let out = call
             .customize()
             .config_override(
                 aws_sdk_sqs::config::Builder::default()
                     .timeout_config(self.config().timeouts(wait)),
             )
+            .interceptor(attempts.clone())
             .send()
             .await
             .map_err(|e| map(e, None))?;
+        let requested_at = attempts.last_sent().unwrap_or(called_at);
         Ok((requested_at, out.messages.unwrap_or_default()))
     }
 
@@ -1500,7 +1510,8 @@ fn dead_letter_name(policy: &str) -> Option<String> {
 }
 
 /// `m` as delivered by the queue named `queue` (its receipt names it),
-/// hidden for `visibility` from the request begun at `requested_at`.
+/// hidden for `visibility` from the request (its attempt that answered)
+/// sent at `requested_at`.
 fn to_received(
     m: &Message,
     queue: &str,

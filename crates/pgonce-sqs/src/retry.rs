@@ -1,7 +1,12 @@
-//! What the SDK may retry of a send: [`NoBlindResend`].
+//! The SDK's retries: what it may retry of a send ([`NoBlindResend`]),
+//! and when the attempt that answered went out ([`AttemptClock`]).
 
-use aws_sdk_sqs::config::interceptors::InterceptorContext;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use aws_sdk_sqs::config::interceptors::{BeforeTransmitInterceptorContextRef, InterceptorContext};
 use aws_sdk_sqs::config::retry::{ClassifyRetry, RetryAction};
+use aws_sdk_sqs::config::{ConfigBag, Intercept, RuntimeComponents};
 
 /// Forbids the SDK's retry of a send to a standard queue after an attempt
 /// SQS may have taken: its answer lost (a connection dropped, reset or
@@ -56,6 +61,37 @@ fn connection_never_made(error: &(dyn std::error::Error + 'static)) -> bool {
         next = e.source();
     }
     false
+}
+
+/// Notes when each attempt of one request goes out to SQS, after the
+/// SDK's retries of the attempts before it (their backoff included) and
+/// just before its HTTP client sends it: the last time noted is when the
+/// attempt that answered went out, which SQS cannot have acted on before.
+/// One per request (a clone shares the time).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct AttemptClock(Arc<Mutex<Option<Instant>>>);
+
+impl AttemptClock {
+    /// When the last attempt went out; `None` before the first.
+    pub(crate) fn last_sent(&self) -> Option<Instant> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Intercept for AttemptClock {
+    fn name(&self) -> &'static str {
+        "pgonce-sqs: when the last attempt went out"
+    }
+
+    fn read_before_transmit(
+        &self,
+        _context: &BeforeTransmitInterceptorContextRef<'_>,
+        _components: &RuntimeComponents,
+        _config: &mut ConfigBag,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        Ok(())
+    }
 }
 
 /// The SDK configuration a send to a queue overrides: [`NoBlindResend`]

@@ -1264,6 +1264,15 @@ async fn through(
         .unwrap()
 }
 
+/// A fresh moto, a front to it, and queue `name` opened through the front.
+async fn fronted(name: &str, attributes: QueueAttributes) -> (Moto, support::Front, SqsQueue) {
+    let moto = support::start();
+    let front = support::Front::start(&moto).await;
+    let config = SqsConfig::local(front.endpoint());
+    let q = through(&moto, name, attributes, config).await;
+    (moto, front, q)
+}
+
 /// A send to a standard queue whose request SQS took but whose answer was
 /// lost (the connection dropped) is not sent again by the SDK: the call
 /// fails `Unavailable` (a batch: `SendBatchIncomplete`, every message
@@ -1276,10 +1285,7 @@ async fn through(
 /// the queue twice.)
 #[tokio::test]
 async fn a_standard_send_whose_answer_is_lost_is_not_sent_again() {
-    let moto = support::start();
-    let front = support::Front::start(&moto).await;
-    let config = SqsConfig::local(front.endpoint());
-    let q = through(&moto, "q", QueueAttributes::default(), config).await;
+    let (_moto, front, q) = fronted("q", QueueAttributes::default()).await;
 
     front.fail("SendMessageBatch", support::Fault::AnswerLost, 1);
     let batch = (0..3).map(|i| SendMessage::new(i.to_string())).collect();
@@ -1324,10 +1330,7 @@ async fn a_standard_send_whose_answer_is_lost_is_not_sent_again() {
 /// succeeds; each message is in the queue once.
 #[tokio::test]
 async fn a_fifo_send_whose_answer_is_lost_is_sent_again_without_a_duplicate() {
-    let moto = support::start();
-    let front = support::Front::start(&moto).await;
-    let config = SqsConfig::local(front.endpoint());
-    let q = through(&moto, "f.fifo", QueueAttributes::fifo(), config).await;
+    let (_moto, front, q) = fronted("f.fifo", QueueAttributes::fifo()).await;
     front.fail("SendMessageBatch", support::Fault::AnswerLost, 1);
     let batch = (0..3)
         .map(|i| SendMessage::new(i.to_string()).group(i.to_string()))
@@ -1354,4 +1357,28 @@ async fn a_standard_send_cut_off_by_its_timeout_fails_typed_and_is_not_sent_agai
     assert_unavailable("send, answer withheld", send, timeout, Duration::ZERO).await;
     assert_eq!(front.requests("SendMessage"), 1, "sent once");
     assert_eq!(bodies(&everything(&q).await), ["0"], "in the queue once");
+}
+
+/// A delivery made by the SDK's retry of a ReceiveMessage is counted from
+/// when that retry went out, not from the first attempt: its
+/// `requested_at` is after the first attempt was refused (503, SQS took
+/// nothing). Counted from the first, a delivery looks run out the first
+/// attempt and the SDK's backoff before it does. (It was the start of the
+/// whole call, before the first attempt.)
+#[tokio::test]
+async fn a_delivery_by_a_retried_receive_is_counted_from_the_retry() {
+    let (_moto, front, q) = fronted("q", QueueAttributes::default()).await;
+    q.send(SendMessage::new("m")).await.unwrap();
+    front.fail("ReceiveMessage", support::Fault::Refused, 1);
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(front.requests("ReceiveMessage"), 2, "refused, then retried");
+    let [m] = &got[..] else {
+        panic!("one delivery: {got:?}")
+    };
+    let refused_at = front.faulted_at().expect("the first attempt refused");
+    assert!(
+        m.requested_at >= refused_at,
+        "counted from {:?} before the first attempt was refused",
+        refused_at - m.requested_at
+    );
 }

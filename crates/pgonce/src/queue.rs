@@ -340,9 +340,10 @@ pub struct Received {
     /// once it holds the connection that sends it, so a message delivered
     /// late in a long poll, or after a wait for the pool, is counted from
     /// its delivery. Amazon SQS waits inside its request (up to 20 s) and
-    /// says not when it delivered: there it is the start of the
-    /// ReceiveMessage request that returned the message, and a delivery
-    /// made late in that request's wait looks that much shorter.
+    /// says not when it delivered: there it is when the ReceiveMessage
+    /// request that returned the message went out (its attempt that
+    /// answered, after the client's retries of earlier ones), and a
+    /// delivery made late in that request's wait looks that much shorter.
     pub requested_at: Instant,
 }
 

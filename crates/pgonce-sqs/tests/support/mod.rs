@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
@@ -68,6 +69,9 @@ struct Faults {
     armed: HashMap<String, (Fault, u32)>,
     /// Per operation: the requests seen.
     seen: HashMap<String, u32>,
+    /// When the last fault was applied, the request read whole (and, for
+    /// [`Fault::AnswerLost`], moto's answer in hand).
+    faulted_at: Option<Instant>,
 }
 
 /// Why a front closed a connection without answering.
@@ -134,6 +138,11 @@ impl Front {
         let faults = self.shared.faults.lock().unwrap();
         faults.seen.get(operation).copied().unwrap_or(0)
     }
+
+    /// When the last fault was applied: after its request was read whole.
+    pub fn faulted_at(&self) -> Option<Instant> {
+        self.shared.faults.lock().unwrap().faulted_at
+    }
 }
 
 impl Drop for Front {
@@ -154,6 +163,10 @@ impl FrontState {
             faults.armed.remove(operation);
         }
         Some(fault)
+    }
+
+    fn faulted_now(&self) {
+        self.faults.lock().unwrap().faulted_at = Some(Instant::now());
     }
 
     async fn handle(
@@ -177,6 +190,7 @@ impl FrontState {
             Some(Fault::AnswerLost | Fault::AnswerWithheld) | None => None,
         };
         if let Some((status, code)) = refusal {
+            self.faulted_now();
             let body = format!(r#"{{"__type":"{code}","message":"refused on purpose"}}"#);
             return Ok(Response::builder()
                 .status(status)
@@ -198,8 +212,12 @@ impl FrontState {
         let content_type = answer.headers().get(hyper::header::CONTENT_TYPE).cloned();
         let body = answer.bytes().await?;
         match fault {
-            Some(Fault::AnswerLost) => return Err(FrontError::AnswerLost),
+            Some(Fault::AnswerLost) => {
+                self.faulted_now();
+                return Err(FrontError::AnswerLost);
+            }
             Some(Fault::AnswerWithheld) => {
+                self.faulted_now();
                 // Until the client gives up and closes the connection.
                 std::future::pending::<()>().await;
             }
