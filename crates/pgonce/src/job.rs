@@ -124,6 +124,24 @@
 //! wait for the job's row given up, see Waits) or an
 //! [`Error::QueryCanceled`] (a statement cut by `statement_timeout`) keeps
 //! the message.
+//!
+//! A handler that recorded its attempt's failure with [`fail`] returns it
+//! as a [`FailureRecorded`], whatever failed the work (a serialization
+//! failure in the work's transaction included): the worker deletes the
+//! message, and the row drives the retry. The message yields, not the
+//! re-driver: under this policy the re-driver drives every failed job, and
+//! the row cannot tell one whose message was kept. Each attempt is then
+//! one delivery. Should the process die:
+//!
+//! * before `fail` commits: nothing is recorded, the message (not deleted)
+//!   comes back after its visibility timeout, finds the job processing
+//!   ([`Error::JobBusy`] until the lease ends), and claims it once the
+//!   [`Reaper`] has returned it;
+//! * after `fail` commits, before the delete: the message comes back too,
+//!   finds the job failed ([`Error::JobBusy`] until its retry is due), then
+//!   claims it, or finds the re-driver made it pending and published it: one
+//!   extra delivery, which the claim keeps from running the work twice;
+//! * after the delete: the re-driver alone drives the retry.
 
 mod reaper;
 mod redrive;
@@ -829,6 +847,67 @@ pub async fn fail<'c>(
     } else {
         metrics::counter!("pgonce_job_failed_total").increment(1);
         Ok(FailOutcome::Retry { attempts, run_at })
+    }
+}
+
+/// A failed attempt that [`fail`] recorded, as a handler reports it: the
+/// error that failed the work (its [`source`](std::error::Error::source)),
+/// with what `fail` did. Return it (or an error caused by it) once `fail`
+/// has committed; never for a `fail` run in a transaction that has not.
+///
+/// It tells the queue worker that the job's row holds the failure. Under
+/// [`crate::queue::AckPolicy::AlwaysDelete`] the worker deletes the
+/// message then, whatever failed the work: the row is the retry ledger, and
+/// the [`Redriver`] makes the job pending once its retry is due (or it is
+/// dead). Without it, a failure caused by an error that records nothing
+/// (a serialization failure, [`Error::LockNotAvailable`],
+/// [`Error::QueryCanceled`]) kept the message, and the job, driven by that
+/// message and by the re-driver both, was delivered twice per attempt.
+#[derive(Debug)]
+pub struct FailureRecorded {
+    /// The job whose attempt failed.
+    pub job_id: i64,
+    /// What [`fail`] did: a retry scheduled, or the job dead.
+    pub outcome: FailOutcome,
+    cause: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl FailureRecorded {
+    /// The failure of job `job_id`'s attempt, caused by `cause`, which
+    /// [`fail`] recorded with `outcome`.
+    pub fn new(
+        job_id: i64,
+        outcome: FailOutcome,
+        cause: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> FailureRecorded {
+        FailureRecorded {
+            job_id,
+            outcome,
+            cause: cause.into(),
+        }
+    }
+}
+
+impl fmt::Display for FailureRecorded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.outcome {
+            FailOutcome::Retry { attempts, run_at } => write!(
+                f,
+                "job {} failed (attempt {attempts}, retried at {run_at})",
+                self.job_id
+            ),
+            FailOutcome::Dead { attempts } => write!(
+                f,
+                "job {} failed (attempt {attempts}, now dead)",
+                self.job_id
+            ),
+        }
+    }
+}
+
+impl std::error::Error for FailureRecorded {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.cause)
     }
 }
 

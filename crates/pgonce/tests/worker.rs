@@ -378,6 +378,116 @@ async fn a_serialization_failure_keeps_the_message_under_always_delete() {
     )));
 }
 
+/// Claims the job its message names. The first delivery's work meets a
+/// serialization failure (completing in a REPEATABLE READ transaction whose
+/// snapshot predates the claim, a real 40001), records it with
+/// `job::fail` and returns it as a [`pgonce::job::FailureRecorded`];
+/// later deliveries complete the job. Counts its deliveries.
+struct FailsOnceOnASerializationFailure {
+    pool: PgPool,
+    deliveries: std::sync::atomic::AtomicU64,
+}
+
+impl Handler for FailsOnceOnASerializationFailure {
+    async fn handle(&self, m: &Received) -> Result<(), HandlerError> {
+        let job_id: i64 = m.body.parse()?;
+        let delivery = 1 + self
+            .deliveries
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut work = pgonce::begin(&self.pool, pgonce::IsolationLevel::RepeatableRead).await?;
+        sqlx::query("SELECT count(*) FROM pgonce.jobs")
+            .execute(&mut *work)
+            .await?;
+        let lease = match pgonce::job::claim(&self.pool, job_id, Duration::from_secs(60)).await {
+            Ok(lease) => lease,
+            Err(pgonce::Error::AlreadyHandled { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if delivery > 1 {
+            work.rollback().await?;
+            pgonce::job::complete(&self.pool, &lease, &serde_json::json!("done")).await?;
+            return Ok(());
+        }
+        let cause = pgonce::job::complete(&mut *work, &lease, &serde_json::json!("done"))
+            .await
+            .expect_err("the work's snapshot predates the claim");
+        assert!(cause.is_retryable(), "{cause:?}");
+        work.rollback().await?;
+        let outcome = pgonce::job::fail(
+            &self.pool,
+            &lease,
+            &cause.to_string(),
+            &pgonce::job::RetryPolicy::default(),
+        )
+        .await?;
+        Err(Box::new(pgonce::job::FailureRecorded::new(
+            job_id, outcome, cause,
+        )))
+    }
+}
+
+/// Messages in the queue's table, visible or not.
+async fn messages(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pgonce.queue_message")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Under `AlwaysDelete` a failed attempt's retry is driven by the row: the
+/// re-driver makes the job pending once due, and its ids are published. A
+/// handler that recorded its failure, caused by a serialization failure,
+/// had its message kept all the same (a retryable error recorded nothing,
+/// the worker assumed), so the retry had two messages, the kept one and
+/// the re-driver's, and the job was delivered three times for two
+/// attempts. The recorded failure deletes the message now: one delivery
+/// per attempt.
+#[tokio::test]
+async fn a_recorded_failure_is_delivered_once_per_attempt_under_always_delete() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    let job_id = pgonce::job::enqueue(
+        &pool,
+        &pgonce::job::NewJob::new("send", serde_json::json!({})),
+    )
+    .await
+    .unwrap();
+    q.send(SendMessage::new(job_id.to_string())).await.unwrap();
+    let handler = FailsOnceOnASerializationFailure {
+        pool: pool.clone(),
+        deliveries: Default::default(),
+    };
+    let worker = Worker::new(q.clone(), handler, always_delete_failures_back_at_once()).unwrap();
+    let first = worker.run_once().await.unwrap();
+    assert_eq!(first.failed, 1);
+    // The retry comes due; the re-driver's pass publishes a message per id.
+    sqlx::query("UPDATE pgonce.jobs SET run_at = now() - interval '1 second' WHERE id = $1")
+        .bind(job_id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let redriver =
+        pgonce::job::Redriver::new(pool.clone(), pgonce::job::RedriverConfig::default()).unwrap();
+    let ids = redriver.run_once().await.unwrap().ids;
+    assert_eq!(ids, [job_id]);
+    for id in ids {
+        q.send(SendMessage::new(id.to_string())).await.unwrap();
+    }
+    assert_eq!(messages(&pool).await, 1, "one message drives the retry");
+    while worker.run_once().await.unwrap().received > 0 {}
+    let deliveries = worker
+        .handler()
+        .deliveries
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let job = pgonce::job::get(&pool, job_id).await.unwrap().unwrap();
+    assert_eq!(
+        (deliveries, job.status().unwrap(), job.attempts),
+        (2, pgonce::job::JobStatus::Completed, 1),
+        "one delivery per attempt"
+    );
+    assert_eq!(messages(&pool).await, 0);
+}
+
 /// Claims its job on a connection of its own whose session has a
 /// `lock_timeout` (as an operator's `ALTER ROLE ... SET lock_timeout` gives
 /// it), and returns the claim's error.

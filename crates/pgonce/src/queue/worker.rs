@@ -64,7 +64,9 @@ pub trait Handler: Send + Sync + 'static {
     /// is a [`Error::JobBusy`], or is caused by one (found through
     /// [`std::error::Error::source`]; a wrapper whose `source` skips it, as
     /// `#[error(transparent)]` does, hides it), is never deleted: the
-    /// message becomes visible again at the job's `not_before`. A panic is
+    /// message becomes visible again at the job's `not_before`. One that
+    /// is, or is caused by, a [`crate::job::FailureRecorded`] is deleted
+    /// under [`AckPolicy::AlwaysDelete`] whatever else it holds. A panic is
     /// a failure that is never deleted either: the worker catches it,
     /// counts it in [`WorkerCounters::failed`], and keeps the message as a
     /// dead process would (visible again after `failure_visibility`, if
@@ -101,7 +103,12 @@ pub enum AckPolicy {
     /// [`Error::LockNotAvailable`] (a row wait, such as a job's claim,
     /// given up past the session's `lock_timeout`, nothing written) or an
     /// [`Error::QueryCanceled`] (a statement cut by `statement_timeout`,
-    /// or canceled, its work undone).
+    /// or canceled, its work undone). A handler that did record its job's
+    /// failed attempt ([`crate::job::fail`] committed) says so by returning
+    /// a [`crate::job::FailureRecorded`] (or an error caused by one): its
+    /// message is deleted whatever caused the failure, since the
+    /// [`crate::job::Redriver`] drives the retry (a kept message would
+    /// deliver the job a second time).
     AlwaysDelete,
 }
 
@@ -116,8 +123,11 @@ impl AckPolicy {
     /// [`Error::LockNotAvailable`] (a wait for a row given up, nothing
     /// written) and an [`Error::QueryCanceled`] (a statement cut by
     /// `statement_timeout`, its work undone) keep it too: nothing of the
-    /// attempt was recorded. A process that died never gets here, so never
-    /// deletes, and the message comes back.
+    /// attempt was recorded. Once [`crate::job::fail`] has recorded the
+    /// attempt's failure, pass its outcome (`Ok`), not the error that
+    /// caused it: under `AlwaysDelete` the row drives the retry, and a kept
+    /// message would deliver the job a second time. A process that died
+    /// never gets here, so never deletes, and the message comes back.
     pub fn delete_message<T>(self, outcome: &crate::Result<T>) -> bool {
         match (self, outcome) {
             (_, Err(crate::Error::JobBusy { .. })) => false,
@@ -877,8 +887,13 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
                 // aborted (a retryable error) or whose wait for a row ran
                 // past the lock_timeout recorded nothing: its message is
                 // kept whatever the policy, as if its process had died.
+                // Unless the handler says it recorded the job's failure
+                // (job::FailureRecorded) whatever caused it: then the
+                // row drives the retry (the re-driver makes the job
+                // pending once due), and a kept message would deliver the
+                // job a second time per attempt.
                 !panicked
-                    && !pgonce_errors(&**e).any(recorded_nothing)
+                    && (failure_recorded(&**e) || !pgonce_errors(&**e).any(recorded_nothing))
                     && self.config.ack == AckPolicy::AlwaysDelete
             }
         };
@@ -914,12 +929,26 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
     }
 }
 
+/// `error`'s chain of sources, `error` included.
+fn sources<'e>(
+    error: &'e (dyn std::error::Error + Send + Sync + 'static),
+) -> impl Iterator<Item = &'e (dyn std::error::Error + 'static)> {
+    let first: &'e (dyn std::error::Error + 'static) = error;
+    std::iter::successors(Some(first), |e| e.source())
+}
+
 /// The pgonce [`Error`]s in `error`'s chain of sources, `error` included.
 fn pgonce_errors<'e>(
     error: &'e (dyn std::error::Error + Send + Sync + 'static),
 ) -> impl Iterator<Item = &'e Error> {
-    let first: &'e (dyn std::error::Error + 'static) = error;
-    std::iter::successors(Some(first), |e| e.source()).filter_map(|e| e.downcast_ref::<Error>())
+    sources(error).filter_map(|e| e.downcast_ref::<Error>())
+}
+
+/// Whether `error`'s chain of sources, `error` included, holds a
+/// [`crate::job::FailureRecorded`]: the handler recorded its job's failed
+/// attempt on the row.
+fn failure_recorded(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    sources(error).any(|e| e.is::<crate::job::FailureRecorded>())
 }
 
 /// The `not_before` of the first [`Error::JobBusy`] in `error`'s chain of
