@@ -116,7 +116,9 @@
 //! # The consumer policy
 //!
 //! See [`crate::queue::AckPolicy`]: with `AlwaysDelete` the queue message is deleted
-//! whatever the outcome, the row is the retry ledger, and the queue's
+//! whatever the outcome, the row is the retry ledger (the [`Redriver`]
+//! makes a failed job pending once due, and [`Redriver::run_handing_on`]
+//! publishes a message per job), and the queue's
 //! dead-letter queue only catches infrastructure failures. Except when
 //! nothing was recorded: a [`Error::JobBusy`] (the job is in another
 //! delivery's hands), a panic, a retryable error (PostgreSQL rolled

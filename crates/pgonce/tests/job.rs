@@ -2209,6 +2209,181 @@ async fn a_redrive_pass_failing_part_way_hands_back_what_it_committed() {
     assert_eq!(redriver.run_once().await.unwrap().ids, [second]);
 }
 
+/// A call of a re-driver's hand-on, held by the test: the ids it was
+/// given, and where the test says how it ends.
+struct HandOn {
+    ids: Vec<i64>,
+    reply: tokio::sync::oneshot::Sender<Result<(), String>>,
+}
+
+/// Runs `redriver`'s loop (`run_handing_on`) in a task until the returned
+/// sender fires, each hand-on sent to the returned receiver and ended as
+/// the test replies.
+fn run_handing_on_to_the_test(
+    redriver: Redriver,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::sync::mpsc::UnboundedReceiver<HandOn>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (calls, handed) = tokio::sync::mpsc::unbounded_channel();
+    let task = tokio::spawn(redriver.run_handing_on(
+        async move {
+            let _ = stopped.await;
+        },
+        move |ids| {
+            let calls = calls.clone();
+            async move {
+                let (reply, replied) = tokio::sync::oneshot::channel();
+                calls.send(HandOn { ids, reply }).unwrap();
+                replied.await.unwrap_or(Err("the test let go".into()))
+            }
+        },
+    ));
+    (stop, handed, task)
+}
+
+/// The next hand-on of the loop.
+async fn next_hand_on(handed: &mut tokio::sync::mpsc::UnboundedReceiver<HandOn>) -> HandOn {
+    let mut call = tokio::time::timeout(Duration::from_secs(20), handed.recv())
+        .await
+        .expect("the loop hands ids on")
+        .expect("the loop is running");
+    call.ids.sort();
+    call
+}
+
+/// A re-driver whose loop passes every 10 ms.
+fn quick_redriver(pool: &PgPool) -> Redriver {
+    Redriver::new(
+        pool.clone(),
+        RedriverConfig {
+            interval: Duration::from_millis(10),
+            ..RedriverConfig::default()
+        },
+    )
+    .unwrap()
+}
+
+/// `Redriver::run` dropped the ids each pass made pending, and a caller of
+/// `run_once` who failed to publish them (or died first) left those jobs
+/// pending with no message. `run_handing_on` hands each batch's ids on
+/// inside the batch's transaction and commits only once the hand-on
+/// succeeded. Step by step: while the hand-on runs the jobs are still
+/// failed; a hand-on that fails rolls the batch back, and the next pass
+/// hands the same ids on; a commit that fails after the hand-on leaves
+/// them failed (and due: their messages claim them) and the next pass
+/// hands them on again; once a batch commits, they are pending and handed
+/// on no more.
+#[tokio::test]
+async fn the_redriver_loop_hands_ids_on_before_their_batch_commits() {
+    let (_db, pool) = setup().await;
+    let first = failed_and_due(&pool).await;
+    let second = failed_and_due(&pool).await;
+    // A commit refused while the flag is up: a constraint trigger deferred
+    // to the commit, reading a table the test changes without waiting on
+    // the pass's locks.
+    sqlx::raw_sql(
+        "CREATE TABLE public.refuse_commit (up boolean NOT NULL); \
+         INSERT INTO public.refuse_commit VALUES (true); \
+         CREATE FUNCTION public.refuse_commit() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+             IF (SELECT up FROM public.refuse_commit) THEN \
+                 RAISE EXCEPTION 'commit refused on purpose'; \
+             END IF; \
+             RETURN NULL; \
+         END $$; \
+         CREATE CONSTRAINT TRIGGER refuse_commit AFTER UPDATE ON pgonce.jobs \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.refuse_commit();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (stop, mut handed, task) = run_handing_on_to_the_test(quick_redriver(&pool));
+    let jobs = [first, second];
+
+    let call = hand_on_of_failed_jobs(&mut handed, &pool, &jobs, "the first pass").await;
+    call.reply.send(Err("the queue is down".into())).unwrap();
+    let call = hand_on_of_failed_jobs(&mut handed, &pool, &jobs, "after a failed hand-on").await;
+    call.reply.send(Ok(())).unwrap();
+    let call = hand_on_of_failed_jobs(&mut handed, &pool, &jobs, "after a failed commit").await;
+    sqlx::query("UPDATE public.refuse_commit SET up = false")
+        .execute(&pool)
+        .await
+        .unwrap();
+    call.reply.send(Ok(())).unwrap();
+
+    stop_loop(stop, task).await;
+    for id in jobs {
+        assert_eq!(status(&pool, id).await, JobStatus::Pending);
+    }
+    assert!(
+        handed.try_recv().is_err(),
+        "nothing handed on once committed"
+    );
+}
+
+/// The loop's next hand-on, which must be of `jobs` while they are still
+/// failed: their batch has not committed.
+async fn hand_on_of_failed_jobs(
+    handed: &mut tokio::sync::mpsc::UnboundedReceiver<HandOn>,
+    pool: &PgPool,
+    jobs: &[i64],
+    when: &str,
+) -> HandOn {
+    let call = next_hand_on(handed).await;
+    assert_eq!(call.ids, jobs, "{when}");
+    for &id in jobs {
+        assert_eq!(status(pool, id).await, JobStatus::Failed, "{when}");
+    }
+    call
+}
+
+/// Stops a loop `run_handing_on_to_the_test` started, and waits for it.
+async fn stop_loop(stop: tokio::sync::oneshot::Sender<()>, task: tokio::task::JoinHandle<()>) {
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("the loop stops")
+        .unwrap();
+}
+
+/// A process that dies while its re-driver hands ids on (after the pass's
+/// UPDATE, before its commit) loses no job: its transaction rolls back
+/// with its connection, the jobs stay failed and due, and the next
+/// re-driver hands them on.
+#[tokio::test]
+async fn a_redriver_dying_before_its_commit_leaves_the_ids_to_the_next() {
+    let (db, pool) = setup().await;
+    let id = failed_and_due(&pool).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let dying = race.session("dying").await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(dying.pool())
+        .await
+        .unwrap();
+    let (_stop, mut handed, task) = run_handing_on_to_the_test(quick_redriver(dying.pool()));
+    let call = hand_on_of_failed_jobs(&mut handed, &pool, &[id], "the dying re-driver").await;
+    // The process dies: its connection goes (the server waits for the
+    // backend to end), its task with it.
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 20000)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(ended);
+    task.abort();
+    drop(call);
+    assert_eq!(status(&pool, id).await, JobStatus::Failed);
+
+    let (stop, mut handed, task) = run_handing_on_to_the_test(quick_redriver(&pool));
+    let call = hand_on_of_failed_jobs(&mut handed, &pool, &[id], "the next re-driver").await;
+    call.reply.send(Ok(())).unwrap();
+    stop_loop(stop, task).await;
+    assert_eq!(status(&pool, id).await, JobStatus::Pending);
+}
+
 /// The reaper's statement ran alone on its pool: a transaction at the
 /// database's default isolation level. Under REPEATABLE READ, a lease a
 /// heartbeat extended after the statement's snapshot was a serialization

@@ -2,7 +2,9 @@
 //! passed (`run_at <= now()`) become `pending` again. The row, not the queue,
 //! is the retry ledger: with [`crate::queue::AckPolicy::AlwaysDelete`] the message
 //! of a failed job is gone, and the ids this returns are what a queue worker
-//! re-publishes. A delivery of a failed job's kept message may claim it
+//! re-publishes: [`Redriver::run_handing_on`] hands them on before each
+//! batch commits, so none is lost to a failed publish or a dead process.
+//! A delivery of a failed job's kept message may claim it
 //! first, once due ([`crate::job::claim`] takes a due failed job); the
 //! re-driver then passes it over.
 
@@ -61,14 +63,108 @@ impl Redriver {
     /// failure is logged): those jobs are pending already, and their ids
     /// are the only record of which to re-publish. The next pass takes the
     /// rest. A pass whose first batch fails returns the error.
+    ///
+    /// The ids come back after their batch committed: a caller that fails
+    /// to publish them, or dies first, leaves those jobs pending with no
+    /// message. [`Redriver::run_handing_on`] hands each batch on before it
+    /// commits instead.
     pub async fn run_once(&self) -> Result<RedriveCounts> {
+        let no_hand_on = |_| std::future::ready(Ok::<(), std::convert::Infallible>(()));
+        match self.pass(no_hand_on).await {
+            Ok(counts) => Ok(counts),
+            Err(BatchFailed::Database(e)) => Err(e),
+            Err(BatchFailed::HandOn(never)) => match never {},
+        }
+    }
+
+    /// Runs a pass every `interval` until `shutdown` completes, the ids of
+    /// the jobs each makes pending dropped: for jobs that need no message
+    /// ([`crate::job::claim_batch`] pollers take pending jobs). Queue-driven
+    /// workers need one per job: [`Redriver::run_handing_on`].
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        crate::service::run_every("redriver", self.config.interval, shutdown, || {
+            self.run_once()
+        })
+        .await;
+    }
+
+    /// Runs a pass every `interval` until `shutdown` completes, handing the
+    /// ids of each batch to `hand_on` (to publish a message per job) inside
+    /// the batch's transaction, and committing the batch only once
+    /// `hand_on` returned `Ok`. No job is made pending without its id
+    /// handed on:
+    ///
+    /// * `hand_on` fails: the batch is rolled back, its jobs stay failed
+    ///   and due, the pass ends (the error is logged) and the next pass
+    ///   hands them on again;
+    /// * the process dies (or this future is dropped) before the commit:
+    ///   the transaction is rolled back likewise, and the next pass (of any
+    ///   re-driver) hands them on again;
+    /// * the commit fails after `hand_on` succeeded: the jobs stay failed
+    ///   and due, and their messages are out: a message claims a due
+    ///   failed job as it claims a pending one ([`crate::job::claim`]),
+    ///   and the next pass hands them on a second time, a duplicate the
+    ///   claim keeps from running the work twice.
+    ///
+    /// So each id is handed on at least once per re-drive, never zero
+    /// times. Until the batch commits its jobs' rows stay locked: a claim
+    /// of one (a message published by `hand_on`, received at once) waits
+    /// for the commit, then claims the pending job; other passes skip
+    /// them. Keep `hand_on` short, and give the pool a connection beyond
+    /// the one the pass holds if `hand_on` uses it (a send to a
+    /// [`crate::PgQueue`] on the same pool). `shutdown` stops the loop
+    /// between passes: a pass under way, its hand-on included, ends first.
+    pub async fn run_handing_on<E, Fut>(
+        self,
+        shutdown: impl Future<Output = ()>,
+        hand_on: impl FnMut(Vec<i64>) -> Fut,
+    ) where
+        E: std::fmt::Display,
+        Fut: Future<Output = std::result::Result<(), E>>,
+    {
+        // Each pass's future borrows `hand_on` mutably, and a closure
+        // cannot lend out what it captured past its own call: the passes
+        // take turns through a lock instead (never contended, one pass at
+        // a time). tokio's, whose guard may be held across the awaits of a
+        // task that moves between threads.
+        let hand_on = tokio::sync::Mutex::new(hand_on);
+        crate::service::run_every("redriver", self.config.interval, shutdown, || async {
+            match self.pass(&mut *hand_on.lock().await).await {
+                Ok(counts) => Ok(counts),
+                Err(BatchFailed::Database(e)) => Err(e),
+                Err(BatchFailed::HandOn(e)) => {
+                    tracing::warn!(error = %e,
+                        "re-driven ids not handed on: their batch rolled back, the next pass hands them on");
+                    Ok(RedriveCounts::default())
+                }
+            }
+        })
+        .await;
+    }
+
+    /// A pass, each batch's ids handed to `hand_on` before the batch
+    /// commits. A batch that fails after others committed ends the pass
+    /// with what they made pending (logged); the first batch's failure is
+    /// the pass's.
+    async fn pass<E, Fut>(
+        &self,
+        mut hand_on: impl FnMut(Vec<i64>) -> Fut,
+    ) -> std::result::Result<RedriveCounts, BatchFailed<E>>
+    where
+        E: std::fmt::Display,
+        Fut: Future<Output = std::result::Result<(), E>>,
+    {
         let mut counts = RedriveCounts::default();
         loop {
             let batch = crate::transaction::read_committed(&self.pool, async |conn| {
-                sqlx::query_scalar(include_str!("sql/redrive.sql"))
+                let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/redrive.sql"))
                     .bind(self.config.batch_size)
                     .fetch_all(conn)
-                    .await
+                    .await?;
+                if !ids.is_empty() {
+                    hand_on(ids.clone()).await.map_err(BatchFailed::HandOn)?;
+                }
+                Ok(ids)
             })
             .await;
             let ids: Vec<i64> = match batch {
@@ -78,7 +174,7 @@ impl Redriver {
                         "re-drive pass cut short: returning the jobs it made pending");
                     break;
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             };
             let n = ids.len();
             counts.redriven += n as u64;
@@ -93,12 +189,27 @@ impl Redriver {
         metrics::counter!("pgonce_job_redriven_total").increment(counts.redriven);
         Ok(counts)
     }
+}
 
-    /// Runs a pass every `interval` until `shutdown` completes.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) {
-        crate::service::run_every("redriver", self.config.interval, shutdown, || {
-            self.run_once()
-        })
-        .await;
+/// Why a batch of a pass did not commit; its transaction rolled back.
+enum BatchFailed<E> {
+    /// Its statement or its commit failed.
+    Database(crate::Error),
+    /// The hand-on refused its ids.
+    HandOn(E),
+}
+
+impl<E> From<sqlx::Error> for BatchFailed<E> {
+    fn from(e: sqlx::Error) -> Self {
+        BatchFailed::Database(e.into())
+    }
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for BatchFailed<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BatchFailed::Database(e) => e.fmt(f),
+            BatchFailed::HandOn(e) => write!(f, "hand-on failed: {e}"),
+        }
     }
 }
