@@ -172,7 +172,8 @@ pub struct KeyHold {
     /// such a hold is lost wherever it is not seen. So is one naming a
     /// transaction the server has not reached (an acquire committed with
     /// `synchronous_commit = off` and lost in a crash: recovery hands the
-    /// id out again later).
+    /// id out again later), and one whose transaction rolled back, even
+    /// under a snapshot taken while it was open (migration 0250).
     pub acquired_in: i64,
 }
 

@@ -378,7 +378,9 @@ pub struct Lease {
     /// not seen. So is one naming a transaction the server has not reached
     /// (a claim still open when the server crashed, or committed with
     /// `synchronous_commit = off` and lost in the crash: recovery hands the
-    /// id out again later): no such transaction can still commit it.
+    /// id out again later), and one whose transaction rolled back, even
+    /// under a snapshot taken while it was open (migration 0250): no such
+    /// transaction can still commit it.
     pub claimed_in: i64,
 }
 

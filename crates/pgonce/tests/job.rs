@@ -1704,19 +1704,77 @@ async fn a_lease_taken_over_is_lost_under_repeatable_read_too() {
         let _ = older.rollback().await;
         let mut tx = pgonce::begin(&pool, level).await.unwrap();
         take_snapshot(&mut tx).await;
-        let out = job::complete(&mut *tx, &lost, &json!("stale")).await;
-        assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
-        let out = job::fail(&mut *tx, &lost, "stale", &RetryPolicy::default()).await;
-        assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
-        let out = job::heartbeat(&mut *tx, &lost, LEASE).await;
-        assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
-        let out = job::complete_many(&mut *tx, &[(lost.clone(), json!("stale"))]).await;
-        assert_eq!(out.unwrap(), [id]);
+        every_write_hears_the_lease_lost(&mut tx, &lost).await;
         tx.rollback().await.unwrap();
         job::complete(&pool, &current, &json!("fresh"))
             .await
             .unwrap();
     }
+}
+
+/// A lease whose claim rolled back was never anyone's: no transaction
+/// can commit its token any more. Used under a REPEATABLE READ snapshot
+/// taken while the claiming transaction was still open (seen holding its
+/// transaction id in `pg_locks`, and not ended in the snapshot), it
+/// asked for a retry (40001) whose only answer was `LeaseLost`; it is
+/// `LeaseLost` at once now, and the caller's transaction goes on.
+#[tokio::test]
+async fn a_lease_whose_claim_rolled_back_is_lost_at_once_under_an_older_snapshot() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let holder = race.session("holder").await.unwrap();
+    let worker = race.session("worker").await.unwrap();
+    let mut claiming = holder.pool().begin().await.unwrap();
+    let lease = race
+        .step(&holder, "claim", job::claim(&mut *claiming, id, LEASE))
+        .await
+        .unwrap()
+        .unwrap();
+    let holds_its_id = async || -> bool {
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'transactionid' \
+             AND granted AND transactionid::text = ($1::bigint % 4294967296)::text)",
+        )
+        .bind(lease.claimed_in)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert!(holds_its_id().await, "the claim's transaction is open");
+    let mut tx = pgonce::begin(worker.pool(), IsolationLevel::RepeatableRead)
+        .await
+        .unwrap();
+    take_snapshot(&mut tx).await;
+    let in_progress: bool = sqlx::query_scalar(
+        "SELECT NOT pg_visible_in_snapshot($1::text::xid8, pg_current_snapshot())",
+    )
+    .bind(lease.claimed_in)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert!(in_progress, "the snapshot does not see the claim's end");
+    race.step(&holder, "ROLLBACK", claiming.rollback())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!holds_its_id().await, "the claim's transaction is gone");
+    every_write_hears_the_lease_lost(&mut tx, &lease).await;
+    tx.commit().await.unwrap();
+    assert_eq!(status(&pool, id).await, JobStatus::Pending);
+}
+
+/// Completing, failing, heartbeating and completing in a batch under
+/// `lost`, in `tx`, each hear the lease is lost, and write nothing.
+async fn every_write_hears_the_lease_lost(tx: &mut sqlx::PgConnection, lost: &job::Lease) {
+    let out = job::complete(&mut *tx, lost, &json!("stale")).await;
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+    let out = job::fail(&mut *tx, lost, "stale", &RetryPolicy::default()).await;
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+    let out = job::heartbeat(&mut *tx, lost, LEASE).await;
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+    let out = job::complete_many(&mut *tx, &[(lost.clone(), json!("stale"))]).await;
+    assert_eq!(out.unwrap(), [lost.job_id]);
 }
 
 /// A failure's message is free text from whatever failed, and may hold a
