@@ -319,6 +319,51 @@ async fn a_heartbeat_keeps_a_slow_workers_lease_from_being_reaped() {
     assert_eq!(status(&pool, id).await, JobStatus::Completed);
 }
 
+/// `attempts` is an `integer`, counted up in SQL. A job allowed
+/// `i32::MAX` attempts whose count was set to the largest (by hand: no
+/// failure takes a live job there) made `attempts + 1` overflow (SQLSTATE
+/// 22003): each reaper pass failed whole, so every lease expiring after
+/// that job's was left processing for good, and `fail` under its lease
+/// was a database error. The count stops at the largest integer now: the
+/// job is dead, and the pass goes on.
+#[tokio::test]
+async fn a_job_at_the_largest_attempt_count_neither_stops_the_reaper_nor_fails_fail() {
+    let (_db, pool) = setup().await;
+    let at_the_largest = async || {
+        let id = new_job(&pool, i32::MAX).await;
+        let lease = job::claim(&pool, id, LEASE).await.unwrap();
+        sqlx::query("UPDATE pgonce.jobs SET attempts = $2 WHERE id = $1")
+            .bind(id)
+            .bind(i32::MAX)
+            .execute(&pool)
+            .await
+            .unwrap();
+        lease
+    };
+    let poisoned = at_the_largest().await;
+    let later = new_job(&pool, 5).await;
+    job::claim(&pool, later, LEASE).await.unwrap();
+    expire_lease(&pool, poisoned.job_id).await;
+    expire_lease(&pool, later).await;
+    sqlx::query("UPDATE pgonce.jobs SET lease_expires_at = lease_expires_at + interval '1 ms' WHERE id = $1")
+        .bind(later)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let counts = reaper(&pool).run_once().await.unwrap();
+    assert_eq!((counts.returned, counts.dead), (1, 1));
+    let row = job::get(&pool, poisoned.job_id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status().unwrap(), row.attempts),
+        (JobStatus::Dead, i32::MAX)
+    );
+    assert_eq!(status(&pool, later).await, JobStatus::Pending);
+
+    let lease = at_the_largest().await;
+    let out = job::fail(&pool, &lease, "boom", &RetryPolicy::default()).await;
+    assert_eq!(out.unwrap(), FailOutcome::Dead { attempts: i32::MAX });
+}
+
 #[tokio::test]
 async fn the_reaper_returns_expired_leases_and_kills_jobs_past_max_attempts() {
     let (_db, pool) = setup().await;

@@ -8,18 +8,20 @@
 -- transaction that took the lease: matching nothing, the statement asks
 -- pgonce.fence_lost whether the caller's snapshot merely predates the
 -- claim (40001) or the lease is lost (no row; see complete.sql).
--- The exponent stops at 60: float8 overflows near 2^1024 (after ~1,000
--- attempts, which max_attempts allows), and 2^60 x any base is past any max.
+-- The count stops at the largest integer, tested as attempts >=
+-- max_attempts - 1, as in reap.sql. The exponent stops at 60: float8
+-- overflows near 2^1024 (after ~1,000 attempts, which max_attempts
+-- allows), and 2^60 x any base is past any max.
 WITH failed AS (
     UPDATE pgonce.jobs
-    SET attempts = attempts + 1,
-        status = CASE WHEN attempts + 1 >= max_attempts THEN 'dead' ELSE 'failed' END,
+    SET attempts = least(attempts, 2147483646) + 1,
+        status = CASE WHEN attempts >= max_attempts - 1 THEN 'dead' ELSE 'failed' END,
         last_error = $3,
-        run_at = CASE WHEN attempts + 1 >= max_attempts THEN run_at
+        run_at = CASE WHEN attempts >= max_attempts - 1 THEN run_at
                  ELSE statement_timestamp() + make_interval(secs =>
                      least($5, $4 * power(2, least(attempts, 60))) * (1 + $6 * random()))
                  END,
-        finished_at = CASE WHEN attempts + 1 >= max_attempts THEN now() END,
+        finished_at = CASE WHEN attempts >= max_attempts - 1 THEN now() END,
         lease_token = NULL,
         lease_expires_at = NULL
     WHERE id = $1

@@ -1,6 +1,9 @@
 -- Expired leases: back to pending (an attempt is counted), or dead past
 -- max_attempts. SKIP LOCKED: a job whose worker is completing it right now is
--- left to that worker.
+-- left to that worker. The count stops at the largest integer, and the
+-- test is on attempts >= max_attempts - 1 (max_attempts is at least 1): a
+-- count set to the largest by hand overflowed attempts + 1 (22003) and
+-- failed the whole pass, every pass.
 WITH expired AS (
     SELECT id
     FROM pgonce.jobs
@@ -11,12 +14,12 @@ WITH expired AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE pgonce.jobs AS j
-SET attempts = j.attempts + 1,
-    status = CASE WHEN j.attempts + 1 >= j.max_attempts THEN 'dead' ELSE 'pending' END,
-    last_error = CASE WHEN j.attempts + 1 >= j.max_attempts
+SET attempts = least(j.attempts, 2147483646) + 1,
+    status = CASE WHEN j.attempts >= j.max_attempts - 1 THEN 'dead' ELSE 'pending' END,
+    last_error = CASE WHEN j.attempts >= j.max_attempts - 1
         THEN 'lease expired on the last of ' || j.max_attempts || ' attempts'
         ELSE 'lease expired (claimed at ' || j.claimed_at || ')' END,
-    finished_at = CASE WHEN j.attempts + 1 >= j.max_attempts THEN now() END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts - 1 THEN now() END,
     run_at = now(),
     lease_token = NULL,
     lease_expires_at = NULL
