@@ -15,7 +15,8 @@
 //!   not, [`Error::JobBusy`], and keeps its message, so a job whose claimer
 //!   crashes still has a message to drive it once reaped. A slow worker keeps its
 //!   lease with [`heartbeat`]; a crashed worker's lease expires and the
-//!   [`Reaper`] makes the job runnable again, so it is not lost. A worker whose
+//!   [`Reaper`] makes the job runnable again (or a delivery of its message
+//!   takes the expired lease over first), so it is not lost. A worker whose
 //!   lease was reaped and taken over gets [`Error::LeaseLost`] and cannot
 //!   overwrite the new owner's outcome.
 //! * for effects that are not transitions (a counter), [`crate::dedupe`].
@@ -29,8 +30,8 @@
 //!     // Done (completed or dead): acknowledge, do nothing.
 //!     Err(Error::AlreadyHandled { .. }) => return Ok(()),
 //!     // In another delivery's hands (or waiting for its retry): do not
-//!     // acknowledge. The message comes back; if that delivery crashed, the
-//!     // Reaper has returned the job to pending and this message claims it.
+//!     // acknowledge. The message comes back; if that delivery crashed, its
+//!     // lease has run out by then and this message claims the job.
 //!     Err(e @ Error::JobBusy { .. }) => return Err(e),
 //!     Err(e) => return Err(e),
 //! };
@@ -48,7 +49,7 @@
 //! | state | leaves by | who moves it |
 //! |---|---|---|
 //! | `pending` | [`claim`] / [`claim_batch`] to `processing`; [`transition`] to `completed` or `dead` | workers |
-//! | `processing` | [`complete`] to `completed`; [`fail`] to `failed` or `dead`; lease expiry to `pending` or `dead` | the lease holder; the [`Reaper`] once the lease expired |
+//! | `processing` | [`complete`] to `completed`; [`fail`] to `failed` or `dead`; lease expiry to `pending` or `dead`, or [`claim`] taking the expired lease over | the lease holder; the [`Reaper`] or a delivery of its message once the lease expired |
 //! | `failed` | due (`run_at` passed): [`claim`] to `processing`, or to `pending` | a delivery of its message; the [`Redriver`] |
 //! | `completed` | terminal | |
 //! | `dead` | terminal for workers (`last_error` says why); an operator's [`retry_dead`] / [`retry_dead_jobs`] to `pending`, audited | an operator |
@@ -138,7 +139,7 @@
 //! * before `fail` commits: nothing is recorded, the message (not deleted)
 //!   comes back after its visibility timeout, finds the job processing
 //!   ([`Error::JobBusy`] until the lease ends), and claims it once the
-//!   [`Reaper`] has returned it;
+//!   lease has run out;
 //! * after `fail` commits, before the delete: the message comes back too,
 //!   finds the job failed ([`Error::JobBusy`] until its retry is due), then
 //!   claims it, or finds the re-driver made it pending and published it: one
@@ -169,7 +170,8 @@ pub use retry::{DeadJobFilter, JobRetry, RetryBy, retries, retry_dead, retry_dea
 pub enum JobStatus {
     /// Runnable once `run_at` has passed. Nobody needs to reap it.
     Pending,
-    /// Claimed under a lease. Reaped by the [`Reaper`] when the lease expires.
+    /// Claimed under a lease. Reaped by the [`Reaper`] when the lease
+    /// expires, or taken over then by a [`claim`].
     Processing,
     /// Failed, waiting for its retry at `run_at`. Once that has passed, a
     /// [`claim`] takes it as it takes a due pending job, and the
@@ -366,8 +368,8 @@ pub struct Lease {
     /// the job's stored token and fail with [`Error::LeaseLost`] once the lease
     /// was taken over.
     pub token: Uuid,
-    /// When the lease ends (database clock); after it the [`Reaper`] may hand
-    /// the job to another worker.
+    /// When the lease ends (database clock); after it the [`Reaper`] or a
+    /// [`claim`] may hand the job to another worker.
     pub expires_at: OffsetDateTime,
     /// The transaction that took the lease (its 64-bit id,
     /// `pg_current_xact_id()`). [`complete`], [`complete_many`], [`fail`]
@@ -417,17 +419,22 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
 /// Phase 1 of two-phase: claims job `id` (to processing) with a lease of
 /// `lease_for` when it is due (`run_at` passed) and `pending`, or `failed`
 /// with its retry due: a delivery of a failed job's kept message claims it
-/// without waiting for the [`Redriver`] (migration 0240). Only one delivery
-/// can win; the others must not run the side effect, and get:
+/// without waiting for the [`Redriver`] (migration 0240). A `processing` job
+/// whose lease ran out is taken over as the [`Reaper`] would return it,
+/// without waiting for its next pass (migration 0260): the expired attempt
+/// is counted (`attempts`, `last_error`), and the old lease is lost. Only
+/// one delivery can win; the others must not run the side effect, and get:
 ///
 /// * [`Error::AlreadyHandled`] when the job is terminal (`completed`,
 ///   `dead`) or does not exist: acknowledge the message, the work is done;
 /// * [`Error::JobBusy`] when it is not terminal (`processing` under someone
-///   else's lease, `failed` and its retry not yet due, `pending` but not due, or
+///   else's live lease, or one that ran out on the job's last attempt,
+///   which the [`Reaper`] makes dead; `failed` and its retry not yet due,
+///   `pending` but not due, or
 ///   `pending` again because a lease was reaped in between): do **not**
-///   acknowledge. The message must come back: if the holder crashes, the
-///   [`Reaper`] returns the job to `pending` and this redelivered message is
-///   what claims it again. `not_before` says when that can be at the
+///   acknowledge. The message must come back: if the holder crashes, this
+///   redelivered message is what claims the job once its lease has run
+///   out. `not_before` says when that can be at the
 ///   earliest (the lease's expiry, or `run_at`): hide the message until
 ///   then (the worker runtime does). Each return of the message counts as
 ///   a receive, so a job held through many heartbeats can send its

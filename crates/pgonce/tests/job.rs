@@ -177,6 +177,61 @@ async fn a_claim_loser_sees_busy_keeps_its_message_and_drives_the_reaped_job_onc
     assert_eq!(row.attempts, 1, "the dead claimer's lease counted");
 }
 
+/// A claimer that died leaves its job processing until its lease runs
+/// out and the reaper's next pass. A delivery of the job's kept message in
+/// between, after the lease ran out, was told `JobBusy` with a
+/// `not_before` already past: the worker hid the message a second, and
+/// each return counted as a receive, towards the dead-letter queue, for as
+/// long as the reaper's interval. That delivery takes the job over now, as
+/// the reaper would have returned it: the dead claimer's attempt counted,
+/// a fresh lease, the old one lost. On the last attempt the job is the
+/// reaper's to make dead: the claim is still `JobBusy` then.
+#[tokio::test]
+async fn a_claim_takes_over_a_lease_that_ran_out_without_waiting_for_the_reaper() {
+    let (_db, pool) = setup().await;
+    let id = new_job(&pool, 2).await;
+    let dead_claimer = job::claim(&pool, id, LEASE).await.unwrap();
+    let busy = async || {
+        let out = job::claim(&pool, id, LEASE).await;
+        matches!(
+            out,
+            Err(Error::JobBusy {
+                status: JobStatus::Processing,
+                ..
+            })
+        )
+    };
+    assert!(busy().await, "a live lease is busy");
+    expire_lease(&pool, id).await;
+    let lease = job::claim(&pool, id, LEASE)
+        .await
+        .expect("the lease ran out: the claim takes the job over");
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status().unwrap(), row.attempts, row.lease_token),
+        (JobStatus::Processing, 1, Some(lease.token))
+    );
+    assert!(row.last_error.unwrap().contains("lease expired"));
+    let out = job::complete(&pool, &dead_claimer, &json!("late")).await;
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+    assert_eq!(
+        reaper(&pool).run_once().await.unwrap(),
+        ReapCounts::default()
+    );
+
+    // The last attempt's lease runs out: the reaper makes the job dead.
+    expire_lease(&pool, id).await;
+    assert!(busy().await, "the reaper's to make dead");
+    assert_eq!(reaper(&pool).run_once().await.unwrap().dead, 1);
+    let row = job::get(&pool, id).await.unwrap().unwrap();
+    assert_eq!((row.status().unwrap(), row.attempts), (JobStatus::Dead, 2));
+    assert!(
+        row.last_error
+            .unwrap()
+            .contains("lease expired on the last")
+    );
+}
+
 /// Claims the job named by the message, runs the side effect (a counter),
 /// completes it. `AlreadyHandled` is success; anything else (`JobBusy`
 /// included) is returned to the worker.

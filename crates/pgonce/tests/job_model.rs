@@ -150,9 +150,14 @@ impl Job {
     }
 
     /// What a single `claim` takes: a due pending job, or a failed one
-    /// whose retry has come due, without waiting for the re-driver.
+    /// whose retry has come due, without waiting for the re-driver, or a
+    /// processing one whose lease ran out before its last attempt, without
+    /// waiting for the reaper.
     fn claimable_by_its_message(&self) -> bool {
-        matches!(self.status, JobStatus::Pending | JobStatus::Failed) && self.due
+        (matches!(self.status, JobStatus::Pending | JobStatus::Failed) && self.due)
+            || (self.status == JobStatus::Processing
+                && self.expired
+                && self.attempts + 1 < self.max_attempts)
     }
 
     /// Enters a terminal state now.
@@ -285,6 +290,10 @@ impl Model {
             return Err(format!("lease for {} issued for job {j}", lease.job_id));
         }
         let job = self.jobs[j].as_mut().ok_or("a deleted job was claimed")?;
+        // A lease that ran out, taken over: its attempt counted, as reaped.
+        if job.status == JobStatus::Processing {
+            job.attempts += 1;
+        }
         job.status = JobStatus::Processing;
         job.lease = Some(self.leases.len());
         job.expired = false;
