@@ -37,8 +37,10 @@ pub(crate) fn check_retention(what: &'static str, retention: Duration) -> Result
 }
 
 /// Runs `pass` now and then every `interval` until `shutdown` completes.
-/// Cancel-safe at the pass boundary: shutdown drops an unfinished pass, whose
-/// statements are each atomic.
+/// `shutdown` is heard between passes: a pass under way runs to its end
+/// first (each of its transactions commits or rolls back whole), so the
+/// loop never leaves a pass half done. Dropping the returned future drops
+/// a pass under way, whose open transaction then rolls back.
 pub(crate) async fn run_every<T, Fut>(
     name: &'static str,
     interval: Duration,
