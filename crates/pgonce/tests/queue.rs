@@ -5016,3 +5016,35 @@ async fn a_send_time_set_to_infinity_by_hand_is_delivered_not_a_panic() {
     );
     assert_eq!(got[0].sent_at, std::time::SystemTime::from(latest));
 }
+
+/// A queue's figures over messages whose `sent_at` was set by hand to
+/// `infinity` and `-infinity`: the oldest age reads from the nearest end
+/// of what pgonce reads back (4714 BC), as a receive reads the send time,
+/// and one sent at the far end of time is aged zero; the counts are as for
+/// any message. `stats` used to fail with the server's "cannot subtract
+/// infinite timestamps", an untyped database error.
+#[tokio::test]
+async fn stats_over_send_times_set_to_infinity_by_hand_read_the_ends_of_the_range() {
+    let pool = pool().await;
+    let q = queue(&pool, "q", QueueAttributes::default()).await;
+    let later = q.send(SendMessage::new("later")).await.unwrap();
+    sqlx::query("UPDATE pgonce.queue_message SET sent_at = 'infinity'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let stats = q.stats().await.unwrap();
+    assert_eq!((stats.depth, stats.oldest_age), (1, Some(Duration::ZERO)));
+
+    q.send(SendMessage::new("earlier")).await.unwrap();
+    sqlx::query("UPDATE pgonce.queue_message SET sent_at = '-infinity' WHERE id <> $1")
+        .bind(later.id.parse::<i64>().unwrap())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let stats = q.stats().await.unwrap();
+    assert_eq!(stats.depth, 2);
+    let age = stats.oldest_age.expect("an age");
+    // From 4714-11-24 BC to now: more than 6,700 years, fewer than 7,000.
+    let year = Duration::from_secs(365 * 24 * 3600);
+    assert!(age > year * 6700 && age < year * 7000, "{age:?}");
+}
