@@ -1938,6 +1938,33 @@ enum Lost {
     Failed,
 }
 
+/// A pool of one connection on `db`, for a test to hold (a family's
+/// LISTEN connection is one of its own, outside the pool), given up on
+/// after 2 s.
+async fn pool_of_one(db: &pgonce_testkit::ScratchDatabase) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(db.options())
+        .await
+        .unwrap()
+}
+
+/// Makes a woken receiver waiting for a connection go without looking, as
+/// `lost` says.
+async fn lose(receiver: tokio::task::JoinHandle<pgonce::Result<usize>>, lost: Lost) {
+    match lost {
+        Lost::Dropped => {
+            receiver.abort();
+            assert!(receiver.await.unwrap_err().is_cancelled());
+        }
+        Lost::Failed => {
+            let failed = receiver.await.unwrap();
+            assert!(failed.is_err(), "no connection to look on: {failed:?}");
+        }
+    }
+}
+
 /// Two receivers of one family parked, each for one message; a send wakes
 /// the first, which is held before it looks (its pool has no connection
 /// free) and then `lost`. The other takes the message long before its
@@ -1945,14 +1972,7 @@ enum Lost {
 /// is passed on, not lost with it while the message sits visible.
 async fn a_woken_receiver_that_does_not_look_passes_the_wake_on(lost: Lost) {
     let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
-    // One connection, held by the test (the family's LISTEN connection is
-    // one of its own, outside the pool).
-    let small = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_with(db.options())
-        .await
-        .unwrap();
+    let small = pool_of_one(&db).await;
     let q = PgQueue::create(&small, "q", QueueAttributes::default(), slow_poll())
         .await
         .unwrap();
@@ -1981,16 +2001,7 @@ async fn a_woken_receiver_that_does_not_look_passes_the_wake_on(lost: Lost) {
     while q.parked_receivers() > 1 {
         tokio::task::yield_now().await;
     }
-    match lost {
-        Lost::Dropped => {
-            first.abort();
-            assert!(first.await.unwrap_err().is_cancelled());
-        }
-        Lost::Failed => {
-            let failed = first.await.unwrap();
-            assert!(failed.is_err(), "no connection to look on: {failed:?}");
-        }
-    }
+    lose(first, lost).await;
     drop(held);
     assert_eq!(second.await.unwrap().unwrap(), 1, "the other took it");
     assert!(
@@ -2322,6 +2333,153 @@ async fn a_delayed_send_reaches_a_parked_receiver_when_the_woken_one_stops() {
     assert!(first.await.unwrap().is_empty(), "stopped, with nothing");
     let got = delivered(second, "a delay announced to a receiver that stopped").await;
     assert_eq!(bodies(&got), ["delayed"]);
+}
+
+/// A standard queue `s` and a [`no_poll`] handle on it on `on`, with
+/// these messages sent, each with its delay in seconds, through a handle
+/// on `pool` that notifies no one: only a look finds them, and the time
+/// it finds wakes a long poll.
+async fn sent_unannounced_with_delays(on: &PgPool, pool: &PgPool, sent: &[(&str, u64)]) -> PgQueue {
+    let q = PgQueue::create(on, "s", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    let quiet = PgQueueOptions {
+        notify: false,
+        ..no_poll()
+    };
+    let sender = PgQueue::open(pool, "s", quiet).await.unwrap();
+    for &(body, delay) in sent {
+        sender
+            .send(SendMessage::new(body).delay(Duration::from_secs(delay)))
+            .await
+            .unwrap();
+    }
+    q
+}
+
+/// A message that several parked receivers of a family all saw coming
+/// (sent with a delay before they looked) wakes one of them when it
+/// becomes visible, not all four: as with a notification, one receiver
+/// wakes per message. The one that takes it passes the wake on, since the
+/// others have not seen what comes after it, so at most one looks in vain.
+/// Each receiver used to sleep to the time its own look had found, and all
+/// four looked at that instant: three found nothing.
+///
+/// Counted, not timed, on a single-threaded runtime (the thread-local
+/// recorder sees every receive): the message is sent through a handle that
+/// notifies no one; four receivers (an hour's poll) each look once and
+/// park, before the delay runs out; each waits past it and looks once more
+/// as its wait ends, unless it got the message. What is left of the empty
+/// looks once all four have returned was made in between.
+#[tokio::test(flavor = "current_thread")]
+async fn a_message_becoming_visible_wakes_one_parked_receiver_not_the_family() {
+    use std::sync::atomic::Ordering;
+    let pool = pool().await;
+    let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let q = sent_unannounced_with_delays(&pool, &pool, &[("delayed", 2)]).await;
+    let receivers: Vec<_> = (0..4)
+        .map(|_| long_poll(&q, Duration::from_secs(4)))
+        .collect();
+    while q.parked_receivers() < 4 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        empty.load(Ordering::SeqCst),
+        4,
+        "each looked once, then parked"
+    );
+    let still_delayed: bool =
+        sqlx::query_scalar("SELECT bool_and(visible_at > now()) FROM pgonce.queue_message")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        still_delayed,
+        "the receivers parked only after the delay ran out: too slow a machine for this setup"
+    );
+    let mut got = Vec::new();
+    for receiver in receivers {
+        got.extend(delivered(receiver, "the end of its wait").await);
+    }
+    assert_eq!(bodies(&got), ["delayed"]);
+    let looks = empty.load(Ordering::SeqCst);
+    // Four as they began, three as the waits of those that got nothing ended.
+    let in_vain = looks.saturating_sub(4 + 3);
+    assert!(
+        in_vain <= 1,
+        "{in_vain} looked in vain when the message became visible ({looks} empty looks)"
+    );
+}
+
+/// Two messages sent with delays (the second a second after the first)
+/// through a handle that notifies no one, and two receivers of a family
+/// parked for an hour, each having looked once: both saw only the first
+/// time. The family's timer wakes one of them for the first message; it
+/// takes it and wakes the other, which looks, finds the second coming and
+/// sets the timer for it: the second message reaches the receiver left
+/// parked when it becomes visible, not at its poll interval an hour away
+/// ([`delivered`] fails it after a minute).
+#[tokio::test]
+async fn a_receiver_the_timer_woke_that_delivered_leaves_the_next_time_to_the_family() {
+    let pool = pool().await;
+    let q = sent_unannounced_with_delays(&pool, &pool, &[("first", 1), ("second", 2)]).await;
+    let one = parked_receiver(&q).await;
+    let other = parked_receiver(&q).await;
+    let (got, left) = match futures::future::select(one, other).await {
+        futures::future::Either::Left((got, left)) => (got, left),
+        futures::future::Either::Right((got, left)) => (got, left),
+    };
+    let got = got.unwrap();
+    assert_eq!(bodies(&got), ["first"]);
+    assert_eq!(
+        woken(left, "the second message becoming visible").await,
+        ["second"]
+    );
+}
+
+/// Two receivers of a family parked for an hour for a message sent with a
+/// delay (through a handle that notifies no one), which both saw coming:
+/// the family's timer wakes the one that parked first, which is held
+/// before it looks (its pool has no connection free) and then `lost`. The
+/// other, parked for an hour, takes the message: the wake the first took
+/// is passed on, not lost with it ([`delivered`] fails it after a minute).
+async fn a_receiver_the_timer_woke_that_does_not_look_passes_the_wake_on(lost: Lost) {
+    let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
+    let small = pool_of_one(&db).await;
+    let q = sent_unannounced_with_delays(&small, &pool, &[("delayed", 2)]).await;
+    let first = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            let request = ReceiveRequest::up_to(10).wait(LONG_POLL);
+            q.receive(request).await.map(|r| r.len())
+        })
+    };
+    while q.parked_receivers() < 1 {
+        tokio::task::yield_now().await;
+    }
+    let second = parked_receiver(&q).await;
+    let held = small.acquire().await.unwrap();
+    // The timer woke one of them: the first, the oldest waiter.
+    while q.parked_receivers() > 1 {
+        tokio::task::yield_now().await;
+    }
+    lose(first, lost).await;
+    drop(held);
+    assert_eq!(
+        woken(second, "the timer's wake passed on").await,
+        ["delayed"]
+    );
+}
+
+#[tokio::test]
+async fn a_receiver_the_timer_woke_dropped_before_it_looks_passes_the_wake_on() {
+    a_receiver_the_timer_woke_that_does_not_look_passes_the_wake_on(Lost::Dropped).await;
+}
+
+#[tokio::test]
+async fn a_receiver_the_timer_woke_whose_look_fails_passes_the_wake_on() {
+    a_receiver_the_timer_woke_that_does_not_look_passes_the_wake_on(Lost::Failed).await;
 }
 
 /// A FIFO group's head whose lease runs out during a long poll is

@@ -24,7 +24,9 @@ use crate::lock::LockKey;
 use crate::transaction::{self, IsolationLevel};
 
 mod notifier;
+mod visible_timer;
 use notifier::Notifier;
+use visible_timer::VisibleTimer;
 
 /// The channel every send notifies, with the queue name as payload.
 const CHANNEL: &str = "pgonce_queue";
@@ -201,9 +203,11 @@ pub struct PgQueueOptions {
     /// A long poll re-checks the queue at least this often, for missed
     /// notifications, and for a message that becomes visible later than
     /// its look foresaw (its lease taken after that look, by a receiver
-    /// the look could not see). A message its look saw coming (sent with a
-    /// delay, in flight, handed back with a delay) wakes it when it becomes
-    /// visible, whatever this interval. Default 1 s; at least 1 ms
+    /// the look could not see). A message a look saw coming (sent with a
+    /// delay, in flight, handed back with a delay) wakes one receiver of
+    /// the handle family when it becomes visible, whatever this interval,
+    /// and that receiver, if it delivered, wakes the next. Default 1 s; at
+    /// least 1 ms
     /// (shorter would poll the database in a busy loop), at most
     /// [`MAX_WAIT`](crate::queue::MAX_WAIT) (a wait's longest: a longer
     /// interval never comes round, and each re-check's time, now plus the
@@ -283,12 +287,16 @@ struct Inner {
     notifier: std::sync::OnceLock<Notifier>,
 }
 
-/// The LISTEN side: one task per handle family, turning notifications for
-/// this queue into wake-ups of parked receivers.
+/// What wakes a handle family's parked receivers: one task turning
+/// notifications for this queue into wake-ups (the LISTEN side), and one
+/// timer for when the queue's next message becomes visible.
 struct Waker {
     notify: Arc<Notify>,
     /// The task relaying notifications; none with [`Listen::Off`].
     task: Option<tokio::task::JoinHandle<()>>,
+    /// The family's timer for the next message becoming visible, as its
+    /// looks found it (visible_timer.rs).
+    visible: VisibleTimer,
 }
 
 impl Drop for Waker {
@@ -1062,7 +1070,11 @@ impl PgQueue {
                     .listener(&self.inner.pool, CHANNEL)
                     .await?
                 else {
-                    return Ok::<_, Error>(Waker { notify, task: None });
+                    return Ok::<_, Error>(Waker {
+                        notify,
+                        task: None,
+                        visible: VisibleTimer::start(),
+                    });
                 };
                 let task = tokio::spawn(listen(
                     listener,
@@ -1076,6 +1088,7 @@ impl PgQueue {
                 Ok(Waker {
                     notify,
                     task: Some(task),
+                    visible: VisibleTimer::start(),
                 })
             })
             .await
@@ -1207,15 +1220,17 @@ impl Queue for PgQueue {
     /// redrives and shortening hand-backs: [`PgQueueOptions::notify`]); a
     /// parked receive wakes on a notification for this queue, when the
     /// queue's next message becomes visible (a delay, a lease or a
-    /// hand-back running out, as its last look found it), at
-    /// `poll_interval`, or at the end of `wait`, whichever comes first. No connection is held while parked. A notification
-    /// wakes one receiver of the family, and a receive that fills its
-    /// batch wakes the next, so a burst reaches as many receivers as it
-    /// needs and a single message does not send the whole family looking.
-    /// A woken receive dropped or failing before it has looked wakes
-    /// another in its place, as does one woken for a message that becomes
-    /// visible later (sent or handed back with a delay) which ends before
-    /// then: the others, parked before it was announced, do not know of it.
+    /// hand-back running out, as the family's looks found it), at
+    /// `poll_interval`, or at the end of `wait`, whichever comes first. No
+    /// connection is held while parked. A notification wakes one receiver
+    /// of the family, and a receive that fills its batch wakes the next, so
+    /// a burst reaches as many receivers as it needs and a single message
+    /// does not send the whole family looking. A message becoming visible
+    /// wakes one receiver of the family too (the family keeps one timer,
+    /// for the earliest such time its looks found), and that receiver, if
+    /// it delivered, wakes the next, which looks for what comes after. A
+    /// woken receive dropped or failing before it has looked wakes another
+    /// in its place.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
         self.receive_or_stop(request, std::future::pending()).await
     }
@@ -1244,26 +1259,29 @@ impl Queue for PgQueue {
         }
         let deadline = Instant::now() + request.wait;
         // With Listen::Off the waker has no listener and never notifies:
-        // only `poll_interval` and `wait` wake us.
-        let notify = self.waker().await?.notify.clone();
-        let mut woken = false;
-        // When the last look's queue next becomes visible, and what a
-        // notification told this receive alone (`Foreseen`).
-        let mut last_next_visible = None;
-        let mut foreseen = Foreseen {
-            notify: &notify,
-            at: None,
-        };
+        // only the family's timer, `poll_interval` and `wait` wake us.
+        let waker = self.waker().await?;
+        let notify = waker.notify.clone();
+        let visible = waker.visible.wake();
+        let mut woken = Woken::Waited;
         loop {
-            // Registered before looking, so a send committed between the
-            // look and the wait still wakes us.
+            // Registered before looking, so a send committed, or a message
+            // becoming visible, between the look and the wait still wakes
+            // us.
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            // A notification woke this receiver alone: if it is dropped
-            // or fails before its look is done, the next one looks.
-            let mut pass_on = PassOn(woken.then_some(&*notify));
-            let looked_at = Instant::now();
+            let visible_now = visible.notified();
+            tokio::pin!(visible_now);
+            visible_now.as_mut().enable();
+            // A notification or the timer woke this receiver alone: if it
+            // is dropped or fails before its look is done, the next one
+            // looks.
+            let mut pass_on = PassOn(match woken {
+                Woken::Notified => Some(&*notify),
+                Woken::Visible => Some(visible),
+                Woken::Waited => None,
+            });
             let Look {
                 received,
                 more,
@@ -1271,23 +1289,22 @@ impl Queue for PgQueue {
             } = self.receive_looking(&request).await?;
             pass_on.0 = None;
             let now = Instant::now();
-            if foreseen.at.is_some_and(|at| at <= looked_at) {
-                // Its time came, and this look was made after it.
-                foreseen.at = None;
-            }
-            if woken && next_visible.is_some_and(|t| last_next_visible.is_none_or(|l| t < l)) {
-                // The notification announced a message that becomes
-                // visible later (sent with a delay, handed back with one),
-                // sooner than the last look knew of: the receivers it did
-                // not wake know no more than that look did.
-                foreseen.at = next_visible;
-            }
-            last_next_visible = next_visible;
             if received.len() >= request.max_messages {
                 // A full batch: there may be more than this receive could
                 // take, and a notification wakes one receiver, so pass it
                 // on. (A receive that took fewer saw the queue drained.)
                 notify.notify_one();
+            } else if woken == Woken::Visible
+                && !received.is_empty()
+                && self.inner.parked.load(Ordering::SeqCst) > 0
+            {
+                // Woken by the family's timer, and it delivered: the
+                // parked receivers' looks saw no further than what it
+                // took, so what becomes visible after it is known to
+                // nobody. One more looks, and sets the timer for that.
+                // (Nobody parked: every receiver of the family is looking
+                // or about to, and learns it then.)
+                visible.notify_one();
             }
             if !received.is_empty() || now >= deadline {
                 return Ok(received);
@@ -1301,22 +1318,28 @@ impl Queue for PgQueue {
                 }
                 continue;
             }
-            // A message that becomes visible during the wait (a delay, a
-            // hand-back or a lease running out) is looked for then: no
-            // notification announces it.
-            let until = deadline
-                .min(now + self.inner.options.poll_interval)
-                .min(next_visible.unwrap_or(deadline));
+            let until = deadline.min(now + self.inner.options.poll_interval);
             self.inner.parked.fetch_add(1, Ordering::SeqCst);
             let _unpark = Unpark(&self.inner.parked);
+            // A message that becomes visible during the wait (a delay, a
+            // hand-back or a lease running out) is looked for then: no
+            // notification announces it. The family's timer wakes one
+            // receiver for it. Set once this receive counts as parked, so
+            // that a receiver the timer woke, which delivered and finds
+            // nobody parked, has left this one a look made after it.
+            if let Some(next_visible) = next_visible {
+                waker.visible.set(next_visible);
+            }
             // `biased`, stop first: a stop that came during the look ends
-            // the receive here, before it parks. A notification this
-            // receive took is passed on when `notified` is dropped.
+            // the receive here, before it parks. A wake this receive took
+            // and did not act on is passed on when `notified` or
+            // `visible_now` is dropped.
             woken = tokio::select! {
                 biased;
                 () = &mut stop => return Ok(received),
-                _ = &mut notified => true,
-                _ = tokio::time::sleep_until(until.into()) => false,
+                _ = &mut notified => Woken::Notified,
+                _ = &mut visible_now => Woken::Visible,
+                _ = tokio::time::sleep_until(until.into()) => Woken::Waited,
             };
         }
     }
@@ -1640,11 +1663,12 @@ enum Wake {
 }
 
 /// Wakes one more parked receiver when dropped holding a [`Notify`]: a
-/// receive woken by a notification (which wakes one receiver of the
-/// family) and cancelled or failed before its look completed, so that the
-/// message it was woken for does not wait for the others' poll interval.
-/// (A wake not yet taken is passed on by tokio itself when the `Notified`
-/// is dropped; this covers the one the receive took.)
+/// receive woken by a notification or by the family's timer (each wakes
+/// one receiver of the family) and cancelled or failed before its look
+/// completed, so that the message it was woken for does not wait for the
+/// others' poll interval. (A wake not yet taken is passed on by tokio
+/// itself when the `Notified` is dropped; this covers the one the receive
+/// took.)
 struct PassOn<'a>(Option<&'a Notify>);
 
 impl Drop for PassOn<'_> {
@@ -1655,23 +1679,16 @@ impl Drop for PassOn<'_> {
     }
 }
 
-/// A message a notification told this receive of, which becomes visible
-/// at `at` (sent with a delay, handed back with one): the notification
-/// woke this receiver alone, and the others of the family, parked until
-/// what their own looks saw, would sleep past it. A receive that ends
-/// before `at` (its wait over, stopped, dropped or failed) wakes one of
-/// them, which looks and waits for it in its place.
-struct Foreseen<'a> {
-    notify: &'a Notify,
-    at: Option<Instant>,
-}
-
-impl Drop for Foreseen<'_> {
-    fn drop(&mut self) {
-        if self.at.is_some_and(|at| at > Instant::now()) {
-            self.notify.notify_one();
-        }
-    }
+/// What ended a receive's last wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Woken {
+    /// A notification, which woke this receiver alone.
+    Notified,
+    /// The family's timer: a message its looks found coming is visible
+    /// now; it woke this receiver alone.
+    Visible,
+    /// Its own time (`poll_interval`, the end of `wait`), or nothing yet.
+    Waited,
 }
 
 struct Unpark<'a>(&'a AtomicUsize);
