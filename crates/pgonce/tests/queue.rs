@@ -2482,6 +2482,76 @@ async fn a_receiver_the_timer_woke_whose_look_fails_passes_the_wake_on() {
     a_receiver_the_timer_woke_that_does_not_look_passes_the_wake_on(Lost::Failed).await;
 }
 
+/// A receive statement that fails after it locked a message (its pick
+/// takes the earliest visible, FOR UPDATE SKIP LOCKED) turned the other
+/// receivers away from it while it ran: a long poll that looked then
+/// skipped it, found nothing, and saw no time to wake at (the message was
+/// visible to its snapshot). Rolled back, the message is receivable again,
+/// and the failing receive wakes the parked receivers as a send would.
+/// It used to say nothing, and the message waited for their poll interval
+/// (an hour here: [`woken`] fails it after a minute).
+///
+/// Step by step: a trigger on the messages' updates makes session R1's
+/// receive (R1 alone, by a setting of its session) wait for an advisory
+/// lock that session G holds, seen blocked in `pg_blocking_pids`, with the
+/// message locked; a long poll of another handle family then looks and
+/// parks; G lets go, the trigger fails R1's statement, which rolls back.
+#[tokio::test]
+async fn a_receive_failing_after_it_locked_a_message_wakes_the_receivers_it_turned_away() {
+    let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let gate = race.session("G").await.unwrap();
+    let r1 = race.session("R1").await.unwrap();
+    r1.set("pgonce_test.fail_receive", "on").await.unwrap();
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.fail_receive() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+             IF current_setting('pgonce_test.fail_receive', true) = 'on' THEN \
+                 PERFORM pg_advisory_xact_lock(42); \
+                 RAISE EXCEPTION 'this receive fails after its pick'; \
+             END IF; \
+             RETURN NEW; \
+         END $$; \
+         CREATE TRIGGER fail_receive BEFORE UPDATE ON pgonce.queue_message \
+         FOR EACH ROW EXECUTE FUNCTION public.fail_receive();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let q = sent_unannounced_with_delays(&pool, &pool, &[("m", 0)]).await;
+    race.try_step(
+        &gate,
+        "lock 42",
+        sqlx::query("SELECT pg_advisory_lock(42)").execute(gate.pool()),
+    )
+    .await
+    .unwrap();
+    let other = PgQueue::open(r1.pool(), "s", PgQueueOptions::default())
+        .await
+        .unwrap();
+    let failing = race
+        .step_blocks(&r1, "receive, stalled after its pick", async move {
+            other.receive(ReceiveRequest::up_to(1)).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(failing.blocked_by(), ["G"]);
+    let receiver = parked_receiver(&q).await;
+    race.try_step(
+        &gate,
+        "unlock 42",
+        sqlx::query("SELECT pg_advisory_unlock(42)").execute(gate.pool()),
+    )
+    .await
+    .unwrap();
+    let failed = failing.resume().await.unwrap();
+    assert!(failed.is_err(), "the trigger failed it: {failed:?}");
+    assert_eq!(
+        woken(receiver, "the failed receive's rollback").await,
+        ["m"]
+    );
+}
+
 /// A FIFO group's head whose lease runs out during a long poll is
 /// delivered again then, before the messages of its group behind it.
 #[tokio::test]

@@ -201,9 +201,13 @@ pub struct PgQueueOptions {
     /// lock at commit.
     pub notify: bool,
     /// A long poll re-checks the queue at least this often, for missed
-    /// notifications, and for a message that becomes visible later than
+    /// notifications, for a message that becomes visible later than
     /// its look foresaw (its lease taken after that look, by a receiver
-    /// the look could not see). A message a look saw coming (sent with a
+    /// the look could not see), and for a message its look skipped because
+    /// another transaction held it locked, which then let go without
+    /// taking it and without a word (a receive statement that fails wakes
+    /// the parked receivers; one whose connection is lost with its process
+    /// cannot). A message a look saw coming (sent with a
     /// delay, in flight, handed back with a delay) wakes one receiver of
     /// the handle family when it becomes visible, whatever this interval,
     /// and that receiver, if it delivered, wakes the next. Default 1 s; at
@@ -967,7 +971,19 @@ impl PgQueue {
         // is never past the real one. Taken here, not at the receive's
         // start, so a long poll's wait before this look is not counted.
         let requested_at = Instant::now();
-        let rows: Vec<ReceiveRow> = query.fetch_all(&mut *conn).await?;
+        let rows: Vec<ReceiveRow> = match query.fetch_all(&mut *conn).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                // The statement may have locked messages before it failed
+                // (its pick, FOR UPDATE SKIP LOCKED): receivers that looked
+                // meanwhile skipped them, found nothing and, those being
+                // visible to their snapshots, no time to wake at. Rolled
+                // back, they are receivable now: wake them, as a send
+                // would. Only here, never on a receive that succeeded.
+                self.sent();
+                return Err(e.into());
+            }
+        };
         drop(conn);
         // The server counted the wait from its `now()`, before the rows came
         // back: a wake counted from here is never early.
