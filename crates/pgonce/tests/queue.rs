@@ -5276,3 +5276,32 @@ async fn stats_over_send_times_set_to_infinity_by_hand_read_the_ends_of_the_rang
     let year = Duration::from_secs(365 * 24 * 3600);
     assert!(age > year * 6700 && age < year * 7000, "{age:?}");
 }
+
+/// A message whose `visible_at` was set by hand to `infinity` (never
+/// visible) is passed over: a receive that finds nothing else returns
+/// none, at once or at the end of its wait, and the message stays. The
+/// receive's look for the next visible time used to subtract it from
+/// `now()`, and every receive of the queue that delivered nothing failed
+/// with the server's "cannot subtract infinite timestamps".
+#[tokio::test]
+async fn a_visible_time_set_to_infinity_by_hand_is_passed_over_not_an_error() {
+    let pool = pool().await;
+    let q = PgQueue::create(&pool, "q", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    q.send(SendMessage::new("never")).await.unwrap();
+    sqlx::query("UPDATE pgonce.queue_message SET visible_at = 'infinity'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(
+        q.receive(ReceiveRequest::up_to(10))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let waited = ReceiveRequest::up_to(10).wait(Duration::from_millis(200));
+    assert!(q.receive(waited).await.unwrap().is_empty());
+    let stats = q.stats().await.unwrap();
+    assert_eq!((stats.depth, stats.delayed), (0, 1));
+}

@@ -70,9 +70,13 @@ UNION ALL
 -- was delivered: a statement that delivers never reads it (the NOT EXISTS
 -- is a one-time filter). In a FIFO queue the message may be a head's
 -- follower, which is visible and still not receivable: the long poll then
--- wakes early, looks, and sleeps to the next such time.
+-- wakes early, looks, and sleeps to the next such time. A visible_at
+-- written by hand as infinity, which PostgreSQL cannot subtract from
+-- now(), counts as the end of 9999 (as a send time does, above).
 SELECT 'next_visible', 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       ceil(extract(epoch FROM n.visible_at - now()) * 1000)::bigint
+       ceil(extract(epoch FROM least(n.visible_at,
+                                     '9999-12-31 23:59:59.999999+00'::timestamptz)
+                               - now()) * 1000)::bigint
 FROM (SELECT min(m.visible_at) AS visible_at FROM pgonce.queue_message m
       WHERE m.queue = $1 AND m.visible_at > now()) n
 WHERE n.visible_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM delivered)
