@@ -5305,3 +5305,46 @@ async fn a_visible_time_set_to_infinity_by_hand_is_passed_over_not_an_error() {
     let stats = q.stats().await.unwrap();
     assert_eq!((stats.depth, stats.delayed), (0, 1));
 }
+
+/// A receive of a queue deleted by hand after its handle was opened is
+/// [`Error::QueueNotFound`], as a send or `stats` is, whether it waits or
+/// not: a long poll parked on it when it was deleted says so at its next
+/// look (here woken by a notification sent by hand). It used to return no
+/// messages, as from an empty queue, for as long as it was asked.
+#[tokio::test]
+async fn a_receive_of_a_queue_deleted_by_hand_is_queue_not_found() {
+    let pool = pool().await;
+    let q = PgQueue::create(&pool, "q", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    let receiver = {
+        let q = q.clone();
+        tokio::spawn(async move { q.receive(ReceiveRequest::up_to(10).wait(LONG_POLL)).await })
+    };
+    while q.parked_receivers() == 0 {
+        tokio::task::yield_now().await;
+    }
+    sqlx::query("DELETE FROM pgonce.queue WHERE name = 'q'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_notify('pgonce_queue', 'q')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let parked = tokio::time::timeout(Duration::from_secs(60), receiver)
+        .await
+        .expect("looked when woken, found no queue, and parked again as on an empty queue")
+        .unwrap();
+    assert!(
+        matches!(&parked, Err(Error::QueueNotFound { name }) if name == "q"),
+        "{parked:?}"
+    );
+    for wait in [Duration::ZERO, Duration::from_millis(200)] {
+        let got = q.receive(ReceiveRequest::up_to(1).wait(wait)).await;
+        assert!(
+            matches!(&got, Err(Error::QueueNotFound { name }) if name == "q"),
+            "{got:?}"
+        );
+    }
+}

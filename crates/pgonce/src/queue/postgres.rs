@@ -990,6 +990,7 @@ impl PgQueue {
         let answered_at = Instant::now();
         let (mut dead, mut expired, mut skipped, mut unseen) = (0u64, 0u64, 0u64, 0u64);
         let mut held = Vec::new();
+        let mut no_queue = false;
         for row in rows {
             match row.fate.as_str() {
                 "delivered" => {
@@ -1020,6 +1021,7 @@ impl PgQueue {
                 "held" => held.push(row.id),
                 "skipped" => skipped += 1,
                 "unseen" => unseen += 1,
+                "no_queue" => no_queue = true,
                 "next_visible" => {
                     *next_visible = row.next_visible_ms.map(|ms| {
                         answered_at + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
@@ -1029,6 +1031,11 @@ impl PgQueue {
             }
         }
         let name = &self.inner.name;
+        if no_queue {
+            // Nothing was delivered, moved or deleted: the statement found
+            // no queue to act for.
+            return Err(Error::QueueNotFound { name: name.clone() });
+        }
         if dead > 0 {
             tracing::warn!(queue = %name, dead, "messages moved to the dead-letter queue");
             metrics::counter!("pgonce_queue_dead_lettered_total", "queue" => name.clone())
@@ -1247,6 +1254,10 @@ impl Queue for PgQueue {
     /// it delivered, wakes the next, which looks for what comes after. A
     /// woken receive dropped or failing before it has looked wakes another
     /// in its place.
+    ///
+    /// A receive of a queue deleted since the handle was opened (by hand:
+    /// pgonce deletes no queue) is [`Error::QueueNotFound`]; a long poll
+    /// parked on it when it went says so at its next look.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
         self.receive_or_stop(request, std::future::pending()).await
     }
