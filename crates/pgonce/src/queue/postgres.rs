@@ -1351,9 +1351,11 @@ impl Queue for PgQueue {
             // A message that becomes visible during the wait (a delay, a
             // hand-back or a lease running out) is looked for then: no
             // notification announces it. The family's timer wakes one
-            // receiver for it. Set once this receive counts as parked, so
-            // that a receiver the timer woke, which delivered and finds
-            // nobody parked, has left this one a look made after it.
+            // receiver for it. Set once this receive counts as parked: a
+            // receiver the timer woke that delivered and saw nobody parked
+            // passed nothing on, but then this look was made before that
+            // time (after it, it would have found the message), so the
+            // time set here is past and the timer wakes a receiver at once.
             if let Some(next_visible) = next_visible {
                 waker.visible.set(next_visible);
             }
