@@ -1484,17 +1484,19 @@ impl Queue for PgQueue {
             .bind(&self.inner.name)
             .fetch_optional(&self.inner.pool)
             .await?;
-        let Some((depth, in_flight, delayed, oldest_ms, dlq_depth, dlq)) = row else {
+        let Some(row) = row else {
             return Err(Error::QueueNotFound {
                 name: self.inner.name.clone(),
             });
         };
         Ok(QueueStats {
-            depth: depth as u64,
-            in_flight: in_flight as u64,
-            delayed: delayed as u64,
-            oldest_age: oldest_ms.map(|ms| Duration::from_millis(ms.max(0) as u64)),
-            dead_letter_depth: dlq.map(|_| dlq_depth as u64),
+            depth: row.depth as u64,
+            in_flight: row.in_flight as u64,
+            delayed: row.delayed as u64,
+            oldest_age: row
+                .oldest_ms
+                .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            dead_letter_depth: row.dead_letter_queue.map(|_| row.dead_letter_depth as u64),
         })
     }
 
@@ -1679,8 +1681,18 @@ impl<'a> ReceiptParts<'a> {
     }
 }
 
-/// depth, in flight, delayed, oldest ms, dead-letter depth, dead-letter queue.
-type StatsRow = (i64, i64, i64, Option<i64>, i64, Option<String>);
+/// A row of stats.sql: the counts of one queue, and of its dead-letter
+/// queue if it has one.
+#[derive(sqlx::FromRow)]
+struct StatsRow {
+    depth: i64,
+    in_flight: i64,
+    delayed: i64,
+    /// The age of the oldest message, in ms; `None`: the queue is empty.
+    oldest_ms: Option<i64>,
+    dead_letter_depth: i64,
+    dead_letter_queue: Option<String>,
+}
 
 /// When a send wakes the receivers: by a NOTIFY inside its transaction
 /// (delivered at the caller's commit), or after the statement committed on
