@@ -5,7 +5,7 @@
 //! transaction that began before the receive (so that it is visible by the
 //! receive's `now()`), is locked by the pick but unseen by the statement:
 //! not delivered, not lost, and reported as `unseen` so that the receive
-//! looks again (receive_tail.sql).
+//! looks again (receive_report.sql).
 //!
 //! Step by step: the function is replaced by a copy that, in the session
 //! named `R` only, waits on advisory lock [`BEFORE_PICK`] before its query

@@ -49,11 +49,28 @@ macro_rules! receive_sql {
             include_str!($pick),
             include_str!("sql/receive_judge.sql"),
             include_str!($fate),
-            include_str!("sql/receive_tail.sql")
+            include_str!("sql/receive_act.sql"),
+            include_str!("sql/receive_deliver.sql"),
+            include_str!("sql/receive_report.sql"),
+            include_str!("sql/receive_next_visible.sql")
         )
     };
 }
-const RECEIVE_STANDARD: &str = receive_sql!("sql/pick_standard.sql", "sql/receive_fate.sql");
+/// The first statement of a standard receive: it delivers and decides no
+/// other fate (`receive_fate_lean.sql`). A picked message due to expire or
+/// to move to the dead-letter queue comes back 'undecided', and the
+/// receive looks again with [`RECEIVE_STANDARD_FURTHER`], which decides
+/// it. Without the full statement's DELETE and second UPDATE it is
+/// cheaper to start, on every receive.
+const RECEIVE_STANDARD_LEAN: &str = concat!(
+    include_str!("sql/receive_head.sql"),
+    include_str!("sql/pick_standard.sql"),
+    include_str!("sql/receive_judge.sql"),
+    include_str!("sql/receive_fate_lean.sql"),
+    include_str!("sql/receive_deliver.sql"),
+    include_str!("sql/receive_report_lean.sql"),
+    include_str!("sql/receive_next_visible.sql")
+);
 const RECEIVE_FIFO: &str = receive_sql!("sql/pick_fifo.sql", "sql/receive_fate.sql");
 const RECEIVE_STANDARD_FURTHER: &str =
     receive_sql!("sql/pick_standard.sql", "sql/receive_fate_capped.sql");
@@ -846,7 +863,7 @@ impl PgQueue {
     /// A statement can pick messages it does not deliver: heads past their
     /// retention (deleted), received too often (moved to the dead-letter
     /// queue), due to move while a sender holds their group there (held
-    /// back, receive_tail.sql), or, in a standard queue, committed between
+    /// back, receive_report.sql), or, in a standard queue, committed between
     /// the statement's snapshot and its pick's (unseen: locked, not acted
     /// on; migration 0160). While the batch has room and the last
     /// statement picked such messages, further statements look again,
@@ -949,7 +966,7 @@ impl PgQueue {
     ) -> Result<bool> {
         let further = look > room;
         let sql = match (self.inner.fifo, further) {
-            (false, false) => RECEIVE_STANDARD,
+            (false, false) => RECEIVE_STANDARD_LEAN,
             (true, false) => RECEIVE_FIFO,
             (false, true) => RECEIVE_STANDARD_FURTHER,
             (true, true) => RECEIVE_FIFO_FURTHER,
@@ -989,6 +1006,7 @@ impl PgQueue {
         // back: a wake counted from here is never early.
         let answered_at = Instant::now();
         let (mut dead, mut expired, mut skipped, mut unseen) = (0u64, 0u64, 0u64, 0u64);
+        let mut undecided = 0u64;
         let mut held = Vec::new();
         let mut no_queue = false;
         for row in rows {
@@ -1021,6 +1039,7 @@ impl PgQueue {
                 "held" => held.push(row.id),
                 "skipped" => skipped += 1,
                 "unseen" => unseen += 1,
+                "undecided" => undecided += 1,
                 "no_queue" => no_queue = true,
                 "next_visible" => {
                     *next_visible = row.next_visible_ms.map(|ms| {
@@ -1060,7 +1079,10 @@ impl PgQueue {
         }
         // An unseen message is receivable now that this statement is over:
         // looking again finds it.
-        let undelivered = !held.is_empty() || dead > 0 || expired > 0 || unseen > 0;
+        // An undecided message (the lean first statement's) is due to
+        // expire or to move: the next statement, a full one, decides it.
+        let undelivered =
+            !held.is_empty() || dead > 0 || expired > 0 || unseen > 0 || undecided > 0;
         passed_over.extend(held);
         Ok(undelivered)
     }
@@ -1464,7 +1486,7 @@ impl Queue for PgQueue {
         if timeout.is_zero() || sooner {
             // Released: receivable now, as if just sent. Or handed back
             // for less than the time left: a long poll parked until the
-            // old time (receive_tail.sql's `next_visible`) looks again and
+            // old time (receive_next_visible.sql's `next_visible`) looks again and
             // waits for the new one.
             self.sent();
         }

@@ -1,6 +1,6 @@
 //! One timer per handle family for when the queue's next message becomes
 //! visible (sent with a delay, handed back with one, its lease running
-//! out), as the family's looks found it (receive_tail.sql's
+//! out), as the family's looks found it (receive_next_visible.sql's
 //! `next_visible`).
 //!
 //! Why one per family, not one per parked receiver: every receiver whose

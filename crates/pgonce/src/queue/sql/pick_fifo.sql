@@ -5,7 +5,7 @@
     -- "Behind" is by position in the group: the id, or the position a
     -- redrive or a dead-letter move gave the message (migrations 0130,
     -- 0132). Within a group positions are drawn in commit order, under the
-    -- group's lock (send.sql, redrive.sql, receive_tail.sql), so a receive
+    -- group's lock (send.sql, redrive.sql, receive_act.sql), so a receive
     -- whose snapshot misses a message that committed later misses one
     -- behind every message it does see.
     --
@@ -63,7 +63,7 @@
         SELECT w.id, w.ctid, w.row_xmin FROM walk_window w
         WHERE w.visible_at <= now()
           -- Heads an earlier statement of this receive held back (a move
-          -- that waits for a sender, receive_tail.sql) or delivered:
+          -- that waits for a sender, receive_report.sql) or delivered:
           -- passed over, so they take no place of the batch.
           AND w.id <> ALL($4::bigint[])
           -- OFFSET 0 keeps "is there an earlier message in the group?" a

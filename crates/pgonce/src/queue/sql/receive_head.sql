@@ -8,7 +8,7 @@
 -- a sender has locked), deliver it (receive_count + 1, invisible for $3 ms
 -- or the queue's visibility timeout), or leave it untouched: past the
 -- first $5 deliveries ('skipped'), or when this statement's snapshot does
--- not see it ('unseen', receive_tail.sql). A move and a delivery both bump
+-- not see it ('unseen', receive_report.sql). A move and a delivery both bump
 -- the generation: every earlier receipt of the message goes stale.
 WITH q AS (
     SELECT name, visibility_timeout_ms, retention_ms, max_receive_count, dead_letter_queue

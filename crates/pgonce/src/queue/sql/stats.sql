@@ -7,7 +7,7 @@ SELECT
     -- A sent_at written by hand past what pgonce reads back (infinity,
     -- -infinity), which PostgreSQL cannot subtract from now(), counts from
     -- the nearest end of that range, as a receive reads it
-    -- (receive_tail.sql): 4714-11-24 BC, the end of 9999 in UTC (an age
+    -- (receive_deliver.sql): 4714-11-24 BC, the end of 9999 in UTC (an age
     -- below zero reads as zero).
     (extract(epoch FROM now() - least(greatest(min(m.sent_at),
                                                '4714-11-24 00:00:00+00 BC'::timestamptz),
