@@ -352,7 +352,10 @@ pub enum Error {
     },
 
     /// A queue backend other than PostgreSQL answered with an error pgonce
-    /// has no variant for (`code` is the backend's own error code).
+    /// has no variant for (`code` is the backend's own error code). A
+    /// server error (SQS's 5xx) says nothing of whether the request took
+    /// effect: a send to a standard queue that fails so may have happened,
+    /// as with [`Error::Unavailable`], and pgonce does not send it again.
     #[error("{backend} refused the request ({code}): {message}")]
     Backend {
         /// The backend (`sqs`).
