@@ -3030,3 +3030,305 @@ async fn a_claim_in_a_savepoint_is_fenced_by_its_top_level_transaction() {
     tx.commit().await.unwrap();
     assert_eq!(status(&pool, id).await, JobStatus::Completed);
 }
+
+/// A job of `pool` whose holder's lease ran out, with the holder's lease.
+async fn expired_job(pool: &PgPool, max_attempts: i32) -> (i64, job::Lease) {
+    let id = new_job(pool, max_attempts).await;
+    let holder = job::claim(pool, id, LEASE).await.unwrap();
+    expire_lease(pool, id).await;
+    (id, holder)
+}
+
+/// `session`'s claim of job `id`, whose lease ran out, in a transaction
+/// left open: the transaction and the lease it took over.
+async fn take_over_in_an_open_transaction(
+    race: &Interleaving,
+    session: &pgonce_testkit::Session,
+    id: i64,
+) -> (sqlx::Transaction<'static, sqlx::Postgres>, job::Lease) {
+    let mut taking = session.pool().begin().await.unwrap();
+    let lease = race
+        .step(session, "claim", job::claim(&mut *taking, id, LEASE))
+        .await
+        .unwrap()
+        .expect("the lease ran out: taken over");
+    (taking, lease)
+}
+
+/// `session`'s claim of job `id`, seen waiting for the session named
+/// `blocker`.
+async fn claim_blocked_by(
+    race: &Interleaving,
+    session: &pgonce_testkit::Session,
+    id: i64,
+    blocker: &str,
+) -> pgonce_testkit::Blocked<pgonce::Result<job::Lease>> {
+    let pool = session.pool().clone();
+    let claim = race
+        .step_blocks(session, "claim", async move {
+            job::claim(&pool, id, LEASE).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(claim.blocked_by(), [blocker]);
+    claim
+}
+
+/// Ends `session`'s transaction `tx` as a step: COMMIT when `commits`,
+/// else ROLLBACK.
+async fn end_step(
+    race: &Interleaving,
+    session: &pgonce_testkit::Session,
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    commits: bool,
+) {
+    let ended = if commits {
+        race.step(session, "COMMIT", tx.commit()).await
+    } else {
+        race.step(session, "ROLLBACK", tx.rollback()).await
+    };
+    ended.unwrap().unwrap();
+}
+
+/// The job's status, attempts and lease token.
+async fn attempts_and_token(pool: &PgPool, id: i64) -> (JobStatus, i32, Option<uuid::Uuid>) {
+    let row = job::get(pool, id).await.unwrap().unwrap();
+    (row.status().unwrap(), row.attempts, row.lease_token)
+}
+
+/// A claim taking over an expired lease and a reaper pass on the same job
+/// take turns on its row lock, and the expired attempt is counted once
+/// whichever goes first. Reaper first: its pass is held before its commit
+/// (a deferred trigger waits for an advisory lock the test holds), the
+/// claim is seen waiting for the reaper's session, the pass commits (the
+/// job pending, one attempt counted) and the claim then takes the pending
+/// job without counting another. Claim first: the takeover holds the row
+/// in an open transaction, a reaper pass skips it; after the commit the
+/// lease is live, and a pass finds nothing.
+#[tokio::test]
+async fn a_takeover_and_the_reaper_count_an_expired_attempt_once_in_either_order() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let gate = race.session("gate").await.unwrap();
+    let reaping = race.session("reaper").await.unwrap();
+    let claimer = race.session("claimer").await.unwrap();
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.hold_reaper() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER hold_reaper AFTER UPDATE ON pgonce.jobs \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW \
+             WHEN (OLD.status = 'processing' AND NEW.status <> 'processing') \
+             EXECUTE FUNCTION public.hold_reaper();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    // The gate's steps: the advisory lock the held pass waits for.
+    let gate_runs = async |what: &str, statement: &'static str| {
+        race.step(&gate, what, sqlx::query(statement).execute(gate.pool()))
+            .await
+            .unwrap()
+            .unwrap();
+    };
+
+    // The reaper first.
+    let (id, holder) = expired_job(&pool, 3).await;
+    gate_runs("lock", "SELECT pg_advisory_lock(4242)").await;
+    let reaper_pool = reaping.pool().clone();
+    let pass = race
+        .step_blocks(&reaping, "reap", async move {
+            reaper(&reaper_pool).run_once().await
+        })
+        .await
+        .unwrap();
+    assert_eq!(pass.blocked_by(), ["gate"]);
+    let claim = claim_blocked_by(&race, &claimer, id, "reaper").await;
+    gate_runs("unlock", "SELECT pg_advisory_unlock(4242)").await;
+    assert_eq!(pass.resume().await.unwrap().unwrap().returned, 1);
+    let lease = claim
+        .resume()
+        .await
+        .unwrap()
+        .expect("the reaped job is claimed");
+    assert_eq!(
+        attempts_and_token(&pool, id).await,
+        (JobStatus::Processing, 1, Some(lease.token)),
+        "the expired attempt counted once"
+    );
+    let out = job::complete(&pool, &holder, &json!("late")).await;
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+
+    // The claim first.
+    let (id, holder) = expired_job(&pool, 3).await;
+    let (taking, lease) = take_over_in_an_open_transaction(&race, &claimer, id).await;
+    let reaped = race
+        .step(&reaping, "reap", reaper(reaping.pool()).run_once())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        reaped,
+        ReapCounts::default(),
+        "the pass skips the claimed row"
+    );
+    race.step(&claimer, "COMMIT", taking.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        reaper(&pool).run_once().await.unwrap(),
+        ReapCounts::default()
+    );
+    assert_eq!(
+        attempts_and_token(&pool, id).await,
+        (JobStatus::Processing, 1, Some(lease.token)),
+        "the expired attempt counted once"
+    );
+    let out = job::heartbeat(&pool, &holder, LEASE).await;
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+}
+
+/// A holder's heartbeat and a claim of its job, once the lease ran out,
+/// take turns on the row. The heartbeat first, in an open transaction:
+/// the claim is seen waiting for it; committed, the lease is live again
+/// and the claim is `JobBusy` until its new end, nothing counted; rolled
+/// back, the claim takes the job over (one attempt counted) and the
+/// holder's next heartbeat hears its lease lost. The takeover first, in an
+/// open transaction: the heartbeat waits for it and, once it commits,
+/// hears the lease lost, extending nothing; a takeover rolled back leaves
+/// the holder's lease, which its heartbeat extends.
+#[tokio::test]
+async fn a_heartbeat_and_a_takeover_of_its_expired_lease_take_turns() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let holding = race.session("holder").await.unwrap();
+    let claimer = race.session("claimer").await.unwrap();
+    for commits in [true, false] {
+        // The heartbeat first.
+        let (id, holder) = expired_job(&pool, 3).await;
+        let mut beating = holding.pool().begin().await.unwrap();
+        let renewed = race
+            .step(
+                &holding,
+                "heartbeat",
+                job::heartbeat(&mut *beating, &holder, LEASE),
+            )
+            .await
+            .unwrap()
+            .expect("a lease nobody took over is still the holder's");
+        let claim = claim_blocked_by(&race, &claimer, id, "holder").await;
+        end_step(&race, &holding, beating, commits).await;
+        if commits {
+            let out = claim.resume().await.unwrap();
+            assert!(
+                matches!(
+                    out,
+                    Err(Error::JobBusy { status: JobStatus::Processing, not_before, .. })
+                        if not_before == renewed.expires_at
+                ),
+                "{out:?}"
+            );
+            assert_eq!(
+                attempts_and_token(&pool, id).await,
+                (JobStatus::Processing, 0, Some(holder.token))
+            );
+        } else {
+            let lease = claim.resume().await.unwrap().expect("taken over");
+            assert_eq!(
+                attempts_and_token(&pool, id).await,
+                (JobStatus::Processing, 1, Some(lease.token))
+            );
+            let out = job::heartbeat(&pool, &holder, LEASE).await;
+            assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+        }
+
+        // The takeover first.
+        let (id, holder) = expired_job(&pool, 3).await;
+        let (taking, lease) = take_over_in_an_open_transaction(&race, &claimer, id).await;
+        let holder_pool = holding.pool().clone();
+        let held = holder.clone();
+        let beat = race
+            .step_blocks(&holding, "heartbeat", async move {
+                job::heartbeat(&holder_pool, &held, LEASE).await
+            })
+            .await
+            .unwrap();
+        assert_eq!(beat.blocked_by(), ["claimer"]);
+        end_step(&race, &claimer, taking, commits).await;
+        if commits {
+            let out = beat.resume().await.unwrap();
+            assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+            assert_eq!(
+                attempts_and_token(&pool, id).await,
+                (JobStatus::Processing, 1, Some(lease.token))
+            );
+        } else {
+            beat.resume()
+                .await
+                .unwrap()
+                .expect("the holder's lease stands");
+            assert_eq!(
+                attempts_and_token(&pool, id).await,
+                (JobStatus::Processing, 0, Some(holder.token))
+            );
+            let out = job::complete(&pool, &lease, &json!("undone")).await;
+            assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+        }
+    }
+}
+
+/// A claim in a REPEATABLE READ or SERIALIZABLE transaction whose snapshot
+/// shows a lease that ran out, after another delivery took it over and
+/// committed, cannot take it over a second time: a serialization failure,
+/// and the retry, under a fresh snapshot, is `JobBusy` under the new
+/// lease. One attempt is counted. A lease whose end is exactly the
+/// claim's transaction time is not taken over (it has not run out).
+#[tokio::test]
+async fn a_claim_under_a_snapshot_older_than_a_takeover_asks_for_a_retry() {
+    let (_db, pool) = setup().await;
+    for level in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable] {
+        let (id, _holder) = expired_job(&pool, 3).await;
+        let mut older = pgonce::begin(&pool, level).await.unwrap();
+        take_snapshot(&mut older).await;
+        let lease = job::claim(&pool, id, LEASE).await.expect("taken over");
+        asks_for_a_retry("claim", job::claim(&mut *older, id, LEASE).await);
+        older.rollback().await.unwrap();
+        let mut retry = pgonce::begin(&pool, level).await.unwrap();
+        let out = job::claim(&mut *retry, id, LEASE).await;
+        assert!(
+            matches!(out, Err(Error::JobBusy { status: JobStatus::Processing, not_before, .. })
+                if not_before == lease.expires_at),
+            "{level:?}: {out:?}"
+        );
+        retry.rollback().await.unwrap();
+        assert_eq!(
+            attempts_and_token(&pool, id).await,
+            (JobStatus::Processing, 1, Some(lease.token))
+        );
+    }
+    // The edge: a lease ending at the claim's transaction time.
+    let (id, holder) = expired_job(&pool, 3).await;
+    let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE pgonce.jobs SET lease_expires_at = now() WHERE id = $1")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let out = job::claim(&mut *tx, id, LEASE).await;
+    assert!(
+        matches!(
+            out,
+            Err(Error::JobBusy {
+                status: JobStatus::Processing,
+                ..
+            })
+        ),
+        "{out:?}"
+    );
+    let reaped = job::get(&mut *tx, id).await.unwrap().unwrap();
+    assert_eq!(reaped.lease_token, Some(holder.token));
+    tx.rollback().await.unwrap();
+}

@@ -1,8 +1,10 @@
 //! A reference model of the job state machine, checked step by step
 //! against PostgreSQL.
 //!
-//! Random sequences of enqueues, claims (one at a time, in batches, and two
-//! deliveries racing on one row), heartbeats, completions (one and many),
+//! Random sequences of enqueues, claims (one at a time, in batches, two
+//! deliveries racing on one row, a takeover of a lease that ran out, and a
+//! claim rolled back whose lease is presented under a snapshot taken while
+//! it was open), heartbeats, completions (one and many),
 //! failures with their retry schedule, lease expiry and the reaper, the
 //! re-driver, an operator's retry of dead jobs, conditional transitions and
 //! maintenance run against both an in-memory model of the contract and the
@@ -97,6 +99,10 @@ enum Op {
     /// open transaction, B's claim is seen waiting for A, then A commits
     /// (`true`) or rolls back.
     ClaimRace(usize, bool),
+    /// A claim in a transaction that rolls back (a takeover of a lease that
+    /// ran out undone with it); its lease is presented in a REPEATABLE
+    /// READ transaction whose snapshot was taken while the claim was open.
+    ClaimRolledBack(usize),
 }
 
 /// Weighted so that the long paths (claim, fail, come due, re-drive, claim,
@@ -122,6 +128,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => j().prop_map(Op::Age),
         2 => Just(Op::Maintenance),
         2 => (j(), any::<bool>()).prop_map(|(j, c)| Op::ClaimRace(j, c)),
+        2 => j().prop_map(Op::ClaimRolledBack),
     ]
 }
 
@@ -301,6 +308,14 @@ impl Model {
         Ok(())
     }
 
+    /// 1 when a claim of job `j` takes over a lease that ran out.
+    fn taken_over(&self, j: usize) -> u64 {
+        self.jobs[j]
+            .as_ref()
+            .is_some_and(|job| job.status == JobStatus::Processing)
+            .into()
+    }
+
     /// Completion under current lease `l`: its token is the result, and
     /// the side effect is recorded.
     fn complete(&mut self, l: usize) {
@@ -345,6 +360,8 @@ struct Tally {
     busy: u64,
     handled: u64,
     raced: u64,
+    taken_over: u64,
+    rolled_back: u64,
     completed: u64,
     lease_lost: u64,
     failed: u64,
@@ -413,6 +430,7 @@ impl Harness<'_> {
                 match got {
                     Ok(lease) => {
                         tally.claimed += 1;
+                        tally.taken_over += m.taken_over(j);
                         m.issue(j, lease)?;
                     }
                     Err(Error::JobBusy { not_before, .. }) => {
@@ -702,6 +720,10 @@ impl Harness<'_> {
                 let Some(j) = m.job(j) else { return Ok(()) };
                 self.claim_race(m, j, a_commits, tally).await?;
             }
+            Op::ClaimRolledBack(j) => {
+                let Some(j) = m.job(j) else { return Ok(()) };
+                self.claim_rolled_back(m, j, tally).await?;
+            }
         }
         Ok(())
     }
@@ -745,16 +767,7 @@ impl Harness<'_> {
         let id = m.ids[j];
         let want = m.claim_outcome(j);
         let harness = |e: pgonce_testkit::HarnessError| e.to_string();
-        let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
-            .await
-            .map_err(|e| e.to_string())?;
-        let got_a = race
-            .step(a, "claim", job::claim(&mut *tx, id, LEASE))
-            .await
-            .map_err(harness)?;
-        if claim_seen(&got_a) != want {
-            return Err(format!("A's claim: {}, model: {want}", claim_seen(&got_a)));
-        }
+        let (tx, got_a) = self.a_claims(m, j).await?;
         let pool_b = b.pool().clone();
         let claim_b = async move { job::claim(&pool_b, id, LEASE).await };
         let Ok(lease_a) = got_a else {
@@ -798,7 +811,87 @@ impl Harness<'_> {
             ));
         }
         tally.claimed += 1;
+        tally.taken_over += m.taken_over(j);
         m.issue(j, winner)
+    }
+
+    /// A's claim of job `j` in a transaction A leaves open, its outcome
+    /// checked against what a single claim must return.
+    async fn a_claims(
+        &self,
+        m: &Model,
+        j: usize,
+    ) -> Result<
+        (
+            sqlx::Transaction<'static, sqlx::Postgres>,
+            pgonce::Result<Lease>,
+        ),
+        String,
+    > {
+        let a = &self.sessions[0];
+        let want = m.claim_outcome(j);
+        let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+            .await
+            .map_err(|e| e.to_string())?;
+        let got = self
+            .race
+            .step(a, "claim", job::claim(&mut *tx, m.ids[j], LEASE))
+            .await
+            .map_err(|e| e.to_string())?;
+        if claim_seen(&got) != want {
+            return Err(format!("A's claim: {}, model: {want}", claim_seen(&got)));
+        }
+        Ok((tx, got))
+    }
+
+    /// A claim of job `j` in A's transaction, which rolls back: the job is
+    /// as it was (a takeover undone, its attempt not counted). B's
+    /// REPEATABLE READ snapshot, taken while A was open, cannot see A end;
+    /// the rolled-back lease, completed in it, is lost all the same, at
+    /// once (not a serialization failure), and B's transaction goes on.
+    async fn claim_rolled_back(
+        &self,
+        m: &mut Model,
+        j: usize,
+        tally: &mut Tally,
+    ) -> Result<(), String> {
+        let (race, [a, b]) = (self.race, self.sessions);
+        let harness = |e: pgonce_testkit::HarnessError| e.to_string();
+        let text = |e: sqlx::Error| e.to_string();
+        let (tx, got) = self.a_claims(m, j).await?;
+        let mut older = pgonce::begin(b.pool(), IsolationLevel::RepeatableRead)
+            .await
+            .map_err(text)?;
+        race.step(
+            b,
+            "snapshot",
+            sqlx::query("SELECT count(*) FROM pgonce.jobs").execute(&mut *older),
+        )
+        .await
+        .map_err(harness)?
+        .map_err(text)?;
+        race.step(a, "ROLLBACK", tx.rollback())
+            .await
+            .map_err(harness)?
+            .map_err(text)?;
+        if let Ok(lease) = got {
+            tally.rolled_back += 1;
+            let late = race
+                .step(
+                    b,
+                    "complete",
+                    job::complete(&mut *older, &lease, &json!(lease.token)),
+                )
+                .await
+                .map_err(harness)?;
+            if !matches!(late, Err(Error::LeaseLost { .. })) {
+                return Err(format!("a rolled-back lease completed: {late:?}"));
+            }
+            // Kept, to be presented late again.
+            m.remember(j, lease);
+        }
+        older.commit().await.map_err(text)?;
+        Ok(())
     }
 }
 
@@ -955,7 +1048,8 @@ async fn run(h: &Harness<'_>, ops: &[Op], tally: &mut Tally) -> Result<(), Strin
 /// rolled-back lease presented late, job 1 failed to dead and retried by
 /// an operator, job 0's lease run out and reaped; then job 2 failed, busy
 /// until its retry comes due, and raced for once it has (a delivery of its
-/// message claims it without waiting for the re-driver).
+/// message claims it without waiting for the re-driver); its lease then
+/// runs out, a takeover rolls back, and a claim takes it over.
 fn scripted_case() -> Vec<Op> {
     vec![
         Op::ClaimRace(0, true),
@@ -974,6 +1068,9 @@ fn scripted_case() -> Vec<Op> {
         Op::Claim(2),
         Op::MakeDue(2),
         Op::ClaimRace(2, true),
+        Op::Expire(2),
+        Op::ClaimRolledBack(2),
+        Op::Claim(2),
     ]
 }
 
@@ -1018,7 +1115,10 @@ fn jobs_follow_the_reference_model_step_by_step() {
             && tally.dead > 0
             && tally.lease_lost > 0
             && tally.retried > 0
-            && tally.reaped > 0,
-        "the run reached races, dead jobs, lost leases and retries: {tally:?}"
+            && tally.reaped > 0
+            && tally.taken_over > 0
+            && tally.rolled_back > 0,
+        "the run reached races, dead jobs, lost leases, retries, takeovers and \
+         rolled-back claims: {tally:?}"
     );
 }
