@@ -63,3 +63,13 @@ pub(crate) async fn run_every<T, Fut>(
         }
     }
 }
+
+/// What a caught panic said: its message when it was a string (as
+/// `panic!` makes it), else "a panic".
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}

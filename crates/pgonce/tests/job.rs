@@ -2374,9 +2374,12 @@ struct HandOn {
     reply: tokio::sync::oneshot::Sender<Result<(), String>>,
 }
 
+/// The reply that makes a hand-on of `run_handing_on_to_the_test` panic.
+const PANIC: &str = "panic";
+
 /// Runs `redriver`'s loop (`run_handing_on`) in a task until the returned
 /// sender fires, each hand-on sent to the returned receiver and ended as
-/// the test replies.
+/// the test replies (with [`PANIC`]: it panics).
 fn run_handing_on_to_the_test(
     redriver: Redriver,
 ) -> (
@@ -2395,7 +2398,11 @@ fn run_handing_on_to_the_test(
             async move {
                 let (reply, replied) = tokio::sync::oneshot::channel();
                 calls.send(HandOn { ids, reply }).unwrap();
-                replied.await.unwrap_or(Err("the test let go".into()))
+                match replied.await {
+                    Ok(Err(why)) if why == PANIC => panic!("the hand-on panicked"),
+                    Ok(out) => out,
+                    Err(_) => Err("the test let go".into()),
+                }
             }
         },
     ));
@@ -3331,4 +3338,24 @@ async fn a_claim_under_a_snapshot_older_than_a_takeover_asks_for_a_retry() {
     let reaped = job::get(&mut *tx, id).await.unwrap().unwrap();
     assert_eq!(reaped.lease_token, Some(holder.token));
     tx.rollback().await.unwrap();
+}
+
+/// A hand-on that panics (a bug in the publisher, a panicking client)
+/// rolls its batch back as a failed hand-on does: the jobs stay failed
+/// and due. The loop then goes on, as it does after a failed hand-on:
+/// under `AckPolicy::AlwaysDelete` a failed job has no message, and the
+/// re-driver's next pass is all that drives it. Step by step: the
+/// panicking hand-on is answered while its jobs are still failed, the next
+/// pass hands the same ids on, and once that one succeeds they are pending.
+#[tokio::test]
+async fn a_hand_on_that_panics_rolls_its_batch_back_and_the_loop_goes_on() {
+    let (_db, pool) = setup().await;
+    let id = failed_and_due(&pool).await;
+    let (stop, mut handed, task) = run_handing_on_to_the_test(quick_redriver(&pool));
+    let call = hand_on_of_failed_jobs(&mut handed, &pool, &[id], "the first pass").await;
+    call.reply.send(Err(PANIC.into())).unwrap();
+    let call = hand_on_of_failed_jobs(&mut handed, &pool, &[id], "after a panicking hand-on").await;
+    call.reply.send(Ok(())).unwrap();
+    stop_loop(stop, task).await;
+    assert_eq!(status(&pool, id).await, JobStatus::Pending);
 }

@@ -9,8 +9,10 @@
 //! re-driver then passes it over.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+use futures::FutureExt;
 use sqlx::PgPool;
 
 use crate::error::Result;
@@ -94,9 +96,9 @@ impl Redriver {
     /// `hand_on` returned `Ok`. No job is made pending without its id
     /// handed on:
     ///
-    /// * `hand_on` fails: the batch is rolled back, its jobs stay failed
-    ///   and due, the pass ends (the error is logged) and the next pass
-    ///   hands them on again;
+    /// * `hand_on` fails or panics: the batch is rolled back, its jobs
+    ///   stay failed and due, the pass ends (the error or the panic's
+    ///   message is logged) and the next pass hands them on again;
     /// * the process dies (or this future is dropped) before the commit:
     ///   the transaction is rolled back likewise, and the next pass (of any
     ///   re-driver) hands them on again;
@@ -129,7 +131,28 @@ impl Redriver {
         // task that moves between threads.
         let hand_on = tokio::sync::Mutex::new(hand_on);
         crate::service::run_every("redriver", self.config.interval, shutdown, || async {
-            match self.pass(&mut *hand_on.lock().await).await {
+            let mut hand_on = hand_on.lock().await;
+            // A panic in the hand-on (its call or its future) is a failed
+            // hand-on: it would otherwise end the loop, and under
+            // AlwaysDelete a failed job has no message, only the next
+            // pass to drive it. Its batch rolls back all the same, the
+            // transaction dropped as the panic unwound.
+            let caught = |ids| {
+                let started = std::panic::catch_unwind(AssertUnwindSafe(|| (*hand_on)(ids)));
+                async move {
+                    let finished = match started {
+                        Ok(handing_on) => AssertUnwindSafe(handing_on).catch_unwind().await,
+                        Err(payload) => Err(payload),
+                    };
+                    match finished {
+                        Ok(out) => out.map_err(HandOnFailed::Refused),
+                        Err(payload) => Err(HandOnFailed::Panicked(
+                            crate::service::panic_message(&*payload),
+                        )),
+                    }
+                }
+            };
+            match self.pass(caught).await {
                 Ok(counts) => Ok(counts),
                 Err(BatchFailed::Database(e)) => Err(e),
                 Err(BatchFailed::HandOn(e)) => {
@@ -188,6 +211,23 @@ impl Redriver {
         }
         metrics::counter!("pgonce_job_redriven_total").increment(counts.redriven);
         Ok(counts)
+    }
+}
+
+/// Why [`Redriver::run_handing_on`]'s hand-on did not take a batch's ids.
+enum HandOnFailed<E> {
+    /// It returned an error.
+    Refused(E),
+    /// It panicked, with this message.
+    Panicked(String),
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for HandOnFailed<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HandOnFailed::Refused(e) => e.fmt(f),
+            HandOnFailed::Panicked(what) => write!(f, "it panicked: {what}"),
+        }
     }
 }
 

@@ -853,11 +853,7 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         };
         let panicked = caught.is_err();
         let outcome = caught.unwrap_or_else(|payload| {
-            let what = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
+            let what = crate::service::panic_message(&*payload);
             Err(format!("handler panicked: {what}").into())
         });
         // A handler whose job claim found the job in another delivery's
