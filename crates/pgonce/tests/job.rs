@@ -3359,3 +3359,73 @@ async fn a_hand_on_that_panics_rolls_its_batch_back_and_the_loop_goes_on() {
     stop_loop(stop, task).await;
     assert_eq!(status(&pool, id).await, JobStatus::Pending);
 }
+
+/// A takeover and `claim_batch`, which takes pending jobs only, never
+/// share a job. The takeover open: the batch passes the processing job
+/// over, before and after the commit. A job the reaper returned, claimed
+/// by a batch in an open transaction: a claim of it waits for the batch,
+/// then is `JobBusy` under the batch's live lease. And a job allowed one
+/// attempt is never taken over: its lease's end is its last attempt's, the
+/// reaper makes it dead, and its message is then acknowledged.
+#[tokio::test]
+async fn a_takeover_and_claim_batch_never_share_a_job() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let batch = race.session("batch").await.unwrap();
+    let claimer = race.session("claimer").await.unwrap();
+    let claim_batch =
+        async |tx: &mut sqlx::PgConnection| job::claim_batch(tx, "send", 10, LEASE).await.unwrap();
+
+    let (id, _holder) = expired_job(&pool, 3).await;
+    let (taking, lease) = take_over_in_an_open_transaction(&race, &claimer, id).await;
+    assert!(
+        claim_batch(&mut batch.pool().acquire().await.unwrap())
+            .await
+            .is_empty()
+    );
+    end_step(&race, &claimer, taking, true).await;
+    assert!(
+        claim_batch(&mut batch.pool().acquire().await.unwrap())
+            .await
+            .is_empty()
+    );
+    assert_eq!(
+        attempts_and_token(&pool, id).await,
+        (JobStatus::Processing, 1, Some(lease.token))
+    );
+    job::complete(&pool, &lease, &json!("done")).await.unwrap();
+
+    let (id, _holder) = expired_job(&pool, 3).await;
+    assert_eq!(reaper(&pool).run_once().await.unwrap().returned, 1);
+    let mut batching = batch.pool().begin().await.unwrap();
+    let claimed = race
+        .step(&batch, "claim_batch", claim_batch(&mut batching))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let claim = claim_blocked_by(&race, &claimer, id, "batch").await;
+    end_step(&race, &batch, batching, true).await;
+    let out = claim.resume().await.unwrap();
+    assert!(
+        matches!(out, Err(Error::JobBusy { status: JobStatus::Processing, not_before, .. })
+            if not_before == claimed[0].lease.expires_at),
+        "{out:?}"
+    );
+    assert_eq!(
+        attempts_and_token(&pool, id).await,
+        (JobStatus::Processing, 1, Some(claimed[0].lease.token))
+    );
+    job::complete(&pool, &claimed[0].lease, &json!("done"))
+        .await
+        .unwrap();
+
+    let (id, _holder) = expired_job(&pool, 1).await;
+    assert_eq!(busy(&pool, id).await.0, JobStatus::Processing);
+    assert_eq!(reaper(&pool).run_once().await.unwrap().dead, 1);
+    let out = job::claim(&pool, id, LEASE).await;
+    assert!(matches!(out, Err(Error::AlreadyHandled { .. })), "{out:?}");
+    assert_eq!(
+        attempts_and_token(&pool, id).await,
+        (JobStatus::Dead, 1, None)
+    );
+}
