@@ -1121,3 +1121,88 @@ async fn a_delivery_late_in_a_long_poll_is_kept_by_its_heartbeat() {
         "acked as its only delivery: {done:?}"
     );
 }
+
+/// Claims its job on a connection of its own, which then dies (its
+/// backend terminated, as a server restart or a network cut ends it)
+/// before the work's outcome is written: the completion's error is the
+/// handler's.
+struct LosesItsConnectionAfterTheClaim {
+    pool: PgPool,
+    job_id: i64,
+}
+
+impl Handler for LosesItsConnectionAfterTheClaim {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let mut conn = self.pool.acquire().await?;
+        let lease = pgonce::job::claim(&mut *conn, self.job_id, Duration::from_secs(60)).await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await?;
+        let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 20000)")
+            .bind(pid)
+            .fetch_one(&self.pool)
+            .await?;
+        assert!(ended, "the claim's connection is gone");
+        pgonce::job::complete(&mut *conn, &lease, &serde_json::json!("done")).await?;
+        Ok(())
+    }
+}
+
+/// A handler whose connection died after its claim committed recorded
+/// neither the work's outcome nor its failure: the job is processing
+/// under a lease nobody holds, and its message is what claims it once the
+/// lease has run out (a claim takes an expired lease over). Under
+/// `AlwaysDelete` the worker deleted that message all the same, as for an
+/// error the handler recorded: the lease ran out, the reaper made the job
+/// pending, and nothing was left to drive it (the re-driver drives failed
+/// jobs only). The message is kept now, as for a process that died.
+#[tokio::test]
+async fn a_connection_lost_after_the_claim_keeps_the_message_under_always_delete() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let (q, job_id) = a_job_and_its_message(&pool).await;
+    let handler = LosesItsConnectionAfterTheClaim {
+        pool: pool.clone(),
+        job_id,
+    };
+    let worker = Worker::new(q.clone(), handler, always_delete_failures_back_at_once()).unwrap();
+    let done = worker.run_once().await.unwrap();
+    assert_eq!((done.failed, done.deleted), (1, 0), "the message is kept");
+    let job = pgonce::job::get(&pool, job_id).await.unwrap().unwrap();
+    assert_eq!(job.status().unwrap(), pgonce::job::JobStatus::Processing);
+
+    // The lease runs out; the kept message takes the job over.
+    sqlx::query(
+        "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+    )
+    .bind(job_id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let completes = ClaimsAndCompletes {
+        pool: pool.clone(),
+        job_id,
+    };
+    let worker = Worker::new(q.clone(), completes, always_delete_failures_back_at_once()).unwrap();
+    let done = worker.run_once().await.unwrap();
+    assert_eq!((done.succeeded, done.deleted), (1, 1));
+    let job = pgonce::job::get(&pool, job_id).await.unwrap().unwrap();
+    assert_eq!(
+        (job.status().unwrap(), job.attempts),
+        (pgonce::job::JobStatus::Completed, 1)
+    );
+    assert_eq!(messages(&pool).await, 0);
+}
+
+/// Claims its job and completes it.
+struct ClaimsAndCompletes {
+    pool: PgPool,
+    job_id: i64,
+}
+
+impl Handler for ClaimsAndCompletes {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let lease = pgonce::job::claim(&self.pool, self.job_id, Duration::from_secs(60)).await?;
+        pgonce::job::complete(&self.pool, &lease, &serde_json::json!("done")).await?;
+        Ok(())
+    }
+}

@@ -103,7 +103,10 @@ pub enum AckPolicy {
     /// [`Error::LockNotAvailable`] (a row wait, such as a job's claim,
     /// given up past the session's `lock_timeout`, nothing written) or an
     /// [`Error::QueryCanceled`] (a statement cut by `statement_timeout`,
-    /// or canceled, its work undone). A handler that did record its job's
+    /// or canceled, its work undone), or an [`Error::Database`] that says
+    /// the connection was lost (the socket or TLS failed, the server ended
+    /// the session, the pool gave none): the handler could record nothing
+    /// more, as if its process had died. A handler that did record its job's
     /// failed attempt ([`crate::job::fail`] committed) says so by returning
     /// a [`crate::job::FailureRecorded`] (or an error caused by one): its
     /// message is deleted whatever caused the failure, since the
@@ -123,7 +126,8 @@ impl AckPolicy {
     /// [`Error::LockNotAvailable`] (a wait for a row given up, nothing
     /// written) and an [`Error::QueryCanceled`] (a statement cut by
     /// `statement_timeout`, its work undone) keep it too: nothing of the
-    /// attempt was recorded. Once [`crate::job::fail`] has recorded the
+    /// attempt was recorded. So does an [`Error::Database`] that says the
+    /// connection was lost: nothing more could be recorded on it. Once [`crate::job::fail`] has recorded the
     /// attempt's failure, pass its outcome (`Ok`), not the error that
     /// caused it: under `AlwaysDelete` the row drives the retry, and a kept
     /// message would deliver the job a second time. A process that died
@@ -965,13 +969,38 @@ fn job_busy_until(
 /// is what drives the job once the row's holder is done, as the job
 /// module's Waits section says), or a statement cut by the session's
 /// `statement_timeout` or canceled (PostgreSQL undid its work, and the
-/// same holds for the message).
+/// same holds for the message), or a lost connection (see
+/// [`connection_lost`]).
 fn recorded_nothing(error: &Error) -> bool {
     error.is_retryable()
         || matches!(
             error,
             Error::LockNotAvailable { .. } | Error::QueryCanceled { .. }
         )
+        || matches!(error, Error::Database(e) if connection_lost(e))
+}
+
+/// Whether `e` says the connection to PostgreSQL was lost or never had:
+/// the socket or TLS failed, the server ended the session (SQLSTATE class
+/// 08, or 57P01 to 57P03: shut down, crashed, starting up), or no
+/// connection came from the pool. The handler could record nothing more on
+/// it, as if its process had died: whatever it had claimed is left to the
+/// lease's end, and to its message, which claims the job then. Its last
+/// statement's outcome is unknown (a commit whose answer was lost): a
+/// message kept then is one delivery more, which the claim answers.
+fn connection_lost(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(d) => d.code().is_some_and(|code| {
+            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
+        }),
+        _ => false,
+    }
 }
 
 /// How long a message of a busy job stays invisible: until `not_before`,
@@ -1008,6 +1037,15 @@ mod tests {
         });
         assert!(!AckPolicy::DeleteOnSuccess.delete_message(&busy));
         assert!(!AckPolicy::AlwaysDelete.delete_message(&busy));
+    }
+
+    #[test]
+    fn a_lost_connection_keeps_the_message_under_either_policy() {
+        let lost: Result<()> = Err(Error::Database(sqlx::Error::PoolTimedOut));
+        assert!(!AckPolicy::AlwaysDelete.delete_message(&lost));
+        assert!(!AckPolicy::DeleteOnSuccess.delete_message(&lost));
+        let refused: Result<()> = Err(Error::Database(sqlx::Error::RowNotFound));
+        assert!(AckPolicy::AlwaysDelete.delete_message(&refused));
     }
 
     #[test]
