@@ -17,8 +17,11 @@
 //!   lease with [`heartbeat`]; a crashed worker's lease expires and the
 //!   [`Reaper`] makes the job runnable again (or a delivery of its message
 //!   takes the expired lease over first), so it is not lost. A worker whose
-//!   lease was reaped and taken over gets [`Error::LeaseLost`] and cannot
-//!   overwrite the new owner's outcome.
+//!   lease was reaped or taken over gets [`Error::LeaseLost`] and cannot
+//!   overwrite the new owner's outcome. It keeps its message: reaped and
+//!   not yet taken over, the job is pending with nobody holding it, and
+//!   that message's next delivery claims it (or hears that another
+//!   delivery holds it, or that it is done).
 //! * for effects that are not transitions (a counter), [`crate::dedupe`].
 //!
 //! ```no_run
@@ -36,11 +39,10 @@
 //!     Err(e) => return Err(e),
 //! };
 //! // ... the side effect, heartbeating if it may outlast the lease ...
-//! match job::complete(&pool, &lease, &serde_json::json!({"ok": true})).await {
-//!     // Our lease was reaped and taken over: the new owner's result stands.
-//!     Ok(()) | Err(Error::LeaseLost { .. }) => Ok(()),
-//!     Err(e) => Err(e),
-//! }
+//! // Err(LeaseLost): our lease ran out and the job was reaped or taken
+//! // over. Do not acknowledge: the message's next delivery claims the job
+//! // if it is pending with nobody holding it.
+//! job::complete(&pool, &lease, &serde_json::json!({"ok": true})).await
 //! # }
 //! ```
 //!

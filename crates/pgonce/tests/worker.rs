@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pgonce::job::JobStatus;
 use pgonce::{
     Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest,
     Received, SendMessage, Worker, WorkerConfig,
@@ -1164,18 +1165,32 @@ async fn a_connection_lost_after_the_claim_keeps_the_message_under_always_delete
         pool: pool.clone(),
         job_id,
     };
+    kept_then_completed(&pool, &q, job_id, handler, JobStatus::Processing).await;
+}
+
+/// Runs `handler` once on the job's message under `AlwaysDelete`: it fails,
+/// the message is kept, and the job is `left`. Then the job's lease (if it
+/// is processing) runs out, and the message's next delivery claims the job
+/// (taking the lease over) and completes it: one attempt counted, no
+/// message left.
+async fn kept_then_completed(
+    pool: &PgPool,
+    q: &PgQueue,
+    job_id: i64,
+    handler: impl Handler,
+    left: JobStatus,
+) {
     let worker = Worker::new(q.clone(), handler, always_delete_failures_back_at_once()).unwrap();
     let done = worker.run_once().await.unwrap();
     assert_eq!((done.failed, done.deleted), (1, 0), "the message is kept");
-    let job = pgonce::job::get(&pool, job_id).await.unwrap().unwrap();
-    assert_eq!(job.status().unwrap(), pgonce::job::JobStatus::Processing);
-
-    // The lease runs out; the kept message takes the job over.
+    let job = pgonce::job::get(pool, job_id).await.unwrap().unwrap();
+    assert_eq!(job.status().unwrap(), left);
     sqlx::query(
-        "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+        "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' \
+         WHERE id = $1 AND status = 'processing'",
     )
     .bind(job_id)
-    .execute(&pool)
+    .execute(pool)
     .await
     .unwrap();
     let completes = ClaimsAndCompletes {
@@ -1185,12 +1200,12 @@ async fn a_connection_lost_after_the_claim_keeps_the_message_under_always_delete
     let worker = Worker::new(q.clone(), completes, always_delete_failures_back_at_once()).unwrap();
     let done = worker.run_once().await.unwrap();
     assert_eq!((done.succeeded, done.deleted), (1, 1));
-    let job = pgonce::job::get(&pool, job_id).await.unwrap().unwrap();
+    let job = pgonce::job::get(pool, job_id).await.unwrap().unwrap();
     assert_eq!(
         (job.status().unwrap(), job.attempts),
-        (pgonce::job::JobStatus::Completed, 1)
+        (JobStatus::Completed, 1)
     );
-    assert_eq!(messages(&pool).await, 0);
+    assert_eq!(messages(pool).await, 0);
 }
 
 /// Claims its job and completes it.
@@ -1205,4 +1220,46 @@ impl Handler for ClaimsAndCompletes {
         pgonce::job::complete(&self.pool, &lease, &serde_json::json!("done")).await?;
         Ok(())
     }
+}
+
+/// Claims its job; while it works, its lease runs out and the reaper
+/// makes the job pending (the handler plays the time passing and the
+/// reaper's pass itself); then its completion hears the lease lost.
+struct OutlivesItsLease {
+    pool: PgPool,
+    job_id: i64,
+}
+
+impl Handler for OutlivesItsLease {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let lease = pgonce::job::claim(&self.pool, self.job_id, Duration::from_secs(60)).await?;
+        sqlx::query(
+            "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+        )
+        .bind(self.job_id)
+        .execute(&self.pool)
+        .await?;
+        let reaper = pgonce::job::Reaper::new(self.pool.clone(), Default::default())?;
+        assert_eq!(reaper.run_once().await?.returned, 1);
+        pgonce::job::complete(&self.pool, &lease, &serde_json::json!("late")).await?;
+        Ok(())
+    }
+}
+
+/// A lease lost to the reaper, not to another delivery, leaves the job
+/// pending with nobody holding it: the lost completion wrote nothing, and
+/// the handler's message is all that drives the job. Under `AlwaysDelete`
+/// the worker deleted it, as for a failure the row holds, and the job sat
+/// pending with no message (the re-driver drives failed jobs only). The
+/// message is kept now; its next delivery claims the job and completes
+/// it.
+#[tokio::test]
+async fn a_lease_lost_to_the_reaper_keeps_the_message_under_always_delete() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let (q, job_id) = a_job_and_its_message(&pool).await;
+    let handler = OutlivesItsLease {
+        pool: pool.clone(),
+        job_id,
+    };
+    kept_then_completed(&pool, &q, job_id, handler, JobStatus::Pending).await;
 }

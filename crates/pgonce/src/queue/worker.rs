@@ -106,7 +106,10 @@ pub enum AckPolicy {
     /// or canceled, its work undone), or an [`Error::Database`] that says
     /// the connection was lost (the socket or TLS failed, the server ended
     /// the session, the pool gave none): the handler could record nothing
-    /// more, as if its process had died. A handler that did record its job's
+    /// more, as if its process had died; or an [`Error::LeaseLost`] (the
+    /// write under the lost lease wrote nothing, and a lease lost to the
+    /// reaper leaves the job pending with nobody holding it: the message's
+    /// next delivery claims it). A handler that did record its job's
     /// failed attempt ([`crate::job::fail`] committed) says so by returning
     /// a [`crate::job::FailureRecorded`] (or an error caused by one): its
     /// message is deleted whatever caused the failure, since the
@@ -126,8 +129,10 @@ impl AckPolicy {
     /// [`Error::LockNotAvailable`] (a wait for a row given up, nothing
     /// written) and an [`Error::QueryCanceled`] (a statement cut by
     /// `statement_timeout`, its work undone) keep it too: nothing of the
-    /// attempt was recorded. So does an [`Error::Database`] that says the
-    /// connection was lost: nothing more could be recorded on it. Once [`crate::job::fail`] has recorded the
+    /// attempt was recorded. So do an [`Error::Database`] that says the
+    /// connection was lost (nothing more could be recorded on it) and an
+    /// [`Error::LeaseLost`] (the write under it wrote nothing, and the job
+    /// may be pending with nobody holding it: reaped, not taken over). Once [`crate::job::fail`] has recorded the
     /// attempt's failure, pass its outcome (`Ok`), not the error that
     /// caused it: under `AlwaysDelete` the row drives the retry, and a kept
     /// message would deliver the job a second time. A process that died
@@ -970,12 +975,15 @@ fn job_busy_until(
 /// module's Waits section says), or a statement cut by the session's
 /// `statement_timeout` or canceled (PostgreSQL undid its work, and the
 /// same holds for the message), or a lost connection (see
-/// [`connection_lost`]).
+/// [`connection_lost`]), or a lease lost (the write under it wrote
+/// nothing; the reaper may have made the job pending with nobody holding
+/// it, and the message's next delivery claims it then, or hears that
+/// another holds it or is done).
 fn recorded_nothing(error: &Error) -> bool {
     error.is_retryable()
         || matches!(
             error,
-            Error::LockNotAvailable { .. } | Error::QueryCanceled { .. }
+            Error::LockNotAvailable { .. } | Error::QueryCanceled { .. } | Error::LeaseLost { .. }
         )
         || matches!(error, Error::Database(e) if connection_lost(e))
 }
@@ -1044,6 +1052,10 @@ mod tests {
         let lost: Result<()> = Err(Error::Database(sqlx::Error::PoolTimedOut));
         assert!(!AckPolicy::AlwaysDelete.delete_message(&lost));
         assert!(!AckPolicy::DeleteOnSuccess.delete_message(&lost));
+        let lost: Result<()> = Err(Error::LeaseLost {
+            resource: "job 1".into(),
+        });
+        assert!(!AckPolicy::AlwaysDelete.delete_message(&lost));
         let refused: Result<()> = Err(Error::Database(sqlx::Error::RowNotFound));
         assert!(AckPolicy::AlwaysDelete.delete_message(&refused));
     }
