@@ -1193,6 +1193,49 @@ async fn a_receive_of_one_deletes_an_expired_head_and_delivers_the_next() {
     assert_eq!(left, ["b"], "the expired head was deleted");
 }
 
+/// A receive of the largest batch whose first statement delivered nothing
+/// looks again with the full statement, which decides what the first left
+/// undecided. x, sent 5 days ago (retention 4 days), and d, received
+/// twice (max_receive_count 2), are all the queue has visible; b is
+/// delayed. A receive of MAX_BATCH deletes x and moves d. (Its follow-up
+/// looked at as many messages as it could deliver, and a follow-up like
+/// that ran the lean statement again: x and d came back undecided twice,
+/// nothing was decided, and every receive of that size, a long poll's
+/// looks included, did the same.)
+#[tokio::test]
+async fn a_receive_of_the_largest_batch_decides_what_its_first_statement_left() {
+    let pool = pool().await;
+    let (q, dlq) = with_dead_letters(&pool).await;
+    sqlx::query(
+        "INSERT INTO pgonce.queue_message (queue, body, sent_at, visible_at, receive_count, generation)
+         VALUES ('jobs', 'x', now() - interval '5 days', now() - interval '5 days', 0, 0),
+                ('jobs', 'd', now(), now() - interval '1 second', 2, 2)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    q.send(SendMessage::new("b").delay(Duration::from_secs(600)))
+        .await
+        .unwrap();
+    let largest = 1000; // postgres.rs MAX_BATCH
+    let got = q.receive(ReceiveRequest::up_to(largest)).await.unwrap();
+    assert!(got.is_empty(), "delivered {:?}", bodies(&got));
+    let left: Vec<String> = sqlx::query_scalar(
+        "SELECT queue || '/' || body FROM pgonce.queue_message
+         WHERE body IN ('x', 'd') ORDER BY body",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        left,
+        ["jobs-dlq/d"],
+        "x expired and d moved to the dead-letter queue"
+    );
+    let moved = dlq.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&moved), ["d"]);
+}
+
 /// 5,000 messages of queue `old` past its retention (4 days).
 async fn five_thousand_expired_in_old(pool: &PgPool) {
     sqlx::query(

@@ -898,7 +898,7 @@ impl PgQueue {
             .receive_statement(
                 request,
                 look,
-                max,
+                Statement::First,
                 &mut passed_over,
                 &mut received,
                 &mut next_visible,
@@ -912,7 +912,7 @@ impl PgQueue {
                 .receive_statement(
                     request,
                     look,
-                    room,
+                    Statement::FollowUp { room },
                     &mut passed_over,
                     &mut received,
                     &mut next_visible,
@@ -948,35 +948,42 @@ impl PgQueue {
     }
 
     /// One receive statement: looks at up to `look` messages other than
-    /// `passed_over` and delivers at most `room`; appends its deliveries to
+    /// `passed_over` and delivers at most `look`, or `room` for a
+    /// follow-up; appends its deliveries to
     /// `received`, and the ids it delivered or held back to `passed_over`;
     /// when it delivered nothing and a message of the queue becomes visible
     /// later, sets `next_visible` to when (by this process's clock, no
     /// earlier than the server's time). True when it picked messages it
-    /// did not deliver (held back, moved or expired), so that looking
-    /// further may find more.
+    /// did not deliver (held back, moved or expired, or left undecided by
+    /// the lean first statement), so that looking further may find more.
+    ///
+    /// A follow-up always runs the full statement, even when it looks at
+    /// no more messages than it may deliver (a receive of the largest
+    /// batch, whose follow-ups may look no further than its first
+    /// statement did): the lean statement decides no expiry and no move,
+    /// so run again it would leave the same messages undecided, and the
+    /// receive would end without deciding them, at every attempt.
     async fn receive_statement(
         &self,
         request: &ReceiveRequest,
         look: usize,
-        room: usize,
+        statement: Statement,
         passed_over: &mut Vec<i64>,
         received: &mut Vec<Received>,
         next_visible: &mut Option<Instant>,
     ) -> Result<bool> {
-        let further = look > room;
-        let sql = match (self.inner.fifo, further) {
-            (false, false) => RECEIVE_STANDARD_LEAN,
-            (true, false) => RECEIVE_FIFO,
-            (false, true) => RECEIVE_STANDARD_FURTHER,
-            (true, true) => RECEIVE_FIFO_FURTHER,
+        let sql = match (self.inner.fifo, statement) {
+            (false, Statement::First) => RECEIVE_STANDARD_LEAN,
+            (true, Statement::First) => RECEIVE_FIFO,
+            (false, Statement::FollowUp { .. }) => RECEIVE_STANDARD_FURTHER,
+            (true, Statement::FollowUp { .. }) => RECEIVE_FIFO_FURTHER,
         };
         let mut query = sqlx::query_as(sql)
             .bind(&self.inner.name)
             .bind(look as i64)
             .bind(request.visibility.map(millis))
             .bind(&*passed_over);
-        if further {
+        if let Statement::FollowUp { room } = statement {
             query = query.bind(room as i64);
         }
         // The connection first: a wait for the pool is no part of the
@@ -1740,6 +1747,17 @@ impl Drop for PassOn<'_> {
             notify.notify_one();
         }
     }
+}
+
+/// Which of a receive's statements runs ([`PgQueue::receive_looking`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Statement {
+    /// The first: may deliver every message it looks at; on a standard
+    /// queue the lean statement, which only delivers.
+    First,
+    /// A follow-up: delivers at most `room` of the messages it looks at,
+    /// and decides every fate.
+    FollowUp { room: usize },
 }
 
 /// What ended a receive's last wait.
