@@ -1904,11 +1904,19 @@ fn no_poll() -> PgQueueOptions {
 /// One receiver of `q`'s family (a [`no_poll`] handle) parked in a long
 /// poll of an hour for up to ten messages.
 async fn parked_receiver(q: &PgQueue) -> tokio::task::JoinHandle<Vec<pgonce::Received>> {
+    parked_receiver_of(q, 10).await
+}
+
+/// [`parked_receiver`], for up to `max` messages.
+async fn parked_receiver_of(
+    q: &PgQueue,
+    max: usize,
+) -> tokio::task::JoinHandle<Vec<pgonce::Received>> {
     let parked_before = q.parked_receivers();
     let receiver = {
         let q = q.clone();
         tokio::spawn(async move {
-            let request = ReceiveRequest::up_to(10).wait(Duration::from_secs(3600));
+            let request = ReceiveRequest::up_to(max).wait(Duration::from_secs(3600));
             q.receive(request).await.unwrap()
         })
     };
@@ -2412,6 +2420,20 @@ async fn a_delayed_send_reaches_a_parked_receiver_when_the_woken_one_stops() {
     assert_eq!(bodies(&got), ["delayed"]);
 }
 
+/// Every message is still delayed: the receivers a test parked did so
+/// before any delay ran out (a setup check, not a verdict on timing).
+async fn assert_parked_before_the_delays_ran_out(pool: &PgPool) {
+    let still_delayed: bool =
+        sqlx::query_scalar("SELECT bool_and(visible_at > now()) FROM pgonce.queue_message")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert!(
+        still_delayed,
+        "the receivers parked only after the delay ran out: too slow a machine for this setup"
+    );
+}
+
 /// A standard queue `s` and a [`no_poll`] handle on it on `on`, with
 /// these messages sent, each with its delay in seconds, through a handle
 /// on `pool` that notifies no one: only a look finds them, and the time
@@ -2466,15 +2488,7 @@ async fn a_message_becoming_visible_wakes_one_parked_receiver_not_the_family() {
         4,
         "each looked once, then parked"
     );
-    let still_delayed: bool =
-        sqlx::query_scalar("SELECT bool_and(visible_at > now()) FROM pgonce.queue_message")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert!(
-        still_delayed,
-        "the receivers parked only after the delay ran out: too slow a machine for this setup"
-    );
+    assert_parked_before_the_delays_ran_out(&pool).await;
     let mut got = Vec::new();
     for receiver in receivers {
         got.extend(delivered(receiver, "the end of its wait").await);
@@ -2513,6 +2527,31 @@ async fn a_receiver_the_timer_woke_that_delivered_leaves_the_next_time_to_the_fa
         woken(left, "the second message becoming visible").await,
         ["second"]
     );
+}
+
+/// A receiver the family's timer woke that fills its batch passes the
+/// timer's wake on, not a notification's: the receiver it wakes may take
+/// the rest and stop there, and then no look has seen what comes after.
+/// a and b are sent with a delay of 2 s, c with 4 s, through a handle that
+/// notifies no one; R1 (a batch of one), R2 and R3 (ten) park for an hour,
+/// in that order, each having seen only a and b coming. The timer wakes
+/// R1, the oldest waiter: it takes a, a full batch, and wakes R2, which
+/// takes b. c must reach R3 when it becomes visible, not at its poll
+/// interval an hour away ([`delivered`] fails it after a minute). R1 used
+/// to pass the wake on as a notification: R2, woken by one, delivered
+/// part of a batch and passed nothing on, and no receiver set the timer
+/// for c.
+#[tokio::test(flavor = "current_thread")]
+async fn a_receiver_the_timer_woke_that_filled_its_batch_leaves_the_next_time_to_the_family() {
+    let pool = pool().await;
+    let q = sent_unannounced_with_delays(&pool, &pool, &[("a", 2), ("b", 2), ("c", 4)]).await;
+    let r1 = parked_receiver_of(&q, 1).await;
+    let r2 = parked_receiver(&q).await;
+    let r3 = parked_receiver(&q).await;
+    assert_parked_before_the_delays_ran_out(&pool).await;
+    assert_eq!(woken(r1, "a becoming visible").await, ["a"]);
+    assert_eq!(woken(r2, "the wake r1 passed on").await, ["b"]);
+    assert_eq!(woken(r3, "c becoming visible").await, ["c"]);
 }
 
 /// Two receivers of a family parked for an hour for a message sent with a

@@ -1349,7 +1349,16 @@ impl Queue for PgQueue {
                 // A full batch: there may be more than this receive could
                 // take, and a notification wakes one receiver, so pass it
                 // on. (A receive that took fewer saw the queue drained.)
-                notify.notify_one();
+                // Woken by the family's timer, pass on the timer's wake:
+                // the receiver it wakes may take the rest and stop, and
+                // only one woken by the timer passes on what it took to
+                // the next (below), so that a look is made after the last
+                // delivery and the timer is set for what comes after.
+                if woken == Woken::Visible {
+                    visible.notify_one();
+                } else {
+                    notify.notify_one();
+                }
             } else if woken == Woken::Visible
                 && !received.is_empty()
                 && self.inner.parked.load(Ordering::SeqCst) > 0
