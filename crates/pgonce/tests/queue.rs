@@ -2554,6 +2554,58 @@ async fn a_receiver_the_timer_woke_that_filled_its_batch_leaves_the_next_time_to
     assert_eq!(woken(r3, "c becoming visible").await, ["c"]);
 }
 
+/// A receiver woken by a notification whose wait ends before its look
+/// does still hands the family's timer the time that look found. R1 (a
+/// wait of 2 s) and R2 (an hour) of one family park on a pool of one
+/// connection, which the test then holds; a message sent with a delay of
+/// 6 s notifies, and wakes R1 alone. R1 waits for the connection until its
+/// wait is over, then looks, finds the message coming and returns with
+/// nothing. R2, which looked before the send, must be woken when the
+/// delay runs out, not at its poll interval an hour away ([`delivered`]
+/// fails it after a minute). R1 used to return before it set the timer:
+/// only a receiver that parked again told the family what it had found.
+#[tokio::test]
+async fn a_receiver_whose_wait_ends_at_its_look_leaves_the_next_time_to_the_family() {
+    let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
+    let small = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_with(db.options())
+        .await
+        .unwrap();
+    let q = PgQueue::create(&small, "s", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    let wait = Duration::from_secs(2);
+    let r1 = long_poll(&q, wait);
+    while q.parked_receivers() < 1 {
+        tokio::task::yield_now().await;
+    }
+    // R1 began its wait before now: it ends before `wait` from now.
+    let r1_wait_over = std::time::Instant::now() + wait;
+    let r2 = parked_receiver(&q).await;
+    let held = small.acquire().await.unwrap();
+    let sender = PgQueue::open(&pool, "s", no_poll()).await.unwrap();
+    sender
+        .send(SendMessage::new("delayed").delay(Duration::from_secs(6)))
+        .await
+        .unwrap();
+    // The notification woke one of them: R1, the oldest waiter.
+    while q.parked_receivers() > 1 {
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep_until(r1_wait_over.into()).await;
+    drop(held);
+    assert!(
+        delivered(r1, "the end of its wait").await.is_empty(),
+        "R1 looked before the delay ran out"
+    );
+    assert_eq!(
+        woken(r2, "the delayed message becoming visible").await,
+        ["delayed"]
+    );
+}
+
 /// Two receivers of a family parked for an hour for a message sent with a
 /// delay (through a handle that notifies no one), which both saw coming:
 /// the family's timer wakes the one that parked first, which is held

@@ -1372,6 +1372,14 @@ impl Queue for PgQueue {
                 visible.notify_one();
             }
             if !received.is_empty() || now >= deadline {
+                // Leaving without parking: the time this look found is
+                // still the family's. Its parked receivers may have looked
+                // before that message was sent or handed back (this one was
+                // woken for it, and its wait ended first), and nobody else
+                // may know of it.
+                if let Some(next_visible) = next_visible {
+                    waker.visible.set(next_visible);
+                }
                 return Ok(received);
             }
             if more {
