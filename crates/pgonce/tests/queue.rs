@@ -1236,6 +1236,66 @@ async fn a_receive_of_the_largest_batch_decides_what_its_first_statement_left() 
     assert_eq!(bodies(&moved), ["d"]);
 }
 
+/// A standard receive of every size, behind `k` messages past retention
+/// and ahead of `max` live ones, for the shapes its statements take: the
+/// lean first statement delivers the live ones it picks and leaves the
+/// expired undecided; the follow-ups, looking twice as far each time up
+/// to MAX_BATCH in all, decide them and fill the batch. When the expired
+/// and the batch fit in that budget, one receive deletes every expired
+/// message and fills its batch; past it, a receive still deletes some
+/// (a long poll looks again at once, a worker receives again). The last
+/// shape, the largest batch behind at least as many expired messages,
+/// decided nothing before its follow-ups were all full statements.
+#[tokio::test]
+async fn a_receive_of_any_size_behind_expired_messages_decides_them_and_fills_its_batch() {
+    let pool = pool().await;
+    let largest = 1000; // postgres.rs MAX_BATCH
+    let mut wrong = Vec::new();
+    for max in [
+        1usize, 2, 3, 4, 5, 7, 10, 100, 333, 334, 500, 501, 999, largest,
+    ] {
+        for k in [max - 1, max, max + 1, 2 * max] {
+            let name = format!("s-{max}-{k}");
+            let q = queue(&pool, &name, QueueAttributes::default()).await;
+            // Visible in this order: the expired first, then the live.
+            sqlx::query(
+                "INSERT INTO pgonce.queue_message (queue, body, sent_at, visible_at)
+                 SELECT $1, CASE WHEN i <= $2 THEN 'expired' ELSE 'live' END,
+                        CASE WHEN i <= $2 THEN now() - interval '5 days' ELSE now() END,
+                        now() - interval '1 day' + i * interval '1 ms'
+                 FROM generate_series(1, $2 + $3) AS i",
+            )
+            .bind(&name)
+            .bind(k as i64)
+            .bind(max as i64)
+            .execute(&pool)
+            .await
+            .unwrap();
+            let got = q.receive(ReceiveRequest::up_to(max)).await.unwrap();
+            let left: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pgonce.queue_message WHERE queue = $1 AND body = 'expired'",
+            )
+            .bind(&name)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            let within_budget = k + max <= largest;
+            let as_due = if within_budget {
+                got.len() == max && left == 0
+            } else {
+                k == 0 || left < k as i64
+            };
+            if !as_due {
+                wrong.push(format!(
+                    "a receive of {max} behind {k} expired: {} delivered, {left} expired left",
+                    got.len()
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
 /// 5,000 messages of queue `old` past its retention (4 days).
 async fn five_thousand_expired_in_old(pool: &PgPool) {
     sqlx::query(
