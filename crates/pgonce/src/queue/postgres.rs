@@ -313,12 +313,8 @@ struct Inner {
 /// timer for when the queue's next message becomes visible.
 struct Waker {
     notify: Arc<Notify>,
-    /// The task relaying notifications; none with [`Listen::Off`]. On the
-    /// runtime of the receive that started it last: a handle family can
-    /// outlive that runtime (a handle kept and used on another), whose
-    /// shutdown ends the task, and the next long poll starts it again
-    /// ([`PgQueue::waker`]).
-    task: Option<std::sync::Mutex<tokio::task::JoinHandle<()>>>,
+    /// The task relaying notifications; none with [`Listen::Off`].
+    task: Option<tokio::task::JoinHandle<()>>,
     /// The family's timer for the next message becoming visible, as its
     /// looks found it (visible_timer.rs).
     visible: VisibleTimer,
@@ -326,8 +322,8 @@ struct Waker {
 
 impl Drop for Waker {
     fn drop(&mut self) {
-        if let Some(task) = &mut self.task {
-            task.get_mut().unwrap_or_else(|e| e.into_inner()).abort();
+        if let Some(task) = &self.task {
+            task.abort();
         }
     }
 }
@@ -1114,36 +1110,7 @@ impl PgQueue {
         Ok(deleted)
     }
 
-    /// The family's waker, its relay started again on this runtime if the
-    /// runtime it ran on has shut down.
     async fn waker(&self) -> Result<&Waker> {
-        let waker = self.first_waker().await?;
-        if let Some(task) = &waker.task {
-            let mut task = task.lock().unwrap_or_else(|e| e.into_inner());
-            if task.is_finished() {
-                let relisten = self.relisten();
-                let queue = self.inner.name.clone();
-                let notify = waker.notify.clone();
-                *task = tokio::spawn(async move {
-                    let listener = relisten.until_listening(&queue, &notify).await;
-                    // Notifications sent while no relay listened are lost:
-                    // every parked receiver looks.
-                    notify.notify_waiters();
-                    listen(listener, relisten, queue, notify).await;
-                });
-            }
-        }
-        Ok(waker)
-    }
-
-    fn relisten(&self) -> Relisten {
-        Relisten {
-            listen: self.inner.options.listen.clone(),
-            pool: self.inner.pool.clone(),
-        }
-    }
-
-    async fn first_waker(&self) -> Result<&Waker> {
         self.inner
             .waker
             .get_or_try_init(|| async {
@@ -1163,13 +1130,16 @@ impl PgQueue {
                 };
                 let task = tokio::spawn(listen(
                     listener,
-                    self.relisten(),
+                    Relisten {
+                        listen: self.inner.options.listen.clone(),
+                        pool: self.inner.pool.clone(),
+                    },
                     self.inner.name.clone(),
                     notify.clone(),
                 ));
                 Ok(Waker {
                     notify,
-                    task: Some(std::sync::Mutex::new(task)),
+                    task: Some(task),
                     visible: VisibleTimer::start(),
                 })
             })

@@ -37,13 +37,6 @@ use super::CHANNEL;
 /// has sent the notification it owes, if any.
 pub(super) struct Notifier {
     state: Arc<State>,
-    /// The task, on the runtime of the send that started it last. A
-    /// handle family can outlive that runtime (a handle kept and used on
-    /// another): its shutdown ends the task, and the next send starts it
-    /// again on its own runtime.
-    task: std::sync::Mutex<tokio::task::JoinHandle<()>>,
-    pool: PgPool,
-    queue: String,
 }
 
 struct State {
@@ -55,37 +48,19 @@ struct State {
 }
 
 impl Notifier {
-    /// Starts the task (on the current Tokio runtime; [`Self::sent`]
-    /// starts it again on its caller's if that runtime has shut down).
+    /// Starts the task (on the current Tokio runtime).
     pub(super) fn start(pool: PgPool, queue: String) -> Notifier {
         let state = Arc::new(State {
             pending: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             wake: Notify::new(),
         });
-        let task = tokio::spawn(run(pool.clone(), queue.clone(), state.clone()));
-        Notifier {
-            state,
-            task: std::sync::Mutex::new(task),
-            pool,
-            queue,
-        }
+        tokio::spawn(run(pool, queue, state.clone()));
+        Notifier { state }
     }
 
     /// Asks for a notification after a send committed. Returns at once.
-    /// Called after a send, on a Tokio runtime: a task ended with the
-    /// runtime it ran on starts again on this one.
     pub(super) fn sent(&self) {
-        {
-            let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
-            if task.is_finished() {
-                *task = tokio::spawn(run(
-                    self.pool.clone(),
-                    self.queue.clone(),
-                    self.state.clone(),
-                ));
-            }
-        }
         self.state.pending.store(true, Ordering::SeqCst);
         // notify_one keeps a permit when the task is busy sending, so the
         // send recorded above is covered by a notification sent after it.
