@@ -2666,55 +2666,6 @@ async fn a_receiver_whose_wait_ends_at_its_look_leaves_the_next_time_to_the_fami
     );
 }
 
-/// The family's timer outlives the runtime it started on. A long poll on
-/// runtime A starts the family's timer there; A shuts down, which ends
-/// the timer's task. On runtime B, a long poll of the same handle (an
-/// hour's poll) looks, sees a message sent with a delay of 2 s (through a
-/// handle that notifies no one) coming, and must be woken when it becomes
-/// visible ([`delivered`] fails it after a minute). It used to sleep to
-/// its poll interval: the family's timer was the ended task, and every
-/// long poll of the handle after A was gone slept past what it saw coming.
-#[test]
-fn a_handle_used_on_a_second_runtime_is_woken_by_the_familys_timer() {
-    let first = tokio::runtime::Runtime::new().unwrap();
-    let (db, q) = first.block_on(async {
-        let (db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
-        let q = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
-            .await
-            .unwrap();
-        // Starts the family's tasks, on this runtime.
-        let got = q
-            .receive(ReceiveRequest::up_to(1).wait(Duration::from_millis(1)))
-            .await
-            .unwrap();
-        assert!(got.is_empty());
-        (db, q)
-    });
-    drop(first);
-    let second = tokio::runtime::Runtime::new().unwrap();
-    second.block_on(async {
-        let on_second = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(2)
-            .connect_with(db.options())
-            .await
-            .unwrap();
-        let quiet = PgQueueOptions {
-            notify: false,
-            ..no_poll()
-        };
-        let sender = PgQueue::open(&on_second, "s", quiet).await.unwrap();
-        sender
-            .send(SendMessage::new("delayed").delay(Duration::from_secs(2)))
-            .await
-            .unwrap();
-        let receiver = long_poll(&q, LONG_POLL);
-        assert_eq!(
-            woken(receiver, "the family's timer on the second runtime").await,
-            ["delayed"]
-        );
-    });
-}
-
 /// Two receivers of a family parked for an hour for a message sent with a
 /// delay (through a handle that notifies no one), which both saw coming:
 /// the family's timer wakes the one that parked first, which is held

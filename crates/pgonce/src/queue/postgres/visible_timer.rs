@@ -25,11 +25,7 @@ use tokio::sync::{Notify, watch};
 /// The family's timer; its task stops when this is dropped.
 pub(super) struct VisibleTimer {
     shared: Arc<Shared>,
-    /// The task, on the runtime of the receive that started it last. A
-    /// handle family can outlive that runtime (a handle kept and used on
-    /// another): its shutdown ends the task, and the next time set starts
-    /// it again on the setter's runtime.
-    task: std::sync::Mutex<tokio::task::JoinHandle<()>>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 struct Shared {
@@ -41,29 +37,20 @@ struct Shared {
 }
 
 impl VisibleTimer {
-    /// Starts the task (on the current Tokio runtime; [`Self::set`]
-    /// starts it again on its caller's if that runtime has shut down).
+    /// Starts the task (on the current Tokio runtime).
     pub(super) fn start() -> VisibleTimer {
         let shared = Arc::new(Shared {
             at: watch::Sender::new(None),
             wake: Notify::new(),
         });
-        let task = std::sync::Mutex::new(tokio::spawn(run(shared.clone())));
+        let task = tokio::spawn(run(shared.clone()));
         VisibleTimer { shared, task }
     }
 
     /// A look found a message that becomes visible at `at`: one receiver
     /// wakes then, unless the timer is set for earlier already (the look
     /// woken then sets it again for what it finds next).
-    /// Called from a receive, on a Tokio runtime: a task ended with the
-    /// runtime it ran on starts again on this one.
     pub(super) fn set(&self, at: Instant) {
-        {
-            let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
-            if task.is_finished() {
-                *task = tokio::spawn(run(self.shared.clone()));
-            }
-        }
         self.shared.at.send_if_modified(|set| {
             let earlier = set.is_none_or(|set| at < set);
             if earlier {
@@ -82,10 +69,7 @@ impl VisibleTimer {
 
 impl Drop for VisibleTimer {
     fn drop(&mut self) {
-        self.task
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .abort();
+        self.task.abort();
     }
 }
 
