@@ -1981,6 +1981,12 @@ async fn parked_receiver_of(
         })
     };
     while q.parked_receivers() == parked_before {
+        // A receive that failed before it parked ends its task: say why
+        // rather than wait for a park that never comes.
+        if receiver.is_finished() {
+            let ended = receiver.await;
+            panic!("the receiver ended before it parked: {ended:?}");
+        }
         tokio::task::yield_now().await;
     }
     receiver

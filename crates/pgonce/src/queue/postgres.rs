@@ -287,6 +287,14 @@ impl Default for PgQueueOptions {
 /// retried delete) sees the change. It costs a failed round trip under
 /// contention, never a message; wrapping each statement in its own READ
 /// COMMITTED transaction would cost two more round trips on every call.
+///
+/// A handle family lives on one Tokio runtime, as its pool does: its
+/// background tasks (the notifier that wakes receivers after a send, the
+/// LISTEN relay, the timer for the next message becoming visible) run on
+/// the runtime of the first call that needed them, and end when that
+/// runtime shuts down. sqlx's pool is bound the same way (its connections'
+/// sockets belong to the runtime that opened them), so open the pool and
+/// the queue on the runtime that uses them.
 #[derive(Clone)]
 pub struct PgQueue {
     inner: Arc<Inner>,
