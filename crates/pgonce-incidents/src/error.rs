@@ -113,9 +113,8 @@ impl Error {
             // PostgreSQL refused or dropped the connection: connection
             // exceptions (class 08), shutdown or start-up (57P01-57P03).
             Error::Pgonce(pgonce::Error::Database(e))
-                if pgonce::error::sqlstate_of(e).is_some_and(|c| {
-                    c.starts_with("08") || matches!(c.as_str(), "57P01" | "57P02" | "57P03")
-                }) =>
+                if pgonce::error::sqlstate_of(e)
+                    .is_some_and(|c| pgonce::error::connection_ended(&c)) =>
             {
                 "unavailable"
             }

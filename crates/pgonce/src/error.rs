@@ -455,6 +455,14 @@ pub fn sqlstate_of(e: &sqlx::Error) -> Option<String> {
         .map(|c| c.into_owned())
 }
 
+/// Whether SQLSTATE `code` says PostgreSQL refused or ended the session's
+/// connection: a connection exception (class 08), or the server shutting
+/// down or starting up (57P01 `admin_shutdown`, 57P02 `crash_shutdown`,
+/// 57P03 `cannot_connect_now`).
+pub fn connection_ended(code: &str) -> bool {
+    code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03")
+}
+
 impl From<sqlx::Error> for Error {
     /// The one place SQLSTATEs become variants.
     fn from(e: sqlx::Error) -> Error {

@@ -1004,9 +1004,9 @@ fn connection_lost(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(d) => d.code().is_some_and(|code| {
-            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
-        }),
+        sqlx::Error::Database(d) => d
+            .code()
+            .is_some_and(|code| crate::error::connection_ended(&code)),
         _ => false,
     }
 }
