@@ -2513,12 +2513,15 @@ async fn sent_unannounced_with_delays(on: &PgPool, pool: &PgPool, sent: &[(&str,
         ..no_poll()
     };
     let sender = PgQueue::open(pool, "s", quiet).await.unwrap();
-    for &(body, delay) in sent {
-        sender
-            .send(SendMessage::new(body).delay(Duration::from_secs(delay)))
-            .await
-            .unwrap();
-    }
+    // One batch, one statement: messages with the same delay become
+    // visible at the same instant. Sent one by one, on a busy machine the
+    // second could come due after a receiver woken for the first had
+    // looked, found it still coming and parked again behind the others.
+    let batch = sent
+        .iter()
+        .map(|&(body, delay)| SendMessage::new(body).delay(Duration::from_secs(delay)))
+        .collect();
+    sender.send_batch(batch).await.unwrap();
     q
 }
 
