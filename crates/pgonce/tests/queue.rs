@@ -3424,12 +3424,22 @@ mod receipts {
     }
 }
 
-/// Random sequences of send, receive, expiry, delete, change_visibility,
-/// delete_batch, dead-letter moves, redrive and purge over two source
-/// queues sharing one dead-letter queue, against an in-memory model of the
-/// contract: same deliveries, same refusals, same rows after every step.
-/// Receipts of every delivery are kept, and presented late, to the wrong
-/// queue, and mixed in batches; a few never-issued receipts too.
+/// Random sequences of send, receive (of the largest batch the model can
+/// fill, or of one to three messages), expiry, delete, change_visibility,
+/// delete_batch, dead-letter moves, retention running out, redrive and
+/// purge over two source queues sharing one dead-letter queue, against an
+/// in-memory model of the contract: same deliveries, same refusals, same
+/// rows after every step. Receipts of every delivery are kept, and
+/// presented late, to the wrong queue, and mixed in batches; a few
+/// never-issued receipts too.
+///
+/// A receive of a small batch ahead of messages past their retention or
+/// due for the dead-letter queue is the path where a receive's first
+/// statement only delivers and its follow-ups decide the rest: the model
+/// says which messages each receive must deliver, which it must delete or
+/// move on its way to them, and leaves open only what the contract leaves
+/// open (a message past its retention or due to move, behind the last one
+/// delivered, may be dealt with now or at a later receive).
 ///
 /// `MODEL_TEST_CASES` sets the number of cases (default 64; see docs/testing.md).
 mod model {
@@ -3457,10 +3467,16 @@ mod model {
     #[derive(Debug, Clone)]
     enum Op {
         Send(usize),
-        Receive(usize),
+        /// A receive of up to this many messages from the queue.
+        Receive(usize, usize),
         /// The message's visibility timeout runs out (counted from the
         /// newest message).
         Expire(usize),
+        /// The message's retention runs out (counted from the oldest
+        /// message when true, so that it comes early in a receive's
+        /// picking order; otherwise from the newest): its send time moves
+        /// past every queue's retention.
+        Age(usize, bool),
         /// Every visibility timeout runs out.
         TimePasses,
         /// Receipts are counted from the newest issued.
@@ -3486,8 +3502,10 @@ mod model {
         let source_mostly = || prop_oneof![3 => 0..2usize, 1 => Just(DLQ)];
         prop_oneof![
             6 => source_mostly().prop_map(Op::Send),
-            8 => (0..3usize).prop_map(Op::Receive),
+            8 => (0..3usize, prop_oneof![1 => Just(100usize), 2 => 1..4usize])
+                .prop_map(|(q, n)| Op::Receive(q, n)),
             3 => (0..4usize).prop_map(Op::Expire),
+            3 => (0..6usize, any::<bool>()).prop_map(|(k, oldest)| Op::Age(k, oldest)),
             2 => Just(Op::TimePasses),
             4 => (receipt_index(), target()).prop_map(|(r, t)| Op::Delete(r, t)),
             6 => (receipt_index(), target(), any::<bool>())
@@ -3512,6 +3530,9 @@ mod model {
         /// The delivery a receipt must name to act on it; none after a
         /// move.
         delivery: Option<u64>,
+        /// Past its retention: the next receive that picks it deletes it.
+        /// Its send time goes with it to the dead-letter queue and back.
+        aged: bool,
     }
 
     /// A receipt handed out, or made up (no queue, no delivery).
@@ -3534,6 +3555,10 @@ mod model {
     /// How often the paths under test came up, to show the run reached them.
     #[derive(Debug, Default, Clone, Copy)]
     struct Tally {
+        /// Receives of one to three messages.
+        small_receives: u64,
+        /// Messages past their retention deleted by a receive.
+        expired: u64,
         dead_lettered: u64,
         redriven: u64,
         purged: u64,
@@ -3605,26 +3630,57 @@ mod model {
                         base: 0,
                         from: None,
                         delivery: None,
+                        aged: false,
                     },
                 );
             }
-            Op::Receive(q) => {
+            Op::Receive(q, n) => {
+                let names: Vec<String> = queues.iter().map(|q| q.name().to_string()).collect();
+                // The order a standard receive picks in (earliest visible
+                // first) is the database's, read before the receive; the
+                // model decides what happens to each message in it.
+                let picking: Vec<i64> = sqlx::query_scalar(
+                    "SELECT id FROM pgonce.queue_message \
+                     WHERE queue = $1 AND visible_at <= now() ORDER BY visible_at, id",
+                )
+                .bind(&names[*q])
+                .fetch_all(pool)
+                .await
+                .map_err(|e| format!("picking order: {e}"))?;
                 let got = queues[*q]
-                    .receive(ReceiveRequest::up_to(100))
+                    .receive(ReceiveRequest::up_to(*n))
                     .await
                     .map_err(|e| format!("receive: {e}"))?;
+                if *n < 100 {
+                    tally.small_receives += 1;
+                }
+                // Where each message is now, for what the contract leaves
+                // open: behind the batch's last delivery.
+                let after: BTreeMap<String, String> = read_rows(pool, &names)
+                    .await?
+                    .into_iter()
+                    .map(|r| (r.id.to_string(), r.queue))
+                    .collect();
                 let mut expected = BTreeMap::new();
-                for (id, m) in model.messages.iter_mut() {
-                    if m.queue != *q || !m.visible {
-                        continue;
-                    }
-                    if *q != DLQ && m.receive_count - m.base >= MAX_RECEIVES[*q] {
+                for id in picking.iter().map(i64::to_string) {
+                    let Some(m) = model.messages.get_mut(&id) else {
+                        return Err(format!("{id} visible in {q}, model has no such message"));
+                    };
+                    let due = *q != DLQ && m.receive_count - m.base >= MAX_RECEIVES[*q];
+                    let full = expected.len() == *n;
+                    let expire = m.aged && (!full || !after.contains_key(&id));
+                    let dead_letter =
+                        !m.aged && due && (!full || after.get(&id) == Some(&names[DLQ]));
+                    if expire {
+                        model.messages.remove(&id);
+                        tally.expired += 1;
+                    } else if dead_letter {
                         m.queue = DLQ;
                         m.base = m.receive_count;
                         m.from = Some(*q);
                         tally.dead_lettered += 1;
                         m.delivery = None;
-                    } else {
+                    } else if !full && !m.aged && !due {
                         model.deliveries += 1;
                         m.receive_count += 1;
                         m.visible = false;
@@ -3657,6 +3713,24 @@ mod model {
                 .map_err(|e| format!("expire: {e}"))?;
                 if let Some(m) = model.messages.get_mut(id) {
                     m.visible = true;
+                }
+            }
+            Op::Age(k, oldest) => {
+                if model.ids.is_empty() {
+                    return Ok(());
+                }
+                let k = k % model.ids.len();
+                let id = &model.ids[if *oldest { k } else { model.ids.len() - 1 - k }];
+                sqlx::query(
+                    "UPDATE pgonce.queue_message \
+                     SET sent_at = now() - interval '15 days' WHERE id = $1",
+                )
+                .bind(id.parse::<i64>().unwrap())
+                .execute(pool)
+                .await
+                .map_err(|e| format!("age: {e}"))?;
+                if let Some(m) = model.messages.get_mut(id) {
+                    m.aged = true;
                 }
             }
             Op::TimePasses => {
