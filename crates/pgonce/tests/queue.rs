@@ -2046,6 +2046,54 @@ async fn deleting_a_fifo_head_in_a_batch_wakes_a_receiver_parked_for_the_next() 
     deleting_a_fifo_head_wakes_a_parked_receiver(true).await;
 }
 
+/// A receive that moves a message to the dead-letter queue wakes a
+/// receiver parked there, as a send to that queue would: the message is
+/// receivable there at once. The receiver parked on the dead-letter queue
+/// (a [`no_poll`] handle, an hour's wait) used to sleep to its poll
+/// interval past it ([`delivered`] fails it after a minute).
+async fn a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue(fifo: bool) {
+    let pool = pool().await;
+    let (source, dead, attributes) = if fifo {
+        ("f.fifo", "f-dlq.fifo", QueueAttributes::fifo())
+    } else {
+        ("s", "s-dlq", QueueAttributes::default())
+    };
+    let dlq = PgQueue::create(&pool, dead, attributes.clone(), no_poll())
+        .await
+        .unwrap();
+    let q = PgQueue::create(&pool, source, attributes.dead_letter(dead, 1), no_poll())
+        .await
+        .unwrap();
+    let message = SendMessage::new("poison");
+    q.send(if fifo { message.group("g") } else { message })
+        .await
+        .unwrap();
+    let first = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&first), ["poison"]);
+    q.change_visibility(&first[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    let receiver = parked_receiver(&dlq).await;
+    assert!(
+        q.receive(ReceiveRequest::up_to(10))
+            .await
+            .unwrap()
+            .is_empty(),
+        "received once already: moved, not delivered"
+    );
+    assert_eq!(woken(receiver, "the dead-letter move").await, ["poison"]);
+}
+
+#[tokio::test]
+async fn a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue_standard() {
+    a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue(false).await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue_fifo() {
+    a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue(true).await;
+}
+
 /// A release (a visibility timeout of zero) makes the message receivable
 /// at once: a parked receiver is woken for it.
 #[tokio::test]

@@ -210,7 +210,9 @@ pub struct PgQueueOptions {
     /// Notify long-polling receivers (`pg_notify`) on each send, and on
     /// what else makes a message receivable at once: a release (visibility
     /// zero), the delete of a FIFO head with more of its group behind it,
-    /// a redrive (which notifies the source queues); and on a hand-back
+    /// a redrive (which notifies the source queues), a receive that moves
+    /// messages to the dead-letter queue (which notifies that queue); and
+    /// on a hand-back
     /// that makes a message visible sooner than it was to be (a
     /// visibility change shorter than the time left). Default true.
     /// Without it, long polls find new messages only at `poll_interval`;
@@ -1074,6 +1076,7 @@ impl PgQueue {
             tracing::warn!(queue = %name, dead, "messages moved to the dead-letter queue");
             metrics::counter!("pgonce_queue_dead_lettered_total", "queue" => name.clone())
                 .increment(dead);
+            self.wake_dead_letter_queue().await;
         }
         if expired > 0 {
             metrics::counter!("pgonce_queue_expired_total", "queue" => name.clone())
@@ -1100,6 +1103,26 @@ impl PgQueue {
             !held.is_empty() || dead > 0 || expired > 0 || unseen > 0 || undecided > 0;
         passed_over.extend(held);
         Ok(undelivered)
+    }
+
+    /// After a receive moved messages to the dead-letter queue (committed:
+    /// each receive statement is its own transaction): they are receivable
+    /// there now, so the receivers parked on it are woken, as a send to it
+    /// would wake them. A notification not sent is logged, not returned:
+    /// the receive delivered what it delivered, and those receivers find
+    /// the messages at their poll.
+    async fn wake_dead_letter_queue(&self) {
+        if !self.inner.options.notify {
+            return;
+        }
+        if let Err(e) = sqlx::query(include_str!("sql/notify_dead_letter_queue.sql"))
+            .bind(CHANNEL)
+            .bind(&self.inner.name)
+            .execute(&self.inner.pool)
+            .await
+        {
+            tracing::warn!(queue = %self.inner.name, error = %e, "dead-letter notification not sent; its receivers look at their poll");
+        }
     }
 
     /// Deletes these deliveries of a FIFO queue by (id, generation) and
