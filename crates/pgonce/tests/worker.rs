@@ -1165,13 +1165,14 @@ async fn a_connection_lost_after_the_claim_keeps_the_message_under_always_delete
         pool: pool.clone(),
         job_id,
     };
-    kept_then_completed(&pool, &q, job_id, handler, JobStatus::Processing).await;
+    kept_then_completed(&pool, &q, job_id, handler, JobStatus::Processing, 1).await;
 }
 
 /// Runs `handler` once on the job's message under `AlwaysDelete`: it fails,
 /// the message is kept, and the job is `left`. Then the job's lease (if it
 /// is processing) runs out, and the message's next delivery claims the job
-/// (taking the lease over) and completes it: one attempt counted, no
+/// (taking the lease over) and completes it: `attempts` counted (the lease
+/// that ran out or was reaped; none for a claim that rolled back), no
 /// message left.
 async fn kept_then_completed(
     pool: &PgPool,
@@ -1179,6 +1180,7 @@ async fn kept_then_completed(
     job_id: i64,
     handler: impl Handler,
     left: JobStatus,
+    attempts: i32,
 ) {
     let worker = Worker::new(q.clone(), handler, always_delete_failures_back_at_once()).unwrap();
     let done = worker.run_once().await.unwrap();
@@ -1203,7 +1205,7 @@ async fn kept_then_completed(
     let job = pgonce::job::get(pool, job_id).await.unwrap().unwrap();
     assert_eq!(
         (job.status().unwrap(), job.attempts),
-        (JobStatus::Completed, 1)
+        (JobStatus::Completed, attempts)
     );
     assert_eq!(messages(pool).await, 0);
 }
@@ -1261,5 +1263,71 @@ async fn a_lease_lost_to_the_reaper_keeps_the_message_under_always_delete() {
         pool: pool.clone(),
         job_id,
     };
-    kept_then_completed(&pool, &q, job_id, handler, JobStatus::Pending).await;
+    kept_then_completed(&pool, &q, job_id, handler, JobStatus::Pending, 1).await;
+}
+
+/// Claims its job in its work's transaction, then idles in it past the
+/// session's `idle_in_transaction_session_timeout` (set to a millisecond
+/// for this transaction): PostgreSQL ends the session (FATAL, SQLSTATE
+/// 25P03), and the claim rolls back with it. The completion's error, once
+/// the handler has seen its session gone, is the handler's.
+struct IdlesPastItsTransactionTimeout {
+    pool: PgPool,
+    job_id: i64,
+}
+
+impl Handler for IdlesPastItsTransactionTimeout {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let mut tx = pgonce::begin(&self.pool, pgonce::IsolationLevel::ReadCommitted).await?;
+        let lease = pgonce::job::claim(&mut *tx, self.job_id, Duration::from_secs(60)).await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await?;
+        sqlx::query("SET LOCAL idle_in_transaction_session_timeout = '1ms'")
+            .execute(&mut *tx)
+            .await?;
+        session_ended(&self.pool, pid).await;
+        pgonce::job::complete(&mut *tx, &lease, &serde_json::json!("done")).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// Waits until the session of backend `pid` is gone from
+/// `pg_stat_activity`.
+async fn session_ended(pool: &PgPool, pid: i32) {
+    tokio::time::timeout(FAILSAFE, async {
+        loop {
+            let alive: bool =
+                sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
+                    .bind(pid)
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+            if !alive {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the server ends the idle transaction's session");
+}
+
+/// A session PostgreSQL ended for idling in a transaction past
+/// `idle_in_transaction_session_timeout` rolled its transaction back,
+/// the job's claim with it: the job is pending, held by nobody, and its
+/// message is all that drives it. The server says so with a FATAL error
+/// of its own SQLSTATE (25P03), not a connection exception; under
+/// `AlwaysDelete` the worker took it for a failure the row holds and
+/// deleted the message, and the job sat pending with nothing to run it.
+#[tokio::test]
+async fn a_session_ended_for_idling_in_its_transaction_keeps_the_message_under_always_delete() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let (q, job_id) = a_job_and_its_message(&pool).await;
+    let handler = IdlesPastItsTransactionTimeout {
+        pool: pool.clone(),
+        job_id,
+    };
+    kept_then_completed(&pool, &q, job_id, handler, JobStatus::Pending, 0).await;
 }

@@ -990,12 +990,17 @@ fn recorded_nothing(error: &Error) -> bool {
 
 /// Whether `e` says the connection to PostgreSQL was lost or never had:
 /// the socket or TLS failed, the server ended the session (SQLSTATE class
-/// 08, or 57P01 to 57P03: shut down, crashed, starting up), or no
-/// connection came from the pool. The handler could record nothing more on
-/// it, as if its process had died: whatever it had claimed is left to the
-/// lease's end, and to its message, which claims the job then. Its last
-/// statement's outcome is unknown (a commit whose answer was lost): a
-/// message kept then is one delivery more, which the claim answers.
+/// 08, or 57P01 to 57P03: shut down, crashed, starting up; or any error
+/// of severity FATAL or PANIC, which ends the session whatever its code:
+/// `idle_in_transaction_session_timeout`'s 25P03, `idle_session_timeout`'s
+/// 57P05, a backend terminated), or no connection came from the pool. The
+/// handler could record nothing more on it, as if its process had died:
+/// the transaction open on it rolled back (a claim made in it included,
+/// the job pending again), and whatever it had claimed and committed is
+/// left to the lease's end, and to its message, which claims the job then.
+/// Its last statement's outcome is unknown (a commit whose answer was
+/// lost): a message kept then is one delivery more, which the claim
+/// answers.
 fn connection_lost(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_)
@@ -1004,9 +1009,17 @@ fn connection_lost(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(d) => d
-            .code()
-            .is_some_and(|code| crate::error::connection_ended(&code)),
+        sqlx::Error::Database(d) => {
+            d.code()
+                .is_some_and(|code| crate::error::connection_ended(&code))
+                || d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                    .is_some_and(|pg| {
+                        matches!(
+                            pg.severity(),
+                            sqlx::postgres::PgSeverity::Fatal | sqlx::postgres::PgSeverity::Panic
+                        )
+                    })
+        }
         _ => false,
     }
 }
