@@ -127,10 +127,11 @@
 //! delivery's hands), a panic, a retryable error (PostgreSQL rolled
 //! the attempt's transaction back), an [`Error::LockNotAvailable`] (a
 //! wait for the job's row given up, see Waits), an
-//! [`Error::QueryCanceled`] (a statement cut by `statement_timeout`) or an
-//! [`Error::Database`] that says the connection was lost (as if the
-//! process had died: a job it had claimed is left to its lease's end, and
-//! then to this message) keeps the message.
+//! [`Error::QueryCanceled`] (a statement cut by `statement_timeout`), an
+//! [`Error::Database`] that says the connection was lost or an
+//! [`Error::Pooler`] (PgBouncer finding no server while PostgreSQL
+//! restarts, say) keeps the message: as if the process had died, a job it
+//! had claimed is left to its lease's end, and then to this message.
 //!
 //! A handler that recorded its attempt's failure with [`fail`] returns it
 //! as a [`FailureRecorded`], whatever failed the work (a serialization

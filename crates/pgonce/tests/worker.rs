@@ -1187,27 +1187,41 @@ async fn kept_then_completed(
     assert_eq!((done.failed, done.deleted), (1, 0), "the message is kept");
     let job = pgonce::job::get(pool, job_id).await.unwrap().unwrap();
     assert_eq!(job.status().unwrap(), left);
+    completed_by_the_kept_message(pool, q, pool, job_id, attempts).await;
+}
+
+/// The second half of [`kept_then_completed`], for a job in `jobs` whose
+/// message is kept in `q` (on `queue_pool`): the job's lease (if it is
+/// processing) runs out, and the message's next delivery claims the job
+/// and completes it: `attempts` counted, no message left.
+async fn completed_by_the_kept_message(
+    jobs: &PgPool,
+    q: &PgQueue,
+    queue_pool: &PgPool,
+    job_id: i64,
+    attempts: i32,
+) {
     sqlx::query(
         "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' \
          WHERE id = $1 AND status = 'processing'",
     )
     .bind(job_id)
-    .execute(pool)
+    .execute(jobs)
     .await
     .unwrap();
     let completes = ClaimsAndCompletes {
-        pool: pool.clone(),
+        pool: jobs.clone(),
         job_id,
     };
     let worker = Worker::new(q.clone(), completes, always_delete_failures_back_at_once()).unwrap();
     let done = worker.run_once().await.unwrap();
     assert_eq!((done.succeeded, done.deleted), (1, 1));
-    let job = pgonce::job::get(pool, job_id).await.unwrap().unwrap();
+    let job = pgonce::job::get(jobs, job_id).await.unwrap().unwrap();
     assert_eq!(
         (job.status().unwrap(), job.attempts),
         (JobStatus::Completed, attempts)
     );
-    assert_eq!(messages(pool).await, 0);
+    assert_eq!(messages(queue_pool).await, 0);
 }
 
 /// Claims its job and completes it.
@@ -1330,4 +1344,99 @@ async fn a_session_ended_for_idling_in_its_transaction_keeps_the_message_under_a
         job_id,
     };
     kept_then_completed(&pool, &q, job_id, handler, JobStatus::Pending, 0).await;
+}
+
+/// Claims its job through PgBouncer; then PostgreSQL stops taking logins
+/// to the job's database (as while it restarts) and PgBouncer's server
+/// connections are cut (the handler plays the outage itself), so the
+/// completion, through PgBouncer again, finds no server to run on: the
+/// pooler's own error, `Error::Pooler` (`ServerUnreachable`).
+struct LosesItsServerBehindThePooler {
+    pooled: PgPool,
+    admin: PgPool,
+    database: String,
+    job_id: i64,
+    /// What the completion returned.
+    completion: std::sync::Mutex<Option<String>>,
+}
+
+impl Handler for LosesItsServerBehindThePooler {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let lease = pgonce::job::claim(&self.pooled, self.job_id, Duration::from_secs(60)).await?;
+        logins_to(&self.admin, &self.database, false).await;
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid, 20000) FROM pg_stat_activity WHERE datname = $1",
+        )
+        .bind(&self.database)
+        .execute(&self.admin)
+        .await?;
+        let out = pgonce::job::complete(&self.pooled, &lease, &serde_json::json!("done")).await;
+        *self.completion.lock().unwrap() = Some(format!("{out:?}"));
+        out?;
+        Ok(())
+    }
+}
+
+/// Lets (`true`) or stops (`false`) logins to `database`, from `admin`, a
+/// connection to another database.
+async fn logins_to(admin: &PgPool, database: &str, allowed: bool) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{database}\" ALLOW_CONNECTIONS {allowed}"
+    )))
+    .execute(admin)
+    .await
+    .unwrap();
+}
+
+/// Behind PgBouncer, a server that went away after the claim committed
+/// (restarting, refusing logins) is not an I/O error or a class 08
+/// SQLSTATE of the server's: PgBouncer answers with its own text, which
+/// pgonce reports as `Error::Pooler`. The handler recorded nothing, as
+/// with a lost connection; under `AlwaysDelete` the worker deleted its
+/// message all the same (the queue lives elsewhere, as SQS does), and the
+/// job, reaped to pending once its lease ran out, had nothing to drive it.
+/// The message is kept now; once the server is back its next delivery
+/// takes the expired lease over and completes the job.
+#[tokio::test]
+async fn a_server_lost_behind_the_pooler_keeps_the_message_under_always_delete() {
+    let (jobs_db, pooled) =
+        pgonce_testkit::fresh_migrated_database_behind_pooler(2, pgonce::migrate).await;
+    let (_queue_db, queue_pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&queue_pool, "q").await;
+    q.send(SendMessage::new("job")).await.unwrap();
+    let job_id = pgonce::job::enqueue(
+        &pooled,
+        &pgonce::job::NewJob::new("send", serde_json::json!({})),
+    )
+    .await
+    .unwrap();
+    let admin = PgPool::connect_with(
+        pgonce_testkit::shared_for_tests()
+            .unwrap()
+            .options()
+            .clone(),
+    )
+    .await
+    .unwrap();
+    let handler = LosesItsServerBehindThePooler {
+        pooled,
+        admin: admin.clone(),
+        database: jobs_db.name().to_owned(),
+        job_id,
+        completion: Default::default(),
+    };
+    let worker = Worker::new(q.clone(), handler, always_delete_failures_back_at_once()).unwrap();
+    let done = worker.run_once().await.unwrap();
+    logins_to(&admin, jobs_db.name(), true).await;
+    let completion = worker.handler().completion.lock().unwrap().take().unwrap();
+    assert!(
+        completion.starts_with("Err(Pooler { problem: ServerUnreachable"),
+        "{completion}"
+    );
+    assert_eq!((done.failed, done.deleted), (1, 0), "the message is kept");
+
+    // The server back (over a direct connection: PgBouncer caches the
+    // failed login a while), the lease runs out; the message takes it over.
+    let direct = jobs_db.pool(2).await.unwrap();
+    completed_by_the_kept_message(&direct, &q, &queue_pool, job_id, 1).await;
 }

@@ -105,8 +105,10 @@ pub enum AckPolicy {
     /// [`Error::QueryCanceled`] (a statement cut by `statement_timeout`,
     /// or canceled, its work undone), or an [`Error::Database`] that says
     /// the connection was lost (the socket or TLS failed, the server ended
-    /// the session, the pool gave none): the handler could record nothing
-    /// more, as if its process had died; or an [`Error::LeaseLost`] (the
+    /// the session, the pool gave none) or an [`Error::Pooler`] (a pooler
+    /// that could not run the statement, PgBouncer finding no server among
+    /// them): the handler could record nothing more, as if its process had
+    /// died; or an [`Error::LeaseLost`] (the
     /// write under the lost lease wrote nothing, and a lease lost to the
     /// reaper leaves the job pending with nobody holding it: the message's
     /// next delivery claims it). A handler that did record its job's
@@ -130,7 +132,9 @@ impl AckPolicy {
     /// written) and an [`Error::QueryCanceled`] (a statement cut by
     /// `statement_timeout`, its work undone) keep it too: nothing of the
     /// attempt was recorded. So do an [`Error::Database`] that says the
-    /// connection was lost (nothing more could be recorded on it) and an
+    /// connection was lost (nothing more could be recorded on it), an
+    /// [`Error::Pooler`] (the pooler in front of PostgreSQL could not run
+    /// the statement: the same, until it can) and an
     /// [`Error::LeaseLost`] (the write under it wrote nothing, and the job
     /// may be pending with nobody holding it: reaped, not taken over). Once [`crate::job::fail`] has recorded the
     /// attempt's failure, pass its outcome (`Ok`), not the error that
@@ -975,15 +979,22 @@ fn job_busy_until(
 /// module's Waits section says), or a statement cut by the session's
 /// `statement_timeout` or canceled (PostgreSQL undid its work, and the
 /// same holds for the message), or a lost connection (see
-/// [`connection_lost`]), or a lease lost (the write under it wrote
-/// nothing; the reaper may have made the job pending with nobody holding
-/// it, and the message's next delivery claims it then, or hears that
-/// another holds it or is done).
+/// [`connection_lost`]), or a pooler in front of PostgreSQL that could not
+/// run the statement ([`Error::Pooler`]: PgBouncer finding no server to
+/// log in to, while PostgreSQL restarts or refuses logins, is one; its
+/// statement did not run, or its answer was lost as with a lost
+/// connection), or a lease lost (the write under it wrote nothing; the
+/// reaper may have made the job pending with nobody holding it, and the
+/// message's next delivery claims it then, or hears that another holds it
+/// or is done).
 fn recorded_nothing(error: &Error) -> bool {
     error.is_retryable()
         || matches!(
             error,
-            Error::LockNotAvailable { .. } | Error::QueryCanceled { .. } | Error::LeaseLost { .. }
+            Error::LockNotAvailable { .. }
+                | Error::QueryCanceled { .. }
+                | Error::LeaseLost { .. }
+                | Error::Pooler { .. }
         )
         || matches!(error, Error::Database(e) if connection_lost(e))
 }
@@ -1067,6 +1078,11 @@ mod tests {
         assert!(!AckPolicy::DeleteOnSuccess.delete_message(&lost));
         let lost: Result<()> = Err(Error::LeaseLost {
             resource: "job 1".into(),
+        });
+        assert!(!AckPolicy::AlwaysDelete.delete_message(&lost));
+        let lost: Result<()> = Err(Error::Pooler {
+            problem: crate::PoolerProblem::ServerUnreachable,
+            message: "server login has been failing".into(),
         });
         assert!(!AckPolicy::AlwaysDelete.delete_message(&lost));
         let refused: Result<()> = Err(Error::Database(sqlx::Error::RowNotFound));
