@@ -414,17 +414,29 @@ impl Handler for FailsOnceOnASerializationFailure {
             .expect_err("the work's snapshot predates the claim");
         assert!(cause.is_retryable(), "{cause:?}");
         work.rollback().await?;
-        let outcome = pgonce::job::fail(
-            &self.pool,
-            &lease,
-            &cause.to_string(),
-            &pgonce::job::RetryPolicy::default(),
-        )
-        .await?;
-        Err(Box::new(pgonce::job::FailureRecorded::new(
-            job_id, outcome, cause,
-        )))
+        Err(failure_recorded(&self.pool, &lease, cause).await?)
     }
+}
+
+/// Records `cause` as the failure of `lease`'s attempt with `fail`, and
+/// returns it as the handler reports it: a `FailureRecorded`.
+async fn failure_recorded(
+    pool: &PgPool,
+    lease: &pgonce::job::Lease,
+    cause: pgonce::Error,
+) -> Result<HandlerError, HandlerError> {
+    let outcome = pgonce::job::fail(
+        pool,
+        lease,
+        &cause.to_string(),
+        &pgonce::job::RetryPolicy::default(),
+    )
+    .await?;
+    Ok(Box::new(pgonce::job::FailureRecorded::new(
+        lease.job_id,
+        outcome,
+        cause,
+    )))
 }
 
 /// Messages in the queue's table, visible or not.
@@ -1439,4 +1451,65 @@ async fn a_server_lost_behind_the_pooler_keeps_the_message_under_always_delete()
     // failed login a while), the lease runs out; the message takes it over.
     let direct = jobs_db.pool(2).await.unwrap();
     completed_by_the_kept_message(&direct, &q, &queue_pool, job_id, 1).await;
+}
+
+/// Claims its job, then the job it depends on, which another delivery
+/// holds: `JobBusy`. Its own job's attempt fails for it, which the
+/// handler records with `fail` and returns as a `FailureRecorded` caused
+/// by the `JobBusy`.
+struct WaitsOnABusyDependency {
+    pool: PgPool,
+    job_id: i64,
+    dependency: i64,
+}
+
+impl Handler for WaitsOnABusyDependency {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        let lease = pgonce::job::claim(&self.pool, self.job_id, Duration::from_secs(60)).await?;
+        let cause = pgonce::job::claim(&self.pool, self.dependency, Duration::from_secs(60))
+            .await
+            .expect_err("the dependency is held by another delivery");
+        Err(failure_recorded(&self.pool, &lease, cause).await?)
+    }
+}
+
+/// A recorded failure deletes its message under `AlwaysDelete` whatever
+/// caused it: the row drives the retry. One caused by a `JobBusy` (of
+/// another job, which the work waited on) had its message kept all the
+/// same, hidden until that other job's lease ran out, as a busy claim of
+/// its own would: the worker looked for a `JobBusy` in the error's causes
+/// before it looked for the recorded failure. The retry then had two
+/// messages, the kept one and the re-driver's.
+#[tokio::test]
+async fn a_recorded_failure_caused_by_a_busy_job_deletes_its_message_under_always_delete() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let (q, job_id) = a_job_and_its_message(&pool).await;
+    let dependency = pgonce::job::enqueue(
+        &pool,
+        &pgonce::job::NewJob::new("send", serde_json::json!({})),
+    )
+    .await
+    .unwrap();
+    pgonce::job::claim(&pool, dependency, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let handler = WaitsOnABusyDependency {
+        pool: pool.clone(),
+        job_id,
+        dependency,
+    };
+    let worker = Worker::new(q.clone(), handler, always_delete_failures_back_at_once()).unwrap();
+    let done = worker.run_once().await.unwrap();
+    let job = pgonce::job::get(&pool, job_id).await.unwrap().unwrap();
+    assert_eq!(
+        (job.status().unwrap(), job.attempts),
+        (JobStatus::Failed, 1),
+        "the failure is recorded"
+    );
+    assert_eq!(
+        (done.failed, done.deleted),
+        (1, 1),
+        "the recorded failure's message is deleted"
+    );
+    assert_eq!(messages(&pool).await, 0);
 }

@@ -66,7 +66,9 @@ pub trait Handler: Send + Sync + 'static {
     /// `#[error(transparent)]` does, hides it), is never deleted: the
     /// message becomes visible again at the job's `not_before`. One that
     /// is, or is caused by, a [`crate::job::FailureRecorded`] is deleted
-    /// under [`AckPolicy::AlwaysDelete`] whatever else it holds. A panic is
+    /// under [`AckPolicy::AlwaysDelete`] whatever else it holds, a
+    /// `JobBusy` among its causes included (another job's, which the work
+    /// waited on: this job's retry is the row's). A panic is
     /// a failure that is never deleted either: the worker catches it,
     /// counts it in [`WorkerCounters::failed`], and keeps the message as a
     /// dead process would (visible again after `failure_visibility`, if
@@ -874,7 +876,14 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         // again when the job can be claimable at the earliest (the holder's
         // lease expiry, a retry's run_at). The JobBusy may be the error
         // itself or one of its causes: handlers wrap errors in their own.
-        let busy_until = outcome.as_ref().err().and_then(|e| job_busy_until(&**e));
+        // Not when the handler says it recorded its job's failed attempt:
+        // a JobBusy among that failure's causes is another job's (the
+        // work waited on one), and the row drives this job's retry.
+        let busy_until = outcome
+            .as_ref()
+            .err()
+            .filter(|e| !failure_recorded(&***e))
+            .and_then(|e| job_busy_until(&**e));
         let delete = match &outcome {
             Ok(()) => {
                 self.bump(call, |c| &c.succeeded);
