@@ -4,7 +4,8 @@
 //! Random sequences of enqueues, claims (one at a time, in batches, two
 //! deliveries racing on one row, a takeover of a lease that ran out, and a
 //! claim rolled back whose lease is presented under a snapshot taken while
-//! it was open), heartbeats, completions (one and many),
+//! it was open), heartbeats (one racing a claim of its job, held in an
+//! open transaction), completions (one and many),
 //! failures with their retry schedule, lease expiry and the reaper, the
 //! re-driver, an operator's retry of dead jobs, conditional transitions and
 //! maintenance run against both an in-memory model of the contract and the
@@ -103,6 +104,10 @@ enum Op {
     /// ran out undone with it); its lease is presented in a REPEATABLE
     /// READ transaction whose snapshot was taken while the claim was open.
     ClaimRolledBack(usize),
+    /// The holder of a lease heartbeats in A's open transaction while a
+    /// delivery of its job's message claims the job (B); A commits
+    /// (`true`) or rolls back.
+    HeartbeatRace(usize, bool),
 }
 
 /// Weighted so that the long paths (claim, fail, come due, re-drive, claim,
@@ -129,6 +134,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Maintenance),
         2 => (j(), any::<bool>()).prop_map(|(j, c)| Op::ClaimRace(j, c)),
         2 => j().prop_map(Op::ClaimRolledBack),
+        2 => (l(), any::<bool>()).prop_map(|(l, c)| Op::HeartbeatRace(l, c)),
     ]
 }
 
@@ -360,6 +366,8 @@ struct Tally {
     busy: u64,
     handled: u64,
     raced: u64,
+    /// Heartbeats a takeover waited for.
+    beats_raced: u64,
     taken_over: u64,
     rolled_back: u64,
     completed: u64,
@@ -724,6 +732,10 @@ impl Harness<'_> {
                 let Some(j) = m.job(j) else { return Ok(()) };
                 self.claim_rolled_back(m, j, tally).await?;
             }
+            Op::HeartbeatRace(l, a_commits) => {
+                let Some(l) = m.lease(l) else { return Ok(()) };
+                self.heartbeat_race(m, l, a_commits, tally).await?;
+            }
         }
         Ok(())
     }
@@ -763,7 +775,7 @@ impl Harness<'_> {
         a_commits: bool,
         tally: &mut Tally,
     ) -> Result<(), String> {
-        let (race, [a, b]) = (self.race, self.sessions);
+        let (race, [_, b]) = (self.race, self.sessions);
         let id = m.ids[j];
         let want = m.claim_outcome(j);
         let harness = |e: pgonce_testkit::HarnessError| e.to_string();
@@ -780,19 +792,8 @@ impl Harness<'_> {
             return Ok(());
         };
         tally.raced += 1;
-        let waiting = race
-            .step_blocks(b, "claim", claim_b)
-            .await
-            .map_err(harness)?;
-        if waiting.blocked_by() != ["A"] {
-            return Err(format!("B waited for {:?}", waiting.blocked_by()));
-        }
-        let ended = if a_commits {
-            race.step(a, "COMMIT", tx.commit()).await
-        } else {
-            race.step(a, "ROLLBACK", tx.rollback()).await
-        };
-        ended.map_err(harness)?.map_err(|e| e.to_string())?;
+        let waiting = self.waits_for_a(claim_b).await?;
+        self.a_ends(tx, a_commits).await?;
         let got_b = waiting.resume().await.map_err(harness)?;
         let (winner, want_b) = if a_commits {
             (lease_a, "processing")
@@ -813,6 +814,137 @@ impl Harness<'_> {
         tally.claimed += 1;
         tally.taken_over += m.taken_over(j);
         m.issue(j, winner)
+    }
+
+    /// Lease `l`'s holder heartbeats in a transaction A leaves open, and a
+    /// delivery of its job's message claims the job (B). A current lease's
+    /// heartbeat holds the row: a claim that would take the lease over
+    /// (it ran out) must be seen waiting for A, and after A's COMMIT gets
+    /// `JobBusy` (the lease live again, nothing counted), after A's
+    /// ROLLBACK takes it over (its attempt counted); any other claim
+    /// passes A by, answered by the row as it was. A lease no longer
+    /// current hears `LeaseLost`, holds nothing, and B's claim is what a
+    /// single claim is.
+    async fn heartbeat_race(
+        &self,
+        m: &mut Model,
+        l: usize,
+        a_commits: bool,
+        tally: &mut Tally,
+    ) -> Result<(), String> {
+        let (race, [a, b]) = (self.race, self.sessions);
+        let harness = |e: pgonce_testkit::HarnessError| e.to_string();
+        let j = m.lease_job[l];
+        let id = m.ids[j];
+        let current = m.current(l);
+        let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+            .await
+            .map_err(|e| e.to_string())?;
+        let beat = race
+            .step(
+                a,
+                "heartbeat",
+                job::heartbeat(&mut *tx, &m.leases[l], LEASE),
+            )
+            .await
+            .map_err(harness)?;
+        match (beat, current) {
+            (Ok(renewed), true) if renewed.token == m.leases[l].token => {}
+            (Err(Error::LeaseLost { .. }), false) => tally.lease_lost += 1,
+            (beat, current) => {
+                return Err(format!("A's heartbeat: {beat:?}, model current: {current}"));
+            }
+        }
+        let takes_over = m.claim_outcome(j) == "lease";
+        let pool_b = b.pool().clone();
+        let claim_b = async move { job::claim(&pool_b, id, LEASE).await };
+        let got_b = if current && takes_over {
+            tally.beats_raced += 1;
+            let waiting = self.waits_for_a(claim_b).await?;
+            self.heartbeat_ends(m, l, tx, a_commits).await?;
+            let got_b = waiting.resume().await.map_err(harness)?;
+            let want = if a_commits { "processing" } else { "lease" };
+            if claim_seen(&got_b) != want {
+                return Err(format!("B's claim: {}, model: {want}", claim_seen(&got_b)));
+            }
+            got_b
+        } else {
+            let want = m.claim_outcome(j);
+            let got_b = race.step(b, "claim", claim_b).await.map_err(harness)?;
+            if claim_seen(&got_b) != want {
+                return Err(format!("B's claim: {}, model: {want}", claim_seen(&got_b)));
+            }
+            if let Err(Error::JobBusy { not_before, .. }) = got_b {
+                m.jobs[j].as_ref().unwrap().check_not_before(not_before)?;
+            }
+            self.heartbeat_ends(m, l, tx, a_commits && current).await?;
+            got_b
+        };
+        match got_b {
+            Ok(lease) => {
+                tally.claimed += 1;
+                tally.taken_over += m.taken_over(j);
+                m.issue(j, lease)
+            }
+            Err(Error::JobBusy { not_before, .. }) => {
+                tally.busy += 1;
+                if current && takes_over {
+                    m.jobs[j].as_ref().unwrap().check_not_before(not_before)?;
+                }
+                Ok(())
+            }
+            Err(_) => {
+                tally.handled += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Ends A's transaction holding lease `l`'s heartbeat: committed, the
+    /// lease is live again.
+    async fn heartbeat_ends(
+        &self,
+        m: &mut Model,
+        l: usize,
+        tx: sqlx::Transaction<'static, sqlx::Postgres>,
+        commits: bool,
+    ) -> Result<(), String> {
+        self.a_ends(tx, commits).await?;
+        if commits {
+            m.jobs[m.lease_job[l]].as_mut().unwrap().expired = false;
+        }
+        Ok(())
+    }
+
+    /// B's `claim`, started and seen waiting for A (pg_locks).
+    async fn waits_for_a(
+        &self,
+        claim: impl Future<Output = pgonce::Result<Lease>> + Send + 'static,
+    ) -> Result<pgonce_testkit::Blocked<pgonce::Result<Lease>>, String> {
+        let waiting = self
+            .race
+            .step_blocks(&self.sessions[1], "claim", claim)
+            .await
+            .map_err(|e| e.to_string())?;
+        if waiting.blocked_by() != ["A"] {
+            return Err(format!("B waited for {:?}", waiting.blocked_by()));
+        }
+        Ok(waiting)
+    }
+
+    /// Ends A's transaction `tx`: COMMIT when `commits`, else ROLLBACK.
+    async fn a_ends(
+        &self,
+        tx: sqlx::Transaction<'static, sqlx::Postgres>,
+        commits: bool,
+    ) -> Result<(), String> {
+        let a = &self.sessions[0];
+        let ended = if commits {
+            self.race.step(a, "COMMIT", tx.commit()).await
+        } else {
+            self.race.step(a, "ROLLBACK", tx.rollback()).await
+        };
+        ended.map_err(|e| e.to_string())?.map_err(|e| e.to_string())
     }
 
     /// A's claim of job `j` in a transaction A leaves open, its outcome
@@ -1049,7 +1181,10 @@ async fn run(h: &Harness<'_>, ops: &[Op], tally: &mut Tally) -> Result<(), Strin
 /// an operator, job 0's lease run out and reaped; then job 2 failed, busy
 /// until its retry comes due, and raced for once it has (a delivery of its
 /// message claims it without waiting for the re-driver); its lease then
-/// runs out, a takeover rolls back, and a claim takes it over.
+/// runs out, a takeover rolls back, and a claim takes it over. Job 3's
+/// lease runs out and its holder's heartbeat races a claim twice: the
+/// heartbeat committed keeps the lease, rolled back lets the claim take
+/// it over.
 fn scripted_case() -> Vec<Op> {
     vec![
         Op::ClaimRace(0, true),
@@ -1071,6 +1206,15 @@ fn scripted_case() -> Vec<Op> {
         Op::Expire(2),
         Op::ClaimRolledBack(2),
         Op::Claim(2),
+        Op::Enqueue {
+            max_attempts: 3,
+            later: false,
+        },
+        Op::Claim(3),
+        Op::Expire(3),
+        Op::HeartbeatRace(0, true),
+        Op::Expire(3),
+        Op::HeartbeatRace(0, false),
     ]
 }
 
@@ -1117,8 +1261,9 @@ fn jobs_follow_the_reference_model_step_by_step() {
             && tally.retried > 0
             && tally.reaped > 0
             && tally.taken_over > 0
-            && tally.rolled_back > 0,
-        "the run reached races, dead jobs, lost leases, retries, takeovers and \
-         rolled-back claims: {tally:?}"
+            && tally.rolled_back > 0
+            && tally.beats_raced >= 2,
+        "the run reached races, dead jobs, lost leases, retries, takeovers, \
+         rolled-back claims and heartbeats raced by takeovers: {tally:?}"
     );
 }
