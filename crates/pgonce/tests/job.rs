@@ -3429,3 +3429,85 @@ async fn a_takeover_and_claim_batch_never_share_a_job() {
         (JobStatus::Dead, 1, None)
     );
 }
+
+/// The holder's own outcome and a claim taking its expired lease over
+/// take turns on the job's row, and the holder's write never lands after
+/// the takeover. The holder's `fail` or `complete` first, in an open
+/// transaction: the claim is seen waiting for it; committed, the claim is
+/// `JobBusy` (failed, its retry not due) or `AlreadyHandled` (completed),
+/// one attempt counted for the failure and none for the completion;
+/// rolled back, the claim takes the lease over, its attempt counted, and
+/// the holder's next write hears the lease lost.
+#[tokio::test]
+async fn the_holders_outcome_and_a_takeover_of_its_expired_lease_take_turns() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let holding = race.session("holder").await.unwrap();
+    let claimer = race.session("claimer").await.unwrap();
+    for (fails, commits) in [(true, true), (true, false), (false, true), (false, false)] {
+        let (id, holder) = expired_job(&pool, 3).await;
+        let mut writing = holding.pool().begin().await.unwrap();
+        if fails {
+            let outcome = race
+                .step(
+                    &holding,
+                    "fail",
+                    job::fail(&mut *writing, &holder, "boom", &RetryPolicy::default()),
+                )
+                .await
+                .unwrap()
+                .expect("a lease nobody took over is still the holder's");
+            assert!(matches!(outcome, FailOutcome::Retry { attempts: 1, .. }));
+        } else {
+            race.step(
+                &holding,
+                "complete",
+                job::complete(&mut *writing, &holder, &json!("done")),
+            )
+            .await
+            .unwrap()
+            .expect("a lease nobody took over is still the holder's");
+        }
+        let claim = claim_blocked_by(&race, &claimer, id, "holder").await;
+        end_step(&race, &holding, writing, commits).await;
+        let out = claim.resume().await.unwrap();
+        let what = format!("fails: {fails}, commits: {commits}: {out:?}");
+        match (fails, commits) {
+            (true, true) => {
+                assert!(
+                    matches!(
+                        out,
+                        Err(Error::JobBusy {
+                            status: JobStatus::Failed,
+                            ..
+                        })
+                    ),
+                    "{what}"
+                );
+                assert_eq!(
+                    attempts_and_token(&pool, id).await,
+                    (JobStatus::Failed, 1, None)
+                );
+            }
+            (false, true) => {
+                assert!(matches!(out, Err(Error::AlreadyHandled { .. })), "{what}");
+                assert_eq!(
+                    attempts_and_token(&pool, id).await,
+                    (JobStatus::Completed, 0, None)
+                );
+            }
+            (_, false) => {
+                let lease = out.expect("taken over once the holder's write rolled back");
+                assert_eq!(
+                    attempts_and_token(&pool, id).await,
+                    (JobStatus::Processing, 1, Some(lease.token))
+                );
+                let late = job::complete(&pool, &holder, &json!("late")).await;
+                assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+                let late = job::fail(&pool, &holder, "late", &RetryPolicy::default()).await;
+                assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+                job::complete(&pool, &lease, &json!("done")).await.unwrap();
+            }
+        }
+    }
+}
