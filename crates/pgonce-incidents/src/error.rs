@@ -110,12 +110,11 @@ impl Error {
             Error::Pgonce(pgonce::Error::Database(
                 sqlx::Error::Io(_) | sqlx::Error::PoolClosed,
             )) => "unavailable",
-            // PostgreSQL refused or dropped the connection: connection
-            // exceptions (class 08), shutdown or start-up (57P01-57P03).
-            Error::Pgonce(pgonce::Error::Database(e))
-                if pgonce::error::sqlstate_of(e)
-                    .is_some_and(|c| pgonce::error::connection_ended(&c)) =>
-            {
+            // PostgreSQL refused or ended the session: connection
+            // exceptions (class 08), shutdown or start-up (57P01-57P03),
+            // any FATAL (a session timeout, a terminated backend). The
+            // request's transaction rolled back with it.
+            Error::Pgonce(pgonce::Error::Database(e)) if pgonce::error::session_ended(e) => {
                 "unavailable"
             }
             Error::Pgonce(_) => "internal",

@@ -12,6 +12,7 @@ use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::{Service, ServiceConfig};
 use pgonce_testkit::Cluster;
 use serde_json::Value;
+use sqlx::Connection;
 use sqlx::postgres::PgPoolOptions;
 use tower::ServiceExt;
 
@@ -70,4 +71,58 @@ async fn a_stopped_database_is_unready_at_once_and_unavailable_to_api_calls() {
         elapsed < ACQUIRE_TIMEOUT + Duration::from_secs(1),
         "an API call took {elapsed:?}"
     );
+}
+
+/// A session PostgreSQL ended, whatever the reason, is `unavailable`
+/// (503, try again), not `internal`: its transaction rolled back, and a
+/// new connection serves the retry. Ended for idling in a transaction past
+/// `idle_in_transaction_session_timeout` (FATAL 25P03) and for idling past
+/// `idle_session_timeout` (FATAL 57P05), each set to a millisecond for one
+/// session; the test waits until the session is gone from
+/// `pg_stat_activity`, then uses it. Both read as `internal` when only
+/// connection exceptions and shutdowns counted.
+#[tokio::test]
+async fn a_session_postgres_ended_for_idling_is_unavailable() {
+    let db = pgonce_testkit::fresh_database().await;
+    let pool = db.pool(2).await.unwrap();
+    for (setting, in_transaction) in [
+        ("idle_in_transaction_session_timeout", true),
+        ("idle_session_timeout", false),
+    ] {
+        let mut conn = sqlx::postgres::PgConnection::connect_with(&db.options())
+            .await
+            .unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        if in_transaction {
+            sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!("SET {setting} = '1ms'")))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)",
+            )
+            .bind(pid)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the server ends the idle session");
+        let ended = sqlx::query("SELECT 1")
+            .execute(&mut conn)
+            .await
+            .unwrap_err();
+        assert!(pgonce::error::session_ended(&ended), "{setting}: {ended:?}");
+        let error = pgonce_incidents::error::Error::from(pgonce::Error::from(ended));
+        assert_eq!(error.code(), "unavailable", "{setting}: {error:?}");
+    }
 }

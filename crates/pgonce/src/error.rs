@@ -455,12 +455,30 @@ pub fn sqlstate_of(e: &sqlx::Error) -> Option<String> {
         .map(|c| c.into_owned())
 }
 
-/// Whether SQLSTATE `code` says PostgreSQL refused or ended the session's
-/// connection: a connection exception (class 08), or the server shutting
-/// down or starting up (57P01 `admin_shutdown`, 57P02 `crash_shutdown`,
-/// 57P03 `cannot_connect_now`).
-pub fn connection_ended(code: &str) -> bool {
-    code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03")
+/// Whether PostgreSQL's error `e` says it refused or ended the session:
+/// a connection exception (SQLSTATE class 08), the server shutting down
+/// or starting up (57P01 `admin_shutdown`, 57P02 `crash_shutdown`, 57P03
+/// `cannot_connect_now`), or any error of severity FATAL or PANIC, which
+/// ends the session whatever its code (`idle_in_transaction_session_timeout`'s
+/// 25P03 and `idle_session_timeout`'s 57P05 among them). The session's
+/// open transaction rolled back with it. False for an error that is not
+/// PostgreSQL's (a socket that failed is the caller's to judge).
+pub fn session_ended(e: &sqlx::Error) -> bool {
+    let Some(d) = e.as_database_error() else {
+        return false;
+    };
+    let by_code = d.code().is_some_and(|code| {
+        code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
+    });
+    let by_severity = d
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .is_some_and(|pg| {
+            matches!(
+                pg.severity(),
+                sqlx::postgres::PgSeverity::Fatal | sqlx::postgres::PgSeverity::Panic
+            )
+        });
+    by_code || by_severity
 }
 
 impl From<sqlx::Error> for Error {

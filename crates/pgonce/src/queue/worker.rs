@@ -1029,17 +1029,7 @@ fn connection_lost(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(d) => {
-            d.code()
-                .is_some_and(|code| crate::error::connection_ended(&code))
-                || d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-                    .is_some_and(|pg| {
-                        matches!(
-                            pg.severity(),
-                            sqlx::postgres::PgSeverity::Fatal | sqlx::postgres::PgSeverity::Panic
-                        )
-                    })
-        }
+        sqlx::Error::Database(_) => crate::error::session_ended(e),
         _ => false,
     }
 }
