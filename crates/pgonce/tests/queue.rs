@@ -5707,3 +5707,63 @@ async fn a_receive_of_a_queue_deleted_by_hand_is_queue_not_found() {
         );
     }
 }
+
+/// A handle keeps its queue's kind: once the queue is deleted by hand and
+/// one of the other kind is created under its name, the handle's sends and
+/// receives are [`Error::QueueNotFound`] (its queue is gone) and write
+/// nothing. A standard handle used to send group-less messages into the
+/// FIFO queue, which its receives never hand out (they walk grouped
+/// messages only), and to receive a FIFO group's messages several at a
+/// time, out of their order; a FIFO handle on the standard queue sent
+/// grouped messages there and received nothing, as from an empty queue.
+#[tokio::test]
+async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
+    let pool = pool().await;
+    let attributes = |fifo| {
+        if fifo {
+            QueueAttributes::fifo()
+        } else {
+            QueueAttributes::default()
+        }
+    };
+    // A message for a queue of that kind: grouped in a FIFO queue.
+    let message = |fifo, body: &str| {
+        let m = SendMessage::new(body);
+        if fifo { m.group("g") } else { m }
+    };
+    fn assert_gone<T: std::fmt::Debug>(what: &str, got: pgonce::Result<T>) {
+        assert!(
+            matches!(&got, Err(Error::QueueNotFound { name }) if name == "q"),
+            "{what}: {got:?}"
+        );
+    }
+    for fifo in [false, true] {
+        let old = PgQueue::create(&pool, "q", attributes(fifo), no_poll())
+            .await
+            .unwrap();
+        let delete = "DELETE FROM pgonce.queue WHERE name = 'q'";
+        sqlx::query(delete).execute(&pool).await.unwrap();
+        let new = PgQueue::create(&pool, "q", attributes(!fifo), no_poll())
+            .await
+            .unwrap();
+        let both = vec![message(!fifo, "a"), message(!fifo, "b")];
+        new.send_batch(both).await.unwrap();
+
+        assert_gone("receive", old.receive(ReceiveRequest::up_to(10)).await);
+        assert_gone("send", old.send(message(fifo, "c")).await);
+        let batch = vec![message(fifo, "d"), message(fifo, "e")];
+        assert_gone("send_batch", old.send_batch(batch).await);
+        if fifo {
+            let mut batch = vec![message(fifo, "f"), message(fifo, "g")];
+            batch[0].dedup_id = Some("f".into());
+            assert_gone("send_batch, a dedup id", old.send_batch(batch).await);
+        }
+        let bodies: Vec<String> =
+            sqlx::query_scalar("SELECT body FROM pgonce.queue_message ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(bodies, ["a", "b"], "a FIFO handle: {fifo}: it sent nothing");
+        sqlx::query(delete).execute(&pool).await.unwrap();
+    }
+}

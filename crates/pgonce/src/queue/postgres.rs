@@ -305,6 +305,9 @@ pub struct PgQueue {
 struct Inner {
     pool: PgPool,
     name: String,
+    /// The queue's kind, read when the handle was opened: its statements
+    /// act on a queue of this kind only (a queue of the other kind created
+    /// under the name since is [`Error::QueueNotFound`] to it).
     fifo: bool,
     /// The queue's content-based deduplication as last read: sends check
     /// it against the queue's row (send.sql), and read it again when it
@@ -640,10 +643,15 @@ impl PgQueue {
     }
 
     /// After a send found no queue to send to under what this handle knows
-    /// of it: [`Error::QueueNotFound`] if the queue is gone, else its
-    /// content-based deduplication read again for the next attempt.
+    /// of it: [`Error::QueueNotFound`] if the queue is gone (or one of the
+    /// other kind stands under its name: it was deleted by hand and another
+    /// created), else its content-based deduplication read again for the
+    /// next attempt.
     async fn read_again(&self, conn: &mut PgConnection) -> Result<()> {
-        let Some(row) = QueueRow::read(conn, &self.inner.name).await? else {
+        let Some(row) = QueueRow::read(conn, &self.inner.name)
+            .await?
+            .filter(|row| row.fifo == self.inner.fifo)
+        else {
             return Err(Error::QueueNotFound {
                 name: self.inner.name.clone(),
             });
@@ -694,6 +702,7 @@ impl PgQueue {
                 .bind(self.notify_in_statement(wake))
                 .bind(&locks)
                 .bind(by_content)
+                .bind(self.inner.fifo)
                 .fetch_optional(&mut *conn)
                 .await?;
             if let Some(SentRow { id, duplicate }) = row {
@@ -788,6 +797,7 @@ impl PgQueue {
             .bind(columns.delays)
             .bind(self.notify_in_statement(wake))
             .bind(&locks)
+            .bind(self.inner.fifo)
             .fetch_all(&mut *conn)
             .await?;
         if ids.len() != n {
@@ -847,6 +857,7 @@ impl PgQueue {
             .bind(self.notify_in_statement(wake))
             .bind(&locks)
             .bind(by_content)
+            .bind(self.inner.fifo)
             .fetch_all(&mut *conn)
             .await?;
         if rows.len() != messages.len() {
@@ -1317,7 +1328,10 @@ impl Queue for PgQueue {
     ///
     /// A receive of a queue deleted since the handle was opened (by hand:
     /// pgonce deletes no queue) is [`Error::QueueNotFound`]; a long poll
-    /// parked on it when it went says so at its next look.
+    /// parked on it when it went says so at its next look. So is one, and
+    /// a send, when a queue of the other kind (FIFO or standard) was
+    /// created under its name since: the handle's statements are of its
+    /// queue's kind, and would break the other's rules.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
         self.receive_or_stop(request, std::future::pending()).await
     }

@@ -1,3 +1,8 @@
+      -- Of this statement's kind: a standard queue under the handle's name
+      -- (its queue deleted by hand, another created) is none to the
+      -- handle ('no_queue', receive_next_visible.sql).
+      AND fifo
+), picked AS (
     -- FIFO queue: only the head of each group, and only when visible. A head
     -- in flight (or delayed) is not visible, and everything behind it is not
     -- a head: at most one message per group in flight, in order. Other

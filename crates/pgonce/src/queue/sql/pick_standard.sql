@@ -1,3 +1,8 @@
+      -- Of this statement's kind: a fifo queue under the handle's name
+      -- (its queue deleted by hand, another created) is none to the
+      -- handle ('no_queue', receive_next_visible.sql).
+      AND NOT fifo
+), picked AS (
     -- Standard queue: the earliest visible messages, locked, skipping those
     -- another receiver holds (migration 0160: a function, so that this
     -- statement's plan does not depend on the limit and is kept).

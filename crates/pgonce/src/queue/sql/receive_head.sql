@@ -13,4 +13,3 @@
 WITH q AS (
     SELECT name, visibility_timeout_ms, retention_ms, max_receive_count, dead_letter_queue
     FROM pgonce.queue WHERE name = $1
-), picked AS (

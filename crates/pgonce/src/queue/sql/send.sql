@@ -4,7 +4,9 @@
 -- either; postgres.rs, send_lock_keys), $9 whether the queue deduplicates
 -- by content as the handle saw it when it chose the dedup id (NULL: the
 -- sender gave the id): no row unless the queue still does, so a handle
--- opened before the queue changed never sends under the wrong id.
+-- opened before the queue changed never sends under the wrong id, $10
+-- whether the handle's queue is FIFO: no row for a queue of the other
+-- kind under its name (its queue deleted by hand, another created).
 -- The group's lock is taken before the id is drawn and held until the
 -- sending transaction ends (pgonce.queue_lock_keys, migration 0220: waiting
 -- as long as it takes, whatever lock_timeout the session inherited): within a group, ids are drawn in commit order,
@@ -25,6 +27,7 @@
 WITH q AS (
     SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue
     WHERE name = $1
+      AND fifo = $10
       AND ($9::boolean IS NULL OR content_based_dedup = $9)
       -- A send with no key to lock (no FIFO group, no deduplication id:
       -- most standard sends) skips the call, which costs a plan of the

@@ -2,7 +2,8 @@
 -- $3 attributes, $4 group ids, $5 delays ms (NULL: the queue's), $6 notify,
 -- $7 the lock keys of the batch's FIFO groups, ascending (see send.sql:
 -- taken before any id is drawn, held until the transaction ends; ascending,
--- so two batches sharing groups cannot deadlock).
+-- so two batches sharing groups cannot deadlock), $8 whether the handle's
+-- queue is FIFO (send.sql: no row for a queue of the other kind).
 -- The delay runs from this statement, not from the start of its
 -- transaction (send.sql).
 -- Ids are assigned in input order. Only to a queue that does not
@@ -11,6 +12,7 @@
 WITH q AS (
     SELECT name, delay_ms FROM pgonce.queue
     WHERE name = $1
+      AND fifo = $8
       AND NOT content_based_dedup
       -- A send with no key to lock (no FIFO group, no deduplication id:
       -- most standard sends) skips the call, which costs a plan of the

@@ -4,7 +4,8 @@
 -- batch's FIFO groups and dedup ids, ascending (postgres.rs,
 -- send_lock_keys), $9 per message whether the queue deduplicates by
 -- content as the handle saw it when it chose the dedup id (NULL: the
--- sender gave the id, or none). One row per message, in input order: its
+-- sender gave the id, or none), $10 whether the handle's queue is FIFO
+-- (send.sql: no row for a queue of the other kind). One row per message, in input order: its
 -- id and whether it was a duplicate (send.sql).
 --
 -- One statement, so the batch is all or none without a savepoint: a
@@ -34,6 +35,7 @@
 WITH q AS (
     SELECT name, delay_ms, dedup_window_ms FROM pgonce.queue
     WHERE name = $1
+      AND fifo = $10
       -- The content-based check first, then the locks: a batch refused
       -- here (its handle saw an old setting) must hold no key when it
       -- retries with others, or it could take keys out of order. The
