@@ -442,6 +442,8 @@ pub mod sqlstate {
     pub const LOCK_NOT_AVAILABLE: &str = "55P03";
     /// `unique_violation`.
     pub const UNIQUE_VIOLATION: &str = "23505";
+    /// `foreign_key_violation`.
+    pub const FOREIGN_KEY_VIOLATION: &str = "23503";
     /// `numeric_value_out_of_range`.
     pub const NUMERIC_VALUE_OUT_OF_RANGE: &str = "22003";
     /// `undefined_function`, raised for a missing function or operator.

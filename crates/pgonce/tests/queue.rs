@@ -5767,3 +5767,52 @@ async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
         sqlx::query(delete).execute(&pool).await.unwrap();
     }
 }
+
+/// A send racing its queue's deletion by hand (the delete, uncommitted,
+/// holds the queue's row; the send waits for it, then the delete commits)
+/// is [`Error::QueueNotFound`], as a send after it is, and sends nothing,
+/// whether one message or a batch. It failed with the foreign key's
+/// violation, an untyped database error.
+#[tokio::test]
+async fn a_send_racing_its_queues_deletion_by_hand_is_queue_not_found() {
+    let batch = || vec![SendMessage::new("a"), SendMessage::new("b")];
+    for one in [true, false] {
+        let (db, setup) = database_with_queue("q", QueueAttributes::default()).await;
+        let race = Interleaving::new(db.options()).await.unwrap();
+        let deleter = race.session("D").await.unwrap();
+        let sender = race.session("S").await.unwrap();
+        let q = PgQueue::open(sender.pool(), "q", no_poll()).await.unwrap();
+        let mut delete = deleter.pool().begin().await.unwrap();
+        race.try_step(
+            &deleter,
+            "delete q, uncommitted",
+            sqlx::query("DELETE FROM pgonce.queue WHERE name = 'q'").execute(&mut *delete),
+        )
+        .await
+        .unwrap();
+        let sending = race
+            .step_blocks(&sender, "send to q", async move {
+                if one {
+                    q.send(SendMessage::new("m")).await.map(|_| ())
+                } else {
+                    q.send_batch(batch()).await.map(|_| ())
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(sending.blocked_by(), ["D"]);
+        race.try_step(&deleter, "commit", delete.commit())
+            .await
+            .unwrap();
+        let sent = sending.resume().await.unwrap();
+        assert!(
+            matches!(&sent, Err(Error::QueueNotFound { name }) if name == "q"),
+            "one message: {one}: {sent:?}"
+        );
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.queue_message")
+            .fetch_one(&setup)
+            .await
+            .unwrap();
+        assert_eq!(left, 0);
+    }
+}

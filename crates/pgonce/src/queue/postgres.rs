@@ -410,7 +410,8 @@ impl PgQueue {
                 .await;
         let created = match fifo {
             Err(e)
-                if crate::error::sqlstate_of(&e).as_deref() == Some("23503")
+                if crate::error::sqlstate_of(&e).as_deref()
+                    == Some(crate::error::sqlstate::FOREIGN_KEY_VIOLATION)
                     && attributes.dead_letter_queue.is_some() =>
             {
                 return Err(Error::QueueNotFound {
@@ -662,6 +663,22 @@ impl PgQueue {
         Ok(())
     }
 
+    /// A send statement's error: [`Error::QueueNotFound`] for a foreign
+    /// key's violation, which only the queue's deletion gives it (by hand,
+    /// committed while the statement waited for the queue's row: it found
+    /// the queue, and its insert then found none); else as any database
+    /// error.
+    fn send_error(&self, e: sqlx::Error) -> Error {
+        if crate::error::sqlstate_of(&e).as_deref()
+            == Some(crate::error::sqlstate::FOREIGN_KEY_VIOLATION)
+        {
+            return Error::QueueNotFound {
+                name: self.inner.name.clone(),
+            };
+        }
+        e.into()
+    }
+
     /// After a send committed on the pool: wakes the receivers (notifier.rs).
     fn sent(&self) {
         if self.inner.options.notify {
@@ -704,7 +721,8 @@ impl PgQueue {
                 .bind(by_content)
                 .bind(self.inner.fifo)
                 .fetch_optional(&mut *conn)
-                .await?;
+                .await
+                .map_err(|e| self.send_error(e))?;
             if let Some(SentRow { id, duplicate }) = row {
                 if duplicate {
                     tracing::debug!(queue = %self.inner.name, id, "duplicate send ignored");
@@ -799,7 +817,8 @@ impl PgQueue {
             .bind(&locks)
             .bind(self.inner.fifo)
             .fetch_all(&mut *conn)
-            .await?;
+            .await
+            .map_err(|e| self.send_error(e))?;
         if ids.len() != n {
             // Nothing was sent (send_batch.sql is all or none): the queue
             // is gone, or it deduplicates by content now, and the messages
@@ -859,7 +878,8 @@ impl PgQueue {
             .bind(by_content)
             .bind(self.inner.fifo)
             .fetch_all(&mut *conn)
-            .await?;
+            .await
+            .map_err(|e| self.send_error(e))?;
         if rows.len() != messages.len() {
             return Ok(None);
         }
