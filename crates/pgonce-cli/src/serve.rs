@@ -5,8 +5,9 @@
 //! TOML file (`--config`), the environment (`PGONCE_...`, `DATABASE_URL`);
 //! the command-line flags here come last. Validated before anything
 //! starts. Both commands bind their listener first (`serve`'s API,
-//! `worker`'s `api.metrics_listen` when set), so that an address in use
-//! stops them before they touch the database; then they migrate (over
+//! `worker`'s `api.metrics_listen` when set) and open the SQS queue with
+//! `[queue] backend = "sqs"`, so that an address in use or a queue out of
+//! reach stops them before they touch the database; then they migrate (over
 //! `database.direct_url` when set), install the Prometheus recorder, and
 //! stop gracefully on Ctrl-C or SIGTERM: stop accepting, finish in-flight
 //! requests (long polls of the event feed end at once, with an empty
@@ -28,7 +29,7 @@ use pgonce_incidents::Service;
 use pgonce_incidents::api::{self, ApiState};
 use pgonce_incidents::config::{Config, ConfigError, QueueBackend};
 use pgonce_incidents::runtime::{Runtime, observations_queue_with, sqs_observations_queue};
-use pgonce_sqs::SqsClient;
+use pgonce_sqs::{SqsClient, SqsQueue};
 use sqlx::PgPool;
 
 use crate::database::Database;
@@ -191,33 +192,45 @@ async fn run(
     }
     let listeners = Listeners::bind(&config, api).await?;
     let metrics = install_metrics()?;
+    // The SQS queue is opened before the database is touched, as the
+    // listener is bound: a queue misnamed or out of reach stops the
+    // command with the database as it was.
+    let sqs = match config.queue.backend {
+        QueueBackend::Sqs => Some(open_sqs(&config).await?),
+        QueueBackend::Postgres => None,
+    };
     let pool = connect(&config).await?;
     let service = Service::new(pool.clone(), config.service_config())?;
-    let (visibility, max_receive_count) = (
-        config.pipeline.visibility_timeout,
-        config.pipeline.max_receive_count,
-    );
-    match config.queue.backend {
-        QueueBackend::Postgres => {
+    match sqs {
+        Some(queue) => run_on(&config, listeners, metrics, pool, service, queue, stop).await,
+        None => {
             let queue = observations_queue_with(
                 &pool,
-                visibility,
-                max_receive_count,
+                config.pipeline.visibility_timeout,
+                config.pipeline.max_receive_count,
                 config.queue_options(),
             )
             .await?;
             run_on(&config, listeners, metrics, pool, service, queue, stop).await
         }
-        QueueBackend::Sqs => {
-            let section = &config.queue.sqs;
-            let sqs = SqsClient::connect(section.sqs_config()).await?;
-            let queue = sqs_observations_queue(&sqs, section, visibility, max_receive_count)
-                .await
-                .with_context(|| format!("opening the SQS queue {}", section.queue_name()))?;
-            tracing::info!(queue = %queue.url(), "observations on Amazon SQS");
-            run_on(&config, listeners, metrics, pool, service, queue, stop).await
-        }
     }
+}
+
+/// The observations queue on SQS, as `[queue.sqs]` names it (created when
+/// missing, with `create`).
+async fn open_sqs(config: &Config) -> anyhow::Result<SqsQueue> {
+    let section = &config.queue.sqs;
+    let sqs = SqsClient::connect(section.sqs_config()).await?;
+    let queue = sqs_observations_queue(
+        &sqs,
+        section,
+        config.pipeline.visibility_timeout,
+        config.pipeline.max_receive_count,
+    )
+    .await
+    .with_context(|| format!("opening the SQS queue {}", section.queue_name()))?;
+    tracing::info!(queue = %queue.url(), "observations on Amazon SQS");
+    Ok(queue)
 }
 
 /// What `serve` or `worker` listens on, bound before it migrates or

@@ -1008,6 +1008,45 @@ fn serve_and_worker_with_their_address_in_use_exit_1_before_migrating() {
     }
 }
 
+/// `serve` and `worker` on SQS whose queue cannot be opened (its endpoint
+/// refuses connections), on a database never migrated, exit 1 with one
+/// line naming the queue and leave the database as it was: they open the
+/// queue before they migrate. (They migrated first, so an SQS queue
+/// misnamed or out of reach was found only once the schema was in.)
+#[test]
+fn serve_and_worker_whose_sqs_queue_cannot_be_opened_exit_1_before_migrating() {
+    let (rt, db, url) = fresh_database_url();
+    let closed = free_port();
+    for command in ["serve", "worker"] {
+        let out = pgonce()
+            .arg(command)
+            .env("DATABASE_URL", &url)
+            .env("PGONCE_API__LISTEN", format!("127.0.0.1:{}", free_port()))
+            .env("PGONCE_QUEUE__BACKEND", "sqs")
+            .env(
+                "PGONCE_QUEUE__SQS__ENDPOINT_URL",
+                format!("http://127.0.0.1:{closed}"),
+            )
+            .env("PGONCE_QUEUE__SQS__OPERATION_TIMEOUT", "2s")
+            .env("PGONCE_QUEUE__SQS__REGION", "us-east-1")
+            .env("AWS_ACCESS_KEY_ID", "testing")
+            .env("AWS_SECRET_ACCESS_KEY", "testing")
+            .env("AWS_EC2_METADATA_DISABLED", "true")
+            // The SQS backend warns of each call it could not make; the
+            // exit's own line is the one looked at.
+            .env("RUST_LOG", "error")
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let line = the_one_line_of_exit_1(command, &out);
+        assert!(
+            line.starts_with("pgonce: error: opening the SQS queue incidents-observations.fifo: "),
+            "{command}: {line}"
+        );
+        assert_never_migrated(&rt, &db);
+    }
+}
+
 /// The commands that listen, each with the variable naming its address.
 const LISTENERS: [(&str, &str); 2] = [
     ("serve", "PGONCE_API__LISTEN"),
