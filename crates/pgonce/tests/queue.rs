@@ -5816,3 +5816,50 @@ async fn a_send_racing_its_queues_deletion_by_hand_is_queue_not_found() {
         assert_eq!(left, 0);
     }
 }
+
+/// A redrive sends each dead letter back to the queue it came from, and to
+/// no other: when that queue was deleted by hand since, the redrive is
+/// [`Error::QueueNotFound`] naming it, and moves nothing (it failed with
+/// the foreign key's violation, an untyped database error); so it is when
+/// a queue of the other kind was created under the name (a standard
+/// queue's dead letter, group-less, went into the FIFO queue, whose
+/// receives never hand it out). Created again as its own kind, the queue
+/// takes its dead letters back.
+#[tokio::test]
+async fn a_redrive_to_a_source_deleted_or_recreated_by_hand_is_queue_not_found() {
+    let pool = pool().await;
+    let dlq = queue(&pool, "jobs-dlq", QueueAttributes::default()).await;
+    let at_once = QueueAttributes::default().visibility_timeout(Duration::ZERO);
+    let q = queue(&pool, "jobs", at_once.clone().dead_letter("jobs-dlq", 1)).await;
+    q.send(SendMessage::new("m")).await.unwrap();
+    for _ in 0..2 {
+        q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    }
+    let in_queue = || async {
+        sqlx::query_scalar::<_, String>("SELECT queue FROM pgonce.queue_message")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(in_queue().await, ["jobs-dlq"], "dead-lettered");
+    let delete = "DELETE FROM pgonce.queue WHERE name = 'jobs'";
+    sqlx::query(delete).execute(&pool).await.unwrap();
+    for recreated_as in [None, Some(QueueAttributes::fifo())] {
+        if let Some(attributes) = recreated_as.clone() {
+            sqlx::query(delete).execute(&pool).await.unwrap();
+            PgQueue::create(&pool, "jobs", attributes, no_poll())
+                .await
+                .unwrap();
+        }
+        let got = dlq.redrive().await;
+        assert!(
+            matches!(&got, Err(Error::QueueNotFound { name }) if name == "jobs"),
+            "recreated as {recreated_as:?}: {got:?}"
+        );
+        assert_eq!(in_queue().await, ["jobs-dlq"], "{recreated_as:?}");
+    }
+    sqlx::query(delete).execute(&pool).await.unwrap();
+    queue(&pool, "jobs", at_once).await;
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
+    assert_eq!(in_queue().await, ["jobs"]);
+}

@@ -586,6 +586,11 @@ impl PgQueue {
     /// Under the group's lock a FIFO message gets a position behind every
     /// message of its group sent before (redrive.sql), so it cannot come
     /// back ahead of one in flight. Returns (picked, moved).
+    ///
+    /// A dead letter goes back to the queue it came from and to no other:
+    /// when that queue was deleted by hand since, or a queue of the other
+    /// kind created under its name, the batch moves nothing and is
+    /// [`Error::QueueNotFound`], naming it.
     async fn redrive_batch(&self) -> Result<(usize, u64)> {
         let mut tx = transaction::begin(&self.inner.pool, IsolationLevel::ReadCommitted).await?;
         let picked: Vec<DeadLetterRow> = sqlx::query_as(include_str!("sql/redrive_pick.sql"))
@@ -595,6 +600,22 @@ impl PgQueue {
             .await?;
         if picked.is_empty() {
             return Ok((0, 0));
+        }
+        let mut source_queues: Vec<&str> = picked.iter().map(|m| m.source.as_str()).collect();
+        source_queues.sort_unstable();
+        source_queues.dedup();
+        let found: Vec<SourceQueueRow> = sqlx::query_as(include_str!("sql/redrive_sources.sql"))
+            .bind(&source_queues)
+            .fetch_all(&mut *tx)
+            .await?;
+        // A queue's dead-letter queue is of its kind (create checks it).
+        let theirs = |name: &str| {
+            found
+                .iter()
+                .any(|q| q.name == name && q.fifo == self.inner.fifo)
+        };
+        if let Some(gone) = source_queues.into_iter().find(|name| !theirs(name)) {
+            return Err(Error::QueueNotFound { name: gone.into() });
         }
         let keys = group_lock_keys(picked.iter().filter_map(|m| {
             m.group_id
@@ -1670,6 +1691,13 @@ struct DeadLetterRow {
     /// The queue it came from, where the redrive sends it back.
     source: String,
     group_id: Option<String>,
+}
+
+/// A queue a redrive sends dead letters back to (redrive_sources.sql).
+#[derive(sqlx::FromRow)]
+struct SourceQueueRow {
+    name: String,
+    fifo: bool,
 }
 
 /// One row of a receive statement: a delivery, a dead-letter move or an
