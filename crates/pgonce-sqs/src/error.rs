@@ -37,6 +37,23 @@ where
     }
 }
 
+/// [`map`] for a call on the queue at `url`: a queue SQS does not know is
+/// [`Error::QueueNotFound`] naming that queue, the last segment of its URL
+/// (SQS's answer does not name it: its message only says that the queue
+/// does not exist).
+pub(crate) fn map_on<E, R>(e: SdkError<E, R>, url: &str, receipt: Option<&str>) -> Error
+where
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    R: std::fmt::Debug + Send + Sync + 'static,
+{
+    match map(e, receipt) {
+        Error::QueueNotFound { .. } => Error::QueueNotFound {
+            name: url.rsplit('/').next().unwrap_or(url).to_string(),
+        },
+        other => other,
+    }
+}
+
 /// A refused receipt (`receipt` as the caller gave it), counted and
 /// logged with `why`: the code SQS refused it with, or why pgonce refused
 /// it without asking SQS.

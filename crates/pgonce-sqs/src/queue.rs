@@ -21,7 +21,7 @@ use pgonce::{
 };
 
 use crate::SqsConfig;
-use crate::error::{BACKEND, from_code, map, stale};
+use crate::error::{BACKEND, from_code, map, map_on, stale};
 use crate::retry;
 
 /// The message attribute that carries a message's pgonce id across a
@@ -182,7 +182,7 @@ impl SqsClient {
             .attribute_names(name.clone())
             .send()
             .await
-            .map_err(|e| map(e, None))?;
+            .map_err(|e| map_on(e, url, None))?;
         Ok(out.attributes().and_then(|a| a.get(&name)).cloned())
     }
 }
@@ -506,7 +506,10 @@ impl SqsQueue {
         if let Some(config) = retry::for_sends(self.inner.fifo) {
             call = call.config_override(config);
         }
-        let out = call.send().await.map_err(|e| map(e, None))?;
+        let out = call
+            .send()
+            .await
+            .map_err(|e| map_on(e, &self.inner.url, None))?;
         Ok(Sent {
             id: out.message_id().unwrap_or_default().to_string(),
             duplicate: false,
@@ -616,7 +619,7 @@ impl SqsQueue {
             .interceptor(attempts.clone())
             .send()
             .await
-            .map_err(|e| map(e, None))?;
+            .map_err(|e| map_on(e, &self.inner.url, None))?;
         let requested_at = attempts.last_sent().unwrap_or(called_at);
         Ok((requested_at, out.messages.unwrap_or_default()))
     }
@@ -734,7 +737,10 @@ impl SqsQueue {
         if let Some(config) = retry::for_sends(self.inner.fifo) {
             call = call.config_override(config);
         }
-        let out = call.send().await.map_err(|e| map(e, None))?;
+        let out = call
+            .send()
+            .await
+            .map_err(|e| map_on(e, &self.inner.url, None))?;
         let n = places.len();
         let place = |id: &str| entry_place(id, n);
         for done in out.successful() {
@@ -783,7 +789,7 @@ impl SqsQueue {
             .set_entries(Some(entries))
             .send()
             .await
-            .map_err(|e| map(e, None))?;
+            .map_err(|e| map_on(e, &self.inner.url, None))?;
         // An entry refused for its receipt is a stale receipt, as in every
         // other call: the entry's id is its receipt's place.
         match out.failed().first() {
@@ -823,7 +829,7 @@ impl SqsQueue {
             .set_entries(Some(request))
             .send()
             .await
-            .map_err(|e| map(e, None))?;
+            .map_err(|e| map_on(e, &self.inner.url, None))?;
         let n = entries.len();
         let place = |id: &str| entry_place(id, n);
         for done in out.successful() {
@@ -858,7 +864,7 @@ impl SqsQueue {
             .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
             .send()
             .await
-            .map_err(|e| map(e, None))?;
+            .map_err(|e| map_on(e, url, None))?;
         let get = |name: QueueAttributeName| -> u64 {
             out.attributes()
                 .and_then(|a| a.get(&name))
@@ -985,7 +991,7 @@ impl Queue for SqsQueue {
             .receipt_handle(handle)
             .send()
             .await
-            .map_err(|e| map(e, Some(&receipt.0)))?;
+            .map_err(|e| map_on(e, &self.inner.url, Some(&receipt.0)))?;
         Ok(())
     }
 
@@ -1073,7 +1079,7 @@ impl Queue for SqsQueue {
             .visibility_timeout(ceil_secs(timeout) as i32)
             .send()
             .await
-            .map_err(|e| map(e, Some(&receipt.0)))?;
+            .map_err(|e| map_on(e, &self.inner.url, Some(&receipt.0)))?;
         Ok(())
     }
 
@@ -1092,7 +1098,7 @@ impl Queue for SqsQueue {
             .queue_url(&self.inner.url)
             .send()
             .await
-            .map_err(|e| match map(e, None) {
+            .map_err(|e| match map_on(e, &self.inner.url, None) {
                 Error::PurgeInProgress { .. } => Error::PurgeInProgress {
                     queue: self.inner.name.clone(),
                 },
@@ -1126,7 +1132,7 @@ impl Queue for SqsQueue {
             .queue_url(&self.inner.url)
             .send()
             .await
-            .map_err(|e| map(e, None))?;
+            .map_err(|e| map_on(e, &self.inner.url, None))?;
         let source = match out.queue_urls() {
             [one] => one.clone(),
             [] => {
@@ -1198,7 +1204,7 @@ impl Queue for SqsQueue {
                 if let Some(config) = retry::for_sends(source_fifo) {
                     resend = resend.config_override(config);
                 }
-                resend.send().await.map_err(|e| map(e, None))?;
+                resend.send().await.map_err(|e| map_on(e, &source, None))?;
                 self.delete(&m.receipt).await?;
                 moved += 1;
             }

@@ -1382,3 +1382,76 @@ async fn a_delivery_by_a_retried_receive_is_counted_from_the_retry() {
         refused_at - m.requested_at
     );
 }
+
+/// Every call on a queue deleted after its handle was opened is
+/// `QueueNotFound` naming the queue, as `open` names it; a batch says it
+/// as its cause. So is a receive under way when it went (seen in flight,
+/// then the queue deleted), whose wait outlasts one long poll: moto
+/// answers the poll under way with no message at its end (20 s), and the
+/// next one says the queue is gone. (They named SQS's message instead:
+/// `queue "The specified queue does not exist." does not exist`.)
+#[tokio::test]
+async fn calls_on_a_queue_deleted_after_the_open_name_it() {
+    let moto = support::start();
+    let sqs = support::client(&moto).await;
+    let q = sqs
+        .create_queue("jobs", QueueAttributes::default())
+        .await
+        .unwrap();
+    q.send(SendMessage::new("0")).await.unwrap();
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    let receipt = got[0].receipt.clone();
+    let receiving = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            q.receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(21)))
+                .await
+        })
+    };
+    while q.receives_in_flight() == 0 {
+        tokio::task::yield_now().await;
+    }
+    sqs.sdk()
+        .delete_queue()
+        .queue_url(q.url())
+        .send()
+        .await
+        .unwrap();
+    let names_it = |e: &Error| matches!(e, Error::QueueNotFound { name } if name == "jobs");
+    let cause = |e: &Error| match e {
+        Error::SendBatchIncomplete { cause, .. } | Error::DeleteBatchIncomplete { cause, .. } => {
+            names_it(cause)
+        }
+        other => names_it(other),
+    };
+    let calls: Vec<(&str, pgonce::Result<()>)> = vec![
+        ("send", q.send(SendMessage::new("1")).await.map(drop)),
+        (
+            "send_batch",
+            q.send_batch(vec![SendMessage::new("2"), SendMessage::new("3")])
+                .await
+                .map(drop),
+        ),
+        (
+            "receive",
+            q.receive(ReceiveRequest::up_to(1)).await.map(drop),
+        ),
+        ("delete", q.delete(&receipt).await),
+        (
+            "delete_batch",
+            q.delete_batch(std::slice::from_ref(&receipt))
+                .await
+                .map(drop),
+        ),
+        (
+            "change_visibility",
+            q.change_visibility(&receipt, Duration::ZERO).await,
+        ),
+        ("stats", q.stats().await.map(drop)),
+        ("purge", q.purge().await.map(drop)),
+        ("receive under way", receiving.await.unwrap().map(drop)),
+    ];
+    for (what, got) in calls {
+        assert!(got.as_ref().is_err_and(cause), "{what}: {got:?}");
+    }
+}
