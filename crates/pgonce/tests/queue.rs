@@ -2410,19 +2410,24 @@ async fn a_handle_dropped_after_its_call_still_wakes_parked_receivers() {
 }
 
 /// How many empty looks a long poll of `wait` on `q` (a [`no_poll`]
-/// handle) makes, on this single-threaded runtime's `empty` counter.
+/// handle) makes, on this single-threaded runtime's `empty` counter. One
+/// that could only look once, its first look over after its wait, says
+/// [`TooSlow`].
 async fn empty_looks_in_a_long_poll(
     q: &PgQueue,
     empty: &std::sync::atomic::AtomicU64,
     wait: Duration,
-) -> u64 {
+) -> Result<u64, TooSlow> {
     let before = empty.load(std::sync::atomic::Ordering::SeqCst);
     let got = q
         .receive(ReceiveRequest::up_to(10).wait(wait))
         .await
         .unwrap();
     assert!(got.is_empty(), "nothing to receive");
-    empty.load(std::sync::atomic::Ordering::SeqCst) - before
+    match empty.load(std::sync::atomic::Ordering::SeqCst) - before {
+        1 => Err(TooSlow("the long poll's first look ended after its wait")),
+        looks => Ok(looks),
+    }
 }
 
 /// What a long poll's wake for the queue's next visible message must not
@@ -2431,56 +2436,63 @@ async fn empty_looks_in_a_long_poll(
 /// another queue, and a FIFO group's followers (visible, behind a head in
 /// flight for an hour), leave a parked long poll alone: it looks as it
 /// starts and as its wait ends, twice, whatever the machine's speed (its
-/// poll interval is an hour away). Counted, not timed.
+/// poll interval is an hour away). Counted, not timed: the wait is one and
+/// a half units, the other queue's delay three tenths of one
+/// ([`with_delays_long_enough`]), and a long poll whose first look took
+/// all its wait is run again with longer ones.
 #[tokio::test(flavor = "current_thread")]
 async fn a_long_poll_does_not_wake_for_what_it_cannot_receive() {
-    let pool = pool().await;
-    let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let wait = Duration::from_millis(1500);
+    with_delays_long_enough(async |unit| {
+        let pool = pool().await;
+        let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let wait = unit * 3 / 2;
 
-    let s = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
-        .await
-        .unwrap();
-    let o = PgQueue::create(&pool, "o", QueueAttributes::default(), no_poll())
-        .await
-        .unwrap();
-    o.send(SendMessage::new("elsewhere").delay(Duration::from_millis(300)))
-        .await
-        .unwrap();
-    assert_eq!(
-        empty_looks_in_a_long_poll(&s, &empty, wait).await,
-        2,
-        "woken by another queue's delay"
-    );
-
-    let f = PgQueue::create(&pool, "f.fifo", QueueAttributes::fifo(), no_poll())
-        .await
-        .unwrap();
-    // Sent through a handle that notifies no one: a send's notification
-    // goes out after the send returns, from a task of its own, and one
-    // that came during the long poll below would wake it, as it should.
-    let quiet = PgQueueOptions {
-        notify: false,
-        ..no_poll()
-    };
-    let sender = PgQueue::open(&pool, "f.fifo", quiet).await.unwrap();
-    for body in ["head", "b", "c"] {
-        sender
-            .send(SendMessage::new(body).group("g"))
+        let s = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
             .await
             .unwrap();
-    }
-    let head = f
-        .receive(ReceiveRequest::up_to(10).visibility(Duration::from_secs(3600)))
-        .await
-        .unwrap();
-    assert_eq!(bodies(&head), ["head"]);
-    assert_eq!(
-        empty_looks_in_a_long_poll(&f, &empty, wait).await,
-        2,
-        "woken for followers behind a head in flight"
-    );
+        let o = PgQueue::create(&pool, "o", QueueAttributes::default(), no_poll())
+            .await
+            .unwrap();
+        o.send(SendMessage::new("elsewhere").delay(unit * 3 / 10))
+            .await
+            .unwrap();
+        assert_eq!(
+            empty_looks_in_a_long_poll(&s, &empty, wait).await?,
+            2,
+            "woken by another queue's delay"
+        );
+
+        let f = PgQueue::create(&pool, "f.fifo", QueueAttributes::fifo(), no_poll())
+            .await
+            .unwrap();
+        // Sent through a handle that notifies no one: a send's notification
+        // goes out after the send returns, from a task of its own, and one
+        // that came during the long poll below would wake it, as it should.
+        let quiet = PgQueueOptions {
+            notify: false,
+            ..no_poll()
+        };
+        let sender = PgQueue::open(&pool, "f.fifo", quiet).await.unwrap();
+        for body in ["head", "b", "c"] {
+            sender
+                .send(SendMessage::new(body).group("g"))
+                .await
+                .unwrap();
+        }
+        let head = f
+            .receive(ReceiveRequest::up_to(10).visibility(Duration::from_secs(3600)))
+            .await
+            .unwrap();
+        assert_eq!(bodies(&head), ["head"]);
+        assert_eq!(
+            empty_looks_in_a_long_poll(&f, &empty, wait).await?,
+            2,
+            "woken for followers behind a head in flight"
+        );
+        Ok(())
+    })
+    .await;
 }
 
 /// A message sent with a delay while two receivers of a family are
@@ -2489,70 +2501,146 @@ async fn a_long_poll_does_not_wake_for_what_it_cannot_receive() {
 /// single-threaded runtime: R1 parks, then R2 (both for an hour, on a
 /// [`no_poll`] handle); the delayed send's notification wakes the receiver
 /// that waited longest, R1, seen to look once (an empty receive) and park
-/// again; R1 is stopped. R2 must wake when the delay runs out. The
-/// notification used to end with R1, and R2 slept to its poll interval.
+/// again; R1 is stopped. R2 must wake when the delay (a unit:
+/// [`with_delays_long_enough`]) runs out. The notification used to end
+/// with R1, and R2 slept to its poll interval.
 #[tokio::test(flavor = "current_thread")]
 async fn a_delayed_send_reaches_a_parked_receiver_when_the_woken_one_stops() {
     use std::sync::atomic::Ordering;
-    let pool = pool().await;
-    let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let q = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
-        .await
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let first = {
-        let q = q.clone();
-        tokio::spawn(async move {
-            let request = ReceiveRequest::up_to(10).wait(LONG_POLL);
-            q.receive_or_stop(request, async {
-                let _ = stopped.await;
-            })
+    with_delays_long_enough(async |unit| {
+        let pool = pool().await;
+        let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let q = PgQueue::create(&pool, "s", QueueAttributes::default(), no_poll())
             .await
-            .unwrap()
-        })
-    };
-    while q.parked_receivers() == 0 {
-        tokio::task::yield_now().await;
+            .unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let first = {
+            let q = q.clone();
+            tokio::spawn(async move {
+                let request = ReceiveRequest::up_to(10).wait(LONG_POLL);
+                q.receive_or_stop(request, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap()
+            })
+        };
+        while q.parked_receivers() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let second = parked_receiver(&q).await;
+        let looked = empty.load(Ordering::SeqCst);
+        q.send(SendMessage::new("delayed").delay(unit))
+            .await
+            .unwrap();
+        while empty.load(Ordering::SeqCst) == looked || q.parked_receivers() < 2 {
+            // R1 looked once the delay had run out, and took the message;
+            // or, having looked before, it parked again so late that the
+            // timer it set woke R2 first.
+            if first.is_finished() || second.is_finished() {
+                first.abort();
+                second.abort();
+                return Err(TooSlow(
+                    "a receiver took the message before R1 parked again",
+                ));
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            empty.load(Ordering::SeqCst),
+            looked + 1,
+            "one receiver woken"
+        );
+        stop.send(()).unwrap();
+        assert!(first.await.unwrap().is_empty(), "stopped, with nothing");
+        let got = delivered(second, "a delay announced to a receiver that stopped").await;
+        assert_eq!(bodies(&got), ["delayed"]);
+        Ok(())
+    })
+    .await;
+}
+
+/// Why a run of a scenario with real delays proves nothing: a step it
+/// needs before a delay runs out (a receiver looking, and parking, while a
+/// message is still coming) came after it, on a machine too busy for the
+/// delays it was given. Not a verdict: [`with_delays_long_enough`] runs the
+/// scenario again with longer delays.
+#[derive(Debug)]
+struct TooSlow(&'static str);
+
+/// Runs `scenario`, whose delays are multiples of the unit it is given (a
+/// second at first), until a run's setup held: after a run it found
+/// [`TooSlow`], again with a fresh database and the unit doubled. The
+/// verdicts are asserted inside the scenario, on a run whose steps came in
+/// the order it set up, whatever the machine's speed; a machine too slow
+/// for a unit of 8 s fails the test. (Longer, the longest delays and
+/// waits, six and four units, would run into [`delivered`]'s minute.)
+async fn with_delays_long_enough(mut scenario: impl AsyncFnMut(Duration) -> Result<(), TooSlow>) {
+    let mut unit = Duration::from_secs(1);
+    loop {
+        match scenario(unit).await {
+            Ok(()) => return,
+            Err(TooSlow(why)) if unit < Duration::from_secs(8) => {
+                eprintln!("{why} with delays in units of {unit:?}: again, twice as long");
+                unit *= 2;
+            }
+            Err(TooSlow(why)) => panic!("{why}, even with delays in units of {unit:?}"),
+        }
     }
-    let second = parked_receiver(&q).await;
-    let looked = empty.load(Ordering::SeqCst);
-    q.send(SendMessage::new("delayed").delay(Duration::from_secs(1)))
-        .await
-        .unwrap();
-    while empty.load(Ordering::SeqCst) == looked || q.parked_receivers() < 2 {
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(
-        empty.load(Ordering::SeqCst),
-        looked + 1,
-        "one receiver woken"
-    );
-    stop.send(()).unwrap();
-    assert!(first.await.unwrap().is_empty(), "stopped, with nothing");
-    let got = delivered(second, "a delay announced to a receiver that stopped").await;
-    assert_eq!(bodies(&got), ["delayed"]);
 }
 
 /// Every message is still delayed: the receivers a test parked did so
-/// before any delay ran out (a setup check, not a verdict on timing).
-async fn assert_parked_before_the_delays_ran_out(pool: &PgPool) {
+/// before any delay ran out ([`TooSlow`] otherwise).
+async fn parked_before_the_delays_ran_out(pool: &PgPool) -> Result<(), TooSlow> {
     let still_delayed: bool =
         sqlx::query_scalar("SELECT bool_and(visible_at > now()) FROM pgonce.queue_message")
             .fetch_one(pool)
             .await
             .unwrap();
-    assert!(
-        still_delayed,
-        "the receivers parked only after the delay ran out: too slow a machine for this setup"
-    );
+    if still_delayed {
+        Ok(())
+    } else {
+        Err(TooSlow("the receivers parked only after a delay ran out"))
+    }
+}
+
+/// [`parked_receiver_of`] for a test whose messages are all delayed: a
+/// receiver that ended before it parked took a message whose delay had run
+/// out ([`TooSlow`]).
+async fn parked_before_any_delay_ran_out(
+    q: &PgQueue,
+    max: usize,
+) -> Result<tokio::task::JoinHandle<Vec<pgonce::Received>>, TooSlow> {
+    let parked_before = q.parked_receivers();
+    let receiver = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            let request = ReceiveRequest::up_to(max).wait(Duration::from_secs(3600));
+            q.receive(request).await.unwrap()
+        })
+    };
+    while q.parked_receivers() == parked_before {
+        if receiver.is_finished() {
+            let got = receiver.await.unwrap();
+            assert!(!got.is_empty(), "a long poll of an hour returned nothing");
+            return Err(TooSlow("a receiver took a message before it parked"));
+        }
+        tokio::task::yield_now().await;
+    }
+    Ok(receiver)
 }
 
 /// A standard queue `s` and a [`no_poll`] handle on it on `on`, with
-/// these messages sent, each with its delay in seconds, through a handle
+/// these messages sent, each with its delay in `unit`s, through a handle
 /// on `pool` that notifies no one: only a look finds them, and the time
 /// it finds wakes a long poll.
-async fn sent_unannounced_with_delays(on: &PgPool, pool: &PgPool, sent: &[(&str, u64)]) -> PgQueue {
+async fn sent_unannounced_with_delays(
+    on: &PgPool,
+    pool: &PgPool,
+    sent: &[(&str, u32)],
+    unit: Duration,
+) -> PgQueue {
     let q = PgQueue::create(on, "s", QueueAttributes::default(), no_poll())
         .await
         .unwrap();
@@ -2567,7 +2655,7 @@ async fn sent_unannounced_with_delays(on: &PgPool, pool: &PgPool, sent: &[(&str,
     // looked, found it still coming and parked again behind the others.
     let batch = sent
         .iter()
-        .map(|&(body, delay)| SendMessage::new(body).delay(Duration::from_secs(delay)))
+        .map(|&(body, units)| SendMessage::new(body).delay(unit * units))
         .collect();
     sender.send_batch(batch).await.unwrap();
     q
@@ -2586,141 +2674,200 @@ async fn sent_unannounced_with_delays(on: &PgPool, pool: &PgPool, sent: &[(&str,
 /// notifies no one; four receivers (an hour's poll) each look once and
 /// park, before the delay runs out; each waits past it and looks once more
 /// as its wait ends, unless it got the message. What is left of the empty
-/// looks once all four have returned was made in between.
+/// looks once all four have returned was made in between. The delay is
+/// two units, the waits four ([`with_delays_long_enough`]).
 #[tokio::test(flavor = "current_thread")]
 async fn a_message_becoming_visible_wakes_one_parked_receiver_not_the_family() {
     use std::sync::atomic::Ordering;
-    let pool = pool().await;
-    let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
-    let _local = metrics::set_default_local_recorder(&recorder);
-    let q = sent_unannounced_with_delays(&pool, &pool, &[("delayed", 2)]).await;
-    let receivers: Vec<_> = (0..4)
-        .map(|_| long_poll(&q, Duration::from_secs(4)))
-        .collect();
-    while q.parked_receivers() < 4 {
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(
-        empty.load(Ordering::SeqCst),
-        4,
-        "each looked once, then parked"
-    );
-    assert_parked_before_the_delays_ran_out(&pool).await;
-    let mut got = Vec::new();
-    for receiver in receivers {
-        got.extend(delivered(receiver, "the end of its wait").await);
-    }
-    assert_eq!(bodies(&got), ["delayed"]);
-    let looks = empty.load(Ordering::SeqCst);
-    // Four as they began, three as the waits of those that got nothing ended.
-    let in_vain = looks.saturating_sub(4 + 3);
-    assert!(
-        in_vain <= 1,
-        "{in_vain} looked in vain when the message became visible ({looks} empty looks)"
-    );
+    with_delays_long_enough(async |unit| {
+        let pool = pool().await;
+        let (empty, recorder) = support::count_of("pgonce_queue_empty_receives_total");
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let q = sent_unannounced_with_delays(&pool, &pool, &[("delayed", 2)], unit).await;
+        let receivers: Vec<_> = (0..4).map(|_| long_poll(&q, unit * 4)).collect();
+        while q.parked_receivers() < 4 {
+            // One that took the message before it parked never parks.
+            if receivers.iter().any(|r| r.is_finished()) {
+                receivers.iter().for_each(|r| r.abort());
+                return Err(TooSlow("a receiver took the message before it parked"));
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            empty.load(Ordering::SeqCst),
+            4,
+            "each looked once, then parked"
+        );
+        if let Err(too_slow) = parked_before_the_delays_ran_out(&pool).await {
+            receivers.iter().for_each(|r| r.abort());
+            return Err(too_slow);
+        }
+        let mut got = Vec::new();
+        for receiver in receivers {
+            got.extend(delivered(receiver, "the end of its wait").await);
+        }
+        assert_eq!(bodies(&got), ["delayed"]);
+        let looks = empty.load(Ordering::SeqCst);
+        // Four as they began, three as the waits of those that got nothing ended.
+        let in_vain = looks.saturating_sub(4 + 3);
+        assert!(
+            in_vain <= 1,
+            "{in_vain} looked in vain when the message became visible ({looks} empty looks)"
+        );
+        Ok(())
+    })
+    .await;
 }
 
-/// Two messages sent with delays (the second a second after the first)
-/// through a handle that notifies no one, and two receivers of a family
-/// parked for an hour, each having looked once: both saw only the first
-/// time. The family's timer wakes one of them for the first message; it
-/// takes it and wakes the other, which looks, finds the second coming and
-/// sets the timer for it: the second message reaches the receiver left
-/// parked when it becomes visible, not at its poll interval an hour away
-/// ([`delivered`] fails it after a minute).
+/// Two messages sent with delays (the second a unit after the first, at
+/// one unit: [`with_delays_long_enough`]) through a handle that notifies
+/// no one, and two receivers of a family parked for an hour, each having
+/// looked once: both saw only the first time. The family's timer wakes
+/// one of them for the first message; it takes it and wakes the other,
+/// which looks, finds the second coming and sets the timer for it: the
+/// second message reaches the receiver left parked when it becomes
+/// visible, not at its poll interval an hour away ([`delivered`] fails it
+/// after a minute).
 #[tokio::test]
 async fn a_receiver_the_timer_woke_that_delivered_leaves_the_next_time_to_the_family() {
-    let pool = pool().await;
-    let q = sent_unannounced_with_delays(&pool, &pool, &[("first", 1), ("second", 2)]).await;
-    let one = parked_receiver(&q).await;
-    let other = parked_receiver(&q).await;
-    let (got, left) = match futures::future::select(one, other).await {
-        futures::future::Either::Left((got, left)) => (got, left),
-        futures::future::Either::Right((got, left)) => (got, left),
-    };
-    let got = got.unwrap();
-    assert_eq!(bodies(&got), ["first"]);
-    assert_eq!(
-        woken(left, "the second message becoming visible").await,
-        ["second"]
-    );
+    with_delays_long_enough(async |unit| {
+        let pool = pool().await;
+        let q =
+            sent_unannounced_with_delays(&pool, &pool, &[("first", 1), ("second", 2)], unit).await;
+        let one = parked_before_any_delay_ran_out(&q, 10).await?;
+        let parked = async {
+            let other = parked_before_any_delay_ran_out(&q, 10).await?;
+            parked_before_the_delays_ran_out(&pool).await?;
+            Ok(other)
+        };
+        let other = parked.await.inspect_err(|_| one.abort())?;
+        let (got, left) = match futures::future::select(one, other).await {
+            futures::future::Either::Left((got, left)) => (got, left),
+            futures::future::Either::Right((got, left)) => (got, left),
+        };
+        let got = got.unwrap();
+        if got.len() == 2 {
+            left.abort();
+            return Err(TooSlow(
+                "the receiver woken for the first message looked once the second was due",
+            ));
+        }
+        assert_eq!(bodies(&got), ["first"]);
+        assert_eq!(
+            woken(left, "the second message becoming visible").await,
+            ["second"]
+        );
+        Ok(())
+    })
+    .await;
 }
 
 /// A receiver the family's timer woke that fills its batch passes the
 /// timer's wake on, not a notification's: the receiver it wakes may take
 /// the rest and stop there, and then no look has seen what comes after.
-/// a and b are sent with a delay of 2 s, c with 4 s, through a handle that
-/// notifies no one; R1 (a batch of one), R2 and R3 (ten) park for an hour,
-/// in that order, each having seen only a and b coming. The timer wakes
-/// R1, the oldest waiter: it takes a, a full batch, and wakes R2, which
-/// takes b. c must reach R3 when it becomes visible, not at its poll
-/// interval an hour away ([`delivered`] fails it after a minute). R1 used
-/// to pass the wake on as a notification: R2, woken by one, delivered
-/// part of a batch and passed nothing on, and no receiver set the timer
-/// for c.
+/// a and b are sent with a delay of two units, c with four
+/// ([`with_delays_long_enough`]: 2 s and 4 s at first), through a handle
+/// that notifies no one; R1 (a batch of one), R2 and R3 (ten) park for an
+/// hour, in that order, each having seen only a and b coming. The timer
+/// wakes R1, the oldest waiter: it takes a, a full batch, and wakes R2,
+/// which takes b. c must reach R3 when it becomes visible, not at its
+/// poll interval an hour away ([`delivered`] fails it after a minute). R1
+/// used to pass the wake on as a notification: R2, woken by one,
+/// delivered part of a batch and passed nothing on, and no receiver set
+/// the timer for c.
 #[tokio::test(flavor = "current_thread")]
 async fn a_receiver_the_timer_woke_that_filled_its_batch_leaves_the_next_time_to_the_family() {
-    let pool = pool().await;
-    let q = sent_unannounced_with_delays(&pool, &pool, &[("a", 2), ("b", 2), ("c", 4)]).await;
-    let r1 = parked_receiver_of(&q, 1).await;
-    let r2 = parked_receiver(&q).await;
-    let r3 = parked_receiver(&q).await;
-    assert_parked_before_the_delays_ran_out(&pool).await;
-    assert_eq!(woken(r1, "a becoming visible").await, ["a"]);
-    assert_eq!(woken(r2, "the wake r1 passed on").await, ["b"]);
-    assert_eq!(woken(r3, "c becoming visible").await, ["c"]);
+    with_delays_long_enough(async |unit| {
+        let pool = pool().await;
+        let sent = [("a", 2), ("b", 2), ("c", 4)];
+        let q = sent_unannounced_with_delays(&pool, &pool, &sent, unit).await;
+        let mut parked = Vec::new();
+        for max in [1, 10, 10] {
+            match parked_before_any_delay_ran_out(&q, max).await {
+                Ok(receiver) => parked.push(receiver),
+                Err(too_slow) => {
+                    parked.iter().for_each(|r| r.abort());
+                    return Err(too_slow);
+                }
+            }
+        }
+        if let Err(too_slow) = parked_before_the_delays_ran_out(&pool).await {
+            parked.iter().for_each(|r| r.abort());
+            return Err(too_slow);
+        }
+        let [r1, r2, r3] = <[_; 3]>::try_from(parked).unwrap();
+        assert_eq!(woken(r1, "a becoming visible").await, ["a"]);
+        let r2_got = woken(r2, "the wake r1 passed on").await;
+        if r2_got == ["b", "c"] {
+            r3.abort();
+            return Err(TooSlow("the receiver r1 woke looked once c was due"));
+        }
+        assert_eq!(r2_got, ["b"]);
+        assert_eq!(woken(r3, "c becoming visible").await, ["c"]);
+        Ok(())
+    })
+    .await;
 }
 
 /// A receiver woken by a notification whose wait ends before its look
 /// does still hands the family's timer the time that look found. R1 (a
-/// wait of 2 s) and R2 (an hour) of one family park on a pool of one
-/// connection, which the test then holds; a message sent with a delay of
-/// 6 s notifies, and wakes R1 alone. R1 waits for the connection until its
-/// wait is over, then looks, finds the message coming and returns with
-/// nothing. R2, which looked before the send, must be woken when the
-/// delay runs out, not at its poll interval an hour away ([`delivered`]
-/// fails it after a minute). R1 used to return before it set the timer:
-/// only a receiver that parked again told the family what it had found.
+/// wait of two units: [`with_delays_long_enough`]) and R2 (an hour) of one
+/// family park on a pool of one connection, which the test then holds; a
+/// message sent with a delay of six units notifies, and wakes R1 alone. R1
+/// waits for the connection until its wait is over, then looks, finds the
+/// message coming and returns with nothing. R2, which looked before the
+/// send, must be woken when the delay runs out, not at its poll interval
+/// an hour away ([`delivered`] fails it after a minute). R1 used to return
+/// before it set the timer: only a receiver that parked again told the
+/// family what it had found.
 #[tokio::test]
 async fn a_receiver_whose_wait_ends_at_its_look_leaves_the_next_time_to_the_family() {
-    let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
-    let small = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(60))
-        .connect_with(db.options())
-        .await
-        .unwrap();
-    let q = PgQueue::create(&small, "s", QueueAttributes::default(), no_poll())
-        .await
-        .unwrap();
-    let wait = Duration::from_secs(2);
-    let r1 = long_poll(&q, wait);
-    while q.parked_receivers() < 1 {
-        tokio::task::yield_now().await;
-    }
-    // R1 began its wait before now: it ends before `wait` from now.
-    let r1_wait_over = std::time::Instant::now() + wait;
-    let r2 = parked_receiver(&q).await;
-    let held = small.acquire().await.unwrap();
-    let sender = PgQueue::open(&pool, "s", no_poll()).await.unwrap();
-    sender
-        .send(SendMessage::new("delayed").delay(Duration::from_secs(6)))
-        .await
-        .unwrap();
-    // The notification woke one of them: R1, the oldest waiter.
-    while q.parked_receivers() > 1 {
-        tokio::task::yield_now().await;
-    }
-    tokio::time::sleep_until(r1_wait_over.into()).await;
-    drop(held);
-    assert!(
-        delivered(r1, "the end of its wait").await.is_empty(),
-        "R1 looked before the delay ran out"
-    );
-    assert_eq!(
-        woken(r2, "the delayed message becoming visible").await,
-        ["delayed"]
-    );
+    with_delays_long_enough(async |unit| {
+        let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
+        let small = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect_with(db.options())
+            .await
+            .unwrap();
+        let q = PgQueue::create(&small, "s", QueueAttributes::default(), no_poll())
+            .await
+            .unwrap();
+        let wait = unit * 2;
+        let r1 = long_poll(&q, wait);
+        while q.parked_receivers() < 1 {
+            // Its first look ended after its wait: it never parks.
+            if r1.is_finished() {
+                return Err(TooSlow("R1 looked first once its wait was over"));
+            }
+            tokio::task::yield_now().await;
+        }
+        // R1 began its wait before now: it ends before `wait` from now.
+        let r1_wait_over = std::time::Instant::now() + wait;
+        let r2 = parked_receiver(&q).await;
+        let held = small.acquire().await.unwrap();
+        let sender = PgQueue::open(&pool, "s", no_poll()).await.unwrap();
+        sender
+            .send(SendMessage::new("delayed").delay(unit * 6))
+            .await
+            .unwrap();
+        // The notification woke one of them: R1, the oldest waiter.
+        while q.parked_receivers() > 1 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep_until(r1_wait_over.into()).await;
+        drop(held);
+        if !delivered(r1, "the end of its wait").await.is_empty() {
+            r2.abort();
+            return Err(TooSlow("R1 looked only once the delay had run out"));
+        }
+        assert_eq!(
+            woken(r2, "the delayed message becoming visible").await,
+            ["delayed"]
+        );
+        Ok(())
+    })
+    .await;
 }
 
 /// Two receivers of a family parked for an hour for a message sent with a
@@ -2729,32 +2876,52 @@ async fn a_receiver_whose_wait_ends_at_its_look_leaves_the_next_time_to_the_fami
 /// before it looks (its pool has no connection free) and then `lost`. The
 /// other, parked for an hour, takes the message: the wake the first took
 /// is passed on, not lost with it ([`delivered`] fails it after a minute).
+/// Both park, and the test holds the connection, before the delay of two
+/// units runs out ([`with_delays_long_enough`]).
 async fn a_receiver_the_timer_woke_that_does_not_look_passes_the_wake_on(lost: Lost) {
-    let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
-    let small = pool_of_one(&db).await;
-    let q = sent_unannounced_with_delays(&small, &pool, &[("delayed", 2)]).await;
-    let first = {
-        let q = q.clone();
-        tokio::spawn(async move {
-            let request = ReceiveRequest::up_to(10).wait(LONG_POLL);
-            q.receive(request).await.map(|r| r.len())
-        })
-    };
-    while q.parked_receivers() < 1 {
-        tokio::task::yield_now().await;
-    }
-    let second = parked_receiver(&q).await;
-    let held = small.acquire().await.unwrap();
-    // The timer woke one of them: the first, the oldest waiter.
-    while q.parked_receivers() > 1 {
-        tokio::task::yield_now().await;
-    }
-    lose(first, lost).await;
-    drop(held);
-    assert_eq!(
-        woken(second, "the timer's wake passed on").await,
-        ["delayed"]
-    );
+    with_delays_long_enough(async |unit| {
+        let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
+        let small = pool_of_one(&db).await;
+        let q = sent_unannounced_with_delays(&small, &pool, &[("delayed", 2)], unit).await;
+        let first = {
+            let q = q.clone();
+            tokio::spawn(async move {
+                let request = ReceiveRequest::up_to(10).wait(LONG_POLL);
+                q.receive(request).await.map(|r| r.len())
+            })
+        };
+        while q.parked_receivers() < 1 {
+            if first.is_finished() {
+                assert_eq!(first.await.unwrap().unwrap(), 1, "it took the message");
+                return Err(TooSlow(
+                    "the first receiver took the message before it parked",
+                ));
+            }
+            tokio::task::yield_now().await;
+        }
+        let setup = async {
+            let second = parked_before_any_delay_ran_out(&q, 10).await?;
+            let held = small.acquire().await.unwrap();
+            if let Err(too_slow) = parked_before_the_delays_ran_out(&pool).await {
+                second.abort();
+                return Err(too_slow);
+            }
+            Ok((second, held))
+        };
+        let (second, held) = setup.await.inspect_err(|_| first.abort())?;
+        // The timer woke one of them: the first, the oldest waiter.
+        while q.parked_receivers() > 1 {
+            tokio::task::yield_now().await;
+        }
+        lose(first, lost).await;
+        drop(held);
+        assert_eq!(
+            woken(second, "the timer's wake passed on").await,
+            ["delayed"]
+        );
+        Ok(())
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -2803,7 +2970,7 @@ async fn a_receive_failing_after_it_locked_a_message_wakes_the_receivers_it_turn
     .execute(&pool)
     .await
     .unwrap();
-    let q = sent_unannounced_with_delays(&pool, &pool, &[("m", 0)]).await;
+    let q = sent_unannounced_with_delays(&pool, &pool, &[("m", 0)], Duration::ZERO).await;
     race.try_step(
         &gate,
         "lock 42",
