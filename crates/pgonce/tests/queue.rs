@@ -1811,19 +1811,20 @@ async fn a_pool_listener_needs_nothing_the_pools_hooks_set() {
 }
 
 /// Receivers of one handle family parked in long polls, each for one
-/// message, with no re-polling of their own within the test's wait.
+/// message, for an hour on a [`no_poll`] handle: within a test only a wake
+/// ends one.
 async fn parked_family(
     pool: &PgPool,
     receivers: usize,
 ) -> (PgQueue, Vec<tokio::task::JoinHandle<usize>>) {
-    let q = PgQueue::create(pool, "q", QueueAttributes::default(), slow_poll())
+    let q = PgQueue::create(pool, "q", QueueAttributes::default(), no_poll())
         .await
         .unwrap();
     let waiting = (0..receivers)
         .map(|_| {
             let q = q.clone();
             tokio::spawn(async move {
-                let request = ReceiveRequest::up_to(1).wait(Duration::from_secs(20));
+                let request = ReceiveRequest::up_to(1).wait(LONG_POLL);
                 q.receive(request).await.unwrap().len()
             })
         })
@@ -1836,25 +1837,22 @@ async fn parked_family(
 
 /// A notification wakes one parked receiver of the family, and one that
 /// fills its batch wakes the next: a burst of as many messages as there
-/// are receivers reaches every one of them long before their wait or
-/// poll interval ends. (Waking one and nothing more left all but the
-/// first waiting out their 20 s.)
+/// are receivers reaches every one of them, each parked for an hour, so
+/// woken (the minute is a failsafe, not a measure). (Waking one and
+/// nothing more left all but the first waiting out their wait.)
 #[tokio::test]
 async fn a_burst_wakes_as_many_parked_receivers_as_it_has_messages() {
     let pool = pool().await;
     let (q, waiting) = parked_family(&pool, 4).await;
-    let started = std::time::Instant::now();
     q.send_batch((0..4).map(|i| SendMessage::new(format!("{i}"))).collect())
         .await
         .unwrap();
     for receiver in waiting {
-        assert_eq!(receiver.await.unwrap(), 1, "every receiver got a message");
+        let got = tokio::time::timeout(Duration::from_secs(60), receiver)
+            .await
+            .expect("not woken by the burst: it waits for its hour");
+        assert_eq!(got.unwrap(), 1, "every receiver got a message");
     }
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "woken by the send, not by the end of the wait: {:?}",
-        started.elapsed()
-    );
 }
 
 /// One message wakes one parked receiver, not the whole family: the
@@ -2166,18 +2164,19 @@ async fn lose(receiver: tokio::task::JoinHandle<pgonce::Result<usize>>, lost: Lo
 
 /// Two receivers of one family parked, each for one message; a send wakes
 /// the first, which is held before it looks (its pool has no connection
-/// free) and then `lost`. The other takes the message long before its
-/// 20 s wait or its 60 s poll interval ends: the wake the first consumed
-/// is passed on, not lost with it while the message sits visible.
+/// free) and then `lost`. The other, parked for an hour on a [`no_poll`]
+/// handle, takes the message (the minute is a failsafe, not a measure):
+/// the wake the first consumed is passed on, not lost with it while the
+/// message sits visible.
 async fn a_woken_receiver_that_does_not_look_passes_the_wake_on(lost: Lost) {
     let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
     let small = pool_of_one(&db).await;
-    let q = PgQueue::create(&small, "q", QueueAttributes::default(), slow_poll())
+    let q = PgQueue::create(&small, "q", QueueAttributes::default(), no_poll())
         .await
         .unwrap();
     let receive = |q: PgQueue| {
         tokio::spawn(async move {
-            let request = ReceiveRequest::up_to(1).wait(Duration::from_secs(20));
+            let request = ReceiveRequest::up_to(1).wait(LONG_POLL);
             q.receive(request).await.map(|r| r.len())
         })
     };
@@ -2195,19 +2194,16 @@ async fn a_woken_receiver_that_does_not_look_passes_the_wake_on(lost: Lost) {
     let sender = PgQueue::open(&pool, "q", PgQueueOptions::default())
         .await
         .unwrap();
-    let started = std::time::Instant::now();
     sender.send(SendMessage::new("one")).await.unwrap();
     while q.parked_receivers() > 1 {
         tokio::task::yield_now().await;
     }
     lose(first, lost).await;
     drop(held);
-    assert_eq!(second.await.unwrap().unwrap(), 1, "the other took it");
-    assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "woken by the wake passed on, not by the end of its wait: {:?}",
-        started.elapsed()
-    );
+    let got = tokio::time::timeout(Duration::from_secs(60), second)
+        .await
+        .expect("not woken by the wake passed on: it waits for its hour");
+    assert_eq!(got.unwrap().unwrap(), 1, "the other took it");
 }
 
 #[tokio::test]
