@@ -136,16 +136,19 @@ async fn a_wait_past_the_sessions_lock_timeout_is_typed_and_writes_nothing() {
     .unwrap()
     .unwrap();
     for case in ["mark_processed", "acquire"] {
-        let pool_b = b.pool().clone();
-        let print = print.clone();
-        let waited = support::outcome_of_blocked_wait(&race, &b, "A", case, async move {
-            if case == "acquire" {
-                return dedupe::acquire(&pool_b, "api", "k", &print, Duration::from_secs(60))
-                    .await
-                    .map(drop);
+        let timeout = ("lock_timeout", Duration::from_secs(1));
+        let waited = support::outcome_of_blocked_wait(&race, &b, "A", case, timeout, || {
+            let pool_b = b.pool().clone();
+            let print = print.clone();
+            async move {
+                if case == "acquire" {
+                    return dedupe::acquire(&pool_b, "api", "k", &print, Duration::from_secs(60))
+                        .await
+                        .map(drop);
+                }
+                let mut tx = pgonce::begin(&pool_b, IsolationLevel::ReadCommitted).await?;
+                dedupe::mark_processed(&mut tx, "c", "m").await.map(drop)
             }
-            let mut tx = pgonce::begin(&pool_b, IsolationLevel::ReadCommitted).await?;
-            dedupe::mark_processed(&mut tx, "c", "m").await.map(drop)
         })
         .await;
         assert!(

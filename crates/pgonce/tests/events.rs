@@ -1295,18 +1295,21 @@ async fn statement_timeout_ends_an_appends_wait_with_a_typed_error() {
     .unwrap()
     .unwrap();
     for within in [false, true] {
-        let events = store(w.pool(), AppendStrategy::AdvisoryLocks);
-        let pool_w = w.pool().clone();
         let what = format!("append, within: {within}");
-        let waited = support::outcome_of_blocked_wait(&race, &w, "H", &what, async move {
-            if !within {
-                return events.append(&[booked("timed out")], None).await.map(drop);
+        let timeout = ("statement_timeout", Duration::from_secs(2));
+        let waited = support::outcome_of_blocked_wait(&race, &w, "H", &what, timeout, || {
+            let events = store(w.pool(), AppendStrategy::AdvisoryLocks);
+            let pool_w = w.pool().clone();
+            async move {
+                if !within {
+                    return events.append(&[booked("timed out")], None).await.map(drop);
+                }
+                let mut tx = pool_w.begin().await?;
+                events
+                    .append_in(&mut tx, &[booked("timed out")])
+                    .await
+                    .map(drop)
             }
-            let mut tx = pool_w.begin().await?;
-            events
-                .append_in(&mut tx, &[booked("timed out")])
-                .await
-                .map(drop)
         })
         .await;
         let Err(Error::QueryCanceled { message }) = &waited else {

@@ -858,7 +858,9 @@ async fn statement_timeout_still_bounds_the_guards_wait() {
             ReadSet::new(),
         )
     };
-    let waited = support::outcome_of_blocked_wait(&race, &w, "H", "guarded insert", insert()).await;
+    let timeout = ("statement_timeout", std::time::Duration::from_secs(2));
+    let waited =
+        support::outcome_of_blocked_wait(&race, &w, "H", "guarded insert", timeout, insert).await;
     let Err(Error::QueryCanceled { message }) = &waited else {
         panic!("{waited:?}");
     };

@@ -1472,27 +1472,30 @@ async fn a_wait_past_the_sessions_lock_timeout_is_typed_and_writes_nothing() {
     .unwrap();
     let cases = ["retry_dead", "retry_dead_jobs", "claim", "transition"];
     for case in cases {
-        let pool_b = b.pool().clone();
-        let waited = support::outcome_of_blocked_wait(&race, &b, "A", case, async move {
-            let mut conn = pool_b.acquire().await?;
-            match case {
-                "retry_dead" => job::retry_dead(&mut conn, dead, bob).await,
-                "retry_dead_jobs" => {
-                    job::retry_dead_jobs(&mut conn, &DeadJobFilter::default(), bob)
+        let timeout = ("lock_timeout", Duration::from_secs(1));
+        let waited = support::outcome_of_blocked_wait(&race, &b, "A", case, timeout, || {
+            let pool_b = b.pool().clone();
+            async move {
+                let mut conn = pool_b.acquire().await?;
+                match case {
+                    "retry_dead" => job::retry_dead(&mut conn, dead, bob).await,
+                    "retry_dead_jobs" => {
+                        job::retry_dead_jobs(&mut conn, &DeadJobFilter::default(), bob)
+                            .await
+                            .map(drop)
+                    }
+                    "claim" => job::claim(&mut *conn, pending, LEASE).await.map(drop),
+                    _ => {
+                        job::transition(
+                            &mut *conn,
+                            pending,
+                            JobStatus::Pending,
+                            JobStatus::Dead,
+                            None,
+                            Some("cancelled"),
+                        )
                         .await
-                        .map(drop)
-                }
-                "claim" => job::claim(&mut *conn, pending, LEASE).await.map(drop),
-                _ => {
-                    job::transition(
-                        &mut *conn,
-                        pending,
-                        JobStatus::Pending,
-                        JobStatus::Dead,
-                        None,
-                        Some("cancelled"),
-                    )
-                    .await
+                    }
                 }
             }
         })

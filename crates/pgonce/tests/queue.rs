@@ -1066,8 +1066,10 @@ async fn statement_timeout_ends_a_receives_wait_with_a_typed_error() {
     .await
     .unwrap()
     .unwrap();
-    let waited = support::outcome_of_blocked_wait(&race, &w, "H", "receive", async move {
-        qw.receive(ReceiveRequest::up_to(1)).await
+    let timeout = ("statement_timeout", Duration::from_secs(2));
+    let waited = support::outcome_of_blocked_wait(&race, &w, "H", "receive", timeout, || {
+        let qw = qw.clone();
+        async move { qw.receive(ReceiveRequest::up_to(1)).await }
     })
     .await;
     let Err(Error::QueryCanceled { message }) = &waited else {

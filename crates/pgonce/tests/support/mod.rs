@@ -211,19 +211,47 @@ pub async fn database_with_queue(
     (db, setup)
 }
 
-/// What `step`, run in `session`, ends with once it has been seen waiting
-/// for `holder` (a session of `race`) and that wait has run out: for waits
-/// a timeout of the session ends (`lock_timeout`, `statement_timeout`).
-pub async fn outcome_of_blocked_wait<T: Send + 'static>(
+/// What a step `step` makes, run in `session`, ends with once it has been
+/// seen waiting for `holder` (a session of `race`) and that wait has run
+/// out: for waits a timeout of the session ends (`timeout`, the setting:
+/// `lock_timeout`, `statement_timeout`; the test set it to `first`).
+///
+/// A step that ended before the harness saw it waiting proves nothing
+/// about what it waited for: the test process was not run for as long as
+/// the timeout (a busy machine). It runs again with the timeout doubled,
+/// up to 16 s; a step that never waits never passes.
+pub async fn outcome_of_blocked_wait<T, F>(
     race: &pgonce_testkit::Interleaving,
     session: &pgonce_testkit::Session,
     holder: &str,
     what: &str,
-    step: impl std::future::Future<Output = T> + Send + 'static,
-) -> T {
-    let waiting = race.step_blocks(session, what, step).await.unwrap();
-    assert_eq!(waiting.blocked_by(), [holder], "{what}");
-    waiting.resume().await.unwrap()
+    (timeout, first): (&str, std::time::Duration),
+    mut step: impl FnMut() -> F,
+) -> T
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = T> + Send + 'static,
+{
+    let mut wait = first;
+    loop {
+        match race.step_blocks(session, what, step()).await {
+            Ok(waiting) => {
+                assert_eq!(waiting.blocked_by(), [holder], "{what}");
+                return waiting.resume().await.unwrap();
+            }
+            Err(pgonce_testkit::HarnessError::DidNotBlock { .. })
+                if wait < std::time::Duration::from_secs(16) =>
+            {
+                eprintln!(
+                    "{what}: over before it was seen waiting, {timeout} {wait:?}: again, twice as long"
+                );
+                wait *= 2;
+                let value = format!("{}ms", wait.as_millis());
+                session.set(timeout, &value).await.unwrap();
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
 }
 
 /// The id the server's next transaction will get: no transaction has
