@@ -1513,3 +1513,163 @@ async fn a_recorded_failure_caused_by_a_busy_job_deletes_its_message_under_alway
     );
     assert_eq!(messages(&pool).await, 0);
 }
+
+/// Succeeds on every delivery.
+struct Succeeds;
+
+impl Handler for Succeeds {
+    async fn handle(&self, _m: &Received) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+/// Polls `worker`'s counters until `done` holds of them.
+async fn until_counted<Q: Queue + 'static, H: Handler>(
+    worker: &Worker<Q, H>,
+    done: impl Fn(&pgonce::WorkerCounters) -> bool,
+    what: &str,
+) -> pgonce::WorkerCounters {
+    tokio::time::timeout(FAILSAFE, async {
+        loop {
+            let counters = worker.counters();
+            if done(&counters) {
+                return counters;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect(what)
+}
+
+/// One event logged: its level, message and `error` field.
+#[derive(Debug, Clone)]
+struct LogLine {
+    level: tracing::Level,
+    message: String,
+    error: Option<String>,
+}
+
+/// Keeps every event logged on this thread while it is the default
+/// subscriber's layer (the worker's tasks too, on a single-threaded
+/// runtime).
+#[derive(Clone, Default)]
+struct LogLines(Arc<std::sync::Mutex<Vec<LogLine>>>);
+
+impl LogLines {
+    /// The lines kept so far of `level` whose message starts with `start`.
+    fn starting(&self, level: tracing::Level, start: &str) -> Vec<LogLine> {
+        let lines = self.0.lock().unwrap();
+        lines
+            .iter()
+            .filter(|l| l.level == level && l.message.starts_with(start))
+            .cloned()
+            .collect()
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogLines {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        /// Reads the message and the `error` field of an event.
+        struct Fields(String, Option<String>);
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                match field.name() {
+                    "message" => self.0 = format!("{value:?}"),
+                    "error" => self.1 = Some(format!("{value:?}")),
+                    _ => {}
+                }
+            }
+        }
+        let mut fields = Fields(String::new(), None);
+        event.record(&mut fields);
+        self.0.lock().unwrap().push(LogLine {
+            level: *event.metadata().level(),
+            message: fields.0,
+            error: fields.1,
+        });
+    }
+}
+
+/// A worker whose queue was deleted by hand keeps retrying its receives,
+/// and counts each failure, in its counters and in
+/// `pgonce_queue_worker_failed_receives_total`; once the queue is created
+/// again, the next receive delivers what was sent to it, and failures stop
+/// being counted: a second message, handled, finds the count unchanged.
+/// The log has the first failure at warn with its error, the others at
+/// debug (the run lasts less than the minute between warn lines: the
+/// test's failsafe ends it before), and one info line at the recovery
+/// with the count. (Failed receives were logged at warn, a line per
+/// second, and counted nowhere.)
+#[tokio::test]
+async fn a_worker_counts_failed_receives_of_a_deleted_queue_and_recovers() {
+    let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
+    let q = queue(&pool, "q").await;
+    sqlx::query("DELETE FROM pgonce.queue WHERE name = 'q'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (metric, recorder) = support::count_of("pgonce_queue_worker_failed_receives_total");
+    // On this single-threaded runtime the worker's tasks record here too.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let logged = LogLines::default();
+    let _logging = {
+        use tracing_subscriber::layer::SubscriberExt;
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(logged.clone()))
+    };
+    let config = hour_long(WorkerConfig {
+        concurrency: 1,
+        batch: 1,
+        ..WorkerConfig::default()
+    });
+    let worker = Worker::new(q.clone(), Succeeds, config).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let mut seen = None;
+    let done = run_beside(&worker, stopped, async {
+        until_counted(&worker, |c| c.failed_receives >= 2, "two receives failed").await;
+        let again = queue(&pool, "q").await;
+        again.send(SendMessage::new("a")).await.unwrap();
+        let recovered = until_counted(&worker, |c| c.succeeded == 1, "recovered").await;
+        again.send(SendMessage::new("b")).await.unwrap();
+        let later = until_counted(&worker, |c| c.succeeded == 2, "handled b").await;
+        seen = Some((recovered, later));
+        let _ = stop.send(());
+    })
+    .await;
+    let (recovered, later) = seen.expect("driven to the end");
+    assert!(
+        recovered.failed_receives >= 2,
+        "the failures were counted: {recovered:?}"
+    );
+    assert_eq!(
+        later.failed_receives, recovered.failed_receives,
+        "no receive failed once the queue was back: {later:?}"
+    );
+    assert_eq!(
+        (done.failed_receives, done.succeeded, done.deleted),
+        (recovered.failed_receives, 2, 2),
+        "the run's own counters: {done:?}"
+    );
+    assert_eq!(
+        metric.load(std::sync::atomic::Ordering::SeqCst),
+        recovered.failed_receives,
+        "the metric counts what the counters do"
+    );
+    let failed = recovered.failed_receives;
+    let first = logged.starting(tracing::Level::WARN, "receive failed");
+    assert_eq!(first.len(), 1, "the first failure alone at warn: {first:?}");
+    assert_eq!(
+        first[0].error.as_deref(),
+        Some(r#"queue "q" does not exist"#),
+        "with its error"
+    );
+    let still = logged.starting(tracing::Level::WARN, "receives still failing");
+    assert!(still.is_empty(), "within the minute: {still:?}");
+    let quiet = logged.starting(tracing::Level::DEBUG, "receive failed");
+    assert_eq!(quiet.len() as u64, failed - 1, "the others at debug");
+    let recovery = logged.starting(
+        tracing::Level::INFO,
+        &format!("receive recovered after {failed} failed receives since "),
+    );
+    assert_eq!(recovery.len(), 1, "the recovery once, with the count");
+}

@@ -39,6 +39,34 @@
 //! The gauge `pgonce_queue_worker_in_flight` counts handlers running: one
 //! abandoned, or dropped with its task, is off it all the same, so once
 //! `run` returns it reads what the worker left running, nothing.
+//!
+//! # Failed receives
+//!
+//! A receive that fails (the database down or refusing logins, the queue
+//! deleted by hand: [`Error::QueueNotFound`], a role without the rights) is
+//! retried by [`Worker::run`] after a second, for as long as it fails, so
+//! that the worker takes up its work right after the database comes back.
+//! Each one counts in [`WorkerCounters::failed_receives`] and in the
+//! counter `pgonce_queue_worker_failed_receives_total{queue}`. The log
+//! says what an operator needs without a line per second: the first
+//! failure of a run of them at warn, with its error; while they go on, at
+//! most one warn line a minute, with how many failed since when and the
+//! latest error (each failure in between at debug); and, once a receive
+//! succeeds again, one info line saying after how many failures.
+//! [`Worker::run_once`] returns its receive's error to the caller, counted
+//! all the same.
+//!
+//! # Metrics
+//!
+//! Each labelled with the `queue`: the counters
+//! `pgonce_queue_worker_received_total`,
+//! `pgonce_queue_worker_redelivered_total`,
+//! `pgonce_queue_worker_failed_total` (handlers that failed, a busy job's
+//! aside), `pgonce_queue_worker_deleted_total` and
+//! `pgonce_queue_worker_failed_receives_total`; the gauge
+//! `pgonce_queue_worker_in_flight`; the histogram
+//! `pgonce_queue_worker_handler_seconds` (each handler that ended, not
+//! abandoned).
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -324,6 +352,9 @@ pub struct WorkerCounters {
     /// delivered by a receive that finished after the shutdown began, or
     /// held by an abandoned handler.
     pub released: u64,
+    /// Receives that failed (module docs, Failed receives); no message is
+    /// counted in the others for them.
+    pub failed_receives: u64,
 }
 
 impl std::ops::AddAssign for WorkerCounters {
@@ -339,6 +370,7 @@ impl std::ops::AddAssign for WorkerCounters {
         self.expired += o.expired;
         self.abandoned += o.abandoned;
         self.released += o.released;
+        self.failed_receives += o.failed_receives;
     }
 }
 
@@ -354,6 +386,7 @@ struct Counters {
     expired: AtomicU64,
     abandoned: AtomicU64,
     released: AtomicU64,
+    failed_receives: AtomicU64,
 }
 
 impl Counters {
@@ -370,6 +403,7 @@ impl Counters {
             expired: g(&self.expired),
             abandoned: g(&self.abandoned),
             released: g(&self.released),
+            failed_receives: g(&self.failed_receives),
         }
     }
 }
@@ -427,7 +461,13 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         let max = self.shared.config.concurrency.min(self.shared.config.batch);
         let mut request = ReceiveRequest::up_to(max);
         request.visibility = self.shared.config.visibility;
-        let messages = self.shared.queue.receive(request).await?;
+        let messages = match self.shared.queue.receive(request).await {
+            Ok(messages) => messages,
+            Err(e) => {
+                self.shared.count_failed_receive(&call);
+                return Err(e);
+            }
+        };
         let mut tasks = JoinSet::new();
         for message in messages {
             let shared = self.shared.clone();
@@ -447,8 +487,10 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
     /// free, then, on shutdown, stops receiving, lets in-flight handlers
     /// finish within `shutdown_deadline` and abandons the rest; messages
     /// it received but does not handle are handed back at once (module
-    /// docs, Shutdown). Returns what this call did. Receive errors are
-    /// logged and retried after a second.
+    /// docs, Shutdown). Returns what this call did. A receive that fails
+    /// is counted and retried after a second; the log has the first of a
+    /// run of failures, then a line a minute at most, then the recovery
+    /// (module docs, Failed receives).
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> WorkerCounters {
         // This call's own counters, as in `run_once`.
         let call = Arc::new(Counters::default());
@@ -460,6 +502,8 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         // Raised at the deadline: handlers still running are abandoned.
         let (abandoning, abandon) = watch::channel(false);
         tokio::pin!(shutdown);
+        // The run of failed receives going on, if any, for the log.
+        let mut failing = ReceiveFailures::default();
         // The receive under way when the shutdown came, if any.
         let receiving = loop {
             while let Some(joined) = tasks.try_join_next() {
@@ -501,6 +545,10 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
             };
             match received {
                 Ok(messages) => {
+                    if let Some(run) = failing.succeeded() {
+                        tracing::info!(queue = self.shared.queue.name(), failed = run.count, since = %run.since,
+                            "receive recovered after {} failed receives since {}", run.count, run.since);
+                    }
                     for message in messages {
                         let permit = permits.pop().expect("no more messages than permits");
                         let shared = self.shared.clone();
@@ -513,7 +561,19 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(queue = self.shared.queue.name(), error = %e, "receive failed; retrying");
+                    self.shared.count_failed_receive(&call);
+                    let queue = self.shared.queue.name();
+                    match failing.failed(Instant::now(), time::OffsetDateTime::now_utc()) {
+                        FailedReceive::First => tracing::warn!(queue, error = %e,
+                            "receive failed; retrying every second"),
+                        FailedReceive::StillFailing(run) => {
+                            tracing::warn!(queue, failed = run.count, since = %run.since, error = %e,
+                            "receives still failing: {} failed since {}; retrying every second", run.count, run.since)
+                        }
+                        FailedReceive::Quiet => {
+                            tracing::debug!(queue, error = %e, "receive failed; retrying")
+                        }
+                    }
                     tokio::select! {
                         biased;
                         _ = &mut shutdown => break None,
@@ -544,6 +604,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                         .await;
                     }
                     Err(e) => {
+                        self.shared.count_failed_receive(&call);
                         tracing::warn!(queue = self.shared.queue.name(), error = %e, "receive failed at shutdown")
                     }
                 }
@@ -597,6 +658,69 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
 /// `WorkerConfig::shutdown_deadline` says so.) Stated on
 /// `WorkerConfig::shutdown_deadline`, where users set the deadline.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// While receives keep failing, [`Worker::run`] logs one line about them
+/// at most this often (module docs, Failed receives).
+const FAILING_RECEIVES_LOGGED_EVERY: Duration = Duration::from_secs(60);
+
+/// A run of failed receives: receives that failed one after the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FailingRun {
+    /// How many failed so far.
+    count: u64,
+    /// When the first failed, by the wall clock (for the log).
+    since: time::OffsetDateTime,
+    /// When the last line about the run was logged.
+    logged_at: Instant,
+}
+
+/// What to log of a failed receive.
+#[derive(Debug, PartialEq, Eq)]
+enum FailedReceive {
+    /// The first of a run: at warn, with its error.
+    First,
+    /// The run goes on, and no line about it was logged for
+    /// [`FAILING_RECEIVES_LOGGED_EVERY`]: at warn, how many since when.
+    StillFailing(FailingRun),
+    /// Logged about lately: at debug only.
+    Quiet,
+}
+
+/// The run of failed receives going on in one [`Worker::run`], if any,
+/// deciding which failures the log tells of at warn.
+///
+/// Written here, not taken from a crate: `tracing` limits no rate of its
+/// own, and the crates that do (`tracing-throttle`) are subscriber layers,
+/// which the application installs, not a library; they drop repeats of a
+/// line, but say neither how many failed since when in the line that gets
+/// through nor when the failures stopped.
+#[derive(Debug, Default)]
+struct ReceiveFailures(Option<FailingRun>);
+
+impl ReceiveFailures {
+    /// A receive failed at `now` (`wall`, by the wall clock): what to log.
+    fn failed(&mut self, now: Instant, wall: time::OffsetDateTime) -> FailedReceive {
+        let Some(run) = &mut self.0 else {
+            self.0 = Some(FailingRun {
+                count: 1,
+                since: wall,
+                logged_at: now,
+            });
+            return FailedReceive::First;
+        };
+        run.count += 1;
+        if now.saturating_duration_since(run.logged_at) < FAILING_RECEIVES_LOGGED_EVERY {
+            return FailedReceive::Quiet;
+        }
+        run.logged_at = now;
+        FailedReceive::StillFailing(*run)
+    }
+
+    /// A receive succeeded: the run of failures it ended, if any.
+    fn succeeded(&mut self) -> Option<FailingRun> {
+        self.0.take()
+    }
+}
 
 /// Resolves once `signal` is raised (set to true), or never when its
 /// sender is gone unraised.
@@ -658,6 +782,14 @@ impl<Q: Queue, H: Handler> Shared<Q, H> {
         for counters in [call, &self.counters] {
             which(counters).fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Counts a failed receive for the call whose counters are `call`, for
+    /// the worker, and in `pgonce_queue_worker_failed_receives_total`.
+    fn count_failed_receive(&self, call: &Counters) {
+        self.bump(call, |c| &c.failed_receives);
+        metrics::counter!("pgonce_queue_worker_failed_receives_total", "queue" => self.queue.name().to_string())
+            .increment(1);
     }
 
     /// Extends `message`'s visibility every `heartbeat_interval` until
@@ -1109,6 +1241,48 @@ mod tests {
             ..ok
         };
         no_heartbeat.validate().unwrap();
+    }
+
+    /// A run of failed receives is told at warn at its first failure, then
+    /// once per [`FAILING_RECEIVES_LOGGED_EVERY`] with how many failed
+    /// since when, and its end gives the count; the next failure starts a
+    /// new run. The clock is given, not read: no waiting.
+    #[test]
+    fn failed_receives_are_logged_first_then_once_a_minute_then_at_recovery() {
+        let start = Instant::now();
+        let at = |secs: u64| start + Duration::from_secs(secs);
+        let wall = time::OffsetDateTime::UNIX_EPOCH;
+        let later = wall + Duration::from_secs(1000);
+        let mut failures = ReceiveFailures::default();
+        assert_eq!(failures.succeeded(), None, "nothing failed");
+        assert_eq!(failures.failed(at(0), wall), FailedReceive::First);
+        for secs in 1..60 {
+            assert_eq!(
+                failures.failed(at(secs), later),
+                FailedReceive::Quiet,
+                "{secs}"
+            );
+        }
+        let still = FailingRun {
+            count: 61,
+            since: wall,
+            logged_at: at(60),
+        };
+        assert_eq!(
+            failures.failed(at(60), later),
+            FailedReceive::StillFailing(still)
+        );
+        assert_eq!(failures.failed(at(119), later), FailedReceive::Quiet);
+        assert!(matches!(
+            failures.failed(at(120), later),
+            FailedReceive::StillFailing(FailingRun { count: 63, .. })
+        ));
+        assert!(matches!(
+            failures.succeeded(),
+            Some(FailingRun { count: 63, since, .. }) if since == wall
+        ));
+        assert_eq!(failures.succeeded(), None, "told once");
+        assert_eq!(failures.failed(at(121), later), FailedReceive::First);
     }
 
     /// A heartbeat under a millisecond would beat in a busy loop of
