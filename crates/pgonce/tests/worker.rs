@@ -1597,14 +1597,16 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogLines {
 /// again, the next receive delivers what was sent to it, and failures stop
 /// being counted: a second message, handled, finds the count unchanged.
 /// The log has the first failure at warn with its error, the others at
-/// debug (the run lasts less than the minute between warn lines: the
-/// test's failsafe ends it before), and one info line at the recovery
-/// with the count. (Failed receives were logged at warn, a line per
+/// debug but for at most one warn line per minute of the run (none, unless
+/// the machine held the test up for a minute: the bound is read from the
+/// test's own clock, so a slow run is not a failure), and one info line at
+/// the recovery with the count. (Failed receives were logged at warn, a line per
 /// second, and counted nowhere.)
 #[tokio::test]
 async fn a_worker_counts_failed_receives_of_a_deleted_queue_and_recovers() {
     let (_db, pool) = fresh_migrated_database(5, pgonce::migrate).await;
     let q = queue(&pool, "q").await;
+    let failing_from = std::time::Instant::now();
     sqlx::query("DELETE FROM pgonce.queue WHERE name = 'q'")
         .execute(&pool)
         .await
@@ -1625,11 +1627,13 @@ async fn a_worker_counts_failed_receives_of_a_deleted_queue_and_recovers() {
     let worker = Worker::new(q.clone(), Succeeds, config).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel();
     let mut seen = None;
+    let mut failing_for = Duration::ZERO;
     let done = run_beside(&worker, stopped, async {
         until_counted(&worker, |c| c.failed_receives >= 2, "two receives failed").await;
         let again = queue(&pool, "q").await;
         again.send(SendMessage::new("a")).await.unwrap();
         let recovered = until_counted(&worker, |c| c.succeeded == 1, "recovered").await;
+        failing_for = failing_from.elapsed();
         again.send(SendMessage::new("b")).await.unwrap();
         let later = until_counted(&worker, |c| c.succeeded == 2, "handled b").await;
         seen = Some((recovered, later));
@@ -1664,9 +1668,17 @@ async fn a_worker_counts_failed_receives_of_a_deleted_queue_and_recovers() {
         "with its error"
     );
     let still = logged.starting(tracing::Level::WARN, "receives still failing");
-    assert!(still.is_empty(), "within the minute: {still:?}");
+    let minutes = failing_for.as_secs() / 60;
+    assert!(
+        still.len() as u64 <= minutes,
+        "at most one a minute, {failing_for:?} of failing: {still:?}"
+    );
     let quiet = logged.starting(tracing::Level::DEBUG, "receive failed");
-    assert_eq!(quiet.len() as u64, failed - 1, "the others at debug");
+    assert_eq!(
+        quiet.len() as u64,
+        failed - 1 - still.len() as u64,
+        "the others at debug"
+    );
     let recovery = logged.starting(
         tracing::Level::INFO,
         &format!("receive recovered after {failed} failed receives since "),
