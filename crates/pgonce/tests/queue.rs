@@ -2046,6 +2046,30 @@ async fn deleting_a_fifo_head_in_a_batch_wakes_a_receiver_parked_for_the_next() 
     deleting_a_fifo_head_wakes_a_parked_receiver(true).await;
 }
 
+/// Receives `q`'s one message, "poison", and hands it back; parks a
+/// receiver on `dlq`; then receives `q` again, which moves the message to
+/// its dead-letter queue (a `max_receive_count` of 1) and delivers nothing.
+/// Returns the parked receiver.
+async fn moved_under_a_parked_receiver(
+    q: &PgQueue,
+    dlq: &PgQueue,
+) -> tokio::task::JoinHandle<Vec<pgonce::Received>> {
+    let first = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&first), ["poison"]);
+    q.change_visibility(&first[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    let receiver = parked_receiver(dlq).await;
+    assert!(
+        q.receive(ReceiveRequest::up_to(10))
+            .await
+            .unwrap()
+            .is_empty(),
+        "received once already: moved, not delivered"
+    );
+    receiver
+}
+
 /// A receive that moves a message to the dead-letter queue wakes a
 /// receiver parked there, as a send to that queue would: the message is
 /// receivable there at once. The receiver parked on the dead-letter queue
@@ -2068,19 +2092,7 @@ async fn a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue(fif
     q.send(if fifo { message.group("g") } else { message })
         .await
         .unwrap();
-    let first = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
-    assert_eq!(bodies(&first), ["poison"]);
-    q.change_visibility(&first[0].receipt, Duration::ZERO)
-        .await
-        .unwrap();
-    let receiver = parked_receiver(&dlq).await;
-    assert!(
-        q.receive(ReceiveRequest::up_to(10))
-            .await
-            .unwrap()
-            .is_empty(),
-        "received once already: moved, not delivered"
-    );
+    let receiver = moved_under_a_parked_receiver(&q, &dlq).await;
     assert_eq!(woken(receiver, "the dead-letter move").await, ["poison"]);
 }
 
@@ -2092,6 +2104,98 @@ async fn a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue_sta
 #[tokio::test]
 async fn a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue_fifo() {
     a_dead_letter_move_wakes_a_receiver_parked_on_the_dead_letter_queue(true).await;
+}
+
+/// A dead-letter move wakes the receivers of the dead-letter queue the
+/// move went to, even when the queue's redrive policy changes (`create`
+/// of the existing queue) between the receive's commit and its
+/// notification: to another dead-letter queue, or to none. The
+/// notification used to read the queue's row again after the commit, and
+/// woke the new dead-letter queue, or nobody, while the message waited in
+/// the old one for its receivers' poll interval.
+///
+/// Driven step by step: the source's handle is on a pool of one whose
+/// `before_acquire` changes the policy at the first acquire that finds the
+/// message moved, the one the receive makes after its statement committed.
+async fn a_dead_letter_move_wakes_the_queue_it_moved_to_when_the_policy_changed_after(
+    changed_to: Option<&'static str>,
+) {
+    let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
+    let dead = "s-dlq";
+    let dlq = PgQueue::create(&pool, dead, QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    PgQueue::create(&pool, "s-dlq-2", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    PgQueue::create(
+        &pool,
+        "s",
+        QueueAttributes::default().dead_letter(dead, 1),
+        no_poll(),
+    )
+    .await
+    .unwrap();
+    let after = match changed_to {
+        Some(other) => QueueAttributes::default().dead_letter(other, 1),
+        None => QueueAttributes::default(),
+    };
+    let changed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let source_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .before_acquire({
+            let changed = changed.clone();
+            let pool = pool.clone();
+            move |conn, _| {
+                let changed = changed.clone();
+                let pool = pool.clone();
+                let after = after.clone();
+                Box::pin(async move {
+                    if changed.load(std::sync::atomic::Ordering::SeqCst) {
+                        return Ok(true);
+                    }
+                    let moved: bool = sqlx::query_scalar(
+                        "SELECT EXISTS (SELECT 1 FROM pgonce.queue_message WHERE queue = $1)",
+                    )
+                    .bind(dead)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                    if moved {
+                        PgQueue::create(&pool, "s", after, no_poll())
+                            .await
+                            .expect("the policy changed");
+                        changed.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    Ok(true)
+                })
+            }
+        })
+        .connect_with(db.options())
+        .await
+        .unwrap();
+    let q = PgQueue::open(&source_pool, "s", no_poll()).await.unwrap();
+    q.send(SendMessage::new("poison")).await.unwrap();
+    let receiver = moved_under_a_parked_receiver(&q, &dlq).await;
+    assert!(
+        changed.load(std::sync::atomic::Ordering::SeqCst),
+        "the policy was changed after the move"
+    );
+    assert_eq!(
+        woken(receiver, "the dead-letter move").await,
+        ["poison"],
+        "policy changed to {changed_to:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_dead_letter_move_wakes_the_queue_it_moved_to_when_the_policy_changed_after_to_another() {
+    a_dead_letter_move_wakes_the_queue_it_moved_to_when_the_policy_changed_after(Some("s-dlq-2"))
+        .await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_move_wakes_the_queue_it_moved_to_when_the_policy_changed_after_to_none() {
+    a_dead_letter_move_wakes_the_queue_it_moved_to_when_the_policy_changed_after(None).await;
 }
 
 /// A release (a visibility timeout of zero) makes the message receivable

@@ -644,16 +644,7 @@ impl PgQueue {
             let mut sources: Vec<&str> = picked.iter().map(|m| m.source.as_str()).collect();
             sources.sort_unstable();
             sources.dedup();
-            for source in sources {
-                if let Err(e) = sqlx::query(include_str!("sql/notify.sql"))
-                    .bind(CHANNEL)
-                    .bind(source)
-                    .execute(&self.inner.pool)
-                    .await
-                {
-                    tracing::warn!(queue = %source, error = %e, "redrive notification not sent; receivers look at their poll");
-                }
-            }
+            self.notify_queues(sources).await;
         }
         Ok((picked.len(), moved))
     }
@@ -1075,6 +1066,7 @@ impl PgQueue {
         // back: a wake counted from here is never early.
         let answered_at = Instant::now();
         let (mut dead, mut expired, mut skipped, mut unseen) = (0u64, 0u64, 0u64, 0u64);
+        let mut dead_letter_queues: Vec<String> = Vec::new();
         let mut undecided = 0u64;
         let mut held = Vec::new();
         let mut no_queue = false;
@@ -1104,7 +1096,10 @@ impl PgQueue {
                         requested_at,
                     });
                 }
-                "dead_lettered" => dead += 1,
+                "dead_lettered" => {
+                    dead += 1;
+                    dead_letter_queues.extend(row.dead_letter_queue);
+                }
                 "held" => held.push(row.id),
                 "skipped" => skipped += 1,
                 "unseen" => unseen += 1,
@@ -1128,7 +1123,9 @@ impl PgQueue {
             tracing::warn!(queue = %name, dead, "messages moved to the dead-letter queue");
             metrics::counter!("pgonce_queue_dead_lettered_total", "queue" => name.clone())
                 .increment(dead);
-            self.wake_dead_letter_queue().await;
+            dead_letter_queues.sort_unstable();
+            dead_letter_queues.dedup();
+            self.wake_dead_letter_queues(&dead_letter_queues).await;
         }
         if expired > 0 {
             metrics::counter!("pgonce_queue_expired_total", "queue" => name.clone())
@@ -1157,23 +1154,35 @@ impl PgQueue {
         Ok(undelivered)
     }
 
-    /// After a receive moved messages to the dead-letter queue (committed:
-    /// each receive statement is its own transaction): they are receivable
-    /// there now, so the receivers parked on it are woken, as a send to it
-    /// would wake them. A notification not sent is logged, not returned:
-    /// the receive delivered what it delivered, and those receivers find
-    /// the messages at their poll.
-    async fn wake_dead_letter_queue(&self) {
-        if !self.inner.options.notify {
-            return;
+    /// After a receive moved messages to the dead-letter queues `queues`
+    /// (committed: each receive statement is its own transaction): they
+    /// are receivable there now, so the receivers parked on them are woken,
+    /// as a send would wake them. The queues are those the statement moved
+    /// to (receive_act.sql), not the queue's row read again: the row's
+    /// redrive policy may have changed since the commit, to another
+    /// dead-letter queue or to none, and the messages wait in the one they
+    /// went to.
+    async fn wake_dead_letter_queues(&self, queues: &[String]) {
+        if self.inner.options.notify {
+            self.notify_queues(queues.iter().map(String::as_str)).await;
         }
-        if let Err(e) = sqlx::query(include_str!("sql/notify_dead_letter_queue.sql"))
-            .bind(CHANNEL)
-            .bind(&self.inner.name)
-            .execute(&self.inner.pool)
-            .await
-        {
-            tracing::warn!(queue = %self.inner.name, error = %e, "dead-letter notification not sent; its receivers look at their poll");
+    }
+
+    /// Wakes the receivers parked on each of `queues`, each notification
+    /// in a transaction of its own (notify.sql), after what made messages
+    /// receivable there committed. A notification not sent is logged, not
+    /// returned: what committed stands, and those receivers find the
+    /// messages at their poll.
+    async fn notify_queues(&self, queues: impl IntoIterator<Item = &str>) {
+        for queue in queues {
+            if let Err(e) = sqlx::query(include_str!("sql/notify.sql"))
+                .bind(CHANNEL)
+                .bind(queue)
+                .execute(&self.inner.pool)
+                .await
+            {
+                tracing::warn!(queue = %queue, error = %e, "notification not sent; the queue's receivers look at their poll");
+            }
         }
     }
 
@@ -1718,6 +1727,9 @@ struct ReceiveRow {
     /// Only in the `next_visible` row (a statement that delivered
     /// nothing): in how many ms the queue's next message becomes visible.
     next_visible_ms: Option<i64>,
+    /// Only in a `dead_lettered` row: the dead-letter queue the message
+    /// moved to.
+    dead_letter_queue: Option<String>,
 }
 
 /// What one look of a receive (its statements) found.

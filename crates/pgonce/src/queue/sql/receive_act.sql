@@ -19,4 +19,7 @@
             'at', now()))
     FROM fate, q
     WHERE m.id = fate.id AND fate.fate = 'dead_lettered'
-    RETURNING m.id
+    -- The queue it moved to, as this statement read the queue's row: the
+    -- receive wakes that queue's receivers after its commit, whatever the
+    -- row says by then (postgres.rs, wake_dead_letter_queues).
+    RETURNING m.id, m.queue AS dead_letter_queue

@@ -21,5 +21,5 @@
 SELECT 'delivered' AS fate, id, body, attributes, group_id, receive_count, generation,
        least(greatest(sent_at, '4714-11-24 00:00:00+00 BC'::timestamptz),
              '9999-12-31 23:59:59.999999+00'::timestamptz) AS sent_at,
-       visibility_ms, NULL::bigint AS next_visible_ms
+       visibility_ms, NULL::bigint AS next_visible_ms, NULL::text AS dead_letter_queue
 FROM delivered

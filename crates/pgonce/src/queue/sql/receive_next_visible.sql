@@ -13,7 +13,8 @@ UNION ALL
 SELECT 'next_visible', 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        ceil(extract(epoch FROM least(n.visible_at,
                                      '9999-12-31 23:59:59.999999+00'::timestamptz)
-                               - now()) * 1000)::bigint
+                               - now()) * 1000)::bigint,
+       NULL
 FROM (SELECT min(m.visible_at) AS visible_at FROM pgonce.queue_message m
       WHERE m.queue = $1 AND m.visible_at > now()) n
 WHERE n.visible_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM delivered)
@@ -21,5 +22,5 @@ UNION ALL
 -- Nothing delivered, and no queue $1: deleted since the handle was opened.
 -- The receive says so instead of returning none, as from an empty queue.
 -- Looked at only when nothing was delivered (one-time filters, in order).
-SELECT 'no_queue', 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'no_queue', 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE NOT EXISTS (SELECT 1 FROM delivered) AND NOT EXISTS (SELECT 1 FROM q)

@@ -1,9 +1,9 @@
 UNION ALL
-SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM moved
+SELECT 'dead_lettered', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, dead_letter_queue FROM moved
 UNION ALL
-SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM expired
+SELECT 'expired', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM expired
 UNION ALL
-SELECT fate, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
+SELECT fate, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
 WHERE fate IN ('held', 'skipped')
 UNION ALL
 -- Picked and locked, but not acted on: a message the standard pick's
@@ -11,7 +11,7 @@ UNION ALL
 -- transaction that began before this one; migration 0160). It took a
 -- place of the batch and its lock turned other receivers away; the
 -- receive looks again, and wakes them.
-SELECT 'unseen', fate.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
+SELECT 'unseen', fate.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM fate
 WHERE fate.fate IN ('delivered', 'dead_lettered', 'expired')
   AND fate.id NOT IN (SELECT id FROM delivered UNION ALL SELECT id FROM moved
                       UNION ALL SELECT id FROM expired)
