@@ -5977,6 +5977,23 @@ async fn a_receive_of_a_queue_deleted_by_hand_is_queue_not_found() {
     }
 }
 
+/// The default attributes of a FIFO queue, or of a standard one.
+fn of_kind(fifo: bool) -> QueueAttributes {
+    if fifo {
+        QueueAttributes::fifo()
+    } else {
+        QueueAttributes::default()
+    }
+}
+
+/// The queue of each message in the database.
+async fn queues_of_messages(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT queue FROM pgonce.queue_message")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
 /// A handle keeps its queue's kind: once the queue is deleted by hand and
 /// one of the other kind is created under its name, the handle's sends and
 /// receives are [`Error::QueueNotFound`] (its queue is gone) and write
@@ -5988,13 +6005,6 @@ async fn a_receive_of_a_queue_deleted_by_hand_is_queue_not_found() {
 #[tokio::test]
 async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
     let pool = pool().await;
-    let attributes = |fifo| {
-        if fifo {
-            QueueAttributes::fifo()
-        } else {
-            QueueAttributes::default()
-        }
-    };
     // A message for a queue of that kind: grouped in a FIFO queue.
     let message = |fifo, body: &str| {
         let m = SendMessage::new(body);
@@ -6007,12 +6017,12 @@ async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
         );
     }
     for fifo in [false, true] {
-        let old = PgQueue::create(&pool, "q", attributes(fifo), no_poll())
+        let old = PgQueue::create(&pool, "q", of_kind(fifo), no_poll())
             .await
             .unwrap();
         let delete = "DELETE FROM pgonce.queue WHERE name = 'q'";
         sqlx::query(delete).execute(&pool).await.unwrap();
-        let new = PgQueue::create(&pool, "q", attributes(!fifo), no_poll())
+        let new = PgQueue::create(&pool, "q", of_kind(!fifo), no_poll())
             .await
             .unwrap();
         let both = vec![message(!fifo, "a"), message(!fifo, "b")];
@@ -6104,12 +6114,7 @@ async fn a_redrive_to_a_source_deleted_or_recreated_by_hand_is_queue_not_found()
     for _ in 0..2 {
         q.receive(ReceiveRequest::up_to(1)).await.unwrap();
     }
-    let in_queue = || async {
-        sqlx::query_scalar::<_, String>("SELECT queue FROM pgonce.queue_message")
-            .fetch_all(&pool)
-            .await
-            .unwrap()
-    };
+    let in_queue = || queues_of_messages(&pool);
     assert_eq!(in_queue().await, ["jobs-dlq"], "dead-lettered");
     let delete = "DELETE FROM pgonce.queue WHERE name = 'jobs'";
     sqlx::query(delete).execute(&pool).await.unwrap();
@@ -6131,4 +6136,55 @@ async fn a_redrive_to_a_source_deleted_or_recreated_by_hand_is_queue_not_found()
     queue(&pool, "jobs", at_once).await;
     assert_eq!(dlq.redrive().await.unwrap(), 1);
     assert_eq!(in_queue().await, ["jobs"]);
+}
+
+/// A redrive by a handle whose dead-letter queue was deleted by hand and
+/// created again as the other kind is [`Error::QueueNotFound`] naming that
+/// queue, the handle's own, and moves nothing. It used to name the source
+/// of the new queue's dead letters, which stood there of its kind: the
+/// handle judged the sources by its own old kind, as if they, not its
+/// queue, had been recreated.
+#[tokio::test]
+async fn a_redrive_by_a_handle_of_a_queue_recreated_as_the_other_kind_names_its_queue() {
+    let pool = pool().await;
+    let attributes = |fifo| of_kind(fifo).visibility_timeout(Duration::ZERO);
+    let in_queue = || queues_of_messages(&pool);
+    for fifo in [false, true] {
+        let old = PgQueue::create(&pool, "d", attributes(fifo), no_poll())
+            .await
+            .unwrap();
+        sqlx::query("DELETE FROM pgonce.queue WHERE name = 'd'")
+            .execute(&pool)
+            .await
+            .unwrap();
+        PgQueue::create(&pool, "d", attributes(!fifo), no_poll())
+            .await
+            .unwrap();
+        let source = PgQueue::create(&pool, "s", attributes(!fifo).dead_letter("d", 1), no_poll())
+            .await
+            .unwrap();
+        let message = SendMessage::new("m");
+        source
+            .send(if fifo { message } else { message.group("g") })
+            .await
+            .unwrap();
+        for _ in 0..2 {
+            source.receive(ReceiveRequest::up_to(1)).await.unwrap();
+        }
+        assert_eq!(in_queue().await, ["d"], "dead-lettered");
+        let got = old.redrive().await;
+        assert!(
+            matches!(&got, Err(Error::QueueNotFound { name }) if name == "d"),
+            "a FIFO handle: {fifo}: {got:?}"
+        );
+        assert_eq!(
+            in_queue().await,
+            ["d"],
+            "a FIFO handle: {fifo}: nothing moved"
+        );
+        sqlx::query("DELETE FROM pgonce.queue WHERE name IN ('s', 'd')")
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
 }

@@ -591,6 +591,9 @@ impl PgQueue {
     /// when that queue was deleted by hand since, or a queue of the other
     /// kind created under its name, the batch moves nothing and is
     /// [`Error::QueueNotFound`], naming it.
+    /// So is a batch of a handle whose own queue was deleted by hand and
+    /// created again as the other kind, naming this queue: its letters'
+    /// sources are of the new kind, and stand.
     async fn redrive_batch(&self) -> Result<(usize, u64)> {
         let mut tx = transaction::begin(&self.inner.pool, IsolationLevel::ReadCommitted).await?;
         let picked: Vec<DeadLetterRow> = sqlx::query_as(include_str!("sql/redrive_pick.sql"))
@@ -604,17 +607,30 @@ impl PgQueue {
         let mut source_queues: Vec<&str> = picked.iter().map(|m| m.source.as_str()).collect();
         source_queues.sort_unstable();
         source_queues.dedup();
+        // This queue too: the sources are judged by the handle's kind,
+        // which is only theirs while this queue is still the handle's.
+        let mut queues = source_queues.clone();
+        queues.push(&self.inner.name);
+        queues.sort_unstable();
+        queues.dedup();
         let found: Vec<SourceQueueRow> = sqlx::query_as(include_str!("sql/redrive_sources.sql"))
-            .bind(&source_queues)
+            .bind(&queues)
             .fetch_all(&mut *tx)
             .await?;
         // A queue's dead-letter queue is of its kind (create checks it).
-        let theirs = |name: &str| {
+        let of_this_kind = |name: &str| {
             found
                 .iter()
                 .any(|q| q.name == name && q.fifo == self.inner.fifo)
         };
-        if let Some(gone) = source_queues.into_iter().find(|name| !theirs(name)) {
+        // Created again as the other kind since the handle was opened
+        // (deleted, its letters went with it: picked is empty then).
+        if !of_this_kind(&self.inner.name) {
+            return Err(Error::QueueNotFound {
+                name: self.inner.name.clone(),
+            });
+        }
+        if let Some(gone) = source_queues.into_iter().find(|name| !of_this_kind(name)) {
             return Err(Error::QueueNotFound { name: gone.into() });
         }
         let keys = group_lock_keys(picked.iter().filter_map(|m| {

@@ -1,7 +1,9 @@
 -- Redrive, before it moves anything: the queues $1 its picked dead letters
--- came from, with their kinds, each locked against deletion until the
--- redrive commits (the lock the move's foreign key check takes, taken
--- first). A queue missing here was deleted by hand since its letters came.
+-- came from, and the dead-letter queue itself, with their kinds, each
+-- locked against deletion until the redrive commits (the lock the move's
+-- foreign key check takes, taken first). A source missing here was
+-- deleted by hand since its letters came; the dead-letter queue of the
+-- other kind than the handle's, deleted by hand and created again.
 SELECT name, fifo
 FROM pgonce.queue
 WHERE name = ANY($1)
