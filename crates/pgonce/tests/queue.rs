@@ -3769,7 +3769,7 @@ mod model {
     use proptest::prelude::*;
 
     /// Queues 0 and 1 are sources, dead-lettering to queue 2 after this
-    /// many receives (each).
+    /// many receives (each), until a [`Op::SetMaxReceives`] changes it.
     const MAX_RECEIVES: [u32; 2] = [1, 2];
     const DLQ: usize = 2;
     const LONG: Duration = Duration::from_secs(3600);
@@ -3784,6 +3784,9 @@ mod model {
     #[derive(Debug, Clone)]
     enum Op {
         Send(usize),
+        /// A send with a delivery delay (ten minutes): not visible until
+        /// time passes for it.
+        SendDelayed(usize),
         /// A receive of up to this many messages from the queue.
         Receive(usize, usize),
         /// The message's visibility timeout runs out (counted from the
@@ -3802,6 +3805,10 @@ mod model {
         DeleteBatch(Vec<usize>, Target),
         Redrive,
         Purge(usize),
+        /// The source queue's redrive policy is set again (`create` of the
+        /// existing queue): dead-lettering after this many receives, or
+        /// never (0).
+        SetMaxReceives(usize, u32),
     }
 
     fn receipt_index() -> impl Strategy<Value = usize> {
@@ -3819,6 +3826,7 @@ mod model {
         let source_mostly = || prop_oneof![3 => 0..2usize, 1 => Just(DLQ)];
         prop_oneof![
             6 => source_mostly().prop_map(Op::Send),
+            2 => source_mostly().prop_map(Op::SendDelayed),
             8 => (0..3usize, prop_oneof![1 => Just(100usize), 2 => 1..4usize])
                 .prop_map(|(q, n)| Op::Receive(q, n)),
             3 => (0..4usize).prop_map(Op::Expire),
@@ -3831,6 +3839,7 @@ mod model {
                 .prop_map(|(rs, t)| Op::DeleteBatch(rs, t)),
             4 => Just(Op::Redrive),
             1 => source_mostly().prop_map(Op::Purge),
+            2 => (0..2usize, 0..4u32).prop_map(|(q, n)| Op::SetMaxReceives(q, n)),
         ]
     }
 
@@ -3861,12 +3870,27 @@ mod model {
         delivery: u64,
     }
 
-    #[derive(Debug, Default)]
+    #[derive(Debug)]
     struct Model {
         messages: BTreeMap<String, Message>,
         ids: Vec<String>,
         receipts: Vec<Issued>,
         deliveries: u64,
+        /// Each source queue's max_receive_count as last set; none: it
+        /// dead-letters nothing.
+        max_receives: [Option<u32>; 2],
+    }
+
+    impl Default for Model {
+        fn default() -> Self {
+            Model {
+                messages: BTreeMap::new(),
+                ids: Vec::new(),
+                receipts: Vec::new(),
+                deliveries: 0,
+                max_receives: MAX_RECEIVES.map(Some),
+            }
+        }
     }
 
     /// How often the paths under test came up, to show the run reached them.
@@ -3879,6 +3903,10 @@ mod model {
         dead_lettered: u64,
         redriven: u64,
         purged: u64,
+        /// Redrive policies set again.
+        policies_set: u64,
+        /// Messages sent with a delay.
+        delayed: u64,
         accepted: u64,
         refused: u64,
     }
@@ -3932,17 +3960,27 @@ mod model {
             return Ok(());
         }
         match op {
-            Op::Send(q) => {
+            Op::Send(q) | Op::SendDelayed(q) => {
+                let delayed = matches!(op, Op::SendDelayed(_));
+                let message = SendMessage::new("m");
+                let message = if delayed {
+                    message.delay(Duration::from_secs(600))
+                } else {
+                    message
+                };
                 let sent = queues[*q]
-                    .send(SendMessage::new("m"))
+                    .send(message)
                     .await
                     .map_err(|e| format!("send: {e}"))?;
+                if delayed {
+                    tally.delayed += 1;
+                }
                 model.ids.push(sent.id.clone());
                 model.messages.insert(
                     sent.id,
                     Message {
                         queue: *q,
-                        visible: true,
+                        visible: !delayed,
                         receive_count: 0,
                         base: 0,
                         from: None,
@@ -3980,10 +4018,12 @@ mod model {
                     .collect();
                 let mut expected = BTreeMap::new();
                 for id in picking.iter().map(i64::to_string) {
+                    let max_receives = model.max_receives;
                     let Some(m) = model.messages.get_mut(&id) else {
                         return Err(format!("{id} visible in {q}, model has no such message"));
                     };
-                    let due = *q != DLQ && m.receive_count - m.base >= MAX_RECEIVES[*q];
+                    let due = *q != DLQ
+                        && max_receives[*q].is_some_and(|max| m.receive_count - m.base >= max);
                     let full = expected.len() == *n;
                     let expire = m.aged && (!full || !after.contains_key(&id));
                     let dead_letter =
@@ -4143,6 +4183,19 @@ mod model {
                     return Err(format!("purged {purged}, model {want}"));
                 }
                 tally.purged += want;
+            }
+            Op::SetMaxReceives(q, n) => {
+                let names: Vec<String> = queues.iter().map(|q| q.name().to_string()).collect();
+                let attributes = QueueAttributes::default().visibility_timeout(LONG);
+                let attributes = match n {
+                    0 => attributes,
+                    n => attributes.dead_letter(names[DLQ].clone(), *n),
+                };
+                PgQueue::create(pool, &names[*q], attributes, fast_poll())
+                    .await
+                    .map_err(|e| format!("set the redrive policy: {e}"))?;
+                model.max_receives[*q] = (*n > 0).then_some(*n);
+                tally.policies_set += 1;
             }
         }
         Ok(())
