@@ -6100,6 +6100,41 @@ async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
     }
 }
 
+/// A send, one message or a batch, to queue q of a fresh database while
+/// another session runs `by_hand` on q's row in a transaction: the send is
+/// seen waiting for that session, which then commits. Returns the send's
+/// outcome and how many messages the database holds after it.
+async fn send_racing(by_hand: &'static str, one: bool) -> (pgonce::Result<()>, i64) {
+    let (db, setup) = database_with_queue("q", QueueAttributes::default()).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let hand = race.session("H").await.unwrap();
+    let sender = race.session("S").await.unwrap();
+    let q = PgQueue::open(sender.pool(), "q", no_poll()).await.unwrap();
+    let mut tx = hand.pool().begin().await.unwrap();
+    race.try_step(&hand, by_hand, sqlx::raw_sql(by_hand).execute(&mut *tx))
+        .await
+        .unwrap();
+    let sending = race
+        .step_blocks(&sender, "send to q", async move {
+            if one {
+                q.send(SendMessage::new("m")).await.map(|_| ())
+            } else {
+                let batch = vec![SendMessage::new("a"), SendMessage::new("b")];
+                q.send_batch(batch).await.map(|_| ())
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(sending.blocked_by(), ["H"]);
+    race.try_step(&hand, "commit", tx.commit()).await.unwrap();
+    let sent = sending.resume().await.unwrap();
+    let messages: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.queue_message")
+        .fetch_one(&setup)
+        .await
+        .unwrap();
+    (sent, messages)
+}
+
 /// A send racing its queue's deletion by hand (the delete, uncommitted,
 /// holds the queue's row; the send waits for it, then the delete commits)
 /// is [`Error::QueueNotFound`], as a send after it is, and sends nothing,
@@ -6107,45 +6142,33 @@ async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
 /// violation, an untyped database error.
 #[tokio::test]
 async fn a_send_racing_its_queues_deletion_by_hand_is_queue_not_found() {
-    let batch = || vec![SendMessage::new("a"), SendMessage::new("b")];
     for one in [true, false] {
-        let (db, setup) = database_with_queue("q", QueueAttributes::default()).await;
-        let race = Interleaving::new(db.options()).await.unwrap();
-        let deleter = race.session("D").await.unwrap();
-        let sender = race.session("S").await.unwrap();
-        let q = PgQueue::open(sender.pool(), "q", no_poll()).await.unwrap();
-        let mut delete = deleter.pool().begin().await.unwrap();
-        race.try_step(
-            &deleter,
-            "delete q, uncommitted",
-            sqlx::query("DELETE FROM pgonce.queue WHERE name = 'q'").execute(&mut *delete),
-        )
-        .await
-        .unwrap();
-        let sending = race
-            .step_blocks(&sender, "send to q", async move {
-                if one {
-                    q.send(SendMessage::new("m")).await.map(|_| ())
-                } else {
-                    q.send_batch(batch()).await.map(|_| ())
-                }
-            })
-            .await
-            .unwrap();
-        assert_eq!(sending.blocked_by(), ["D"]);
-        race.try_step(&deleter, "commit", delete.commit())
-            .await
-            .unwrap();
-        let sent = sending.resume().await.unwrap();
+        let (sent, messages) = send_racing("DELETE FROM pgonce.queue WHERE name = 'q'", one).await;
         assert!(
             matches!(&sent, Err(Error::QueueNotFound { name }) if name == "q"),
             "one message: {one}: {sent:?}"
         );
-        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.queue_message")
-            .fetch_one(&setup)
-            .await
-            .unwrap();
-        assert_eq!(left, 0);
+        assert_eq!(messages, 0);
+    }
+}
+
+/// A send racing its queue's replacement by hand, deleted and created
+/// again as its own kind in one transaction (uncommitted, holding the
+/// old row; the send waits for it, then it commits), sends to the queue
+/// that stands, one message or a batch: the queue was never missing to
+/// anyone, and a send after it goes there. It said
+/// [`Error::QueueNotFound`]: its insert's foreign key check found the row
+/// it waited for deleted.
+#[tokio::test]
+async fn a_send_racing_its_queues_replacement_by_hand_sends_to_the_new_queue() {
+    let replace = "DELETE FROM pgonce.queue WHERE name = 'q'; \
+                   INSERT INTO pgonce.queue (name, fifo, visibility_timeout_ms, retention_ms, \
+                                             delay_ms, dedup_window_ms) \
+                   VALUES ('q', false, 30000, 345600000, 0, 300000)";
+    for one in [true, false] {
+        let (sent, messages) = send_racing(replace, one).await;
+        assert!(sent.is_ok(), "one message: {one}: {sent:?}");
+        assert_eq!(messages, if one { 1 } else { 2 });
     }
 }
 

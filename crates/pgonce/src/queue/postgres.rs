@@ -691,20 +691,34 @@ impl PgQueue {
         Ok(())
     }
 
-    /// A send statement's error: [`Error::QueueNotFound`] for a foreign
-    /// key's violation, which only the queue's deletion gives it (by hand,
-    /// committed while the statement waited for the queue's row: it found
-    /// the queue, and its insert then found none); else as any database
-    /// error.
-    fn send_error(&self, e: sqlx::Error) -> Error {
-        if crate::error::sqlstate_of(&e).as_deref()
-            == Some(crate::error::sqlstate::FOREIGN_KEY_VIOLATION)
-        {
-            return Error::QueueNotFound {
-                name: self.inner.name.clone(),
-            };
+    /// A send statement's result: `None` to read the queue again and
+    /// send again (on the pool only, [`Wake::AfterCommit`]), else its rows
+    /// or its error.
+    ///
+    /// A foreign key's violation, which only the queue's deletion gives a
+    /// send statement (by hand, committed while the statement waited for
+    /// the queue's row: it found the queue, and its insert then found
+    /// none), is [`Error::QueueNotFound`] inside the caller's transaction,
+    /// which the failure ended. On the pool the statement failed alone,
+    /// and the queue is read again ([`Self::read_again`]): gone, or of the
+    /// other kind, it is not found; deleted and created again as its kind
+    /// in one transaction, never missing to anyone, the send goes to it.
+    fn send_result<T>(&self, result: sqlx::Result<T>, wake: Wake) -> Result<Option<T>> {
+        match result {
+            Ok(rows) => Ok(Some(rows)),
+            Err(e)
+                if crate::error::sqlstate_of(&e).as_deref()
+                    == Some(crate::error::sqlstate::FOREIGN_KEY_VIOLATION) =>
+            {
+                if wake == Wake::AfterCommit {
+                    return Ok(None);
+                }
+                Err(Error::QueueNotFound {
+                    name: self.inner.name.clone(),
+                })
+            }
+            Err(e) => Err(e.into()),
         }
-        e.into()
     }
 
     /// After a send committed on the pool: wakes the receivers (notifier.rs).
@@ -737,7 +751,7 @@ impl PgQueue {
                 dedup_id.as_deref().into_iter(),
             )?;
             let by_content = message.dedup_id.is_none().then_some(content_based);
-            let row: Option<SentRow> = sqlx::query_as(include_str!("sql/send.sql"))
+            let row: sqlx::Result<Option<SentRow>> = sqlx::query_as(include_str!("sql/send.sql"))
                 .bind(&self.inner.name)
                 .bind(&message.body)
                 .bind(Json(&message.attributes))
@@ -749,9 +763,8 @@ impl PgQueue {
                 .bind(by_content)
                 .bind(self.inner.fifo)
                 .fetch_optional(&mut *conn)
-                .await
-                .map_err(|e| self.send_error(e))?;
-            if let Some(SentRow { id, duplicate }) = row {
+                .await;
+            if let Some(SentRow { id, duplicate }) = self.send_result(row, wake)?.flatten() {
                 if duplicate {
                     tracing::debug!(queue = %self.inner.name, id, "duplicate send ignored");
                     metrics::counter!("pgonce_queue_duplicates_total", "queue" => self.inner.name.clone())
@@ -835,7 +848,7 @@ impl PgQueue {
         let locks = self.send_lock_keys(messages.iter(), false)?;
         let columns = BatchColumns::of(messages);
         let n = messages.len();
-        let ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/send_batch.sql"))
+        let ids: sqlx::Result<Vec<i64>> = sqlx::query_scalar(include_str!("sql/send_batch.sql"))
             .bind(&self.inner.name)
             .bind(columns.bodies)
             .bind(columns.attributes)
@@ -845,8 +858,10 @@ impl PgQueue {
             .bind(&locks)
             .bind(self.inner.fifo)
             .fetch_all(&mut *conn)
-            .await
-            .map_err(|e| self.send_error(e))?;
+            .await;
+        let Some(ids) = self.send_result(ids, wake)? else {
+            return Ok(None);
+        };
         if ids.len() != n {
             // Nothing was sent (send_batch.sql is all or none): the queue
             // is gone, or it deduplicates by content now, and the messages
@@ -894,20 +909,23 @@ impl PgQueue {
             .iter()
             .map(|m| m.dedup_id.is_none().then_some(content_based))
             .collect();
-        let rows: Vec<SentRow> = sqlx::query_as(include_str!("sql/send_batch_dedup.sql"))
-            .bind(&self.inner.name)
-            .bind(columns.bodies)
-            .bind(columns.attributes)
-            .bind(columns.groups)
-            .bind(ids)
-            .bind(columns.delays)
-            .bind(self.notify_in_statement(wake))
-            .bind(&locks)
-            .bind(by_content)
-            .bind(self.inner.fifo)
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(|e| self.send_error(e))?;
+        let rows: sqlx::Result<Vec<SentRow>> =
+            sqlx::query_as(include_str!("sql/send_batch_dedup.sql"))
+                .bind(&self.inner.name)
+                .bind(columns.bodies)
+                .bind(columns.attributes)
+                .bind(columns.groups)
+                .bind(ids)
+                .bind(columns.delays)
+                .bind(self.notify_in_statement(wake))
+                .bind(&locks)
+                .bind(by_content)
+                .bind(self.inner.fifo)
+                .fetch_all(&mut *conn)
+                .await;
+        let Some(rows) = self.send_result(rows, wake)? else {
+            return Ok(None);
+        };
         if rows.len() != messages.len() {
             return Ok(None);
         }
