@@ -6264,3 +6264,48 @@ async fn a_redrive_by_a_handle_of_a_queue_recreated_as_the_other_kind_names_its_
             .unwrap();
     }
 }
+
+/// A redrive racing its source queue's replacement by hand, deleted and
+/// created again as its own kind in one transaction (uncommitted, holding
+/// the old row; the redrive waits for it reading its sources, then it
+/// commits), moves the dead letter back to the queue that stands: the
+/// queue was never missing to anyone, and a redrive after it goes there.
+/// It said [`Error::QueueNotFound`] naming the source: its read of the
+/// sources skipped the row it had waited for, deleted, and its snapshot,
+/// taken before, did not see the new one.
+#[tokio::test]
+async fn a_redrive_racing_its_sources_replacement_by_hand_moves_to_the_new_queue() {
+    let (db, setup) = database_with_queue("d", QueueAttributes::default()).await;
+    let at_once = QueueAttributes::default().visibility_timeout(Duration::ZERO);
+    let q = PgQueue::create(&setup, "s", at_once.dead_letter("d", 1), no_poll())
+        .await
+        .unwrap();
+    q.send(SendMessage::new("m")).await.unwrap();
+    for _ in 0..2 {
+        q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    }
+    assert_eq!(queues_of_messages(&setup).await, ["d"], "dead-lettered");
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let hand = race.session("H").await.unwrap();
+    let redriver = race.session("R").await.unwrap();
+    let dlq = PgQueue::open(redriver.pool(), "d", no_poll())
+        .await
+        .unwrap();
+    let replace = "DELETE FROM pgonce.queue WHERE name = 's'; \
+                   INSERT INTO pgonce.queue (name, fifo, visibility_timeout_ms, retention_ms, \
+                                             delay_ms, dedup_window_ms) \
+                   VALUES ('s', false, 30000, 345600000, 0, 300000)";
+    let mut tx = hand.pool().begin().await.unwrap();
+    race.try_step(&hand, replace, sqlx::raw_sql(replace).execute(&mut *tx))
+        .await
+        .unwrap();
+    let redriving = race
+        .step_blocks(&redriver, "redrive d", async move { dlq.redrive().await })
+        .await
+        .unwrap();
+    assert_eq!(redriving.blocked_by(), ["H"]);
+    race.try_step(&hand, "commit", tx.commit()).await.unwrap();
+    let moved = redriving.resume().await.unwrap();
+    assert!(matches!(moved, Ok(1)), "{moved:?}");
+    assert_eq!(queues_of_messages(&setup).await, ["s"]);
+}

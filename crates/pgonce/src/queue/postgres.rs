@@ -613,16 +613,28 @@ impl PgQueue {
         queues.push(&self.inner.name);
         queues.sort_unstable();
         queues.dedup();
-        let found: Vec<SourceQueueRow> = sqlx::query_as(include_str!("sql/redrive_sources.sql"))
-            .bind(&queues)
-            .fetch_all(&mut *tx)
-            .await?;
         // A queue's dead-letter queue is of its kind (create checks it).
-        let of_this_kind = |name: &str| {
+        let of_this_kind = |found: &[SourceQueueRow], name: &str| {
             found
                 .iter()
                 .any(|q| q.name == name && q.fifo == self.inner.fifo)
         };
+        // Read a second time when one is missing: a row the first read
+        // waited for and found deleted may have been replaced in the same
+        // transaction (deleted by hand and created again), which the first
+        // read's snapshot, taken before its wait, cannot see and a second
+        // statement's can. The rows the first read locked stay locked.
+        let mut found: Vec<SourceQueueRow> = Vec::new();
+        for _ in 0..2 {
+            found = sqlx::query_as(include_str!("sql/redrive_sources.sql"))
+                .bind(&queues)
+                .fetch_all(&mut *tx)
+                .await?;
+            if queues.iter().all(|name| of_this_kind(&found, name)) {
+                break;
+            }
+        }
+        let of_this_kind = |name: &str| of_this_kind(&found, name);
         // Created again as the other kind since the handle was opened
         // (deleted, its letters went with it: picked is empty then).
         if !of_this_kind(&self.inner.name) {
