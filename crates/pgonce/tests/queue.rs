@@ -6265,6 +6265,38 @@ async fn a_redrive_by_a_handle_of_a_queue_recreated_as_the_other_kind_names_its_
     }
 }
 
+/// A redrive by a handle whose queue was deleted by hand (its dead
+/// letters with it), or deleted and created again as the other kind with
+/// nothing in it, is [`Error::QueueNotFound`], as every other call of the
+/// handle says then. It was `Ok(0)`: with no letter picked, the redrive
+/// never looked at the queue.
+#[tokio::test]
+async fn an_empty_redrive_of_a_queue_deleted_or_recreated_by_hand_is_queue_not_found() {
+    let pool = pool().await;
+    for fifo in [false, true] {
+        let old = PgQueue::create(&pool, "d", of_kind(fifo), no_poll())
+            .await
+            .unwrap();
+        assert_eq!(old.redrive().await.unwrap(), 0, "nothing to move");
+        let delete = "DELETE FROM pgonce.queue WHERE name = 'd'";
+        sqlx::query(delete).execute(&pool).await.unwrap();
+        let got = old.redrive().await;
+        assert!(
+            matches!(&got, Err(Error::QueueNotFound { name }) if name == "d"),
+            "deleted, a FIFO handle: {fifo}: {got:?}"
+        );
+        PgQueue::create(&pool, "d", of_kind(!fifo), no_poll())
+            .await
+            .unwrap();
+        let got = old.redrive().await;
+        assert!(
+            matches!(&got, Err(Error::QueueNotFound { name }) if name == "d"),
+            "recreated as the other kind, a FIFO handle: {fifo}: {got:?}"
+        );
+        sqlx::query(delete).execute(&pool).await.unwrap();
+    }
+}
+
 /// A redrive racing its source queue's replacement by hand, deleted and
 /// created again as its own kind in one transaction (uncommitted, holding
 /// the old row; the redrive waits for it reading its sources, then it

@@ -602,6 +602,15 @@ impl PgQueue {
             .fetch_all(&mut *tx)
             .await?;
         if picked.is_empty() {
+            // Nothing to move: a queue that is gone (deleted by hand, its
+            // letters with it) or of the other kind now is still not this
+            // handle's queue, as a redrive that picked letters says.
+            let row = QueueRow::read(&mut *tx, &self.inner.name).await?;
+            if row.is_none_or(|row| row.fifo != self.inner.fifo) {
+                return Err(Error::QueueNotFound {
+                    name: self.inner.name.clone(),
+                });
+            }
             return Ok((0, 0));
         }
         let mut source_queues: Vec<&str> = picked.iter().map(|m| m.source.as_str()).collect();
