@@ -21,6 +21,7 @@ use pgonce::job::{
 use pgonce_testkit::{Interleaving, fresh_migrated_database};
 use serde_json::json;
 use sqlx::PgPool;
+use support::expire_lease;
 
 const LEASE: Duration = Duration::from_secs(60);
 
@@ -40,19 +41,6 @@ async fn new_job(pool: &PgPool, max_attempts: i32) -> i64 {
 
 async fn status(pool: &PgPool, id: i64) -> JobStatus {
     job::get(pool, id).await.unwrap().unwrap().status().unwrap()
-}
-
-/// Makes a lease look expired without waiting for it: time passing is not
-/// what these tests are about.
-async fn expire_lease(pool: &PgPool, id: i64) {
-    sqlx::query(
-        "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' \
-         WHERE id = $1 AND status = 'processing'",
-    )
-    .bind(id)
-    .execute(pool)
-    .await
-    .unwrap();
 }
 
 /// Terminates the backend of `session`'s connection, as a crash would.

@@ -1972,6 +1972,22 @@ async fn parked_receiver_of(
     q: &PgQueue,
     max: usize,
 ) -> tokio::task::JoinHandle<Vec<pgonce::Received>> {
+    // A receive that failed before it parked ends its task: say why rather
+    // than wait for a park that never comes.
+    spawned_until_parked(q, max)
+        .await
+        .unwrap_or_else(|ended| panic!("the receiver ended before it parked: {ended:?}"))
+}
+
+/// A receiver of `q`'s family, a long poll of an hour for up to `max`
+/// messages, once it has parked; or how its task ended, if it ended first.
+async fn spawned_until_parked(
+    q: &PgQueue,
+    max: usize,
+) -> Result<
+    tokio::task::JoinHandle<Vec<pgonce::Received>>,
+    Result<Vec<pgonce::Received>, tokio::task::JoinError>,
+> {
     let parked_before = q.parked_receivers();
     let receiver = {
         let q = q.clone();
@@ -1981,15 +1997,12 @@ async fn parked_receiver_of(
         })
     };
     while q.parked_receivers() == parked_before {
-        // A receive that failed before it parked ends its task: say why
-        // rather than wait for a park that never comes.
         if receiver.is_finished() {
-            let ended = receiver.await;
-            panic!("the receiver ended before it parked: {ended:?}");
+            return Err(receiver.await);
         }
         tokio::task::yield_now().await;
     }
-    receiver
+    Ok(receiver)
 }
 
 /// What the receiver `parked_receiver` (or `long_poll`) started got. It
@@ -2714,23 +2727,11 @@ async fn parked_before_any_delay_ran_out(
     q: &PgQueue,
     max: usize,
 ) -> Result<tokio::task::JoinHandle<Vec<pgonce::Received>>, TooSlow> {
-    let parked_before = q.parked_receivers();
-    let receiver = {
-        let q = q.clone();
-        tokio::spawn(async move {
-            let request = ReceiveRequest::up_to(max).wait(Duration::from_secs(3600));
-            q.receive(request).await.unwrap()
-        })
-    };
-    while q.parked_receivers() == parked_before {
-        if receiver.is_finished() {
-            let got = receiver.await.unwrap();
-            assert!(!got.is_empty(), "a long poll of an hour returned nothing");
-            return Err(TooSlow("a receiver took a message before it parked"));
-        }
-        tokio::task::yield_now().await;
-    }
-    Ok(receiver)
+    spawned_until_parked(q, max).await.map_err(|ended| {
+        let got = ended.unwrap();
+        assert!(!got.is_empty(), "a long poll of an hour returned nothing");
+        TooSlow("a receiver took a message before it parked")
+    })
 }
 
 /// A standard queue `s` and a [`no_poll`] handle on it on `on`, with

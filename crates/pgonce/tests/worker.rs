@@ -1213,14 +1213,7 @@ async fn completed_by_the_kept_message(
     job_id: i64,
     attempts: i32,
 ) {
-    sqlx::query(
-        "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' \
-         WHERE id = $1 AND status = 'processing'",
-    )
-    .bind(job_id)
-    .execute(jobs)
-    .await
-    .unwrap();
+    support::expire_lease(jobs, job_id).await;
     let completes = ClaimsAndCompletes {
         pool: jobs.clone(),
         job_id,

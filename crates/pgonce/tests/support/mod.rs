@@ -20,6 +20,19 @@ pub fn incompressible(len: usize) -> String {
         .collect()
 }
 
+/// Makes job `id`'s lease look expired without waiting for it: time
+/// passing is not what these tests are about.
+pub async fn expire_lease(pool: &sqlx::PgPool, id: i64) {
+    sqlx::query(
+        "UPDATE pgonce.jobs SET lease_expires_at = now() - interval '1 second' \
+         WHERE id = $1 AND status = 'processing'",
+    )
+    .bind(id)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// The environment variable that sets every model's number of cases.
 pub const CASES_VAR: &str = "MODEL_TEST_CASES";
 
