@@ -549,3 +549,53 @@ async fn a_bounded_lock_wait_through_the_pooler_times_out_typed_and_keeps_the_tr
             .unwrap();
     assert_eq!(written, 1);
 }
+
+/// A receive through the pooler that moves a message to the dead-letter
+/// queue wakes a receiver parked there (listening over a direct
+/// connection, polling once an hour): the wake is sent in a transaction of
+/// its own after the move committed, on whatever server connection the
+/// pooler gives it.
+#[tokio::test]
+async fn a_dead_letter_move_through_the_pooler_wakes_the_dead_letter_queue() {
+    use pgonce::Queue;
+    let (db, pool) = setup(4).await;
+    let options = PgQueueOptions {
+        poll_interval: Duration::from_secs(3600),
+        listen: Listen::Direct(Box::new(db.options())),
+        ..PgQueueOptions::default()
+    };
+    let dlq = PgQueue::create(&pool, "q-dlq", QueueAttributes::default(), options.clone())
+        .await
+        .unwrap();
+    let q = PgQueue::create(
+        &pool,
+        "q",
+        QueueAttributes::default()
+            .visibility_timeout(Duration::ZERO)
+            .dead_letter("q-dlq", 1),
+        options,
+    )
+    .await
+    .unwrap();
+    q.send(pgonce::SendMessage::new("poison")).await.unwrap();
+    let once = q.receive(pgonce::ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(once.len(), 1, "received once");
+    let receiver = {
+        let dlq = dlq.clone();
+        tokio::spawn(async move {
+            let request = pgonce::ReceiveRequest::up_to(1).wait(Duration::from_secs(3600));
+            dlq.receive(request).await.unwrap()
+        })
+    };
+    while dlq.parked_receivers() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let again = q.receive(pgonce::ReceiveRequest::up_to(1)).await.unwrap();
+    assert!(again.is_empty(), "moved, not delivered");
+    let got = tokio::time::timeout(Duration::from_secs(60), receiver)
+        .await
+        .expect("not woken by the move: it waits for its poll")
+        .unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].body, "poison");
+}
