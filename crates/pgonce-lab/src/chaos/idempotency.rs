@@ -9,7 +9,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use rand::Rng;
 use rand::rngs::StdRng;
 use serde_json::json;
 
@@ -18,7 +17,7 @@ use pgonce::dedupe::{self, Acquired, KeyHold};
 use super::faults::{self, FaultKind};
 use super::history::Outcome;
 use super::round::Round;
-use super::schedule::{Action, Step, interleave, sprinkle_faults};
+use super::schedule::{Action, Step, takes_then_releases};
 
 pub(crate) const TASKS: usize = 3;
 const KEYS: usize = 2;
@@ -26,27 +25,9 @@ const KEYS: usize = 2;
 const HOLD: Duration = Duration::from_secs(300);
 
 pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
-    let programs = (0..TASKS)
-        .map(|_| {
-            let mut program = Vec::new();
-            for _ in 0..rng.random_range(1..=2) {
-                let key = rng.random_range(0..KEYS);
-                program.extend([Action::Acquire { key }, Action::Finish { key }]);
-            }
-            program
-        })
-        .collect();
-    let mut steps = interleave(rng, programs);
-    sprinkle_faults(
-        rng,
-        &mut steps,
-        faults,
-        &[FaultKind::Expiry],
-        TASKS,
-        KEYS,
-        3,
-    );
-    steps
+    takes_then_releases(rng, faults, TASKS, KEYS, |key| {
+        [Action::Acquire { key }, Action::Finish { key }]
+    })
 }
 
 fn key_name(key: usize) -> String {

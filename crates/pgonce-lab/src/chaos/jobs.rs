@@ -7,7 +7,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use rand::Rng;
 use rand::rngs::StdRng;
 use serde_json::json;
 
@@ -16,7 +15,7 @@ use pgonce::job::{self, Lease, NewJob, Reaper, ReaperConfig};
 use super::faults::{self, FaultKind};
 use super::history::Outcome;
 use super::round::Round;
-use super::schedule::{Action, Step, interleave, sprinkle_faults};
+use super::schedule::{Action, Step, takes_then_releases};
 
 pub(crate) const TASKS: usize = 3;
 const JOBS: usize = 2;
@@ -24,27 +23,9 @@ const JOBS: usize = 2;
 const LEASE: Duration = Duration::from_secs(300);
 
 pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
-    let programs = (0..TASKS)
-        .map(|_| {
-            let mut program = Vec::new();
-            for _ in 0..rng.random_range(1..=2) {
-                let job = rng.random_range(0..JOBS);
-                program.extend([Action::Claim { job }, Action::Complete { job }]);
-            }
-            program
-        })
-        .collect();
-    let mut steps = interleave(rng, programs);
-    sprinkle_faults(
-        rng,
-        &mut steps,
-        faults,
-        &[FaultKind::Expiry],
-        TASKS,
-        JOBS,
-        3,
-    );
-    steps
+    takes_then_releases(rng, faults, TASKS, JOBS, |job| {
+        [Action::Claim { job }, Action::Complete { job }]
+    })
 }
 
 pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {

@@ -116,6 +116,41 @@ pub(crate) fn interleave(rng: &mut StdRng, programs: Vec<Vec<Action>>) -> Vec<St
     steps
 }
 
+/// The schedule of a scenario where each of `tasks` tasks takes one of
+/// `keys` keys and then releases it, once or twice (`take_and_release`
+/// gives the two actions for a key: a claim and its completion, say),
+/// interleaved at random, with up to three faults among the steps, a hold
+/// that runs out (`FaultKind::Expiry`) among them.
+pub(crate) fn takes_then_releases(
+    rng: &mut StdRng,
+    faults: &[FaultKind],
+    tasks: usize,
+    keys: usize,
+    take_and_release: impl Fn(usize) -> [Action; 2],
+) -> Vec<Step> {
+    let programs = (0..tasks)
+        .map(|_| {
+            let mut program = Vec::new();
+            for _ in 0..rng.random_range(1..=2) {
+                let key = rng.random_range(0..keys);
+                program.extend(take_and_release(key));
+            }
+            program
+        })
+        .collect();
+    let mut steps = interleave(rng, programs);
+    sprinkle_faults(
+        rng,
+        &mut steps,
+        faults,
+        &[FaultKind::Expiry],
+        tasks,
+        keys,
+        3,
+    );
+    steps
+}
+
 /// Inserts up to `max` faults at random points, each aimed at a random
 /// task and target, drawn from those of the run's `faults` that every
 /// scenario takes ([`FaultKind::GENERIC`]) or that are in the scenario's
