@@ -489,6 +489,148 @@ async fn a_queue_of_the_other_kind_is_refused_and_nothing_is_written() {
     );
 }
 
+/// A dead-letter queue deleted by hand and recreated as the other kind
+/// while `create` runs never leaves a queue whose dead-letter queue is of
+/// the other kind: `create` used to check the kind in a statement of its
+/// own, so a replacement between that check and the write slipped through.
+///
+/// Driven step by step: `create` runs on a pool of one whose
+/// `before_acquire`, at its `nth` acquire, replaces `d` (standard) by a
+/// FIFO `d` when `s` does not exist yet (so before `create` wrote it).
+/// Whatever `create` answers, `s` then either does not exist or has a
+/// dead-letter queue of its own kind.
+#[tokio::test]
+async fn a_dead_letter_queue_replaced_while_create_runs_is_never_of_the_other_kind() {
+    for nth in 1..=3 {
+        let (db, pool) = fresh_migrated_database(20, pgonce::migrate).await;
+        queue(&pool, "d", QueueAttributes::default()).await;
+        let acquires = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let replaced = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let hooked = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .before_acquire({
+                let (acquires, replaced, pool) = (acquires.clone(), replaced.clone(), pool.clone());
+                move |_, _| {
+                    let (acquires, replaced, pool) =
+                        (acquires.clone(), replaced.clone(), pool.clone());
+                    Box::pin(async move {
+                        let at = acquires.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                        let source_exists: bool = sqlx::query_scalar(
+                            "SELECT EXISTS (SELECT 1 FROM pgonce.queue WHERE name = 's')",
+                        )
+                        .fetch_one(&pool)
+                        .await?;
+                        if at == nth && !source_exists {
+                            sqlx::raw_sql(
+                                "BEGIN;
+                                 DELETE FROM pgonce.queue WHERE name = 'd';
+                                 INSERT INTO pgonce.queue (name, fifo, visibility_timeout_ms,
+                                     retention_ms, delay_ms, dedup_window_ms)
+                                 VALUES ('d', true, 30000, 345600000, 0, 300000);
+                                 COMMIT;",
+                            )
+                            .execute(&pool)
+                            .await?;
+                            replaced.store(true, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        Ok(true)
+                    })
+                }
+            })
+            .connect_with(db.options())
+            .await
+            .unwrap();
+        let created = PgQueue::create(
+            &hooked,
+            "s",
+            QueueAttributes::default().dead_letter("d", 1),
+            fast_poll(),
+        )
+        .await;
+        let kinds: Option<(bool, bool)> = sqlx::query_as(
+            "SELECT s.fifo, d.fifo FROM pgonce.queue s
+             JOIN pgonce.queue d ON d.name = s.dead_letter_queue
+             WHERE s.name = 's'",
+        )
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+        let replaced = replaced.load(std::sync::atomic::Ordering::SeqCst);
+        match kinds {
+            Some((source, dead_letter)) => assert_eq!(
+                source,
+                dead_letter,
+                "replaced at acquire {nth} ({replaced}): s created with a dead-letter queue \
+                 of the other kind, create answered {:?}",
+                created.map(|q| q.name().to_string())
+            ),
+            None => assert!(
+                matches!(created, Err(Error::Invalid { .. })),
+                "replaced at acquire {nth} ({replaced}): no s, yet create answered {:?}",
+                created.map(|q| q.name().to_string())
+            ),
+        }
+    }
+}
+/// `create` waits for a dead-letter queue being deleted by hand, and does
+/// not take the queue recreated in its place as the other kind, step by
+/// step: A deletes `d` (standard) and creates `d` as FIFO, uncommitted; B's
+/// `create` of `s` with `d` as its dead-letter queue waits for A (seen in
+/// pg_blocking_pids). A commits: B is refused, as for any dead-letter
+/// queue of the other kind, and `s` does not exist.
+#[tokio::test]
+async fn create_waits_for_a_dead_letter_queue_being_replaced_and_refuses_it() {
+    let (db, race, mut sessions) = raced(QueueAttributes::default(), &["A", "B"]).await;
+    let (b, _) = sessions.pop().unwrap();
+    let (a, _) = sessions.pop().unwrap();
+    queue(a.pool(), "d", QueueAttributes::default()).await;
+    let mut replace = a.pool().begin().await.unwrap();
+    race.step(
+        &a,
+        "replace d by a FIFO d, uncommitted",
+        sqlx::raw_sql(
+            "DELETE FROM pgonce.queue WHERE name = 'd';
+             INSERT INTO pgonce.queue (name, fifo, visibility_timeout_ms, retention_ms,
+                 delay_ms, dedup_window_ms)
+             VALUES ('d', true, 30000, 345600000, 0, 300000);",
+        )
+        .execute(&mut *replace),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let b_pool = b.pool().clone();
+    let create = race
+        .step_blocks(&b, "create s with d as its dead-letter queue", async move {
+            PgQueue::create(
+                &b_pool,
+                "s",
+                QueueAttributes::default().dead_letter("d", 1),
+                fast_poll(),
+            )
+            .await
+            .map(|_| ())
+        })
+        .await
+        .unwrap();
+    assert_eq!(create.blocked_by(), ["A"]);
+    race.step(&a, "commit", replace.commit())
+        .await
+        .unwrap()
+        .unwrap();
+    let refused = create.resume().await.unwrap();
+    assert!(
+        matches!(refused, Err(Error::Invalid { .. })),
+        "a FIFO d refused: {refused:?}"
+    );
+    let setup = db.pool(1).await.unwrap();
+    let s: Option<String> = sqlx::query_scalar("SELECT name FROM pgonce.queue WHERE name = 's'")
+        .fetch_optional(&setup)
+        .await
+        .unwrap();
+    assert_eq!(s, None, "nothing written");
+}
+
 /// A database configured before dead-letter queues had to be of their
 /// source's kind: migration 0131, after which a FIFO queue's receive sees
 /// grouped messages only, stops and names the queues to change, instead of

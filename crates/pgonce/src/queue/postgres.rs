@@ -372,28 +372,6 @@ impl PgQueue {
                     why: "a queue cannot be its own dead-letter queue".into(),
                 });
             }
-            // As in SQS: a FIFO queue's dead letters keep their groups, and
-            // a standard queue's have none, which a FIFO queue cannot order
-            // (its receive walks grouped messages only, pick_fifo.sql). A
-            // queue's kind never changes, so checking first is enough.
-            let dlq_fifo: Option<bool> = sqlx::query_scalar(include_str!("sql/queue_fifo.sql"))
-                .bind(dlq)
-                .fetch_optional(pool)
-                .await?;
-            match dlq_fifo {
-                None => return Err(Error::QueueNotFound { name: dlq.clone() }),
-                Some(dlq_fifo) if dlq_fifo != attributes.fifo => {
-                    return Err(Error::Invalid {
-                        what: "queue attributes",
-                        why: format!(
-                            "the dead-letter queue {dlq:?} must be of the queue's kind \
-                             ({}), as in SQS",
-                            if attributes.fifo { "FIFO" } else { "standard" }
-                        ),
-                    });
-                }
-                Some(_) => {}
-            }
         }
         let fifo: std::result::Result<Option<bool>, sqlx::Error> =
             sqlx::query_scalar(include_str!("sql/create_queue.sql"))
@@ -420,9 +398,31 @@ impl PgQueue {
             }
             other => other?,
         };
-        // No row: the queue exists as the other kind, and nothing was
-        // changed (create_queue.sql).
+        // No row: nothing was written or changed (create_queue.sql). Either
+        // the dead-letter queue was missing or of the other kind when the
+        // statement looked, or the queue exists as the other kind. Read
+        // again only to say which.
         if created.is_none() {
+            if let Some(dlq) = &attributes.dead_letter_queue {
+                let dlq_fifo: Option<bool> = sqlx::query_scalar(include_str!("sql/queue_fifo.sql"))
+                    .bind(dlq)
+                    .fetch_optional(pool)
+                    .await?;
+                match dlq_fifo {
+                    None => return Err(Error::QueueNotFound { name: dlq.clone() }),
+                    Some(dlq_fifo) if dlq_fifo != attributes.fifo => {
+                        return Err(Error::Invalid {
+                            what: "queue attributes",
+                            why: format!(
+                                "the dead-letter queue {dlq:?} must be of the queue's kind \
+                                 ({}), as in SQS",
+                                if attributes.fifo { "FIFO" } else { "standard" }
+                            ),
+                        });
+                    }
+                    Some(_) => {}
+                }
+            }
             return Err(Error::Invalid {
                 what: "queue attributes",
                 why: format!("queue {name:?} exists with fifo = {}", !attributes.fifo),
