@@ -1135,6 +1135,8 @@ impl Config {
             redriver: RedriverConfig {
                 interval: self.maintenance.redriver.interval,
                 batch_size: self.maintenance.redriver.batch_size,
+                // The service's re-driver hands nothing on (`run`).
+                ..RedriverConfig::default()
             },
         }
     }

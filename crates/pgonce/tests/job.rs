@@ -772,6 +772,16 @@ async fn bad_input_is_a_typed_error_and_writes_nothing() {
         )
         .is_err()
     );
+    assert!(matches!(
+        Redriver::new(
+            pool.clone(),
+            RedriverConfig {
+                hand_on_timeout: Duration::ZERO,
+                ..Default::default()
+            }
+        ),
+        Err(Error::Invalid { .. })
+    ));
 }
 
 /// A lease's end is read back after the claim commits, and a timestamp
@@ -2420,6 +2430,37 @@ fn quick_redriver(pool: &PgPool) -> Redriver {
         },
     )
     .unwrap()
+}
+
+/// A hand-on that never returns (a publish waiting on a peer that does
+/// not answer) stopped the re-driver's loop for good, the batch's rows
+/// locked and its jobs failed with no message. It is given up at
+/// `hand_on_timeout` (its future dropped: the reply the test holds for it
+/// is closed) and the batch rolled back, so the next pass hands the same
+/// ids on; once that hand-on succeeds, the jobs are pending.
+#[tokio::test]
+async fn a_hand_on_that_never_returns_is_given_up_and_its_ids_handed_on_again() {
+    let (_db, pool) = setup().await;
+    let jobs = [failed_and_due(&pool).await, failed_and_due(&pool).await];
+    let redriver = Redriver::new(
+        pool.clone(),
+        RedriverConfig {
+            interval: Duration::from_millis(10),
+            hand_on_timeout: Duration::from_millis(200),
+            ..RedriverConfig::default()
+        },
+    )
+    .unwrap();
+    let (stop, mut handed, task) = run_handing_on_to_the_test(redriver);
+    let hung = hand_on_of_failed_jobs(&mut handed, &pool, &jobs, "the first pass").await;
+    // Never answered: the next call comes only once this one is given up.
+    let call = hand_on_of_failed_jobs(&mut handed, &pool, &jobs, "after the hang").await;
+    assert!(hung.reply.is_closed(), "the hung hand-on was dropped");
+    call.reply.send(Ok(())).unwrap();
+    stop_loop(stop, task).await;
+    for id in jobs {
+        assert_eq!(status(&pool, id).await, JobStatus::Pending);
+    }
 }
 
 /// `Redriver::run` dropped the ids each pass made pending, and a caller of

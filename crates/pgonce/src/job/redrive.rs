@@ -24,6 +24,15 @@ pub struct RedriverConfig {
     pub interval: Duration,
     /// Jobs re-driven per statement. Default 1000; at least 1.
     pub batch_size: i64,
+    /// How long [`Redriver::run_handing_on`]'s hand-on may take for one
+    /// batch before it is given up (its future dropped) and the batch
+    /// rolled back, as for a failed hand-on. Default 60 s; non-zero. A
+    /// hand-on that never returns (a publish waiting on a peer that does
+    /// not answer) would otherwise stop the loop for good with the batch's
+    /// rows locked. Keep it below the server's
+    /// `idle_in_transaction_session_timeout`, if set: the batch's
+    /// transaction idles while the hand-on runs.
+    pub hand_on_timeout: Duration,
 }
 
 impl Default for RedriverConfig {
@@ -31,6 +40,7 @@ impl Default for RedriverConfig {
         RedriverConfig {
             interval: Duration::from_secs(1),
             batch_size: 1000,
+            hand_on_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -56,6 +66,12 @@ impl Redriver {
     /// Validates `config`.
     pub fn new(pool: PgPool, config: RedriverConfig) -> Result<Redriver> {
         crate::service::check_config("redriver config", config.interval, config.batch_size)?;
+        if config.hand_on_timeout.is_zero() {
+            return Err(crate::Error::Invalid {
+                what: "redriver config",
+                why: "need a non-zero hand_on_timeout".into(),
+            });
+        }
         Ok(Redriver { pool, config })
     }
 
@@ -96,9 +112,13 @@ impl Redriver {
     /// `hand_on` returned `Ok`. No job is made pending without its id
     /// handed on:
     ///
-    /// * `hand_on` fails or panics: the batch is rolled back, its jobs
-    ///   stay failed and due, the pass ends (the error or the panic's
-    ///   message is logged) and the next pass hands them on again;
+    /// * `hand_on` fails, panics or runs past
+    ///   [`RedriverConfig::hand_on_timeout`] (its future is then dropped):
+    ///   the batch is rolled back, its jobs stay failed and due, the pass
+    ///   ends (the error, the panic's message or the timeout is logged) and
+    ///   the next pass hands them on again (ids a hand-on given up had
+    ///   already published go out twice, duplicates the claim keeps from
+    ///   running the work twice);
     /// * the process dies (or this future is dropped) before the commit:
     ///   the transaction is rolled back likewise, and the next pass (of any
     ///   re-driver) hands them on again;
@@ -137,11 +157,19 @@ impl Redriver {
             // AlwaysDelete a failed job has no message, only the next
             // pass to drive it. Its batch rolls back all the same, the
             // transaction dropped as the panic unwound.
+            // One that runs too long is given up likewise.
+            let timeout = self.config.hand_on_timeout;
             let caught = |ids| {
                 let started = std::panic::catch_unwind(AssertUnwindSafe(|| (*hand_on)(ids)));
                 async move {
                     let finished = match started {
-                        Ok(handing_on) => AssertUnwindSafe(handing_on).catch_unwind().await,
+                        Ok(handing_on) => {
+                            let handing_on = AssertUnwindSafe(handing_on).catch_unwind();
+                            match tokio::time::timeout(timeout, handing_on).await {
+                                Ok(finished) => finished,
+                                Err(_) => return Err(HandOnFailed::TimedOut(timeout)),
+                            }
+                        }
                         Err(payload) => Err(payload),
                     };
                     match finished {
@@ -220,6 +248,8 @@ enum HandOnFailed<E> {
     Refused(E),
     /// It panicked, with this message.
     Panicked(String),
+    /// It ran past the hand-on timeout, this one, and was given up.
+    TimedOut(Duration),
 }
 
 impl<E: std::fmt::Display> std::fmt::Display for HandOnFailed<E> {
@@ -227,6 +257,7 @@ impl<E: std::fmt::Display> std::fmt::Display for HandOnFailed<E> {
         match self {
             HandOnFailed::Refused(e) => e.fmt(f),
             HandOnFailed::Panicked(what) => write!(f, "it panicked: {what}"),
+            HandOnFailed::TimedOut(after) => write!(f, "it ran past its timeout ({after:?})"),
         }
     }
 }
