@@ -160,6 +160,17 @@ fn bench_queue_quick_prints_both_ratios_in_one_json_object() {
             "{s} missing: {strategies:?}"
         );
     }
+    // The server's WAL per message, where the scenario consumed messages
+    // in the window it is read over.
+    let wal: Vec<f64> = report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.get("wal_bytes_per_msg"))
+        .map(|v| v.as_f64().expect("a number"))
+        .collect();
+    assert!(!wal.is_empty(), "no WAL per message in {report}");
+    assert!(wal.iter().all(|&b| b > 0.0), "{wal:?}");
 }
 
 #[test]

@@ -12,7 +12,11 @@
 //! Producers stop while more than `BACKLOG` messages are unconsumed, so
 //! end-to-end latency measures the queue, not an ever-growing backlog.
 //! End-to-end latency: from just before the send to just after the delete,
-//! carried in the body as microseconds since the run started.
+//! carried in the body as microseconds since the run started. Each row also
+//! has the server's WAL per message (`wal_bytes_per_msg`), and
+//! `pgonce_wal_vs_pgmq_b1` / `_b10` set pgonce's against pgmq's: a figure
+//! of what the statements write, which the machine's other load does not
+//! move as it moves throughput.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -43,6 +47,9 @@ pub(crate) struct Flow {
     pub(crate) elapsed: Duration,
     /// End-to-end latency, µs.
     pub(crate) latency: Histogram<u64>,
+    /// The server's WAL per message consumed in the steady part of the
+    /// phase; `None` where the server does not say.
+    pub(crate) wal: Option<WalPerMessage>,
 }
 
 impl Flow {
@@ -51,7 +58,7 @@ impl Flow {
     }
 
     fn row(&self, strategy: &str, shape: &Shape, batch: usize) -> Row {
-        Row::new(strategy)
+        let row = Row::new(strategy)
             .with("msgs_per_sec", round2(self.per_sec()))
             .with("ops_per_sec", round2(self.per_sec()))
             .with(
@@ -66,7 +73,58 @@ impl Flow {
             .with("producers", shape.producers)
             .with("consumers", shape.consumers)
             .with("batch", batch)
-            .with("errors", self.errors)
+            .with("errors", self.errors);
+        match self.wal {
+            Some(wal) => row.with("wal_bytes_per_msg", round2(wal.bytes)),
+            None => row,
+        }
+    }
+}
+
+/// Where the server's write-ahead log was inserting, in bytes from its
+/// start, and the messages consumed at that moment. The insert position,
+/// not `pg_stat_wal`, whose counters backends report a second or more late.
+#[derive(Debug, Clone, Copy)]
+struct WalMark {
+    position: i64,
+    consumed: u64,
+}
+
+impl WalMark {
+    /// `None` where the server refuses the read (a standby, a role
+    /// without the right): the figure is then left out, not guessed.
+    async fn read(pool: &PgPool, meter: &Meter) -> Option<WalMark> {
+        let consumed = meter.consumed.load(Ordering::Relaxed);
+        let position: i64 =
+            sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+                .fetch_one(pool)
+                .await
+                .ok()?;
+        Some(WalMark { position, consumed })
+    }
+}
+
+/// What the server wrote to its write-ahead log per message consumed.
+/// Unlike throughput, this does not move with the machine's other load:
+/// it says what each queue's statements write for a message (its rows,
+/// their index entries, locks and commit records). The server's WAL is
+/// the whole cluster's, so it is read on a server running nothing else
+/// (the throwaway cluster a run starts by default).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WalPerMessage {
+    bytes: f64,
+}
+
+impl WalPerMessage {
+    fn between(start: Option<WalMark>, end: Option<WalMark>) -> Option<WalPerMessage> {
+        let (start, end) = (start?, end?);
+        let messages = end
+            .consumed
+            .checked_sub(start.consumed)
+            .filter(|&n| n > 0)? as f64;
+        Some(WalPerMessage {
+            bytes: (end.position - start.position) as f64 / messages,
+        })
     }
 }
 
@@ -156,13 +214,24 @@ impl Meter {
             first_error: self.first_error.lock().unwrap().clone(),
             elapsed: self.deadline - self.started,
             latency: self.latency.lock().unwrap().clone(),
+            wal: None,
         }
     }
 }
 
 /// Runs `produce(meter, producer)` and `consume(meter, consumer)` loops
 /// (each returns when the meter's phase is over) and collects the figures.
-pub(crate) async fn drive<P, PF, C, CF>(label: &str, shape: Shape, produce: P, consume: C) -> Flow
+/// The WAL per message is read on `server` over the phase's last four
+/// fifths: by then a queue whose consumers fall behind has filled its
+/// backlog, so what is sent is what is consumed, and the WAL of messages
+/// sent but never consumed does not weigh on the figure.
+pub(crate) async fn drive<P, PF, C, CF>(
+    label: &str,
+    shape: Shape,
+    server: &PgPool,
+    produce: P,
+    consume: C,
+) -> Flow
 where
     P: Fn(Arc<Meter>, usize) -> PF,
     PF: Future<Output = ()> + Send + 'static,
@@ -178,17 +247,25 @@ where
     for p in 0..shape.producers {
         tasks.push(tokio::spawn(produce(meter.clone(), p)));
     }
+    let mut wal_start = None;
     while meter.running() {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        progress.set_position(meter.started.elapsed().as_millis() as u64);
+        let elapsed = meter.started.elapsed();
+        progress.set_position(elapsed.as_millis() as u64);
+        if wal_start.is_none() && elapsed >= shape.phase / 5 {
+            wal_start = Some(WalMark::read(server, &meter).await);
+        }
     }
+    let wal_end = WalMark::read(server, &meter).await;
     // Loops notice the end at their next step; a long poll may take up to
     // its wait, so give them a bound and then drop them.
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(3), t).await;
     }
     progress.finish_and_clear();
-    meter.flow()
+    let mut flow = meter.flow();
+    flow.wal = WalPerMessage::between(wal_start.flatten(), wal_end);
+    flow
 }
 
 #[derive(Clone, Copy)]
@@ -277,6 +354,7 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     let raw = drive(
         "raw-insert-delete",
         shape,
+        db.pool(),
         raw_produce(db.pool(), include_str!("sql/queue_raw_insert.sql")),
         raw_consume(db.pool(), take_and_delete),
     )
@@ -286,6 +364,7 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     let raw_lease = drive(
         "raw-insert-lease-delete",
         shape,
+        db.pool(),
         raw_produce(db.pool(), include_str!("sql/queue_raw_lease_insert.sql")),
         raw_consume(db.pool(), lease_then_delete),
     )
@@ -320,6 +399,24 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     ] {
         report.ratio(ratio, ours[ours_i].2, peer_rate(peer));
         report.ratio_goal(ratio, 1.2).note = Some(format!("{} against {peer}", ours[ours_i].0));
+    }
+    // What each writes to the server's WAL per message, in the same
+    // shapes: pgonce's over pgmq's (below 1: pgonce writes less).
+    let wal_of = |report: &Report, strategy: &str| {
+        report
+            .results
+            .iter()
+            .find(|row| row.text("strategy").as_deref() == Some(strategy))
+            .and_then(|row| row.number("wal_bytes_per_msg"))
+    };
+    for (ratio, ours_i, peer) in [
+        ("pgonce_wal_vs_pgmq_b1", 0, "pgmq-b1"),
+        ("pgonce_wal_vs_pgmq_b10", 1, "pgmq-b10"),
+    ] {
+        let (a, b) = (wal_of(&report, ours[ours_i].0), wal_of(&report, peer));
+        if let (Some(a), Some(b)) = (a, b) {
+            report.ratio(ratio, a, b);
+        }
     }
     // Batch 1 with neither side pushing wake-ups: pgmq's consumers poll
     // (the bench sleeps 1 ms after an empty read), pgonce's without
@@ -496,7 +593,7 @@ async fn pg_queue(
             }
         }
     };
-    let flow = drive(&label, shape, produce, consume).await;
+    let flow = drive(&label, shape, pool, produce, consume).await;
     q.purge().await?;
     Ok(flow)
 }

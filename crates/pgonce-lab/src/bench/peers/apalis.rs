@@ -76,6 +76,7 @@ pub(crate) async fn run(pool: &PgPool, shape: Shape, batch: usize) -> anyhow::Re
     let flow = drive(
         &format!("apalis-postgres b{batch}"),
         shape,
+        pool,
         produce,
         consume,
     )

@@ -33,9 +33,11 @@ pub(crate) enum Mode {
     Pop,
 }
 
-/// pgmq's client on its own sqlx 0.8 pool, with pgmq's SQL installed.
+/// pgmq's client on its own sqlx 0.8 pool, with pgmq's SQL installed, and
+/// the run's pool, from which the bench reads the server's WAL.
 pub(crate) struct Peer {
     queue: PGMQueueExt,
+    server: sqlx::PgPool,
 }
 
 impl Peer {
@@ -46,7 +48,10 @@ impl Peer {
             .install_sql_from_embedded()
             .await
             .context("installing pgmq's SQL")?;
-        Ok(Peer { queue })
+        Ok(Peer {
+            queue,
+            server: db.pool().clone(),
+        })
     }
 
     pub(crate) async fn run(&self, shape: Shape, batch: usize, mode: Mode) -> anyhow::Result<Flow> {
@@ -131,7 +136,7 @@ impl Peer {
             Mode::ReadDelete => format!("pgmq b{batch}"),
             Mode::Pop => format!("pgmq pop b{batch}"),
         };
-        let flow = drive(&label, shape, produce, consume).await;
+        let flow = drive(&label, shape, &self.server, produce, consume).await;
         self.queue.drop_queue(&name).await.ok();
         Ok(flow)
     }
