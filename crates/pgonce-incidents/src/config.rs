@@ -117,9 +117,11 @@ pub struct DatabaseSection {
     /// default: it must come from somewhere.
     pub url: Option<String>,
     /// `direct_url`: a URL that reaches PostgreSQL itself, for the
-    /// connections that need a session of their own: migrations (their
-    /// advisory lock) and the queue's LISTEN. Set it when `url` goes
-    /// through a transaction-mode pooler (PgBouncer), where neither works.
+    /// session that needs one: the queue's LISTEN. Set it when `url` goes
+    /// through a transaction-mode pooler (PgBouncer), where LISTEN does not
+    /// work. The migrations run over it too, which keeps a long one off
+    /// the connections the pooler shares, though they work through the
+    /// pooler as well (each takes its lock inside its own transaction).
     /// Default: none (`url` for everything).
     pub direct_url: Option<String>,
     /// `max_connections`: pool size. Default 16; at least 2, at most
