@@ -1,6 +1,6 @@
-//! The one loop every background service (reaper, re-driver, collector)
-//! runs: a pass every interval until shutdown, a failed pass logged and the
-//! next one tried.
+//! The one loop every background service (reaper, re-driver, dedupe
+//! collector, maintenance) runs: a pass every interval until shutdown, a
+//! failed pass logged and the next one tried.
 
 use std::future::Future;
 use std::time::Duration;
