@@ -1,7 +1,10 @@
 //! The library's one error type. Outcomes that are not bugs (a conflict, an
 //! already-handled message, a lost lease, a lock wait that timed out, a
-//! statement canceled by its timeout) are named variants a caller matches
-//! on; everything else is `Database`.
+//! statement canceled by its timeout), and the causes a caller can name
+//! (input refused before any statement, a stale receipt, a queue not found,
+//! a queue backend unreachable or refusing, a misconfigured pooler), are
+//! named variants a caller matches on; any other database error is
+//! `Database`.
 
 use std::time::Duration;
 
