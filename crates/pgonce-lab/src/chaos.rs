@@ -84,7 +84,7 @@ pub enum ScenarioKind {
     /// I5 through conditional appends, under a strategy drawn per round.
     Events,
     /// I1, I2, I3 and I6 through the whole incident service (heavy: one
-    /// round in `pipeline::EVERY`).
+    /// round in 25 when other scenarios run too).
     Pipeline,
 }
 

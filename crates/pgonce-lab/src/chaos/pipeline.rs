@@ -26,7 +26,7 @@ use crate::incident_run::{self, IncidentRunConfig};
 
 pub(crate) const TASKS: usize = 1;
 /// One round in this many is the pipeline's, when it is selected with
-/// others.
+/// others (`pgonce chaos --help` and the README say 25).
 pub(crate) const EVERY: u64 = 25;
 
 pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
