@@ -6,11 +6,11 @@
 //! the command-line flags here come last. Validated before anything
 //! starts. Both commands bind their listener first (`serve`'s API,
 //! `worker`'s `api.metrics_listen` when set) and open the SQS queue with
-//! `[queue] backend = "sqs"`, so that an address in use or a queue out of
-//! reach stops them before they touch the database; then they migrate (over
-//! `database.direct_url` when set), install the Prometheus recorder, and
-//! stop gracefully on Ctrl-C or SIGTERM: stop accepting, finish in-flight
-//! requests (long polls of the event feed end at once, with an empty
+//! `[queue] backend = "sqs"` (the Prometheus recorder installed in
+//! between), so that an address in use or a queue out of reach stops them
+//! before they touch the database; then they migrate (over
+//! `database.direct_url` when set), run, and stop gracefully on Ctrl-C or
+//! SIGTERM: stop accepting, finish in-flight requests (long polls of the event feed end at once, with an empty
 //! page), then [`Runtime::shutdown`]. A signal while they start, or a second one while
 //! they drain, stops them at once ([`crate::stop`]). The observations queue is `[queue] backend`'s:
 //! the PostgreSQL queue in the same database, or Amazon SQS. `serve` has `/metrics`, `/healthz` and `/readyz`
