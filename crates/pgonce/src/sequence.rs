@@ -224,7 +224,8 @@ impl fmt::Display for Strategy {
 const READ_COMMITTED: &str = "read committed";
 
 /// The caller's table that holds the numbers: `schema.table`, its scope
-/// column and its number column (a `bigint`, or an `int`).
+/// column and its number column (a `bigint`, an `int` or a `smallint`:
+/// past its type's largest value the scope is [`Error::SequenceExhausted`]).
 ///
 /// Names are taken as PostgreSQL stores them (unquoted names are stored in
 /// lower case) and are always quoted, so any name is safe. A table given

@@ -960,6 +960,70 @@ async fn a_counter_ahead_of_an_int_column_at_its_largest_value_is_exhausted() {
     assert_eq!(last, i64::from(i32::MAX));
 }
 
+/// A `smallint` number column at its largest value, 32767: every strategy
+/// computed the next number in a wider type, so `next` handed out 32768,
+/// which the column cannot hold, and the declaration's write failed with a
+/// raw "smallint out of range". It is the scope exhausted, a typed error,
+/// under every strategy, with nothing written and the counter row left
+/// where it was; other scopes go on.
+#[tokio::test]
+async fn a_smallint_column_at_its_largest_value_is_exhausted_under_every_strategy() {
+    let (pool, _db) = setup(2).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.small_tickets (org text NOT NULL, n smallint NOT NULL, \
+         PRIMARY KEY (org, n)); \
+         INSERT INTO public.small_tickets (org, n) VALUES ('full', 32767);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let insert = "INSERT INTO public.small_tickets (org, n) VALUES ($1, $2)";
+    for strategy in Strategy::ALL {
+        let seq = Sequence::new(
+            NumberedTable::new("public.small_tickets", "org", "n").unwrap(),
+            SequenceConfig { strategy },
+        )
+        .unwrap();
+        // The low-level take, then the whole declaration.
+        let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
+            .await
+            .unwrap();
+        let taken = seq.next(&mut tx, &"full").await.map(|taken| taken.number);
+        tx.rollback().await.unwrap();
+        assert!(
+            matches!(&taken, Err(Error::SequenceExhausted { scope, .. }) if scope == "full"),
+            "{strategy:?}: next gave {taken:?}"
+        );
+        let declared = declare_into(&seq, &pool, insert, &"full").await;
+        assert!(
+            declared
+                .as_ref()
+                .is_err_and(|e| e.contains("exhausted") && e.contains("full")),
+            "{strategy:?}: the declaration gave {declared:?}"
+        );
+        assert_eq!(
+            declare_into(&seq, &pool, insert, &format!("other-{strategy}")).await,
+            Ok(1),
+            "{strategy:?}"
+        );
+    }
+    let numbers: Vec<i16> =
+        sqlx::query_scalar("SELECT n FROM public.small_tickets WHERE org = 'full'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(numbers, [32767]);
+    let counters: Vec<i64> =
+        sqlx::query_scalar("SELECT last_number FROM pgonce.sequence_counters WHERE scope = 'full'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert!(
+        counters.iter().all(|&n| n <= 32767),
+        "the counter row moved past the column: {counters:?}"
+    );
+}
+
 /// A declaration of `scope` whose write records that it ran.
 async fn declare_noting_the_write(
     seq: &Sequence,

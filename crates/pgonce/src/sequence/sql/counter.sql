@@ -20,6 +20,10 @@
 -- the conflict is met and waited for, and RETURNING, computed once the row
 -- is written, puts the value in force before back. If the wait fails, the
 -- transaction is aborted and its ROLLBACK restores the setting anyway.
+-- The insert's max + '1' adds a one of the column's type (an untyped
+-- literal takes its operand's), so past the column's largest value it is
+-- out of range (22003, the scope exhausted), as in pgonce.sequence_take
+-- (migration 0270).
 -- $1 the counter key (table and columns, NumberedTable::counter_key), $2 scope as text, $3 scope as the column's type.
 WITH unbounded AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS was,
@@ -27,19 +31,21 @@ WITH unbounded AS MATERIALIZED (
 )
 INSERT INTO pgonce.sequence_counters AS c (sequence, scope, last_number)
 SELECT $1, $2,
-       (COALESCE(max({number}), 0) + 1
+       (COALESCE(max({number}) + '1', 1)
         + (SELECT 0 FROM unbounded WHERE lifted IS NOT NULL))::bigint
 FROM {table} WHERE {scope} = $3
 ON CONFLICT (sequence, scope) DO UPDATE
 SET last_number = (
     -- The next number in the number column's type, as the insert above and
-    -- the other strategies compute it: past an int column's largest value
-    -- it is out of range (22003, the scope exhausted) rather than a number
-    -- the column cannot hold. The counter can be ahead of the table (a take
-    -- committed without its row, a row deleted), so the table's max alone
-    -- does not meet that bound. pg_typeof(max(n)) is the column's type even
+    -- the other strategies compute it: past an int or smallint column's
+    -- largest value it is out of range (22003, the scope exhausted) rather
+    -- than a number the column cannot hold. The counter can be ahead of
+    -- the table (a take committed without its row, a row deleted), so the
+    -- table's max alone does not meet that bound. pg_typeof(max(n)) is the column's type even
     -- when the scope has no row.
-    SELECT CASE column_type WHEN 'integer'::regtype THEN next::integer ELSE next END
+    SELECT CASE column_type WHEN 'integer'::regtype THEN next::integer
+                            WHEN 'smallint'::regtype THEN next::smallint
+                            ELSE next END
     FROM (SELECT greatest(c.last_number, COALESCE(max({number}), 0)::bigint) + 1 AS next,
                  pg_typeof(max({number})) AS column_type
           FROM {table} WHERE {scope} = $3) AS taken)
