@@ -345,6 +345,12 @@ fn taken(scope: &str, key: &str, row: HeldRow) -> Acquired {
 /// if the hold expired and another request took the key over (or the key
 /// was released or collected).
 ///
+/// The response is stored as the JSON text it serialises to, and a replay
+/// ([`Acquired::Replay`]) is that text parsed: the same value, serialising
+/// to the same text (numbers and the order of object keys as given).
+/// [`Error::Invalid`], before anything is written, for a response that
+/// could not be read back or queried ([`crate::json::check_storable`]).
+///
 /// Under REPEATABLE READ or SERIALIZABLE, a transaction whose snapshot was
 /// taken before the hold (begun, and read from, before [`acquire`]) cannot
 /// see it: [`Error::SerializationFailure`], and the transaction is aborted.
@@ -355,7 +361,8 @@ pub async fn finish<'c>(db: impl PgExecutor<'c>, hold: &KeyHold, response: &Valu
         .bind(&hold.scope)
         .bind(&hold.key)
         .bind(hold.token)
-        .bind(response)
+        // As text: a replay is this text, parsed (see key_finish.sql).
+        .bind(response.to_string())
         .bind(hold.acquired_in)
         .fetch_optional(db)
         .await?;

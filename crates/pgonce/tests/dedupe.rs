@@ -342,6 +342,76 @@ async fn an_idempotency_key_replays_the_stored_response_and_rejects_another_requ
     );
 }
 
+/// A replay is the response as it was given: the same value, and the same
+/// JSON text once serialised (what a service sends back to the client).
+/// Stored as `jsonb`, it was not: jsonb keeps numbers as decimals and
+/// objects in an order of its own, so a float of 1e16 or more came back
+/// as an integer (another `Value`), -0.0 as 0.0, and an object's keys
+/// sorted by length, while the first caller had sent them as built.
+/// Large, deep, escaped and non-BMP values must come back equal too.
+#[tokio::test]
+async fn a_replay_is_the_first_response_value_for_value_and_byte_for_byte() {
+    let (_db, pool) = setup().await;
+    let mut deepest = json!("bottom");
+    for _ in 0..pgonce::json::MAX_JSON_NESTING {
+        deepest = json!([deepest]);
+    }
+    let responses = [
+        ("a float past 1e16", json!({"amount": 1e16, "rate": 2.5e18})),
+        ("the largest float", json!(f64::MAX)),
+        ("negative zero", json!({"delta": -0.0})),
+        ("a float with an exponent", json!({"tiny": 1.5e-7})),
+        (
+            "the ends of the integers",
+            json!({"max": u64::MAX, "min": i64::MIN}),
+        ),
+        (
+            "keys in the order they were built",
+            json!({"zeta": 1, "alpha": 2, "mid": {"b": 1, "a": 2}}),
+        ),
+        (
+            "escapes and non-BMP text",
+            json!({"text": "quote \" backslash \\ tab \t nl \n \u{1F600} \u{7f} \u{2028}"}),
+        ),
+        ("nested as deep as reads back", deepest),
+        (
+            "a large body",
+            json!({"blob": incompressible(2_000_000), "list": (0..10_000).collect::<Vec<i32>>()}),
+        ),
+        ("null", json!(null)),
+    ];
+    let mut differ = Vec::new();
+    for (n, (what, response)) in responses.iter().enumerate() {
+        let key = format!("key-{n}");
+        let fp = dedupe::fingerprint(&json!({ "request": n })).unwrap();
+        let Acquired::Process(hold) =
+            dedupe::acquire(&pool, "awkward", &key, &fp, Duration::from_secs(60))
+                .await
+                .unwrap()
+        else {
+            panic!("{what}: the first use is not a hold");
+        };
+        dedupe::finish(&pool, &hold, response).await.unwrap();
+        let replay = dedupe::acquire(&pool, "awkward", &key, &fp, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let Acquired::Replay(replayed) = replay else {
+            panic!("{what}: {replay:?}");
+        };
+        let (given, got) = (
+            serde_json::to_string(response).unwrap(),
+            serde_json::to_string(&replayed).unwrap(),
+        );
+        if &replayed != response || got != given {
+            differ.push(format!(
+                "{what}: equal values {}, given {given:.80}, replayed {got:.80}",
+                &replayed == response
+            ));
+        }
+    }
+    assert!(differ.is_empty(), "{differ:#?}");
+}
+
 #[tokio::test]
 async fn a_key_whose_holder_died_is_recovered_after_its_hold_expires_and_the_dead_holder_is_fenced()
 {

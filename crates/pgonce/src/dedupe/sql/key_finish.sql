@@ -1,4 +1,6 @@
 -- Stores the response, fenced by the hold's token: one row when it did.
+-- $4 is the response's JSON text, kept as given (a json column, migration
+-- 0280): bound as jsonb it would be normalised on the way in.
 -- Matching nothing, it asks pgonce.fence_lost (migration 0200) whether the
 -- caller's snapshot merely predates the hold ($5, the transaction that
 -- took it): then 40001, retry the transaction; otherwise no row, the hold
@@ -7,7 +9,7 @@
 WITH finished AS (
     UPDATE pgonce.idempotency_keys
     SET status = 'done',
-        response = $4,
+        response = $4::json,
         hold_token = NULL,
         held_until = NULL,
         finished_at = now()

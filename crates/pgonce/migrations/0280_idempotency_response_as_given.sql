@@ -1,0 +1,15 @@
+-- An idempotency key's stored response is kept as the JSON text it was
+-- given, so that a replay is the first response, value for value and byte
+-- for byte.
+--
+-- As jsonb the response was parsed into jsonb's own form: numbers are
+-- decimals (1e+16 printed back as 10000000000000000, which reads back as
+-- an integer, another value than the float given; -0.0 as 0.0), and an
+-- object's keys are sorted by length, then bytes. A retry got a response
+-- that differed from the first: another value in the first case, another
+-- body in the others. json keeps the text as written (and checks that it
+-- is JSON); nothing queries inside a response, so nothing needs jsonb's
+-- operators or indexes. dedupe::finish binds the response as text and
+-- casts it here, since a value sent as jsonb would be normalised on the
+-- way in. Rows stored before keep the text jsonb printed for them.
+ALTER TABLE pgonce.idempotency_keys ALTER COLUMN response TYPE json USING response::json;
