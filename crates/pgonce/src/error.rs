@@ -90,9 +90,10 @@ pub enum Error {
     },
 
     /// The transaction's isolation level cannot make the operation correct
-    /// (a scoped sequence's max + 1 under a snapshot that may predate its
-    /// lock). Nothing was locked or written; begin the transaction with
-    /// `needed` and retry.
+    /// (a scoped sequence's max + 1, or a guard's re-read, under a snapshot
+    /// that may predate its lock). Nothing was written, and nothing was
+    /// locked but a guard's key (`strategy` `guard`), which the rollback
+    /// releases; begin the transaction with `needed` and retry.
     #[error("{strategy} needs isolation level {needed}, the transaction runs at {found}")]
     WrongIsolation {
         /// The strategy that refused, by its name.

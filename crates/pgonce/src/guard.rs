@@ -36,7 +36,11 @@
 //! lock statement itself: a re-read after a wait would see the state from
 //! before the wait, miss the previous holder's insert, and let a duplicate
 //! through. The guard therefore offers READ COMMITTED (the default) and
-//! SERIALIZABLE, never REPEATABLE READ.
+//! SERIALIZABLE, never REPEATABLE READ. A transaction from [`Guard::begin`]
+//! whose caller changed its level before [`GuardedTransaction::check`]
+//! (`SET TRANSACTION ISOLATION LEVEL`, still allowed before a transaction's
+//! first statement) is refused by the check with [`Error::WrongIsolation`],
+//! told by the lock statement itself, before any re-read.
 //!
 //! SERIALIZABLE takes its snapshot at the lock statement too, so there the
 //! re-read may also be stale; it is correct only because PostgreSQL aborts
@@ -417,8 +421,9 @@ static BEGIN_LOCKED: LazyLock<String> =
     LazyLock::new(|| crate::lock::without_comments(include_str!("guard/sql/begin_locked.sql")));
 
 /// A transaction opened by [`Guard::begin`], so at an isolation level under
-/// which the guard's re-read is correct (the type makes a REPEATABLE READ
-/// transaction impossible here). Dereferences to the
+/// which the guard's re-read is correct (the type opens no REPEATABLE READ
+/// transaction, and [`GuardedTransaction::check`] refuses one its caller
+/// switched to with [`Error::WrongIsolation`]). Dereferences to the
 /// [`Transaction`] for the caller's writes. Dropping it rolls back, but
 /// only when the connection is next used: see [`GuardedTransaction::rollback`].
 #[derive(Debug)]
@@ -442,15 +447,34 @@ impl<'p> GuardedTransaction<'p> {
     /// Checking several keys in one transaction can deadlock unless every
     /// caller checks them in the same order; PostgreSQL then aborts one with
     /// [`Error::SerializationFailure`] (retryable).
+    ///
+    /// [`Error::WrongIsolation`] when the transaction no longer runs at the
+    /// guard's level (its caller ran `SET TRANSACTION ISOLATION LEVEL`
+    /// before this check): the re-read is not run, and the caller must not
+    /// write; rolling back releases the lock. Told in the lock's own round
+    /// trip.
     pub async fn check<R>(&mut self, key: LockKey, seen: &ReadSet, reread: R) -> Result<()>
     where
         R: AsyncFnOnce(&mut PgConnection) -> Result<ReadSet>,
     {
         let guard = &self.guard;
         if self.locked != Some(key) {
-            match guard.config.lock_timeout {
-                Some(t) => lock::lock_timeout(&mut self.tx, key, t).await?,
-                None => lock::lock(&mut self.tx, key).await?,
+            let isolation = match guard.config.lock_timeout {
+                Some(t) => lock::lock_timeout_reporting_isolation(&mut self.tx, key, t).await?,
+                None => lock::lock_reporting_isolation(&mut self.tx, key).await?,
+            };
+            // The transaction was begun at the configured level, but its
+            // caller could change it before this, its first statement
+            // (`SET TRANSACTION ISOLATION LEVEL`). Under REPEATABLE READ
+            // the lock statement took the snapshot before its wait, and
+            // the re-read would miss the previous holder's write.
+            let needed = IsolationLevel::from(guard.config.isolation).as_sql();
+            if !needed.eq_ignore_ascii_case(&isolation) {
+                return Err(Error::WrongIsolation {
+                    strategy: "guard",
+                    needed,
+                    found: isolation,
+                });
             }
         }
         // READ COMMITTED: this statement's snapshot is taken now, after the

@@ -214,6 +214,19 @@ pub async fn lock_timeout(
     key: LockKey,
     timeout: Duration,
 ) -> Result<()> {
+    lock_timeout_reporting_isolation(tx, key, timeout)
+        .await
+        .map(drop)
+}
+
+/// [`lock_timeout`], returning `tx`'s isolation level as the lock's
+/// statement reports it (`current_setting('transaction_isolation')`, lower
+/// case), in the same round trip.
+pub(crate) async fn lock_timeout_reporting_isolation(
+    tx: &mut Transaction<'_, Postgres>,
+    key: LockKey,
+    timeout: Duration,
+) -> Result<String> {
     check_lock_timeout("lock timeout", timeout, Duration::ZERO)?;
     let sql = LOCK_TIMEOUT
         .replace("{key}", &key.as_i64().to_string())
@@ -222,8 +235,11 @@ pub async fn lock_timeout(
         .fetch_one(&mut **tx)
         .await?;
     match Waited::from_row(&row)? {
-        Waited { held: true } => Ok(()),
-        Waited { held: false } => Err(Error::LockTimeout {
+        Waited {
+            held: true,
+            isolation,
+        } => Ok(isolation),
+        Waited { held: false, .. } => Err(Error::LockTimeout {
             key,
             waited: timeout,
         }),
@@ -235,6 +251,8 @@ pub async fn lock_timeout(
 struct Waited {
     /// Whether the transaction holds the lock after the bounded wait.
     held: bool,
+    /// The transaction's isolation level, lower case.
+    isolation: String,
 }
 
 /// `lock/sql/lock_timeout.sql` without its comment lines, as sent.
@@ -264,11 +282,34 @@ pub async fn lock_many(
     if keys.is_empty() {
         return Ok(());
     }
-    sqlx::query(LOCK_MANY_SQL)
+    take_sorted(tx, keys).await.map(drop)
+}
+
+/// [`lock`], returning `tx`'s isolation level as the lock's statement
+/// reports it (`current_setting('transaction_isolation')`, lower case), in
+/// the same round trip.
+pub(crate) async fn lock_reporting_isolation(
+    tx: &mut Transaction<'_, Postgres>,
+    key: LockKey,
+) -> Result<String> {
+    take_sorted(tx, vec![key.as_i64()]).await
+}
+
+/// Runs `lock/sql/lock_many.sql` for `keys` (sorted ascending, free of
+/// duplicates, not empty) and returns the isolation level it reports.
+async fn take_sorted(tx: &mut Transaction<'_, Postgres>, keys: Vec<i64>) -> Result<String> {
+    let row = sqlx::query(LOCK_MANY_SQL)
         .bind(keys)
-        .execute(&mut **tx)
+        .fetch_one(&mut **tx)
         .await?;
-    Ok(())
+    Ok(Locked::from_row(&row)?.isolation)
+}
+
+/// What `lock/sql/lock_many.sql` reports besides taking its locks.
+#[derive(sqlx::FromRow)]
+struct Locked {
+    /// The transaction's isolation level, lower case.
+    isolation: String,
 }
 
 /// `lock/sql/lock_many.sql`: takes the advisory keys `$1` (a `bigint[]`,

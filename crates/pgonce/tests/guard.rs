@@ -193,12 +193,19 @@ async fn duplicate_incident_t00_t10_with_the_guard_leaves_one_open_and_a_conflic
     assert_eq!(count_open(&pool, "X").await, 1, "I1 held");
 }
 
-/// The write the re-read must see is committed while the second writer
-/// waits for the lock: READ COMMITTED takes the re-read's snapshot after the
-/// lock is granted, so the second writer conflicts instead of duplicating.
-#[tokio::test]
-async fn a_writer_waiting_for_the_lock_sees_the_previous_holders_insert() {
-    let (db, pool) = setup().await;
+/// Writer W1's guarded insert of `entity` (lock key `e`/`entity`), run
+/// until it has inserted and still holds the lock (its task keeps W1's
+/// connection); W2 is the session for the writer that comes second.
+struct FirstWriter {
+    race: Interleaving,
+    w2: Session,
+    /// Lets W1 commit.
+    go: oneshot::Sender<()>,
+    /// W1's write, to be awaited once it may commit.
+    first: tokio::task::JoinHandle<pgonce::Result<()>>,
+}
+
+async fn first_writer_inserted(db: &pgonce_testkit::ScratchDatabase, entity: &str) -> FirstWriter {
     let race = Interleaving::new(db.options()).await.unwrap();
     let (w1, w2) = (
         race.session("W1").await.unwrap(),
@@ -209,7 +216,7 @@ async fn a_writer_waiting_for_the_lock_sees_the_previous_holders_insert() {
     let first = tokio::spawn(paused_insert(
         w1.pool().clone(),
         "e",
-        "X".into(),
+        entity.into(),
         ReadSet::new(),
         inserted_tx,
         go_rx,
@@ -218,17 +225,33 @@ async fn a_writer_waiting_for_the_lock_sees_the_previous_holders_insert() {
         .await
         .unwrap()
         .unwrap();
+    FirstWriter {
+        race,
+        w2,
+        go,
+        first,
+    }
+}
+
+/// The write the re-read must see is committed while the second writer
+/// waits for the lock: READ COMMITTED takes the re-read's snapshot after the
+/// lock is granted, so the second writer conflicts instead of duplicating.
+#[tokio::test]
+async fn a_writer_waiting_for_the_lock_sees_the_previous_holders_insert() {
+    let (db, pool) = setup().await;
+    let writer = first_writer_inserted(&db, "X").await;
+    let (race, w2) = (&writer.race, &writer.w2);
     let second = race
         .step_blocks(
-            &w2,
+            w2,
             "guarded insert",
             guarded_insert(w2.pool().clone(), "e", "X".into(), ReadSet::new()),
         )
         .await
         .unwrap();
     assert_eq!(second.blocked_by(), ["W1"]);
-    go.send(()).unwrap();
-    first.await.unwrap().unwrap();
+    writer.go.send(()).unwrap();
+    writer.first.await.unwrap().unwrap();
     let outcome = second.resume().await.unwrap();
     assert!(
         matches!(outcome, Err(Error::Conflict { .. })),
@@ -569,6 +592,62 @@ async fn a_guarded_transaction_commits_the_callers_writes_only_after_a_passed_ch
     // The lock is gone: another session takes it at once.
     let mut other = pool.begin().await.unwrap();
     assert!(pgonce::lock::try_lock(&mut other, key).await.unwrap());
+}
+
+/// `Guard::begin` opens the guarded transaction at READ COMMITTED, but
+/// until its first statement the caller may still change the level
+/// (`SET TRANSACTION ISOLATION LEVEL REPEATABLE READ`, through the
+/// transaction it dereferences to). The check's lock statement then took
+/// the transaction's snapshot before its wait, the re-read saw the state
+/// from before the previous holder's insert, and a second OPEN row went
+/// in: the duplicate the guard exists to prevent. The check must refuse
+/// that transaction with a typed error instead, and nothing be written.
+#[tokio::test]
+async fn a_guarded_transaction_switched_to_repeatable_read_is_refused_not_a_duplicate() {
+    // The check's lock waits as long as it takes, or for a bound: two
+    // statements, each of which must tell.
+    let bounded = GuardConfig {
+        lock_timeout: Some(std::time::Duration::from_secs(600)),
+        ..GuardConfig::default()
+    };
+    for (entity, config) in [("X", GuardConfig::default()), ("Y", bounded)] {
+        switched_to_repeatable_read(entity, config).await;
+    }
+}
+
+async fn switched_to_repeatable_read(entity: &'static str, config: GuardConfig) {
+    let (db, pool) = setup().await;
+    let writer = first_writer_inserted(&db, entity).await;
+    let (race, w2) = (&writer.race, &writer.w2);
+    let pool2 = w2.pool().clone();
+    let checked = race
+        .step_blocks(w2, "BEGIN, SET TRANSACTION, check", async move {
+            let guard = Guard::new("things", config)?;
+            let mut tx = guard.begin(&pool2).await?;
+            sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                .execute(&mut **tx)
+                .await?;
+            let key = LockKey::new("e", entity)?;
+            let out = tx
+                .check(key, &ReadSet::new(), async |c| open_ids(c, entity).await)
+                .await;
+            if out.is_ok() {
+                insert(&mut tx, entity).await?;
+                tx.commit().await?;
+            }
+            out
+        })
+        .await
+        .unwrap();
+    assert_eq!(checked.blocked_by(), ["W1"]);
+    writer.go.send(()).unwrap();
+    writer.first.await.unwrap().unwrap();
+    let outcome = checked.resume().await.unwrap();
+    assert!(
+        matches!(&outcome, Err(Error::WrongIsolation { found, .. }) if found == "repeatable read"),
+        "{entity}: {outcome:?}"
+    );
+    assert_eq!(count_open(&pool, entity).await, 1);
 }
 
 /// Whether the one connection of `pool` is outside any transaction and

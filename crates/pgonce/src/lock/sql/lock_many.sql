@@ -11,7 +11,10 @@
 -- subquery refers to the level below, so it runs for that level's row,
 -- after the bound is lifted). If a wait fails, the transaction is aborted
 -- and its ROLLBACK restores the setting anyway.
-SELECT set_config('lock_timeout', was, true) AS restored
+-- isolation: the transaction's level, for a caller whose locks are only
+-- correct at one (the guard's check, whose re-read follows).
+SELECT set_config('lock_timeout', was, true) AS restored,
+       current_setting('transaction_isolation') AS isolation
 FROM (
     SELECT was,
            (SELECT count(pg_advisory_xact_lock(key))

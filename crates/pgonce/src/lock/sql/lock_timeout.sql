@@ -1,7 +1,7 @@
 -- A bounded wait for a lock, in one round trip (one simple-query message):
 -- {key} the LockKey and {millis} the bound in milliseconds (at least 1),
--- both numbers from our code, never input text. One row, `held`: whether
--- the transaction holds the lock now.
+-- both numbers from our code, never input text. One row: `held`, whether
+-- the transaction holds the lock now, and `isolation`, its level.
 --
 -- The wait runs in a PL/pgSQL block with an exception handler, that is in
 -- a subtransaction the server itself rolls back when the wait runs out
@@ -17,7 +17,9 @@
 -- lock belongs to the transaction once the subtransaction commits), and
 -- the value of lock_timeout in force before is put back. Then the try,
 -- which never waits, tells which way the wait ended: true when granted, or
--- when the holder let go just after the wait ran out (taken then).
+-- when the holder let go just after the wait ran out (taken then); and
+-- the transaction's level, for a caller whose locks are only correct at
+-- one (the guard's check, whose re-read follows).
 DO $pgonce_lock_timeout$
 DECLARE
     was text := current_setting('lock_timeout');
@@ -29,4 +31,5 @@ EXCEPTION WHEN lock_not_available THEN
     NULL;
 END
 $pgonce_lock_timeout$;
-SELECT pg_try_advisory_xact_lock({key}) AS held
+SELECT pg_try_advisory_xact_lock({key}) AS held,
+       current_setting('transaction_isolation') AS isolation
