@@ -46,9 +46,7 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use pgonce::{
-    Error, IsolationLevel, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Numbering,
-};
+use pgonce::{Error, NumberedTable, Sequence, SequenceConfig, SequenceStrategy as Numbering};
 use pgonce_testkit::{Blocked, Interleaving, ScratchDatabase, Session, fresh_migrated_database};
 use proptest::prelude::*;
 use sqlx::{PgPool, Postgres, Transaction};
@@ -563,19 +561,8 @@ impl Run<'_> {
     /// BEGIN in idle session `s`.
     async fn begin(&mut self, s: usize) -> Result<(), String> {
         let c = &mut self.conns[s];
-        let mut tx = self
-            .race
-            .try_step(
-                &c.session,
-                "BEGIN",
-                pgonce::begin(c.session.pool(), IsolationLevel::ReadCommitted),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-        c.pid = sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(|e| e.to_string())?;
+        let (tx, pid) = support::begin_noting_pid(&self.race, &c.session).await?;
+        c.pid = pid;
         c.tx = Some(tx);
         self.model.sessions[s] = State::Open(Tx::default());
         Ok(())

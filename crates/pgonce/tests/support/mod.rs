@@ -20,6 +20,27 @@ pub fn incompressible(len: usize) -> String {
         .collect()
 }
 
+/// A READ COMMITTED transaction begun as a step of `session`, and its
+/// backend's pid (to terminate it with).
+pub async fn begin_noting_pid(
+    race: &pgonce_testkit::Interleaving,
+    session: &pgonce_testkit::Session,
+) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, i32), String> {
+    let mut tx = race
+        .try_step(
+            session,
+            "BEGIN",
+            pgonce::begin(session.pool(), pgonce::IsolationLevel::ReadCommitted),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let pid = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((tx, pid))
+}
+
 /// Makes job `id`'s lease look expired without waiting for it: time
 /// passing is not what these tests are about.
 pub async fn expire_lease(pool: &sqlx::PgPool, id: i64) {
