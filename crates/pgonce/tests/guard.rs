@@ -58,6 +58,16 @@ async fn guarded_insert(
     seen: ReadSet,
 ) -> pgonce::Result<()> {
     let key = LockKey::new(namespace, &entity)?;
+    guarded_insert_under(pool, key, entity, seen).await
+}
+
+/// [`guarded_insert`] under the lock `key`, whatever the entity.
+async fn guarded_insert_under(
+    pool: PgPool,
+    key: LockKey,
+    entity: String,
+    seen: ReadSet,
+) -> pgonce::Result<()> {
     guard()
         .write(
             &pool,
@@ -342,6 +352,33 @@ async fn versions_in_the_read_set_catch_an_update() {
         matches!(outcome, Err(Error::Conflict { .. })),
         "{outcome:?}"
     );
+}
+
+/// Two entities whose lock keys collide (a 64-bit key is a hash: two
+/// entities may get the same one, or code computing its own keys may pick
+/// one in use) share a lock, never a decision: the second writer waits for
+/// the first, then re-reads its own entity's set and writes. A collision
+/// costs a wait, not a conflict and not a duplicate.
+#[tokio::test]
+async fn two_entities_on_one_lock_key_wait_for_each_other_and_both_write() {
+    let (db, pool) = setup().await;
+    let writer = first_writer_inserted(&db, "A").await;
+    let (race, w2) = (&writer.race, &writer.w2);
+    let shared = LockKey::from_raw(LockKey::new("e", "A").unwrap().as_i64());
+    let second = race
+        .step_blocks(
+            w2,
+            "guarded insert of B under A's key",
+            guarded_insert_under(w2.pool().clone(), shared, "B".into(), ReadSet::new()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(second.blocked_by(), ["W1"]);
+    writer.go.send(()).unwrap();
+    writer.first.await.unwrap().unwrap();
+    second.resume().await.unwrap().unwrap();
+    assert_eq!(count_open(&pool, "A").await, 1);
+    assert_eq!(count_open(&pool, "B").await, 1);
 }
 
 #[tokio::test]
