@@ -137,14 +137,25 @@ pub async fn apply_once<T>(
     Ok(Some(out))
 }
 
-/// The fingerprint of a request: SHA-256 of its JSON serialisation. Two
-/// requests with the same key must serialise identically to count as the
-/// same request (serialise maps with a stable key order).
+/// The fingerprint of a request: SHA-256 of its JSON value, serialised
+/// with every object's keys in sorted order. Two requests count as the
+/// same request when they serialise to the same JSON value: the order in
+/// which a map gives its keys (a `HashMap`, whose order differs from
+/// process to process; a body parsed from a client that orders its keys
+/// otherwise) does not matter, as it does not in JSON. Any other
+/// difference, an array's order included, makes another request.
+/// [`Error::Invalid`] when the request does not serialise to a JSON value
+/// (a map with keys that are not strings or numbers, an integer past
+/// 64 bits).
 pub fn fingerprint(request: &impl Serialize) -> Result<Vec<u8>> {
-    let bytes = serde_json::to_vec(request).map_err(|e| Error::Invalid {
+    let invalid = |e: serde_json::Error| Error::Invalid {
         what: "request",
         why: format!("cannot serialise for a fingerprint: {e}"),
-    })?;
+    };
+    let mut value = serde_json::to_value(request).map_err(invalid)?;
+    // The workspace's serde_json keeps objects in insertion order.
+    value.sort_all_objects();
+    let bytes = serde_json::to_vec(&value).map_err(invalid)?;
     Ok(Sha256::digest(&bytes).to_vec())
 }
 

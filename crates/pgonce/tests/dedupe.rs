@@ -342,6 +342,42 @@ async fn an_idempotency_key_replays_the_stored_response_and_rejects_another_requ
     );
 }
 
+/// A request is a value: the same body with its object keys in another
+/// order (another client library, a proxy that parses and re-serialises,
+/// a `HashMap` in another process) is the same request, and its retry
+/// gets the stored response. Its fingerprint was taken over the bytes as
+/// serde_json wrote them, in the order the map gave its keys (the
+/// workspace's serde_json keeps insertion order), so the retry was refused
+/// as another request. A body that differs in a value is still refused.
+#[tokio::test]
+async fn a_retry_with_the_same_body_in_another_key_order_is_replayed() {
+    let (_db, pool) = setup().await;
+    let parse = |body: &str| serde_json::from_str::<serde_json::Value>(body).unwrap();
+    let first = parse(r#"{"amount": 10, "to": {"bank": "b", "account": "acct-1"}}"#);
+    let reordered = parse(r#"{"to": {"account": "acct-1", "bank": "b"}, "amount": 10}"#);
+    let other = parse(r#"{"to": {"account": "acct-2", "bank": "b"}, "amount": 10}"#);
+    let request = async |body: &serde_json::Value| {
+        let fp = dedupe::fingerprint(body).unwrap();
+        dedupe::acquire(&pool, "payments", "key-1", &fp, Duration::from_secs(60)).await
+    };
+    let Ok(Acquired::Process(hold)) = request(&first).await else {
+        panic!("the first use is not a hold");
+    };
+    dedupe::finish(&pool, &hold, &json!({"charge": "ch_1"}))
+        .await
+        .unwrap();
+    let retry = request(&reordered).await;
+    assert!(
+        matches!(&retry, Ok(Acquired::Replay(r)) if *r == json!({"charge": "ch_1"})),
+        "{retry:?}"
+    );
+    let mismatch = request(&other).await;
+    assert!(
+        matches!(mismatch, Err(Error::IdempotencyMismatch { .. })),
+        "{mismatch:?}"
+    );
+}
+
 /// A replay is the response as it was given: the same value, and the same
 /// JSON text once serialised (what a service sends back to the client).
 /// Stored as `jsonb`, it was not: jsonb keeps numbers as decimals and
