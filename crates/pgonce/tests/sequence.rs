@@ -327,6 +327,52 @@ async fn under_the_table_lock_a_declarer_in_another_scope_waits_too() {
     assert_eq!(committed(&pool).await["globex"], [1]);
 }
 
+/// A declaration given up while it waits for its scope (its future
+/// dropped, as when a client goes away) leaves nothing behind: its
+/// statement still waits on the server, takes the scope once the holder
+/// commits, and is rolled back before its connection is used again, so
+/// the connection comes back to the pool outside any transaction, holding
+/// no lock; its other work is not committed; and the next declaration
+/// gets the next number, no gap.
+#[tokio::test]
+async fn a_declaration_dropped_while_it_waits_leaves_no_lock_no_work_and_no_gap() {
+    for strategy in [
+        Strategy::AdvisoryLock,
+        Strategy::CounterRow,
+        Strategy::TableLock,
+    ] {
+        let (pool, db) = setup(4).await;
+        let seq = sequence(strategy);
+        let (race, tx_a, b) = a_holds_acme(&db, &seq).await;
+        let waiting = declaring_acme_blocks(&race, &b, &seq, strategy).await;
+        assert_eq!(waiting.blocked_by(), ["A"], "{strategy}");
+        waiting.cancel();
+        tx_a.commit().await.unwrap();
+        // B's one connection, once it is back in its pool.
+        let mut conn = b.pool().acquire().await.unwrap();
+        let in_transaction: bool =
+            sqlx::raw_sql("SELECT statement_timestamp() <> transaction_timestamp()")
+                .fetch_one(&mut *conn)
+                .await
+                .map(|row| sqlx::Row::get(&row, 0))
+                .unwrap();
+        assert!(
+            !in_transaction,
+            "{strategy}: B's connection is in a transaction"
+        );
+        assert_eq!(scope_locks_held(&mut conn).await, 0, "{strategy}");
+        drop(conn);
+        assert_eq!(declare(&seq, &pool, "acme").await.unwrap(), 2, "{strategy}");
+        assert_eq!(committed(&pool).await["acme"], [1, 2], "{strategy}");
+        let work: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM declaration_work WHERE org = 'acme'")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(work, 1, "{strategy}: only the last declaration's work");
+    }
+}
+
 /// Session A has taken and inserted acme's first number, uncommitted;
 /// session B is ready.
 async fn a_holds_acme(
