@@ -331,6 +331,8 @@ impl EventStore {
     }
 
     /// Matching events by position (a plain snapshot read).
+    /// [`Error::Invalid`] for a bad query or a negative
+    /// [`ReadOptions::limit`], nothing read.
     pub async fn read(&self, query: &Query, options: ReadOptions) -> Result<Vec<StoredEvent>> {
         read::read(&self.pool, query, options).await
     }

@@ -572,6 +572,47 @@ async fn bad_input_is_rejected_whole() {
     assert_eq!(s.head().await.unwrap(), None);
 }
 
+/// A read asked for a negative number of events is refused as bad input
+/// ([`Error::Invalid`], naming the limit), forwards and backwards, before
+/// the database is asked: PostgreSQL's "LIMIT must not be negative" came
+/// back as a bare database error. A limit of 0 reads nothing.
+#[tokio::test]
+async fn a_negative_read_limit_is_refused_as_bad_input() {
+    let (_db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    s.append(&[booked("booking:1")], None).await.unwrap();
+    for backwards in [false, true] {
+        for limit in [-1, i64::MIN] {
+            let outcome = s
+                .read(
+                    &Query::all(),
+                    ReadOptions {
+                        limit: Some(limit),
+                        backwards,
+                        ..ReadOptions::default()
+                    },
+                )
+                .await;
+            assert!(
+                matches!(&outcome, Err(Error::Invalid { what: "read options", why }) if why.contains("limit")),
+                "limit {limit}, backwards {backwards}: {outcome:?}"
+            );
+        }
+        let none = s
+            .read(
+                &Query::all(),
+                ReadOptions {
+                    limit: Some(0),
+                    backwards,
+                    ..ReadOptions::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert!(none.is_empty(), "limit 0, backwards {backwards}: {none:?}");
+    }
+}
+
 /// What an append accepts reads back equal, on each of its paths: one
 /// event under a one-item tag condition (its fields as parameters), two
 /// under it (a JSON array), a condition of two items (the general path),

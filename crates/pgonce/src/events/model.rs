@@ -279,10 +279,25 @@ pub struct ReadOptions {
     /// First position to return (inclusive). Forwards: default 1; backwards:
     /// default the head.
     pub from: Option<i64>,
-    /// At most this many events; default all.
+    /// At most this many events (0 or more; a negative limit is
+    /// [`Error::Invalid`]); default all.
     pub limit: Option<i64>,
     /// Newest first.
     pub backwards: bool,
+}
+
+impl ReadOptions {
+    /// [`Error::Invalid`] for a negative `limit`, which PostgreSQL refuses
+    /// (`LIMIT must not be negative`) as a bare database error.
+    pub(crate) fn validate(&self) -> Result<()> {
+        match self.limit {
+            Some(limit) if limit < 0 => Err(Error::invalid(
+                "read options",
+                format!("limit must not be negative, got {limit}"),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// What [`crate::EventStore::decide`] read: the matching events and the

@@ -52,6 +52,7 @@ pub(crate) async fn read(
     options: ReadOptions,
 ) -> Result<Vec<StoredEvent>> {
     query.validate()?;
+    options.validate()?;
     let filter = Filter::new(query, 3);
     let (template, from) = if options.backwards {
         (
