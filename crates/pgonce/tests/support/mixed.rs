@@ -76,11 +76,42 @@ pub enum MixedKind {
     /// insert and the commit in one call (one statement under the lock
     /// strategies), so its append step also ends it; never rolled back.
     ConditionSameAppend,
+    /// `ConditionSameAppend` of two events in one call: under the lock
+    /// strategies the tag-item statement that takes its events as one
+    /// JSON array (migration 0170) rather than the one-event one (0180).
+    ConditionSameBatchAppend,
+    /// Decides on an item naming the round's type and `x`, appends an `x`
+    /// event under "none after": an item with types, checked by the query
+    /// built for its values (migration 0110's path, or the transaction
+    /// path's filter), not the tag-item one.
+    ConditionTyped,
+    /// Decides on every event ([`Query::all`]), appends an `x` event
+    /// under "none after" in one call: the match-all condition, which
+    /// every other writer's event breaks.
+    ConditionAllAppend,
     /// `begin_append` of an `x` event without a condition.
     Unconditional,
     /// `append_in` of an `x` event in the caller's transaction, begun at
     /// this isolation level.
     AppendIn(IsolationLevel),
+}
+
+impl MixedKind {
+    /// Whether the writer appends through [`EventStore::append`], whose
+    /// append step also commits.
+    pub fn appends_in_one_call(self) -> bool {
+        matches!(
+            self,
+            MixedKind::ConditionSameAppend
+                | MixedKind::ConditionSameBatchAppend
+                | MixedKind::ConditionAllAppend
+        )
+    }
+
+    /// Whether the writer decides first and appends under a condition.
+    pub fn is_conditional(self) -> bool {
+        !matches!(self, MixedKind::Unconditional | MixedKind::AppendIn(_))
+    }
 }
 
 /// One transaction of a mixed round and what became of it.
@@ -101,13 +132,13 @@ pub struct MixedTx {
 }
 
 impl MixedTx {
-    /// A transaction of `kind` not yet run (a `ConditionSameAppend` is
+    /// A transaction of `kind` not yet run (one appending in one call is
     /// never rolled back).
     pub fn new(kind: MixedKind, rollback: bool) -> MixedTx {
         MixedTx {
             kind,
             strategy: None,
-            rollback: rollback && kind != MixedKind::ConditionSameAppend,
+            rollback: rollback && !kind.appends_in_one_call(),
             condition: None,
             positions: Vec::new(),
             committed: false,
@@ -140,7 +171,11 @@ pub async fn mixed_tx(
         Caller(sqlx::Transaction<'static, sqlx::Postgres>),
     }
     let query = match plan.kind {
-        MixedKind::ConditionSame | MixedKind::ConditionSameAppend => Some(tag_query(&x)),
+        MixedKind::ConditionSame
+        | MixedKind::ConditionSameAppend
+        | MixedKind::ConditionSameBatchAppend => Some(tag_query(&x)),
+        MixedKind::ConditionTyped => Some(Query::item([round_type(&x)], [&x]).unwrap()),
+        MixedKind::ConditionAllAppend => Some(Query::all()),
         MixedKind::ConditionOther => Some(tag_query(&y)),
         MixedKind::ConditionBoth => Some(Query::item(Vec::<String>::new(), [&x, &y]).unwrap()),
         MixedKind::ConditionType => {
@@ -164,8 +199,13 @@ pub async fn mixed_tx(
         done.send((index, false)).unwrap();
     }
     go.recv().await.unwrap();
-    if plan.kind == MixedKind::ConditionSameAppend {
-        match store.append(&[event], condition.as_ref()).await {
+    if plan.kind.appends_in_one_call() {
+        let events = if plan.kind == MixedKind::ConditionSameBatchAppend {
+            vec![event.clone(), event]
+        } else {
+            vec![event]
+        };
+        match store.append(&events, condition.as_ref()).await {
             Ok(appended) => {
                 plan.positions = appended.positions;
                 plan.committed = true;
@@ -236,20 +276,15 @@ pub async fn mixed_round(
     let mut go = Vec::new();
     let mut tasks = Vec::new();
     // Steps left per transaction; its last one (COMMIT or ROLLBACK) waits on
-    // no lock another transaction of the round holds, except a
-    // `ConditionSameAppend`'s, whose append is its last step.
-    let last_may_wait: Vec<bool> = plans
-        .iter()
-        .map(|p| p.kind == MixedKind::ConditionSameAppend)
-        .collect();
+    // no lock another transaction of the round holds, except one appending
+    // in one call, whose append is its last step.
+    let last_may_wait: Vec<bool> = plans.iter().map(|p| p.kind.appends_in_one_call()).collect();
+    // Decide, append, end; one appending in one call ends with its append,
+    // one without a condition has no decision.
     let mut left: Vec<usize> = plans
         .iter()
-        .map(|p| match p.kind {
-            MixedKind::ConditionSame
-            | MixedKind::ConditionOther
-            | MixedKind::ConditionBoth
-            | MixedKind::ConditionType => 3,
-            _ => 2,
+        .map(|p| {
+            1 + usize::from(p.kind.is_conditional()) + usize::from(!p.kind.appends_in_one_call())
         })
         .collect();
     for (i, plan) in plans.into_iter().enumerate() {
