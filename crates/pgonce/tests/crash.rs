@@ -1,14 +1,16 @@
-//! The job, idempotency-key and sequence safeguards across a server crash,
-//! on a cluster of their own (the shared test server keeps running for
-//! the other tests): an immediate shutdown (SIGQUIT, no checkpoint, crash
-//! recovery at the next start) with committed leases, holds and numbers
-//! beside ones still uncommitted.
+//! The job, idempotency-key and sequence safeguards and the event store's
+//! catch-up subscription across a server crash, on a cluster of their own
+//! (the shared test server keeps running for the other tests): an
+//! immediate shutdown (SIGQUIT, no checkpoint, crash recovery at the next
+//! start) with committed leases, holds, numbers and events beside ones
+//! still uncommitted.
 
 use std::time::Duration;
 
 use pgonce::dedupe::{self, Acquired};
+use pgonce::events::{AppendStrategy, Event, EventStore, EventStoreConfig, SubscriptionConfig};
 use pgonce::job::{self, JobStatus, NewJob};
-use pgonce::{Error, IsolationLevel, NumberedTable, Sequence, SequenceConfig};
+use pgonce::{Error, IsolationLevel, Listen, NumberedTable, Sequence, SequenceConfig};
 use pgonce_testkit::{Cluster, ShutdownMode};
 use serde_json::json;
 use sqlx::PgPool;
@@ -22,6 +24,25 @@ async fn connect(cluster: &Cluster) -> PgPool {
         .connect(&cluster.url("postgres"))
         .await
         .unwrap()
+}
+
+/// A throwaway cluster of the test's own.
+async fn start() -> Cluster {
+    tokio::task::spawn_blocking(Cluster::start)
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// Kills `cluster` by an immediate shutdown and starts it again (crash
+/// recovery); returns it once it takes connections.
+async fn crash_and_restart(mut cluster: Cluster) -> Cluster {
+    tokio::task::spawn_blocking(move || {
+        cluster.restart(ShutdownMode::Immediate).unwrap();
+        cluster
+    })
+    .await
+    .unwrap()
 }
 
 async fn status(pool: &PgPool, id: i64) -> JobStatus {
@@ -40,10 +61,7 @@ async fn status(pool: &PgPool, id: i64) -> JobStatus {
 ///   again: the scope stays 1..n.
 #[tokio::test]
 async fn what_committed_survives_a_crash_and_what_did_not_is_neither_held_nor_lost() {
-    let mut cluster = tokio::task::spawn_blocking(Cluster::start)
-        .await
-        .unwrap()
-        .unwrap();
+    let cluster = start().await;
     let pool = connect(&cluster).await;
     pgonce::migrate(&pool).await.unwrap();
     sqlx::query(
@@ -102,12 +120,7 @@ async fn what_committed_survives_a_crash_and_what_did_not_is_neither_held_nor_lo
     let mut claiming = pool.begin().await.unwrap();
     let open_lease = job::claim(&mut *claiming, open_job, LEASE).await.unwrap();
 
-    let mut cluster = tokio::task::spawn_blocking(move || {
-        cluster.restart(ShutdownMode::Immediate).unwrap();
-        cluster
-    })
-    .await
-    .unwrap();
+    let mut cluster = crash_and_restart(cluster).await;
     // The old connections died with the server.
     drop((numbering, claiming));
     pool.close().await;
@@ -137,6 +150,83 @@ async fn what_committed_survives_a_crash_and_what_did_not_is_neither_held_nor_lo
             .await
             .unwrap();
     assert_eq!(numbers, [1, 2]);
+    pool.close().await;
+    cluster.stop();
+}
+
+/// A subscription waiting at a gap when the server crashes delivers, after
+/// the restart, the events committed before the crash, without waiting for
+/// anyone else to write.
+///
+/// The gap: position 1 appended and still open, 2 committed. The reader
+/// took its own transaction id as the gap's bound, one id above one taken
+/// by a transaction that wrote nothing yet (an append between its id and
+/// its insert). Neither id reached the WAL: a transaction that wrote
+/// nothing commits without waiting for the flush (`wal_writer_delay` is
+/// raised so that the crash comes before the background flush). Recovery
+/// hands both ids out again, so the server's oldest running id stayed
+/// below the bound after the restart, and the subscription waited at the
+/// gap, poll after poll, until other transactions had used up the ids.
+#[tokio::test]
+async fn a_subscription_waiting_at_a_gap_when_the_server_crashes_goes_on_after_the_restart() {
+    let cluster = start().await;
+    let pool = connect(&cluster).await;
+    pgonce::migrate(&pool).await.unwrap();
+    sqlx::query("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_reload_conf()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = EventStore::new(
+        pool.clone(),
+        EventStoreConfig {
+            strategy: AppendStrategy::AdvisoryLocks,
+            notify: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let open = store
+        .begin_append(&[Event::new("Lost")], None)
+        .await
+        .unwrap();
+    assert_eq!(open.positions(), [1]);
+    let committed = store.append(&[Event::new("Kept")], None).await.unwrap();
+    assert_eq!(committed.positions, [2]);
+    let mut id_only = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()")
+        .execute(&mut *id_only)
+        .await
+        .unwrap();
+    let mut subscription = store
+        .subscribe(SubscriptionConfig {
+            listen: Listen::Off,
+            ..SubscriptionConfig::default()
+        })
+        .await
+        .unwrap();
+    let (events, counters) = subscription.run_once().await.unwrap();
+    assert!(events.is_empty() && counters.waiting_on_gap, "{counters:?}");
+
+    let mut cluster = crash_and_restart(cluster).await;
+    // The old connections died with the server; the subscription's pool
+    // opens new ones.
+    drop((open, id_only));
+
+    // Two polls: one sees the gap afresh and takes a new bound, the next
+    // passes it. Nothing else is written meanwhile.
+    let mut delivered = Vec::new();
+    let mut polls = Vec::new();
+    for _ in 0..3 {
+        let (events, counters) = subscription.run_once().await.unwrap();
+        delivered.extend(events.iter().map(|e| e.position));
+        polls.push(counters);
+    }
+    assert_eq!(delivered, [2], "after the restart: {polls:?}");
+    assert_eq!(subscription.horizon(), 2);
     pool.close().await;
     cluster.stop();
 }

@@ -26,6 +26,20 @@
 //! `xmax` nor `xmin = xmax` proves that nothing is running. The reader's own
 //! id is the bound that does.) An id is taken only when a new gap is seen.
 //!
+//! A crash can take the bound back. The reader's transaction writes
+//! nothing, so PostgreSQL commits it without waiting for the WAL flush,
+//! and recovery hands out again the ids after the last one the WAL it
+//! replayed names: after a restart `R` may not have ended in any later
+//! snapshot, or be handed to someone else, and `xmin` stays below it until
+//! that many ids have been used. On an idle server the subscription then
+//! waited at the gap, holding back events committed before the crash,
+//! until some other transaction took an id. So a gap whose bound a
+//! snapshot does not count as ended (`xmax <= R`) is seen as new: the
+//! reader takes a new id after that snapshot, which the argument above
+//! makes a bound again (the transactions of before the crash that could
+//! fill the gap have ended, or, prepared, have ids the WAL names, below
+//! it).
+//!
 //! The events delivered are the query's matching events in `(h_old, h_new]`,
 //! read in the same snapshot. A gap holds the subscription until every
 //! transaction that had a transaction id when the gap was seen has ended:
@@ -165,6 +179,7 @@ pub type PollHook = Box<
 #[derive(Debug, sqlx::FromRow)]
 struct HorizonRow {
     xmin: i64,
+    xmax: i64,
     positions: Vec<i64>,
 }
 
@@ -248,7 +263,11 @@ impl Subscription {
     /// same positions again and no event is lost.
     pub async fn run_once(&mut self) -> Result<(Vec<StoredEvent>, PollCounters)> {
         let mut tx = crate::begin(&self.pool, crate::IsolationLevel::RepeatableRead).await?;
-        let HorizonRow { xmin, positions } = sqlx::query_as(include_str!("sql/horizon.sql"))
+        let HorizonRow {
+            xmin,
+            xmax,
+            positions,
+        } = sqlx::query_as(include_str!("sql/horizon.sql"))
             .bind(self.horizon)
             .bind(self.config.batch)
             .fetch_one(&mut *tx)
@@ -257,7 +276,9 @@ impl Subscription {
         // Worked out on copies; stored only after the commit below.
         let old = self.horizon;
         let mut horizon = self.horizon;
-        let mut gap = self.gap;
+        // A bound this snapshot does not count as ended was lost with a
+        // crash (module docs): the gap is seen afresh, with a new bound.
+        let mut gap = self.gap.filter(|g| g.bound < xmax);
         let mut waiting = false;
         let mut new_gap = None;
         for p in positions {
