@@ -117,6 +117,10 @@ impl Error {
             Error::Pgonce(pgonce::Error::Database(e)) if pgonce::error::session_ended(e) => {
                 "unavailable"
             }
+            // PostgreSQL refused the statement for now, not for what it
+            // asked: ended no session, wrote nothing, and the same request
+            // succeeds once the server takes writes again.
+            Error::Pgonce(pgonce::Error::Database(e)) if refused_for_now(e) => "unavailable",
             Error::Pgonce(_) => "internal",
         }
     }
@@ -134,6 +138,18 @@ impl Error {
             id: id.to_string(),
         }
     }
+}
+
+/// Whether PostgreSQL refused a statement for a state of the server that
+/// passes: a read-only transaction on a server that takes no writes now
+/// (`read_only_sql_transaction`, 25006: a standby, or a server or role put
+/// read-only for maintenance), or a resource it is short of (class 53,
+/// `insufficient_resources`: disk full, out of memory, too many
+/// connections, a configured limit such as `max_locks_per_transaction`).
+/// PostgreSQL reports them as a plain ERROR, which ends no session, so
+/// [`pgonce::error::session_ended`] does not cover them.
+fn refused_for_now(e: &sqlx::Error) -> bool {
+    pgonce::error::sqlstate_of(e).is_some_and(|code| code == "25006" || code.starts_with("53"))
 }
 
 /// `Result` with the incident service's [`Error`].

@@ -131,3 +131,100 @@ async fn a_session_postgres_ended_for_idling_is_unavailable() {
         assert_eq!(error.code(), "unavailable", "{setting}: {error:?}");
     }
 }
+
+/// POST a declaration with `key`: the answer's status and JSON body.
+async fn declare(router: &axum::Router, key: &str) -> (StatusCode, Value) {
+    let request = Request::post("/v1/incidents")
+        .header(header::AUTHORIZATION, format!("Bearer {key}"))
+        .body(Body::from(r#"{"title": "disk on db-1"}"#))
+        .unwrap();
+    let response = router.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+/// A database that refuses a write for now is `unavailable` (503, retry
+/// later), not `internal`: a read-only one (SQLSTATE 25006, a standby or a
+/// server put read-only for maintenance: here the sessions'
+/// `default_transaction_read_only`), and one short of a resource (class
+/// 53: disk full, out of memory, too many connections, a configured
+/// limit), which PostgreSQL reports as a plain ERROR that ends no session.
+/// The resource errors are raised by a trigger on the incidents table, with
+/// the codes PostgreSQL gives them. Nothing is written, and once the
+/// database takes writes again the same request succeeds. Each read as
+/// `internal` (500) when only unreachable databases and ended sessions
+/// counted.
+#[tokio::test]
+async fn a_database_that_refuses_writes_for_now_is_unavailable() {
+    let (db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
+    let (_, key) = pgonce_incidents::store::create_organization(&pool, "acme")
+        .await
+        .unwrap();
+    // The queue is created (written) before the service's pool is
+    // anything but writable.
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let api = |service_pool: sqlx::PgPool| {
+        let service = Service::new(service_pool, ServiceConfig::default()).unwrap();
+        router(ApiState::new(service, queue.clone(), None, ApiConfig::default()).unwrap())
+    };
+    let incidents = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM incidents.incidents")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+
+    let read_only = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            db.options()
+                .options([("default_transaction_read_only", "on")]),
+        )
+        .await
+        .unwrap();
+    let (status, body) = declare(&api(read_only), &key).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "read-only: {body}");
+    assert_eq!(body["error"]["code"], "unavailable", "read-only: {body}");
+    assert_eq!(incidents().await, 0);
+
+    let router = api(pool.clone());
+    let execute = async |sql: String| {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+    };
+    for code in [
+        "disk_full",
+        "out_of_memory",
+        "too_many_connections",
+        "configuration_limit_exceeded",
+    ] {
+        execute(format!(
+            "CREATE OR REPLACE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+             $$BEGIN RAISE EXCEPTION 'refused by the test' USING ERRCODE = '{code}'; END$$"
+        ))
+        .await;
+        execute(
+            "CREATE OR REPLACE TRIGGER refuse BEFORE INSERT ON incidents.incidents \
+             FOR EACH ROW EXECUTE FUNCTION public.refuse()"
+                .into(),
+        )
+        .await;
+        let (status, body) = declare(&router, &key).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{code}: {body}");
+        assert_eq!(body["error"]["code"], "unavailable", "{code}: {body}");
+        assert_eq!(incidents().await, 0, "{code}");
+    }
+
+    execute("DROP TRIGGER refuse ON incidents.incidents".into()).await;
+    let (status, body) = declare(&router, &key).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["number"], 1, "{body}");
+}

@@ -118,7 +118,7 @@ impl From<Error> for ApiError {
                 (_, Error::Pgonce(pgonce::Error::Unavailable { .. })) => {
                     "the queue cannot be reached now; retry later"
                 }
-                _ => "the database cannot be reached now; retry later",
+                _ => "the database cannot serve this request now; retry later",
             };
             return ApiError::new(status, code, message);
         }
