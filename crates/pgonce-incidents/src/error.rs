@@ -94,6 +94,11 @@ impl Error {
             // request changed nothing and may be sent again.
             Error::Pgonce(pgonce::Error::LockNotAvailable { .. }) => "busy",
             Error::Pgonce(pgonce::Error::QueryCanceled { .. }) => "busy",
+            // The organization's number was taken by another process
+            // meanwhile (one numbering under another strategy, during a
+            // deploy that changes `numbering`): nothing was written, and
+            // the retry takes the next number.
+            Error::Pgonce(pgonce::Error::NumberTaken { .. }) => "busy",
             // The queue's settings changed under each attempt to send.
             Error::Pgonce(pgonce::Error::QueueChangedDuringSend { .. }) => "busy",
             Error::Pgonce(pgonce::Error::Unavailable { .. }) => "unavailable",

@@ -467,6 +467,80 @@ async fn a_declaration_waits_for_its_keys_lock_only_so_long() {
     assert_eq!(made.number, 1);
 }
 
+/// A declaration whose number another process took meanwhile (one still on
+/// another `service.numbering`, during a deploy that changes it: each
+/// strategy takes only its own lock) fails as `busy`, a 503 the client
+/// retries, not `internal`; nothing of it is written, and the retry takes
+/// the next number. Step by step: A, standing in for the other strategy's
+/// declaration, holds its uncommitted incident numbered 1; B's declaration
+/// computes 1 as well and is seen blocked by A on the unique index; A
+/// commits.
+#[tokio::test]
+async fn a_number_another_numbering_strategy_took_meanwhile_is_busy() {
+    let w = world().await;
+    let race = Interleaving::new(w._db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx = a.pool().begin().await.unwrap();
+    let insert = sqlx::query(
+        "INSERT INTO incidents.incidents (organization_id, number, title, opened_by) \
+         VALUES ($1, 1, 'numbered by the other strategy', 'bob')",
+    )
+    .bind(w.org)
+    .execute(&mut *tx);
+    race.step(&a, "insert incident 1", insert)
+        .await
+        .unwrap()
+        .unwrap();
+    let service = Service::new(b.pool().clone(), ServiceConfig::default()).unwrap();
+    let d = Declaration {
+        title: "db down".into(),
+        entity: None,
+        idempotency_key: None,
+    };
+    let (sb, db, org) = (service.clone(), d.clone(), w.org);
+    let waiting = race
+        .step_blocks(
+            &b,
+            "declare",
+            async move { sb.declare(org, &db, "alice").await },
+        )
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    race.step(&a, "COMMIT", tx.commit()).await.unwrap().unwrap();
+    let refused = waiting.resume().await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            Error::Pgonce(pgonce::Error::NumberTaken { number: 1, .. })
+        ),
+        "{refused:?}"
+    );
+    let answer = pgonce_incidents::api::ApiError::from(refused);
+    assert_eq!(
+        (answer.status.as_u16(), answer.code),
+        (503, "busy"),
+        "{}",
+        answer.message
+    );
+    let titles: Vec<String> = w
+        .service
+        .list(w.org, &IncidentFilter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.title)
+        .collect();
+    assert_eq!(titles, ["numbered by the other strategy"]);
+    let made = race
+        .step(&b, "declare again", service.declare(w.org, &d, "alice"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(made.number, 2);
+}
+
 /// A declaration lock timeout that PostgreSQL's `lock_timeout` cannot hold
 /// (0 there means no bound; past `MAX_LOCK_TIMEOUT` it does not fit) is
 /// refused when the service is built, not at the first declaration.
