@@ -102,6 +102,13 @@ impl Error {
             // The queue's settings changed under each attempt to send.
             Error::Pgonce(pgonce::Error::QueueChangedDuringSend { .. }) => "busy",
             Error::Pgonce(pgonce::Error::Unavailable { .. }) => "unavailable",
+            // The queue backend answered with an error of its own: throttled
+            // (`RequestThrottled`), a server error, a KMS key it cannot use.
+            // Never the observation's: what a backend refuses in a message
+            // (its size, its characters, its ids) is checked before the send
+            // (`Invalid`, `MessageTooLarge`). The backend's to get past or an
+            // operator's to fix; the request may be sent again.
+            Error::Pgonce(pgonce::Error::Backend { .. }) => "unavailable",
             // The pooler in front of PostgreSQL is set up wrongly: an
             // operator's to fix, named in the message; not this request's.
             Error::Pgonce(pgonce::Error::Pooler { .. }) => "pooler",

@@ -1719,3 +1719,53 @@ async fn the_document_states_the_validations_limits() {
         );
     }
 }
+
+/// A queue backend that refuses a send for now (Amazon SQS throttling it,
+/// `RequestThrottled`: moto refuses a send whose body holds
+/// `Moto::FAIL_REQUEST`) is 503 `unavailable` with the API's own message,
+/// not 500 `internal`: the observation was valid, nothing was queued, and
+/// the same request succeeds once the backend takes it. (The SDK's own
+/// retries are off, so that the refusal reaches the API at once.)
+#[tokio::test]
+async fn a_queue_backend_refusing_a_send_is_unavailable() {
+    let (_db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let (org, key) = pgonce_incidents::store::create_organization(&pool, "acme")
+        .await
+        .unwrap();
+    let moto = pgonce_testkit::Moto::start().unwrap_or_else(|e| panic!("{e}"));
+    let config = pgonce_sqs::SqsConfig {
+        max_attempts: 1,
+        ..pgonce_sqs::SqsConfig::local(moto.endpoint())
+    };
+    let sqs = pgonce_sqs::SqsClient::connect(config).await.unwrap();
+    let queue = sqs
+        .create_queue("observations.fifo", pgonce::QueueAttributes::fifo())
+        .await
+        .unwrap();
+    let state = ApiState::new(service, queue.clone(), None, ApiConfig::default()).unwrap();
+    let router = router(state);
+    let send = async |note: &str| {
+        let body =
+            json!({"organization_id": org.id, "entity": "db-1", "attributes": {"note": note}});
+        let request = Request::post("/v1/observations")
+            .header(header::AUTHORIZATION, format!("Bearer {key}"))
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        let response = router.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice::<Value>(&bytes).unwrap())
+    };
+
+    let (status, body) = send(pgonce_testkit::Moto::FAIL_REQUEST).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(!message.contains("Rate exceeded"), "{message}");
+    assert_eq!(queue.stats().await.unwrap().depth, 0);
+
+    let (status, body) = send("taken").await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(queue.stats().await.unwrap().depth, 1);
+}

@@ -46,6 +46,7 @@ impl Moto {
     /// request; `moto_server.py` adds this one.
     /// As a message body, it fails the SendMessageBatch request that
     /// carries it, whole, in the same way: nothing of that request is sent.
+    /// Anywhere in a SendMessage's body, it fails that send so.
     pub const FAIL_REQUEST: &str = "pgonce-testkit-fail-this-request";
 
     /// A message body that SendMessageBatch refuses alone: the request

@@ -92,4 +92,18 @@ def backend_send_message_batch(self, queue_name, entries):
 
 responses.SQSResponse.send_message_batch = send_message_batch
 models.SQSBackend.send_message_batch = backend_send_message_batch
+
+# And a SendMessage whose body holds FAIL_REQUEST anywhere (a service
+# wraps what its caller gave in a body of its own) is refused the same
+# way, sending nothing.
+_send_message = responses.SQSResponse.send_message
+
+
+def send_message(self):
+    if FAIL_REQUEST in (self._get_param("MessageBody") or ""):
+        raise SQSException("RequestThrottled", "Rate exceeded (a fault the test asked for).")
+    return _send_message(self)
+
+
+responses.SQSResponse.send_message = send_message
 sys.exit(main(sys.argv[1:]))

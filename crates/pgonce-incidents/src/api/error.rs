@@ -115,9 +115,12 @@ impl From<Error> for ApiError {
             tracing::warn!(error = %e, code, "API request failed; the client may retry");
             let message = match (code, &e) {
                 ("busy", _) => "what this request needs is busy with another one; retry it",
-                (_, Error::Pgonce(pgonce::Error::Unavailable { .. })) => {
-                    "the queue cannot be reached now; retry later"
-                }
+                (
+                    _,
+                    Error::Pgonce(
+                        pgonce::Error::Unavailable { .. } | pgonce::Error::Backend { .. },
+                    ),
+                ) => "the queue cannot serve this request now; retry later",
                 _ => "the database cannot serve this request now; retry later",
             };
             return ApiError::new(status, code, message);
@@ -264,6 +267,16 @@ mod tests {
                 .into(),
                 "unavailable",
                 "sqs.internal",
+            ),
+            (
+                pgonce::Error::Backend {
+                    backend: "sqs",
+                    code: "RequestThrottled".into(),
+                    message: "Rate exceeded for queue observations.fifo".into(),
+                }
+                .into(),
+                "unavailable",
+                "observations.fifo",
             ),
             (sqlx::Error::Io(refused).into(), "unavailable", "10.1.2.3"),
             (sqlx::Error::PoolTimedOut.into(), "unavailable", "timed out"),
