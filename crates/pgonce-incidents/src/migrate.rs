@@ -14,6 +14,11 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// does not know in this range was applied by a newer build.
 pub const SERVICE_VERSIONS: RangeInclusive<i64> = 1000..=1999;
 
+/// Checks first that the database is in UTF8
+/// ([`pgonce::migrate::check_encoding`]): the service stores any text its
+/// clients send, and the tables' length CHECKs count characters, as its
+/// validation does; another encoding is refused with nothing applied.
+///
 /// Applies pgonce's migrations and then the service's, with
 /// [`pgonce::migrate::run_owning`]: each in its own transaction under a
 /// transaction-level lock, so it is safe from several processes at once and
@@ -26,6 +31,7 @@ pub const SERVICE_VERSIONS: RangeInclusive<i64> = 1000..=1999;
 /// a table dropped by hand after its migration ran is named here, not met
 /// by every request.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    pgonce::migrate::check_encoding(pool).await?;
     pgonce::migrate(pool).await?;
     pgonce::migrate::run_owning(pool, &MIGRATOR, SERVICE_VERSIONS).await?;
     pgonce::migrate::check_schema(pool, &SCHEMA).await

@@ -786,3 +786,55 @@ async fn the_schema_checked_after_a_run_is_what_the_migrations_make() {
     assert_eq!(catalog.tables, schema.tables);
     assert_eq!(catalog.functions, schema.functions);
 }
+
+/// A database whose encoding is not UTF8 is refused by `migrate`, before
+/// anything is applied, with an error naming its encoding: on one in
+/// LATIN1, a title, external id or attribute holding a character LATIN1
+/// lacks (an emoji) fails its statement (SQLSTATE 22P05), and under
+/// SQL_ASCII PostgreSQL's `length()` counts bytes, so the tables' CHECKs
+/// refuse a name of 200 two-byte characters the API accepts: each a 500
+/// for valid input, and the pipeline's retries of such an observation
+/// until it is dead-lettered. (The test cluster's locale is C, which
+/// takes any encoding.)
+#[tokio::test]
+async fn a_database_not_in_utf8_is_refused_before_anything_is_migrated() {
+    let server = pgonce_testkit::server::shared_for_tests().unwrap();
+    // A scratch database of its own, for a unique name and a connection
+    // that creates and drops the others.
+    let scratch = pgonce_testkit::fresh_database().await;
+    let admin_pool = scratch.pool(1).await.unwrap();
+    for encoding in ["LATIN1", "SQL_ASCII"] {
+        let name = format!("{}_{}", scratch.name(), encoding.to_lowercase());
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE DATABASE {name} ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' \
+             TEMPLATE template0"
+        )))
+        .execute(&admin_pool)
+        .await
+        .unwrap();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(server.options().clone().database(&name))
+            .await
+            .unwrap();
+        let refused = pgonce_incidents::migrate(&pool).await;
+        let schemas: Vec<String> = sqlx::query_scalar(
+            "SELECT nspname::text FROM pg_namespace WHERE nspname IN ('pgonce', 'incidents')",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {name}")))
+            .execute(&admin_pool)
+            .await
+            .unwrap();
+        let refused = refused.expect_err(encoding);
+        let text = pgonce::error::describe(&sqlx::Error::Migrate(Box::new(refused)));
+        assert!(
+            text.contains(encoding) && text.contains("UTF8"),
+            "{encoding}: {text}"
+        );
+        assert!(schemas.is_empty(), "{encoding}: {schemas:?}");
+    }
+}

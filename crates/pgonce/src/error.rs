@@ -417,7 +417,10 @@ pub fn describe(e: &sqlx::Error) -> String {
                  a newer pgonce migrated it; run that version, or a newer one"
             ),
             // Ours, not a migration source's ("while resolving migrations").
-            MigrateError::Source(inner) if inner.is::<crate::migrate::SchemaMissing>() => {
+            MigrateError::Source(inner)
+                if inner.is::<crate::migrate::SchemaMissing>()
+                    || inner.is::<crate::migrate::NotUtf8>() =>
+            {
                 inner.to_string()
             }
             other => other.to_string(),

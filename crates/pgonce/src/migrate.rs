@@ -130,6 +130,44 @@ impl std::fmt::Display for SchemaMissing {
 
 impl std::error::Error for SchemaMissing {}
 
+/// The database's encoding is not UTF8 (LATIN1, SQL_ASCII...). Returned by
+/// [`check_encoding`] inside [`MigrateError::Source`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotUtf8 {
+    /// The encoding the database has (`server_encoding`).
+    pub encoding: String,
+}
+
+impl std::fmt::Display for NotUtf8 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the database's encoding is {}, not UTF8: a character it lacks fails the \
+             statement that stores it, and under SQL_ASCII lengths count bytes, not \
+             characters; use a database created with ENCODING 'UTF8'",
+            self.encoding
+        )
+    }
+}
+
+impl std::error::Error for NotUtf8 {}
+
+/// Checks that the database's encoding is UTF8, so that it stores every
+/// character a Rust `String` holds and PostgreSQL's `length()` counts
+/// characters, as validation in Rust does. Otherwise [`NotUtf8`], in
+/// [`MigrateError::Source`]: a caller that runs it before migrating
+/// applies nothing to such a database.
+pub async fn check_encoding(pool: &PgPool) -> Result<(), MigrateError> {
+    let encoding: String = sqlx::query_scalar("SELECT current_setting('server_encoding')")
+        .fetch_one(pool)
+        .await?;
+    if encoding == "UTF8" {
+        Ok(())
+    } else {
+        Err(MigrateError::Source(Box::new(NotUtf8 { encoding })))
+    }
+}
+
 /// Checks that `schema` and all its tables and functions exist: after its
 /// migrations ran, one missing was dropped by hand, and a run that
 /// reported success would leave every statement on it to fail later.
