@@ -476,8 +476,10 @@ pub struct Observation {
     pub attributes: Value,
     /// The producer's id of this observation (1 to 200 characters). Sent again,
     /// however late and under whatever queue message id, it is the same
-    /// observation: the pipeline opens nothing twice for it, and its ledger
-    /// row counts every delivery. Without one, the queue's message id is
+    /// observation: once the pipeline has finished with it, a resend of the
+    /// same entity's observation opens nothing and does not record its
+    /// attributes again (a newer observation may have replaced them), and
+    /// its ledger row counts every delivery. Without one, the queue's message id is
     /// used, which a resend does not share.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]

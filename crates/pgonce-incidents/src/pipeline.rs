@@ -2,11 +2,13 @@
 //! incident: observations arrive on a FIFO queue grouped by entity; a
 //! [`pgonce::Worker`] runs an [`ObservationHandler`] for each.
 //!
-//! Per message: record the entity's latest attributes, read what each
-//! policy's decision depends on (short reads, connection returned), evaluate
-//! every policy with the [`Evaluator`] (slow, no connection held), and open
-//! an incident for each violation through [`Service::open_from_pipeline`],
-//! on the guarded path or, for entities outside the rollout, the plain one.
+//! Per message: unless the ledger shows the observation processed before
+//! (then its delivery is counted and nothing else done), record the
+//! entity's latest attributes, read what each policy's decision depends on
+//! (short reads, connection returned), evaluate every policy with the
+//! [`Evaluator`] (slow, no connection held), and open an incident for each
+//! violation through [`Service::open_from_pipeline`], on the guarded path
+//! or, for entities outside the rollout, the plain one.
 //!
 //! The queue delivers at least once: a visibility timeout shorter than the
 //! evaluation hands the same message to a second worker while the first is
@@ -265,6 +267,24 @@ impl<E: Evaluator> ObservationHandler<E> {
         let message_id = observation.id_or(&message.id);
         let pool = self.service.pool();
         let org = observation.organization_id;
+        // An observation finished with before, sent again: applied once.
+        // Its attributes are not recorded again (a newer observation of
+        // the entity may have replaced them since) and its policies not
+        // evaluated again; the delivery is counted on its ledger row.
+        let resent = sqlx::query(include_str!("pipeline/sql/resend.sql"))
+            .bind(org)
+            .bind(message_id)
+            .bind(&observation.entity)
+            .execute(pool)
+            .await?;
+        if resent.rows_affected() > 0 {
+            tracing::debug!(
+                message = message_id,
+                "observation processed before; counted"
+            );
+            metrics::counter!("pgonce_incidents_observations_total").increment(1);
+            return Ok(());
+        }
         let entity = store::upsert_entity(pool, org, &observation.entity, &observation.attributes)
             .await
             .inspect_err(|e| {

@@ -315,6 +315,46 @@ async fn a_late_resend_with_the_producers_message_id_opens_nothing_twice() {
     );
 }
 
+/// A late resend of an observation (under its producer's message id, as a
+/// new queue message) after a newer observation of the entity was processed
+/// leaves the entity's attributes at the newer one's: a resend is the same
+/// observation, and is applied once. It opens nothing and its delivery is
+/// counted on its ledger row.
+#[tokio::test]
+async fn a_late_resend_does_not_bring_back_older_attributes() {
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let (pool, org) = (acme.pool.clone(), acme.org);
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let handler = instant_handler(&acme.service);
+    for (cpu, id) in [
+        (90, "sensor-7/0042"),
+        (10, "sensor-7/0043"),
+        (90, "sensor-7/0042"),
+    ] {
+        send_with_id(&queue, org, "e", json!({ "cpu": cpu }), Some(id)).await;
+        let delivery = receive_one(&queue).await;
+        handler.process(&delivery).await.unwrap();
+        queue.delete(&delivery.receipt).await.unwrap();
+    }
+    let entity = store::find_entity(&pool, org, "e").await.unwrap();
+    assert_eq!(
+        entity.attributes,
+        json!({ "cpu": 10 }),
+        "the latest observation's"
+    );
+    let rows = ledger(&pool).await;
+    let row = |message_id: &str, deliveries| LedgerRow {
+        organization_id: org,
+        message_id: message_id.into(),
+        deliveries,
+    };
+    assert_eq!(rows, [row("sensor-7/0042", 2), row("sensor-7/0043", 1)]);
+    let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
+    assert_eq!(tallies.incidents, 1);
+}
+
 /// A handler with an instant evaluator, for tests that drive deliveries one
 /// at a time.
 fn instant_handler(
@@ -338,6 +378,17 @@ struct LedgerRow {
     deliveries: i32,
 }
 
+/// The pipeline's ledger, by organization and message id.
+async fn ledger(pool: &sqlx::PgPool) -> Vec<LedgerRow> {
+    sqlx::query_as(
+        "SELECT organization_id, message_id, deliveries FROM incidents.observations
+          ORDER BY organization_id, message_id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
 /// Two organizations that send the same producer message id each get their
 /// own ledger row: the second organization's delivery is never counted on
 /// the first one's row.
@@ -356,13 +407,7 @@ async fn one_message_id_from_two_organizations_is_two_processed_observations() {
         handler.process(&delivery).await.unwrap();
         queue.delete(&delivery.receipt).await.unwrap();
     }
-    let rows: Vec<LedgerRow> = sqlx::query_as(
-        "SELECT organization_id, message_id, deliveries FROM incidents.observations
-          ORDER BY organization_id",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let rows = ledger(&pool).await;
     let expected: Vec<LedgerRow> = [acme.org, other.id]
         .into_iter()
         .map(|organization_id| LedgerRow {
