@@ -1573,6 +1573,49 @@ async fn json_arrays_are_not_objects() {
     );
 }
 
+/// A name sent twice in one object of attributes (`{"a": 1, "a": 2}`, at
+/// any depth) is 422 with nothing stored or queued: serde_json keeps the
+/// last of the two, `jsonb` would too, and the value read back would not
+/// be the one a client whose parser keeps the first sent. The fields of
+/// the bodies themselves are refused so already (`duplicate field`).
+#[tokio::test]
+async fn a_name_sent_twice_in_one_object_is_refused() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    for attributes in [
+        r#"{"cpu": 1, "cpu": 2}"#,
+        r#"{"disk": {"used": 1, "free": 2, "used": 3}}"#,
+        r#"{"hosts": [{"a": 1}, {"b": 1, "b": 1}]}"#,
+        r#"{"cpu": 1, "\u0063pu": 2}"#,
+    ] {
+        for (uri, body) in [
+            (
+                "/v1/entities",
+                format!(r#"{{"external_id": "db-1", "attributes": {attributes}}}"#),
+            ),
+            (
+                "/v1/observations",
+                format!(
+                    r#"{{"organization_id": {org}, "entity": "db-1", "attributes": {attributes}}}"#
+                ),
+            ),
+        ] {
+            let a = api
+                .send(Method::POST, uri, Some(&key), Body::from(body))
+                .await;
+            assert_invalid(&a, format!("{uri} {attributes}"));
+        }
+    }
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.entities").await,
+        0
+    );
+    assert_eq!(api.queue.stats().await.unwrap().depth, 0, "nothing queued");
+    // The same names in different objects are different names.
+    let attributes = json!({"a": {"b": 1}, "c": {"b": 1}, "b": [{"b": 1}, {"b": 2}]});
+    api.assert_attributes_read_back(&key, &attributes).await;
+}
+
 /// The same Idempotency-Key with another declaration is 422; with the same
 /// one, the first incident.
 #[tokio::test]

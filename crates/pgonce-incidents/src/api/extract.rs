@@ -109,13 +109,15 @@ fn parse_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         return Err(ApiError::invalid("the body must be a JSON object"));
     }
     let parsed = serde_json::from_slice(bytes).map_err(ApiError::from_json)?;
-    // Parsed above, so valid JSON: only the numbers are left to check.
+    // Parsed above, so valid JSON: only the numbers and the names of
+    // members are left to check.
     let raw: &RawValue = serde_json::from_slice(bytes).map_err(ApiError::from_json)?;
-    numbers_read_back_as_sent(raw)?;
+    reads_back_as_sent(raw)?;
     Ok(parsed)
 }
 
-/// Refuses a number in the body that would not read back as sent.
+/// Refuses what in the body would not read back as sent: a name sent twice
+/// in one object ([`Members`]), and a number the API cannot keep.
 ///
 /// serde_json (without its `arbitrary_precision` feature, which would change
 /// every `Value` of the workspace) parses an integer beyond the 64-bit
@@ -128,17 +130,16 @@ fn parse_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 /// write back for it (serde_json's shortest round-trip form of the
 /// `f64`). An integer within the 64-bit ranges is kept exactly; `-0` reads
 /// back as `0`, the same number.
-fn numbers_read_back_as_sent(raw: &RawValue) -> Result<(), ApiError> {
+fn reads_back_as_sent(raw: &RawValue) -> Result<(), ApiError> {
     let text = raw.get();
     match text.as_bytes().first() {
         Some(b'{') => {
-            let object: std::collections::BTreeMap<String, &RawValue> =
-                serde_json::from_str(text).map_err(ApiError::from_json)?;
-            object.into_values().try_for_each(numbers_read_back_as_sent)
+            let Members(values) = serde_json::from_str(text).map_err(ApiError::from_json)?;
+            values.into_iter().try_for_each(reads_back_as_sent)
         }
         Some(b'[') => {
             let items: Vec<&RawValue> = serde_json::from_str(text).map_err(ApiError::from_json)?;
-            items.into_iter().try_for_each(numbers_read_back_as_sent)
+            items.into_iter().try_for_each(reads_back_as_sent)
         }
         Some(b'-' | b'0'..=b'9') => {
             let number: serde_json::Number =
@@ -155,6 +156,44 @@ fn numbers_read_back_as_sent(raw: &RawValue) -> Result<(), ApiError> {
             }
         }
         _ => Ok(()),
+    }
+}
+
+/// The values of a JSON object's members, refusing a name sent twice (as
+/// it reads once unescaped: `"a"` and `"\u0061"` are one name). serde_json
+/// keeps the last of two in a map, and `jsonb` too, so a client whose parser
+/// keeps the first would read back another value than it sent; serde_json
+/// has no option to refuse them, hence this visitor.
+struct Members<'a>(Vec<&'a RawValue>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Members<'a>, D::Error> {
+        struct Visitor<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visitor<'a> {
+            type Value = Members<'a>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Members<'a>, A::Error> {
+                let mut names = std::collections::HashSet::new();
+                let mut values = Vec::new();
+                while let Some(name) = map.next_key::<String>()? {
+                    if !names.insert(name.clone()) {
+                        return Err(serde::de::Error::custom(format!(
+                            "the name {name:?} is sent twice in one object"
+                        )));
+                    }
+                    values.push(map.next_value()?);
+                }
+                Ok(Members(values))
+            }
+        }
+        d.deserialize_map(Visitor(std::marker::PhantomData))
     }
 }
 
