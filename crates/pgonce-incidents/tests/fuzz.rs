@@ -3,7 +3,10 @@
 //! check (server errors, status codes, content types, response schemas,
 //! positive data accepted, negative data refused, auth ignored, unsupported
 //! methods...), a fixed seed and a few examples per operation. Zero
-//! failures.
+//! failures. A Schemathesis hook (`tests/fuzz/hooks.py`) gives generated
+//! observations the fuzzed organization's id, so that their entity,
+//! attributes and message id are fuzzed too (another organization's id is
+//! refused before those are looked at).
 //!
 //! Schemathesis is a test dependency the project installs itself
 //! (`scripts/ensure-schemathesis.sh`, sourced by `scripts/test`, exports
@@ -61,7 +64,7 @@ async fn schemathesis_finds_nothing() {
 
     let (_db, pool) = pgonce_testkit::fresh_migrated_database(8, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
-    let (_, key) = store::create_organization(&pool, "fuzzed").await.unwrap();
+    let (organization, key) = store::create_organization(&pool, "fuzzed").await.unwrap();
     let queue = observations_queue(&pool, Duration::from_secs(30), 5)
         .await
         .unwrap();
@@ -83,6 +86,8 @@ async fn schemathesis_finds_nothing() {
     });
 
     let settings = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz/schemathesis.toml");
+    // Observations of the fuzzed organization (see the file).
+    let hooks = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz/hooks.py");
     let report = tempfile_dir();
     let output = tokio::process::Command::new(&st)
         .arg("--config-file")
@@ -105,6 +110,8 @@ async fn schemathesis_finds_nothing() {
         .current_dir(&report)
         .env("API_FUZZ_API_KEY", &key)
         .env("API_FUZZ_ADMIN_TOKEN", ADMIN)
+        .env("API_FUZZ_ORGANIZATION_ID", organization.id.to_string())
+        .env("SCHEMATHESIS_HOOKS", &hooks)
         .kill_on_drop(true)
         .output()
         .await
