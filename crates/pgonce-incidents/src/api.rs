@@ -762,8 +762,7 @@ async fn ingest(
         }
         .into());
     }
-    let body = serde_json::to_string(&observation).expect("an observation serializes");
-    let mut message = SendMessage::new(body);
+    let mut message = SendMessage::new(observation.queue_body());
     if state.inner.fifo {
         message = message.group(observation.group());
     }

@@ -505,6 +505,40 @@ impl Observation {
         check_attributes(&self.attributes)
     }
 
+    /// The observation as a queue message's body: its JSON, which
+    /// [`Observation::parse`] reads back equal, taken by every queue.
+    /// Amazon SQS takes only XML's characters in a body, and serde_json
+    /// escapes only the C0 controls, `"` and `\`: U+FFFE and U+FFFF, which
+    /// names and attributes may hold, are written escaped (`\ufffe`), as
+    /// serde_json has no option for it.
+    pub fn queue_body(&self) -> String {
+        struct XmlCharacters;
+        impl serde_json::ser::Formatter for XmlCharacters {
+            fn write_string_fragment<W: ?Sized + std::io::Write>(
+                &mut self,
+                writer: &mut W,
+                fragment: &str,
+            ) -> std::io::Result<()> {
+                let mut rest = fragment;
+                while let Some(at) = rest.find(['\u{FFFE}', '\u{FFFF}']) {
+                    let (before, from) = rest.split_at(at);
+                    writer.write_all(before.as_bytes())?;
+                    let c = from.chars().next().expect("found at `at`");
+                    write!(writer, "\\u{:04x}", u32::from(c))?;
+                    rest = &from[c.len_utf8()..];
+                }
+                writer.write_all(rest.as_bytes())
+            }
+        }
+        let mut body = Vec::new();
+        self.serialize(&mut serde_json::Serializer::with_formatter(
+            &mut body,
+            XmlCharacters,
+        ))
+        .expect("an observation serializes");
+        String::from_utf8(body).expect("serde_json writes UTF-8")
+    }
+
     /// The id the pipeline records this observation under: the producer's
     /// [`Observation::message_id`], else the queue's id of the delivery.
     pub fn id_or<'a>(&'a self, queue_message_id: &'a str) -> &'a str {
@@ -685,6 +719,29 @@ mod tests {
             ..ok
         };
         assert!(long.group().len() <= 128 && long.group().starts_with("1/sha256:"));
+    }
+
+    /// A queue body is the observation's JSON, byte for byte, unless a name
+    /// or string holds U+FFFE or U+FFFF, which it escapes; either way it
+    /// parses back to the observation.
+    #[test]
+    fn queue_bodies_escape_only_what_sqs_refuses() {
+        let plain = Observation {
+            organization_id: 7,
+            entity: "db-1 \u{e9}\u{1F600}\u{7F}".into(),
+            attributes: json!({"cpu": 1.5, "note": "a\"b\\c\n"}),
+            message_id: Some("m-1".into()),
+        };
+        assert_eq!(plain.queue_body(), serde_json::to_string(&plain).unwrap());
+        let odd = Observation {
+            entity: "\u{FFFE}x\u{FFFF}".into(),
+            attributes: json!({"\u{FFFF}": ["\u{FFFE}"]}),
+            ..plain
+        };
+        let body = odd.queue_body();
+        assert!(!body.contains(['\u{FFFE}', '\u{FFFF}']), "{body}");
+        assert!(body.contains(r#""\ufffex\uffff""#), "{body}");
+        assert_eq!(Observation::parse(&body).unwrap(), odd);
     }
 
     /// An entity or key spelt like a hashed id (`sha256:<hex>`) does not

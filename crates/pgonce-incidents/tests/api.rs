@@ -1763,22 +1763,26 @@ async fn the_document_states_the_validations_limits() {
     }
 }
 
-/// A queue backend that refuses a send for now (Amazon SQS throttling it,
-/// `RequestThrottled`: moto refuses a send whose body holds
-/// `Moto::FAIL_REQUEST`) is 503 `unavailable` with the API's own message,
-/// not 500 `internal`: the observation was valid, nothing was queued, and
-/// the same request succeeds once the backend takes it. (The SDK's own
-/// retries are off, so that the refusal reaches the API at once.)
-#[tokio::test]
-async fn a_queue_backend_refusing_a_send_is_unavailable() {
-    let (_db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
+/// The API of organization `acme` on a fresh database, its observations
+/// queue on a moto server's SQS, whose client makes `max_attempts` per call.
+struct OnSqs {
+    _db: ScratchDatabase,
+    _moto: pgonce_testkit::Moto,
+    org: i64,
+    key: String,
+    queue: pgonce_sqs::SqsQueue,
+    router: Router,
+}
+
+async fn on_sqs(max_attempts: u32) -> OnSqs {
+    let (db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
     let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
     let (org, key) = pgonce_incidents::store::create_organization(&pool, "acme")
         .await
         .unwrap();
     let moto = pgonce_testkit::Moto::start().unwrap_or_else(|e| panic!("{e}"));
     let config = pgonce_sqs::SqsConfig {
-        max_attempts: 1,
+        max_attempts,
         ..pgonce_sqs::SqsConfig::local(moto.endpoint())
     };
     let sqs = pgonce_sqs::SqsClient::connect(config).await.unwrap();
@@ -1787,15 +1791,68 @@ async fn a_queue_backend_refusing_a_send_is_unavailable() {
         .await
         .unwrap();
     let state = ApiState::new(service, queue.clone(), None, ApiConfig::default()).unwrap();
-    let router = router(state);
+    OnSqs {
+        _db: db,
+        _moto: moto,
+        org: org.id,
+        key,
+        queue,
+        router: router(state),
+    }
+}
+
+/// An observation whose names or strings hold U+FFFE or U+FFFF, which the
+/// API takes everywhere else (an entity's external id, its attributes), is
+/// queued on Amazon SQS too, and its delivery reads back as sent: SQS takes
+/// only XML's characters in a body, which those two are not, so the body
+/// escapes them (`\ufffe`) instead of the queue refusing it as invalid.
+#[tokio::test]
+async fn an_observation_with_noncharacters_is_queued_on_sqs_as_sent() {
+    let sqs = on_sqs(pgonce_sqs::SqsConfig::default().max_attempts).await;
+    let sent = Observation {
+        organization_id: sqs.org,
+        entity: "db-\u{FFFE}".into(),
+        attributes: json!({"note\u{FFFF}": "\u{FFFE}\u{FFFF}", "cpu": 1}),
+        message_id: Some("m-\u{FFFF}".into()),
+    };
+    let request = Request::post("/v1/observations")
+        .header(header::AUTHORIZATION, format!("Bearer {}", sqs.key))
+        .body(Body::from(serde_json::to_string(&sent).unwrap()))
+        .unwrap();
+    let response = sqs.router.oneshot(request).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        status,
+        StatusCode::ACCEPTED,
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
+    let wait = ReceiveRequest {
+        wait: Duration::from_secs(5),
+        ..ReceiveRequest::up_to(1)
+    };
+    let delivered = sqs.queue.receive(wait).await.unwrap().remove(0);
+    assert_eq!(Observation::parse(&delivered.body).unwrap(), sent);
+}
+
+/// A queue backend that refuses a send for now (Amazon SQS throttling it,
+/// `RequestThrottled`: moto refuses a send whose body holds
+/// `Moto::FAIL_REQUEST`) is 503 `unavailable` with the API's own message,
+/// not 500 `internal`: the observation was valid, nothing was queued, and
+/// the same request succeeds once the backend takes it. (The SDK's own
+/// retries are off, so that the refusal reaches the API at once.)
+#[tokio::test]
+async fn a_queue_backend_refusing_a_send_is_unavailable() {
+    let sqs = on_sqs(1).await;
     let send = async |note: &str| {
         let body =
-            json!({"organization_id": org.id, "entity": "db-1", "attributes": {"note": note}});
+            json!({"organization_id": sqs.org, "entity": "db-1", "attributes": {"note": note}});
         let request = Request::post("/v1/observations")
-            .header(header::AUTHORIZATION, format!("Bearer {key}"))
+            .header(header::AUTHORIZATION, format!("Bearer {}", sqs.key))
             .body(Body::from(body.to_string()))
             .unwrap();
-        let response = router.clone().oneshot(request).await.unwrap();
+        let response = sqs.router.clone().oneshot(request).await.unwrap();
         let status = response.status();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
         (status, serde_json::from_slice::<Value>(&bytes).unwrap())
@@ -1806,9 +1863,9 @@ async fn a_queue_backend_refusing_a_send_is_unavailable() {
     assert_eq!(body["error"]["code"], "unavailable", "{body}");
     let message = body["error"]["message"].as_str().unwrap();
     assert!(!message.contains("Rate exceeded"), "{message}");
-    assert_eq!(queue.stats().await.unwrap().depth, 0);
+    assert_eq!(sqs.queue.stats().await.unwrap().depth, 0);
 
     let (status, body) = send("taken").await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
-    assert_eq!(queue.stats().await.unwrap().depth, 1);
+    assert_eq!(sqs.queue.stats().await.unwrap().depth, 1);
 }
