@@ -22,10 +22,11 @@
 //! `payload_too_large` (bodies are limited to [`ApiConfig::body_limit`]),
 //! 422 `invalid` (validation, wrong JSON types, unknown fields, a body that
 //! is not an object, a name sent twice in one object, a number that cannot
-//! be kept as sent, `1e400` or `1e-400`, a reused idempotency key), 503
-//! `busy` / `unavailable` (their details only in the server's log) /
-//! `pooler` (the misconfiguration and its fix) and 500 `internal` (details
-//! only in the log). What the HTTP
+//! be kept as sent, `1e400` or `1e-400`, a string escaping a lone surrogate,
+//! `"\ud800"`, a reused idempotency key), 503 `busy` / `unavailable`
+//! (their details only in the server's log) / `pooler` (the
+//! misconfiguration and its fix) and 500 `internal` (details only in the
+//! log). What the HTTP
 //! layer itself refuses has the same body when served by [`serve`]: 400
 //! `bad_request`, 414 `uri_too_long`, 431 `header_fields_too_large`.
 //!

@@ -927,15 +927,26 @@ async fn malformed_and_hostile_input_gets_json_errors_and_writes_nothing() {
     let api = setup().await;
     let (_, key) = api.organization("acme").await;
     let incidents = "SELECT count(*) FROM incidents.incidents";
-    // Not JSON: 400 malformed_json, as JSON.
-    for body in ["{", "not json", "", "{\"title\": \"x\",}", "\u{0}"] {
+    // Not JSON: 400 malformed_json, as JSON. A broken escape, and text
+    // that is not UTF-8, included.
+    for body in [
+        &b"{"[..],
+        b"not json",
+        b"",
+        b"{\"title\": \"x\",}",
+        b"\0",
+        br#"{"title": "\u12"}"#,
+        br#"{"title": "\uZZZZ"}"#,
+        b"{\"title\": \"\xff\"}",
+    ] {
         let a = api
             .send(Method::POST, "/v1/incidents", Some(&key), Body::from(body))
             .await;
         assert_eq!(
             (a.status, a.code()),
             (StatusCode::BAD_REQUEST, "malformed_json"),
-            "{body:?}"
+            "{:?}",
+            String::from_utf8_lossy(body)
         );
         assert!(a.content_type.starts_with("application/json"));
     }
@@ -1614,6 +1625,42 @@ async fn a_name_sent_twice_in_one_object_is_refused() {
     // The same names in different objects are different names.
     let attributes = json!({"a": {"b": 1}, "c": {"b": 1}, "b": [{"b": 1}, {"b": 2}]});
     api.assert_attributes_read_back(&key, &attributes).await;
+}
+
+/// A string escaping a lone UTF-16 surrogate (`"\ud800"`, a trailing one
+/// alone, a leading one followed by anything but its pair) is JSON, which
+/// RFC 8259's grammar allows, but no Rust string holds it: 422, like a
+/// number the API cannot keep, not 400 `malformed_json`, with nothing
+/// written. (A broken escape, `"\u12"`, is still 400: see
+/// `malformed_and_hostile_input_gets_json_errors_and_writes_nothing`.)
+#[tokio::test]
+async fn a_lone_surrogate_is_invalid_not_malformed() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    for string in [
+        r#""\ud800""#,
+        r#""\udc00x""#,
+        r#""\ud800\u0041""#,
+        r#""\ud800\n""#,
+    ] {
+        for (uri, body) in [
+            (
+                "/v1/entities",
+                format!(r#"{{"external_id": "db-1", "attributes": {{"note": {string}}}}}"#),
+            ),
+            ("/v1/incidents", format!(r#"{{"title": {string}}}"#)),
+        ] {
+            let a = api
+                .send(Method::POST, uri, Some(&key), Body::from(body))
+                .await;
+            assert_invalid(&a, format!("{uri} {string}"));
+        }
+    }
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.entities").await
+            + api.count("SELECT count(*) FROM incidents.incidents").await,
+        0
+    );
 }
 
 /// The same Idempotency-Key with another declaration is 422; with the same

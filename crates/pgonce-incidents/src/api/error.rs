@@ -12,6 +12,10 @@ use serde_json::json;
 
 use crate::error::Error;
 
+/// How the message of a 400 `malformed_json` begins (serde_json's error
+/// follows).
+pub(crate) const MALFORMED_PREFIX: &str = "the body is not valid JSON: ";
+
 /// How serde_json's `NumberOutOfRange` error begins.
 const NUMBER_OUT_OF_RANGE: &str = "number out of range";
 
@@ -81,7 +85,7 @@ impl ApiError {
             Category::Syntax | Category::Eof | Category::Io => ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "malformed_json",
-                format!("the body is not valid JSON: {e}"),
+                format!("{MALFORMED_PREFIX}{e}"),
             ),
         }
     }

@@ -11,6 +11,7 @@ use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use super::error::MALFORMED_PREFIX;
 use super::{ApiError, ApiState};
 use crate::store;
 
@@ -108,7 +109,24 @@ fn parse_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(ApiError::from_json)?;
         return Err(ApiError::invalid("the body must be a JSON object"));
     }
-    let parsed = serde_json::from_slice(bytes).map_err(ApiError::from_json)?;
+    let parsed = serde_json::from_slice(bytes).map_err(|e| {
+        let answer = ApiError::from_json(e);
+        // serde_json refuses a lone surrogate escape (`"\ud800"`) in a
+        // string as a syntax error, though RFC 8259's grammar allows it; its
+        // `IgnoredAny` reads only the grammar (and not whether the text is
+        // UTF-8, which JSON text must be). JSON that holds what no Rust
+        // string can is answered like a number the API cannot keep.
+        let grammatical = std::str::from_utf8(bytes).is_ok()
+            && serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok();
+        if answer.code == "malformed_json" && grammatical {
+            ApiError::invalid(format!(
+                "the body is JSON, but holds what a string cannot keep: {}",
+                answer.message.trim_start_matches(MALFORMED_PREFIX)
+            ))
+        } else {
+            answer
+        }
+    })?;
     // Parsed above, so valid JSON: only the numbers and the names of
     // members are left to check.
     let raw: &RawValue = serde_json::from_slice(bytes).map_err(ApiError::from_json)?;
