@@ -618,10 +618,13 @@ impl Sequence {
             };
         }
         // 42883 is also a function that does not exist (a schema not
-        // migrated): only the operator is the scope's type.
+        // migrated), or the number column's `+` (a column of another type
+        // than the integers): only the comparison, `=`, is the scope's type.
         if let Some(d) = e.as_database_error()
             && d.code().as_deref() == Some(sqlstate::UNDEFINED_FUNCTION)
-            && d.message().starts_with("operator does not exist")
+            && d.message()
+                .strip_prefix("operator does not exist: ")
+                .is_some_and(|operator| operator.contains(" = "))
         {
             return Error::invalid(
                 "sequence scope",

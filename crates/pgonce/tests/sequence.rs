@@ -40,6 +40,23 @@ fn sequence(strategy: Strategy) -> Sequence {
     .unwrap()
 }
 
+/// A sequence of `strategy` over `table`'s (`org`, `n`).
+fn sequence_over(table: &str, strategy: Strategy) -> Sequence {
+    Sequence::new(
+        NumberedTable::new(table, "org", "n").unwrap(),
+        SequenceConfig { strategy },
+    )
+    .unwrap()
+}
+
+/// `seq`'s next number of `scope` in a transaction of its own, rolled back.
+async fn take_and_roll_back(seq: &Sequence, pool: &PgPool, scope: &str) -> pgonce::Result<i64> {
+    let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
+    let taken = seq.next(&mut tx, &scope).await.map(|taken| taken.number);
+    tx.rollback().await?;
+    taken
+}
+
 async fn insert_incident(conn: &mut PgConnection, org: &str, number: i64) -> pgonce::Result<()> {
     sqlx::query("INSERT INTO incidents (org, number) VALUES ($1, $2)")
         .bind(org)
@@ -1025,17 +1042,9 @@ async fn a_smallint_column_at_its_largest_value_is_exhausted_under_every_strateg
     .unwrap();
     let insert = "INSERT INTO public.small_tickets (org, n) VALUES ($1, $2)";
     for strategy in Strategy::ALL {
-        let seq = Sequence::new(
-            NumberedTable::new("public.small_tickets", "org", "n").unwrap(),
-            SequenceConfig { strategy },
-        )
-        .unwrap();
+        let seq = sequence_over("public.small_tickets", strategy);
         // The low-level take, then the whole declaration.
-        let mut tx = pgonce::begin(&pool, IsolationLevel::ReadCommitted)
-            .await
-            .unwrap();
-        let taken = seq.next(&mut tx, &"full").await.map(|taken| taken.number);
-        tx.rollback().await.unwrap();
+        let taken = take_and_roll_back(&seq, &pool, "full").await;
         assert!(
             matches!(&taken, Err(Error::SequenceExhausted { scope, .. }) if scope == "full"),
             "{strategy:?}: next gave {taken:?}"
@@ -1129,6 +1138,34 @@ async fn a_scope_of_another_type_than_its_column_is_a_typed_error() {
             }
             other => panic!("{strategy}: {other:?}"),
         }
+    }
+}
+
+/// A number column of a type with no next number (text, not one of the
+/// integer types the module documents) is not blamed on the scope: the
+/// scope `"acme"` compares with its text column, and the error says what
+/// PostgreSQL says of the number column, whatever the strategy.
+#[tokio::test]
+async fn a_number_column_of_another_type_is_not_blamed_on_the_scope() {
+    let (pool, _db) = setup(2).await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.text_numbers (org text NOT NULL, n text NOT NULL, \
+         PRIMARY KEY (org, n))",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for strategy in Strategy::ALL {
+        let out = take_and_roll_back(
+            &sequence_over("public.text_numbers", strategy),
+            &pool,
+            "acme",
+        )
+        .await;
+        assert!(
+            matches!(&out, Err(Error::Database(_))),
+            "{strategy}: {out:?}"
+        );
     }
 }
 
