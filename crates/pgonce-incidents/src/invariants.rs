@@ -188,8 +188,10 @@ pub struct Tallies {
     pub deliveries_processed: i64,
     /// Distinct messages the pipeline finished.
     pub messages_processed: i64,
-    /// Incidents a policy opened more than once for one message (the
-    /// redelivery duplicates the guard prevents).
+    /// Incidents a policy opened more than once for one entity from one
+    /// message (the redelivery duplicates the guard prevents); a producer
+    /// message id carried by observations of several entities opens one
+    /// incident per entity, none of them a duplicate.
     pub opened_twice_for_one_message: i64,
     /// Incidents declared by hand (no policy).
     pub declared: i64,

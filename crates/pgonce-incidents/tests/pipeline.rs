@@ -419,6 +419,37 @@ async fn one_message_id_from_two_organizations_is_two_processed_observations() {
     assert_eq!(rows, expected);
 }
 
+/// One producer message id carried by observations of two entities, each
+/// over the policy's threshold, opens one incident per entity, and the
+/// tally of incidents a policy opened twice for one message counts none:
+/// it grouped by policy and message id alone, and counted the second
+/// entity's incident as a duplicate.
+#[tokio::test]
+async fn one_message_id_for_two_entities_is_not_an_incident_opened_twice() {
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let pool = acme.pool.clone();
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let handler = instant_handler(&acme.service);
+    for entity in ["web-1", "web-2"] {
+        send_with_id(
+            &queue,
+            acme.org,
+            entity,
+            json!({ "cpu": 99 }),
+            Some("shared-id"),
+        )
+        .await;
+        let delivery = receive_one(&queue).await;
+        handler.process(&delivery).await.unwrap();
+        queue.delete(&delivery.receipt).await.unwrap();
+    }
+    let tallies = invariants::tallies(&pool, &[acme.org]).await.unwrap();
+    assert_eq!(tallies.incidents, 2, "one incident per entity");
+    assert_eq!(tallies.opened_twice_for_one_message, 0);
+}
+
 /// A rule value and an attribute at the edge of the double range (the
 /// largest finite double, the smallest subnormal) are stored in `jsonb`,
 /// read back equal, and evaluated by the pipeline like any other number.

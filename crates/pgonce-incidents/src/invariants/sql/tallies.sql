@@ -9,5 +9,5 @@ SELECT (SELECT count(*) FROM incidents.incidents WHERE organization_id = ANY($1)
        (SELECT coalesce(sum(n - 1), 0)::bigint FROM (
           SELECT count(*) AS n FROM incidents.incidents
            WHERE organization_id = ANY($1) AND source_message_id IS NOT NULL
-           GROUP BY policy_id, source_message_id HAVING count(*) > 1) d) AS opened_twice_for_one_message,
+           GROUP BY policy_id, entity_id, source_message_id HAVING count(*) > 1) d) AS opened_twice_for_one_message,
        (SELECT count(*) FROM incidents.incidents WHERE organization_id = ANY($1) AND policy_id IS NULL) AS declared
