@@ -572,6 +572,51 @@ async fn bad_input_is_rejected_whole() {
     assert_eq!(s.head().await.unwrap(), None);
 }
 
+/// An append too large for PostgreSQL's jsonb is refused as bad input
+/// ([`Error::Invalid`] naming the limit), on each path, nothing written: a
+/// string longer than a jsonb string holds (268,435,455 bytes), or events
+/// that fit one at a time but not together (the batch travels as one jsonb
+/// array, whose elements may total as much). Both came back as a bare
+/// database error (SQLSTATE 54000). One path of each kind (one
+/// statement, a transaction): sizes like these cost seconds each, and the
+/// limits are PostgreSQL's, so the database judges them.
+#[tokio::test]
+async fn an_append_larger_than_jsonb_holds_is_refused_as_bad_input() {
+    let (_db, pool) = db().await;
+    let half = "x".repeat(140 << 20);
+    let too_long = "x".repeat(270 << 20);
+    let big = |text: &str| Event::new("T").tag("big").data(json!({ "text": text }));
+    let on_big = AppendCondition::new(tag_query("big"), None);
+    for (strategy, events, condition, path) in [
+        (
+            AppendStrategy::AdvisoryLocks,
+            vec![big(&half), big(&half)],
+            None,
+            "two events in one statement",
+        ),
+        (
+            AppendStrategy::Serializable,
+            vec![big(&too_long)],
+            Some(&on_big),
+            "one event in a transaction",
+        ),
+    ] {
+        let outcome = store(&pool, strategy).append(&events, condition).await;
+        assert!(
+            matches!(&outcome, Err(Error::Invalid { what: "event", why }) if why.contains("268435455")),
+            "{path}: {:?}",
+            outcome.map_err(|e| e.to_string())
+        );
+    }
+    assert_eq!(
+        store(&pool, AppendStrategy::AdvisoryLocks)
+            .head()
+            .await
+            .unwrap(),
+        None
+    );
+}
+
 /// A read asked for a negative number of events is refused as bad input
 /// ([`Error::Invalid`], naming the limit), forwards and backwards, before
 /// the database is asked: PostgreSQL's "LIMIT must not be negative" came

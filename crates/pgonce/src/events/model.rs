@@ -20,7 +20,11 @@ pub struct Event {
     pub tags: Vec<String>,
     /// The event's payload, stored as `jsonb`: nested at most
     /// [`MAX_JSON_NESTING`](crate::json::MAX_JSON_NESTING) deep, no NUL in a
-    /// string or key ([`crate::json`]). Numbers come back as jsonb prints
+    /// string or key ([`crate::json`]); with the rest of its batch, within
+    /// jsonb's size limits (a string at most 268,435,455 bytes, the batch's
+    /// events, as jsonb encodes them, as many in total; past them the
+    /// append is [`Error::Invalid`], nothing written). Numbers come back as
+    /// jsonb prints
     /// them: a float serde_json writes with an exponent and that has no
     /// fraction (`1e16` and up) reads back as an integer.
     pub data: Value,
