@@ -5,11 +5,8 @@
 
 use pgonce::IsolationLevel;
 use rand::RngCore;
-use serde::Serialize;
 use serde_json::Value;
-use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
-use sqlx::types::Json;
 use sqlx::{PgExecutor, PgPool};
 use time::OffsetDateTime;
 
@@ -207,47 +204,6 @@ fn entity(
     }
 }
 
-/// `value` as the `jsonb` text that reads back equal to it, to store a
-/// client's JSON.
-///
-/// `jsonb` keeps a number as an exact `numeric`, with the scale it was
-/// written with, and prints it back in plain digits. serde_json writes a
-/// whole double of 10^16 or more with an exponent (`1e16`): stored as the
-/// numeric 10000000000000000, of scale 0, it would be printed, and read
-/// back, as an integer, another [`Value`] than the one written. So every
-/// whole double is written here in plain digits with a zero fraction
-/// (`10000000000000000.0`, Rust's shortest round-trip digits, as
-/// [`crate::model::number_round_trips`] checks), which the numeric keeps
-/// as scale 1 and prints the same way: it reads back as that double. A
-/// double with a fraction keeps it in the numeric anyway, and an integer
-/// is written as one.
-fn jsonb(value: &Value) -> Json<Box<RawValue>> {
-    struct WholeDoublesWithFraction;
-    impl serde_json::ser::Formatter for WholeDoublesWithFraction {
-        fn write_f64<W: ?Sized + std::io::Write>(
-            &mut self,
-            writer: &mut W,
-            value: f64,
-        ) -> std::io::Result<()> {
-            // Only finite doubles reach here: a `Value` holds no other.
-            if value.fract() == 0.0 {
-                write!(writer, "{value}.0")
-            } else {
-                serde_json::ser::CompactFormatter.write_f64(writer, value)
-            }
-        }
-    }
-    let mut text = Vec::new();
-    value
-        .serialize(&mut serde_json::Serializer::with_formatter(
-            &mut text,
-            WholeDoublesWithFraction,
-        ))
-        .expect("a Value serializes");
-    let text = String::from_utf8(text).expect("serde_json writes UTF-8");
-    Json(RawValue::from_string(text).expect("serde_json writes JSON"))
-}
-
 /// Creates the entity `external_id` of the organization on first sight, or
 /// records `attributes` as its latest, written so that its numbers read
 /// back as they were given: a whole double is stored with a fraction
@@ -263,7 +219,7 @@ pub async fn upsert_entity(
     let row: EntityRow = sqlx::query_as(include_str!("store/sql/upsert_entity.sql"))
         .bind(organization_id)
         .bind(external_id)
-        .bind(jsonb(attributes))
+        .bind(pgonce::json::stored(attributes))
         .fetch_one(db)
         .await
         .map_err(|e| unknown_organization(e, organization_id))?;
@@ -397,7 +353,7 @@ pub async fn create_policy(
     // Written like attributes (`jsonb`); a rule stored before, whose value
     // jsonb prints as an integer, still reads back as its double (see
     // `Rule::value`).
-    let rule_json = jsonb(&serde_json::to_value(rule).expect("a rule serializes"));
+    let rule_json = pgonce::json::stored(&serde_json::to_value(rule).expect("a rule serializes"));
     let id: Option<i64> = sqlx::query_scalar(include_str!("store/sql/create_policy.sql"))
         .bind(organization_id)
         .bind(name)

@@ -296,7 +296,7 @@ pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
     }
     let id = sqlx::query_scalar(include_str!("job/sql/enqueue.sql"))
         .bind(&job.kind)
-        .bind(&job.payload)
+        .bind(crate::json::stored(&job.payload))
         .bind(job.max_attempts)
         .bind(job.run_at)
         .fetch_one(db)
@@ -347,7 +347,7 @@ pub async fn transition<'c>(
         .bind(id)
         .bind(from.as_str())
         .bind(to.as_str())
-        .bind(result)
+        .bind(result.map(crate::json::stored))
         .bind(error.map(storable_error))
         .execute(db)
         .await?;
@@ -676,7 +676,7 @@ pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value
     let done: Option<i64> = sqlx::query_scalar(include_str!("job/sql/complete.sql"))
         .bind(lease.job_id)
         .bind(lease.token)
-        .bind(result)
+        .bind(crate::json::stored(result))
         .bind(lease.claimed_in)
         .fetch_optional(db)
         .await?;
@@ -712,7 +712,7 @@ pub async fn complete_many<'c>(
     }
     let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
     let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
-    let results: Vec<Value> = done.iter().map(|(_, r)| r.clone()).collect();
+    let results: Vec<_> = done.iter().map(|(_, r)| crate::json::stored(r)).collect();
     let claimed_in: Vec<i64> = done.iter().map(|(l, _)| l.claimed_in).collect();
     let completed: Vec<CompletedRow> = sqlx::query_as(include_str!("job/sql/complete_many.sql"))
         .bind(&ids)

@@ -8,8 +8,14 @@
 //! claim that picks it; for an idempotency key every replay. So a value
 //! bound for a jsonb column that pgonce reads back is checked here first,
 //! and refused with [`Error::Invalid`] before the database is asked.
+//!
+//! Every number a value holds reads back as the same [`Value`] when the
+//! value is written with [`stored`] (below).
 
+use serde::Serialize as _;
 use serde_json::Value;
+use serde_json::value::RawValue;
+use sqlx::types::Json;
 
 use crate::error::{Error, Result};
 
@@ -32,6 +38,50 @@ pub fn check_storable(what: &'static str, value: &Value) -> Result<()> {
         }
     };
     Err(Error::Invalid { what, why })
+}
+
+/// `value` as the `jsonb` text that reads back equal to it: bind this,
+/// not the value, for a `jsonb` parameter whose column is read back.
+///
+/// `jsonb` keeps a number as an exact `numeric`, with the scale it was
+/// written with, and prints it back in plain digits. serde_json writes a
+/// whole double of 10^16 or more with an exponent (`1e16`): stored as the
+/// numeric 10000000000000000, of scale 0, it is printed, and read back,
+/// as an integer, another [`Value`] than the one written. So every whole
+/// double is written here in plain digits with a zero fraction
+/// (`10000000000000000.0`, Rust's shortest round-trip digits), which the
+/// numeric keeps as scale 1 and prints the same way: it reads back as that
+/// double. A double with a fraction keeps it in the numeric anyway (an
+/// exponent below zero becomes digits after the point), and an integer is
+/// written as one. Hand-written, as a serde_json formatter: sqlx's `Json`
+/// serializes with serde_json's default, and no crate stores JSON in
+/// `jsonb` number for number.
+pub fn stored(value: &Value) -> Json<Box<RawValue>> {
+    struct WholeDoublesWithFraction;
+    impl serde_json::ser::Formatter for WholeDoublesWithFraction {
+        fn write_f64<W: ?Sized + std::io::Write>(
+            &mut self,
+            writer: &mut W,
+            value: f64,
+        ) -> std::io::Result<()> {
+            // Only finite doubles reach here: serde_json writes the others
+            // as `null` before asking the formatter.
+            if value.fract() == 0.0 {
+                write!(writer, "{value}.0")
+            } else {
+                serde_json::ser::CompactFormatter.write_f64(writer, value)
+            }
+        }
+    }
+    let mut text = Vec::new();
+    value
+        .serialize(&mut serde_json::Serializer::with_formatter(
+            &mut text,
+            WholeDoublesWithFraction,
+        ))
+        .expect("a Value serializes");
+    let text = String::from_utf8(text).expect("serde_json writes UTF-8");
+    Json(RawValue::from_string(text).expect("serde_json writes JSON"))
 }
 
 /// A stored JSON value pgonce cannot read back: nested deeper than
@@ -125,6 +175,26 @@ mod tests {
             check_storable("value", &serde_json::json!({ "k": deeper })),
             Err(Error::Invalid { .. })
         ));
+    }
+
+    /// A whole double is written with a zero fraction, which jsonb keeps;
+    /// every other number as serde_json writes it.
+    #[test]
+    fn whole_doubles_are_written_with_a_fraction() {
+        for (value, text) in [
+            (serde_json::json!(1e16), "10000000000000000.0"),
+            (serde_json::json!(-2.5e18), "-2500000000000000000.0"),
+            (serde_json::json!(3.0), "3.0"),
+            (serde_json::json!(0.1), "0.1"),
+            (serde_json::json!(1e-7), "1e-7"),
+            (serde_json::json!(u64::MAX), "18446744073709551615"),
+            (
+                serde_json::json!({"b": [1e17]}),
+                r#"{"b":[100000000000000000.0]}"#,
+            ),
+        ] {
+            assert_eq!(stored(&value).0.get(), text);
+        }
     }
 
     #[test]

@@ -664,8 +664,10 @@ async fn a_negative_read_limit_is_refused_as_bad_input() {
 /// and no condition; under every strategy. Types, tags and JSON at the
 /// edges of what the API accepts: quotes, braces, commas, the word NULL,
 /// backslashes, non-ASCII, a tag of MAX_NAME_BYTES bytes that do not
-/// compress, integers at the ends of i64 and u64, JSON null as data, and
-/// metadata nested MAX_JSON_NESTING deep.
+/// compress, integers at the ends of i64 and u64, whole doubles that
+/// serde_json writes with an exponent (`1e16`, which jsonb kept as the
+/// integer 10000000000000000), JSON null as data, and metadata nested
+/// MAX_JSON_NESTING deep.
 #[tokio::test]
 async fn an_event_reads_back_as_it_was_appended_on_every_path() {
     let (_db, pool) = db().await;
@@ -695,6 +697,8 @@ async fn an_event_reads_back_as_it_was_appended_on_every_path() {
                 "max": u64::MAX,
                 "min": i64::MIN,
                 "tenth": 0.1,
+                "whole doubles": [1e16, -1e16, 2.5e18, 1e300, 3.0],
+                "smallest": 5e-324,
                 "deep": [[[{ "k": "\\\"'" }]]],
             }))
             .metadata(json!({ "who": "ü", "list": [] }))

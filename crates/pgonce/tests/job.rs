@@ -3543,3 +3543,65 @@ async fn the_holders_outcome_and_a_takeover_of_its_expired_lease_take_turns() {
         }
     }
 }
+
+/// A payload and a result read back as the `Value`s written, numbers
+/// included. `jsonb` prints a number as it stored it, in plain digits: a
+/// whole double that serde_json writes with an exponent (`1e16`, `2.5e18`)
+/// was stored as an integer and came back as one, another `Value`. Checked
+/// through `enqueue`, `complete`, `complete_many` and `transition`.
+#[tokio::test]
+async fn payloads_and_results_read_back_equal_numbers_included() {
+    let (_db, pool) = setup().await;
+    let value = json!({
+        "whole doubles": [1e16, -1e16, 2.5e18, 1.8e19, 1e300, -0.0, 3.0],
+        "fractions": [0.1, 1e-7, 5e-324, 1.7976931348623157e308],
+        "integers": [0, u64::MAX, i64::MIN, 12345678901234567_u64],
+        "nested": {"z": 1e17, "a": [{"x": 4e16}]},
+    });
+    let payload_of = |id: i64| {
+        let pool = pool.clone();
+        async move { job::get(&pool, id).await.unwrap().unwrap() }
+    };
+    let first = job::enqueue(&pool, &NewJob::new("send", value.clone()))
+        .await
+        .unwrap();
+    let second = job::enqueue(&pool, &NewJob::new("send", value.clone()))
+        .await
+        .unwrap();
+    assert_eq!(payload_of(first).await.payload.unwrap(), value, "payload");
+
+    let lease = job::claim(&pool, first, LEASE).await.unwrap();
+    job::complete(&pool, &lease, &value).await.unwrap();
+    assert_eq!(
+        payload_of(first).await.result.unwrap().unwrap(),
+        value,
+        "complete's result"
+    );
+    let lease = job::claim(&pool, second, LEASE).await.unwrap();
+    job::complete_many(&pool, &[(lease, value.clone())])
+        .await
+        .unwrap();
+    assert_eq!(
+        payload_of(second).await.result.unwrap().unwrap(),
+        value,
+        "complete_many's result"
+    );
+    let third = job::enqueue(&pool, &NewJob::new("send", json!(null)))
+        .await
+        .unwrap();
+    job::transition(
+        &pool,
+        third,
+        JobStatus::Pending,
+        JobStatus::Completed,
+        Some(&value),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        payload_of(third).await.result.unwrap().unwrap(),
+        value,
+        "transition's result"
+    );
+}

@@ -401,8 +401,8 @@ async fn append_one_statement(
             sqlx::query_as(include_str!("sql/append_one_tag_item.sql"))
                 .bind(&event.event_type)
                 .bind(&event.tags)
-                .bind(&event.data)
-                .bind(&event.metadata)
+                .bind(crate::json::stored(&event.data))
+                .bind(crate::json::stored(&event.metadata))
                 .bind(channel)
                 .bind(keys)
                 .bind(modes)
@@ -499,11 +499,14 @@ struct CheckedInsert {
     positions: Vec<i64>,
 }
 
-fn events_json(events: &[Event]) -> Result<serde_json::Value> {
-    serde_json::to_value(events).map_err(|e| Error::Invalid {
+/// The events as one JSON array, written so that their numbers read back
+/// as they were given ([`crate::json::stored`]).
+fn events_json(events: &[Event]) -> Result<sqlx::types::Json<Box<serde_json::value::RawValue>>> {
+    let value = serde_json::to_value(events).map_err(|e| Error::Invalid {
         what: "event",
         why: e.to_string(),
-    })
+    })?;
+    Ok(crate::json::stored(&value))
 }
 
 /// The isolation level [`begin_locked`] opens.

@@ -23,10 +23,8 @@ pub struct Event {
     /// string or key ([`crate::json`]); with the rest of its batch, within
     /// jsonb's size limits (a string at most 268,435,455 bytes, the batch's
     /// events, as jsonb encodes them, as many in total; past them the
-    /// append is [`Error::Invalid`], nothing written). Numbers come back as
-    /// jsonb prints
-    /// them: a float serde_json writes with an exponent and that has no
-    /// fraction (`1e16` and up) reads back as an integer.
+    /// append is [`Error::Invalid`], nothing written). Reads back as the
+    /// `Value` given, numbers included ([`crate::json::stored`]).
     pub data: Value,
     /// Data about the event rather than of it (who, why, correlation ids),
     /// stored as `jsonb`; matched by no query.
