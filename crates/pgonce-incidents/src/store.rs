@@ -288,12 +288,18 @@ pub async fn list_entities(
 /// Sets the entity's run-time singleton state, under the entity's lock: a
 /// guarded incident write for this entity either re-reads the new value or
 /// commits before it changes (READ COMMITTED, the lock held to commit).
+///
+/// An entity of another organization is [`Error::NotFound`] before its
+/// lock is taken (an entity never changes organization): the caller
+/// neither waits for that organization's guarded writes, which would tell
+/// it one is under way, nor holds them up.
 pub async fn set_entity_singleton(
     pool: &PgPool,
     organization_id: i64,
     entity_id: i64,
     singleton: bool,
 ) -> Result<()> {
+    get_entity(pool, organization_id, entity_id).await?;
     let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
     pgonce::lock::lock(&mut tx, entity_lock_key(entity_id)?).await?;
     let done = sqlx::query(include_str!("store/sql/set_entity_singleton.sql"))

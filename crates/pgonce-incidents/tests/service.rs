@@ -249,14 +249,16 @@ async fn a_per_entity_singleton_changed_after_the_decision_is_a_conflict() {
     assert!(w.i1().await.is_empty());
 }
 
-/// Changing an entity's singleton flag waits for a guarded write of that
-/// entity in progress (it takes the same lock), so the write's re-read and
-/// the flag cannot interleave. Step by step: a transaction holds the
-/// entity's lock; the flag change is seen blocked by it.
-#[tokio::test]
-async fn the_singleton_flag_waits_for_the_entitys_lock() {
-    let w = world().await;
-    let entity = w.entity("e").await;
+/// Sessions A and B of a race, A holding `entity`'s lock in `tx` (as a
+/// guarded write of it does).
+struct EntityLockHeld {
+    race: Interleaving,
+    a: pgonce_testkit::Session,
+    b: pgonce_testkit::Session,
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+}
+
+async fn entity_lock_held(w: &World, entity: i64) -> EntityLockHeld {
     let race = Interleaving::new(w._db.options()).await.unwrap();
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
@@ -266,6 +268,18 @@ async fn the_singleton_flag_waits_for_the_entitys_lock() {
         .await
         .unwrap()
         .unwrap();
+    EntityLockHeld { race, a, b, tx }
+}
+
+/// Changing an entity's singleton flag waits for a guarded write of that
+/// entity in progress (it takes the same lock), so the write's re-read and
+/// the flag cannot interleave. Step by step: a transaction holds the
+/// entity's lock; the flag change is seen blocked by it.
+#[tokio::test]
+async fn the_singleton_flag_waits_for_the_entitys_lock() {
+    let w = world().await;
+    let entity = w.entity("e").await;
+    let EntityLockHeld { race, a, b, tx } = entity_lock_held(&w, entity).await;
     let (pool_b, org) = (b.pool().clone(), w.org);
     let waiting = race
         .step_blocks(&b, "set singleton", async move {
@@ -276,6 +290,49 @@ async fn the_singleton_flag_waits_for_the_entitys_lock() {
     assert_eq!(waiting.blocked_by(), ["A"]);
     race.step(&a, "COMMIT", tx.commit()).await.unwrap().unwrap();
     waiting.resume().await.unwrap().unwrap();
+}
+
+/// Another organization's entity id is answered like an unknown one without
+/// touching the entity: the flag change does not take its lock, so it
+/// neither waits for that organization's guarded writes (which would tell
+/// the caller one is under way) nor holds them up. Step by step: A holds
+/// the entity's lock, as a guarded write of its organization does; B, of
+/// another organization, sets the flag on that entity id and is answered
+/// NotFound without being seen blocked.
+#[tokio::test]
+async fn the_singleton_flag_of_another_organizations_entity_takes_no_lock() {
+    let w = world().await;
+    let entity = w.entity("e").await;
+    let (other, _) = store::create_organization(&w.pool, "other").await.unwrap();
+    let EntityLockHeld { race, a, b, tx } = entity_lock_held(&w, entity).await;
+    let pool_b = b.pool().clone();
+    let set = async move { store::set_entity_singleton(&pool_b, other.id, entity, true).await };
+    let outcome = race.step_blocks(&b, "set singleton as other", set).await;
+    assert!(
+        matches!(
+            outcome,
+            Err(pgonce_testkit::HarnessError::DidNotBlock { .. })
+        ),
+        "waited for another organization's entity lock, blocked by {:?}",
+        outcome
+            .as_ref()
+            .map(|blocked| blocked.blocked_by().to_vec())
+    );
+    let refused = race
+        .step(
+            &b,
+            "set singleton as other, again",
+            store::set_entity_singleton(b.pool(), other.id, entity, true),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(refused, Err(Error::NotFound { .. })),
+        "{refused:?}"
+    );
+    race.step(&a, "COMMIT", tx.commit()).await.unwrap().unwrap();
+    let unchanged = store::get_entity(&w.pool, w.org, entity).await.unwrap();
+    assert!(!unchanged.singleton_incidents);
 }
 
 /// Per-organization numbering: declarations of one organization wait for the
