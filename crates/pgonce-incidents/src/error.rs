@@ -109,6 +109,11 @@ impl Error {
             // (`Invalid`, `MessageTooLarge`). The backend's to get past or an
             // operator's to fix; the request may be sent again.
             Error::Pgonce(pgonce::Error::Backend { .. }) => "unavailable",
+            // The queue is gone (deleted by hand): nothing can be taken
+            // until an operator creates it again, which the API's log says
+            // how to do. Not the request's fault, and the same request
+            // succeeds once the queue exists again.
+            Error::Pgonce(pgonce::Error::QueueNotFound { .. }) => "unavailable",
             // The pooler in front of PostgreSQL is set up wrongly: an
             // operator's to fix, named in the message; not this request's.
             Error::Pgonce(pgonce::Error::Pooler { .. }) => "pooler",

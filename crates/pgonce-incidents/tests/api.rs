@@ -1817,8 +1817,26 @@ struct OnSqs {
     _moto: pgonce_testkit::Moto,
     org: i64,
     key: String,
+    sqs: pgonce_sqs::SqsClient,
     queue: pgonce_sqs::SqsQueue,
     router: Router,
+}
+
+impl OnSqs {
+    /// POST an observation of `db-1` with `note`: the answer's status and
+    /// JSON body.
+    async fn observe(&self, note: &str) -> (StatusCode, Value) {
+        let body =
+            json!({"organization_id": self.org, "entity": "db-1", "attributes": {"note": note}});
+        let request = Request::post("/v1/observations")
+            .header(header::AUTHORIZATION, format!("Bearer {}", self.key))
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        let response = self.router.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice::<Value>(&bytes).unwrap())
+    }
 }
 
 async fn on_sqs(max_attempts: u32) -> OnSqs {
@@ -1843,6 +1861,7 @@ async fn on_sqs(max_attempts: u32) -> OnSqs {
         _moto: moto,
         org: org.id,
         key,
+        sqs,
         queue,
         router: router(state),
     }
@@ -1892,27 +1911,66 @@ async fn an_observation_with_noncharacters_is_queued_on_sqs_as_sent() {
 #[tokio::test]
 async fn a_queue_backend_refusing_a_send_is_unavailable() {
     let sqs = on_sqs(1).await;
-    let send = async |note: &str| {
-        let body =
-            json!({"organization_id": sqs.org, "entity": "db-1", "attributes": {"note": note}});
-        let request = Request::post("/v1/observations")
-            .header(header::AUTHORIZATION, format!("Bearer {}", sqs.key))
-            .body(Body::from(body.to_string()))
-            .unwrap();
-        let response = sqs.router.clone().oneshot(request).await.unwrap();
-        let status = response.status();
-        let bytes = response.into_body().collect().await.unwrap().to_bytes();
-        (status, serde_json::from_slice::<Value>(&bytes).unwrap())
-    };
 
-    let (status, body) = send(pgonce_testkit::Moto::FAIL_REQUEST).await;
+    let (status, body) = sqs.observe(pgonce_testkit::Moto::FAIL_REQUEST).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     assert_eq!(body["error"]["code"], "unavailable", "{body}");
     let message = body["error"]["message"].as_str().unwrap();
     assert!(!message.contains("Rate exceeded"), "{message}");
     assert_eq!(sqs.queue.stats().await.unwrap().depth, 0);
 
-    let (status, body) = send("taken").await;
+    let (status, body) = sqs.observe("taken").await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(sqs.queue.stats().await.unwrap().depth, 1);
+}
+
+/// An observations queue deleted by hand, on PostgreSQL
+/// (`DELETE FROM pgonce.queue`) and on Amazon SQS (`DeleteQueue`), is 503
+/// `unavailable` with the API's own message, not 500 `internal`: nothing
+/// can be taken until an operator creates the queue again (the log names
+/// it and says how), and the same request is accepted once it exists.
+#[tokio::test]
+async fn an_observations_queue_deleted_by_hand_is_unavailable() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let body = json!({"organization_id": org, "entity": "db-1", "attributes": {"cpu": 1}});
+    let a = api.post("/v1/observations", &key, body.clone()).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    sqlx::query("DELETE FROM pgonce.queue WHERE name = $1")
+        .bind(pgonce_incidents::runtime::OBSERVATIONS_QUEUE)
+        .execute(&api.pool)
+        .await
+        .unwrap();
+    let a = api.post("/v1/observations", &key, body.clone()).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.body);
+    assert_eq!(a.code(), "unavailable", "{}", a.body);
+    let message = a.body["error"]["message"].as_str().unwrap();
+    assert!(!message.contains("incidents-observations"), "{message}");
+    observations_queue(&api.pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let a = api.post("/v1/observations", &key, body).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    assert_eq!(api.queue.stats().await.unwrap().depth, 1);
+
+    let sqs = on_sqs(1).await;
+    sqs.sqs
+        .sdk()
+        .delete_queue()
+        .queue_url(sqs.queue.url())
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = sqs.observe("gone").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(!message.contains("observations.fifo"), "{message}");
+    sqs.sqs
+        .create_queue("observations.fifo", pgonce::QueueAttributes::fifo())
+        .await
+        .unwrap();
+    let (status, body) = sqs.observe("taken").await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     assert_eq!(sqs.queue.stats().await.unwrap().depth, 1);
 }

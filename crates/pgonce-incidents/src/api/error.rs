@@ -116,13 +116,27 @@ impl From<Error> for ApiError {
         // server's message, an address, a lock key): logged, and answered
         // with a fixed message that says only what to do.
         if code == "busy" || code == "unavailable" {
-            tracing::warn!(error = %e, code, "API request failed; the client may retry");
+            if let Error::Pgonce(pgonce::Error::QueueNotFound { name }) = &e {
+                // Not for the client to fix, nor passing by itself: the
+                // operator's, told here what to do.
+                tracing::error!(
+                    queue = %name,
+                    "API request failed: the queue {name:?} does not exist (deleted by hand?); \
+                     nothing is sent to it until it exists again: restart `pgonce serve` or \
+                     `pgonce worker`, which create it (on Amazon SQS with \
+                     `queue.sqs.create = true`), or create it again by hand"
+                );
+            } else {
+                tracing::warn!(error = %e, code, "API request failed; the client may retry");
+            }
             let message = match (code, &e) {
                 ("busy", _) => "what this request needs is busy with another one; retry it",
                 (
                     _,
                     Error::Pgonce(
-                        pgonce::Error::Unavailable { .. } | pgonce::Error::Backend { .. },
+                        pgonce::Error::Unavailable { .. }
+                        | pgonce::Error::Backend { .. }
+                        | pgonce::Error::QueueNotFound { .. },
                     ),
                 ) => "the queue cannot serve this request now; retry later",
                 _ => "the database cannot serve this request now; retry later",
@@ -281,6 +295,14 @@ mod tests {
                 .into(),
                 "unavailable",
                 "observations.fifo",
+            ),
+            (
+                pgonce::Error::QueueNotFound {
+                    name: "incidents-observations".into(),
+                }
+                .into(),
+                "unavailable",
+                "incidents-observations",
             ),
             (sqlx::Error::Io(refused).into(), "unavailable", "10.1.2.3"),
             (sqlx::Error::PoolTimedOut.into(), "unavailable", "timed out"),

@@ -259,7 +259,7 @@ fn error_statuses(r: &Route) -> Vec<(u16, &'static str)> {
     ));
     statuses.push((
         503,
-        "the database is busy or unavailable, or the connection pooler in front of it is set up wrongly (`busy`, `unavailable`, `pooler`)",
+        "the database or the observations queue is busy or unavailable (a queue deleted by hand: until it is created again), or the connection pooler in front of the database is set up wrongly (`busy`, `unavailable`, `pooler`)",
     ));
     statuses
 }
