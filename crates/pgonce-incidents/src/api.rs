@@ -805,19 +805,49 @@ async fn healthz() -> Json<Value> {
 /// within a second, however long API calls wait for a connection.
 pub const READY_WITHIN: Duration = Duration::from_millis(800);
 
+/// What `/readyz` reads of the database: whether it takes writes now.
+/// Read, never tried with a write: a probe stays one cheap statement that
+/// changes nothing.
+#[derive(sqlx::FromRow)]
+struct Writability {
+    /// `pg_is_in_recovery()`: a standby (or a server still recovering),
+    /// which refuses every write.
+    in_recovery: bool,
+    /// `transaction_read_only` of the probe's own transaction: on for a
+    /// standby, and where `default_transaction_read_only` is on for the
+    /// server, the database or the service's role.
+    read_only: bool,
+}
+
 async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
-    let probe = sqlx::query("SELECT 1").execute(state.service().pool());
-    tokio::time::timeout(READY_WITHIN, probe)
+    let not_ready = |reason: &'static str| {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason)
+    };
+    let probe = sqlx::query_as::<_, Writability>(
+        "SELECT pg_is_in_recovery() AS in_recovery, \
+                current_setting('transaction_read_only')::boolean AS read_only",
+    )
+    .fetch_one(state.service().pool());
+    let writability = tokio::time::timeout(READY_WITHIN, probe)
         .await
         .unwrap_or(Err(sqlx::Error::PoolTimedOut))
         .map_err(|e| {
             tracing::warn!(error = %e, "not ready: the database does not answer");
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                "the database does not answer",
-            )
+            not_ready("the database does not answer")
         })?;
+    // Every write would answer 503 `unavailable` (SQLSTATE 25006): not a
+    // server to send traffic to until it takes writes again.
+    if writability.in_recovery {
+        tracing::warn!("not ready: the database is a standby (in recovery) and refuses writes");
+        return Err(not_ready("the database is a standby and refuses writes"));
+    }
+    if writability.read_only {
+        tracing::warn!(
+            "not ready: the database refuses writes (transaction_read_only is on: \
+             default_transaction_read_only of the server, database or role)"
+        );
+        return Err(not_ready("the database is read-only and refuses writes"));
+    }
     Ok(Json(json!({ "status": "ready" })))
 }
 

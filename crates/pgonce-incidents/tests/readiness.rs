@@ -7,10 +7,11 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use http_body_util::BodyExt;
+use pgonce::PgQueue;
 use pgonce_incidents::api::{ApiConfig, ApiState, router};
 use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::{Service, ServiceConfig};
-use pgonce_testkit::Cluster;
+use pgonce_testkit::{Cluster, ScratchDatabase};
 use serde_json::Value;
 use sqlx::Connection;
 use sqlx::postgres::PgPoolOptions;
@@ -147,6 +148,25 @@ async fn declare(router: &axum::Router, key: &str) -> (StatusCode, Value) {
     )
 }
 
+/// The API of a service on `pool`, its observations sent to `queue`.
+fn api_on(pool: sqlx::PgPool, queue: &PgQueue) -> axum::Router {
+    let service = Service::new(pool, ServiceConfig::default()).unwrap();
+    router(ApiState::new(service, queue.clone(), None, ApiConfig::default()).unwrap())
+}
+
+/// A pool on `db` whose sessions refuse writes, as on a server put
+/// read-only: `default_transaction_read_only` on.
+async fn read_only_pool(db: &ScratchDatabase) -> sqlx::PgPool {
+    PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            db.options()
+                .options([("default_transaction_read_only", "on")]),
+        )
+        .await
+        .unwrap()
+}
+
 /// A database that refuses a write for now is `unavailable` (503, retry
 /// later), not `internal`: a read-only one (SQLSTATE 25006, a standby or a
 /// server put read-only for maintenance: here the sessions'
@@ -169,10 +189,7 @@ async fn a_database_that_refuses_writes_for_now_is_unavailable() {
     let queue = observations_queue(&pool, Duration::from_secs(30), 5)
         .await
         .unwrap();
-    let api = |service_pool: sqlx::PgPool| {
-        let service = Service::new(service_pool, ServiceConfig::default()).unwrap();
-        router(ApiState::new(service, queue.clone(), None, ApiConfig::default()).unwrap())
-    };
+    let api = |service_pool: sqlx::PgPool| api_on(service_pool, &queue);
     let incidents = async || -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM incidents.incidents")
             .fetch_one(&pool)
@@ -180,14 +197,7 @@ async fn a_database_that_refuses_writes_for_now_is_unavailable() {
             .unwrap()
     };
 
-    let read_only = PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(
-            db.options()
-                .options([("default_transaction_read_only", "on")]),
-        )
-        .await
-        .unwrap();
+    let read_only = read_only_pool(&db).await;
     let (status, body) = declare(&api(read_only), &key).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "read-only: {body}");
     assert_eq!(body["error"]["code"], "unavailable", "read-only: {body}");
@@ -227,4 +237,34 @@ async fn a_database_that_refuses_writes_for_now_is_unavailable() {
     let (status, body) = declare(&router, &key).await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     assert_eq!(body["number"], 1, "{body}");
+}
+
+/// A database that refuses writes is not ready: `/readyz` answers 503
+/// `unavailable`, naming why, where every write would answer 503 (SQLSTATE
+/// 25006). Read-only here through the sessions'
+/// `default_transaction_read_only` (as a server, a database or a role put
+/// read-only for maintenance has it); a standby has `transaction_read_only`
+/// on too, and `pg_is_in_recovery()` names it. The probe reads both in its
+/// one statement and writes nothing. Once the sessions take writes the
+/// same service is ready. It answered 200 `ready` when only an answer of
+/// the database counted.
+#[tokio::test]
+async fn a_database_that_refuses_writes_is_not_ready() {
+    let (db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let api = |service_pool: sqlx::PgPool| api_on(service_pool, &queue);
+    let within = Duration::from_secs(60);
+
+    let read_only = read_only_pool(&db).await;
+    let (status, body) = get(&api(read_only), "/readyz", within).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("read-only"), "{message}");
+
+    let (status, body) = get(&api(pool), "/readyz", within).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "ready", "{body}");
 }

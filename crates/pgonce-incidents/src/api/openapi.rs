@@ -368,7 +368,7 @@ pub const ROUTES: &[Route] = &[
     },
     Route {
         response: Some(status),
-        ..route("GET", "/readyz", Auth::None, 200, "The database answers")
+        ..route("GET", "/readyz", Auth::None, 200, "The database answers and takes writes (not a standby, not read-only)")
     },
     route("GET", "/openapi.json", Auth::None, 200, "This document"),
 ];
