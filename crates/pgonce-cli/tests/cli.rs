@@ -590,6 +590,18 @@ fn worker_refuses_a_max_receive_count_the_queue_cannot_store_before_migrating() 
     );
 }
 
+/// A lock wait of 0 (no bound in PostgreSQL's `lock_timeout`) is refused
+/// with the rest of the configuration, naming the key, before the database
+/// is touched: it was refused only by `Service::new`, after the migrations
+/// had run, as the guard's `lock_timeout`.
+#[test]
+fn worker_refuses_a_lock_wait_of_zero_before_migrating() {
+    for key in ["entity_lock_timeout", "declaration_lock_timeout"] {
+        let variable = format!("PGONCE_SERVICE__{}", key.to_uppercase());
+        worker_refused_before_migrating(&[(&variable, "0s")], &format!("service.{key}"));
+    }
+}
+
 /// Runs `pgonce worker` on a fresh database with the variables `vars`, and
 /// asserts that it exits 1 naming `key`, the database left unmigrated;
 /// returns its stderr.

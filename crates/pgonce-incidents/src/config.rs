@@ -855,8 +855,9 @@ impl Config {
         if let Some((key, _)) = settings.iter().find(|(_, d)| *d > LONGEST_SETTING) {
             return Err(invalid(key, "must be at most a year"));
         }
-        // PostgreSQL's lock_timeout is an int of milliseconds: a longer
-        // wait would be refused only when the service starts.
+        // PostgreSQL's lock_timeout is an int of milliseconds, and 0 there
+        // means no bound: `Service::new` refuses a wait under 1 ms or past
+        // the int, which is after the migrations ran.
         for (key, timeout) in [
             (
                 "service.entity_lock_timeout",
@@ -867,10 +868,10 @@ impl Config {
                 self.service.declaration_lock_timeout,
             ),
         ] {
-            if timeout > pgonce::lock::MAX_LOCK_TIMEOUT {
+            if timeout < Duration::from_millis(1) || timeout > pgonce::lock::MAX_LOCK_TIMEOUT {
                 return Err(invalid(
                     key,
-                    "must be at most 24d 20h 31m 23s 647ms (PostgreSQL's lock_timeout)",
+                    "must be 1ms to 24d 20h 31m 23s 647ms (PostgreSQL's lock_timeout)",
                 ));
             }
         }

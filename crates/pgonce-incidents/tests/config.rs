@@ -268,7 +268,7 @@ fn what_cannot_work_is_refused_with_the_key_named() {
     largest.database.max_connections = 262_143;
     largest.validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 23] = [
+    let cases: [(Bad, &str); 27] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -341,6 +341,24 @@ fn what_cannot_work_is_refused_with_the_key_named() {
             |c| c.service.declaration_lock_timeout = Duration::from_secs(30 * 24 * 3600),
             "service.declaration_lock_timeout",
         ),
+        // 0 is no bound in PostgreSQL's lock_timeout, and under 1 ms the
+        // service cannot hold: refused with the file, not after migrating.
+        (
+            |c| c.service.entity_lock_timeout = Duration::ZERO,
+            "service.entity_lock_timeout",
+        ),
+        (
+            |c| c.service.declaration_lock_timeout = Duration::ZERO,
+            "service.declaration_lock_timeout",
+        ),
+        (
+            |c| c.service.entity_lock_timeout = Duration::from_micros(500),
+            "service.entity_lock_timeout",
+        ),
+        (
+            |c| c.service.declaration_lock_timeout = Duration::from_micros(500),
+            "service.declaration_lock_timeout",
+        ),
         (|c| c.api.body_limit = 10, "body limit"),
         (
             |c| c.maintenance.reaper.batch_size = 0,
@@ -362,6 +380,39 @@ fn what_cannot_work_is_refused_with_the_key_named() {
         assert!(matches!(e, ConfigError::Invalid { .. }), "{e:?}");
         let e = e.to_string();
         assert!(e.contains(needle), "{needle}: {e}");
+    }
+}
+
+/// `[service]` values `validate` accepts, `Service::new` accepts, and the
+/// ones it refuses `validate` refuses first, at each bound of the lock
+/// waits. (A lazy pool: `Service::new` does not connect.)
+#[tokio::test]
+async fn the_service_accepts_what_validate_accepts() {
+    use pgonce_incidents::service::Service;
+
+    let pool = sqlx::PgPool::connect_lazy("postgres://x/y").unwrap();
+    let max = pgonce::lock::MAX_LOCK_TIMEOUT;
+    let one_ns = Duration::from_nanos(1);
+    let ms = Duration::from_millis(1);
+    for (timeout, valid) in [
+        (Duration::ZERO, false),
+        (ms - one_ns, false),
+        (ms, true),
+        (max, true),
+        (max + one_ns, false),
+    ] {
+        for declaration in [false, true] {
+            let mut c = with_url();
+            if declaration {
+                c.service.declaration_lock_timeout = timeout;
+            } else {
+                c.service.entity_lock_timeout = timeout;
+            }
+            let validated = c.validate();
+            assert_eq!(validated.is_ok(), valid, "{timeout:?}: {validated:?}");
+            let started = Service::new(pool.clone(), c.service_config());
+            assert_eq!(started.is_ok(), valid, "{timeout:?}: {:?}", started.err());
+        }
     }
 }
 
