@@ -602,6 +602,27 @@ fn worker_refuses_a_lock_wait_of_zero_before_migrating() {
     }
 }
 
+/// Without the `sqs-tls` feature, a queue on real SQS (no plain-HTTP
+/// endpoint) is refused before the database is touched, saying to build
+/// `pgonce` with `--features sqs-tls`: it named only the library's `tls`
+/// feature, which this command has no feature of that name for.
+#[cfg(not(feature = "sqs-tls"))]
+#[test]
+fn worker_without_tls_refuses_real_sqs_saying_which_feature_to_build() {
+    let stderr = worker_refused_before_migrating(
+        &[
+            ("PGONCE_QUEUE__BACKEND", "sqs"),
+            ("PGONCE_QUEUE__SQS__QUEUE", "observations.fifo"),
+            (
+                "PGONCE_QUEUE__SQS__DEAD_LETTER_QUEUE",
+                "observations-dead.fifo",
+            ),
+        ],
+        "queue.sqs",
+    );
+    assert!(stderr.contains("--features sqs-tls"), "{stderr}");
+}
+
 /// Runs `pgonce worker` on a fresh database with the variables `vars`, and
 /// asserts that it exits 1 naming `key`, the database left unmigrated;
 /// returns its stderr.

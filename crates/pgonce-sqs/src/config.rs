@@ -8,6 +8,15 @@ use aws_config::timeout::TimeoutConfig;
 use aws_sdk_sqs::config::{Credentials, Region};
 use pgonce::{Error, Result};
 
+/// Why an `https://` endpoint, or none (real AWS), is refused by a build
+/// without TLS. This crate cannot tell which program it is built into, so
+/// it names its own feature and the one of the `pgonce` command that turns
+/// it on.
+#[cfg(not(feature = "tls"))]
+const HTTPS_NEEDS_TLS: &str = "HTTPS endpoints (real AWS) need a build with TLS: \
+     the `pgonce` command built with `--features sqs-tls`, or a program of your own \
+     with pgonce-sqs's `tls` feature; without it give an http:// endpoint_url";
+
 /// Where SQS is and how long a call may take.
 ///
 /// Everything left `None` comes from the standard AWS configuration
@@ -99,10 +108,7 @@ impl SqsConfig {
             .as_deref()
             .is_none_or(|u| u.starts_with("https://"))
         {
-            return invalid(
-                "HTTPS endpoints (real AWS) need pgonce-sqs's `tls` feature; \
-                 without it give an http:// endpoint_url",
-            );
+            return invalid(HTTPS_NEEDS_TLS);
         }
         Ok(())
     }
@@ -139,5 +145,34 @@ impl SqsConfig {
             builder = builder.region(Region::new("us-east-1"));
         }
         Ok(aws_sdk_sqs::Client::from_conf(builder.build()))
+    }
+}
+
+#[cfg(all(test, not(feature = "tls")))]
+mod tests {
+    use super::*;
+
+    /// A build without TLS refuses an `https://` endpoint, and none (the
+    /// region's AWS endpoint), saying what to build for either program: it
+    /// named only "pgonce-sqs's `tls` feature", a name the `pgonce` command
+    /// does not have (its feature is `sqs-tls`).
+    #[test]
+    fn a_build_without_tls_refuses_https_naming_the_command_and_crate_features() {
+        for endpoint_url in [None, Some("https://sqs.eu-west-1.amazonaws.com".to_owned())] {
+            let config = SqsConfig {
+                endpoint_url,
+                ..SqsConfig::default()
+            };
+            let e = config.validate().unwrap_err().to_string();
+            for needle in [
+                "`pgonce` command built with `--features sqs-tls`",
+                "pgonce-sqs's `tls` feature",
+            ] {
+                assert!(e.contains(needle), "{needle}: {e}");
+            }
+        }
+        SqsConfig::local("http://127.0.0.1:5000")
+            .validate()
+            .unwrap();
     }
 }

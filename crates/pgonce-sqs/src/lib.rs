@@ -17,7 +17,8 @@
 //! # Pointing it at SQS
 //!
 //! Real SQS: build with the `tls` feature (HTTPS; off by default so the
-//! default build carries no TLS stack) and leave [`SqsConfig`]'s overrides
+//! default build carries no TLS stack; the `pgonce` command's `sqs-tls`
+//! feature turns it on) and leave [`SqsConfig`]'s overrides
 //! `None`: region, credentials and endpoint come from the standard AWS
 //! configuration (`AWS_REGION`, `AWS_PROFILE`, `AWS_ACCESS_KEY_ID`, instance
 //! and container roles, `AWS_ENDPOINT_URL_SQS`).
