@@ -222,6 +222,46 @@ async fn a_body_that_does_not_arrive_is_a_json_408_and_one_over_the_limit_a_json
     served.stop().await;
 }
 
+/// A request head (request line and headers) of `len` bytes: a `GET
+/// /healthz` padded with one header.
+fn head_of(len: usize) -> Vec<u8> {
+    let mut head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: ".to_vec();
+    head.resize(len - 4, b'a');
+    head.extend(b"\r\n\r\n");
+    assert_eq!(head.len(), len);
+    head
+}
+
+/// A head of `MAX_HEAD` bytes is served, and one a byte longer is 431,
+/// sent in one write: the read buffer's bound alone (`max_buf_size`) let
+/// a head that arrived at once through past it. A request target too long
+/// for the head is 431 too.
+#[tokio::test]
+async fn a_head_over_max_head_is_431_even_sent_at_once() {
+    let served = serve().await;
+    let (status, body) = exchange(served.address, &head_of(api::MAX_HEAD)).await;
+    assert_eq!(status, 200, "{body}");
+    let mut long_target = b"GET /".to_vec();
+    long_target.resize(70_000, b'a');
+    long_target.extend(b" HTTP/1.1\r\nHost: x\r\n\r\n");
+    for request in [
+        head_of(api::MAX_HEAD + 1),
+        head_of(80 * 1024),
+        head_of(100 * 1024),
+        long_target,
+    ] {
+        let (status, body) = exchange(served.address, &request).await;
+        let refused = (status, body["error"]["code"].as_str());
+        let len = request.len();
+        assert_eq!(
+            refused,
+            (431, Some("header_fields_too_large")),
+            "{len} bytes"
+        );
+    }
+    served.stop().await;
+}
+
 #[tokio::test]
 async fn what_hyper_refuses_gets_the_json_error_body() {
     let served = serve().await;

@@ -38,7 +38,10 @@ use tokio_io_timeout::TimeoutWriter;
 use super::ApiConfig;
 
 /// Largest request head (request line and headers) in bytes; a larger one
-/// is answered 431.
+/// is answered 431, however its bytes arrive, a long request target too
+/// (hyper's `max_header_size`). The read buffer's bound (`max_buf_size`,
+/// also this) is not that limit on its own: a buffer can be filled past it
+/// by a read, so a head that arrives at once could pass it.
 pub const MAX_HEAD: usize = 64 * 1024;
 
 /// Serves `app` on `listener` until `shutdown` completes, then stops
@@ -54,6 +57,7 @@ pub async fn serve(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(config.header_timeout)
+        .max_header_size(MAX_HEAD)
         .max_buf_size(MAX_HEAD);
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
