@@ -28,7 +28,8 @@
 //! misconfiguration and its fix) and 500 `internal` (details only in the
 //! log). What the HTTP
 //! layer itself refuses has the same body when served by [`serve`]: 400
-//! `bad_request`, 414 `uri_too_long`, 431 `header_fields_too_large`.
+//! `bad_request`, 431 `header_fields_too_large` (a request head over
+//! [`MAX_HEAD`], a long request target included).
 //!
 //! The document at `/openapi.json` lists every route ([`openapi::ROUTES`]).
 
