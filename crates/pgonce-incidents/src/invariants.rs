@@ -186,7 +186,9 @@ pub struct Tallies {
     pub notifications: i64,
     /// Deliveries the pipeline finished (first and repeated).
     pub deliveries_processed: i64,
-    /// Distinct messages the pipeline finished.
+    /// Distinct messages the pipeline finished, one per entity: a producer
+    /// message id carried by observations of several entities counts once
+    /// for each.
     pub messages_processed: i64,
     /// Incidents a policy opened more than once for one entity from one
     /// message (the redelivery duplicates the guard prevents); a producer

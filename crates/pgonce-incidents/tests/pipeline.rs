@@ -324,20 +324,15 @@ async fn a_late_resend_with_the_producers_message_id_opens_nothing_twice() {
 async fn a_late_resend_does_not_bring_back_older_attributes() {
     let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
     let (pool, org) = (acme.pool.clone(), acme.org);
-    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
-        .await
-        .unwrap();
-    let handler = instant_handler(&acme.service);
-    for (cpu, id) in [
-        (90, "sensor-7/0042"),
-        (10, "sensor-7/0043"),
-        (90, "sensor-7/0042"),
-    ] {
-        send_with_id(&queue, org, "e", json!({ "cpu": cpu }), Some(id)).await;
-        let delivery = receive_one(&queue).await;
-        handler.process(&delivery).await.unwrap();
-        queue.delete(&delivery.receipt).await.unwrap();
-    }
+    handle_in_turn(
+        &acme,
+        &[
+            ("e", 90, "sensor-7/0042"),
+            ("e", 10, "sensor-7/0043"),
+            ("e", 90, "sensor-7/0042"),
+        ],
+    )
+    .await;
     let entity = store::find_entity(&pool, org, "e").await.unwrap();
     assert_eq!(
         entity.attributes,
@@ -353,6 +348,22 @@ async fn a_late_resend_does_not_bring_back_older_attributes() {
     assert_eq!(rows, [row("sensor-7/0042", 2), row("sensor-7/0043", 1)]);
     let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
     assert_eq!(tallies.incidents, 1);
+}
+
+/// Sends each observation (entity, cpu, producer message id) to the
+/// observations queue and handles its delivery with an instant evaluator,
+/// one after the other.
+async fn handle_in_turn(acme: &Acme, observations: &[(&str, i64, &str)]) {
+    let queue = observations_queue(&acme.pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let handler = instant_handler(&acme.service);
+    for &(entity, cpu, id) in observations {
+        send_with_id(&queue, acme.org, entity, json!({ "cpu": cpu }), Some(id)).await;
+        let delivery = receive_one(&queue).await;
+        handler.process(&delivery).await.unwrap();
+        queue.delete(&delivery.receipt).await.unwrap();
+    }
 }
 
 /// A handler with an instant evaluator, for tests that drive deliveries one
@@ -448,6 +459,67 @@ async fn one_message_id_for_two_entities_is_not_an_incident_opened_twice() {
     let tallies = invariants::tallies(&pool, &[acme.org]).await.unwrap();
     assert_eq!(tallies.incidents, 2, "one incident per entity");
     assert_eq!(tallies.opened_twice_for_one_message, 0);
+}
+
+/// One producer message id carried by observations of two entities is two
+/// observations, each applied once: a late resend of the second entity's,
+/// after a newer observation of that entity was processed, leaves its
+/// attributes at the newer one's, and each entity's delivery is counted on
+/// its own ledger row. (The ledger was keyed by organization and message
+/// id: the second entity's delivery was counted on the first one's row,
+/// so its resend was not recognised and recorded its older attributes
+/// again.)
+#[tokio::test]
+async fn a_late_resend_of_a_second_entity_sharing_a_message_id_is_applied_once() {
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let (pool, org) = (acme.pool.clone(), acme.org);
+    handle_in_turn(
+        &acme,
+        &[
+            ("web-1", 90, "shared-id"),
+            ("web-2", 90, "shared-id"),
+            ("web-2", 10, "web-2/0043"),
+            ("web-2", 90, "shared-id"),
+        ],
+    )
+    .await;
+    let web_2 = store::find_entity(&pool, org, "web-2").await.unwrap();
+    assert_eq!(
+        web_2.attributes,
+        json!({ "cpu": 10 }),
+        "web-2's latest observation's"
+    );
+    let rows: Vec<EntityLedgerRow> = sqlx::query_as(
+        "SELECT e.external_id, o.message_id, o.deliveries
+           FROM incidents.observations o JOIN incidents.entities e ON e.id = o.entity_id
+          ORDER BY e.external_id, o.message_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let row = |entity: &str, message_id: &str, deliveries| EntityLedgerRow {
+        external_id: entity.into(),
+        message_id: message_id.into(),
+        deliveries,
+    };
+    assert_eq!(
+        rows,
+        [
+            row("web-1", "shared-id", 1),
+            row("web-2", "shared-id", 2),
+            row("web-2", "web-2/0043", 1),
+        ]
+    );
+    let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
+    assert_eq!(tallies.incidents, 2, "one incident per entity");
+}
+
+/// A ledger row with its entity's external id.
+#[derive(sqlx::FromRow, Debug, PartialEq, Eq)]
+struct EntityLedgerRow {
+    external_id: String,
+    message_id: String,
+    deliveries: i32,
 }
 
 /// A rule value and an attribute at the edge of the double range (the
