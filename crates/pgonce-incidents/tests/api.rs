@@ -1588,16 +1588,18 @@ async fn json_arrays_are_not_objects() {
 /// any depth) is 422 with nothing stored or queued: serde_json keeps the
 /// last of the two, `jsonb` would too, and the value read back would not
 /// be the one a client whose parser keeps the first sent. The fields of
-/// the bodies themselves are refused so already (`duplicate field`).
+/// the bodies themselves are refused so already (`duplicate field`). The
+/// answer names the name, and no position: serde_json's would count from
+/// the start of the object holding it, not of the body.
 #[tokio::test]
 async fn a_name_sent_twice_in_one_object_is_refused() {
     let api = setup().await;
     let (org, key) = api.organization("acme").await;
-    for attributes in [
-        r#"{"cpu": 1, "cpu": 2}"#,
-        r#"{"disk": {"used": 1, "free": 2, "used": 3}}"#,
-        r#"{"hosts": [{"a": 1}, {"b": 1, "b": 1}]}"#,
-        r#"{"cpu": 1, "\u0063pu": 2}"#,
+    for (attributes, name) in [
+        (r#"{"cpu": 1, "cpu": 2}"#, "cpu"),
+        (r#"{"disk": {"used": 1, "free": 2, "used": 3}}"#, "used"),
+        (r#"{"hosts": [{"a": 1}, {"b": 1, "b": 1}]}"#, "b"),
+        (r#"{"cpu": 1, "\u0063pu": 2}"#, "cpu"),
     ] {
         for (uri, body) in [
             (
@@ -1615,6 +1617,11 @@ async fn a_name_sent_twice_in_one_object_is_refused() {
                 .send(Method::POST, uri, Some(&key), Body::from(body))
                 .await;
             assert_invalid(&a, format!("{uri} {attributes}"));
+            assert_eq!(
+                a.body["error"]["message"],
+                format!("the name {name:?} is sent twice in one object"),
+                "{uri} {attributes}"
+            );
         }
     }
     assert_eq!(

@@ -152,8 +152,15 @@ fn reads_back_as_sent(raw: &RawValue) -> Result<(), ApiError> {
     let text = raw.get();
     match text.as_bytes().first() {
         Some(b'{') => {
-            let Members(values) = serde_json::from_str(text).map_err(ApiError::from_json)?;
-            values.into_iter().try_for_each(reads_back_as_sent)
+            let members: Members = serde_json::from_str(text).map_err(ApiError::from_json)?;
+            if let Some(name) = members.repeated {
+                // Not through serde_json's error, whose position would count
+                // from the start of this object, not of the body.
+                return Err(ApiError::invalid(format!(
+                    "the name {name:?} is sent twice in one object"
+                )));
+            }
+            members.values.into_iter().try_for_each(reads_back_as_sent)
         }
         Some(b'[') => {
             let items: Vec<&RawValue> = serde_json::from_str(text).map_err(ApiError::from_json)?;
@@ -177,12 +184,17 @@ fn reads_back_as_sent(raw: &RawValue) -> Result<(), ApiError> {
     }
 }
 
-/// The values of a JSON object's members, refusing a name sent twice (as
-/// it reads once unescaped: `"a"` and `"\u0061"` are one name). serde_json
-/// keeps the last of two in a map, and `jsonb` too, so a client whose parser
-/// keeps the first would read back another value than it sent; serde_json
-/// has no option to refuse them, hence this visitor.
-struct Members<'a>(Vec<&'a RawValue>);
+/// The values of a JSON object's members, and the first name sent twice
+/// in it (as it reads once unescaped: `"a"` and `"\u0061"` are one name).
+/// serde_json keeps the last of two in a map, and `jsonb` too, so a client
+/// whose parser keeps the first would read back another value than it
+/// sent; serde_json has no option to refuse them, hence this visitor.
+struct Members<'a> {
+    /// Each member's value, up to the first name sent twice.
+    values: Vec<&'a RawValue>,
+    /// The first name sent twice, if one was.
+    repeated: Option<String>,
+}
 
 impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Members<'a>, D::Error> {
@@ -202,13 +214,24 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
                 let mut values = Vec::new();
                 while let Some(name) = map.next_key::<String>()? {
                     if !names.insert(name.clone()) {
-                        return Err(serde::de::Error::custom(format!(
-                            "the name {name:?} is sent twice in one object"
-                        )));
+                        // Its value and the rest of the object are read
+                        // (serde_json wants the whole of it), not checked.
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                        while map
+                            .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                            .is_some()
+                        {}
+                        return Ok(Members {
+                            values,
+                            repeated: Some(name),
+                        });
                     }
                     values.push(map.next_value()?);
                 }
-                Ok(Members(values))
+                Ok(Members {
+                    values,
+                    repeated: None,
+                })
             }
         }
         d.deserialize_map(Visitor(std::marker::PhantomData))
