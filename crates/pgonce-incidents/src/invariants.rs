@@ -151,7 +151,8 @@ impl NotNotifiedOnce {
     }
 }
 
-/// I6: which of `sent` (queue message ids) the pipeline never finished.
+/// I6: which of `sent` (queue message ids of observations sent without a
+/// producer's id) the pipeline never finished.
 pub async fn unprocessed(pool: &PgPool, sent: &[String]) -> Result<Vec<String>> {
     Ok(
         sqlx::query_scalar(include_str!("invariants/sql/i6_processed.sql"))

@@ -539,10 +539,18 @@ impl Observation {
         String::from_utf8(body).expect("serde_json writes UTF-8")
     }
 
-    /// The id the pipeline records this observation under: the producer's
-    /// [`Observation::message_id`], else the queue's id of the delivery.
-    pub fn id_or<'a>(&'a self, queue_message_id: &'a str) -> &'a str {
-        self.message_id.as_deref().unwrap_or(queue_message_id)
+    /// The key the pipeline records this observation under (its ledger
+    /// row, its incidents' source): `producer:` and the producer's
+    /// [`Observation::message_id`], else `queue:` and the queue's id of the
+    /// delivery ([`queue_ledger_key`]). Each kind has its prefix, so a
+    /// producer's id that spells a queue's (`"1"`, the PostgreSQL queue's
+    /// first) is never taken for that delivery's resend, which would drop
+    /// it unrecorded.
+    pub fn ledger_key(&self, queue_message_id: &str) -> String {
+        match &self.message_id {
+            Some(id) => format!("producer:{id}"),
+            None => queue_ledger_key(queue_message_id),
+        }
     }
 
     /// The FIFO message group: one entity's observations are processed in
@@ -563,6 +571,12 @@ impl Observation {
     pub fn dedup_id(&self, idempotency_key: &str) -> String {
         scoped_id(self.organization_id, idempotency_key)
     }
+}
+
+/// The ledger key of an observation without a producer's id, delivered
+/// as the queue's message `queue_message_id` ([`Observation::ledger_key`]).
+pub fn queue_ledger_key(queue_message_id: &str) -> String {
+    format!("queue:{queue_message_id}")
 }
 
 /// The prefix of a hashed [`scoped_id`]'s text.

@@ -264,7 +264,7 @@ impl<E: Evaluator> ObservationHandler<E> {
             bump(&c.malformed);
             tracing::warn!(message = %message.id, "malformed observation: {e}");
         })?;
-        let message_id = observation.id_or(&message.id);
+        let message_id = &observation.ledger_key(&message.id);
         let pool = self.service.pool();
         let org = observation.organization_id;
         // An observation finished with before, sent again: applied once.

@@ -116,7 +116,7 @@ pub struct Observed {
     pub policy_id: i64,
     /// The entity it was evaluated on.
     pub entity_id: i64,
-    /// The observation's id ([`crate::model::Observation::id_or`]), under which
+    /// The observation's key ([`crate::model::Observation::ledger_key`]), under which
     /// the incidents it creates are recorded.
     pub message_id: String,
     /// Whether the policy allowed at most one OPEN incident for this entity.

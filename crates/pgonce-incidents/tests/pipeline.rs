@@ -342,12 +342,46 @@ async fn a_late_resend_does_not_bring_back_older_attributes() {
     let rows = ledger(&pool).await;
     let row = |message_id: &str, deliveries| LedgerRow {
         organization_id: org,
-        message_id: message_id.into(),
+        // The ledger keys a producer's id `producer:<id>`.
+        message_id: format!("producer:{message_id}"),
         deliveries,
     };
     assert_eq!(rows, [row("sensor-7/0042", 2), row("sensor-7/0043", 1)]);
     let tallies = invariants::tallies(&pool, &[org]).await.unwrap();
     assert_eq!(tallies.incidents, 1);
+}
+
+/// A producer's message id that spells the queue's id of an earlier
+/// delivery of the same entity (the PostgreSQL queue's ids are "1", "2",
+/// ...) is another observation: recorded and evaluated. The ledger kept
+/// both kinds of id in one namespace, so the producer's observation was
+/// taken for that delivery's resend and dropped, its attributes never
+/// recorded.
+#[tokio::test]
+async fn a_producer_id_that_spells_a_queue_id_is_not_taken_for_a_resend() {
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let (pool, org) = (acme.pool.clone(), acme.org);
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let handler = instant_handler(&acme.service);
+    send(&queue, org, "e", json!({ "cpu": 90 })).await;
+    let first = receive_one(&queue).await;
+    handler.process(&first).await.unwrap();
+    queue.delete(&first.receipt).await.unwrap();
+    send_with_id(&queue, org, "e", json!({ "cpu": 10 }), Some(&first.id)).await;
+    let second = receive_one(&queue).await;
+    handler.process(&second).await.unwrap();
+    queue.delete(&second.receipt).await.unwrap();
+    let entity = store::find_entity(&pool, org, "e").await.unwrap();
+    assert_eq!(
+        entity.attributes,
+        json!({ "cpu": 10 }),
+        "the producer's observation, id {:?}, recorded",
+        first.id
+    );
+    let rows = ledger(&pool).await;
+    assert_eq!(rows.len(), 2, "two observations: {rows:?}");
 }
 
 /// Sends each observation (entity, cpu, producer message id) to the
@@ -423,7 +457,7 @@ async fn one_message_id_from_two_organizations_is_two_processed_observations() {
         .into_iter()
         .map(|organization_id| LedgerRow {
             organization_id,
-            message_id: "shared-id".into(),
+            message_id: "producer:shared-id".into(),
             deliveries: 1,
         })
         .collect();
@@ -499,7 +533,8 @@ async fn a_late_resend_of_a_second_entity_sharing_a_message_id_is_applied_once()
     .unwrap();
     let row = |entity: &str, message_id: &str, deliveries| EntityLedgerRow {
         external_id: entity.into(),
-        message_id: message_id.into(),
+        // The ledger keys a producer's id `producer:<id>`.
+        message_id: format!("producer:{message_id}"),
         deliveries,
     };
     assert_eq!(
