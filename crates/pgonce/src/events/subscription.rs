@@ -26,6 +26,11 @@
 //! `xmax` nor `xmin = xmax` proves that nothing is running. The reader's own
 //! id is the bound that does.) An id is taken only when a new gap is seen.
 //!
+//! So a subscription runs on the primary: a standby cannot give out a
+//! transaction id, and a poll that meets a gap there fails. And what it
+//! delivers is as durable as the appends: one committed with
+//! `synchronous_commit = off` may be delivered, then lost with a crash.
+//!
 //! A crash can take the bound back. The reader's transaction writes
 //! nothing, so PostgreSQL commits it without waiting for the WAL flush,
 //! and recovery hands out again the ids after the last one the WAL it
@@ -84,6 +89,11 @@ use crate::listen::Listen;
 #[derive(Debug, Clone)]
 pub struct SubscriptionConfig {
     /// Deliver events after this position. Default 0 (from the start).
+    /// To resume, give a subscription's [`Subscription::horizon`], which
+    /// is final. Not [`EventStore::head`](super::EventStore::head): an
+    /// append in flight may hold a position below the head and commit
+    /// after it was read, and a subscription starting at the head never
+    /// delivers it.
     pub after: i64,
     /// Which events to deliver. Default [`Query::All`].
     pub query: Query,
