@@ -207,10 +207,12 @@ impl Strategy {
         }
     }
 
+    /// The level [`Error::WrongIsolation`] names, upper case as its docs
+    /// say (`accepts` compares PostgreSQL's lower-case spelling).
     const fn needs(self) -> &'static str {
         match self {
             Strategy::CounterRow => "any",
-            _ => READ_COMMITTED,
+            _ => "READ COMMITTED",
         }
     }
 }

@@ -493,7 +493,7 @@ async fn the_wrong_isolation_level_is_a_typed_error_and_takes_no_lock() {
             }
             let err = outcome.unwrap_err();
             assert!(
-                matches!(&err, Error::WrongIsolation { needed: "read committed", found, .. }
+                matches!(&err, Error::WrongIsolation { needed: "READ COMMITTED", found, .. }
                     if *found == level.as_sql().to_lowercase()),
                 "{strategy} {level}: {err}"
             );
