@@ -47,15 +47,21 @@ pub fn check_storable(what: &'static str, value: &Value) -> Result<()> {
 /// written with, and prints it back in plain digits. serde_json writes a
 /// whole double of 10^16 or more with an exponent (`1e16`): stored as the
 /// numeric 10000000000000000, of scale 0, it is printed, and read back,
-/// as an integer, another [`Value`] than the one written. So every whole
-/// double is written here in plain digits with a zero fraction
+/// as an integer, another [`Value`] than the one written. So a whole
+/// double that would read back as an integer, one from `i64::MIN` to
+/// below 2^64, is written here in plain digits with a zero fraction
 /// (`10000000000000000.0`, Rust's shortest round-trip digits), which the
 /// numeric keeps as scale 1 and prints the same way: it reads back as that
-/// double. A double with a fraction keeps it in the numeric anyway (an
-/// exponent below zero becomes digits after the point), and an integer is
-/// written as one. Hand-written, as a serde_json formatter: sqlx's `Json`
-/// serializes with serde_json's default, and no crate stores JSON in
-/// `jsonb` number for number.
+/// double. A whole double past that range is written as serde_json writes
+/// it (`1e+300`): its plain digits are past every integer serde_json reads,
+/// so they read back as that double anyway, and in plain digits its text
+/// would be up to 309 digits long where serde_json's is a few: a batch
+/// that fits PostgreSQL's 1 GB message would no longer. A double with a
+/// fraction keeps it in the numeric anyway (an exponent below zero becomes
+/// digits after the point), and an integer is written as one.
+/// Hand-written, as a serde_json formatter: sqlx's `Json` serializes with
+/// serde_json's default, and no crate stores JSON in `jsonb` number for
+/// number.
 pub fn stored(value: &Value) -> Json<Box<RawValue>> {
     struct WholeDoublesWithFraction;
     impl serde_json::ser::Formatter for WholeDoublesWithFraction {
@@ -65,8 +71,9 @@ pub fn stored(value: &Value) -> Json<Box<RawValue>> {
             value: f64,
         ) -> std::io::Result<()> {
             // Only finite doubles reach here: serde_json writes the others
-            // as `null` before asking the formatter.
-            if value.fract() == 0.0 {
+            // as `null` before asking the formatter. `u64::MAX as f64` is
+            // 2^64 (rounded up), the first whole double read back as one.
+            if value.fract() == 0.0 && (i64::MIN as f64..u64::MAX as f64).contains(&value) {
                 write!(writer, "{value}.0")
             } else {
                 serde_json::ser::CompactFormatter.write_f64(writer, value)
@@ -188,6 +195,19 @@ mod tests {
             (serde_json::json!(0.1), "0.1"),
             (serde_json::json!(1e-7), "1e-7"),
             (serde_json::json!(u64::MAX), "18446744073709551615"),
+            // The ends of the whole doubles read back as integers, and the
+            // first past them, written as serde_json writes them.
+            (
+                serde_json::json!(18446744073709549568.0),
+                "18446744073709550000.0",
+            ),
+            (serde_json::json!(i64::MIN as f64), "-9223372036854776000.0"),
+            (serde_json::json!(u64::MAX as f64), "1.8446744073709552e+19"),
+            (
+                serde_json::json!(-9223372036854777856.0),
+                "-9.223372036854778e+18",
+            ),
+            (serde_json::json!(1e300), "1e+300"),
             (
                 serde_json::json!({"b": [1e17]}),
                 r#"{"b":[100000000000000000.0]}"#,

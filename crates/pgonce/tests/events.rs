@@ -617,6 +617,43 @@ async fn an_append_larger_than_jsonb_holds_is_refused_as_bad_input() {
     );
 }
 
+/// A batch that fits PostgreSQL's protocol with its numbers as serde_json
+/// writes them is appended, and reads back equal: four events of 900,000
+/// doubles of 1e300 each. Written with all 301 of their digits, as every
+/// whole double once was (to keep a zero fraction), the batch's text came
+/// to 1.09 GB, past the 1 GB PostgreSQL takes in one message, and the
+/// server dropped the connection (`Connection reset by peer`) where the
+/// append had succeeded before. A whole double this large reads back as a
+/// double from its plain digits anyway, so it is written as serde_json
+/// writes it (`1e+300`).
+#[tokio::test]
+async fn a_batch_of_large_whole_doubles_that_fits_is_appended_and_read_back() {
+    let (_db, pool) = db().await;
+    let numbers = serde_json::Value::Array(vec![json!(1e300); 900_000]);
+    let events: Vec<Event> = (0..4)
+        .map(|_| Event::new("T").tag("big").data(numbers.clone()))
+        .collect();
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let appended = s.append(&events, None).await;
+    assert!(
+        appended.is_ok(),
+        "{:?}",
+        appended.map_err(|e| format!("{e:?}"))
+    );
+    let read = s
+        .read(
+            &tag_query("big"),
+            ReadOptions {
+                limit: Some(1),
+                ..ReadOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(read.len(), 1);
+    assert!(read[0].event.data == numbers, "read back another value");
+}
+
 /// A read asked for a negative number of events is refused as bad input
 /// ([`Error::Invalid`], naming the limit), forwards and backwards, before
 /// the database is asked: PostgreSQL's "LIMIT must not be negative" came

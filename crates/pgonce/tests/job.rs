@@ -3554,6 +3554,13 @@ async fn payloads_and_results_read_back_equal_numbers_included() {
     let (_db, pool) = setup().await;
     let value = json!({
         "whole doubles": [1e16, -1e16, 2.5e18, 1.8e19, 1e300, -0.0, 3.0],
+        // The ends of the whole doubles whose plain digits read back as
+        // integers (from i64::MIN to below 2^64), and the first past them.
+        "at the integers' ends": [
+            18446744073709549568.0, 18446744073709551616.0,
+            -9223372036854775808.0, -9223372036854777856.0,
+            -1.7976931348623157e308,
+        ],
         "fractions": [0.1, 1e-7, 5e-324, 1.7976931348623157e308],
         "integers": [0, u64::MAX, i64::MIN, 12345678901234567_u64],
         "nested": {"z": 1e17, "a": [{"x": 4e16}]},
