@@ -91,6 +91,30 @@ pub fn stored(value: &Value) -> Json<Box<RawValue>> {
     Json(RawValue::from_string(text).expect("serde_json writes JSON"))
 }
 
+/// The most JSON text, in bytes, pgonce sends PostgreSQL in one statement
+/// (1 GiB less 1 MiB). PostgreSQL takes a message of at most 1 GiB less
+/// 2 bytes, and past it drops the connection without an error: the
+/// client sees it reset. The MiB is left for the statement's other
+/// parameters. Text this long could not be read back either: PostgreSQL
+/// prints a value into a string of at most 1 GiB.
+pub const MAX_SENT_JSON_BYTES: usize = (1 << 30) - (1 << 20);
+
+/// Refuses, with [`Error::Invalid`] naming `what`, JSON text of `bytes`
+/// bytes in all for one statement when it passes [`MAX_SENT_JSON_BYTES`].
+pub(crate) fn check_sendable(what: &'static str, bytes: usize) -> Result<()> {
+    if bytes <= MAX_SENT_JSON_BYTES {
+        return Ok(());
+    }
+    Err(Error::Invalid {
+        what,
+        why: format!(
+            "its JSON text is {bytes} bytes, past the {MAX_SENT_JSON_BYTES} one statement \
+             sends PostgreSQL (which takes a message of at most 1 GiB): split the batch, \
+             or store less"
+        ),
+    })
+}
+
 /// A stored JSON value pgonce cannot read back: nested deeper than
 /// [`MAX_JSON_NESTING`], so written around [`check_storable`] (with raw
 /// SQL). PostgreSQL returns its text all the same, kept here so an

@@ -579,31 +579,54 @@ async fn bad_input_is_rejected_whole() {
 /// array, whose elements may total as much). Both came back as a bare
 /// database error (SQLSTATE 54000). One path of each kind (one
 /// statement, a transaction): sizes like these cost seconds each, and the
-/// limits are PostgreSQL's, so the database judges them.
+/// limits are PostgreSQL's, so the database judges them. And JSON text
+/// longer than PostgreSQL takes in one message (1 GiB), though jsonb would
+/// hold its values (a control character is one byte in jsonb and six,
+/// `\u0001`, in JSON text): the server dropped the connection
+/// (`Connection reset by peer`). One event on the one-statement path that
+/// binds its data and metadata, and a batch, sent as one array.
 #[tokio::test]
 async fn an_append_larger_than_jsonb_holds_is_refused_as_bad_input() {
     let (_db, pool) = db().await;
     let half = "x".repeat(140 << 20);
     let too_long = "x".repeat(270 << 20);
+    let controls = "\u{1}".repeat(180 << 20);
+    let half_controls = "\u{1}".repeat(90 << 20);
     let big = |text: &str| Event::new("T").tag("big").data(json!({ "text": text }));
     let on_big = AppendCondition::new(tag_query("big"), None);
-    for (strategy, events, condition, path) in [
+    for (strategy, events, condition, path, limit) in [
         (
             AppendStrategy::AdvisoryLocks,
             vec![big(&half), big(&half)],
             None,
             "two events in one statement",
+            "268435455",
         ),
         (
             AppendStrategy::Serializable,
             vec![big(&too_long)],
             Some(&on_big),
             "one event in a transaction",
+            "268435455",
+        ),
+        (
+            AppendStrategy::AdvisoryLocks,
+            vec![big(&controls)],
+            Some(&on_big),
+            "one event's text in one statement",
+            "1 GiB",
+        ),
+        (
+            AppendStrategy::AdvisoryLocks,
+            vec![big(&half_controls), big(&half_controls)],
+            None,
+            "two events' text in one array",
+            "1 GiB",
         ),
     ] {
         let outcome = store(&pool, strategy).append(&events, condition).await;
         assert!(
-            matches!(&outcome, Err(Error::Invalid { what: "event", why }) if why.contains("268435455")),
+            matches!(&outcome, Err(Error::Invalid { what: "event", why }) if why.contains(limit)),
             "{path}: {:?}",
             outcome.map_err(|e| e.to_string())
         );

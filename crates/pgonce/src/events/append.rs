@@ -398,11 +398,14 @@ async fn append_one_statement(
         // The commonest append: one event, on the commonest condition, its
         // fields as parameters (migration 0180).
         (Some(tags), [event]) => {
+            let data = crate::json::stored(&event.data);
+            let metadata = crate::json::stored(&event.metadata);
+            crate::json::check_sendable("event", data.0.get().len() + metadata.0.get().len())?;
             sqlx::query_as(include_str!("sql/append_one_tag_item.sql"))
                 .bind(&event.event_type)
                 .bind(&event.tags)
-                .bind(crate::json::stored(&event.data))
-                .bind(crate::json::stored(&event.metadata))
+                .bind(data)
+                .bind(metadata)
                 .bind(channel)
                 .bind(keys)
                 .bind(modes)
@@ -500,13 +503,16 @@ struct CheckedInsert {
 }
 
 /// The events as one JSON array, written so that their numbers read back
-/// as they were given ([`crate::json::stored`]).
+/// as they were given ([`crate::json::stored`]); [`Error::Invalid`] when
+/// its text is too long to send ([`crate::json::check_sendable`]).
 fn events_json(events: &[Event]) -> Result<sqlx::types::Json<Box<serde_json::value::RawValue>>> {
     let value = serde_json::to_value(events).map_err(|e| Error::Invalid {
         what: "event",
         why: e.to_string(),
     })?;
-    Ok(crate::json::stored(&value))
+    let json = crate::json::stored(&value);
+    crate::json::check_sendable("event", json.0.get().len())?;
+    Ok(json)
 }
 
 /// The isolation level [`begin_locked`] opens.
