@@ -279,7 +279,8 @@ fn check_kind(kind: &str) -> Result<()> {
 
 /// Inserts a pending job and returns its id. Rejects a kind PostgreSQL
 /// cannot store ([`MAX_KIND_BYTES`]), `max_attempts < 1`, a payload
-/// jsonb cannot hold or pgonce could not read back ([`crate::json`]), or
+/// jsonb cannot hold or pgonce could not read back ([`crate::json`]) or
+/// whose JSON text is past [`crate::json::MAX_SENT_JSON_BYTES`], or
 /// a `run_at` PostgreSQL cannot store or pgonce could not read back
 /// (before 4714-11-24 BC, or after 9999 in UTC) before writing anything.
 pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
@@ -296,7 +297,7 @@ pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
     }
     let id = sqlx::query_scalar(include_str!("job/sql/enqueue.sql"))
         .bind(&job.kind)
-        .bind(crate::json::stored(&job.payload))
+        .bind(crate::json::stored_sendable("job payload", &job.payload)?)
         .bind(job.max_attempts)
         .bind(job.run_at)
         .fetch_one(db)
@@ -347,7 +348,11 @@ pub async fn transition<'c>(
         .bind(id)
         .bind(from.as_str())
         .bind(to.as_str())
-        .bind(result.map(crate::json::stored))
+        .bind(
+            result
+                .map(|r| crate::json::stored_sendable("job result", r))
+                .transpose()?,
+        )
         .bind(error.map(storable_error))
         .execute(db)
         .await?;
@@ -676,7 +681,7 @@ pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value
     let done: Option<i64> = sqlx::query_scalar(include_str!("job/sql/complete.sql"))
         .bind(lease.job_id)
         .bind(lease.token)
-        .bind(crate::json::stored(result))
+        .bind(crate::json::stored_sendable("job result", result)?)
         .bind(lease.claimed_in)
         .fetch_optional(db)
         .await?;
@@ -713,6 +718,8 @@ pub async fn complete_many<'c>(
     let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
     let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
     let results: Vec<_> = done.iter().map(|(_, r)| crate::json::stored(r)).collect();
+    // One statement carries them all.
+    crate::json::check_sendable("job results", results.iter().map(|r| r.0.get().len()).sum())?;
     let claimed_in: Vec<i64> = done.iter().map(|(l, _)| l.claimed_in).collect();
     let completed: Vec<CompletedRow> = sqlx::query_as(include_str!("job/sql/complete_many.sql"))
         .bind(&ids)

@@ -115,6 +115,14 @@ pub(crate) fn check_sendable(what: &'static str, bytes: usize) -> Result<()> {
     })
 }
 
+/// [`stored`], refused with [`Error::Invalid`] naming `what` when its text
+/// alone is too long to send ([`check_sendable`]).
+pub(crate) fn stored_sendable(what: &'static str, value: &Value) -> Result<Json<Box<RawValue>>> {
+    let json = stored(value);
+    check_sendable(what, json.0.get().len())?;
+    Ok(json)
+}
+
 /// A stored JSON value pgonce cannot read back: nested deeper than
 /// [`MAX_JSON_NESTING`], so written around [`check_storable`] (with raw
 /// SQL). PostgreSQL returns its text all the same, kept here so an

@@ -3544,6 +3544,48 @@ async fn the_holders_outcome_and_a_takeover_of_its_expired_lease_take_turns() {
     }
 }
 
+/// A payload or results whose JSON text is longer than PostgreSQL takes
+/// in one message (1 GiB) are refused as bad input, nothing written,
+/// though jsonb would hold them: a control character is one byte in jsonb
+/// and six (`\u0001`) in JSON text. The server dropped the connection
+/// instead (`Connection reset by peer`). An enqueue, and a complete_many
+/// whose results pass it together, one statement carrying them all.
+#[tokio::test]
+async fn json_longer_than_postgresql_takes_in_one_message_is_refused() {
+    let (_db, pool) = setup().await;
+    let controls = json!({ "text": "\u{1}".repeat(180 << 20) });
+    let enqueued = job::enqueue(&pool, &NewJob::new("send", controls)).await;
+    assert!(
+        matches!(&enqueued, Err(Error::Invalid { what: "job payload", why }) if why.contains("1 GiB")),
+        "enqueue: {:?}",
+        enqueued.map_err(|e| format!("{e:?}"))
+    );
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 0, "a job was enqueued");
+
+    let half = json!({ "text": "\u{1}".repeat(90 << 20) });
+    let mut done = Vec::new();
+    for _ in 0..2 {
+        let id = job::enqueue(&pool, &NewJob::new("send", json!(null)))
+            .await
+            .unwrap();
+        done.push((job::claim(&pool, id, LEASE).await.unwrap(), half.clone()));
+    }
+    let completed = job::complete_many(&pool, &done).await;
+    assert!(
+        matches!(&completed, Err(Error::Invalid { what: "job results", why }) if why.contains("1 GiB")),
+        "complete_many: {:?}",
+        completed.map_err(|e| format!("{e:?}"))
+    );
+    for (lease, _) in &done {
+        let row = job::get(&pool, lease.job_id).await.unwrap().unwrap();
+        assert_eq!(row.status().unwrap(), JobStatus::Processing);
+    }
+}
+
 /// A payload and a result read back as the `Value`s written, numbers
 /// included. `jsonb` prints a number as it stored it, in plain digits: a
 /// whole double that serde_json writes with an exponent (`1e16`, `2.5e18`)

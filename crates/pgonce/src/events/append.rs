@@ -510,9 +510,7 @@ fn events_json(events: &[Event]) -> Result<sqlx::types::Json<Box<serde_json::val
         what: "event",
         why: e.to_string(),
     })?;
-    let json = crate::json::stored(&value);
-    crate::json::check_sendable("event", json.0.get().len())?;
-    Ok(json)
+    crate::json::stored_sendable("event", &value)
 }
 
 /// The isolation level [`begin_locked`] opens.
