@@ -301,7 +301,8 @@ pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: &NewJob) -> Result<i64> {
         .bind(job.max_attempts)
         .bind(job.run_at)
         .fetch_one(db)
-        .await?;
+        .await
+        .map_err(|e| crate::json::too_large("job payload", e))?;
     Ok(id)
 }
 
@@ -355,7 +356,8 @@ pub async fn transition<'c>(
         )
         .bind(error.map(storable_error))
         .execute(db)
-        .await?;
+        .await
+        .map_err(|e| crate::json::too_large("job result", e))?;
     if done.rows_affected() == 0 {
         tracing::debug!(job_id = id, expected = %from, "job already handled");
         metrics::counter!("pgonce_job_already_handled_total").increment(1);
@@ -684,7 +686,8 @@ pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value
         .bind(crate::json::stored_sendable("job result", result)?)
         .bind(lease.claimed_in)
         .fetch_optional(db)
-        .await?;
+        .await
+        .map_err(|e| crate::json::too_large("job result", e))?;
     if done.is_none() {
         return Err(lease.lost());
     }
@@ -727,7 +730,8 @@ pub async fn complete_many<'c>(
         .bind(&results)
         .bind(&claimed_in)
         .fetch_all(db)
-        .await?;
+        .await
+        .map_err(|e| crate::json::too_large("job results", e))?;
     metrics::counter!("pgonce_job_completed_total").increment(completed.len() as u64);
     // By lease, not by job: a stale lease of a job the same call completed
     // under its current lease wrote nothing, and its caller must hear so.

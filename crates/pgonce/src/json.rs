@@ -123,6 +123,39 @@ pub(crate) fn stored_sendable(what: &'static str, value: &Value) -> Result<Json<
     Ok(json)
 }
 
+/// SQLSTATE `program_limit_exceeded`: PostgreSQL's error for a value past
+/// one of its size limits.
+const PROGRAM_LIMIT_EXCEEDED: &str = "54000";
+
+/// A statement's error, with a size limit of PostgreSQL's jsonb made
+/// [`Error::Invalid`] (naming `what`): a string past 268,435,455 bytes, or
+/// an array (an event batch, a job's results) whose elements total more.
+/// Both are refused while the values are read in, before anything is
+/// written. Checked by the database, not counted out beforehand: the
+/// limits apply to jsonb's encoding of the values (headers, alignment,
+/// numbers in its own format), which the JSON text does not measure.
+pub(crate) fn too_large(what: &'static str, e: sqlx::Error) -> Error {
+    match e.as_database_error() {
+        Some(d) if d.code().as_deref() == Some(PROGRAM_LIMIT_EXCEEDED) => {
+            // The string limit's number is in the detail, the array's in
+            // the message.
+            let detail = d
+                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .and_then(|pg| pg.detail())
+                .map(|detail| format!(" {detail}"))
+                .unwrap_or_default();
+            Error::Invalid {
+                what,
+                why: format!(
+                    "too large for PostgreSQL's jsonb ({}.{detail}): split it, or store less",
+                    d.message()
+                ),
+            }
+        }
+        _ => e.into(),
+    }
+}
+
 /// A stored JSON value pgonce cannot read back: nested deeper than
 /// [`MAX_JSON_NESTING`], so written around [`check_storable`] (with raw
 /// SQL). PostgreSQL returns its text all the same, kept here so an

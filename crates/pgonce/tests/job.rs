@@ -3584,6 +3584,24 @@ async fn json_longer_than_postgresql_takes_in_one_message_is_refused() {
         let row = job::get(&pool, lease.job_id).await.unwrap().unwrap();
         assert_eq!(row.status().unwrap(), JobStatus::Processing);
     }
+
+    // Under the message's limit but past jsonb's for one string
+    // (268,435,455 bytes): PostgreSQL refuses it (54000) as it reads it in,
+    // which is bad input too, nothing written.
+    let past_jsonb = json!({ "text": "a".repeat(1 << 28) });
+    let enqueued = job::enqueue(&pool, &NewJob::new("send", past_jsonb)).await;
+    assert!(
+        matches!(&enqueued, Err(Error::Invalid { what: "job payload", why }) if why.contains("jsonb")),
+        "enqueue past jsonb's string limit: {:?}",
+        enqueued.map_err(|e| format!("{e:?}"))
+    );
+    let count: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pgonce.jobs WHERE payload IS NOT NULL AND payload <> 'null'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(count, 0, "a job was enqueued");
 }
 
 /// A payload and a result read back as the `Value`s written, numbers

@@ -280,7 +280,7 @@ pub(crate) async fn begin(
         )
         .fetch_one(&mut *tx)
         .await
-        .map_err(too_large)?;
+        .map_err(|e| crate::json::too_large("event", e))?;
     if !matching.is_empty() {
         tx.rollback().await?;
         return Err(refused(strategy, c, matching));
@@ -452,45 +452,11 @@ async fn append_one_statement(
     } = match row {
         Ok(row) => row,
         Err(e) if not_read_committed(&e) => return Ok(None),
-        Err(e) => return Err(too_large(e)),
+        Err(e) => return Err(crate::json::too_large("event", e)),
     };
     match condition {
         Some(c) if !matching.is_empty() => Err(refused(strategy, c, matching)),
         _ => Ok(Some(positions)),
-    }
-}
-
-/// SQLSTATE `program_limit_exceeded`: PostgreSQL's error for a value past
-/// one of its size limits.
-const PROGRAM_LIMIT_EXCEEDED: &str = "54000";
-
-/// An append statement's error, with a size limit of PostgreSQL's jsonb
-/// made [`Error::Invalid`]: a string in the data or metadata past 268,435,455
-/// bytes, or a batch (sent as one jsonb array) whose elements total more.
-/// Both are refused while the events are read in, before anything is
-/// written. Checked by the database, not counted out beforehand: the
-/// limits apply to jsonb's encoding of the values (headers, alignment,
-/// numbers in its own format), which the JSON text does not measure.
-fn too_large(e: sqlx::Error) -> Error {
-    match e.as_database_error() {
-        Some(d) if d.code().as_deref() == Some(PROGRAM_LIMIT_EXCEEDED) => {
-            // The string limit's number is in the detail, the batch's in
-            // the message.
-            let detail = d
-                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-                .and_then(|pg| pg.detail())
-                .map(|detail| format!(" {detail}"))
-                .unwrap_or_default();
-            Error::Invalid {
-                what: "event",
-                why: format!(
-                    "too large for PostgreSQL's jsonb ({}.{detail}): split the batch, or \
-                     store less",
-                    d.message()
-                ),
-            }
-        }
-        _ => e.into(),
     }
 }
 
@@ -570,7 +536,7 @@ async fn insert(
         .bind(read_later)
         .fetch_one(&mut **tx)
         .await
-        .map_err(too_large)?;
+        .map_err(|e| crate::json::too_large("event", e))?;
     Ok(positions)
 }
 
