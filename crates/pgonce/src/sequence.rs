@@ -217,6 +217,13 @@ impl Strategy {
     }
 }
 
+/// What [`Sequence::check_schema`] reads of the numbered table.
+#[derive(sqlx::FromRow)]
+struct SchemaRow {
+    unique_index: bool,
+    number_type: Option<String>,
+}
+
 impl fmt::Display for Strategy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -503,24 +510,48 @@ impl Sequence {
 
     /// Checks that the table exists with a unique index on exactly
     /// (scope, number), the index every strategy relies on to turn a mistake
-    /// into an error rather than a duplicate. [`Error::Invalid`] if not.
+    /// into an error rather than a duplicate, and that its number column is
+    /// a `smallint`, an `integer` or a `bigint`: not a `numeric`, nor a
+    /// domain, past whose largest value or `CHECK` the next number would be
+    /// handed out and the caller's insert refused with a raw error, where
+    /// these types end in [`Error::SequenceExhausted`]. [`Error::Invalid`]
+    /// if not.
     pub async fn check_schema<'c>(&self, conn: impl sqlx::PgExecutor<'c>) -> Result<()> {
-        let found: bool = sqlx::query_scalar(include_str!("sequence/sql/unique_index.sql"))
-            .bind(self.table.quoted())
-            .bind(&self.table.scope_column)
-            .bind(&self.table.number_column)
-            .fetch_one(conn)
-            .await?;
-        if found {
-            Ok(())
-        } else {
-            Err(Error::invalid(
+        let SchemaRow {
+            unique_index,
+            number_type,
+        } = sqlx::query_as(concat!(
+            "SELECT (",
+            include_str!("sequence/sql/unique_index.sql"),
+            ") AS unique_index, (",
+            include_str!("sequence/sql/number_type.sql"),
+            ") AS number_type"
+        ))
+        .bind(self.table.quoted())
+        .bind(&self.table.scope_column)
+        .bind(&self.table.number_column)
+        .fetch_one(conn)
+        .await?;
+        if !unique_index {
+            return Err(Error::invalid(
                 "numbered table",
                 format!(
                     "{} has no unique index on ({}, {})",
                     self.name, self.table.scope_column, self.table.number_column
                 ),
-            ))
+            ));
+        }
+        match number_type.as_deref() {
+            Some("smallint" | "integer" | "bigint") => Ok(()),
+            other => Err(Error::invalid(
+                "numbered table",
+                format!(
+                    "{}'s number column {} is {}: it must be a smallint, an integer or a bigint",
+                    self.name,
+                    self.table.number_column,
+                    other.unwrap_or("missing")
+                ),
+            )),
         }
     }
 

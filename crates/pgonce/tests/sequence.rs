@@ -562,6 +562,44 @@ async fn a_table_without_the_unique_index_is_rejected() {
     assert!(matches!(err, Error::Invalid { .. }), "{err}");
 }
 
+/// A number column that is not a smallint, an integer or a bigint is
+/// refused by `check_schema`: a `numeric(5,0)` passed, and at 99999 the
+/// take handed out 100000, which the caller's insert refused with a raw
+/// "numeric field overflow"; a domain with a CHECK the same way.
+#[tokio::test]
+async fn a_number_column_of_another_type_is_rejected() {
+    let (pool, _db) = setup(2).await;
+    sqlx::raw_sql(
+        "CREATE DOMAIN public.small_number AS int CHECK (VALUE < 100); \
+         CREATE TABLE public.by_numeric (org text, number numeric(5,0), UNIQUE (org, number)); \
+         CREATE TABLE public.by_domain (org text, number public.small_number, UNIQUE (org, number)); \
+         CREATE TABLE public.by_int (org text, number int, UNIQUE (org, number));",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let check = |table: &'static str| {
+        let pool = pool.clone();
+        async move {
+            Sequence::new(
+                NumberedTable::new(table, "org", "number").unwrap(),
+                SequenceConfig::default(),
+            )
+            .unwrap()
+            .check_schema(&pool)
+            .await
+        }
+    };
+    for table in ["by_numeric", "by_domain"] {
+        let err = check(table).await;
+        assert!(
+            matches!(&err, Err(Error::Invalid { why, .. }) if why.contains("smallint, an integer or a bigint")),
+            "{table}: {err:?}"
+        );
+    }
+    check("by_int").await.unwrap();
+}
+
 #[tokio::test]
 async fn a_scope_typed_as_the_column_binds_with_its_own_type() {
     let (pool, _db) = setup(2).await;
