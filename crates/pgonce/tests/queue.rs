@@ -3511,6 +3511,47 @@ async fn a_receive_count_at_the_top_of_its_type_saturates() {
     assert_eq!(got[0].receive_count, 2147483647);
 }
 
+/// At the top of its receive count, a message still moves to the
+/// dead-letter queue after `max_receive_count` receives in its queue, in a
+/// cycle of dead-letter queues (s to d and back) as far as it goes: every
+/// receive still counts toward the move. The count saturated and the rule,
+/// which counts the receives since the message came into its queue from
+/// it, stopped counting: a message at the top was delivered from its
+/// queue forever and never moved again.
+#[tokio::test]
+async fn a_message_at_the_top_of_its_receive_count_still_moves_to_the_dead_letter_queue() {
+    let pool = pool().await;
+    queue(&pool, "s", QueueAttributes::default()).await;
+    queue(&pool, "d", QueueAttributes::default().dead_letter("s", 2)).await;
+    let s = queue(&pool, "s", QueueAttributes::default().dead_letter("d", 2)).await;
+    let d = PgQueue::open(&pool, "d", PgQueueOptions::default())
+        .await
+        .unwrap();
+    s.send(SendMessage::new("worn")).await.unwrap();
+    // Received in s once since it came there, at the top of its count.
+    sqlx::query(
+        "UPDATE pgonce.queue_message \
+         SET receive_count = 2147483647, receive_base = 2147483646",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let again = ReceiveRequest::up_to(1).visibility(Duration::ZERO);
+    let mut path = Vec::new();
+    for (q, to) in [(&s, "d"), (&d, "s"), (&s, "d")] {
+        // Each queue's receives until the message is gone from it: one to
+        // go in s the first time, two in d and in s after that.
+        let mut delivered = 0;
+        while !q.receive(again).await.unwrap().is_empty() {
+            delivered += 1;
+            assert!(delivered <= 2, "delivered from {} a third time", q.name());
+        }
+        assert_eq!(queues_of_messages(&pool).await, [to]);
+        path.push((q.name().to_string(), delivered));
+    }
+    assert_eq!(path, [("s".into(), 1), ("d".into(), 2), ("s".into(), 2)]);
+}
+
 /// Queue `q` with `attributes`, and a step-by-step harness with one session
 /// per name, each with its own handle on `q`.
 async fn raced(

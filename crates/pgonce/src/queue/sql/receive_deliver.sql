@@ -5,6 +5,14 @@
     -- queues is received without end); receipts fence on generation.
     SET receive_count = CASE WHEN m.receive_count < 2147483647
                              THEN m.receive_count + 1 ELSE m.receive_count END,
+        -- At the top the base goes down instead, so that the dead-letter
+        -- rule (receive_count - receive_base, receive_judge.sql) still
+        -- counts this receive: with the count stuck, the message was
+        -- delivered from its queue forever and never moved. Never below
+        -- 0: the difference is then the type's top, at least any
+        -- max_receive_count, and the next receive moves it.
+        receive_base = CASE WHEN m.receive_count = 2147483647 AND m.receive_base > 0
+                            THEN m.receive_base - 1 ELSE m.receive_base END,
         generation = m.generation + 1,
         visible_at = now() + coalesce($3, q.visibility_timeout_ms) * interval '1 millisecond',
         first_received_at = coalesce(m.first_received_at, now())
