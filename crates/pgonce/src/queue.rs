@@ -436,7 +436,10 @@ pub trait Queue: Send + Sync {
     /// Deletes the delivered message; [`Error::StaleReceipt`] when the
     /// receipt does not name the message's current delivery in this queue
     /// (redelivered, moved, redriven, purged or deleted since; issued by
-    /// another queue; malformed): nothing deleted.
+    /// another queue; malformed): nothing deleted. [`Error::QueueNotFound`]
+    /// when the queue is gone (deleted since the handle was opened; on the
+    /// PostgreSQL queue also one of the other kind created under its name
+    /// since, which is not the handle's queue): nothing deleted.
     fn delete(&self, receipt: &Receipt) -> impl Future<Output = Result<()>> + Send;
 
     /// Deletes several delivered messages at once; returns the receipts that
@@ -451,14 +454,16 @@ pub trait Queue: Send + Sync {
     /// requests before a failure deleted, and names in that error the
     /// receipts found stale and those not known to be deleted; the rest
     /// were deleted. (The PostgreSQL queue deletes the batch in one
-    /// statement: all or nothing.)
+    /// statement: all or nothing.) A queue that is gone is
+    /// [`Error::QueueNotFound`], as for [`Queue::delete`].
     fn delete_batch(
         &self,
         receipts: &[Receipt],
     ) -> impl Future<Output = Result<Vec<Receipt>>> + Send;
 
     /// Makes the delivered message invisible for `timeout` from now (zero:
-    /// visible at once); [`Error::StaleReceipt`] as for delete.
+    /// visible at once); [`Error::StaleReceipt`] and
+    /// [`Error::QueueNotFound`] as for delete.
     fn change_visibility(
         &self,
         receipt: &Receipt,
@@ -468,10 +473,13 @@ pub trait Queue: Send + Sync {
     /// Deletes every message of the queue; returns how many when known.
     /// [`Error::PurgeInProgress`] where the backend takes one purge at a
     /// time (SQS: one per queue per 60 s) and another is under way: this
-    /// call deleted nothing.
+    /// call deleted nothing. [`Error::QueueNotFound`] when the queue is
+    /// gone (as for [`Queue::delete`]): nothing deleted, in a queue of the
+    /// other kind created under its name neither.
     fn purge(&self) -> impl Future<Output = Result<u64>> + Send;
 
-    /// The queue's figures.
+    /// The queue's figures; [`Error::QueueNotFound`] when the queue is
+    /// gone (as for [`Queue::delete`]).
     fn stats(&self) -> impl Future<Output = Result<QueueStats>> + Send;
 
     /// Called on a dead-letter queue: moves its messages back to the queues

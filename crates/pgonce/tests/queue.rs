@@ -4814,7 +4814,8 @@ fn receipt_statements(queue: &str, receipts: &[ReceiptRow]) -> Vec<(&'static str
         ),
         (
             include_str!("../src/queue/sql/change_visibility.sql"),
-            format!("'{queue}', {id}, {generation}, 1000"),
+            // A standard queue's handle ($5, the handle's kind).
+            format!("'{queue}', {id}, {generation}, 1000, false"),
         ),
         (
             include_str!("../src/queue/sql/delete_batch.sql"),
@@ -4940,7 +4941,7 @@ async fn a_receipt_finds_its_message_by_primary_key_on_stale_statistics() {
         {
             let types = match n {
                 0 => "text, bigint, bigint",
-                1 => "text, bigint, bigint, bigint",
+                1 => "text, bigint, bigint, bigint, boolean",
                 _ => "text, bigint[], bigint[]",
             };
             let plan = explain_prepared(&mut conn, plan_mode, types, statement, &values).await;
@@ -6223,6 +6224,20 @@ fn of_kind(fifo: bool) -> QueueAttributes {
     }
 }
 
+/// A message for a queue of that kind: grouped in a FIFO queue.
+fn message_of_kind(fifo: bool, body: &str) -> SendMessage {
+    let m = SendMessage::new(body);
+    if fifo { m.group("g") } else { m }
+}
+
+/// Asserts that `what` was [`Error::QueueNotFound`] naming queue q.
+fn assert_q_not_found<T: std::fmt::Debug>(what: &str, got: pgonce::Result<T>) {
+    assert!(
+        matches!(&got, Err(Error::QueueNotFound { name }) if name == "q"),
+        "{what}: {got:?}"
+    );
+}
+
 /// The queue of each message in the database.
 async fn queues_of_messages(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar("SELECT queue FROM pgonce.queue_message")
@@ -6242,17 +6257,7 @@ async fn queues_of_messages(pool: &PgPool) -> Vec<String> {
 #[tokio::test]
 async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
     let pool = pool().await;
-    // A message for a queue of that kind: grouped in a FIFO queue.
-    let message = |fifo, body: &str| {
-        let m = SendMessage::new(body);
-        if fifo { m.group("g") } else { m }
-    };
-    fn assert_gone<T: std::fmt::Debug>(what: &str, got: pgonce::Result<T>) {
-        assert!(
-            matches!(&got, Err(Error::QueueNotFound { name }) if name == "q"),
-            "{what}: {got:?}"
-        );
-    }
+    let message = message_of_kind;
     for fifo in [false, true] {
         let old = PgQueue::create(&pool, "q", of_kind(fifo), no_poll())
             .await
@@ -6265,14 +6270,14 @@ async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
         let both = vec![message(!fifo, "a"), message(!fifo, "b")];
         new.send_batch(both).await.unwrap();
 
-        assert_gone("receive", old.receive(ReceiveRequest::up_to(10)).await);
-        assert_gone("send", old.send(message(fifo, "c")).await);
+        assert_q_not_found("receive", old.receive(ReceiveRequest::up_to(10)).await);
+        assert_q_not_found("send", old.send(message(fifo, "c")).await);
         let batch = vec![message(fifo, "d"), message(fifo, "e")];
-        assert_gone("send_batch", old.send_batch(batch).await);
+        assert_q_not_found("send_batch", old.send_batch(batch).await);
         if fifo {
             let mut batch = vec![message(fifo, "f"), message(fifo, "g")];
             batch[0].dedup_id = Some("f".into());
-            assert_gone("send_batch, a dedup id", old.send_batch(batch).await);
+            assert_q_not_found("send_batch, a dedup id", old.send_batch(batch).await);
         }
         let bodies: Vec<String> =
             sqlx::query_scalar("SELECT body FROM pgonce.queue_message ORDER BY id")
@@ -6281,6 +6286,81 @@ async fn a_handle_of_a_queue_recreated_as_the_other_kind_is_queue_not_found() {
                 .unwrap();
         assert_eq!(bodies, ["a", "b"], "a FIFO handle: {fifo}: it sent nothing");
         sqlx::query(delete).execute(&pool).await.unwrap();
+    }
+}
+
+/// A handle whose queue was deleted by hand, or deleted and created again
+/// as the other kind, is [`Error::QueueNotFound`] to `purge`, `stats`,
+/// `delete`, `delete_batch` and `change_visibility` too, as to a send or a
+/// receive, and touches nothing of the queue that stands under the name.
+/// A purge deleted the new queue's messages (or said it purged 0 of a
+/// queue that is gone), `stats` reported the new queue's figures, and the
+/// deliveries' calls said their receipts were stale, or acted on the new
+/// queue's message by one of its receipts.
+#[tokio::test]
+async fn lifecycle_calls_of_a_handle_whose_queue_is_gone_are_queue_not_found() {
+    let pool = pool().await;
+    let message = message_of_kind;
+    let delete = "DELETE FROM pgonce.queue WHERE name = 'q'";
+    for fifo in [false, true] {
+        for recreated in [false, true] {
+            let case = format!("a FIFO handle: {fifo}, recreated as the other kind: {recreated}");
+            let old = PgQueue::create(&pool, "q", of_kind(fifo), no_poll())
+                .await
+                .unwrap();
+            old.send(message(fifo, "old")).await.unwrap();
+            let delivery = old
+                .receive(ReceiveRequest::up_to(1))
+                .await
+                .unwrap()
+                .remove(0);
+            sqlx::query(delete).execute(&pool).await.unwrap();
+            let mut receipts = vec![delivery.receipt];
+            if recreated {
+                let new = PgQueue::create(&pool, "q", of_kind(!fifo), no_poll())
+                    .await
+                    .unwrap();
+                new.send_batch(vec![message(!fifo, "a"), message(!fifo, "b")])
+                    .await
+                    .unwrap();
+                // The new queue's receipt, "q:<id>:<generation>" as the
+                // old queue's were.
+                let new_delivery = new
+                    .receive(ReceiveRequest::up_to(1))
+                    .await
+                    .unwrap()
+                    .remove(0);
+                receipts.push(new_delivery.receipt);
+            }
+            for receipt in &receipts {
+                assert_q_not_found(&format!("{case}: delete"), old.delete(receipt).await);
+                let hidden = old.change_visibility(receipt, Duration::ZERO).await;
+                assert_q_not_found(&format!("{case}: change_visibility"), hidden);
+            }
+            assert_q_not_found(
+                &format!("{case}: delete_batch"),
+                old.delete_batch(&receipts).await,
+            );
+            assert_q_not_found(&format!("{case}: stats"), old.stats().await);
+            assert_q_not_found(&format!("{case}: purge"), old.purge().await);
+            let left: Vec<String> =
+                sqlx::query_scalar("SELECT body FROM pgonce.queue_message ORDER BY id")
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+            let expected: &[&str] = if recreated { &["a", "b"] } else { &[] };
+            assert_eq!(left, expected, "{case}: nothing of the new queue touched");
+            if recreated {
+                let in_flight: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pgonce.queue_message WHERE visible_at > now()",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                assert_eq!(in_flight, 1, "{case}: the new delivery not handed back");
+            }
+            sqlx::query(delete).execute(&pool).await.unwrap();
+        }
     }
 }
 

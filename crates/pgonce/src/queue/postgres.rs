@@ -1303,6 +1303,28 @@ impl PgQueue {
         }
     }
 
+    /// What a delete or visibility change that acted on nothing answers:
+    /// [`Error::QueueNotFound`] when the handle's queue is gone (deleted by
+    /// hand, or created again as the other kind, which is not its queue),
+    /// as SQS answers a queue deleted since (`QueueDoesNotExist`); else the
+    /// receipt was stale ([`Self::count_stale`]). `Err`: the queue's row
+    /// could not be read (the call acted on nothing).
+    async fn stale_or_gone(&self, receipt: &Receipt, n: u64) -> Result<Error> {
+        let row = QueueRow::read(&self.inner.pool, &self.inner.name).await?;
+        Ok(if row.is_none_or(|row| row.fifo != self.inner.fifo) {
+            self.not_found()
+        } else {
+            self.count_stale(receipt, n)
+        })
+    }
+
+    /// [`Error::QueueNotFound`], naming this handle's queue.
+    fn not_found(&self) -> Error {
+        Error::QueueNotFound {
+            name: self.inner.name.clone(),
+        }
+    }
+
     /// The delivery `receipt` names, when it is a receipt this queue
     /// issued; `None` (refused as stale) for another queue's or a
     /// malformed one.
@@ -1436,7 +1458,9 @@ impl Queue for PgQueue {
     /// parked on it when it went says so at its next look. So is one, and
     /// a send, when a queue of the other kind (FIFO or standard) was
     /// created under its name since: the handle's statements are of its
-    /// queue's kind, and would break the other's rules.
+    /// queue's kind, and would break the other's rules. So are the
+    /// handle's `delete`, `delete_batch`, `change_visibility`, `purge` and
+    /// `stats`, which touch nothing of that queue.
     async fn receive(&self, request: ReceiveRequest) -> Result<Vec<Received>> {
         self.receive_or_stop(request, std::future::pending()).await
     }
@@ -1576,7 +1600,7 @@ impl Queue for PgQueue {
         if self.inner.fifo {
             let deleted = self.delete_fifo(&[parts.id], &[parts.generation]).await?;
             if deleted.is_empty() {
-                return Err(self.count_stale(receipt, 1));
+                return Err(self.stale_or_gone(receipt, 1).await?);
             }
             metrics::counter!("pgonce_queue_deleted_total", "queue" => self.inner.name.clone())
                 .increment(1);
@@ -1589,7 +1613,7 @@ impl Queue for PgQueue {
             .execute(&self.inner.pool)
             .await?;
         if done.rows_affected() == 0 {
-            return Err(self.count_stale(receipt, 1));
+            return Err(self.stale_or_gone(receipt, 1).await?);
         }
         metrics::counter!("pgonce_queue_deleted_total", "queue" => self.inner.name.clone())
             .increment(1);
@@ -1629,7 +1653,15 @@ impl Queue for PgQueue {
             .filter(|(_, p)| !matches!(p, Some(key) if deleted.contains(key)))
             .map(|(r, _)| r.clone())
             .collect();
-        if !stale.is_empty() {
+        if deleted.is_empty() && !stale.is_empty() {
+            // Nothing deleted: the queue may be gone, which is no batch
+            // of stale receipts.
+            if let gone @ Error::QueueNotFound { .. } =
+                self.stale_or_gone(&stale[0], stale.len() as u64).await?
+            {
+                return Err(gone);
+            }
+        } else if !stale.is_empty() {
             self.count_stale(&stale[0], stale.len() as u64);
         }
         metrics::counter!("pgonce_queue_deleted_total", "queue" => self.inner.name.clone())
@@ -1652,10 +1684,11 @@ impl Queue for PgQueue {
             .bind(parts.id)
             .bind(parts.generation)
             .bind(millis(timeout))
+            .bind(self.inner.fifo)
             .fetch_optional(&self.inner.pool)
             .await?;
         let Some(sooner) = sooner else {
-            return Err(self.count_stale(receipt, 1));
+            return Err(self.stale_or_gone(receipt, 1).await?);
         };
         if timeout.is_zero() || sooner {
             // Released: receivable now, as if just sent. Or handed back
@@ -1668,16 +1701,21 @@ impl Queue for PgQueue {
     }
 
     async fn purge(&self) -> Result<u64> {
-        let done = sqlx::query(include_str!("sql/purge.sql"))
+        let PurgedRow { found, purged } = sqlx::query_as(include_str!("sql/purge.sql"))
             .bind(&self.inner.name)
-            .execute(&self.inner.pool)
+            .bind(self.inner.fifo)
+            .fetch_one(&self.inner.pool)
             .await?;
-        Ok(done.rows_affected())
+        if !found {
+            return Err(self.not_found());
+        }
+        Ok(purged as u64)
     }
 
     async fn stats(&self) -> Result<QueueStats> {
         let row: Option<StatsRow> = sqlx::query_as(include_str!("sql/stats.sql"))
             .bind(&self.inner.name)
+            .bind(self.inner.fifo)
             .fetch_optional(&self.inner.pool)
             .await?;
         let Some(row) = row else {
@@ -1885,6 +1923,14 @@ impl<'a> ReceiptParts<'a> {
     fn receipt(&self) -> Receipt {
         Receipt(format!("{}:{}:{}", self.queue, self.id, self.generation))
     }
+}
+
+/// What purge.sql did: whether the handle's queue was there, and how
+/// many messages it deleted.
+#[derive(sqlx::FromRow)]
+struct PurgedRow {
+    found: bool,
+    purged: i64,
 }
 
 /// A row of stats.sql: the counts of one queue, and of its dead-letter

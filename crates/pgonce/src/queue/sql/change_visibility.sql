@@ -1,5 +1,7 @@
 -- Change visibility by receipt: $1 queue, $2 id, $3 generation of the
--- receipt, $4 new timeout from now, ms. No row: the receipt is stale.
+-- receipt, $4 new timeout from now, ms, $5 the handle's kind (fifo): the
+-- queue must still be of that kind (see delete.sql). No row: the receipt
+-- is stale, or the queue is gone.
 -- By primary key alone, as delete.sql says why.
 -- Returns whether the message now becomes visible sooner than it was to
 -- (a hand-back, not a heartbeat's extension): a long poll parked until the
@@ -17,6 +19,7 @@ WITH before AS (
     -- update takes anyway (it changes no key).
     SELECT id, visible_at FROM pgonce.queue_message
     WHERE id = $2 AND generation = $3 AND queue IS NOT DISTINCT FROM $1
+      AND EXISTS (SELECT FROM pgonce.queue q WHERE q.name = $1 AND q.fifo = $5)
     FOR NO KEY UPDATE
 )
 UPDATE pgonce.queue_message m

@@ -8,5 +8,10 @@
 -- was small, it chose that index and read every message of the queue to
 -- find one (tests/queue.rs,
 -- `a_receipt_finds_its_message_by_primary_key_on_stale_statistics`).
+-- Only while $1 is a standard queue, the handle's kind (postgres.rs calls
+-- this statement for standard handles only): a queue of the other kind created under
+-- the name since the handle was opened is not its queue, and no receipt
+-- acts on it through that handle.
 DELETE FROM pgonce.queue_message
 WHERE id = $2 AND generation = $3 AND queue IS NOT DISTINCT FROM $1
+  AND EXISTS (SELECT FROM pgonce.queue q WHERE q.name = $1 AND NOT q.fifo)

@@ -16,4 +16,7 @@ USING unnest($2::bigint[], $3::bigint[]) AS r(id, generation)
 WHERE m.id = ANY($2::bigint[])
   AND m.id = r.id AND m.generation = r.generation
   AND m.queue IS NOT DISTINCT FROM $1
+  -- A standard queue's statement (delete_fifo.sql is the FIFO one): the
+  -- handle's kind, as delete.sql says why.
+  AND EXISTS (SELECT FROM pgonce.queue q WHERE q.name = $1 AND NOT q.fifo)
 RETURNING m.id, m.generation, false AS group_goes_on

@@ -14,6 +14,9 @@ WITH gone AS (
     WHERE m.id = ANY($2::bigint[])
       AND m.id = r.id AND m.generation = r.generation
       AND m.queue IS NOT DISTINCT FROM $1
+      -- A FIFO handle's statement: only while $1 is a FIFO queue (see
+      -- delete.sql).
+      AND EXISTS (SELECT FROM pgonce.queue q WHERE q.name = $1 AND q.fifo)
     RETURNING m.id, m.generation, m.queue, m.group_id
 )
 SELECT gone.id, gone.generation,

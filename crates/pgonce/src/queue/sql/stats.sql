@@ -1,4 +1,5 @@
--- $1 queue. Depth counts messages receivable now; in flight, received and
+-- $1 queue, $2 the handle's kind (fifo): a queue of the other kind created
+-- under the name since is not the handle's, and gives no row. Depth counts messages receivable now; in flight, received and
 -- not yet visible again; delayed, never received and not yet visible.
 SELECT
     count(m.id) FILTER (WHERE m.visible_at <= now()) AS depth,
@@ -17,5 +18,5 @@ SELECT
     q.dead_letter_queue
 FROM pgonce.queue q
 LEFT JOIN pgonce.queue_message m ON m.queue = q.name
-WHERE q.name = $1
+WHERE q.name = $1 AND q.fifo = $2
 GROUP BY q.name, q.dead_letter_queue
