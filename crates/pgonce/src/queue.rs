@@ -485,10 +485,12 @@ pub trait Queue: Send + Sync {
     /// Called on a dead-letter queue: moves its messages back to the queues
     /// they came from; returns how many moved. Messages a consumer of the
     /// dead-letter queue has in flight stay. A queue they came from that is
-    /// gone is an error, and the messages stay: on the PostgreSQL queue
+    /// gone is an error, and its messages stay: on the PostgreSQL queue
     /// [`Error::QueueNotFound`] naming it (deleted by hand, or created
-    /// again as the other kind), on SQS [`Error::Invalid`] when no queue
-    /// names this one its dead-letter queue.
+    /// again as the other kind; the first by name when several are),
+    /// once the messages of the queues that stand have moved back; on SQS
+    /// [`Error::Invalid`] when no queue names this one its dead-letter
+    /// queue.
     ///
     /// A redriven FIFO message rejoins its group at the back, behind every
     /// message of the group sent before the redrive, as SQS re-sends it: it

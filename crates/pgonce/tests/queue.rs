@@ -6478,6 +6478,61 @@ async fn a_redrive_to_a_source_deleted_or_recreated_by_hand_is_queue_not_found()
     assert_eq!(in_queue().await, ["jobs"]);
 }
 
+/// A redrive of a dead-letter queue shared by two sources, one of them
+/// deleted by hand, moves the other's letters back and is
+/// [`Error::QueueNotFound`] naming the one that is gone, whose letters
+/// stay; a batch's worth of those ahead of the others holds nothing back.
+/// It moved nothing: every later redrive failed on the first letter of
+/// the deleted queue, and the other queue's letters were stuck behind it.
+#[tokio::test]
+async fn a_redrive_moves_the_letters_of_the_sources_that_stand_past_one_deleted() {
+    let pool = pool().await;
+    let dlq = queue(&pool, "d", QueueAttributes::default()).await;
+    let at_once = QueueAttributes::default().visibility_timeout(Duration::ZERO);
+    queue(&pool, "gone", at_once.clone().dead_letter("d", 1)).await;
+    let stands = queue(&pool, "stands", at_once.dead_letter("d", 1)).await;
+    // More letters of the queue to be deleted than a redrive's batch,
+    // ahead of the other queue's.
+    sqlx::query(
+        "INSERT INTO pgonce.queue_message (queue, body, visible_at, dead_lettered_from) \
+         SELECT 'd', 'orphan', now(), 'gone' FROM generate_series(1, $1)",
+    )
+    .bind(pgonce::queue::MAX_BATCH as i32 + 1)
+    .execute(&pool)
+    .await
+    .unwrap();
+    stands.send(SendMessage::new("m")).await.unwrap();
+    for _ in 0..2 {
+        stands.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    }
+    sqlx::query("DELETE FROM pgonce.queue WHERE name = 'gone'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let in_queues = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT queue || ' ' || body FROM pgonce.queue_message \
+             GROUP BY queue, body ORDER BY queue, body",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(in_queues().await, ["d m", "d orphan"]);
+    for round in 0..2 {
+        let got = dlq.redrive().await;
+        assert!(
+            matches!(&got, Err(Error::QueueNotFound { name }) if name == "gone"),
+            "round {round}: {got:?}"
+        );
+        assert_eq!(in_queues().await, ["d orphan", "stands m"], "round {round}");
+    }
+    assert_eq!(
+        stands.receive(ReceiveRequest::up_to(1)).await.unwrap()[0].body,
+        "m"
+    );
+}
+
 /// A redrive by a handle whose dead-letter queue was deleted by hand and
 /// created again as the other kind is [`Error::QueueNotFound`] naming that
 /// queue, the handle's own, and moves nothing. It used to name the source

@@ -589,16 +589,20 @@ impl PgQueue {
     ///
     /// A dead letter goes back to the queue it came from and to no other:
     /// when that queue was deleted by hand since, or a queue of the other
-    /// kind created under its name, the batch moves nothing and is
-    /// [`Error::QueueNotFound`], naming it.
-    /// So is a batch of a handle whose own queue was deleted by hand and
-    /// created again as the other kind, naming this queue: its letters'
-    /// sources are of the new kind, and stand.
-    async fn redrive_batch(&self) -> Result<(usize, u64)> {
+    /// kind created under its name, its letters stay. The batch adds its
+    /// name to `gone` and moves the letters of the sources that stand;
+    /// it picks no letter of a source already in `gone`, so those letters
+    /// take no place of a batch and the redrive reaches the rest.
+    /// A batch of a handle whose own queue was deleted by hand and
+    /// created again as the other kind moves nothing and is
+    /// [`Error::QueueNotFound`], naming this queue: its letters' sources
+    /// are of the new kind, and stand.
+    async fn redrive_batch(&self, gone: &mut Vec<String>) -> Result<(usize, u64)> {
         let mut tx = transaction::begin(&self.inner.pool, IsolationLevel::ReadCommitted).await?;
         let picked: Vec<DeadLetterRow> = sqlx::query_as(include_str!("sql/redrive_pick.sql"))
             .bind(&self.inner.name)
             .bind(MAX_BATCH as i64)
+            .bind(&*gone)
             .fetch_all(&mut *tx)
             .await?;
         if picked.is_empty() {
@@ -651,8 +655,17 @@ impl PgQueue {
                 name: self.inner.name.clone(),
             });
         }
-        if let Some(gone) = source_queues.into_iter().find(|name| !of_this_kind(name)) {
-            return Err(Error::QueueNotFound { name: gone.into() });
+        let n_picked = picked.len();
+        gone.extend(
+            source_queues
+                .into_iter()
+                .filter(|name| !of_this_kind(name))
+                .map(String::from),
+        );
+        let picked: Vec<&DeadLetterRow> =
+            picked.iter().filter(|m| of_this_kind(&m.source)).collect();
+        if picked.is_empty() {
+            return Ok((n_picked, 0));
         }
         let keys = group_lock_keys(picked.iter().filter_map(|m| {
             m.group_id
@@ -683,7 +696,7 @@ impl PgQueue {
             sources.dedup();
             self.notify_queues(sources).await;
         }
-        Ok((picked.len(), moved))
+        Ok((n_picked, moved))
     }
 
     /// Whether the send statements notify (inside the transaction), per
@@ -1736,9 +1749,17 @@ impl Queue for PgQueue {
 
     async fn redrive(&self) -> Result<u64> {
         let mut moved = 0u64;
+        // The sources found gone, whose letters stay (redrive_batch).
+        let mut gone = Vec::new();
         loop {
-            let (picked, batch_moved) = self.redrive_batch().await?;
+            let known_gone = gone.len();
+            let (picked, batch_moved) = self.redrive_batch(&mut gone).await?;
             moved += batch_moved;
+            // Letters of a source found gone took places of this batch:
+            // look again past them.
+            if gone.len() > known_gone {
+                continue;
+            }
             // A full batch that moved nothing was overtaken by receives of
             // the dead-letter queue: what they hold stays, as it would have.
             if picked < MAX_BATCH || batch_moved == 0 {
@@ -1749,6 +1770,13 @@ impl Queue for PgQueue {
             tracing::info!(queue = %self.inner.name, moved, "redrove dead letters");
             metrics::counter!("pgonce_queue_redriven_total", "queue" => self.inner.name.clone())
                 .increment(moved);
+        }
+        gone.sort_unstable();
+        if let Some(first) = gone.first() {
+            tracing::warn!(queue = %self.inner.name, moved, ?gone, "dead letters of queues that are gone stay; the others were redriven");
+            return Err(Error::QueueNotFound {
+                name: first.clone(),
+            });
         }
         Ok(moved)
     }
