@@ -333,11 +333,12 @@ pub enum Error {
         queue: String,
     },
 
-    /// A message body (or a batch) over the backend's size limit; nothing
-    /// was sent.
+    /// A message (its body and attributes) or a batch over the backend's
+    /// size limit; nothing was sent.
     #[error("message of {size} bytes exceeds the limit of {max} bytes")]
     MessageTooLarge {
-        /// The body's (or the batch's) size in bytes.
+        /// The message's (or the batch's) size in bytes, as the backend
+        /// counts it.
         size: usize,
         /// The limit in bytes.
         max: usize,

@@ -91,7 +91,9 @@ pub use worker::{AckPolicy, Handler, HandlerError, Worker, WorkerConfig, WorkerC
 
 use crate::error::{Error, Result};
 
-/// The largest message body, in bytes (as in SQS: 256 KiB).
+/// The largest message, in bytes: its body and its attributes' names and
+/// values together (as in SQS: 256 KiB, attributes included; see
+/// [`SendMessage::size`]).
 pub const MAX_BODY_BYTES: usize = 256 * 1024;
 
 /// The most messages one call sends, receives or deletes: the PostgreSQL
@@ -109,9 +111,11 @@ pub const MAX_WAIT: Duration = Duration::from_secs(12 * 3600);
 /// A message to send.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SendMessage {
-    /// The body; 1 byte to [`MAX_BODY_BYTES`], no NUL character.
+    /// The body; 1 byte to [`MAX_BODY_BYTES`] (with the attributes), no
+    /// NUL character.
     pub body: String,
-    /// String attributes delivered with the message.
+    /// String attributes delivered with the message; they count toward
+    /// [`MAX_BODY_BYTES`].
     pub attributes: BTreeMap<String, String>,
     /// FIFO queues: the message group (required). Standard queues: must be
     /// `None`.
@@ -156,6 +160,15 @@ impl SendMessage {
         self
     }
 
+    /// The message's size as [`MAX_BODY_BYTES`] bounds it: the bytes of
+    /// its body and of each attribute's name and value. SQS counts the
+    /// attributes toward its limit too (with their data type, which the
+    /// SQS backend adds).
+    pub fn size(&self) -> usize {
+        let attributes: usize = self.attributes.iter().map(|(k, v)| k.len() + v.len()).sum();
+        self.body.len() + attributes
+    }
+
     /// Checks what every backend requires; `fifo` is the queue's kind.
     pub fn validate(&self, fifo: bool) -> Result<()> {
         let invalid = |why: &str| Error::Invalid {
@@ -165,9 +178,13 @@ impl SendMessage {
         if self.body.is_empty() {
             return Err(invalid("the body is empty"));
         }
-        if self.body.len() > MAX_BODY_BYTES {
+        // Attributes included: without them, a message of a short body
+        // and attributes of any size went out, to a backend that refuses
+        // it (SQS) or stores what SQS would not take.
+        let size = self.size();
+        if size > MAX_BODY_BYTES {
             return Err(Error::MessageTooLarge {
-                size: self.body.len(),
+                size,
                 max: MAX_BODY_BYTES,
             });
         }

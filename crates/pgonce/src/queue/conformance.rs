@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, Semaphore};
 
 use super::{
-    AckPolicy, Handler, HandlerError, MAX_BATCH, MAX_VISIBILITY, MAX_WAIT, Queue, Receipt,
-    ReceiveRequest, Received, SendMessage, Worker, WorkerConfig,
+    AckPolicy, Handler, HandlerError, MAX_BATCH, MAX_BODY_BYTES, MAX_VISIBILITY, MAX_WAIT, Queue,
+    Receipt, ReceiveRequest, Received, SendMessage, Worker, WorkerConfig,
 };
 use crate::error::Error;
 
@@ -326,9 +326,11 @@ pub async fn conformance_fifo_groups_are_independent(q: &impl Queue) {
 /// error on each, with nothing sent, received or deleted: an empty batch or
 /// one past [`MAX_BATCH`], a receive of no message or past `MAX_BATCH`, a
 /// visibility past [`MAX_VISIBILITY`], a wait past [`MAX_WAIT`] (whose
-/// deadline used to overflow and panic). A worker whose receives could only
-/// be such requests is refused when it is built. At the limits the same
-/// calls run.
+/// deadline used to overflow and panic). A message past
+/// [`MAX_BODY_BYTES`] by its attributes, which count toward the limit as
+/// in SQS, is [`Error::MessageTooLarge`], alone or in a batch. A worker
+/// whose receives could only be such requests is refused when it is
+/// built. At the limits the same calls run.
 ///
 /// Needs: an empty standard queue.
 pub async fn conformance_requests_past_the_limits_are_refused<Q: Queue + Clone + 'static>(q: &Q) {
@@ -345,6 +347,24 @@ pub async fn conformance_requests_past_the_limits_are_refused<Q: Queue + Clone +
     invalid(
         "delete batch past MAX_BATCH",
         q.delete_batch(&receipts).await.map(drop),
+    );
+    // A short body and an attribute that take it past the limit together.
+    let large = SendMessage::new("x").attribute("large", "x".repeat(MAX_BODY_BYTES));
+    let too_large = |what: &str, r: Result<(), Error>| {
+        assert!(
+            matches!(r, Err(Error::MessageTooLarge { .. })),
+            "{what}: {r:?}"
+        );
+    };
+    too_large(
+        "a message past the limit by its attributes",
+        q.send(large.clone()).await.map(drop),
+    );
+    too_large(
+        "a batch with a message past the limit by its attributes",
+        q.send_batch(vec![SendMessage::new("x"), large])
+            .await
+            .map(drop),
     );
     // A message is waiting, so that a receive let through returns at once
     // (and fails the check) rather than waiting out its wait.

@@ -840,7 +840,7 @@ impl PgQueue {
         for m in &messages {
             m.validate(self.inner.fifo)?;
         }
-        let total: usize = messages.iter().map(|m| m.body.len()).sum();
+        let total: usize = messages.iter().map(SendMessage::size).sum();
         if total > MAX_BODY_BYTES * 16 {
             return Err(Error::MessageTooLarge {
                 size: total,
