@@ -159,8 +159,9 @@ pub enum Error {
     /// expected state, so another delivery already handled it (or it does
     /// not exist). Not a failure: log it at debug and acknowledge the message.
     /// From [`crate::job::claim`] it means the job is terminal (`completed` or
-    /// `dead`) or does not exist; a job merely in someone else's hands is
-    /// [`Error::JobBusy`] instead.
+    /// `dead`, the claim's own doing when it met a lease that ran out on the
+    /// job's last attempt) or does not exist; a job merely in someone else's
+    /// hands is [`Error::JobBusy`] instead.
     #[error("job {job_id} already handled (it was not {expected})")]
     AlreadyHandled {
         /// The job.

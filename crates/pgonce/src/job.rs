@@ -51,7 +51,7 @@
 //! | state | leaves by | who moves it |
 //! |---|---|---|
 //! | `pending` | [`claim`] / [`claim_batch`] to `processing`; [`transition`] to `completed` or `dead` | workers |
-//! | `processing` | [`complete`] to `completed`; [`fail`] to `failed` or `dead`; lease expiry to `pending` or `dead`, or [`claim`] taking the expired lease over | the lease holder; the [`Reaper`] or a delivery of its message once the lease expired |
+//! | `processing` | [`complete`] to `completed`; [`fail`] to `failed` or `dead`; lease expiry to `pending` or `dead`, or [`claim`] taking the expired lease over (or, on the last attempt, making the job `dead`) | the lease holder; the [`Reaper`] or a delivery of its message once the lease expired |
 //! | `failed` | due (`run_at` passed): [`claim`] to `processing`, or to `pending` | a delivery of its message; the [`Redriver`] |
 //! | `completed` | terminal | |
 //! | `dead` | terminal for workers (`last_error` says why); an operator's [`retry_dead`] / [`retry_dead_jobs`] to `pending`, audited | an operator |
@@ -434,14 +434,17 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
 /// without waiting for the [`Redriver`] (migration 0240). A `processing` job
 /// whose lease ran out is taken over as the [`Reaper`] would return it,
 /// without waiting for its next pass (migration 0260): the expired attempt
-/// is counted (`attempts`, `last_error`), and the old lease is lost. Only
-/// one delivery can win; the others must not run the side effect, and get:
+/// is counted (`attempts`, `last_error`), and the old lease is lost. A
+/// lease that ran out on the job's last attempt makes the job dead, as the
+/// [`Reaper`] would (migration 0290), and the claim answers
+/// [`Error::AlreadyHandled`]. Only one delivery can win; the others must
+/// not run the side effect, and get:
 ///
 /// * [`Error::AlreadyHandled`] when the job is terminal (`completed`,
-///   `dead`) or does not exist: acknowledge the message, the work is done;
+///   `dead`, or made dead by this claim) or does not exist: acknowledge
+///   the message, the work is done;
 /// * [`Error::JobBusy`] when it is not terminal (`processing` under someone
-///   else's live lease, or one that ran out on the job's last attempt,
-///   which the [`Reaper`] makes dead; `failed` and its retry not yet due,
+///   else's live lease; `failed` and its retry not yet due,
 ///   `pending` but not due, or
 ///   `pending` again because a lease was reaped in between): do **not**
 ///   acknowledge. The message must come back: if the holder crashes, this
@@ -490,8 +493,13 @@ pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) ->
             found_status: Some(status),
             found_run_at: Some(run_at),
             found_lease_until,
+            made_dead,
             ..
         }) => {
+            if made_dead == Some(true) {
+                metrics::counter!("pgonce_job_dead_total").increment(1);
+                tracing::warn!(job_id = id, "lease expired on the last attempt: job dead");
+            }
             let status = JobStatus::parse(&status)?;
             let not_before = match status {
                 JobStatus::Processing => found_lease_until.unwrap_or(run_at),
@@ -531,6 +539,9 @@ struct ClaimRow {
     found_run_at: Option<OffsetDateTime>,
     found_lease_until: Option<OffsetDateTime>,
     claimed_in: Option<i64>,
+    /// The claim met a lease that ran out on the job's last attempt and
+    /// made the job dead.
+    made_dead: Option<bool>,
 }
 
 /// A job claimed by [`claim_batch`].

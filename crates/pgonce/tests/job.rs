@@ -172,8 +172,10 @@ async fn a_claim_loser_sees_busy_keeps_its_message_and_drives_the_reaped_job_onc
 /// each return counted as a receive, towards the dead-letter queue, for as
 /// long as the reaper's interval. That delivery takes the job over now, as
 /// the reaper would have returned it: the dead claimer's attempt counted,
-/// a fresh lease, the old one lost. On the last attempt the job is the
-/// reaper's to make dead: the claim is still `JobBusy` then.
+/// a fresh lease, the old one lost. On the last attempt the claim makes
+/// the job dead, as the reaper would, and answers `AlreadyHandled`: a
+/// final status the worker acknowledges, not a `JobBusy` with a
+/// `not_before` already past until the reaper's next pass.
 #[tokio::test]
 async fn a_claim_takes_over_a_lease_that_ran_out_without_waiting_for_the_reaper() {
     let (_db, pool) = setup().await;
@@ -207,10 +209,17 @@ async fn a_claim_takes_over_a_lease_that_ran_out_without_waiting_for_the_reaper(
         ReapCounts::default()
     );
 
-    // The last attempt's lease runs out: the reaper makes the job dead.
+    // The last attempt's lease runs out: the claim makes the job dead.
     expire_lease(&pool, id).await;
-    assert!(busy().await, "the reaper's to make dead");
-    assert_eq!(reaper(&pool).run_once().await.unwrap().dead, 1);
+    let out = job::claim(&pool, id, LEASE).await;
+    assert!(
+        matches!(out, Err(Error::AlreadyHandled { job_id, .. }) if job_id == id),
+        "a final status, not JobBusy until the reaper passes: {out:?}"
+    );
+    assert_eq!(
+        reaper(&pool).run_once().await.unwrap(),
+        ReapCounts::default()
+    );
     let row = job::get(&pool, id).await.unwrap().unwrap();
     assert_eq!((row.status().unwrap(), row.attempts), (JobStatus::Dead, 2));
     assert!(
@@ -3398,7 +3407,7 @@ async fn a_hand_on_that_panics_rolls_its_batch_back_and_the_loop_goes_on() {
 /// by a batch in an open transaction: a claim of it waits for the batch,
 /// then is `JobBusy` under the batch's live lease. And a job allowed one
 /// attempt is never taken over: its lease's end is its last attempt's, the
-/// reaper makes it dead, and its message is then acknowledged.
+/// claim makes it dead, and its message is then acknowledged.
 #[tokio::test]
 async fn a_takeover_and_claim_batch_never_share_a_job() {
     let (db, pool) = setup().await;
@@ -3452,8 +3461,6 @@ async fn a_takeover_and_claim_batch_never_share_a_job() {
         .unwrap();
 
     let (id, _holder) = expired_job(&pool, 1).await;
-    assert_eq!(busy(&pool, id).await.0, JobStatus::Processing);
-    assert_eq!(reaper(&pool).run_once().await.unwrap().dead, 1);
     let out = job::claim(&pool, id, LEASE).await;
     assert!(matches!(out, Err(Error::AlreadyHandled { .. })), "{out:?}");
     assert_eq!(
@@ -3671,4 +3678,57 @@ async fn payloads_and_results_read_back_equal_numbers_included() {
         value,
         "transition's result"
     );
+}
+
+/// Two deliveries of a job whose lease ran out on its last attempt, and
+/// the holder's late outcome, take turns on the row. The first claim, in
+/// an open transaction, makes the job dead; the second is seen waiting for
+/// it. Committed, the second hears the job is dead (`AlreadyHandled`), the
+/// expired attempt counted once, and the holder's outcome hears its lease
+/// lost. Rolled back, the second claim makes the job dead itself.
+#[tokio::test]
+async fn claims_racing_for_an_expired_last_attempt_make_the_job_dead_once() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let first = race.session("first").await.unwrap();
+    let second = race.session("second").await.unwrap();
+    for commits in [true, false] {
+        let (id, holder) = expired_job(&pool, 1).await;
+        let mut claiming = first.pool().begin().await.unwrap();
+        let out = race
+            .step(&first, "claim", job::claim(&mut *claiming, id, LEASE))
+            .await
+            .unwrap();
+        assert!(
+            matches!(out, Err(Error::AlreadyHandled { .. })),
+            "the last attempt's lease ran out: the job is dead, {out:?}"
+        );
+        let claim = claim_blocked_by(&race, &second, id, "first").await;
+        end_step(&race, &first, claiming, commits).await;
+        let out = claim.resume().await.unwrap();
+        assert!(
+            matches!(out, Err(Error::AlreadyHandled { .. })),
+            "commits: {commits}: {out:?}"
+        );
+        assert_eq!(
+            attempts_and_token(&pool, id).await,
+            (JobStatus::Dead, 1, None),
+            "commits: {commits}: the expired attempt counted once"
+        );
+        let late = job::complete(&pool, &holder, &json!("late")).await;
+        assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+        let late = job::fail(&pool, &holder, "late", &RetryPolicy::default()).await;
+        assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+        let late = job::heartbeat(&pool, &holder, LEASE).await;
+        assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+        assert_eq!(
+            reaper(&pool).run_once().await.unwrap(),
+            ReapCounts::default()
+        );
+        let row = job::get(&pool, id).await.unwrap().unwrap();
+        assert_eq!(
+            row.last_error.as_deref(),
+            Some("lease expired on the last of 1 attempts")
+        );
+    }
 }

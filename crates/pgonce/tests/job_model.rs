@@ -2,7 +2,8 @@
 //! against PostgreSQL.
 //!
 //! Random sequences of enqueues, claims (one at a time, in batches, two
-//! deliveries racing on one row, a takeover of a lease that ran out, and a
+//! deliveries racing on one row, a takeover of a lease that ran out, a
+//! claim making dead a job whose lease ran out on its last attempt, and a
 //! claim rolled back whose lease is presented under a snapshot taken while
 //! it was open), heartbeats (one racing a claim of its job, held in an
 //! open transaction), completions (one and many),
@@ -173,6 +174,15 @@ impl Job {
                 && self.attempts + 1 < self.max_attempts)
     }
 
+    /// Processing, and the lease ran out on the last attempt: a claim
+    /// makes the job dead, as the reaper would, and answers
+    /// `AlreadyHandled`.
+    fn expired_on_its_last_attempt(&self) -> bool {
+        self.status == JobStatus::Processing
+            && self.expired
+            && self.attempts + 1 >= self.max_attempts
+    }
+
     /// Enters a terminal state now.
     fn finish(&mut self, status: JobStatus) {
         self.status = status;
@@ -338,10 +348,29 @@ impl Model {
         self.lease_job.push(j);
     }
 
+    /// A claim of job `j` writes the job dead (its last attempt's lease
+    /// ran out), holding its row as a takeover does.
+    fn claim_kills(&self, j: usize) -> bool {
+        self.jobs[j]
+            .as_ref()
+            .is_some_and(Job::expired_on_its_last_attempt)
+    }
+
+    /// A claim made job `j` dead: its expired attempt counted.
+    fn claim_killed(&mut self, j: usize, tally: &mut Tally) {
+        self.jobs[j]
+            .as_mut()
+            .unwrap()
+            .attempt_failed(JobStatus::Pending, true);
+        tally.dead += 1;
+        tally.claimed_dead += 1;
+    }
+
     /// What a single claim of job `j` must return.
     fn claim_outcome(&self, j: usize) -> &'static str {
         match &self.jobs[j] {
             Some(job) if job.claimable_by_its_message() => "lease",
+            Some(job) if job.expired_on_its_last_attempt() => "already handled",
             Some(job) if !job.status.is_terminal() => job.status.as_str(),
             _ => "already handled",
         }
@@ -369,6 +398,9 @@ struct Tally {
     /// Heartbeats a takeover waited for.
     beats_raced: u64,
     taken_over: u64,
+    /// Claims that met a lease run out on its job's last attempt and made
+    /// the job dead.
+    claimed_dead: u64,
     rolled_back: u64,
     completed: u64,
     lease_lost: u64,
@@ -430,10 +462,14 @@ impl Harness<'_> {
             Op::Claim(j) => {
                 let Some(j) = m.job(j) else { return Ok(()) };
                 let want = m.claim_outcome(j);
+                let kills = m.claim_kills(j);
                 let got = job::claim(pool, m.ids[j], LEASE).await;
                 let seen = claim_seen(&got);
                 if seen != want {
                     return Err(format!("claim: {seen}, model: {want}"));
+                }
+                if kills {
+                    m.claim_killed(j, tally);
                 }
                 match got {
                     Ok(lease) => {
@@ -766,7 +802,11 @@ impl Harness<'_> {
     /// Two deliveries claim job `j` at once. When the job is claimable, A's
     /// claim takes its row in A's open transaction and B's claim must be
     /// seen waiting for A (pg_locks) before A ends; after A's COMMIT B gets
-    /// `JobBusy` (processing), after A's ROLLBACK B wins. Otherwise neither
+    /// `JobBusy` (processing), after A's ROLLBACK B wins. When its lease ran
+    /// out on its last attempt, A's claim makes the job dead in A's open
+    /// transaction and B's claim is seen waiting for A: after A's COMMIT B
+    /// finds the job dead, after A's ROLLBACK B makes it dead; both hear
+    /// `AlreadyHandled`, and the attempt is counted once. Otherwise neither
     /// claim takes anything and both see what a single claim would.
     async fn claim_race(
         &self,
@@ -778,10 +818,22 @@ impl Harness<'_> {
         let (race, [_, b]) = (self.race, self.sessions);
         let id = m.ids[j];
         let want = m.claim_outcome(j);
+        let kills = m.claim_kills(j);
         let harness = |e: pgonce_testkit::HarnessError| e.to_string();
         let (tx, got_a) = self.a_claims(m, j).await?;
         let pool_b = b.pool().clone();
         let claim_b = async move { job::claim(&pool_b, id, LEASE).await };
+        if kills {
+            tally.raced += 1;
+            let waiting = self.waits_for_a(claim_b).await?;
+            self.a_ends(tx, a_commits).await?;
+            let got_b = waiting.resume().await.map_err(harness)?;
+            if claim_seen(&got_b) != "already handled" {
+                return Err(format!("B's claim: {}, model: dead", claim_seen(&got_b)));
+            }
+            m.claim_killed(j, tally);
+            return Ok(());
+        }
         let Ok(lease_a) = got_a else {
             // Nothing taken: B sees the same, without waiting.
             let got_b = race.step(b, "claim", claim_b).await.map_err(harness)?;
@@ -821,7 +873,8 @@ impl Harness<'_> {
     /// heartbeat holds the row: a claim that would take the lease over
     /// (it ran out) must be seen waiting for A, and after A's COMMIT gets
     /// `JobBusy` (the lease live again, nothing counted), after A's
-    /// ROLLBACK takes it over (its attempt counted); any other claim
+    /// ROLLBACK takes it over (its attempt counted), or, the lease run out
+    /// on the job's last attempt, makes the job dead; any other claim
     /// passes A by, answered by the row as it was. A lease no longer
     /// current hears `LeaseLost`, holds nothing, and B's claim is what a
     /// single claim is.
@@ -856,16 +909,25 @@ impl Harness<'_> {
             }
         }
         let takes_over = m.claim_outcome(j) == "lease";
+        let kills = m.claim_kills(j);
+        let writes = takes_over || kills;
         let pool_b = b.pool().clone();
         let claim_b = async move { job::claim(&pool_b, id, LEASE).await };
-        let got_b = if current && takes_over {
+        let got_b = if current && writes {
             tally.beats_raced += 1;
             let waiting = self.waits_for_a(claim_b).await?;
             self.heartbeat_ends(m, l, tx, a_commits).await?;
             let got_b = waiting.resume().await.map_err(harness)?;
-            let want = if a_commits { "processing" } else { "lease" };
+            let want = match (a_commits, takes_over) {
+                (true, _) => "processing",
+                (false, true) => "lease",
+                (false, false) => "already handled",
+            };
             if claim_seen(&got_b) != want {
                 return Err(format!("B's claim: {}, model: {want}", claim_seen(&got_b)));
+            }
+            if kills && !a_commits {
+                m.claim_killed(j, tally);
             }
             got_b
         } else {
@@ -876,6 +938,9 @@ impl Harness<'_> {
             }
             if let Err(Error::JobBusy { not_before, .. }) = got_b {
                 m.jobs[j].as_ref().unwrap().check_not_before(not_before)?;
+            }
+            if kills {
+                m.claim_killed(j, tally);
             }
             self.heartbeat_ends(m, l, tx, a_commits && current).await?;
             got_b
@@ -888,7 +953,7 @@ impl Harness<'_> {
             }
             Err(Error::JobBusy { not_before, .. }) => {
                 tally.busy += 1;
-                if current && takes_over {
+                if current && writes {
                     m.jobs[j].as_ref().unwrap().check_not_before(not_before)?;
                 }
                 Ok(())
@@ -1184,7 +1249,10 @@ async fn run(h: &Harness<'_>, ops: &[Op], tally: &mut Tally) -> Result<(), Strin
 /// runs out, a takeover rolls back, and a claim takes it over. Job 3's
 /// lease runs out and its holder's heartbeat races a claim twice: the
 /// heartbeat committed keeps the lease, rolled back lets the claim take
-/// it over.
+/// it over. Job 4's lease runs out on its only attempt: two claims race,
+/// A's (which makes it dead) rolls back and B's makes it dead. Job 5's
+/// does too, and its holder's heartbeat races a claim: rolled back, the
+/// claim makes the job dead.
 fn scripted_case() -> Vec<Op> {
     vec![
         Op::ClaimRace(0, true),
@@ -1214,6 +1282,20 @@ fn scripted_case() -> Vec<Op> {
         Op::Expire(3),
         Op::HeartbeatRace(0, true),
         Op::Expire(3),
+        Op::HeartbeatRace(0, false),
+        Op::Enqueue {
+            max_attempts: 1,
+            later: false,
+        },
+        Op::Claim(4),
+        Op::Expire(4),
+        Op::ClaimRace(4, false),
+        Op::Enqueue {
+            max_attempts: 1,
+            later: false,
+        },
+        Op::Claim(5),
+        Op::Expire(5),
         Op::HeartbeatRace(0, false),
     ]
 }
@@ -1262,8 +1344,10 @@ fn jobs_follow_the_reference_model_step_by_step() {
             && tally.reaped > 0
             && tally.taken_over > 0
             && tally.rolled_back > 0
-            && tally.beats_raced >= 2,
+            && tally.beats_raced >= 3
+            && tally.claimed_dead >= 2,
         "the run reached races, dead jobs, lost leases, retries, takeovers, \
-         rolled-back claims and heartbeats raced by takeovers: {tally:?}"
+         rolled-back claims, heartbeats raced by takeovers and claims making \
+         jobs dead: {tally:?}"
     );
 }
