@@ -467,6 +467,14 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
 /// snapshot tells such a job from one deleted long ago, so this is not
 /// detected: begin (and first read in) the claiming transaction after the
 /// job's message was received, as a transaction per message does.
+///
+/// The claim takes job `id` whatever its kind: the id names one job, and
+/// its message was sent for that job (the kind is what [`claim_batch`]
+/// pollers, which have no id, ask for). A handler that serves some kinds
+/// only, on a queue that carries others too (the [`Redriver`] hands on
+/// ids of every kind), reads the job's kind with [`get`] before claiming
+/// and leaves the message of a job it does not serve: a job's kind never
+/// changes, so reading it first races nothing.
 pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) -> Result<Lease> {
     let secs = lease_secs(lease_for)?;
     let row: Option<ClaimRow> = sqlx::query_as(include_str!("job/sql/claim.sql"))

@@ -3732,3 +3732,39 @@ async fn claims_racing_for_an_expired_last_attempt_make_the_job_dead_once() {
         );
     }
 }
+
+/// A claim names its job by id and takes it whatever its kind (the kind is
+/// what `claim_batch` pollers ask for); a handler serving one kind reads
+/// the kind first with `get`, and a job's kind stays what it was enqueued
+/// with through claims, failures, the reaper and an operator's retry.
+#[tokio::test]
+async fn a_claim_by_id_takes_a_job_of_any_kind_whose_kind_never_changes() {
+    let (_db, pool) = setup().await;
+    let id = job::enqueue(&pool, &NewJob::new("invoice", json!({})).max_attempts(2))
+        .await
+        .unwrap();
+    let kind = async || job::get(&pool, id).await.unwrap().unwrap().kind;
+    assert!(
+        job::claim_batch(&pool, "send", 10, LEASE)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a poller of another kind passes it over"
+    );
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    job::fail(&pool, &lease, "boom", &RetryPolicy::default())
+        .await
+        .unwrap();
+    sqlx::query("UPDATE pgonce.jobs SET run_at = now() WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    job::claim(&pool, id, LEASE).await.unwrap();
+    expire_lease(&pool, id).await;
+    assert_eq!(reaper(&pool).run_once().await.unwrap().dead, 1);
+    job::retry_dead(&mut pool.acquire().await.unwrap(), id, ALICE)
+        .await
+        .unwrap();
+    assert_eq!(kind().await, "invoice");
+}
