@@ -3144,6 +3144,57 @@ async fn attempts_and_token(pool: &PgPool, id: i64) -> (JobStatus, i32, Option<u
     (row.status().unwrap(), row.attempts, row.lease_token)
 }
 
+/// Holds every transaction that moves a job out of processing before its
+/// commit (a deferred trigger waits for advisory lock 4242) while a
+/// session holds that lock.
+async fn hold_passes_before_their_commit(pool: &PgPool) {
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.hold_reaper() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER hold_reaper AFTER UPDATE ON pgonce.jobs \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW \
+             WHEN (OLD.status = 'processing' AND NEW.status <> 'processing') \
+             EXECUTE FUNCTION public.hold_reaper();",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// A step of session `gate`: `statement` on the advisory lock held
+/// passes wait for.
+async fn gate_runs(
+    race: &Interleaving,
+    gate: &pgonce_testkit::Session,
+    what: &str,
+    statement: &'static str,
+) {
+    race.step(gate, what, sqlx::query(statement).execute(gate.pool()))
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// A reaper pass of session `reaping`, held before its commit by `gate`'s
+/// advisory lock (see [`hold_passes_before_their_commit`]) and seen
+/// waiting for it.
+async fn reaper_pass_held(
+    race: &Interleaving,
+    gate: &pgonce_testkit::Session,
+    reaping: &pgonce_testkit::Session,
+) -> pgonce_testkit::Blocked<pgonce::Result<ReapCounts>> {
+    gate_runs(race, gate, "lock", "SELECT pg_advisory_lock(4242)").await;
+    let reaper_pool = reaping.pool().clone();
+    let pass = race
+        .step_blocks(reaping, "reap", async move {
+            reaper(&reaper_pool).run_once().await
+        })
+        .await
+        .unwrap();
+    assert_eq!(pass.blocked_by(), ["gate"]);
+    pass
+}
+
 /// A claim taking over an expired lease and a reaper pass on the same job
 /// take turns on its row lock, and the expired attempt is counted once
 /// whichever goes first. Reaper first: its pass is held before its commit
@@ -3160,39 +3211,13 @@ async fn a_takeover_and_the_reaper_count_an_expired_attempt_once_in_either_order
     let gate = race.session("gate").await.unwrap();
     let reaping = race.session("reaper").await.unwrap();
     let claimer = race.session("claimer").await.unwrap();
-    sqlx::raw_sql(
-        "CREATE FUNCTION public.hold_reaper() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$; \
-         CREATE CONSTRAINT TRIGGER hold_reaper AFTER UPDATE ON pgonce.jobs \
-             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW \
-             WHEN (OLD.status = 'processing' AND NEW.status <> 'processing') \
-             EXECUTE FUNCTION public.hold_reaper();",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-
-    // The gate's steps: the advisory lock the held pass waits for.
-    let gate_runs = async |what: &str, statement: &'static str| {
-        race.step(&gate, what, sqlx::query(statement).execute(gate.pool()))
-            .await
-            .unwrap()
-            .unwrap();
-    };
+    hold_passes_before_their_commit(&pool).await;
 
     // The reaper first.
     let (id, holder) = expired_job(&pool, 3).await;
-    gate_runs("lock", "SELECT pg_advisory_lock(4242)").await;
-    let reaper_pool = reaping.pool().clone();
-    let pass = race
-        .step_blocks(&reaping, "reap", async move {
-            reaper(&reaper_pool).run_once().await
-        })
-        .await
-        .unwrap();
-    assert_eq!(pass.blocked_by(), ["gate"]);
+    let pass = reaper_pass_held(&race, &gate, &reaping).await;
     let claim = claim_blocked_by(&race, &claimer, id, "reaper").await;
-    gate_runs("unlock", "SELECT pg_advisory_unlock(4242)").await;
+    gate_runs(&race, &gate, "unlock", "SELECT pg_advisory_unlock(4242)").await;
     assert_eq!(pass.resume().await.unwrap().unwrap().returned, 1);
     let lease = claim
         .resume()
@@ -3767,4 +3792,105 @@ async fn a_claim_by_id_takes_a_job_of_any_kind_whose_kind_never_changes() {
         .await
         .unwrap();
     assert_eq!(kind().await, "invoice");
+}
+
+/// The holder's write under `lease`: a heartbeat, its completion or its
+/// failure.
+async fn holders_write(
+    db: &mut sqlx::PgConnection,
+    lease: &job::Lease,
+    write: &str,
+) -> pgonce::Result<()> {
+    match write {
+        "heartbeat" => job::heartbeat(db, lease, LEASE).await.map(drop),
+        "complete" => job::complete(db, lease, &json!("done")).await,
+        _ => job::fail(db, lease, "boom", &RetryPolicy::default())
+            .await
+            .map(drop),
+    }
+}
+
+/// A reaper pass and the holder's own write (heartbeat, complete, fail)
+/// on a job whose lease ran out take turns on its row. The pass first,
+/// held before its commit: the holder's write is seen waiting for the
+/// reaper's session and, once the pass commits (the job pending, or dead
+/// on its last attempt), hears its lease lost, writing nothing. The
+/// holder first, in an open transaction: the pass skips the row, what the
+/// holder commits stands (a heartbeat's lease is live again), and the next
+/// pass finds nothing to reap.
+#[tokio::test]
+async fn the_reaper_and_the_holders_write_take_turns_on_an_expired_lease() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let gate = race.session("gate").await.unwrap();
+    let reaping = race.session("reaper").await.unwrap();
+    let holding = race.session("holder").await.unwrap();
+    hold_passes_before_their_commit(&pool).await;
+    for write in ["heartbeat", "complete", "fail"] {
+        for max_attempts in [1, 3] {
+            let what = format!("{write}, {max_attempts} attempts");
+            let reaped = if max_attempts == 1 {
+                JobStatus::Dead
+            } else {
+                JobStatus::Pending
+            };
+
+            // The reaper first.
+            let (id, holder) = expired_job(&pool, max_attempts).await;
+            let pass = reaper_pass_held(&race, &gate, &reaping).await;
+            let holder_pool = holding.pool().clone();
+            let written = race
+                .step_blocks(&holding, write, async move {
+                    let mut conn = holder_pool.acquire().await.unwrap();
+                    holders_write(&mut conn, &holder, write).await
+                })
+                .await
+                .unwrap();
+            assert_eq!(written.blocked_by(), ["reaper"], "{what}");
+            gate_runs(&race, &gate, "unlock", "SELECT pg_advisory_unlock(4242)").await;
+            let counts = pass.resume().await.unwrap().unwrap();
+            assert_eq!(counts.returned + counts.dead, 1, "{what}");
+            let out = written.resume().await.unwrap();
+            assert!(
+                matches!(out, Err(Error::LeaseLost { .. })),
+                "{what}: {out:?}"
+            );
+            assert_eq!(
+                attempts_and_token(&pool, id).await,
+                (reaped, 1, None),
+                "{what}: the reaper's outcome stands"
+            );
+
+            // The holder first.
+            let (id, holder) = expired_job(&pool, max_attempts).await;
+            let mut writing = holding.pool().begin().await.unwrap();
+            race.step(&holding, write, holders_write(&mut writing, &holder, write))
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{what}: the lease is still the holder's: {e}"));
+            let skipped = race
+                .step(&reaping, "reap", reaper(reaping.pool()).run_once())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                skipped,
+                ReapCounts::default(),
+                "{what}: the pass skips the row"
+            );
+            end_step(&race, &holding, writing, true).await;
+            assert_eq!(
+                reaper(&pool).run_once().await.unwrap(),
+                ReapCounts::default(),
+                "{what}: nothing left to reap"
+            );
+            let held = match (write, max_attempts) {
+                ("heartbeat", _) => (JobStatus::Processing, 0, Some(holder.token)),
+                ("complete", _) => (JobStatus::Completed, 0, None),
+                (_, 1) => (JobStatus::Dead, 1, None),
+                _ => (JobStatus::Failed, 1, None),
+            };
+            assert_eq!(attempts_and_token(&pool, id).await, held, "{what}");
+        }
+    }
 }
