@@ -183,8 +183,10 @@ pub struct KeyHold {
     /// such a hold is lost wherever it is not seen. So is one naming a
     /// transaction the server has not reached (an acquire committed with
     /// `synchronous_commit = off` and lost in a crash: recovery hands the
-    /// id out again later), and one whose transaction rolled back, even
-    /// under a snapshot taken while it was open (migration 0250).
+    /// id out again later), one naming an id no server hands out (negative,
+    /// or whose low 32 bits are 0, 1 or 2: migration 0300), and one whose
+    /// transaction rolled back, even under a snapshot taken while it was
+    /// open (migration 0250).
     pub acquired_in: i64,
 }
 

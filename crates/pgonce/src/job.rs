@@ -392,9 +392,10 @@ pub struct Lease {
     /// not seen. So is one naming a transaction the server has not reached
     /// (a claim still open when the server crashed, or committed with
     /// `synchronous_commit = off` and lost in the crash: recovery hands the
-    /// id out again later), and one whose transaction rolled back, even
-    /// under a snapshot taken while it was open (migration 0250): no such
-    /// transaction can still commit it.
+    /// id out again later), one naming an id no server hands out (negative,
+    /// or whose low 32 bits are 0, 1 or 2: migration 0300), and one whose
+    /// transaction rolled back, even under a snapshot taken while it was
+    /// open (migration 0250): no such transaction can still commit it.
     pub claimed_in: i64,
 }
 

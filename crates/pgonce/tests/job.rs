@@ -2216,10 +2216,11 @@ async fn times_set_to_infinity_by_hand_read_as_the_ends_of_the_range_never_a_pan
 /// A lease naming a transaction the server has not reached: its claim was
 /// committed with `synchronous_commit = off` and lost in a crash (recovery
 /// may hand that transaction id out again, later), or the lease was
-/// rebuilt with a wrong id. No such transaction took the lease, and none
-/// can still commit it, so the lease is lost. The fence asked for a retry
-/// (40001) instead, and every retry asked again, until the server's
-/// counter passed that id: on a quiet server, for good.
+/// rebuilt with a wrong id, one no server ever hands out included. No such
+/// transaction took the lease, and none can still commit it, so the lease
+/// is lost. The fence asked for a retry (40001) instead, and every retry
+/// asked again, until the server's counter passed that id: on a quiet
+/// server, for good; for an id no server hands out, forever.
 #[tokio::test]
 async fn a_lease_from_a_transaction_the_server_has_not_reached_is_lost_not_retried() {
     let (_db, pool) = setup().await;
@@ -2236,7 +2237,21 @@ async fn a_lease_from_a_transaction_the_server_has_not_reached_is_lost_not_retri
             .unwrap();
     // 3, the first normal id: older than any transaction the server keeps
     // a status for (pg_xact_status says NULL), visible in every snapshot.
-    for claimed_in in [future, i64::MAX, -1, (1 << 32) + inserted_in, 3] {
+    // Ids whose low 32 bits are 0, 1 or 2 (PostgreSQL's special ids, which
+    // no epoch hands out) past the snapshot: pg_xact_status answers for
+    // the special id (NULL or committed) instead of saying it is in the
+    // future. i64::MIN and i64::MIN + 1 are such ids, 2^63 and 2^63 + 1.
+    let special = [
+        1 << 32,
+        (1 << 32) + 1,
+        (1 << 32) + 2,
+        i64::MIN,
+        i64::MIN + 1,
+    ];
+    for claimed_in in [future, i64::MAX, -1, (1 << 32) + inserted_in, 3]
+        .into_iter()
+        .chain(special)
+    {
         let lease = job::Lease {
             job_id: id,
             token: uuid::Uuid::new_v4(),
