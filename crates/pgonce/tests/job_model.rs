@@ -6,7 +6,8 @@
 //! claim making dead a job whose lease ran out on its last attempt, and a
 //! claim rolled back whose lease is presented under a snapshot taken while
 //! it was open), heartbeats (one racing a claim of its job, held in an
-//! open transaction), completions (one and many),
+//! open transaction), completions (one and many), a holder's heartbeat,
+//! completion or failure held open while a reaper pass runs,
 //! failures with their retry schedule, lease expiry and the reaper, the
 //! re-driver, an operator's retry of dead jobs, conditional transitions and
 //! maintenance run against both an in-memory model of the contract and the
@@ -109,6 +110,18 @@ enum Op {
     /// delivery of its job's message claims the job (B); A commits
     /// (`true`) or rolls back.
     HeartbeatRace(usize, bool),
+    /// The holder of a lease writes (a heartbeat, its completion or its
+    /// failure, by `HolderWrite`) in A's open transaction while a reaper
+    /// pass runs (B); A commits (`true`) or rolls back.
+    ReapRace(usize, HolderWrite, bool),
+}
+
+/// What a lease's holder writes under it.
+#[derive(Debug, Clone, Copy)]
+enum HolderWrite {
+    Heartbeat,
+    Complete,
+    Fail,
 }
 
 /// Weighted so that the long paths (claim, fail, come due, re-drive, claim,
@@ -136,6 +149,16 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (j(), any::<bool>()).prop_map(|(j, c)| Op::ClaimRace(j, c)),
         2 => j().prop_map(Op::ClaimRolledBack),
         2 => (l(), any::<bool>()).prop_map(|(l, c)| Op::HeartbeatRace(l, c)),
+        2 => (
+            l(),
+            prop_oneof![
+                Just(HolderWrite::Heartbeat),
+                Just(HolderWrite::Complete),
+                Just(HolderWrite::Fail)
+            ],
+            any::<bool>()
+        )
+            .prop_map(|(l, w, c)| Op::ReapRace(l, w, c)),
     ]
 }
 
@@ -342,6 +365,25 @@ impl Model {
         self.effects[j] += 1;
     }
 
+    /// A reaper pass: every expired lease but job `skip`'s (its row held
+    /// by another transaction) returned, or dead on its last attempt.
+    /// Returns how many were returned and how many went dead.
+    fn reap(&mut self, skip: Option<usize>) -> (u64, u64) {
+        let (mut returned, mut dead) = (0, 0);
+        for (j, job) in self.jobs.iter_mut().enumerate() {
+            let Some(job) = job.as_mut() else { continue };
+            if Some(j) != skip && job.status == JobStatus::Processing && job.expired {
+                job.attempt_failed(JobStatus::Pending, true);
+                if job.status == JobStatus::Dead {
+                    dead += 1;
+                } else {
+                    returned += 1;
+                }
+            }
+        }
+        (returned, dead)
+    }
+
     /// Keeps a lease of job `j` to present later, current or not.
     fn remember(&mut self, j: usize, lease: Lease) {
         self.leases.push(lease);
@@ -397,6 +439,8 @@ struct Tally {
     raced: u64,
     /// Heartbeats a takeover waited for.
     beats_raced: u64,
+    /// Holders' writes a reaper pass passed by.
+    reaps_raced: u64,
     taken_over: u64,
     /// Claims that met a lease run out on its job's last attempt and made
     /// the job dead.
@@ -670,17 +714,7 @@ impl Harness<'_> {
             Op::Reap => {
                 let reaper = Reaper::new(pool.clone(), ReaperConfig::default()).map_err(db)?;
                 let counts = reaper.run_once().await.map_err(db)?;
-                let (mut returned, mut dead) = (0, 0);
-                for job in m.jobs.iter_mut().flatten() {
-                    if job.status == JobStatus::Processing && job.expired {
-                        job.attempt_failed(JobStatus::Pending, true);
-                        if job.status == JobStatus::Dead {
-                            dead += 1;
-                        } else {
-                            returned += 1;
-                        }
-                    }
-                }
+                let (returned, dead) = m.reap(None);
                 if (counts.returned, counts.dead) != (returned, dead) {
                     return Err(format!(
                         "reaped {counts:?}, model: {returned} returned, {dead} dead"
@@ -771,6 +805,10 @@ impl Harness<'_> {
             Op::HeartbeatRace(l, a_commits) => {
                 let Some(l) = m.lease(l) else { return Ok(()) };
                 self.heartbeat_race(m, l, a_commits, tally).await?;
+            }
+            Op::ReapRace(l, write, a_commits) => {
+                let Some(l) = m.lease(l) else { return Ok(()) };
+                self.reap_race(m, l, write, a_commits, tally).await?;
             }
         }
         Ok(())
@@ -963,6 +1001,103 @@ impl Harness<'_> {
                 Ok(())
             }
         }
+    }
+
+    /// Lease `l`'s holder writes in a transaction A leaves open while a
+    /// reaper pass runs (B). A current lease's write holds the job's row:
+    /// the pass skips it (it never waits), reaping every other expired
+    /// lease, and what A commits stands (a completion records its side
+    /// effect in A's transaction); rolled back, the job is as it was, for
+    /// the next pass. A lease no longer current hears `LeaseLost`, holds
+    /// nothing, and the pass reaps as any pass.
+    async fn reap_race(
+        &self,
+        m: &mut Model,
+        l: usize,
+        write: HolderWrite,
+        a_commits: bool,
+        tally: &mut Tally,
+    ) -> Result<(), String> {
+        let (race, [a, b]) = (self.race, self.sessions);
+        let harness = |e: pgonce_testkit::HarnessError| e.to_string();
+        let current = m.current(l);
+        let j = m.lease_job[l];
+        let lease = m.leases[l].clone();
+        let mut tx = pgonce::begin(a.pool(), IsolationLevel::ReadCommitted)
+            .await
+            .map_err(|e| e.to_string())?;
+        let written = match write {
+            HolderWrite::Heartbeat => race
+                .step(a, "heartbeat", job::heartbeat(&mut *tx, &lease, LEASE))
+                .await
+                .map_err(harness)?
+                .map(drop),
+            HolderWrite::Complete => {
+                record_effect(&mut tx, lease.job_id)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                race.step(
+                    a,
+                    "complete",
+                    job::complete(&mut *tx, &lease, &json!(lease.token)),
+                )
+                .await
+                .map_err(harness)?
+            }
+            HolderWrite::Fail => race
+                .step(a, "fail", job::fail(&mut *tx, &lease, "boom", &policy()))
+                .await
+                .map_err(harness)?
+                .map(drop),
+        };
+        match (&written, current) {
+            (Ok(()), true) => {}
+            (Err(Error::LeaseLost { .. }), false) => tally.lease_lost += 1,
+            _ => {
+                return Err(format!(
+                    "A's {write:?}: {written:?}, model current: {current}"
+                ));
+            }
+        }
+        let reaper =
+            Reaper::new(b.pool().clone(), ReaperConfig::default()).map_err(|e| e.to_string())?;
+        let counts = race
+            .step(b, "reap", reaper.run_once())
+            .await
+            .map_err(harness)?
+            .map_err(|e| e.to_string())?;
+        let (returned, dead) = m.reap(current.then_some(j));
+        if (counts.returned, counts.dead) != (returned, dead) {
+            return Err(format!(
+                "reaped {counts:?} beside A's {write:?}, model: {returned} returned, {dead} dead"
+            ));
+        }
+        tally.reaped += returned;
+        tally.dead += dead;
+        let commits = a_commits && current;
+        self.a_ends(tx, commits).await?;
+        if current {
+            tally.reaps_raced += 1;
+        }
+        if commits {
+            match write {
+                HolderWrite::Heartbeat => m.jobs[j].as_mut().unwrap().expired = false,
+                HolderWrite::Complete => {
+                    m.complete(l);
+                    tally.completed += 1;
+                }
+                HolderWrite::Fail => {
+                    let job = m.jobs[j].as_mut().unwrap();
+                    job.attempt_failed(JobStatus::Failed, false);
+                    if job.status == JobStatus::Dead {
+                        tally.dead += 1;
+                    } else {
+                        tally.failed += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Ends A's transaction holding lease `l`'s heartbeat: committed, the
@@ -1252,7 +1387,9 @@ async fn run(h: &Harness<'_>, ops: &[Op], tally: &mut Tally) -> Result<(), Strin
 /// it over. Job 4's lease runs out on its only attempt: two claims race,
 /// A's (which makes it dead) rolls back and B's makes it dead. Job 5's
 /// does too, and its holder's heartbeat races a claim: rolled back, the
-/// claim makes the job dead.
+/// claim makes the job dead. Job 6's lease runs out on its only attempt
+/// and its holder's heartbeat, held open, is passed by a reaper pass, then
+/// rolled back; its completion, held open, likewise, then committed.
 fn scripted_case() -> Vec<Op> {
     vec![
         Op::ClaimRace(0, true),
@@ -1297,6 +1434,15 @@ fn scripted_case() -> Vec<Op> {
         Op::Claim(5),
         Op::Expire(5),
         Op::HeartbeatRace(0, false),
+        Op::Enqueue {
+            max_attempts: 1,
+            later: false,
+        },
+        Op::Claim(6),
+        Op::Expire(6),
+        Op::ReapRace(0, HolderWrite::Heartbeat, false),
+        Op::Expire(6),
+        Op::ReapRace(0, HolderWrite::Complete, true),
     ]
 }
 
@@ -1345,7 +1491,8 @@ fn jobs_follow_the_reference_model_step_by_step() {
             && tally.taken_over > 0
             && tally.rolled_back > 0
             && tally.beats_raced >= 3
-            && tally.claimed_dead >= 2,
+            && tally.claimed_dead >= 2
+            && tally.reaps_raced >= 2,
         "the run reached races, dead jobs, lost leases, retries, takeovers, \
          rolled-back claims, heartbeats raced by takeovers and claims making \
          jobs dead: {tally:?}"
