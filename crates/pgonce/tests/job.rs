@@ -3909,3 +3909,133 @@ async fn the_reaper_and_the_holders_write_take_turns_on_an_expired_lease() {
         }
     }
 }
+
+/// A stale holder's write under `lease` (`heartbeat`, `complete`, `fail`
+/// or `complete_many`) at `point`: it must hear its lease lost, having
+/// written nothing.
+async fn stale_write_is_lost(
+    db: &mut sqlx::PgConnection,
+    lease: &job::Lease,
+    write: &str,
+    point: &str,
+) {
+    if write == "complete_many" {
+        let lost = job::complete_many(db, &[(lease.clone(), json!("stale"))]).await;
+        assert_eq!(lost.unwrap(), [lease.job_id], "{write}: {point}");
+    } else {
+        let out = holders_write(db, lease, write).await;
+        assert!(
+            matches!(out, Err(Error::LeaseLost { .. })),
+            "{write}: {point}: {out:?}"
+        );
+    }
+}
+
+/// A holder whose expired lease another delivery took over writes at each
+/// point of the new owner's run, and every write hears its lease lost,
+/// writing nothing, while the new owner's own writes stand. The takeover
+/// still open: the stale write is seen waiting for it, then lost once it
+/// commits. Taken over: lost at once. The new owner's heartbeat, then its
+/// completion or failure, held open: lost at once, without waiting (the
+/// row's token is no longer the stale one). The new owner's failure
+/// committed, the job re-claimed by a third delivery once due: lost.
+#[tokio::test]
+async fn a_stale_holder_hears_its_lease_lost_at_every_point_of_the_new_owners_run() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let stale = race.session("stale").await.unwrap();
+    let owner = race.session("owner").await.unwrap();
+    let writes = ["heartbeat", "complete", "fail", "complete_many"];
+    for write in writes {
+        for owner_fails in [false, true] {
+            let what = format!("{write}, the owner fails: {owner_fails}");
+            let (id, holder) = expired_job(&pool, 5).await;
+            let lost_now = async |point: &str| {
+                let mut conn = stale.pool().acquire().await.unwrap();
+                let point = format!("{what}: {point}");
+                race.step(
+                    &stale,
+                    write,
+                    stale_write_is_lost(&mut conn, &holder, write, &point),
+                )
+                .await
+                .unwrap();
+            };
+
+            // The takeover open: the stale write waits for it.
+            let (taking, lease) = take_over_in_an_open_transaction(&race, &owner, id).await;
+            let stale_pool = stale.pool().clone();
+            let stale_lease = holder.clone();
+            let point = format!("{what}: after the takeover");
+            let waiting = race
+                .step_blocks(&stale, write, async move {
+                    let mut conn = stale_pool.acquire().await.unwrap();
+                    stale_write_is_lost(&mut conn, &stale_lease, write, &point).await
+                })
+                .await
+                .unwrap();
+            assert_eq!(waiting.blocked_by(), ["owner"], "{what}");
+            end_step(&race, &owner, taking, true).await;
+            waiting.resume().await.unwrap();
+
+            // Taken over.
+            lost_now("taken over").await;
+
+            // The owner's heartbeat, then its outcome, held open.
+            let mut writing = owner.pool().begin().await.unwrap();
+            race.step(
+                &owner,
+                "heartbeat",
+                job::heartbeat(&mut *writing, &lease, LEASE),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+            lost_now("the owner's heartbeat open").await;
+            let outcome = if owner_fails { "fail" } else { "complete" };
+            race.step(
+                &owner,
+                outcome,
+                holders_write(&mut writing, &lease, outcome),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+            lost_now("the owner's outcome open").await;
+            end_step(&race, &owner, writing, true).await;
+            lost_now("the owner's outcome committed").await;
+
+            if owner_fails {
+                assert_eq!(
+                    attempts_and_token(&pool, id).await,
+                    (JobStatus::Failed, 2, None),
+                    "{what}"
+                );
+                sqlx::query("UPDATE pgonce.jobs SET run_at = now() WHERE id = $1")
+                    .bind(id)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+                let third = job::claim(&pool, id, LEASE).await.unwrap();
+                lost_now("a third delivery's claim").await;
+                assert_eq!(
+                    attempts_and_token(&pool, id).await,
+                    (JobStatus::Processing, 2, Some(third.token)),
+                    "{what}"
+                );
+                job::complete(&pool, &third, &json!("done")).await.unwrap();
+            } else {
+                let row = job::get(&pool, id).await.unwrap().unwrap();
+                assert_eq!(
+                    (
+                        row.status().unwrap(),
+                        row.attempts,
+                        row.result.map(Result::unwrap)
+                    ),
+                    (JobStatus::Completed, 1, Some(json!("done"))),
+                    "{what}: the owner's result stands"
+                );
+            }
+        }
+    }
+}
