@@ -718,7 +718,9 @@ pub async fn complete<'c>(db: impl PgExecutor<'c>, lease: &Lease, result: &Value
 /// [`complete`] for many jobs in one statement (one commit), each fenced by
 /// its own lease. Returns the ids whose lease was lost (nothing written for
 /// those); empty when every job completed. A lease given twice is
-/// [`Error::Invalid`], nothing written. [`Error::SerializationFailure`],
+/// [`Error::Invalid`], nothing written; so are results whose JSON text,
+/// with the 49 bytes each lease sends beside it, passes
+/// [`crate::json::MAX_SENT_JSON_BYTES`]. [`Error::SerializationFailure`],
 /// nothing written, when one of the leases was taken after the snapshot
 /// of the caller's REPEATABLE READ or SERIALIZABLE transaction.
 pub async fn complete_many<'c>(
@@ -741,8 +743,12 @@ pub async fn complete_many<'c>(
     let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
     let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
     let results: Vec<_> = done.iter().map(|(_, r)| crate::json::stored(r)).collect();
-    // One statement carries them all.
-    crate::json::check_sendable("job results", results.iter().map(|r| r.0.get().len()).sum())?;
+    // One statement carries them all, with what goes with each.
+    crate::json::check_sendable_beside(
+        "job results",
+        results.iter().map(|r| r.0.get().len()).sum(),
+        done.len() * COMPLETE_MANY_BYTES_PER_LEASE,
+    )?;
     let claimed_in: Vec<i64> = done.iter().map(|(l, _)| l.claimed_in).collect();
     let completed: Vec<CompletedRow> = sqlx::query_as(include_str!("job/sql/complete_many.sql"))
         .bind(&ids)
@@ -770,6 +776,12 @@ pub async fn complete_many<'c>(
         .collect();
     Ok(lost)
 }
+
+/// What [`complete_many`] sends for each lease beside its result's JSON
+/// text, as elements of its array parameters: the job id and the claiming
+/// transaction (8 bytes each), the token (16), the result's jsonb version
+/// byte (1), and each of the four elements' length (4 bytes each).
+const COMPLETE_MANY_BYTES_PER_LEASE: usize = 8 + 8 + 16 + 1 + 4 * 4;
 
 /// A completion [`complete_many`] made: the job and the lease it took.
 #[derive(sqlx::FromRow)]

@@ -115,6 +115,26 @@ pub(crate) fn check_sendable(what: &'static str, bytes: usize) -> Result<()> {
     })
 }
 
+/// [`check_sendable`] for a statement that sends, beside `bytes` of JSON
+/// text, `beside` bytes of other values that grow with it (the ids and
+/// lengths that go with each element of an array of results): refused
+/// with [`Error::Invalid`] naming `what` when both together pass
+/// [`MAX_SENT_JSON_BYTES`]. The MiB it leaves is for a statement's fixed
+/// parameters, not for ones that grow with a batch.
+pub(crate) fn check_sendable_beside(what: &'static str, bytes: usize, beside: usize) -> Result<()> {
+    if bytes.saturating_add(beside) <= MAX_SENT_JSON_BYTES {
+        return Ok(());
+    }
+    Err(Error::Invalid {
+        what,
+        why: format!(
+            "its JSON text is {bytes} bytes, and {beside} more go with it, past the \
+             {MAX_SENT_JSON_BYTES} one statement sends PostgreSQL (which takes a message of \
+             at most 1 GiB): split the batch, or store less"
+        ),
+    })
+}
+
 /// [`stored`], refused with [`Error::Invalid`] naming `what` when its text
 /// alone is too long to send ([`check_sendable`]).
 pub(crate) fn stored_sendable(what: &'static str, value: &Value) -> Result<Json<Box<RawValue>>> {

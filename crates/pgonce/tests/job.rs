@@ -4039,3 +4039,46 @@ async fn a_stale_holder_hears_its_lease_lost_at_every_point_of_the_new_owners_ru
         }
     }
 }
+
+/// A complete_many whose results' JSON text is within what one statement
+/// may send, but whose leases are many: each lease sends its job id, token
+/// and claiming transaction beside its result (49 bytes in all), and
+/// 40,000 of them pass the margin PostgreSQL's 1 GiB message leaves. The
+/// server dropped the connection; refused as bad input now, nothing
+/// written.
+#[tokio::test]
+async fn complete_many_counts_what_each_lease_sends_beside_its_result() {
+    let (_db, pool) = setup().await;
+    const LEASES: usize = 40_000;
+    sqlx::query(
+        "INSERT INTO pgonce.jobs (kind, payload) \
+         SELECT 'send', 'null' FROM generate_series(1, $1)",
+    )
+    .bind(LEASES as i32)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let claimed = job::claim_batch(&pool, "send", LEASES as i64, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), LEASES);
+    // Each result's text: two quotes and six bytes (`\u0001`) a character.
+    let chars = (pgonce::json::MAX_SENT_JSON_BYTES / LEASES - 2) / 6;
+    let result = json!("\u{1}".repeat(chars));
+    let done: Vec<(job::Lease, serde_json::Value)> = claimed
+        .into_iter()
+        .map(|c| (c.lease, result.clone()))
+        .collect();
+    let completed = job::complete_many(&pool, &done).await;
+    assert!(
+        matches!(&completed, Err(Error::Invalid { what: "job results", why }) if why.contains("1 GiB")),
+        "complete_many: {:?}",
+        completed.map_err(|e| format!("{e:?}"))
+    );
+    let processing: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgonce.jobs WHERE status = 'processing'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(processing, LEASES as i64, "nothing written");
+}
