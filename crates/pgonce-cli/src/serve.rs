@@ -10,8 +10,9 @@
 //! between), so that an address in use or a queue out of reach stops them
 //! before they touch the database; then they migrate (over
 //! `database.direct_url` when set), run, and stop gracefully on Ctrl-C or
-//! SIGTERM: stop accepting, finish in-flight requests (long polls of the event feed end at once, with an empty
-//! page), then [`Runtime::shutdown`]. A signal while they start, or a second one while
+//! SIGTERM: stop accepting and finish in-flight requests (long polls of the event feed end at once, with an empty
+//! page) while [`Runtime::shutdown`] stops the workers, which receive
+//! nothing after the signal. A signal while they start, or a second one while
 //! they drain, stops them at once ([`crate::stop`]). The observations queue is `[queue] backend`'s:
 //! the PostgreSQL queue in the same database, or Amazon SQS. `serve` has `/metrics`, `/healthz` and `/readyz`
 //! beside the API; `worker` serves them alone on `api.metrics_listen` when
@@ -326,53 +327,102 @@ where
     };
     // Taking work from here on: a signal drains rather than abandons it.
     stop.running();
-    let served = if let Some(listener) = listeners.api {
-        let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
-        tracing::info!(listen = %config.api.listen, "pgonce serve: API and runtime started");
-        eprintln!("pgonce: serving on http://{}", listener.local_addr()?);
-        // Long polls end with the signal: the drain waits for every answer
-        // under way, and the runtime's stop comes after it.
-        let stopping = state.clone();
-        let drain = async move {
-            shutdown_signal(stop).await;
-            stopping.stop_long_polls();
-        };
-        // The API's own server: header, body and write timeouts, JSON errors.
-        api::serve(listener, api::router(state), &config.api_config(), drain)
-            .await
-            .context("serving HTTP")
-    } else if let Some(listener) = listeners.operations {
-        let state = ApiState::new(service, queue, Some(metrics), config.api_config())?;
-        tracing::info!("pgonce worker: runtime started");
-        eprintln!(
-            "pgonce: metrics on http://{}/metrics",
-            listener.local_addr()?
-        );
-        api::serve(
-            listener,
-            api::operations_router(state),
-            &config.api_config(),
-            shutdown_signal(stop),
-        )
-        .await
-        .context("serving metrics")
-    } else {
-        // The runtime holds its own handles; this one would keep the queue's
-        // listener alive past shutdown.
-        drop(queue);
-        tracing::info!("pgonce worker: runtime started");
-        shutdown_signal(stop).await;
-        Ok(())
+    // The runtime stops at the signal, beside the API's drain, not after
+    // it: waiting for the API's last answer first, its workers went on
+    // receiving and handling observations after the signal, for as long as
+    // a request under way took.
+    let runtime_stopped = async {
+        stop.drain_requested().await;
+        if let Some(maintenance) = maintenance {
+            maintenance.stop().await;
+        }
+        runtime.shutdown().await
     };
-    if let Some(maintenance) = maintenance {
-        maintenance.stop().await;
-    }
-    let summary = runtime.shutdown().await?;
+    // What `serve` and `worker` answer on their listener; none without one.
+    // The runtime holds its own handles; the queue's here would keep the
+    // queue's listener alive past shutdown.
+    let state = if listeners.api.is_some() || listeners.operations.is_some() {
+        Some(ApiState::new(
+            service,
+            queue,
+            Some(metrics),
+            config.api_config(),
+        )?)
+    } else {
+        None
+    };
+    let (served, stopped) = tokio::join!(
+        serve_until_signal(config, listeners, state, stop),
+        runtime_stopped,
+    );
+    let summary = stopped?;
     eprintln!(
         "pgonce: stopped; pipeline {:?}; notifications {:?}",
         summary.workers, summary.notifications
     );
     served
+}
+
+/// What `serve` or `worker` answers until the signal that drains it: the
+/// API (`serve`), the metrics and readiness (`worker` with
+/// `api.metrics_listen`), or nothing; then the requests under way,
+/// answered. `state` is there when a listener is.
+async fn serve_until_signal(
+    config: &Config,
+    listeners: Listeners,
+    state: Option<ApiState>,
+    stop: &ServiceStop,
+) -> anyhow::Result<()> {
+    match (listeners, state) {
+        (
+            Listeners {
+                api: Some(listener),
+                ..
+            },
+            Some(state),
+        ) => {
+            tracing::info!(listen = %config.api.listen, "pgonce serve: API and runtime started");
+            eprintln!("pgonce: serving on http://{}", listener.local_addr()?);
+            // Long polls end with the signal: the drain waits for every
+            // answer under way.
+            let stopping = state.clone();
+            let drain = async move {
+                shutdown_signal(stop).await;
+                stopping.stop_long_polls();
+            };
+            // The API's own server: header, body and write timeouts, JSON
+            // errors.
+            api::serve(listener, api::router(state), &config.api_config(), drain)
+                .await
+                .context("serving HTTP")
+        }
+        (
+            Listeners {
+                operations: Some(listener),
+                ..
+            },
+            Some(state),
+        ) => {
+            tracing::info!("pgonce worker: runtime started");
+            eprintln!(
+                "pgonce: metrics on http://{}/metrics",
+                listener.local_addr()?
+            );
+            api::serve(
+                listener,
+                api::operations_router(state),
+                &config.api_config(),
+                shutdown_signal(stop),
+            )
+            .await
+            .context("serving metrics")
+        }
+        _ => {
+            tracing::info!("pgonce worker: runtime started");
+            shutdown_signal(stop).await;
+            Ok(())
+        }
+    }
 }
 
 /// `pgonce rollout [PERCENT]`: prints, or changes, the guard rollout.

@@ -7,8 +7,8 @@ use assert_cmd::Command;
 mod common;
 
 use common::{
-    Reaped, assert_never_migrated, blocked_backend, free_port, fresh_database_url, http_get,
-    open_gate, wait_for_200,
+    Reaped, Stderr, assert_never_migrated, blocked_backend, free_port, fresh_database_url,
+    http_get, open_gate, wait_for_200,
 };
 
 fn pgonce() -> Command {
@@ -1109,40 +1109,59 @@ fn exits_1_on_the_address_in_use(
     );
 }
 
-/// `serve`'s drain waits for every API request under way, however long:
-/// a request seen blocked on a lock the test holds when SIGTERM comes is
-/// answered 200 once the lock is released, and only then does the process
-/// exit 0. `pipeline.shutdown_deadline` (1 s here) bounds the pipeline's
-/// handlers, not the API's requests.
-#[test]
-fn serve_drains_an_api_request_under_way_until_it_is_answered() {
-    let (rt, db, url) = fresh_database_url();
-    let _runtime = rt.enter();
-    let port = free_port();
-    let mut child = Reaped(
+/// Sends SIGTERM to `child`.
+fn sigterm(child: &std::process::Child) {
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+/// `pgonce serve` on the database `url`, listening on `port`, with the
+/// variables `vars` and the log filter `log` on its piped stderr.
+fn serve_on(url: &str, port: u16, vars: &[(&str, &str)], log: &str) -> Reaped {
+    Reaped(
         std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .env("DATABASE_URL", &url)
-            .env("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s")
-            .env("RUST_LOG", "warn")
+            .env("DATABASE_URL", url)
+            .envs(vars.iter().copied())
+            .env("RUST_LOG", log)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap(),
-    );
-    wait_for_200(&mut child.0, port, "/readyz");
-    let pool = rt.block_on(db.pool(2)).unwrap();
-    let (_org, key) = rt
+    )
+}
+
+/// An API request of a `serve` on `port`, seen blocked on a lock the test
+/// holds: `GET /v1/incidents` of a new organization, with the incidents
+/// table locked by `gate`.
+struct HeldRequest {
+    /// The transaction holding the lock; rolled back, the request goes on.
+    gate: sqlx::Transaction<'static, sqlx::Postgres>,
+    /// `gate`'s backend.
+    holder: i32,
+    /// The `serve` session the request waits in.
+    blocked: i32,
+    /// The organization whose key the request carries.
+    organization_id: i64,
+    /// The whole HTTP answer, once the request is answered.
+    answer: std::thread::JoinHandle<String>,
+}
+
+fn held_api_request(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, port: u16) -> HeldRequest {
+    let (org, key) = rt
         .block_on(pgonce_incidents::store::create_organization(
-            &pool, "drained",
+            pool, "drained",
         ))
         .unwrap();
-    let (mut gate, holder) = open_gate(&rt, &pool);
+    let (mut gate, holder) = open_gate(rt, pool);
     rt.block_on(
         sqlx::query("LOCK TABLE incidents.incidents IN ACCESS EXCLUSIVE MODE").execute(&mut *gate),
     )
     .unwrap();
-    let request = std::thread::spawn(move || {
+    let answer = std::thread::spawn(move || {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         write!(
@@ -1155,12 +1174,40 @@ fn serve_drains_an_api_request_under_way_until_it_is_answered() {
         let _ = s.read_to_string(&mut answer);
         answer
     });
-    blocked_backend(&rt, &pool, holder);
-    let sent = std::process::Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
+    let blocked = blocked_backend(rt, pool, holder);
+    HeldRequest {
+        gate,
+        holder,
+        blocked,
+        organization_id: org.id,
+        answer,
+    }
+}
+
+/// `serve`'s drain waits for every API request under way, however long:
+/// a request seen blocked on a lock the test holds when SIGTERM comes is
+/// answered 200 once the lock is released, and only then does the process
+/// exit 0. `pipeline.shutdown_deadline` (1 s here) bounds the pipeline's
+/// handlers, not the API's requests.
+#[test]
+fn serve_drains_an_api_request_under_way_until_it_is_answered() {
+    let (rt, db, url) = fresh_database_url();
+    let _runtime = rt.enter();
+    let port = free_port();
+    let mut child = serve_on(
+        &url,
+        port,
+        &[("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s")],
+        "warn",
+    );
+    wait_for_200(&mut child.0, port, "/readyz");
+    let pool = rt.block_on(db.pool(2)).unwrap();
+    let HeldRequest {
+        gate,
+        answer: request,
+        ..
+    } = held_api_request(&rt, &pool, port);
+    sigterm(&child.0);
     // Still draining: the API no longer takes connections, once it has
     // let go of its address (polled; the deadline only ends a stuck run).
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1176,4 +1223,81 @@ fn serve_drains_an_api_request_under_way_until_it_is_answered() {
     let mut stderr = String::new();
     std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert!(status.success(), "{status:?}: {stderr}");
+}
+
+/// SIGTERM stops `serve`'s pipeline at once, beside the API's drain: with
+/// an API request seen blocked on a lock the test holds, the workers say
+/// they are shutting down, and an observation sent then is not received
+/// by them (it was, while the runtime's stop waited for the API's last
+/// answer). Released, the request is answered and the process exits 0;
+/// the observation is still on the queue, never delivered.
+#[test]
+fn serve_stops_its_pipeline_at_the_signal_while_the_api_drains() {
+    let (rt, db, url) = fresh_database_url();
+    let _runtime = rt.enter();
+    let port = free_port();
+    let mut child = serve_on(&url, port, &[], "warn,pgonce=info");
+    let stderr = Stderr::of(&mut child.0);
+    let mut seen = Vec::new();
+    stderr.wait_for("API and runtime started", &mut seen);
+    wait_for_200(&mut child.0, port, "/readyz");
+    let pool = rt.block_on(db.pool(2)).unwrap();
+    let HeldRequest {
+        gate,
+        holder,
+        blocked,
+        organization_id,
+        answer: request,
+    } = held_api_request(&rt, &pool, port);
+    sigterm(&child.0);
+    // Each of the two pipeline workers says so, the request still blocked.
+    stderr.wait_for("worker shutting down", &mut seen);
+    stderr.wait_for("worker shutting down", &mut seen);
+    let still: Vec<i32> = rt
+        .block_on(
+            sqlx::query_scalar("SELECT unnest(pg_blocking_pids($1))")
+                .bind(blocked)
+                .fetch_all(&pool),
+        )
+        .unwrap();
+    assert_eq!(still, [holder], "{}", seen.join("\n"));
+    // The queue `serve` created, with its settings (the defaults).
+    let queue = rt
+        .block_on(pgonce_incidents::runtime::observations_queue(
+            &pool,
+            Duration::from_secs(30),
+            5,
+        ))
+        .unwrap();
+    let observation = pgonce_incidents::model::Observation {
+        organization_id,
+        entity: "late".into(),
+        attributes: serde_json::json!({"cpu": 1}),
+        message_id: None,
+    };
+    let sent = rt
+        .block_on(pgonce::Queue::send(
+            &queue,
+            pgonce::SendMessage::new(serde_json::to_string(&observation).unwrap())
+                .group(observation.group())
+                .dedup("late"),
+        ))
+        .unwrap();
+    rt.block_on(gate.rollback()).unwrap();
+    let answer = request.join().unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let status = child.0.wait().unwrap();
+    seen.extend(stderr.0.iter());
+    assert!(status.success(), "{status:?}:\n{}", seen.join("\n"));
+    let received = rt
+        .block_on(pgonce::Queue::receive(
+            &queue,
+            pgonce::ReceiveRequest::up_to(10),
+        ))
+        .unwrap();
+    let delivered: Vec<(String, u32)> = received
+        .iter()
+        .map(|m| (m.id.clone(), m.receive_count))
+        .collect();
+    assert_eq!(delivered, [(sent.id, 1)], "{}", seen.join("\n"));
 }

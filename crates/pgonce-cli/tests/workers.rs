@@ -23,7 +23,8 @@ use sqlx::PgPool;
 mod common;
 
 use common::{
-    Reaped, blocked_backend, free_port, fresh_database_url, http_get, open_gate, wait_for_200,
+    Reaped, Stderr, blocked_backend, free_port, fresh_database_url, http_get, open_gate,
+    wait_for_200,
 };
 
 /// How long a stuck run may take before the test gives up on it.
@@ -223,45 +224,6 @@ fn one_worker(url: &str, settings: &[(&str, &str)]) -> Reaped {
             .spawn()
             .unwrap(),
     )
-}
-
-/// A `pgonce worker`'s stderr, line by line, as it comes.
-struct Stderr(std::sync::mpsc::Receiver<String>);
-
-impl Stderr {
-    fn of(child: &mut Child) -> Stderr {
-        use std::io::BufRead;
-        let (lines, rx) = std::sync::mpsc::channel();
-        let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-        std::thread::spawn(move || {
-            for line in stderr.lines().map_while(Result::ok) {
-                if lines.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Stderr(rx)
-    }
-
-    /// Waits for a line containing `needle` (the lines before it are
-    /// kept in `seen`); panics past `STUCK`, or if the process closed
-    /// stderr (it exited) first.
-    fn wait_for(&self, needle: &str, seen: &mut Vec<String>) {
-        let deadline = Instant::now() + STUCK;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.0.recv_timeout(left) {
-                Ok(line) => {
-                    let found = line.contains(needle);
-                    seen.push(line);
-                    if found {
-                        return;
-                    }
-                }
-                Err(e) => panic!("no line with {needle:?} ({e}):\n{}", seen.join("\n")),
-            }
-        }
-    }
 }
 
 /// SIGTERM while a `pgonce worker` has messages in hand: the ones that

@@ -1,6 +1,6 @@
 //! What the CLI's tests share: a fresh database's URL, a free port,
-//! plain HTTP probes of a child process's endpoints, and a session seen
-//! blocked.
+//! plain HTTP probes of a child process's endpoints, a session seen
+//! blocked, and a child's stderr read as it comes.
 #![allow(dead_code)]
 
 use std::time::{Duration, Instant};
@@ -138,4 +138,43 @@ pub fn assert_never_migrated(rt: &tokio::runtime::Runtime, db: &pgonce_testkit::
         )
         .unwrap();
     assert_eq!(tables, 0, "the database was migrated");
+}
+
+/// A `pgonce` process's stderr, line by line, as it comes.
+pub struct Stderr(pub std::sync::mpsc::Receiver<String>);
+
+impl Stderr {
+    pub fn of(child: &mut std::process::Child) -> Stderr {
+        use std::io::BufRead;
+        let (lines, rx) = std::sync::mpsc::channel();
+        let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Stderr(rx)
+    }
+
+    /// Waits for a line containing `needle` (the lines before it are
+    /// kept in `seen`); panics past 180 s, or if the process closed stderr
+    /// (it exited) first.
+    pub fn wait_for(&self, needle: &str, seen: &mut Vec<String>) {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.0.recv_timeout(left) {
+                Ok(line) => {
+                    let found = line.contains(needle);
+                    seen.push(line);
+                    if found {
+                        return;
+                    }
+                }
+                Err(e) => panic!("no line with {needle:?} ({e}):\n{}", seen.join("\n")),
+            }
+        }
+    }
 }
