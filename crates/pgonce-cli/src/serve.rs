@@ -20,6 +20,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -29,7 +30,9 @@ use pgonce::maintenance::Maintenance;
 use pgonce_incidents::Service;
 use pgonce_incidents::api::{self, ApiState};
 use pgonce_incidents::config::{Config, ConfigError, QueueBackend};
-use pgonce_incidents::runtime::{Runtime, observations_queue_with, sqs_observations_queue};
+use pgonce_incidents::runtime::{
+    Runtime, Unfinished, observations_queue_with, sqs_observations_queue,
+};
 use pgonce_sqs::{SqsClient, SqsQueue};
 use sqlx::PgPool;
 
@@ -331,10 +334,13 @@ where
     // it: waiting for the API's last answer first, its workers went on
     // receiving and handling observations after the signal, for as long as
     // a request under way took.
+    let progress = runtime.progress();
+    let cleaner_stopping = AtomicBool::new(maintenance.is_some());
     let runtime_stopped = async {
         stop.drain_requested().await;
         if let Some(maintenance) = maintenance {
             maintenance.stop().await;
+            cleaner_stopping.store(false, Ordering::Relaxed);
         }
         runtime.shutdown().await
     };
@@ -351,10 +357,36 @@ where
     } else {
         None
     };
-    let (served, stopped) = tokio::join!(
-        serve_until_signal(config, listeners, state, stop),
-        runtime_stopped,
-    );
+    let requests = state.clone();
+    let drained = async {
+        tokio::join!(
+            serve_until_signal(config, listeners, state, stop),
+            runtime_stopped,
+        )
+    };
+    // The drain is bounded: a request or a task that never ends would keep
+    // the process for ever. Past the bound, what is still under way is
+    // dropped as a crash drops it (a handler's message unacked, redelivered
+    // after its visibility timeout; a claimed notification sent again
+    // after its lease), and the process says what it abandoned.
+    let timeout = config.shutdown_timeout();
+    let bound = async {
+        stop.drain_requested().await;
+        tokio::time::sleep(timeout).await;
+    };
+    let (served, stopped) = tokio::select! {
+        biased;
+        done = drained => done,
+        () = bound => {
+            return Err(Abandoned {
+                timeout,
+                requests: requests.map_or(0, |s| s.requests_under_way()),
+                runtime: progress.unfinished(),
+                cleaner: cleaner_stopping.load(Ordering::Relaxed),
+            }
+            .into());
+        }
+    };
     let summary = stopped?;
     eprintln!(
         "pgonce: stopped; pipeline {:?}; notifications {:?}",
@@ -362,6 +394,63 @@ where
     );
     served
 }
+
+/// A drain that `shutdown.timeout` ended: what was still under way, and
+/// dropped.
+#[derive(Debug)]
+struct Abandoned {
+    timeout: Duration,
+    /// API requests without an answer.
+    requests: usize,
+    /// The runtime's tasks still stopping.
+    runtime: Unfinished,
+    /// Whether the cleaner was still stopping.
+    cleaner: bool,
+}
+
+impl std::fmt::Display for Abandoned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let plural =
+            |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+        let mut parts = Vec::new();
+        if self.requests > 0 {
+            parts.push(plural(self.requests, "API request", "API requests") + " under way");
+        }
+        let r = &self.runtime;
+        if r.pipeline_workers > 0 {
+            parts.push(
+                plural(r.pipeline_workers, "pipeline worker", "pipeline workers")
+                    + " (their observations in hand come back after their visibility timeout)",
+            );
+        }
+        if r.notifier {
+            parts.push(
+                "the notifier (its claimed notifications are sent again after their lease)".into(),
+            );
+        }
+        if r.job_maintenance > 0 {
+            parts.push(plural(
+                r.job_maintenance,
+                "job maintenance loop",
+                "job maintenance loops",
+            ));
+        }
+        if self.cleaner {
+            parts.push("the cleaner".into());
+        }
+        if parts.is_empty() {
+            parts.push("nothing still running".into());
+        }
+        write!(
+            f,
+            "stopping took longer than shutdown.timeout ({:?}): stopped at once, abandoning {}",
+            self.timeout,
+            parts.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for Abandoned {}
 
 /// What `serve` or `worker` answers until the signal that drains it: the
 /// API (`serve`), the metrics and readiness (`worker` with

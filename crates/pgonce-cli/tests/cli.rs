@@ -1118,20 +1118,32 @@ fn sigterm(child: &std::process::Child) {
     assert!(sent.success());
 }
 
-/// `pgonce serve` on the database `url`, listening on `port`, with the
-/// variables `vars` and the log filter `log` on its piped stderr.
-fn serve_on(url: &str, port: u16, vars: &[(&str, &str)], log: &str) -> Reaped {
-    Reaped(
+/// `pgonce serve` on the database `url` (of `db`), with the variables
+/// `vars`, logging at info on its piped stderr, once it is ready; with its
+/// port, a pool on `db`, and an API request of it seen blocked
+/// ([`held_api_request`]).
+fn serve_holding_a_request(
+    rt: &tokio::runtime::Runtime,
+    db: &pgonce_testkit::ScratchDatabase,
+    url: &str,
+    vars: &[(&str, &str)],
+) -> (Reaped, u16, sqlx::PgPool, HeldRequest) {
+    let port = free_port();
+    let mut child = Reaped(
         std::process::Command::new(assert_cmd::cargo::cargo_bin("pgonce"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .env("DATABASE_URL", url)
             .envs(vars.iter().copied())
-            .env("RUST_LOG", log)
+            .env("RUST_LOG", "warn,pgonce=info")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap(),
-    )
+    );
+    wait_for_200(&mut child.0, port, "/readyz");
+    let pool = rt.block_on(db.pool(2)).unwrap();
+    let held = held_api_request(rt, &pool, port);
+    (child, port, pool, held)
 }
 
 /// An API request of a `serve` on `port`, seen blocked on a lock the test
@@ -1193,20 +1205,17 @@ fn held_api_request(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, port: u16
 fn serve_drains_an_api_request_under_way_until_it_is_answered() {
     let (rt, db, url) = fresh_database_url();
     let _runtime = rt.enter();
-    let port = free_port();
-    let mut child = serve_on(
+    let (mut child, port, _pool, held) = serve_holding_a_request(
+        &rt,
+        &db,
         &url,
-        port,
         &[("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s")],
-        "warn",
     );
-    wait_for_200(&mut child.0, port, "/readyz");
-    let pool = rt.block_on(db.pool(2)).unwrap();
     let HeldRequest {
         gate,
         answer: request,
         ..
-    } = held_api_request(&rt, &pool, port);
+    } = held;
     sigterm(&child.0);
     // Still draining: the API no longer takes connections, once it has
     // let go of its address (polled; the deadline only ends a stuck run).
@@ -1235,20 +1244,16 @@ fn serve_drains_an_api_request_under_way_until_it_is_answered() {
 fn serve_stops_its_pipeline_at_the_signal_while_the_api_drains() {
     let (rt, db, url) = fresh_database_url();
     let _runtime = rt.enter();
-    let port = free_port();
-    let mut child = serve_on(&url, port, &[], "warn,pgonce=info");
+    let (mut child, _port, pool, held) = serve_holding_a_request(&rt, &db, &url, &[]);
     let stderr = Stderr::of(&mut child.0);
     let mut seen = Vec::new();
-    stderr.wait_for("API and runtime started", &mut seen);
-    wait_for_200(&mut child.0, port, "/readyz");
-    let pool = rt.block_on(db.pool(2)).unwrap();
     let HeldRequest {
         gate,
         holder,
         blocked,
         organization_id,
         answer: request,
-    } = held_api_request(&rt, &pool, port);
+    } = held;
     sigterm(&child.0);
     // Each of the two pipeline workers says so, the request still blocked.
     stderr.wait_for("worker shutting down", &mut seen);
@@ -1300,4 +1305,55 @@ fn serve_stops_its_pipeline_at_the_signal_while_the_api_drains() {
         .map(|m| (m.id.clone(), m.receive_count))
         .collect();
     assert_eq!(delivered, [(sent.id, 1)], "{}", seen.join("\n"));
+}
+
+/// `serve`'s drain is bounded by `shutdown.timeout`: with an API request
+/// seen blocked on a lock the test holds for the whole run, SIGTERM ends
+/// the process once the bound has passed (it drained for ever), exit 1,
+/// its last line naming the bound and the request it abandoned.
+#[test]
+fn serve_whose_drain_outlasts_the_shutdown_timeout_exits_1_naming_what_it_abandoned() {
+    let (rt, db, url) = fresh_database_url();
+    let _runtime = rt.enter();
+    let (mut child, _port, _pool, held) = serve_holding_a_request(
+        &rt,
+        &db,
+        &url,
+        &[
+            ("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s"),
+            ("PGONCE_SHUTDOWN__TIMEOUT", "7s"),
+        ],
+    );
+    let HeldRequest {
+        gate,
+        answer: request,
+        ..
+    } = held;
+    sigterm(&child.0);
+    // Polled; the deadline only ends a run that never stops.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still draining, the request still held"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert_eq!(
+        last,
+        "pgonce: error: stopping took longer than shutdown.timeout (7s): stopped at once, \
+         abandoning 1 API request under way",
+        "{stderr}"
+    );
+    // The request's connection went with the process, unanswered.
+    let answer = request.join().unwrap();
+    assert_eq!(answer, "");
+    rt.block_on(gate.rollback()).unwrap();
 }

@@ -577,6 +577,37 @@ impl Notified {
         (worker, stderr, key)
     }
 
+    /// The notification whose key is `key` was left claimed by a worker
+    /// stopped mid-POST (its log `seen`), nothing recorded; once its lease
+    /// ends (ended here by moving its end to now, rather than waiting it
+    /// out) another worker sends it once ([`sent_once_by_another_worker`]).
+    fn left_claimed_then_sent_once(
+        &self,
+        settings: &[(&'static str, String)],
+        key: &str,
+        seen: &[String],
+    ) {
+        let held = self.rt.block_on(notification_state(&self.pool));
+        assert_eq!(
+            held,
+            NotificationState {
+                status: "processing".into(),
+                leased: true,
+                recorded: 0
+            },
+            "{}",
+            seen.join("\n")
+        );
+        self.rt
+            .block_on(
+                sqlx::query("UPDATE pgonce.jobs SET lease_expires_at = now() WHERE kind = $1")
+                    .bind(pgonce_incidents::service::NOTIFY_JOB_KIND)
+                    .execute(&self.pool),
+            )
+            .unwrap();
+        self.sent_once(settings, key);
+    }
+
     /// See [`sent_once_by_another_worker`].
     fn sent_once(&self, settings: &[(&'static str, String)], key: &str) {
         let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -639,7 +670,6 @@ fn sent_once_by_another_worker(
 #[test]
 fn a_second_signal_while_a_notification_is_posted_leaves_it_claimed_then_sent_once() {
     let notified = Notified::new();
-    let (rt, pool) = (&notified.rt, &notified.pool);
     let settings = notified.settings("1h", "2h");
     let (mut first, stderr, key) = notified.worker_posting(&settings);
     let mut seen = Vec::new();
@@ -657,26 +687,7 @@ fn a_second_signal_while_a_notification_is_posted_leaves_it_claimed_then_sent_on
         "{}",
         seen.join("\n")
     );
-    let held = rt.block_on(notification_state(pool));
-    assert_eq!(
-        held,
-        NotificationState {
-            status: "processing".into(),
-            leased: true,
-            recorded: 0
-        },
-        "{}",
-        seen.join("\n")
-    );
-
-    // The lease ends.
-    rt.block_on(
-        sqlx::query("UPDATE pgonce.jobs SET lease_expires_at = now() WHERE kind = $1")
-            .bind(pgonce_incidents::service::NOTIFY_JOB_KIND)
-            .execute(pool),
-    )
-    .unwrap();
-    notified.sent_once(&settings, &key);
+    notified.left_claimed_then_sent_once(&settings, &key, &seen);
 }
 
 /// SIGTERM while a `pgonce worker`'s notifier is mid-POST (the receiver
@@ -719,4 +730,46 @@ fn sigterm_while_a_notification_is_posted_waits_for_it_then_it_is_sent_once() {
         .unwrap();
     assert_eq!(why, "webhook did not answer within 3s");
     notified.sent_once(&settings, &key);
+}
+
+/// SIGTERM while a `pgonce worker`'s notifier is mid-POST that outlasts
+/// `shutdown.timeout` (the receiver holds the request; the POST's own
+/// timeout and the lease are hours): the drain gives up at the bound, exit
+/// 1, its last line naming the notifier and what becomes of its claim. The
+/// job stays claimed, nothing recorded; once its lease ends another worker
+/// sends it once, with the same idempotency key.
+#[test]
+fn a_notification_posted_past_the_shutdown_timeout_is_abandoned_then_sent_once() {
+    let notified = Notified::new();
+    let mut settings = notified.settings("1h", "2h");
+    settings.push(("PGONCE_PIPELINE__SHUTDOWN_DEADLINE", "1s".into()));
+    settings.push(("PGONCE_SHUTDOWN__TIMEOUT", "7s".into()));
+    let (mut first, stderr, key) = notified.worker_posting(&settings);
+    let mut seen = Vec::new();
+    signal(&first.0, "TERM");
+    stderr.wait_for("shutting down", &mut seen);
+    // Polled; the deadline only ends a run that never stops.
+    let deadline = Instant::now() + STUCK;
+    let status = loop {
+        if let Some(status) = first.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still draining:\n{}",
+            seen.join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    seen.extend(stderr.0.iter());
+    assert_eq!(status.code(), Some(1), "{status:?}:\n{}", seen.join("\n"));
+    let last = seen.last().map(String::as_str).unwrap_or_default();
+    assert_eq!(
+        last,
+        "pgonce: error: stopping took longer than shutdown.timeout (7s): stopped at once, \
+         abandoning the notifier (its claimed notifications are sent again after their lease)",
+        "{}",
+        seen.join("\n")
+    );
+    notified.left_claimed_then_sent_once(&settings, &key, &seen);
 }

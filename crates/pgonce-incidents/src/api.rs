@@ -41,8 +41,9 @@ mod serve;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, delete, get, post, put};
 use axum::{Json, Router};
@@ -157,6 +158,8 @@ struct Inner {
     config: ApiConfig,
     /// Raised by [`ApiState::stop_long_polls`]; never lowered.
     stopping: watch::Sender<bool>,
+    /// Requests whose handler runs: [`ApiState::requests_under_way`].
+    under_way: std::sync::atomic::AtomicUsize,
 }
 
 impl ApiState {
@@ -191,6 +194,7 @@ impl ApiState {
                 admin_digest,
                 config,
                 stopping: watch::Sender::new(false),
+                under_way: std::sync::atomic::AtomicUsize::new(0),
             }),
         })
     }
@@ -204,6 +208,15 @@ impl ApiState {
     /// [`ApiConfig::max_wait`], before the caller went on to stop the rest.
     pub fn stop_long_polls(&self) {
         self.inner.stopping.send_replace(true);
+    }
+
+    /// Requests of [`router`] and [`operations_router`] on this state
+    /// whose answer is not made yet: a stop that gives up on its drain
+    /// says how many it abandoned.
+    pub fn requests_under_way(&self) -> usize {
+        self.inner
+            .under_way
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The incident service the handlers call.
@@ -256,7 +269,25 @@ pub fn router(state: ApiState) -> Router {
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), under_way))
         .with_state(state)
+}
+
+/// Counts the request in [`ApiState::requests_under_way`] until its
+/// answer is made, or its handler dropped.
+async fn under_way(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    /// One request on the count while it lives.
+    struct Counted(ApiState);
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            let count = &self.0.inner.under_way;
+            count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let count = &state.inner.under_way;
+    count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let _counted = Counted(state.clone());
+    next.run(request).await
 }
 
 /// Only `/metrics`, `/healthz` and `/readyz`: what a process without the
@@ -266,6 +297,7 @@ pub fn operations_router(state: ApiState) -> Router {
     operations()
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), under_way))
         .with_state(state)
 }
 

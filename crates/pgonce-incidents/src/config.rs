@@ -1,6 +1,6 @@
 //! The service's deployable configuration: one [`Config`] in nested
 //! sections (`database`, `queue`, `api`, `pipeline`, `notifier`, `service`,
-//! `maintenance`), loaded in layers, lowest to highest precedence:
+//! `maintenance`, `shutdown`), loaded in layers, lowest to highest precedence:
 //!
 //! 1. the defaults documented on each field;
 //! 2. a TOML file, when one is named;
@@ -107,7 +107,30 @@ pub struct Config {
     pub service: ServiceSection,
     /// `[maintenance]`.
     pub maintenance: MaintenanceSection,
+    /// `[shutdown]`.
+    pub shutdown: ShutdownSection,
 }
+
+/// `[shutdown]`: how long `serve` and `worker` take to stop.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShutdownSection {
+    /// `timeout`: from the first SIGTERM or Ctrl-C, how long the process
+    /// drains (the API's requests under way, the pipeline's handlers
+    /// within `pipeline.shutdown_deadline` and their acks and hand-backs,
+    /// the notifier's pass, the cleaner) before it stops at once, exit 1,
+    /// naming what it abandoned. Longer than `pipeline.shutdown_deadline`
+    /// plus 5 s; default that deadline plus 30 s ([`Config::shutdown_timeout`]).
+    #[serde(with = "humantime_serde")]
+    pub timeout: Option<Duration>,
+}
+
+/// What a stop's pipeline part takes past `pipeline.shutdown_deadline` at
+/// most: the acks and hand-backs' grace ([`WorkerConfig::shutdown_deadline`]).
+const PIPELINE_GRACE: Duration = Duration::from_secs(5);
+
+/// `shutdown.timeout` when unset: this past `pipeline.shutdown_deadline`.
+const SHUTDOWN_MARGIN: Duration = Duration::from_secs(30);
 
 /// `[database]`: where PostgreSQL is and how the pool behaves.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -855,6 +878,19 @@ impl Config {
         if let Some((key, _)) = settings.iter().find(|(_, d)| *d > LONGEST_SETTING) {
             return Err(invalid(key, "must be at most a year"));
         }
+        // A bound at or under the pipeline's own would drop its handlers
+        // before they were abandoned and their messages handed back.
+        if let Some(timeout) = self.shutdown.timeout
+            && (timeout <= p.shutdown_deadline + PIPELINE_GRACE || timeout > LONGEST_SETTING)
+        {
+            return Err(invalid(
+                "shutdown.timeout",
+                format!(
+                    "must be longer than pipeline.shutdown_deadline plus 5s ({:?}) and at most a year",
+                    p.shutdown_deadline + PIPELINE_GRACE
+                ),
+            ));
+        }
         // PostgreSQL's lock_timeout is an int of milliseconds, and 0 there
         // means no bound: `Service::new` refuses a wait under 1 ms or past
         // the int, which is after the migrations ran.
@@ -1116,6 +1152,14 @@ impl Config {
             },
             ..NotifierConfig::new(url)
         })
+    }
+
+    /// `shutdown.timeout`, or, unset, `pipeline.shutdown_deadline` plus
+    /// 30 s (60 s with the defaults).
+    pub fn shutdown_timeout(&self) -> Duration {
+        self.shutdown
+            .timeout
+            .unwrap_or(self.pipeline.shutdown_deadline + SHUTDOWN_MARGIN)
     }
 
     /// The [`RuntimeConfig`] of `[pipeline]`, `[notifier]` (no notifier

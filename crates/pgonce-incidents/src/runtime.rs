@@ -4,6 +4,7 @@
 //! `pgonce demo` start it; [`Runtime::shutdown`] stops it gracefully.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use pgonce::job::{Reaper, ReaperConfig, Redriver, RedriverConfig};
@@ -153,6 +154,50 @@ pub struct RuntimeSummary {
     pub notifications: NotifyCounts,
 }
 
+/// What a runtime has not finished yet: for a caller whose own bound on
+/// its stop ran out, to say what it abandoned ([`RuntimeProgress`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Unfinished {
+    /// Pipeline workers still running or stopping.
+    pub pipeline_workers: usize,
+    /// Whether the notifier is.
+    pub notifier: bool,
+    /// Job reaper and re-driver loops still running or stopping.
+    pub job_maintenance: usize,
+}
+
+impl Unfinished {
+    /// Whether everything finished.
+    pub fn is_empty(&self) -> bool {
+        *self == Unfinished::default()
+    }
+}
+
+/// Which of a runtime's tasks are still going; see [`Runtime::progress`].
+#[derive(Default)]
+struct Left {
+    pipeline_workers: AtomicUsize,
+    notifier: AtomicBool,
+    job_maintenance: AtomicUsize,
+}
+
+/// A runtime's [`Unfinished`] tasks, readable while it stops and after it
+/// is dropped.
+#[derive(Clone)]
+pub struct RuntimeProgress(Arc<Left>);
+
+impl RuntimeProgress {
+    /// What has not finished yet.
+    pub fn unfinished(&self) -> Unfinished {
+        Unfinished {
+            pipeline_workers: self.0.pipeline_workers.load(Ordering::Relaxed),
+            notifier: self.0.notifier.load(Ordering::Relaxed),
+            job_maintenance: self.0.job_maintenance.load(Ordering::Relaxed),
+        }
+    }
+}
+
 enum Finished {
     Worker(WorkerCounters),
     Notifier(NotifyCounts),
@@ -166,6 +211,7 @@ pub struct Runtime {
     stop: watch::Sender<bool>,
     tasks: JoinSet<Finished>,
     pipeline: Arc<PipelineCounters>,
+    left: Arc<Left>,
 }
 
 impl Runtime {
@@ -205,27 +251,43 @@ impl Runtime {
         let handler = ObservationHandler::new(service.clone(), evaluator);
         let pipeline = handler.counters();
         let mut tasks = JoinSet::new();
+        let left = Arc::new(Left::default());
         for _ in 0..config.workers {
             let worker = Worker::new(queue.clone(), handler.clone(), config.worker.clone())?;
             let shutdown = until_stopped();
-            tasks.spawn(async move { Finished::Worker(worker.run(shutdown).await) });
+            let left = left.clone();
+            left.pipeline_workers.fetch_add(1, Ordering::Relaxed);
+            tasks.spawn(async move {
+                let counters = worker.run(shutdown).await;
+                left.pipeline_workers.fetch_sub(1, Ordering::Relaxed);
+                Finished::Worker(counters)
+            });
         }
         if let Some(notifier_config) = config.notifier {
             let notifier = Notifier::new(service, notifier_config)?;
             let shutdown = until_stopped();
-            tasks.spawn(async move { Finished::Notifier(notifier.run(shutdown).await) });
+            let left = left.clone();
+            left.notifier.store(true, Ordering::Relaxed);
+            tasks.spawn(async move {
+                let counts = notifier.run(shutdown).await;
+                left.notifier.store(false, Ordering::Relaxed);
+                Finished::Notifier(counts)
+            });
         }
         if config.job_maintenance {
             let reaper = Reaper::new(service.pool().clone(), config.reaper)?;
             let redriver = Redriver::new(service.pool().clone(), config.redriver)?;
-            let shutdown = until_stopped();
+            left.job_maintenance.fetch_add(2, Ordering::Relaxed);
+            let (shutdown, reaped) = (until_stopped(), left.clone());
             tasks.spawn(async move {
                 reaper.run(shutdown).await;
+                reaped.job_maintenance.fetch_sub(1, Ordering::Relaxed);
                 Finished::Other
             });
-            let shutdown = until_stopped();
+            let (shutdown, redriven) = (until_stopped(), left.clone());
             tasks.spawn(async move {
                 redriver.run(shutdown).await;
+                redriven.job_maintenance.fetch_sub(1, Ordering::Relaxed);
                 Finished::Other
             });
         }
@@ -233,12 +295,21 @@ impl Runtime {
             stop,
             tasks,
             pipeline,
+            left,
         })
     }
 
     /// The pipeline's counters, live.
     pub fn pipeline(&self) -> Arc<PipelineCounters> {
         self.pipeline.clone()
+    }
+
+    /// What of this runtime has not finished yet, readable while
+    /// [`Runtime::shutdown`] runs, and once it was dropped unfinished (by
+    /// a caller whose own bound on the stop ran out, to say what it
+    /// abandoned).
+    pub fn progress(&self) -> RuntimeProgress {
+        RuntimeProgress(self.left.clone())
     }
 
     /// Stops receiving, lets in-flight handlers finish (within the worker's

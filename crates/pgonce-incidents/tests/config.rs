@@ -416,6 +416,54 @@ async fn the_service_accepts_what_validate_accepts() {
     }
 }
 
+/// `shutdown.timeout` follows `pipeline.shutdown_deadline` when unset;
+/// set, it must leave the pipeline its deadline and the 5 s of acks and
+/// hand-backs after it, and is refused otherwise, named; read from the
+/// environment too.
+#[test]
+fn the_shutdown_timeout_outlasts_the_pipelines_deadline() {
+    let c = with_url();
+    assert_eq!(c.shutdown_timeout(), Duration::from_secs(60));
+    let mut longer = with_url();
+    longer.pipeline.shutdown_deadline = Duration::from_secs(3600);
+    longer.validate().unwrap();
+    assert_eq!(longer.shutdown_timeout(), Duration::from_secs(3630));
+    for (timeout, valid) in [
+        (Duration::ZERO, false),
+        (Duration::from_secs(35), false),
+        (Duration::from_millis(35_001), true),
+        (Duration::from_secs(365 * 24 * 3600), true),
+        (Duration::from_secs(365 * 24 * 3600 + 1), false),
+    ] {
+        let mut c = with_url();
+        c.shutdown.timeout = Some(timeout);
+        match c.validate() {
+            Ok(()) => {
+                assert!(valid, "{timeout:?} accepted");
+                assert_eq!(c.shutdown_timeout(), timeout);
+            }
+            Err(e) => {
+                assert!(!valid, "{timeout:?}: {e}");
+                let e = e.to_string();
+                assert!(
+                    e.starts_with("shutdown.timeout: must be longer than pipeline.shutdown_deadline plus 5s (35s)"),
+                    "{e}"
+                );
+            }
+        }
+    }
+    let c = Config::load(
+        None,
+        env(&[
+            ("DATABASE_URL", "postgres://x/y"),
+            ("PGONCE_SHUTDOWN__TIMEOUT", "2m"),
+        ]),
+    )
+    .unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.shutdown_timeout(), Duration::from_secs(120));
+}
+
 #[test]
 fn the_cleaners_retention_is_configurable_and_keep_names_known_kinds() {
     let f = file(
