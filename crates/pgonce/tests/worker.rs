@@ -1678,3 +1678,87 @@ async fn a_worker_counts_failed_receives_of_a_deleted_queue_and_recovers() {
     );
     assert_eq!(recovery.len(), 1, "the recovery once, with the count");
 }
+
+/// Sends each message's body to the test as it is handled.
+struct Reporting(tokio::sync::mpsc::UnboundedSender<String>);
+
+impl Handler for Reporting {
+    async fn handle(&self, m: &Received) -> Result<(), HandlerError> {
+        let _ = self.0.send(m.body.clone());
+        Ok(())
+    }
+}
+
+/// A worker long-polling (LISTEN on its pool) when the server restarts,
+/// on a cluster of the test's own, takes up its work by itself: a message
+/// sent after the restart is handled and deleted.
+#[tokio::test]
+async fn a_worker_idle_when_the_server_restarts_takes_up_its_work_again() {
+    let mut cluster = tokio::task::spawn_blocking(pgonce_testkit::Cluster::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&cluster.url("postgres"))
+        .await
+        .unwrap();
+    pgonce::migrate(&pool).await.unwrap();
+    let q = queue(&pool, "restarted").await;
+    let (handled, mut bodies) = tokio::sync::mpsc::unbounded_channel();
+    let worker = Arc::new(
+        Worker::new(
+            q.clone(),
+            Reporting(handled),
+            WorkerConfig {
+                concurrency: 1,
+                wait: Duration::from_secs(5),
+                ..WorkerConfig::default()
+            },
+        )
+        .unwrap(),
+    );
+    let stop = Arc::new(Notify::new());
+    let running = tokio::spawn({
+        let (worker, stop) = (worker.clone(), stop.clone());
+        async move { worker.run(stop.notified()).await }
+    });
+    q.send(SendMessage::new("before")).await.unwrap();
+    let first = tokio::time::timeout(FAILSAFE, bodies.recv()).await.unwrap();
+    assert_eq!(first.as_deref(), Some("before"));
+    // Its delete done too, before the restart could cut it.
+    tokio::time::timeout(FAILSAFE, async {
+        while worker.counters().deleted < 1 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap();
+
+    cluster = tokio::task::spawn_blocking(move || {
+        cluster
+            .restart(pgonce_testkit::ShutdownMode::Immediate)
+            .unwrap();
+        cluster
+    })
+    .await
+    .unwrap();
+    q.send(SendMessage::new("after")).await.unwrap();
+    let second = tokio::time::timeout(FAILSAFE, bodies.recv()).await;
+    let counters = worker.counters();
+    assert_eq!(
+        second.ok().flatten().as_deref(),
+        Some("after"),
+        "{counters:?}"
+    );
+    stop.notify_one();
+    let done = tokio::time::timeout(FAILSAFE, running)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((done.received, done.deleted), (2, 2), "{done:?}");
+    let stats = q.stats().await.unwrap();
+    assert_eq!((stats.depth, stats.in_flight), (0, 0), "{stats:?}");
+    drop(cluster);
+}
