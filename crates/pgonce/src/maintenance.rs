@@ -299,17 +299,29 @@ pub async fn run_once(pool: &PgPool, config: &MaintenanceConfig) -> Result<Clean
 }
 
 /// Runs a pass every `config.interval` until `shutdown` completes. A failed
-/// pass is logged and the next one tried. Validates `config` first.
+/// pass is logged and the next one tried. Validates `config` first. A pass
+/// in progress when `shutdown` completes is dropped at its current
+/// statement, a transaction of its own, which rolls back: nothing is left
+/// half deleted, and a delete waiting on a lock does not hold the stop.
 pub async fn run(
     pool: PgPool,
     config: MaintenanceConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     config.validate()?;
-    crate::service::run_every("maintenance", config.interval, shutdown, || {
-        run_once(&pool, &config)
-    })
-    .await;
+    // The loop is raced against `shutdown` rather than handed it: it looks
+    // at its shutdown between passes only, so a pass waiting on a lock
+    // held the stop for as long as the lock was held.
+    let passes = crate::service::run_every(
+        "maintenance",
+        config.interval,
+        std::future::pending(),
+        || run_once(&pool, &config),
+    );
+    tokio::select! {
+        () = passes => {}
+        () = shutdown => {}
+    }
     Ok(())
 }
 

@@ -527,3 +527,53 @@ async fn a_cleaner_under_a_stricter_default_isolation_keeps_a_row_changed_meanwh
         }]
     );
 }
+
+/// Stopping the spawned loop drops a pass in progress at its current
+/// statement, each a transaction of its own: a pass whose delete is seen
+/// blocked on a table lock the test holds (a migration's, a `VACUUM
+/// FULL`'s) lets `stop` return while the lock is still held. (`stop`
+/// waited for the whole pass, for as long as the lock was held.)
+#[tokio::test]
+async fn stopping_the_loop_drops_a_pass_blocked_on_a_lock() {
+    let (_db, pool) = setup().await;
+    let old = job(&pool, "completed", 30 * DAY).await;
+    let mut gate = pool.begin().await.unwrap();
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *gate)
+        .await
+        .unwrap();
+    sqlx::query("LOCK TABLE pgonce.jobs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *gate)
+        .await
+        .unwrap();
+    let handle = Maintenance::spawn(pool.clone(), MaintenanceConfig::default()).unwrap();
+    // The first pass runs at once: wait until its delete waits on the lock.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let blocked: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(holder)
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+        if blocked.is_some() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pass never blocked"
+        );
+        tokio::task::yield_now().await;
+    }
+    tokio::time::timeout(Duration::from_secs(20), handle.stop())
+        .await
+        .expect("stop waited for the pass blocked on the lock");
+    gate.rollback().await.unwrap();
+    // Whatever the dropped statement did, it did in a transaction of its
+    // own: the row is there or gone, never half; a later pass deletes it.
+    maintenance::run_once(&pool, &MaintenanceConfig::default())
+        .await
+        .unwrap();
+    assert!(!job_ids(&pool).await.contains(&old));
+}
