@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use futures::FutureExt;
 use pgonce::job::{Reaper, ReaperConfig, Redriver, RedriverConfig};
 use pgonce::{
     PgQueue, PgQueueOptions, Queue, QueueAttributes, Worker, WorkerConfig, WorkerCounters,
@@ -278,18 +279,27 @@ impl Runtime {
             let reaper = Reaper::new(service.pool().clone(), config.reaper)?;
             let redriver = Redriver::new(service.pool().clone(), config.redriver)?;
             left.job_maintenance.fetch_add(2, Ordering::Relaxed);
-            let (shutdown, reaped) = (until_stopped(), left.clone());
-            tasks.spawn(async move {
-                reaper.run(shutdown).await;
-                reaped.job_maintenance.fetch_sub(1, Ordering::Relaxed);
-                Finished::Other
-            });
-            let (shutdown, redriven) = (until_stopped(), left.clone());
-            tasks.spawn(async move {
-                redriver.run(shutdown).await;
-                redriven.job_maintenance.fetch_sub(1, Ordering::Relaxed);
-                Finished::Other
-            });
+            // Each loop is raced against the stop rather than handed it:
+            // it hears its shutdown between passes only, and a pass waiting
+            // on a lock (`pgonce.jobs` locked by a migration) held the stop
+            // for as long as the lock was held. Dropped, a pass leaves
+            // nothing half done: each of its statements is a transaction
+            // of its own, which rolls back.
+            let loops = [
+                reaper.run(std::future::pending()).boxed(),
+                redriver.run(std::future::pending()).boxed(),
+            ];
+            for one in loops {
+                let (shutdown, left) = (until_stopped(), left.clone());
+                tasks.spawn(async move {
+                    tokio::select! {
+                        () = one => {}
+                        () = shutdown => {}
+                    }
+                    left.job_maintenance.fetch_sub(1, Ordering::Relaxed);
+                    Finished::Other
+                });
+            }
         }
         Ok(Runtime {
             stop,
@@ -315,7 +325,9 @@ impl Runtime {
     /// Stops receiving, lets in-flight handlers finish (within the worker's
     /// shutdown deadline, their acks and hand-backs within 5 s more:
     /// [`WorkerConfig::shutdown_deadline`]) and the notifier's pass in
-    /// flight (within its lease), and returns what was done.
+    /// flight (within its lease), drops the job reaper's and re-driver's
+    /// passes under way (each statement a transaction of its own, rolled
+    /// back), and returns what was done.
     pub async fn shutdown(mut self) -> Result<RuntimeSummary> {
         let _ = self.stop.send(true);
         let mut summary = RuntimeSummary::default();

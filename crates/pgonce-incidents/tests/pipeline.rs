@@ -12,8 +12,8 @@ use pgonce_incidents::model::{Observation, Op, Rule, Singleton};
 use pgonce_incidents::pipeline::SimulatedEvaluatorConfig;
 use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue};
 use pgonce_incidents::{NotifierConfig, Service, ServiceConfig, invariants, store};
-use pgonce_testkit::fresh_migrated_database;
 use pgonce_testkit::webhook::{ReceiverFaults, WebhookReceiver};
+use pgonce_testkit::{TableLock, fresh_migrated_database};
 use serde_json::json;
 
 fn config(webhook: &str, visibility: Duration) -> RuntimeConfig {
@@ -585,4 +585,42 @@ async fn extreme_doubles_go_through_the_pipeline_and_read_back_equal() {
     assert_eq!(entity.attributes, attributes);
     let tallies = invariants::tallies(&pool, &[acme.org]).await.unwrap();
     assert_eq!(tallies.incidents, 1, "x >= f64::MAX opens the incident");
+}
+
+/// A runtime stops while its job reaper and re-driver wait on a lock: with
+/// `pgonce.jobs` locked by the test (a migration's lock, a `VACUUM
+/// FULL`'s) and both loops' passes seen blocked on it, `shutdown` returns
+/// while the lock is still held, and `progress` said both were running
+/// until then. (The loops heard their shutdown between passes only, so
+/// the stop, and `pgonce serve`'s drain, waited for as long as the lock
+/// was held.)
+#[tokio::test]
+async fn a_runtime_stops_while_its_job_maintenance_waits_on_a_lock() {
+    let Acme {
+        _db, pool, service, ..
+    } = acme_with_policy("quiet", &cpu_over_50()).await;
+    let queue = observations_queue(&pool, Duration::from_secs(5), 5)
+        .await
+        .unwrap();
+    let lock = TableLock::take(&pool, "pgonce.jobs").await.unwrap();
+    let mut c = config("http://127.0.0.1:9/unused", Duration::from_secs(5));
+    c.workers = 0;
+    c.notifier = None;
+    let runtime = Runtime::start(&service, queue, c).unwrap();
+    let progress = runtime.progress();
+    // Each loop's first pass runs at once: wait until both wait on the lock.
+    lock.wait_until_blocking(&pool, 2, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(progress.unfinished().job_maintenance, 2);
+    tokio::time::timeout(Duration::from_secs(20), runtime.shutdown())
+        .await
+        .expect("the stop waited for the passes blocked on the lock")
+        .unwrap();
+    assert!(
+        progress.unfinished().is_empty(),
+        "{:?}",
+        progress.unfinished()
+    );
+    lock.release().await.unwrap();
 }

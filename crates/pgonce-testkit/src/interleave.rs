@@ -553,3 +553,69 @@ struct Blocker {
     application_name: Option<String>,
     blocker_pid: i32,
 }
+
+/// A table locked `ACCESS EXCLUSIVE` by a transaction of its own, as a
+/// migration or `VACUUM FULL` holds it: every statement that touches the
+/// table waits until the lock is released. For a test whose subject
+/// (a background loop, a process) starts its statements by itself: the
+/// test waits until they are seen blocked by it
+/// ([`TableLock::wait_until_blocking`]), then acts.
+pub struct TableLock {
+    holder: sqlx::Transaction<'static, sqlx::Postgres>,
+    pid: i32,
+}
+
+impl TableLock {
+    /// Locks `table` (a name SQL takes as written, `schema.table`) in a
+    /// transaction on a connection of `pool`.
+    pub async fn take(pool: &PgPool, table: &str) -> Result<TableLock, HarnessError> {
+        let mut holder = pool.begin().await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *holder)
+            .await?;
+        // The table's name is the test's own, never input.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+        )))
+        .execute(&mut *holder)
+        .await?;
+        Ok(TableLock { holder, pid })
+    }
+
+    /// Waits until `sessions` backends of `pool`'s server wait for this
+    /// lock (seen in `pg_blocking_pids`); [`HarnessError::NotBlocked`]
+    /// after `timeout`, which only ends a run that never gets there.
+    pub async fn wait_until_blocking(
+        &self,
+        pool: &PgPool,
+        sessions: i64,
+        timeout: Duration,
+    ) -> Result<(), HarnessError> {
+        let started = Instant::now();
+        loop {
+            let blocked: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(self.pid)
+            .fetch_one(pool)
+            .await?;
+            if blocked >= sessions {
+                return Ok(());
+            }
+            if started.elapsed() >= timeout {
+                return Err(HarnessError::NotBlocked {
+                    session: format!("{sessions} waiting for backend {}", self.pid),
+                    step: "a statement on the locked table".into(),
+                    waited: timeout,
+                });
+            }
+            tokio::time::sleep(POLL_EVERY).await;
+        }
+    }
+
+    /// Releases the lock (rolls its transaction back).
+    pub async fn release(self) -> Result<(), HarnessError> {
+        self.holder.rollback().await?;
+        Ok(())
+    }
+}

@@ -11,7 +11,8 @@
 //! * [`pooler`]: PgBouncer in transaction mode in front of a server.
 //! * [`moto`]: a throwaway SQS server (moto) on a loopback port.
 //! * [`interleave`]: step-by-step interleavings whose blocking steps are
-//!   confirmed through `pg_blocking_pids`, never through sleeps.
+//!   confirmed through `pg_blocking_pids`, never through sleeps, and a
+//!   table held locked while a test's subject runs into it.
 //! * [`webhook`]: a loopback webhook receiver that deduplicates by
 //!   idempotency key and fails or answers late on purpose.
 
@@ -25,7 +26,9 @@ pub mod server;
 pub mod webhook;
 
 pub use cluster::{Cluster, ClusterError, ShutdownMode};
-pub use interleave::{Blocked, BoxError, HarnessError, Interleaving, Session, Step, StepEvent};
+pub use interleave::{
+    Blocked, BoxError, HarnessError, Interleaving, Session, Step, StepEvent, TableLock,
+};
 pub use moto::{Moto, MotoError};
 pub use pooler::{Pooler, PoolerSetup};
 pub use server::{

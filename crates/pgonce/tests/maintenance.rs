@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use pgonce::Error;
 use pgonce::maintenance::{self, CleanedCounts, Maintenance, MaintenanceConfig};
-use pgonce_testkit::{Interleaving, fresh_migrated_database};
+use pgonce_testkit::{Interleaving, TableLock, fresh_migrated_database};
 use sqlx::PgPool;
 
 async fn setup() -> (pgonce_testkit::ScratchDatabase, PgPool) {
@@ -537,39 +537,16 @@ async fn a_cleaner_under_a_stricter_default_isolation_keeps_a_row_changed_meanwh
 async fn stopping_the_loop_drops_a_pass_blocked_on_a_lock() {
     let (_db, pool) = setup().await;
     let old = job(&pool, "completed", 30 * DAY).await;
-    let mut gate = pool.begin().await.unwrap();
-    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *gate)
-        .await
-        .unwrap();
-    sqlx::query("LOCK TABLE pgonce.jobs IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut *gate)
-        .await
-        .unwrap();
+    let lock = TableLock::take(&pool, "pgonce.jobs").await.unwrap();
     let handle = Maintenance::spawn(pool.clone(), MaintenanceConfig::default()).unwrap();
     // The first pass runs at once: wait until its delete waits on the lock.
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let blocked: Option<i32> = sqlx::query_scalar(
-            "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-        )
-        .bind(holder)
-        .fetch_optional(&pool)
+    lock.wait_until_blocking(&pool, 1, Duration::from_secs(20))
         .await
         .unwrap();
-        if blocked.is_some() {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pass never blocked"
-        );
-        tokio::task::yield_now().await;
-    }
     tokio::time::timeout(Duration::from_secs(20), handle.stop())
         .await
         .expect("stop waited for the pass blocked on the lock");
-    gate.rollback().await.unwrap();
+    lock.release().await.unwrap();
     // Whatever the dropped statement did, it did in a transaction of its
     // own: the row is there or gone, never half; a later pass deletes it.
     maintenance::run_once(&pool, &MaintenanceConfig::default())
