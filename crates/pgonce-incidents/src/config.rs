@@ -233,7 +233,8 @@ pub struct PipelineSection {
     pub concurrency: usize,
     /// `batch`: messages asked for per receive. Default 10; at least 1.
     pub batch: usize,
-    /// `wait`: long-poll wait of each receive. Default 5s.
+    /// `wait`: long-poll wait of each receive. Default 5s; above zero (an
+    /// idle worker receives once per wait).
     #[serde(with = "humantime_serde")]
     pub wait: Duration,
     /// `poll_interval`: a long poll re-checks the queue at least this often

@@ -1762,3 +1762,25 @@ async fn a_worker_idle_when_the_server_restarts_takes_up_its_work_again() {
     assert_eq!((stats.depth, stats.in_flight), (0, 0), "{stats:?}");
     drop(cluster);
 }
+
+/// A worker whose receives do not wait is refused, named: on an empty
+/// queue its loop received again at once, without end (about a thousand
+/// statements a second from one idle worker).
+#[tokio::test]
+async fn a_worker_whose_receives_do_not_wait_is_refused() {
+    let (_db, pool) = fresh_migrated_database(2, pgonce::migrate).await;
+    let q = queue(&pool, "never-waits").await;
+    let (handled, _bodies) = tokio::sync::mpsc::unbounded_channel();
+    let config = WorkerConfig {
+        wait: Duration::ZERO,
+        ..WorkerConfig::default()
+    };
+    match Worker::new(q, Reporting(handled), config) {
+        Err(pgonce::Error::Invalid { what, why }) => {
+            assert_eq!(what, "worker config wait");
+            assert!(why.contains("above zero"), "{why}");
+        }
+        Err(other) => panic!("another error: {other}"),
+        Ok(_) => panic!("a worker receiving without waiting was accepted"),
+    }
+}

@@ -191,7 +191,9 @@ pub struct WorkerConfig {
     /// Messages asked for per receive, at most (also capped by free
     /// handler slots). Default 10; at least 1.
     pub batch: usize,
-    /// Long-poll wait of each receive. Default 5 s.
+    /// Long-poll wait of each receive. Default 5 s; above zero. An empty
+    /// receive is followed by the next at once, so this is how often an
+    /// idle worker receives.
     pub wait: Duration,
     /// Visibility timeout of each delivery; `None`: the queue's. Default
     /// `None`.
@@ -265,6 +267,15 @@ impl WorkerConfig {
         };
         if self.concurrency == 0 || self.batch == 0 {
             return invalid("concurrency and batch are at least 1");
+        }
+        // An empty receive is followed by the next at once: without a
+        // wait, a worker on an empty queue sent receives in a loop, about a
+        // thousand statements a second. The wait is what paces it.
+        if self.wait.is_zero() {
+            return Err(Error::Invalid {
+                what: "worker config wait",
+                why: "must be above zero: an empty receive is followed by the next at once, so a worker that does not wait receives in a loop while the queue is empty".into(),
+            });
         }
         // The handler slots are a semaphore's permits.
         if self.concurrency > Semaphore::MAX_PERMITS {
