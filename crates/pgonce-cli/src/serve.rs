@@ -355,9 +355,10 @@ where
             config.api_config(),
         )?)
     } else {
+        drop(queue);
         None
     };
-    let requests = state.clone();
+    let requests = state.as_ref().map(ApiState::requests_under_way);
     let drained = async {
         tokio::join!(
             serve_until_signal(config, listeners, state, stop),
@@ -380,7 +381,7 @@ where
         () = bound => {
             return Err(Abandoned {
                 timeout,
-                requests: requests.map_or(0, |s| s.requests_under_way()),
+                requests: requests.map_or(0, |r| r.count()),
                 runtime: progress.unfinished(),
                 cleaner: cleaner_stopping.load(Ordering::Relaxed),
             }

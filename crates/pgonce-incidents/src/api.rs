@@ -159,7 +159,7 @@ struct Inner {
     /// Raised by [`ApiState::stop_long_polls`]; never lowered.
     stopping: watch::Sender<bool>,
     /// Requests whose handler runs: [`ApiState::requests_under_way`].
-    under_way: std::sync::atomic::AtomicUsize,
+    under_way: RequestsUnderWay,
 }
 
 impl ApiState {
@@ -194,7 +194,7 @@ impl ApiState {
                 admin_digest,
                 config,
                 stopping: watch::Sender::new(false),
-                under_way: std::sync::atomic::AtomicUsize::new(0),
+                under_way: RequestsUnderWay::default(),
             }),
         })
     }
@@ -210,13 +210,12 @@ impl ApiState {
         self.inner.stopping.send_replace(true);
     }
 
-    /// Requests of [`router`] and [`operations_router`] on this state
-    /// whose answer is not made yet: a stop that gives up on its drain
-    /// says how many it abandoned.
-    pub fn requests_under_way(&self) -> usize {
-        self.inner
-            .under_way
-            .load(std::sync::atomic::Ordering::Relaxed)
+    /// The count of requests of [`router`] and [`operations_router`] on
+    /// this state whose answer is not made yet: a stop that gives up on
+    /// its drain says how many it abandoned. The handle holds nothing else
+    /// of the state (not its queue).
+    pub fn requests_under_way(&self) -> RequestsUnderWay {
+        self.inner.under_way.clone()
     }
 
     /// The incident service the handlers call.
@@ -273,20 +272,34 @@ pub fn router(state: ApiState) -> Router {
         .with_state(state)
 }
 
+/// How many requests of an [`ApiState`]'s routers have no answer yet
+/// ([`ApiState::requests_under_way`]). Cheap to clone; every clone counts
+/// the same requests.
+#[derive(Debug, Clone, Default)]
+pub struct RequestsUnderWay(Arc<std::sync::atomic::AtomicUsize>);
+
+impl RequestsUnderWay {
+    /// Requests whose answer is not made yet.
+    pub fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// Counts the request in [`ApiState::requests_under_way`] until its
 /// answer is made, or its handler dropped.
 async fn under_way(State(state): State<ApiState>, request: Request, next: Next) -> Response {
     /// One request on the count while it lives.
-    struct Counted(ApiState);
+    struct Counted(RequestsUnderWay);
     impl Drop for Counted {
         fn drop(&mut self) {
-            let count = &self.0.inner.under_way;
-            count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            (self.0)
+                .0
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
-    let count = &state.inner.under_way;
-    count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let _counted = Counted(state.clone());
+    let count = state.requests_under_way();
+    count.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let _counted = Counted(count);
     next.run(request).await
 }
 
