@@ -440,7 +440,8 @@ impl std::fmt::Display for Abandoned {
             parts.push("the cleaner".into());
         }
         if parts.is_empty() {
-            parts.push("nothing still running".into());
+            // Every part had finished but the API's connections, closing.
+            parts.push("the API's connections still closing".into());
         }
         write!(
             f,
