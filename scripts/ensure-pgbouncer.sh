@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes sure a PgBouncer that can carry sqlx's named prepared statements in
 # transaction mode (1.21 or newer, `max_prepared_statements`) is at hand for
-# the pooler tests, and exports PGONCE_PGBOUNCER with its path. Sourced by
+# the pooler tests, and exports PGBOUNCER_BIN with its path. Sourced by
 # scripts/test.
 #
 # Debian 12's pgbouncer is 1.18, which cannot: in transaction mode a pooled
@@ -64,9 +64,9 @@ build_pgbouncer() {
   rm -rf "$work"
 }
 
-if [ -z "${PGONCE_PGBOUNCER:-}" ]; then
+if [ -z "${PGBOUNCER_BIN:-}" ]; then
   if [ ! -x "$pgbouncer_cache/bin/pgbouncer" ]; then
     build_pgbouncer
   fi
-  export PGONCE_PGBOUNCER="$pgbouncer_cache/bin/pgbouncer"
+  export PGBOUNCER_BIN="$pgbouncer_cache/bin/pgbouncer"
 fi

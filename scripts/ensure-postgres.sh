@@ -7,7 +7,7 @@ set -euo pipefail
 
 have_server_binaries() {
   local dir
-  for dir in "${PGONCE_PG_BINDIR:-}" "$(pg_config --bindir 2>/dev/null || true)" /usr/lib/postgresql/*/bin; do
+  for dir in "${PG_BINDIR:-}" "$(pg_config --bindir 2>/dev/null || true)" /usr/lib/postgresql/*/bin; do
     [ -n "$dir" ] && [ -x "$dir/initdb" ] && [ -x "$dir/postgres" ] && return 0
   done
   return 1

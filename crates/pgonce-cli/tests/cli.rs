@@ -602,6 +602,18 @@ fn worker_refuses_a_lock_wait_of_zero_before_migrating() {
     }
 }
 
+/// The service's configuration sets no `PGONCE_` name aside: the names the
+/// test kit read for the server binaries and PgBouncer (now `PG_BINDIR`
+/// and `PGBOUNCER_BIN`) are unknown keys like any other, refused naming the
+/// variable before the database is touched. The configuration skipped
+/// them by name, and a `worker` started with one ran on.
+#[test]
+fn worker_refuses_the_test_kits_former_variables_as_unknown_keys() {
+    for variable in ["PGONCE_PG_BINDIR", "PGONCE_PGBOUNCER"] {
+        worker_refused_before_migrating(&[(variable, "/usr/bin")], variable);
+    }
+}
+
 /// Without the `sqs-tls` feature, a queue on real SQS (no plain-HTTP
 /// endpoint) is refused before the database is touched, saying to build
 /// `pgonce` with `--features sqs-tls`: it named only the library's `tls`

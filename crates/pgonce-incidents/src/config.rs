@@ -670,15 +670,6 @@ const TEXT_KEYS: &[&str] = &[
     "queue.sqs.endpoint_url",
 ];
 
-/// `PGONCE_` variables that are not the service's configuration: where
-/// the PostgreSQL server binaries and PgBouncer are, which the lab's
-/// commands and the test kit read (`scripts/test` exports them).
-const NOT_CONFIGURATION: &[&str] = &["PGONCE_PG_BINDIR", "PGONCE_PGBOUNCER"];
-
-fn is_configuration(name: &str) -> bool {
-    !NOT_CONFIGURATION.contains(&name)
-}
-
 /// The environment's layer: the variables given, as nested keys.
 struct Environment {
     /// The keys the variables set, lowest precedence first.
@@ -700,7 +691,7 @@ impl Environment {
         let mut legacy = Vec::new();
         let mut plain = Vec::new();
         for (name, value) in vars {
-            if value.is_empty() || !is_configuration(&name) {
+            if value.is_empty() {
                 continue;
             }
             if name == "DATABASE_URL" {

@@ -59,12 +59,9 @@ visibility_timeout = "45s"
         ("PGONCE_API__ADMIN_TOKEN", "0123456789abcdef"),
         ("PGONCE_PIPELINE__EVALUATOR__LATENCY", "5ms"),
         ("UNRELATED", "ignored"),
-        // The server binaries and the pooler, which the lab and the test
-        // kit read and scripts/test exports: not configuration, never
-        // refused.
-        ("PGONCE_PG_BINDIR", "/usr/lib/postgresql/17/bin"),
-        ("PGONCE_PGBOUNCER", "/root/.cache/pgonce/pgbouncer"),
-        // The test suite's knobs, named outside PGONCE_.
+        // The test kit's and the test suite's knobs, named outside PGONCE_.
+        ("PG_BINDIR", "/usr/lib/postgresql/17/bin"),
+        ("PGBOUNCER_BIN", "/root/.cache/pgonce/pgbouncer"),
         ("MODEL_TEST_CASES", "2000"),
         ("API_FUZZ_EXAMPLES", "60"),
     ]);
@@ -250,8 +247,14 @@ fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
     );
     let e = load_err("", &[("PGONCE_WOKERS", "3")]);
     assert!(e.contains("wokers"), "{e}");
-    // No PGONCE_ name is set aside for a test's knobs.
-    for test_knob in ["PGONCE_FUZZ_EXAMPLES", "PGONCE_PROPTEST_CASES"] {
+    // No PGONCE_ name is set aside for a test's knobs, nor for the test
+    // kit's (the server binaries, PgBouncer) under their former names.
+    for test_knob in [
+        "PGONCE_FUZZ_EXAMPLES",
+        "PGONCE_PROPTEST_CASES",
+        "PGONCE_PG_BINDIR",
+        "PGONCE_PGBOUNCER",
+    ] {
         let e = load_err("", &[(test_knob, "60")]);
         assert!(e.contains(test_knob), "{e}");
     }

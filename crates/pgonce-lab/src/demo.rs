@@ -97,7 +97,7 @@ pub struct DemoArgs {
     restart_at: Option<f64>,
     /// Run every pool (pipeline, people, notifier, maintenance) through a
     /// PgBouncer in transaction mode that the demo starts in front of the
-    /// database and stops at the end (the binary: PGONCE_PGBOUNCER or
+    /// database and stops at the end (the binary: PGBOUNCER_BIN or
     /// `pgbouncer` on the PATH, 1.21 or newer; scripts/ensure-pgbouncer.sh
     /// builds one).
     #[arg(long)]

@@ -34,7 +34,7 @@ use nix::unistd::{Gid, Pid, Uid, User};
 
 /// Environment variable naming the directory of the PostgreSQL server
 /// binaries (`initdb`, `postgres`); it overrides discovery.
-pub const BINDIR_ENV: &str = "PGONCE_PG_BINDIR";
+pub const BINDIR_ENV: &str = "PG_BINDIR";
 
 /// The superuser created by `initdb` in every throwaway cluster. Not
 /// `pgonce`: the default `search_path` starts with `"$user"`, so a role named
@@ -101,7 +101,7 @@ pub struct Binaries {
 }
 
 impl Binaries {
-    /// Finds the server binaries: `$PGONCE_PG_BINDIR`, then
+    /// Finds the server binaries: `$PG_BINDIR`, then
     /// `pg_config --bindir`, then the newest `/usr/lib/postgresql/*/bin`.
     /// A candidate counts only if it holds both `initdb` and `postgres`.
     pub fn find() -> Result<Binaries, ClusterError> {

@@ -4,7 +4,7 @@
 //! lock, LISTEN, a `SET` without `LOCAL`, a temporary table) survives from
 //! one transaction to the next.
 //!
-//! The binary is the one `PGONCE_PGBOUNCER` names (`scripts/ensure-pgbouncer.sh`
+//! The binary is the one `PGBOUNCER_BIN` names (`scripts/ensure-pgbouncer.sh`
 //! builds 1.24 and sets it), else `pgbouncer` on the `PATH`. It must be 1.21
 //! or newer: older versions cannot carry sqlx's named prepared statements in
 //! transaction mode. Like [`Cluster`](crate::Cluster), the pooler runs as the
@@ -24,7 +24,7 @@ use sqlx::postgres::PgConnectOptions;
 use crate::cluster::{ClusterError, RunAs, free_port, read_log, spawn_watchdog, stop_process};
 
 /// Environment variable naming the PgBouncer binary.
-pub const PGBOUNCER_ENV: &str = "PGONCE_PGBOUNCER";
+pub const PGBOUNCER_ENV: &str = "PGBOUNCER_BIN";
 
 /// How long PgBouncer gets to accept connections after it was started.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
