@@ -21,7 +21,6 @@ use tracing_subscriber::EnvFilter;
 #[cfg(feature = "lab")]
 use pgonce_lab::{bench, chaos, demo, race, report::Report};
 
-use crate::database::Database;
 use crate::stop::{Interrupted, ServiceStop, StopSignals};
 
 /// What a command leaves to print: the lab's reports; the product's
@@ -65,10 +64,11 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Apply the library's migrations (the `pgonce` schema) to the
-    /// --database-url database (or DATABASE_URL's), for applications that
-    /// use the library. The incident service's own schema is applied by
-    /// `serve`, `worker` and `rollout PERCENT`, from their configuration.
-    Migrate,
+    /// database of the configuration `serve` reads (--config,
+    /// PGONCE_DATABASE__URL, DATABASE_URL, --database-url), over its
+    /// `database.direct_url` when set. The incident service's own schema
+    /// is applied by `serve`, `worker` and `rollout PERCENT`.
+    Migrate(serve::MigrateArgs),
     #[cfg(feature = "lab")]
     /// Replay a race step by step under each strategy.
     Race(race::RaceArgs),
@@ -108,7 +108,7 @@ fn main() -> ExitCode {
     if cli.json
         && matches!(
             cli.command,
-            Command::Migrate | Command::Serve(_) | Command::Worker(_) | Command::Rollout(_)
+            Command::Migrate(_) | Command::Serve(_) | Command::Worker(_) | Command::Rollout(_)
         )
     {
         Cli::command()
@@ -119,9 +119,9 @@ fn main() -> ExitCode {
             )
             .exit();
     }
-    // The service's configuration reads DATABASE_URL itself, below its
-    // own PGONCE_DATABASE__URL: only a --database-url typed on the command
-    // line overrides the configuration.
+    // The configuration (`migrate`, `serve`, `worker`, `rollout`) reads
+    // DATABASE_URL itself, below its own PGONCE_DATABASE__URL: only a
+    // --database-url typed on the command line overrides it.
     let flag_url = matches.value_source("database_url") == Some(ValueSource::CommandLine);
     // sqlx warns about every statement slower than a second; in races and
     // benchmarks those are lock waits we cause on purpose. The demo causes
@@ -240,18 +240,7 @@ async fn run(cli: &Cli, flag_url: bool, stop: &ServiceStop) -> anyhow::Result<Op
     let url = cli.database_url.as_deref().filter(|u| !u.is_empty());
     let service_url = url.filter(|_| flag_url);
     match &cli.command {
-        Command::Migrate => {
-            let url =
-                url.context("migrate needs a database: pass --database-url or set DATABASE_URL")?;
-            let database = Database::open(url).await?;
-            let pool = database.pool(1, database::CONNECT_TIMEOUT).await?;
-            pgonce::migrate(&pool)
-                .await
-                .map_err(pgonce::Error::from)
-                .with_context(|| format!("migrating {}", database.address()))?;
-            eprintln!("pgonce: migrations applied to {}", database.address());
-            Ok(None)
-        }
+        Command::Migrate(args) => serve::migrate(args, service_url).await.map(|()| None),
         #[cfg(feature = "lab")]
         Command::Race(args) => race::run(args, url).await.map(Some),
         #[cfg(feature = "lab")]

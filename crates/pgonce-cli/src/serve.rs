@@ -1,5 +1,6 @@
 //! `pgonce serve` (HTTP API + background runtime), `pgonce worker` (runtime
-//! only) and `pgonce rollout` (change the guard rollout without a restart).
+//! only), `pgonce rollout` (change the guard rollout without a restart) and
+//! `pgonce migrate` (the library's schema), on one configuration.
 //!
 //! The configuration is [`pgonce_incidents::config::Config`]: defaults, a
 //! TOML file (`--config`), the environment (`PGONCE_...`, `DATABASE_URL`);
@@ -59,6 +60,15 @@ pub struct ServeArgs {
     listen: Option<SocketAddr>,
 }
 
+/// `pgonce migrate` flags.
+#[derive(Debug, clap::Args)]
+pub struct MigrateArgs {
+    /// TOML configuration file: the one `serve` reads, checked as `serve`
+    /// checks it; its `[database]` section is used.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
 /// `pgonce rollout` flags.
 #[derive(Debug, clap::Args)]
 pub struct RolloutArgs {
@@ -111,21 +121,32 @@ fn configure(
     Ok(config)
 }
 
-/// The pool on `database.url`, after migrating over the direct URL when
-/// one is configured. Migrations keep no session state (each takes its
-/// lock for its own transaction), so the pooled URL works as well; the
-/// direct one keeps a long migration off the connections the pooler shares
-/// with live traffic.
-async fn connect(config: &Config) -> anyhow::Result<PgPool> {
-    let url = config.database.url.as_deref().context("no database.url")?;
-    let direct = config.direct_url().unwrap_or(url);
+/// Runs `migrations` (given a pool of one connection) over the direct URL
+/// when one is configured, else `database.url`, and returns the address it
+/// migrated. Migrations keep no session state (each takes its lock for its
+/// own transaction), so the pooled URL works as well; the direct one keeps
+/// a long migration off the connections the pooler shares with live
+/// traffic.
+async fn migrate_with<F>(config: &Config, migrations: F) -> anyhow::Result<String>
+where
+    F: AsyncFnOnce(&PgPool) -> Result<(), sqlx::migrate::MigrateError>,
+{
+    let direct = config.direct_url().context("no database.url")?;
     let migrating = Database::open(direct).await?;
     let pool = migrating.pool(1, config.database.acquire_timeout).await?;
-    pgonce_incidents::migrate(&pool)
+    migrations(&pool)
         .await
         .map_err(pgonce::Error::from)
         .with_context(|| format!("migrating {}", migrating.address()))?;
     pool.close().await;
+    Ok(migrating.address())
+}
+
+/// The pool on `database.url`, after the service's migrations
+/// ([`migrate_with`]).
+async fn connect(config: &Config) -> anyhow::Result<PgPool> {
+    let url = config.database.url.as_deref().context("no database.url")?;
+    migrate_with(config, pgonce_incidents::migrate).await?;
     let database = Database::open(url).await?;
     database
         .pool(
@@ -133,6 +154,19 @@ async fn connect(config: &Config) -> anyhow::Result<PgPool> {
             config.database.acquire_timeout,
         )
         .await
+}
+
+/// `pgonce migrate`: the library's migrations (the `pgonce` schema), on
+/// the database of the configuration `serve` reads, over
+/// `database.direct_url` when it is set, as `serve` migrates. The
+/// configuration is checked whole first, as `serve` checks it, so that a
+/// value `serve` would refuse stops `migrate` too, named, with nothing
+/// applied.
+pub async fn migrate(args: &MigrateArgs, database_url: Option<&str>) -> anyhow::Result<()> {
+    let config = configure(args.config.as_deref(), database_url, None)?;
+    let address = migrate_with(&config, pgonce::migrate).await?;
+    eprintln!("pgonce: migrations applied to {address}");
+    Ok(())
 }
 
 /// Installs the process-wide Prometheus recorder, and a task that keeps its

@@ -305,6 +305,66 @@ fn serve_with_an_unknown_config_key_fails_naming_it() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("wokers"));
 }
 
+/// Whether `pool`'s database holds the library's schema.
+fn migrated(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool) -> bool {
+    rt.block_on(sqlx::query_scalar("SELECT to_regnamespace('pgonce') IS NOT NULL").fetch_one(pool))
+        .unwrap()
+}
+
+/// `migrate` reads the configuration `serve` and `worker` read: the file
+/// (`--config`), `PGONCE_DATABASE__URL` over `DATABASE_URL`, and migrates
+/// over `database.direct_url` when set, as they do; a bad key in that
+/// configuration is refused naming it, nothing applied. It took no
+/// `--config` (a usage error), read `DATABASE_URL` alone and ran on
+/// `database.url` (here a closed port), so an operator's one configuration
+/// did not reach it.
+#[test]
+fn migrate_reads_the_configuration_serve_reads() {
+    let (rt, db, url) = fresh_database_url();
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pgonce.toml");
+    let migrate_with_file = |database_section: String| {
+        std::fs::write(&path, format!("[database]\n{database_section}")).unwrap();
+        let out = pgonce()
+            .args(["migrate", "--config", path.to_str().unwrap()])
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+
+    // A bad key: refused naming it, before anything is applied.
+    let (code, stderr) = migrate_with_file(format!("url = {url:?}\nmax_connections = 0\n"));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("database.max_connections"), "{stderr}");
+    assert!(!migrated(&rt, &pool));
+
+    // `url` a closed port (a pooler not up yet), `direct_url` the database:
+    // the migrations go over the direct URL, as `serve`'s do.
+    let closed = format!("postgres://nobody@127.0.0.1:{}/nowhere", free_port());
+    let (code, stderr) = migrate_with_file(format!("url = {closed:?}\ndirect_url = {url:?}\n"));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(migrated(&rt, &pool), "{stderr}");
+
+    // The environment alone: PGONCE_DATABASE__URL over DATABASE_URL.
+    let (rt2, db2, url2) = fresh_database_url();
+    let pool2 = rt2.block_on(db2.pool(1)).unwrap();
+    let out = pgonce()
+        .arg("migrate")
+        .env("PGONCE_DATABASE__URL", &url2)
+        .env("DATABASE_URL", &closed)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(migrated(&rt2, &pool2), "{stderr}");
+}
+
 /// The one line `pgonce migrate` prints for a database error: PostgreSQL's
 /// message once, its SQLSTATE, no C source line of the server.
 fn assert_printed_once(stderr: &str, message: &str) {
