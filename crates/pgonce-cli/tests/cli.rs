@@ -365,6 +365,46 @@ fn migrate_reads_the_configuration_serve_reads() {
     assert!(migrated(&rt2, &pool2), "{stderr}");
 }
 
+/// A `database.url` or `database.direct_url` that is not a PostgreSQL URL
+/// is refused with the rest of the configuration, naming its key, nothing
+/// applied: a `mysql://` URL was parsed as PostgreSQL's and migrated the
+/// PostgreSQL on its host and port, and text that is no URL was refused
+/// without the key that held it.
+#[test]
+fn a_database_url_that_is_not_postgresqls_is_refused_naming_its_key() {
+    let (rt, db, url) = fresh_database_url();
+    let (_, rest) = url.split_once("://").unwrap();
+    let other_scheme = format!("mysql://{rest}");
+    for (variable, key, value) in [
+        (
+            "PGONCE_DATABASE__URL",
+            "database.url",
+            other_scheme.as_str(),
+        ),
+        ("PGONCE_DATABASE__URL", "database.url", "not a url"),
+        (
+            "PGONCE_DATABASE__DIRECT_URL",
+            "database.direct_url",
+            other_scheme.as_str(),
+        ),
+    ] {
+        let out = pgonce()
+            .arg("migrate")
+            .env("DATABASE_URL", &url)
+            .env(variable, value)
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{variable}={value}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{key}: not a PostgreSQL URL")),
+            "{variable}={value}: {stderr}"
+        );
+        assert_never_migrated(&rt, &db);
+    }
+}
+
 /// The one line `pgonce migrate` prints for a database error: PostgreSQL's
 /// message once, its SQLSTATE, no C source line of the server.
 fn assert_printed_once(stderr: &str, message: &str) {

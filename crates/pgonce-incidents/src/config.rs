@@ -923,17 +923,13 @@ impl Config {
                 format!("must be 2 to {MAX_CONNECTIONS}"),
             ));
         }
-        if let Some(url) = self
-            .database
-            .direct_url
-            .as_deref()
-            .filter(|u| !u.is_empty())
-            && let Err(e) = PgConnectOptions::from_str(url)
-        {
-            return Err(invalid(
-                "database.direct_url",
-                format!("not a PostgreSQL URL: {e}"),
-            ));
+        for (key, url) in [
+            ("database.url", self.database.url.as_deref()),
+            ("database.direct_url", self.database.direct_url.as_deref()),
+        ] {
+            if let Some(url) = url.filter(|u| !u.is_empty()) {
+                check_postgres_url(url).map_err(|why| invalid(key, why))?;
+            }
         }
         if let Some(unknown) = self
             .maintenance
@@ -1178,6 +1174,20 @@ impl Config {
                 ..RedriverConfig::default()
             },
         }
+    }
+}
+
+/// Why `url` is not a PostgreSQL URL, if it is not. sqlx parses any
+/// scheme as PostgreSQL's (a `mysql://` URL connected to the PostgreSQL on
+/// its host and port), so the scheme is checked here. The reason never
+/// repeats the URL, which may hold a password.
+fn check_postgres_url(url: &str) -> Result<(), String> {
+    let scheme = url.split_once("://").map(|(scheme, _)| scheme);
+    match scheme {
+        Some("postgres" | "postgresql") => PgConnectOptions::from_str(url)
+            .map(drop)
+            .map_err(|e| format!("not a PostgreSQL URL: {e}")),
+        _ => Err("not a PostgreSQL URL: it must start with postgres:// or postgresql://".into()),
     }
 }
 
