@@ -702,6 +702,60 @@ fn worker_refuses_a_lock_wait_of_zero_before_migrating() {
     }
 }
 
+/// A value the library's own checks refuse (the worker's receives, the
+/// notifier, the API, the job maintenance passes) is refused naming the
+/// key that holds it, before the database is touched. They were named by
+/// section and in the library's words: `pipeline: invalid worker config:
+/// ... max_messages is 1 to 1000` for `pipeline.batch`, `notifier: invalid
+/// notifier config: lease must exceed timeout ...` for any of three keys.
+#[test]
+fn worker_names_the_key_of_a_value_the_librarys_checks_refuse() {
+    let webhook = ("PGONCE_NOTIFIER__WEBHOOK_URL", "http://127.0.0.1:9/hook");
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (&[("PGONCE_PIPELINE__BATCH", "1001")], "pipeline.batch"),
+        (&[("PGONCE_PIPELINE__WAIT", "13h")], "pipeline.wait"),
+        (
+            &[("PGONCE_PIPELINE__VISIBILITY_TIMEOUT", "13h")],
+            "pipeline.visibility_timeout",
+        ),
+        (&[("PGONCE_API__ADMIN_TOKEN", "short")], "api.admin_token"),
+        (&[("PGONCE_API__BODY_LIMIT", "10")], "api.body_limit"),
+        (&[("PGONCE_API__BODY_TIMEOUT", "0s")], "api.body_timeout"),
+        (
+            &[("PGONCE_NOTIFIER__WEBHOOK_URL", "http://")],
+            "notifier.webhook_url",
+        ),
+        (
+            &[webhook, ("PGONCE_NOTIFIER__BATCH", "0")],
+            "notifier.batch",
+        ),
+        (&[webhook, ("PGONCE_NOTIFIER__IDLE", "0s")], "notifier.idle"),
+        (
+            &[webhook, ("PGONCE_NOTIFIER__LEASE", "1s")],
+            "notifier.lease",
+        ),
+        (
+            &[webhook, ("PGONCE_NOTIFIER__RETRY__MAX", "0s")],
+            "notifier.retry.max",
+        ),
+        (
+            &[webhook, ("PGONCE_NOTIFIER__RETRY__JITTER", "2")],
+            "notifier.retry.jitter",
+        ),
+        (
+            &[("PGONCE_MAINTENANCE__REAPER__INTERVAL", "0s")],
+            "maintenance.reaper.interval",
+        ),
+        (
+            &[("PGONCE_MAINTENANCE__REDRIVER__BATCH_SIZE", "0")],
+            "maintenance.redriver.batch_size",
+        ),
+    ];
+    for (vars, key) in cases {
+        worker_refused_before_migrating(vars, &format!("error: {key}: "));
+    }
+}
+
 /// The service's configuration sets no `PGONCE_` name aside: the names the
 /// test kit read for the server binaries and PgBouncer (now `PG_BINDIR`
 /// and `PGBOUNCER_BIN`) are unknown keys like any other, refused naming the

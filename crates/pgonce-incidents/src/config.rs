@@ -231,7 +231,7 @@ pub struct PipelineSection {
     /// `concurrency`: messages each worker handles at once. Default 4; at
     /// least 1.
     pub concurrency: usize,
-    /// `batch`: messages asked for per receive. Default 10; at least 1.
+    /// `batch`: messages asked for per receive. Default 10; 1 to 1000.
     pub batch: usize,
     /// `wait`: long-poll wait of each receive. Default 5s; above zero (an
     /// idle worker receives once per wait).
@@ -970,14 +970,19 @@ impl Config {
         if self.pipeline.concurrency == 0 {
             return Err(invalid("pipeline.concurrency", "must be at least 1"));
         }
-        if self.pipeline.batch == 0 {
-            return Err(invalid("pipeline.batch", "must be at least 1"));
-        }
-        if self.pipeline.visibility_timeout < Duration::from_secs(1) {
+        if !(1..=pgonce::queue::MAX_BATCH).contains(&self.pipeline.batch) {
             return Err(invalid(
-                "pipeline.visibility_timeout",
-                "must be at least 1s",
+                "pipeline.batch",
+                format!("must be 1 to {}", pgonce::queue::MAX_BATCH),
             ));
+        }
+        if self.pipeline.wait > pgonce::queue::MAX_WAIT {
+            return Err(invalid("pipeline.wait", "must be at most 12h"));
+        }
+        if !(Duration::from_secs(1)..=pgonce::queue::MAX_VISIBILITY)
+            .contains(&self.pipeline.visibility_timeout)
+        {
+            return Err(invalid("pipeline.visibility_timeout", "must be 1s to 12h"));
         }
         // The PostgreSQL queue stores it as an int: a larger one was refused
         // only when the queue was opened, after the migrations had run.
@@ -1014,11 +1019,18 @@ impl Config {
                 "must be an http:// or https:// URL",
             ));
         }
-        if let Some(notifier) = self.notifier_config() {
-            notifier.validate().map_err(|e| invalid("notifier", e))?;
+        if self.notifier.webhook_url.is_some() {
+            self.validate_notifier()?;
         }
         if self.service.notify_max_attempts < 1 {
             return Err(invalid("service.notify_max_attempts", "must be at least 1"));
+        }
+        self.validate_api()?;
+        // What the sections' own checks below refuse is refused above
+        // under the key that sets it; they stay as a backstop, naming the
+        // section, for a check added to the library later.
+        if let Some(notifier) = self.notifier_config() {
+            notifier.validate().map_err(|e| invalid("notifier", e))?;
         }
         self.api_config()
             .validate()
@@ -1026,15 +1038,84 @@ impl Config {
         self.worker_config()
             .validate()
             .map_err(|e| invalid("pipeline", e))?;
-        for (key, pass) in [
-            ("maintenance.reaper", &self.maintenance.reaper),
-            ("maintenance.redriver", &self.maintenance.redriver),
+        for (interval_key, batch_size_key, pass) in [
+            (
+                "maintenance.reaper.interval",
+                "maintenance.reaper.batch_size",
+                &self.maintenance.reaper,
+            ),
+            (
+                "maintenance.redriver.interval",
+                "maintenance.redriver.batch_size",
+                &self.maintenance.redriver,
+            ),
         ] {
-            if pass.interval.is_zero() || pass.batch_size < 1 {
-                return Err(invalid(
-                    key,
-                    "interval must be above zero and batch_size at least 1",
-                ));
+            if pass.interval.is_zero() {
+                return Err(invalid(interval_key, "must be above zero"));
+            }
+            if pass.batch_size < 1 {
+                return Err(invalid(batch_size_key, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    /// `[notifier]`'s keys, when it has a `webhook_url`: what
+    /// [`NotifierConfig::validate`] refuses, by key.
+    fn validate_notifier(&self) -> Result<(), ConfigError> {
+        let n = &self.notifier;
+        if let Some(url) = &n.webhook_url
+            && let Err(e) = reqwest::Url::parse(url)
+        {
+            return Err(invalid("notifier.webhook_url", format!("not a URL: {e}")));
+        }
+        if n.batch < 1 {
+            return Err(invalid("notifier.batch", "must be at least 1"));
+        }
+        for (key, d) in [("notifier.timeout", n.timeout), ("notifier.idle", n.idle)] {
+            if d.is_zero() {
+                return Err(invalid(key, "must be above zero"));
+            }
+        }
+        if n.lease <= n.timeout {
+            return Err(invalid(
+                "notifier.lease",
+                "must be longer than notifier.timeout (a send still under way would be taken over)",
+            ));
+        }
+        if n.retry.max < n.retry.base {
+            return Err(invalid(
+                "notifier.retry.max",
+                "must be at least notifier.retry.base",
+            ));
+        }
+        if !(0.0..=1.0).contains(&n.retry.jitter) {
+            return Err(invalid("notifier.retry.jitter", "must be in [0, 1]"));
+        }
+        Ok(())
+    }
+
+    /// `[api]`'s keys: what [`ApiConfig::validate`] refuses, by key.
+    fn validate_api(&self) -> Result<(), ConfigError> {
+        let a = &self.api;
+        if let Some(token) = &a.admin_token
+            && (token.len() < 16 || token.trim() != token)
+        {
+            return Err(invalid(
+                "api.admin_token",
+                "must be at least 16 bytes, without whitespace around it",
+            ));
+        }
+        if a.body_limit < 1024 {
+            return Err(invalid("api.body_limit", "must be at least 1024 (bytes)"));
+        }
+        for (key, d) in [
+            ("api.header_timeout", a.header_timeout),
+            ("api.body_timeout", a.body_timeout),
+            ("api.write_timeout", a.write_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(invalid(key, "must be above zero"));
             }
         }
         Ok(())
