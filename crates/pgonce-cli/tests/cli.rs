@@ -365,6 +365,35 @@ fn migrate_reads_the_configuration_serve_reads() {
     assert!(migrated(&rt2, &pool2), "{stderr}");
 }
 
+/// A value of the wrong type in the file is refused naming the key as the
+/// file writes it, and the file, nothing applied. figment put its profile
+/// before the key: `for key "default.database.max_connections"`, a key no
+/// file has.
+#[test]
+fn a_file_value_of_the_wrong_type_names_the_key_as_the_file_writes_it() {
+    let (rt, db, url) = fresh_database_url();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pgonce.toml");
+    std::fs::write(
+        &path,
+        format!("[database]\nurl = {url:?}\nmax_connections = \"16\"\n"),
+    )
+    .unwrap();
+    let out = pgonce()
+        .args(["migrate", "--config", path.to_str().unwrap()])
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("for key \"database.max_connections\""),
+        "{stderr}"
+    );
+    assert!(stderr.contains("pgonce.toml"), "{stderr}");
+    assert_never_migrated(&rt, &db);
+}
+
 /// A `database.url` or `database.direct_url` that is not a PostgreSQL URL
 /// is refused with the rest of the configuration, naming its key, nothing
 /// applied: a `mysql://` URL was parsed as PostgreSQL's and migrated the

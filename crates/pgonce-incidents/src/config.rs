@@ -24,7 +24,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use figment::providers::{Format, Toml};
+use figment::providers::{Data, Format, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
@@ -738,6 +738,24 @@ impl Environment {
     }
 }
 
+/// The file's layer: figment's TOML provider, whose errors name a key as
+/// the file writes it (`database.max_connections`). figment's own put the
+/// profile before it (`default.database.max_connections`), a key no file
+/// has.
+struct FileLayer(Data<Toml>);
+
+impl Provider for FileLayer {
+    fn metadata(&self) -> Metadata {
+        self.0
+            .metadata()
+            .interpolater(|_: &Profile, path: &[&str]| path.join("."))
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        self.0.data()
+    }
+}
+
 /// Sets `path` (dotted) in `dict` to `value`, creating sections on the way.
 fn insert(dict: &mut Dict, path: &str, value: Value) {
     match path.split_once('.') {
@@ -817,7 +835,7 @@ impl Config {
                     reason: "not a file".into(),
                 });
             }
-            figment = figment.merge(Toml::file_exact(path));
+            figment = figment.merge(FileLayer(Toml::file_exact(path)));
         }
         figment = figment.merge(Environment::new(env));
         figment.extract().map_err(|e| {
