@@ -852,8 +852,9 @@ async fn healthz() -> Json<Value> {
 pub const READY_WITHIN: Duration = Duration::from_millis(800);
 
 /// What `/readyz` reads of the database: whether it takes writes now.
-/// Read, never tried with a write: a probe stays one cheap statement that
-/// changes nothing.
+/// Read, never tried with a write: a probe stays cheap statements that
+/// change nothing (this one, and whether a newer build migrated the
+/// database since, [`crate::migrate::newer_version`]).
 #[derive(sqlx::FromRow)]
 struct Writability {
     /// `pg_is_in_recovery()`: a standby (or a server still recovering),
@@ -869,12 +870,18 @@ async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
     let not_ready = |reason: &'static str| {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason)
     };
-    let probe = sqlx::query_as::<_, Writability>(
-        "SELECT pg_is_in_recovery() AS in_recovery, \
-                current_setting('transaction_read_only')::boolean AS read_only",
-    )
-    .fetch_one(state.service().pool());
-    let writability = tokio::time::timeout(READY_WITHIN, probe)
+    let pool = state.service().pool();
+    let probe = async {
+        let writability = sqlx::query_as::<_, Writability>(
+            "SELECT pg_is_in_recovery() AS in_recovery, \
+                    current_setting('transaction_read_only')::boolean AS read_only",
+        )
+        .fetch_one(pool)
+        .await?;
+        let newer = crate::migrate::newer_version(pool).await?;
+        Ok::<_, sqlx::Error>((writability, newer))
+    };
+    let (writability, newer) = tokio::time::timeout(READY_WITHIN, probe)
         .await
         .unwrap_or(Err(sqlx::Error::PoolTimedOut))
         .map_err(|e| {
@@ -893,6 +900,20 @@ async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
              default_transaction_read_only of the server, database or role)"
         );
         return Err(not_ready("the database is read-only and refuses writes"));
+    }
+    // This process's statements were written for the schema it migrated;
+    // traffic goes to the build that migrated the database since.
+    if let Some(version) = newer {
+        let reason = format!(
+            "a newer build migrated the database (migration {version}) since this one \
+             started: replace this process with that build"
+        );
+        tracing::warn!("not ready: {reason}");
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            reason,
+        ));
     }
     Ok(Json(json!({ "status": "ready" })))
 }

@@ -37,6 +37,25 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     pgonce::migrate::check_schema(pool, &SCHEMA).await
 }
 
+/// For a running service: the lowest version a newer build applied since
+/// this one migrated, pgonce's ([`pgonce::migrate::LIBRARY_VERSIONS`])
+/// first, then the service's ([`SERVICE_VERSIONS`]); see
+/// [`pgonce::migrate::newer_version`]. [`migrate`] would refuse such a
+/// database; a process that migrated before it meets the newer schema
+/// statement by statement, and `/readyz` says so instead.
+pub(crate) async fn newer_version(pool: &PgPool) -> Result<Option<i64>, sqlx::Error> {
+    let library = pgonce::migrate::newer_version(
+        pool,
+        &pgonce::migrate::MIGRATOR,
+        pgonce::migrate::LIBRARY_VERSIONS,
+    )
+    .await?;
+    match library {
+        Some(version) => Ok(Some(version)),
+        None => pgonce::migrate::newer_version(pool, &MIGRATOR, SERVICE_VERSIONS).await,
+    }
+}
+
 /// What [`MIGRATOR`]'s migrations make. A migration that adds a table or a
 /// function adds it here (a test compares this with the catalog of a
 /// freshly migrated database).

@@ -268,3 +268,49 @@ async fn a_database_that_refuses_writes_is_not_ready() {
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["status"], "ready", "{body}");
 }
+
+/// A service still running when a newer build migrates its database
+/// (during a rolling deploy, or by `pgonce migrate` of the newer build)
+/// is not ready, in words that say so, for pgonce's migrations and for the
+/// service's: its statements were written for the schema before, and a
+/// load balancer should send its traffic to the newer build. It was ready
+/// as before, and met the newer schema request by request.
+#[tokio::test]
+async fn a_database_a_newer_build_migrated_while_running_is_not_ready() {
+    let (_db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let api = api_on(pool.clone(), &queue);
+    let within = Duration::from_secs(60);
+    let (status, body) = get(&api, "/readyz", within).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    for version in [998_i64, 1998] {
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations \
+             (version, description, success, checksum, execution_time) \
+             VALUES ($1, 'from a newer build', true, '\\x00', 0)",
+        )
+        .bind(version)
+        .execute(&pool)
+        .await
+        .unwrap();
+        let (status, body) = get(&api, "/readyz", within).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{version}: {body}");
+        assert_eq!(body["error"]["code"], "unavailable", "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("a newer build migrated the database")
+                && message.contains(&format!("migration {version}")),
+            "{message}"
+        );
+        sqlx::query("DELETE FROM _sqlx_migrations WHERE version = $1")
+            .bind(version)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let (status, body) = get(&api, "/readyz", within).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}

@@ -32,7 +32,7 @@
 use std::ops::RangeInclusive;
 
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
-use sqlx::{Executor, PgPool};
+use sqlx::{Executor, PgExecutor, PgPool};
 
 use crate::lock::LockKey;
 
@@ -219,7 +219,7 @@ pub async fn run_owning(
         .filter(|m| !matches!(m.migration_type, MigrationType::ReversibleDown))
         .collect();
     migrations.sort_by_key(|m| m.version);
-    let known: Vec<i64> = migrations.iter().map(|m| m.version).collect();
+    let known = applied_versions(migrator);
     let runner = Runner {
         key,
         owned: &owned,
@@ -237,6 +237,47 @@ pub async fn run_owning(
         runner.apply_one(pool, migration).await?;
     }
     Ok(())
+}
+
+/// The lowest version applied to `executor`'s database in `owned` that is
+/// none of `known`: applied by a newer build of the same migrations.
+async fn unknown_version<'e>(
+    executor: impl PgExecutor<'e>,
+    owned: &RangeInclusive<i64>,
+    known: &[i64],
+) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar(include_str!("migrate/sql/unknown_version.sql"))
+        .bind(owned.start())
+        .bind(owned.end())
+        .bind(known)
+        .fetch_optional(executor)
+        .await
+}
+
+/// The versions of `migrator`'s migrations that a run applies.
+fn applied_versions(migrator: &Migrator) -> Vec<i64> {
+    let mut versions: Vec<i64> = migrator
+        .iter()
+        .filter(|m| !matches!(m.migration_type, MigrationType::ReversibleDown))
+        .map(|m| m.version)
+        .collect();
+    versions.sort_unstable();
+    versions
+}
+
+/// For a process already running: the lowest version in `owned` applied
+/// to the database that `migrator` does not know, if any. A newer build
+/// has migrated the database since this one did (a rolling deploy, that
+/// build's `pgonce migrate`): this build's statements were written for
+/// the schema before, and [`run_owning`] would refuse it
+/// ([`MigrateError::VersionMissing`]). One statement that writes nothing;
+/// an error when the database was never migrated (no `_sqlx_migrations`).
+pub async fn newer_version<'e>(
+    executor: impl PgExecutor<'e>,
+    migrator: &Migrator,
+    owned: RangeInclusive<i64>,
+) -> Result<Option<i64>, sqlx::Error> {
+    unknown_version(executor, &owned, &applied_versions(migrator)).await
 }
 
 #[derive(sqlx::FromRow)]
@@ -275,14 +316,7 @@ impl Runner<'_> {
          )",
         )
         .await?;
-        let unknown: Option<i64> =
-            sqlx::query_scalar(include_str!("migrate/sql/unknown_version.sql"))
-                .bind(self.owned.start())
-                .bind(self.owned.end())
-                .bind(self.known)
-                .fetch_optional(&mut *tx)
-                .await?;
-        if let Some(version) = unknown {
+        if let Some(version) = unknown_version(&mut *tx, self.owned, self.known).await? {
             return Err(MigrateError::VersionMissing(version));
         }
         let applied: Option<AppliedRow> =
