@@ -600,6 +600,17 @@ async fn read_rollout(pool: &PgPool) -> anyhow::Result<u8> {
         "not migrated: no table incidents.settings (`pgonce serve`, `pgonce worker` and \
          `pgonce rollout PERCENT` migrate it)"
     );
+    // What this build reads is what its migrations made: a newer build's
+    // schema may keep the setting elsewhere, or mean another thing by it.
+    if let Some(version) = pgonce_incidents::newer_version(&mut read)
+        .await
+        .map_err(pgonce::Error::from)?
+    {
+        anyhow::bail!(
+            "a newer build migrated the database (migration {version}): read the rollout \
+             with that build's `pgonce rollout`"
+        );
+    }
     let percent = pgonce_incidents::store::rollout_percent(&mut *read).await?;
     read.rollback().await.map_err(pgonce::Error::from)?;
     Ok(percent)

@@ -133,6 +133,21 @@ fn migrate_without_a_database_says_what_to_pass() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--database-url"));
 }
 
+/// Records `version` applied on `pool`'s database, as a newer build's
+/// migration would be.
+fn record_newer_migration(rt: &tokio::runtime::Runtime, pool: &sqlx::PgPool, version: i64) {
+    rt.block_on(
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations \
+             (version, description, success, checksum, execution_time) \
+             VALUES ($1, 'from a newer build', true, '\\x00', 0)",
+        )
+        .bind(version)
+        .execute(pool),
+    )
+    .unwrap();
+}
+
 /// A database a newer build migrated is refused, by `migrate` and by
 /// `serve`, in words that say so, with nothing applied: one unknown
 /// version in pgonce's range, then one in the service's.
@@ -140,18 +155,7 @@ fn migrate_without_a_database_says_what_to_pass() {
 fn a_database_a_newer_build_migrated_is_refused_in_words_that_say_so() {
     let (rt, db, url) = fresh_database_url();
     let pool = rt.block_on(db.pool(1)).unwrap();
-    let newer = |version: i64| {
-        rt.block_on(
-            sqlx::query(
-                "INSERT INTO _sqlx_migrations \
-                 (version, description, success, checksum, execution_time) \
-                 VALUES ($1, 'from a newer build', true, '\\x00', 0)",
-            )
-            .bind(version)
-            .execute(&pool),
-        )
-        .unwrap();
-    };
+    let newer = |version: i64| record_newer_migration(&rt, &pool, version);
     let applied = || -> i64 {
         rt.block_on(sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&pool))
             .unwrap()
@@ -959,6 +963,41 @@ fn set_rollout_30(url: &str) {
     );
 }
 
+/// `rollout` without a percent reads without migrating, so it is the one
+/// command that met a database a newer build migrated without the
+/// runner's check: it refuses it now, in words that say so (pgonce's
+/// migrations, then the service's), and prints nothing. It printed the
+/// value as this build reads it, from a schema it was not written for.
+#[test]
+fn rollout_read_refuses_a_database_a_newer_build_migrated() {
+    let (rt, db, url) = fresh_database_url();
+    set_rollout_30(&url);
+    let pool = rt.block_on(db.pool(1)).unwrap();
+    for version in [998_i64, 1998] {
+        record_newer_migration(&rt, &pool, version);
+        let out = pgonce()
+            .args(["rollout", "--database-url", &url])
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{version}: {out:?}");
+        assert!(
+            stderr.contains(&format!(
+                "a newer build migrated the database (migration {version})"
+            )),
+            "{stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{out:?}");
+        rt.block_on(
+            sqlx::query("DELETE FROM _sqlx_migrations WHERE version = $1")
+                .bind(version)
+                .execute(&pool),
+        )
+        .unwrap();
+    }
+}
+
 /// A URL for `db` as the role `user` with `password`.
 fn as_role(db: &pgonce_testkit::ScratchDatabase, user: &str, password: &str) -> String {
     let o = db.options();
@@ -1132,8 +1171,10 @@ fn a_statement_in_flight_at_a_stop_runs_on_unless_the_server_checks_the_client()
 }
 
 /// `rollout` without a percent, as a role that may not read the setting,
-/// fails in one line naming what it may not read (the schema, then the
-/// table), exit 1, nothing on stdout; granted SELECT, it prints the value.
+/// fails in one line naming what it may not read (the schema,
+/// `_sqlx_migrations`, where it reads which build migrated the database,
+/// then the table), exit 1, nothing on stdout; granted what it reads, it
+/// prints the value.
 #[test]
 fn rollout_read_by_a_role_without_the_right_names_what_it_may_not_read() {
     let (rt, db, url) = fresh_database_url();
@@ -1157,6 +1198,10 @@ fn rollout_read_by_a_role_without_the_right_names_what_it_may_not_read() {
         (None, "permission denied for schema incidents"),
         (
             Some("GRANT USAGE ON SCHEMA incidents TO pgonce_rollout_reader"),
+            "permission denied for table _sqlx_migrations",
+        ),
+        (
+            Some("GRANT SELECT ON _sqlx_migrations TO pgonce_rollout_reader"),
             "permission denied for table settings",
         ),
     ] {

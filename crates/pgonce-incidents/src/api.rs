@@ -872,13 +872,14 @@ async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
     };
     let pool = state.service().pool();
     let probe = async {
+        let mut conn = pool.acquire().await?;
         let writability = sqlx::query_as::<_, Writability>(
             "SELECT pg_is_in_recovery() AS in_recovery, \
                     current_setting('transaction_read_only')::boolean AS read_only",
         )
-        .fetch_one(pool)
+        .fetch_one(&mut *conn)
         .await?;
-        let newer = crate::migrate::newer_version(pool).await?;
+        let newer = crate::migrate::newer_version(&mut conn).await?;
         Ok::<_, sqlx::Error>((writability, newer))
     };
     let (writability, newer) = tokio::time::timeout(READY_WITHIN, probe)

@@ -50,7 +50,7 @@ pub mod service;
 pub mod store;
 
 pub use error::{Error, Result};
-pub use migrate::{MIGRATOR, SCHEMA, migrate};
+pub use migrate::{MIGRATOR, SCHEMA, migrate, newer_version};
 pub use notifier::{Notifier, NotifierConfig};
 pub use pipeline::{ObservationHandler, SimulatedEvaluator, SimulatedEvaluatorConfig};
 pub use service::{Service, ServiceConfig, WritePath};

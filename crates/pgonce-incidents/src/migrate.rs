@@ -3,8 +3,8 @@
 use std::ops::RangeInclusive;
 
 use pgonce::migrate::Schema;
-use sqlx::PgPool;
 use sqlx::migrate::Migrator;
+use sqlx::{PgConnection, PgPool};
 
 /// The service's migrations (the `incidents` schema), versions 1001 and up,
 /// kept in the same `_sqlx_migrations` table as pgonce's.
@@ -37,22 +37,23 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     pgonce::migrate::check_schema(pool, &SCHEMA).await
 }
 
-/// For a running service: the lowest version a newer build applied since
-/// this one migrated, pgonce's ([`pgonce::migrate::LIBRARY_VERSIONS`])
-/// first, then the service's ([`SERVICE_VERSIONS`]); see
-/// [`pgonce::migrate::newer_version`]. [`migrate`] would refuse such a
-/// database; a process that migrated before it meets the newer schema
-/// statement by statement, and `/readyz` says so instead.
-pub(crate) async fn newer_version(pool: &PgPool) -> Result<Option<i64>, sqlx::Error> {
+/// The lowest version a newer build applied to `conn`'s database that
+/// this build does not know: pgonce's ([`pgonce::migrate::LIBRARY_VERSIONS`])
+/// first, then the service's (1000 to 1999); see
+/// [`pgonce::migrate::newer_version`]. [`migrate`] refuses such a
+/// database; a process that migrated before the newer build did, or that
+/// reads without migrating, would meet the newer schema statement by
+/// statement: `/readyz` and `pgonce rollout` say so instead.
+pub async fn newer_version(conn: &mut PgConnection) -> Result<Option<i64>, sqlx::Error> {
     let library = pgonce::migrate::newer_version(
-        pool,
+        &mut *conn,
         &pgonce::migrate::MIGRATOR,
         pgonce::migrate::LIBRARY_VERSIONS,
     )
     .await?;
     match library {
         Some(version) => Ok(Some(version)),
-        None => pgonce::migrate::newer_version(pool, &MIGRATOR, SERVICE_VERSIONS).await,
+        None => pgonce::migrate::newer_version(&mut *conn, &MIGRATOR, SERVICE_VERSIONS).await,
     }
 }
 
