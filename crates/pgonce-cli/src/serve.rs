@@ -131,9 +131,12 @@ async fn migrate_with<F>(config: &Config, migrations: F) -> anyhow::Result<Strin
 where
     F: AsyncFnOnce(&PgPool) -> Result<(), sqlx::migrate::MigrateError>,
 {
-    let direct = config.direct_url().context("no database.url")?;
-    let migrating = Database::open(direct).await?;
-    let pool = migrating.pool(1, config.database.acquire_timeout).await?;
+    let (key, direct) = config.direct_database().context("no database.url")?;
+    let migrating = Database::open(direct).await.context(key)?;
+    let pool = migrating
+        .pool(1, config.database.acquire_timeout)
+        .await
+        .context(key)?;
     migrations(&pool)
         .await
         .map_err(pgonce::Error::from)
@@ -147,14 +150,19 @@ where
 async fn connect(config: &Config) -> anyhow::Result<PgPool> {
     let url = config.database.url.as_deref().context("no database.url")?;
     migrate_with(config, pgonce_incidents::migrate).await?;
-    let database = Database::open(url).await?;
+    let database = Database::open(url).await.context(URL_KEY)?;
     database
         .pool(
             config.database.max_connections,
             config.database.acquire_timeout,
         )
         .await
+        .context(URL_KEY)
 }
+
+/// The key of `database.url`, which a failure to connect to it names
+/// (`direct_url` may be set beside it).
+const URL_KEY: &str = "database.url";
 
 /// `pgonce migrate`: the library's migrations (the `pgonce` schema), on
 /// the database of the configuration `serve` reads, over
@@ -566,8 +574,11 @@ pub async fn rollout(args: &RolloutArgs, database_url: Option<&str>) -> anyhow::
     config.database.max_connections = 2;
     let Some(percent) = args.percent else {
         let url = config.database.url.as_deref().context("no database.url")?;
-        let database = Database::open(url).await?;
-        let pool = database.pool(1, config.database.acquire_timeout).await?;
+        let database = Database::open(url).await.context(URL_KEY)?;
+        let pool = database
+            .pool(1, config.database.acquire_timeout)
+            .await
+            .context(URL_KEY)?;
         let current = read_rollout(&pool)
             .await
             .with_context(|| format!("reading the guard rollout of {}", database.address()))?;

@@ -56,6 +56,36 @@ fn worker_and_serve_with_the_database_down_exit_1_in_one_line_naming_it() {
     }
 }
 
+/// With both `database.url` and `database.direct_url` set, a URL that
+/// cannot connect (here a database that does not exist; a wrong password
+/// is refused the same way) is named by its key, so that an operator
+/// knows which of the two to fix: the line named only the address.
+#[test]
+fn a_database_url_that_cannot_connect_is_named_by_its_key() {
+    let (_rt, _db, url) = fresh_database_url();
+    let (head, _) = url.rsplit_once('/').unwrap();
+    let missing = format!("{head}/pgonce_no_such_database");
+    for (key, database_url, direct_url) in [
+        ("database.direct_url", url.as_str(), missing.as_str()),
+        ("database.url", missing.as_str(), url.as_str()),
+    ] {
+        let out = pgonce()
+            .arg("worker")
+            .env("PGONCE_DATABASE__URL", database_url)
+            .env("PGONCE_DATABASE__DIRECT_URL", direct_url)
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let line = the_one_line_of_exit_1("worker", &out);
+        assert!(
+            line.starts_with(&format!(
+                "pgonce: error: {key}: cannot connect to PostgreSQL at "
+            )) && line.contains("pgonce_no_such_database"),
+            "{key}: {line}"
+        );
+    }
+}
+
 /// The one line `command` printed on stderr, having exited 1.
 fn the_one_line_of_exit_1(command: &str, out: &std::process::Output) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr);

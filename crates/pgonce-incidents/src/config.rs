@@ -1142,11 +1142,21 @@ impl Config {
     /// The URL for sessions of their own (migrations, LISTEN): `direct_url`,
     /// else `url`.
     pub fn direct_url(&self) -> Option<&str> {
-        self.database
+        self.direct_database().map(|(_, url)| url)
+    }
+
+    /// [`Config::direct_url`] and the key it comes from
+    /// (`database.direct_url` or `database.url`), for errors that name it.
+    pub fn direct_database(&self) -> Option<(&'static str, &str)> {
+        match self
+            .database
             .direct_url
             .as_deref()
             .filter(|u| !u.is_empty())
-            .or(self.database.url.as_deref())
+        {
+            Some(url) => Some(("database.direct_url", url)),
+            None => Some(("database.url", self.database.url.as_deref()?)),
+        }
     }
 
     /// The [`ServiceConfig`] of `[service]`.
