@@ -428,6 +428,47 @@ fn a_file_value_of_the_wrong_type_names_the_key_as_the_file_writes_it() {
     assert_never_migrated(&rt, &db);
 }
 
+/// A configuration file that exists but cannot be read (here one whose
+/// read fails, `/proc/self/mem`, as a file without read permission does
+/// for a user who is not root), or is not UTF-8, is refused as the file
+/// named with why, nothing applied: the read's error came out of figment
+/// as `Input/output error (os error 5)  in /proc/self/mem TOML file`,
+/// neither saying it was the configuration file nor naming it first.
+#[test]
+fn a_configuration_file_that_cannot_be_read_is_named_with_why() {
+    let (rt, db, url) = fresh_database_url();
+    let dir = tempfile::tempdir().unwrap();
+    let not_utf8 = dir.path().join("latin1.toml");
+    std::fs::write(
+        &not_utf8,
+        b"[api]\nadmin_token = \"caf\xe9caf\xe9caf\xe9caf\xe9\"\n",
+    )
+    .unwrap();
+    for (path, why) in [
+        (
+            std::path::PathBuf::from("/proc/self/mem"),
+            "Input/output error",
+        ),
+        (not_utf8, "valid UTF-8"),
+    ] {
+        let out = pgonce()
+            .args(["migrate", "--config", path.to_str().unwrap()])
+            .env("DATABASE_URL", &url)
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let line = the_one_line_of_exit_1("migrate", &out);
+        assert!(
+            line.starts_with(&format!(
+                "pgonce: error: configuration file {}: ",
+                path.display()
+            )) && line.contains(why),
+            "{line}"
+        );
+        assert_never_migrated(&rt, &db);
+    }
+}
+
 /// A `database.url` or `database.direct_url` that is not a PostgreSQL URL
 /// is refused with the rest of the configuration, naming its key, nothing
 /// applied: a `mysql://` URL was parsed as PostgreSQL's and migrated the

@@ -738,21 +738,25 @@ impl Environment {
     }
 }
 
-/// The file's layer: figment's TOML provider, whose errors name a key as
-/// the file writes it (`database.max_connections`). figment's own put the
-/// profile before it (`default.database.max_connections`), a key no file
-/// has.
-struct FileLayer(Data<Toml>);
+/// The file's layer: figment's TOML provider on the file's text, whose
+/// errors name the file and a key as the file writes it
+/// (`database.max_connections`). figment's own put the profile before it
+/// (`default.database.max_connections`), a key no file has.
+struct FileLayer {
+    /// The file, as given.
+    path: PathBuf,
+    /// Its text, parsed.
+    toml: Data<Toml>,
+}
 
 impl Provider for FileLayer {
     fn metadata(&self) -> Metadata {
-        self.0
-            .metadata()
+        Metadata::from("TOML file", self.path.as_path())
             .interpolater(|_: &Profile, path: &[&str]| path.join("."))
     }
 
     fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
-        self.0.data()
+        self.toml.data()
     }
 }
 
@@ -835,7 +839,17 @@ impl Config {
                     reason: "not a file".into(),
                 });
             }
-            figment = figment.merge(FileLayer(Toml::file_exact(path)));
+            // Read here, so that a file that cannot be read (no read
+            // permission, not UTF-8) is ConfigError::File naming it, as
+            // one that is missing is; figment parses what was read.
+            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })?;
+            figment = figment.merge(FileLayer {
+                path: path.to_owned(),
+                toml: Toml::string(&text),
+            });
         }
         figment = figment.merge(Environment::new(env));
         figment.extract().map_err(|e| {
