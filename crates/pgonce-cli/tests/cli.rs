@@ -860,6 +860,36 @@ fn worker_names_the_key_of_a_value_the_librarys_checks_refuse() {
     }
 }
 
+/// `[queue.sqs]`'s values the SQS client's checks refuse are refused
+/// naming their key, before the database is touched: they were named
+/// `queue.sqs: invalid SQS config: the operation timeout is 100 ms to 5
+/// minutes`, the section and the client's words.
+#[test]
+fn worker_names_the_key_of_an_sqs_value_the_clients_checks_refuse() {
+    let sqs = ("PGONCE_QUEUE__BACKEND", "sqs");
+    let local = ("PGONCE_QUEUE__SQS__ENDPOINT_URL", "http://127.0.0.1:9");
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (
+            &[sqs, local, ("PGONCE_QUEUE__SQS__OPERATION_TIMEOUT", "10ms")],
+            "queue.sqs.operation_timeout",
+        ),
+        (
+            &[sqs, local, ("PGONCE_QUEUE__SQS__OPERATION_TIMEOUT", "6m")],
+            "queue.sqs.operation_timeout",
+        ),
+        (
+            &[
+                sqs,
+                ("PGONCE_QUEUE__SQS__ENDPOINT_URL", "ftp://127.0.0.1:9"),
+            ],
+            "queue.sqs.endpoint_url",
+        ),
+    ];
+    for (vars, key) in cases {
+        worker_refused_before_migrating(vars, &format!("error: {key}: "));
+    }
+}
+
 /// The service's configuration sets no `PGONCE_` name aside: the names the
 /// test kit read for the server binaries and PgBouncer (now `PG_BINDIR`
 /// and `PGBOUNCER_BIN`) are unknown keys like any other, refused naming the

@@ -550,7 +550,7 @@ operation_timeout = "3s"
     );
     assert_eq!(
         refused(&|c| c.queue.sqs.operation_timeout = Duration::from_millis(10)),
-        "queue.sqs"
+        "queue.sqs.operation_timeout"
     );
     assert_eq!(
         refused(&|c| c.pipeline.max_receive_count = 1001),

@@ -17,6 +17,12 @@ const HTTPS_NEEDS_TLS: &str = "HTTPS endpoints (real AWS) need a build with TLS:
      the `pgonce` command built with `--features sqs-tls`, or a program of your own \
      with pgonce-sqs's `tls` feature; without it give an http:// endpoint_url";
 
+/// The shortest [`SqsConfig::operation_timeout`].
+pub const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// The longest [`SqsConfig::operation_timeout`].
+pub const MAX_OPERATION_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Where SQS is and how long a call may take.
 ///
 /// Everything left `None` comes from the standard AWS configuration
@@ -89,9 +95,7 @@ impl SqsConfig {
                 why: why.into(),
             })
         };
-        if self.operation_timeout < Duration::from_millis(100)
-            || self.operation_timeout > Duration::from_secs(300)
-        {
+        if !(MIN_OPERATION_TIMEOUT..=MAX_OPERATION_TIMEOUT).contains(&self.operation_timeout) {
             return invalid("the operation timeout is 100 ms to 5 minutes");
         }
         if !(1..=10).contains(&self.max_attempts) {

@@ -48,5 +48,5 @@ mod error;
 mod queue;
 mod retry;
 
-pub use config::SqsConfig;
+pub use config::{MAX_OPERATION_TIMEOUT, MIN_OPERATION_TIMEOUT, SqsConfig};
 pub use queue::{SQS_DEDUP_WINDOW, SqsClient, SqsQueue};

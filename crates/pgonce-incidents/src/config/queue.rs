@@ -141,6 +141,24 @@ impl SqsSection {
                 "must differ from queue.sqs.queue",
             ));
         }
+        if !(pgonce_sqs::MIN_OPERATION_TIMEOUT..=pgonce_sqs::MAX_OPERATION_TIMEOUT)
+            .contains(&self.operation_timeout)
+        {
+            return Err(invalid(
+                "queue.sqs.operation_timeout",
+                "must be 100ms to 5m",
+            ));
+        }
+        if let Some(url) = self.endpoint_url.as_deref().filter(|u| !u.is_empty())
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return Err(invalid(
+                "queue.sqs.endpoint_url",
+                "must be an http:// or https:// URL",
+            ));
+        }
+        // What else the client refuses (an https:// endpoint in a build
+        // without TLS) is the section's.
         self.sqs_config()
             .validate()
             .map_err(|e| invalid("queue.sqs", e))?;
