@@ -104,7 +104,8 @@ fn environment() -> anyhow::Result<Vec<(String, String)>> {
 /// environment, flags, then checked whole, so that every command refuses a
 /// bad value the same way, naming its key, before it connects.
 /// `database_url` is the `--database-url` flag, when given on the command
-/// line; `listen`, `--listen`.
+/// line: it sets `database.url` and sets `database.direct_url` aside;
+/// `listen`, `--listen`.
 fn configure(
     file: Option<&Path>,
     database_url: Option<&str>,
@@ -118,6 +119,13 @@ fn configure(
         config.api.listen = listen;
     }
     config.validate()?;
+    if database_url.is_some() {
+        // The database typed on the command line is the one to use, for
+        // every session: a direct URL the file or the environment holds
+        // (checked above all the same) reaches the configured database,
+        // most likely another one.
+        config.database.direct_url = None;
+    }
     Ok(config)
 }
 

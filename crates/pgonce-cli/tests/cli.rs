@@ -509,6 +509,29 @@ fn a_database_url_that_is_not_postgresqls_is_refused_naming_its_key() {
     }
 }
 
+/// `--database-url` typed on the command line names the database a
+/// command uses, direct sessions included: a `database.direct_url` left in
+/// the environment (or the file) for the configured database is set aside
+/// with it. `migrate --database-url A` migrated the direct URL's database
+/// B and left A as it was, saying it had migrated B.
+#[test]
+fn database_url_typed_sets_the_configurations_direct_url_aside() {
+    let (rt, typed_db, typed) = fresh_database_url();
+    let (rt2, direct_db, direct) = fresh_database_url();
+    let typed_pool = rt.block_on(typed_db.pool(1)).unwrap();
+    let out = pgonce()
+        .args(["migrate", "--database-url", &typed])
+        .env("PGONCE_DATABASE__DIRECT_URL", &direct)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains(typed_db.name()), "{stderr}");
+    assert!(migrated(&rt, &typed_pool), "{stderr}");
+    assert_never_migrated(&rt2, &direct_db);
+}
+
 /// The one line `pgonce migrate` prints for a database error: PostgreSQL's
 /// message once, its SQLSTATE, no C source line of the server.
 fn assert_printed_once(stderr: &str, message: &str) {
