@@ -852,9 +852,16 @@ async fn healthz() -> Json<Value> {
 pub const READY_WITHIN: Duration = Duration::from_millis(800);
 
 /// What `/readyz` reads of the database: whether it takes writes now.
-/// Read, never tried with a write: a probe stays cheap statements that
-/// change nothing (this one, and whether a newer build migrated the
-/// database since, [`crate::migrate::newer_version`]).
+/// Read, never tried with a write: a probe stays one cheap statement that
+/// changes nothing.
+///
+/// It does not ask whether a newer build migrated the database since this
+/// process started. In a rolling deploy the first new process migrates
+/// while the old ones still serve: were they all unready at that instant,
+/// the load balancer would send the whole traffic to that one process. A
+/// process refuses a newer schema at start only; a migration the previous
+/// build cannot run beside (the CHANGELOG names it) needs the old
+/// processes stopped first.
 #[derive(sqlx::FromRow)]
 struct Writability {
     /// `pg_is_in_recovery()`: a standby (or a server still recovering),
@@ -870,19 +877,12 @@ async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
     let not_ready = |reason: &'static str| {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason)
     };
-    let pool = state.service().pool();
-    let probe = async {
-        let mut conn = pool.acquire().await?;
-        let writability = sqlx::query_as::<_, Writability>(
-            "SELECT pg_is_in_recovery() AS in_recovery, \
-                    current_setting('transaction_read_only')::boolean AS read_only",
-        )
-        .fetch_one(&mut *conn)
-        .await?;
-        let newer = crate::migrate::newer_version(&mut conn).await?;
-        Ok::<_, sqlx::Error>((writability, newer))
-    };
-    let (writability, newer) = tokio::time::timeout(READY_WITHIN, probe)
+    let probe = sqlx::query_as::<_, Writability>(
+        "SELECT pg_is_in_recovery() AS in_recovery, \
+                current_setting('transaction_read_only')::boolean AS read_only",
+    )
+    .fetch_one(state.service().pool());
+    let writability = tokio::time::timeout(READY_WITHIN, probe)
         .await
         .unwrap_or(Err(sqlx::Error::PoolTimedOut))
         .map_err(|e| {
@@ -901,20 +901,6 @@ async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
              default_transaction_read_only of the server, database or role)"
         );
         return Err(not_ready("the database is read-only and refuses writes"));
-    }
-    // This process's statements were written for the schema it migrated;
-    // traffic goes to the build that migrated the database since.
-    if let Some(version) = newer {
-        let reason = format!(
-            "a newer build migrated the database (migration {version}) since this one \
-             started: replace this process with that build"
-        );
-        tracing::warn!("not ready: {reason}");
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            reason,
-        ));
     }
     Ok(Json(json!({ "status": "ready" })))
 }

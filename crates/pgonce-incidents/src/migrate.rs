@@ -41,9 +41,8 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 /// this build does not know: pgonce's ([`pgonce::migrate::LIBRARY_VERSIONS`])
 /// first, then the service's (1000 to 1999); see
 /// [`pgonce::migrate::newer_version`]. [`migrate`] refuses such a
-/// database; a process that migrated before the newer build did, or that
-/// reads without migrating, would meet the newer schema statement by
-/// statement: `/readyz` and `pgonce rollout` say so instead.
+/// database; a command that reads without migrating (`pgonce rollout`)
+/// asks this first, so that it refuses it too.
 pub async fn newer_version(conn: &mut PgConnection) -> Result<Option<i64>, sqlx::Error> {
     let library = pgonce::migrate::newer_version(
         &mut *conn,
