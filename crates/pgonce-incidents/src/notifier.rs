@@ -353,7 +353,29 @@ impl Notifier {
                 "webhook did not answer within {:?}",
                 self.config.timeout
             )),
-            Err(e) => Sent::Failed(format!("webhook unreachable: {e}")),
+            // Without the URL, which the error names in full: a webhook's
+            // path or query is often its secret, and this reason is kept on
+            // the job and logged.
+            Err(e) => Sent::Failed(format!(
+                "webhook unreachable: {}",
+                with_causes(&e.without_url())
+            )),
         })
     }
+}
+
+/// `error` and its causes, outermost first, joined by `: `: reqwest's own
+/// text stops at "error sending request", without why (refused, reset, a
+/// certificate refused). By hand: a walk of `source()`, which no crate here
+/// does for a plain `std::error::Error` (anyhow would come in for this
+/// alone).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }

@@ -369,3 +369,26 @@ async fn a_notifier_whose_lease_ran_out_mid_post_records_nothing() {
     assert_eq!(recorded, [incidents[0].id]);
     assert_eq!(keys, [expected_key.clone(), expected_key]);
 }
+
+/// A webhook URL may carry its receiver's secret (chat services put the
+/// token in the path): a send that fails keeps and logs why without the
+/// URL, whose path and query are the secret.
+#[tokio::test]
+async fn a_failed_send_keeps_its_reason_without_the_webhooks_secret() {
+    let (_db, pool, service, _) = declared(&["db down"]).await;
+    // A port nothing listens on: the connection is refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let url = format!("http://127.0.0.1:{port}/services/T0/B0/s3cr3t-t0ken?sig=s3cr3t-s1g");
+    let notifier = Notifier::new(&service, NotifierConfig::new(url)).unwrap();
+    let counts = notifier.run_once().await.unwrap();
+    assert_eq!((counts.sent, counts.failed), (0, 1), "{counts:?}");
+    let why: String = sqlx::query_scalar("SELECT last_error FROM pgonce.jobs")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(why.starts_with("webhook unreachable: "), "{why}");
+    assert!(!why.contains("s3cr3t"), "{why}");
+    assert!(why.contains("Connection refused"), "says why: {why}");
+}
