@@ -475,8 +475,11 @@ pub struct CleanerSection {
     /// while held). Default 24h.
     #[serde(with = "humantime_serde")]
     pub idempotency_keys: Duration,
-    /// `processed_messages`: the pipeline's processed-message keys, kept
-    /// this long. Default 7days.
+    /// `processed_messages`: processed-message keys of
+    /// [`pgonce::dedupe`] (`pgonce.processed_messages`), kept this long.
+    /// Default 7days. The service writes none: the pipeline's own ledger
+    /// (`incidents.observations`), which catches a redelivered observation
+    /// however late, is never deleted.
     #[serde(with = "humantime_serde")]
     pub processed_messages: Duration,
     /// `keep`: kinds of rows never deleted, by the names above, e.g.
