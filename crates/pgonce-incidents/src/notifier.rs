@@ -50,7 +50,9 @@ pub struct NotifierConfig {
     /// Pause of [`Notifier::run`] when there was nothing to send. Default
     /// 100 ms.
     pub idle: Duration,
-    /// Backoff of failed sends. Default [`RetryPolicy::default`].
+    /// Backoff of failed sends. Default [`RetryPolicy::default`]. A 429 or
+    /// 503 answer's `Retry-After` (seconds or an HTTP date) is waited when
+    /// longer than the backoff, up to `max`.
     pub retry: RetryPolicy,
 }
 
@@ -146,7 +148,9 @@ struct IncidentSummary {
 
 enum Sent {
     Delivered(u16),
-    Failed(String),
+    /// Why, and how long the receiver asked to be left alone (a 429's or
+    /// 503's `Retry-After`), if it did.
+    Failed(String, Option<Duration>),
 }
 
 impl Notifier {
@@ -260,7 +264,7 @@ impl Notifier {
         let lease = &claimed.lease;
         let mut counts = NotifyCounts::default();
         let sent = match Service::notified_incident(&claimed.payload) {
-            None => Sent::Failed(format!("malformed payload {}", claimed.payload)),
+            None => Sent::Failed(format!("malformed payload {}", claimed.payload), None),
             Some(id) => self.send(id).await?,
         };
         let key = Service::notified_incident(&claimed.payload).map(idempotency_key);
@@ -287,10 +291,14 @@ impl Notifier {
                 counts.sent += 1;
                 metrics::counter!("pgonce_incidents_notifications_sent_total").increment(1);
             }
-            Sent::Failed(why) => {
+            Sent::Failed(why, retry_after) => {
                 tracing::warn!(job = lease.job_id, "notification failed: {why}");
                 metrics::counter!("pgonce_incidents_notifications_failed_total").increment(1);
-                match job::fail(&self.pool, lease, &why, &self.config.retry).await {
+                let retry = match retry_after {
+                    Some(asked) => waiting_at_least(&self.config.retry, claimed.attempts, asked),
+                    None => self.config.retry,
+                };
+                match job::fail(&self.pool, lease, &why, &retry).await {
                     Ok(FailOutcome::Retry { .. }) => counts.failed += 1,
                     Ok(FailOutcome::Dead { .. }) => {
                         counts.failed += 1;
@@ -324,9 +332,10 @@ impl Notifier {
             opened_at,
         }) = row
         else {
-            return Ok(Sent::Failed(format!(
-                "incident {incident_id} does not exist"
-            )));
+            return Ok(Sent::Failed(
+                format!("incident {incident_id} does not exist"),
+                None,
+            ));
         };
         let body = json!({
             "incident_id": id,
@@ -346,21 +355,69 @@ impl Notifier {
             .await;
         Ok(match response {
             Ok(r) if r.status().is_success() => Sent::Delivered(r.status().as_u16()),
-            Ok(r) => Sent::Failed(format!("webhook answered {}", r.status())),
+            Ok(r) => Sent::Failed(format!("webhook answered {}", r.status()), retry_after(&r)),
             // Not "unreachable": the receiver may hold the request, and may
             // have taken the notification (the retry carries the same key).
-            Err(e) if e.is_timeout() => Sent::Failed(format!(
-                "webhook did not answer within {:?}",
-                self.config.timeout
-            )),
+            Err(e) if e.is_timeout() => Sent::Failed(
+                format!("webhook did not answer within {:?}", self.config.timeout),
+                None,
+            ),
             // Without the URL, which the error names in full: a webhook's
             // path or query is often its secret, and this reason is kept on
             // the job and logged.
-            Err(e) => Sent::Failed(format!(
-                "webhook unreachable: {}",
-                with_causes(&e.without_url())
-            )),
+            Err(e) => Sent::Failed(
+                format!("webhook unreachable: {}", with_causes(&e.without_url())),
+                None,
+            ),
         })
+    }
+}
+
+/// How long a 429 (too many requests) or 503 (unavailable) answer asks
+/// the sender to wait: its `Retry-After`, in seconds or as an HTTP date
+/// (RFC 9110, 10.2.3). `None` for another status, no header, or one that
+/// is neither; a date already past is no wait.
+fn retry_after(response: &reqwest::Response) -> Option<Duration> {
+    use reqwest::StatusCode;
+    if !matches!(
+        response.status(),
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+    ) {
+        return None;
+    }
+    let value = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(
+        at.duration_since(std::time::SystemTime::now())
+            .unwrap_or_default(),
+    )
+}
+
+/// The retry of a job that failed after its `attempts` earlier ones, the
+/// receiver having asked for `asked` before the next: the backoff `policy`
+/// gives it, or `asked` when longer, never past `policy.max` (a receiver
+/// that asks for a year, or garbage read as one, does not park the job
+/// past the operator's bound). The SQL of [`job::fail`] waits
+/// `min(max, base * 2^attempts)`: a policy whose base and max are both the
+/// wait makes it that wait, jitter kept.
+fn waiting_at_least(policy: &RetryPolicy, attempts: i32, asked: Duration) -> RetryPolicy {
+    let backoff = policy
+        .base
+        .saturating_mul(2u32.saturating_pow(attempts.clamp(0, 31).unsigned_abs()))
+        .min(policy.max);
+    let wait = backoff.max(asked.min(policy.max));
+    RetryPolicy {
+        base: wait,
+        max: wait,
+        jitter: policy.jitter,
     }
 }
 

@@ -392,3 +392,64 @@ async fn a_failed_send_keeps_its_reason_without_the_webhooks_secret() {
     assert!(!why.contains("s3cr3t"), "{why}");
     assert!(why.contains("Connection refused"), "says why: {why}");
 }
+
+/// A receiver answering 429 or 503 with `Retry-After` is retried no
+/// sooner than it asked (in seconds or as an HTTP date), within the
+/// policy's `max`: with the default backoff the eight attempts came within
+/// about two minutes and the job died, never delivered, under a rate
+/// limit of five. A `Retry-After` past `max`, or one that is neither
+/// seconds nor a date, leaves the backoff as it was.
+#[tokio::test]
+async fn a_retry_after_is_waited_within_the_policys_max() {
+    use std::time::{Duration, SystemTime};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let in_ten_minutes = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(600));
+    // (status, Retry-After, least and most seconds until the retry; the
+    // default policy: base 1 s, max 600 s, jitter 0.25).
+    let cases = [
+        ("429 Too Many Requests", "300", 299.0, 376.0),
+        (
+            "503 Service Unavailable",
+            in_ten_minutes.as_str(),
+            500.0,
+            751.0,
+        ),
+        ("429 Too Many Requests", "999999999999", 599.0, 751.0),
+        ("429 Too Many Requests", "soon", 0.0, 2.0),
+        ("500 Internal Server Error", "300", 0.0, 2.0),
+    ];
+    for (status, retry_after, least, most) in cases {
+        let (_db, pool, service, _) = declared(&["db down"]).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let answer = format!(
+            "HTTP/1.1 {status}\r\nRetry-After: {retry_after}\r\ncontent-length: 0\r\n\
+             connection: close\r\n\r\n"
+        );
+        let receiver = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await.unwrap();
+            socket.write_all(answer.as_bytes()).await.unwrap();
+        });
+        let notifier = Notifier::new(
+            &service,
+            NotifierConfig::new(format!("http://127.0.0.1:{port}/hook")),
+        )
+        .unwrap();
+        let counts = notifier.run_once().await.unwrap();
+        receiver.await.unwrap();
+        assert_eq!((counts.sent, counts.failed), (0, 1), "{status}: {counts:?}");
+        let wait: f64 = sqlx::query_scalar(
+            "SELECT extract(epoch FROM run_at - now())::float8 FROM pgonce.jobs",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(
+            (least..=most).contains(&wait),
+            "{status}, Retry-After {retry_after}: retried in {wait} s"
+        );
+    }
+}
