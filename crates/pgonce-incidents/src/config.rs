@@ -1045,14 +1045,22 @@ impl Config {
                 return Err(invalid(key, "must be in [0, 1]"));
             }
         }
-        if let Some(url) = &self.notifier.webhook_url
-            && !url.starts_with("http://")
-            && !url.starts_with("https://")
-        {
-            return Err(invalid(
-                "notifier.webhook_url",
-                "must be an http:// or https:// URL",
-            ));
+        // Parsed, not matched on its first letters: a scheme is
+        // case-insensitive (`HTTPS://` is https), and a URL that does not
+        // parse is named by its own key.
+        if let Some(url) = &self.notifier.webhook_url {
+            match reqwest::Url::parse(url) {
+                Ok(url) if matches!(url.scheme(), "http" | "https") => {}
+                Ok(_) => {
+                    return Err(invalid(
+                        "notifier.webhook_url",
+                        "must be an http:// or https:// URL",
+                    ));
+                }
+                Err(e) => {
+                    return Err(invalid("notifier.webhook_url", format!("not a URL: {e}")));
+                }
+            }
         }
         if self.notifier.webhook_url.is_some() {
             self.validate_notifier()?;

@@ -271,7 +271,7 @@ fn what_cannot_work_is_refused_with_the_key_named() {
     largest.database.max_connections = 262_143;
     largest.validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 27] = [
+    let cases: [(Bad, &str); 29] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -296,6 +296,14 @@ fn what_cannot_work_is_refused_with_the_key_named() {
         ),
         (
             |c| c.notifier.webhook_url = Some("ftp://x".into()),
+            "notifier.webhook_url",
+        ),
+        (
+            |c| c.notifier.webhook_url = Some("http://hooks example/x".into()),
+            "notifier.webhook_url",
+        ),
+        (
+            |c| c.notifier.webhook_url = Some("https://".into()),
             "notifier.webhook_url",
         ),
         (

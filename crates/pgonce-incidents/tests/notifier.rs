@@ -453,3 +453,22 @@ async fn a_retry_after_is_waited_within_the_policys_max() {
         );
     }
 }
+
+/// A webhook URL whose scheme is written upper case is an http URL (a
+/// scheme is case-insensitive): the configuration takes it, and the
+/// notifier posts to it.
+#[tokio::test]
+async fn a_webhook_url_with_an_upper_case_scheme_is_taken_and_posted_to() {
+    let (_db, _pool, service, _) = declared(&["db down"]).await;
+    let receiver = WebhookReceiver::start(ReceiverFaults::default())
+        .await
+        .unwrap();
+    let mut config = pgonce_incidents::config::Config::default();
+    config.database.url = Some("postgres://x/y".into());
+    config.notifier.webhook_url = Some(receiver.url().replacen("http://", "HTTP://", 1));
+    config.validate().unwrap();
+    let notifier = Notifier::new(&service, config.runtime_config().notifier.unwrap()).unwrap();
+    let counts = notifier.run_once().await.unwrap();
+    assert_eq!(counts.sent, 1, "{counts:?}");
+    assert_eq!(receiver.stats().accepted, 1);
+}
