@@ -472,3 +472,57 @@ async fn a_webhook_url_with_an_upper_case_scheme_is_taken_and_posted_to() {
     assert_eq!(counts.sent, 1, "{counts:?}");
     assert_eq!(receiver.stats().accepted, 1);
 }
+
+/// What a receiver does after it read the request decides the send, not
+/// its body: a 200 whose body never ends is a delivery, recorded without
+/// waiting for the body (the pass returns, well inside the send's
+/// timeout of an hour here); a connection closed with no answer is a
+/// failed send, retried with the same key.
+#[tokio::test]
+async fn a_receiver_is_judged_by_its_status_line_not_its_body() {
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    // (what the receiver writes after reading the request, then holds the
+    // connection open: true, or closes it: false; sent, failed)
+    let cases = [
+        (
+            "HTTP/1.1 200 OK\r\ncontent-length: 1000000000000\r\n\r\nnever ends",
+            true,
+            (1, 0),
+        ),
+        ("", false, (0, 1)),
+    ];
+    for (answer, hold, expected) in cases {
+        let (_db, pool, service, _) = declared(&["db down"]).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let receiver = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await.unwrap();
+            socket.write_all(answer.as_bytes()).await.unwrap();
+            if hold {
+                let _ = released.await;
+            }
+        });
+        let mut config = NotifierConfig::new(format!("http://127.0.0.1:{port}/hook"));
+        config.timeout = Duration::from_secs(3600);
+        config.lease = Duration::from_secs(7200);
+        let notifier = Notifier::new(&service, config).unwrap();
+        let counts = notifier.run_once().await.unwrap();
+        assert_eq!(
+            (counts.sent, counts.failed),
+            expected,
+            "{answer:?}: {counts:?}"
+        );
+        let recorded: i64 = sqlx::query_scalar("SELECT count(*) FROM incidents.notifications")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(recorded, expected.0 as i64, "{answer:?}");
+        let _ = release.send(());
+        receiver.await.unwrap();
+    }
+}
