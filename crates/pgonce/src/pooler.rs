@@ -12,7 +12,13 @@
 //! * no `max_prepared_statements` (or a PgBouncer older than 1.21): sqlx's
 //!   named statements (`sqlx_s_1`, ...) are prepared on one server
 //!   connection and used on another: `prepared statement "sqlx_s_1" already
-//!   exists` (42P05) or `... does not exist` (26000);
+//!   exists` (42P05), `... does not exist` (26000), or `bind message
+//!   supplies 1 parameters, but prepared statement "sqlx_s_1" requires 2`
+//!   (08P01: the server connection holds another client's statement of
+//!   that name). When that other statement takes the same parameters,
+//!   nothing fails: it runs in place of the one asked for. So this
+//!   misconfiguration is not always seen, and must be avoided, not relied
+//!   on to be reported;
 //! * LISTEN on a pooled connection ([`Listen::Pool`](crate::Listen::Pool)):
 //!   the server connection that listened later serves another client, and
 //!   the notification reaches that client as a protocol message it did not
@@ -36,6 +42,9 @@ pub enum PoolerProblem {
     /// sqlx's named prepared statements met a server connection that did
     /// not prepare them, or had prepared one of the same name for another
     /// client: a transaction-mode pooler without `max_prepared_statements`.
+    /// Seen only when the names clash in a way PostgreSQL refuses: another
+    /// client's statement of the same name and parameters runs instead,
+    /// without an error.
     PreparedStatements,
     /// A notification arrived where a query's answer was expected: LISTEN
     /// ran on a pooled server connection that now serves this client.
@@ -54,8 +63,13 @@ pub enum PoolerProblem {
 const DUPLICATE_PREPARED_STATEMENT: &str = "42P05";
 /// SQLSTATE `invalid_sql_statement_name` (no such prepared statement).
 const INVALID_SQL_STATEMENT_NAME: &str = "26000";
-/// SQLSTATE `protocol_violation`: every error PgBouncer raises itself.
+/// SQLSTATE `protocol_violation`: every error PgBouncer raises itself, and
+/// PostgreSQL's refusal of a Bind whose parameters do not fit the prepared
+/// statement of that name.
 const PROTOCOL_VIOLATION: &str = "08P01";
+/// PostgreSQL's text when a Bind supplies another number of parameters
+/// than the prepared statement it names takes.
+const BIND_MISMATCH: &str = "bind message supplies";
 /// The prefix of the names sqlx gives its prepared statements.
 const SQLX_STATEMENT: &str = "\"sqlx_s_";
 
@@ -91,6 +105,11 @@ impl PoolerProblem {
                 match &*code {
                     DUPLICATE_PREPARED_STATEMENT | INVALID_SQL_STATEMENT_NAME
                         if message.contains(SQLX_STATEMENT) =>
+                    {
+                        Some(PoolerProblem::PreparedStatements)
+                    }
+                    PROTOCOL_VIOLATION
+                        if message.contains(BIND_MISMATCH) && message.contains(SQLX_STATEMENT) =>
                     {
                         Some(PoolerProblem::PreparedStatements)
                     }
@@ -211,6 +230,14 @@ mod tests {
                 Some(PoolerProblem::PreparedStatements),
             ),
             (
+                server(
+                    "08P01",
+                    "bind message supplies 1 parameters, but prepared statement \"sqlx_s_1\" \
+                     requires 2",
+                ),
+                Some(PoolerProblem::PreparedStatements),
+            ),
+            (
                 sqlx::Error::Protocol("execute: unexpected message: NotificationResponse".into()),
                 Some(PoolerProblem::Notifications),
             ),
@@ -239,6 +266,10 @@ mod tests {
         let cases = [
             server("42P05", "prepared statement \"mine\" already exists"),
             server("26000", "prepared statement \"mine\" does not exist"),
+            server(
+                "08P01",
+                "bind message supplies 1 parameters, but prepared statement \"mine\" requires 2",
+            ),
             sqlx::Error::Protocol("execute: unexpected message: DataRow".into()),
             server("08P01", "invalid frontend message type 0"),
             sqlx::Error::RowNotFound,

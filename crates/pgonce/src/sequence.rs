@@ -47,8 +47,11 @@
 //! exactly as long as the server connection is the transaction's, and no
 //! step depends on session state. Like the rest of pgonce it needs the
 //! pooler to carry prepared statements (`max_prepared_statements`, PgBouncer
-//! 1.21 or newer); without it a take fails with [`Error::Pooler`], never a
-//! number taken without its lock.
+//! 1.21 or newer). Without it a take fails with [`Error::Pooler`] when
+//! PostgreSQL refuses the mix-up of statement names, but not always: a
+//! server connection holding another client's statement of the same name
+//! and parameters runs that one instead, and what it answers is not a
+//! number taken under the lock. Such a pooler is not supported.
 //!
 //! # Scope values
 //!

@@ -189,6 +189,32 @@ async fn numbers_taken_through_the_pooler_are_1_to_n_under_every_strategy() {
     }
 }
 
+/// A PgBouncer of its own that does not carry prepared statements (no
+/// `max_prepared_statements`) in front of `db`, and a pool of two clients
+/// through it.
+async fn two_clients_without_prepared_statements(db: &ScratchDatabase) -> (Pooler, PgPool) {
+    let server = shared_for_tests().unwrap();
+    let pooler = Pooler::start_with(server.options(), PoolerSetup::NoPreparedStatements).unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(pooler.options(db.name()))
+        .await
+        .unwrap();
+    (pooler, pool)
+}
+
+/// Whether `out` is the typed error of a pooler that does not carry
+/// prepared statements.
+fn is_prepared_statements_problem<T>(out: &pgonce::Result<T>) -> bool {
+    matches!(
+        out,
+        Err(pgonce::Error::Pooler {
+            problem: pgonce::PoolerProblem::PreparedStatements,
+            ..
+        })
+    )
+}
+
 /// Behind a PgBouncer that does not carry prepared statements (no
 /// `max_prepared_statements`), a take meets a server connection that
 /// already holds a statement of the name it prepares. Under every strategy
@@ -200,18 +226,11 @@ async fn behind_a_pooler_without_prepared_statements_every_strategy_fails_typed(
     let direct = db.pool(1).await.unwrap();
     pgonce::migrate(&direct).await.unwrap();
     sqlx::raw_sql(SCHEMA).execute(&direct).await.unwrap();
-    let server = shared_for_tests().unwrap();
     for strategy in SequenceStrategy::ALL {
         // A pooler of its own and clients one at a time: it has one server
         // connection, and the first client prepares `sqlx_s_1` on it and
         // stays.
-        let pooler =
-            Pooler::start_with(server.options(), PoolerSetup::NoPreparedStatements).unwrap();
-        let pool = PgPoolOptions::new()
-            .max_connections(2)
-            .connect_with(pooler.options(db.name()))
-            .await
-            .unwrap();
+        let (_pooler, pool) = two_clients_without_prepared_statements(&db).await;
         let mut first = pool.acquire().await.unwrap();
         let _ = sqlx::query("SELECT 1").execute(&mut *first).await;
         let seq = Sequence::new(
@@ -223,16 +242,7 @@ async fn behind_a_pooler_without_prepared_statements_every_strategy_fails_typed(
             .await
             .unwrap();
         let out = seq.next(&mut tx, &"acme").await;
-        assert!(
-            matches!(
-                out,
-                Err(pgonce::Error::Pooler {
-                    problem: pgonce::PoolerProblem::PreparedStatements,
-                    ..
-                })
-            ),
-            "{strategy}: {out:?}"
-        );
+        assert!(is_prepared_statements_problem(&out), "{strategy}: {out:?}");
         tx.rollback().await.unwrap();
         drop(first);
         pool.close().await;
@@ -598,4 +608,48 @@ async fn a_dead_letter_move_through_the_pooler_wakes_the_dead_letter_queue() {
         .unwrap();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].body, "poison");
+}
+
+/// Behind a PgBouncer that does not carry prepared statements, a client
+/// whose `sqlx_s_1` takes one parameter runs it on the server connection
+/// where another client prepared its own `sqlx_s_1` with two: PostgreSQL
+/// refuses the Bind (08P01, "bind message supplies 1 parameters, but
+/// prepared statement \"sqlx_s_1\" requires 2"), which is the same
+/// misconfiguration as 42P05 and 26000 and is told as such, not as a bare
+/// database error. Driven step by step: a pooler of its own (so no other
+/// client moves its server connections), the first client's transaction
+/// pins one server connection while the second prepares on another, and
+/// PgBouncer hands the second client the most recently released one.
+#[tokio::test]
+async fn a_statement_bound_on_another_clients_prepared_statement_is_a_pooler_problem() {
+    let db = fresh_database().await;
+    let direct = db.pool(1).await.unwrap();
+    pgonce::migrate(&direct).await.unwrap();
+    let (_pooler, pool) = two_clients_without_prepared_statements(&db).await;
+    let mut first = pool.acquire().await.unwrap();
+    let mut second = pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *first).await.unwrap();
+    // The first client's `sqlx_s_1`, two parameters, on the server
+    // connection its transaction holds.
+    let first_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid() + $1::int - $2::int")
+        .bind(0)
+        .bind(0)
+        .fetch_one(&mut *first)
+        .await
+        .unwrap();
+    // The second client's `sqlx_s_1`, one parameter, on another one.
+    assert!(pgonce::job::get(&mut *second, 1).await.unwrap().is_none());
+    sqlx::raw_sql("COMMIT").execute(&mut *first).await.unwrap();
+    let out = pgonce::job::get(&mut *second, 1).await;
+    let ran_on: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *second)
+        .await
+        .unwrap();
+    assert_eq!(
+        ran_on, first_pid,
+        "the second client got the first's server connection"
+    );
+    assert!(is_prepared_statements_problem(&out), "{out:?}");
+    drop((first, second));
+    pool.close().await;
 }
