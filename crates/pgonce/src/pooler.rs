@@ -48,6 +48,11 @@ pub enum PoolerProblem {
     PreparedStatements,
     /// A notification arrived where a query's answer was expected: LISTEN
     /// ran on a pooled server connection that now serves this client.
+    /// The statement's outcome is unknown: the notification may come after
+    /// its commit (a send answers this error with its message stored), so
+    /// a caller that retries on it may do the work twice. Only some
+    /// statements meet it, at random: set LISTEN up as
+    /// [`PoolerProblem::fix`] says rather than retry.
     Notifications,
     /// PgBouncer refused a startup parameter sqlx sends
     /// (`extra_float_digits`, `options`).
