@@ -10,8 +10,8 @@ use std::time::Duration;
 use pgonce::Error;
 use pgonce::IsolationLevel;
 use pgonce::events::{
-    AppendCondition, AppendStrategy, Event, EventStore, EventStoreConfig, PollHook, PollPoint,
-    Query, QueryItem, ReadOptions, StoredEvent, SubscriptionConfig,
+    AppendCondition, AppendStrategy, Appended, Event, EventStore, EventStoreConfig, PollHook,
+    PollPoint, Query, QueryItem, ReadOptions, StoredEvent, SubscriptionConfig,
 };
 use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_migrated_database};
 use rand::Rng;
@@ -625,11 +625,7 @@ async fn an_append_larger_than_jsonb_holds_is_refused_as_bad_input() {
         ),
     ] {
         let outcome = store(&pool, strategy).append(&events, condition).await;
-        assert!(
-            matches!(&outcome, Err(Error::Invalid { what: "event", why }) if why.contains(limit)),
-            "{path}: {:?}",
-            outcome.map_err(|e| e.to_string())
-        );
+        assert_refused_as_too_large(path, outcome, limit);
     }
     assert_eq!(
         store(&pool, AppendStrategy::AdvisoryLocks)
@@ -637,6 +633,56 @@ async fn an_append_larger_than_jsonb_holds_is_refused_as_bad_input() {
             .await
             .unwrap(),
         None
+    );
+}
+
+/// An append whose events' JSON text is within what one statement may
+/// send, but whose tags or condition, sent beside it, take it past
+/// PostgreSQL's 1 GiB message: the server dropped the connection
+/// (`Connection reset by peer`), as for a batch of job results counted
+/// without their leases. Refused as bad input now, nothing written. One
+/// event on the path that binds its fields, its tags (one, a thousand
+/// times over: one lock key) beside its data; and a batch beside a
+/// condition naming a 2 MiB tag. Each builds 1 GiB of text: two cases.
+#[tokio::test]
+async fn an_append_counts_the_tags_and_condition_it_sends_beside_its_events() {
+    let (_db, pool) = db().await;
+    let max = pgonce::json::MAX_SENT_JSON_BYTES;
+    // Six bytes of text (`\u0001`) a character; a few hundred bytes of
+    // each event's text are its other fields.
+    let one = "\u{1}".repeat((max - 1_000) / 6);
+    let two = "\u{1}".repeat((max - 1_000) / 12);
+    let long_tag = "t".repeat(pgonce::events::MAX_NAME_BYTES);
+    let tagged = (0..1_000).fold(Event::new("T").data(json!({ "text": one })), |event, _| {
+        event.tag(long_tag.clone())
+    });
+    drop(one);
+    let on_tag = AppendCondition::new(tag_query("big"), None);
+    let on_long_tag = AppendCondition::new(tag_query(&"c".repeat(2 << 20)), None);
+    let big = || Event::new("T").tag("big").data(json!({ "text": two }));
+    for (events, condition, path) in [
+        (vec![tagged], &on_tag, "one event beside its tags"),
+        (
+            vec![big(), big()],
+            &on_long_tag,
+            "two events beside the condition",
+        ),
+    ] {
+        let outcome = store(&pool, AppendStrategy::AdvisoryLocks)
+            .append(&events, Some(condition))
+            .await;
+        assert_refused_as_too_large(path, outcome, "1 GiB");
+    }
+    let head = store(&pool, AppendStrategy::AdvisoryLocks).head().await;
+    assert_eq!(head.unwrap(), None, "nothing written");
+}
+
+/// An append refused as bad input for its size, the error naming `limit`.
+fn assert_refused_as_too_large(path: &str, outcome: Result<Appended, Error>, limit: &str) {
+    assert!(
+        matches!(&outcome, Err(Error::Invalid { what: "event", why }) if why.contains(limit)),
+        "{path}: {:?}",
+        outcome.map_err(|e| e.to_string())
     );
 }
 

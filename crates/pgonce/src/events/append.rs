@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::{PgPool, Postgres, Transaction};
 
 use super::model::{AppendCondition, Appended, Event, Query};
-use super::query::Filter;
+use super::query::{Filter, text_array_bytes};
 use super::{AppendStrategy, NOTIFY_CHANNEL};
 use crate::error::{Error, Result};
 use crate::lock::LockKey;
@@ -274,7 +274,7 @@ pub(crate) async fn begin(
         .bind_as(
             sqlx::query_as(filter.statement(&sql))
                 .bind(c.after.unwrap_or(0))
-                .bind(events_json(events)?)
+                .bind(events_json(events, filter.sent_bytes())?)
                 .bind(notify.then_some(NOTIFY_CHANNEL))
                 .bind(read_later),
         )
@@ -400,7 +400,13 @@ async fn append_one_statement(
         (Some(tags), [event]) => {
             let data = crate::json::stored(&event.data);
             let metadata = crate::json::stored(&event.metadata);
-            crate::json::check_sendable("event", data.0.get().len() + metadata.0.get().len())?;
+            // The event's tags and the condition's travel beside them,
+            // as many as given (duplicates included).
+            crate::json::check_sendable_beside(
+                "event",
+                data.0.get().len() + metadata.0.get().len(),
+                text_array_bytes(&event.tags) + text_array_bytes(tags),
+            )?;
             sqlx::query_as(include_str!("sql/append_one_tag_item.sql"))
                 .bind(&event.event_type)
                 .bind(&event.tags)
@@ -418,7 +424,7 @@ async fn append_one_statement(
         // The commonest condition, with the plans kept (migration 0170).
         (Some(tags), _) => {
             sqlx::query_as(include_str!("sql/append_tag_item.sql"))
-                .bind(events_json(events)?)
+                .bind(events_json(events, text_array_bytes(tags))?)
                 .bind(channel)
                 .bind(keys)
                 .bind(modes)
@@ -429,12 +435,16 @@ async fn append_one_statement(
                 .await
         }
         (None, _) => {
+            // The condition's items travel beside the events, as the JSON
+            // text measured here: the parameter's length (4 bytes), jsonb's
+            // version byte, the text.
             let items = match condition {
-                Some(c) => items_json(&c.fail_if_events_match)?,
+                Some(c) => items_json(&c.fail_if_events_match)?.map(|v| crate::json::stored(&v)),
                 None => None,
             };
+            let items_bytes = items.as_ref().map_or(0, |v| 4 + 1 + v.0.get().len());
             sqlx::query_as(include_str!("sql/append.sql"))
-                .bind(events_json(events)?)
+                .bind(events_json(events, items_bytes)?)
                 .bind(channel)
                 .bind(keys)
                 .bind(modes)
@@ -470,13 +480,19 @@ struct CheckedInsert {
 
 /// The events as one JSON array, written so that their numbers read back
 /// as they were given ([`crate::json::stored`]); [`Error::Invalid`] when
-/// its text is too long to send ([`crate::json::check_sendable`]).
-fn events_json(events: &[Event]) -> Result<sqlx::types::Json<Box<serde_json::value::RawValue>>> {
+/// its text, with the `beside` bytes of the condition sent in the same
+/// statement, is too long to send ([`crate::json::check_sendable_beside`]).
+fn events_json(
+    events: &[Event],
+    beside: usize,
+) -> Result<sqlx::types::Json<Box<serde_json::value::RawValue>>> {
     let value = serde_json::to_value(events).map_err(|e| Error::Invalid {
         what: "event",
         why: e.to_string(),
     })?;
-    crate::json::stored_sendable("event", &value)
+    let json = crate::json::stored(&value);
+    crate::json::check_sendable_beside("event", json.0.get().len(), beside)?;
+    Ok(json)
 }
 
 /// The isolation level [`begin_locked`] opens.
@@ -531,7 +547,7 @@ async fn insert(
     events: &[Event],
 ) -> Result<Vec<i64>> {
     let positions: Vec<i64> = sqlx::query_scalar(include_str!("sql/insert.sql"))
-        .bind(events_json(events)?)
+        .bind(events_json(events, 0)?)
         .bind(notify.then_some(NOTIFY_CHANNEL))
         .bind(read_later)
         .fetch_one(&mut **tx)

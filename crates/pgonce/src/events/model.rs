@@ -23,8 +23,9 @@ pub struct Event {
     /// string or key ([`crate::json`]); with the rest of its batch, within
     /// jsonb's size limits (a string at most 268,435,455 bytes, the batch's
     /// events, as jsonb encodes them, as many in total), and the batch's
-    /// JSON text within [`MAX_SENT_JSON_BYTES`](crate::json::MAX_SENT_JSON_BYTES)
-    /// (what PostgreSQL takes in one message); past them the append is
+    /// JSON text, with the tags and condition sent beside it, within
+    /// [`MAX_SENT_JSON_BYTES`](crate::json::MAX_SENT_JSON_BYTES) (what
+    /// PostgreSQL takes in one message); past them the append is
     /// [`Error::Invalid`], nothing written. Reads back as the
     /// `Value` given, numbers included ([`crate::json::stored`]).
     pub data: Value,

@@ -55,6 +55,13 @@ impl Filter {
         AssertSqlSafe(template.replace("{filter}", &self.sql))
     }
 
+    /// What the filter's parameters send PostgreSQL ([`text_array_bytes`]
+    /// each): the bytes beside an append's events that grow with its
+    /// condition.
+    pub fn sent_bytes(&self) -> usize {
+        self.binds.iter().map(|b| text_array_bytes(b)).sum()
+    }
+
     pub fn bind_as<'q, O>(
         &self,
         mut q: QueryAs<'q, Postgres, O, PgArguments>,
@@ -64,6 +71,16 @@ impl Filter {
         }
         q
     }
+}
+
+/// What a statement sends PostgreSQL for a `text[]` parameter holding
+/// `strings`: the parameter's length (4 bytes), the array's header (the
+/// number of dimensions, a flags word, the element type, and the one
+/// dimension's length and lower bound: 4 bytes each), and each element's
+/// length (4) before its bytes. Counted by hand: sqlx encodes the array
+/// without saying its size first.
+pub(crate) fn text_array_bytes(strings: &[String]) -> usize {
+    4 + 5 * 4 + strings.iter().map(|s| 4 + s.len()).sum::<usize>()
 }
 
 #[cfg(test)]
