@@ -362,7 +362,9 @@ fn taken(scope: &str, key: &str, row: HeldRow) -> Acquired {
 /// ([`Acquired::Replay`]) is that text parsed: the same value, serialising
 /// to the same text (numbers and the order of object keys as given).
 /// [`Error::Invalid`], before anything is written, for a response that
-/// could not be read back or queried ([`crate::json::check_storable`]).
+/// could not be read back or queried ([`crate::json::check_storable`]),
+/// or whose JSON text is past what one statement sends PostgreSQL
+/// ([`crate::json::MAX_SENT_JSON_BYTES`]).
 ///
 /// Under REPEATABLE READ or SERIALIZABLE, a transaction whose snapshot was
 /// taken before the hold (begun, and read from, before [`acquire`]) cannot
@@ -370,12 +372,20 @@ fn taken(scope: &str, key: &str, row: HeldRow) -> Acquired {
 /// Run it again: its fresh snapshot sees the hold.
 pub async fn finish<'c>(db: impl PgExecutor<'c>, hold: &KeyHold, response: &Value) -> Result<()> {
     crate::json::check_storable("idempotency response", response)?;
+    // As text: a replay is this text, parsed (see key_finish.sql).
+    let text = response.to_string();
+    // The hold's scope and key travel beside it (a hold's fields are
+    // public: their length is whatever the caller put there).
+    crate::json::check_sendable_beside(
+        "idempotency response",
+        text.len(),
+        hold.scope.len() + hold.key.len(),
+    )?;
     let done: Option<i32> = sqlx::query_scalar(include_str!("dedupe/sql/key_finish.sql"))
         .bind(&hold.scope)
         .bind(&hold.key)
         .bind(hold.token)
-        // As text: a replay is this text, parsed (see key_finish.sql).
-        .bind(response.to_string())
+        .bind(text)
         .bind(hold.acquired_in)
         .fetch_optional(db)
         .await?;

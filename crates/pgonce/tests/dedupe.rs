@@ -1160,3 +1160,34 @@ async fn the_collector_under_a_stricter_default_isolation_keeps_a_row_refreshed_
         .unwrap();
     assert_eq!(kept, 1);
 }
+
+/// A response whose JSON text is past what PostgreSQL takes in one message
+/// (1 GiB): `finish` sent it unchecked and the server dropped the
+/// connection (`Connection reset by peer`). Refused as bad input now,
+/// nothing written: the hold stands, and finishes with a smaller response.
+#[tokio::test]
+async fn a_response_past_one_message_is_refused_and_the_hold_stands() {
+    let (_db, pool) = setup().await;
+    let print = dedupe::fingerprint(&json!("request")).unwrap();
+    let Acquired::Process(hold) =
+        dedupe::acquire(&pool, "api", "k", &print, Duration::from_secs(60))
+            .await
+            .unwrap()
+    else {
+        panic!("a new key is processed");
+    };
+    // Six bytes of text (`\u0001`) a character: past 1 GiB in all.
+    let huge = json!("\u{1}".repeat((1 << 30) / 6 + 1_000));
+    let finished = dedupe::finish(&pool, &hold, &huge).await;
+    drop(huge);
+    assert!(
+        matches!(&finished, Err(Error::Invalid { what: "idempotency response", why }) if why.contains("1 GiB")),
+        "finish: {:?}",
+        finished.map_err(|e| e.to_string())
+    );
+    dedupe::finish(&pool, &hold, &json!("ok")).await.unwrap();
+    let replay = dedupe::acquire(&pool, "api", "k", &print, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(replay, Acquired::Replay(json!("ok")));
+}
