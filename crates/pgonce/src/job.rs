@@ -345,16 +345,17 @@ pub async fn transition<'c>(
     if let Some(result) = result {
         crate::json::check_storable("job result", result)?;
     }
+    let result = result
+        .map(|r| crate::json::stored_sendable("job result", r))
+        .transpose()?;
+    // The error travels beside the result, in what the result leaves.
+    let result_bytes = result.as_ref().map_or(0, |r| r.0.get().len());
     let done = sqlx::query(include_str!("job/sql/transition.sql"))
         .bind(id)
         .bind(from.as_str())
         .bind(to.as_str())
-        .bind(
-            result
-                .map(|r| crate::json::stored_sendable("job result", r))
-                .transpose()?,
-        )
-        .bind(error.map(storable_error))
+        .bind(result)
+        .bind(error.map(|e| storable_error(e, result_bytes)))
         .execute(db)
         .await
         .map_err(|e| crate::json::too_large("job result", e))?;
@@ -866,7 +867,9 @@ pub enum FailOutcome {
 ///
 /// `error` is stored with each NUL character replaced by U+FFFD:
 /// PostgreSQL's text cannot hold NUL, and a failure's message comes from
-/// whatever failed; recording the failure must not fail on it.
+/// whatever failed; recording the failure must not fail on it. So is one
+/// past [`crate::json::MAX_SENT_JSON_BYTES`] (PostgreSQL takes a message
+/// of at most 1 GiB): cut at the last whole character within it.
 pub async fn fail<'c>(
     db: impl PgExecutor<'c>,
     lease: &Lease,
@@ -884,7 +887,7 @@ pub async fn fail<'c>(
     let row: Option<Failed> = sqlx::query_as(include_str!("job/sql/fail.sql"))
         .bind(lease.job_id)
         .bind(lease.token)
-        .bind(storable_error(error))
+        .bind(storable_error(error, 0))
         .bind(policy.base.as_secs_f64())
         .bind(policy.max.as_secs_f64())
         .bind(policy.jitter)
@@ -970,14 +973,24 @@ impl std::error::Error for FailureRecorded {
     }
 }
 
-/// A failure's message as `last_error` can hold it: NUL, which text cannot
-/// hold, becomes U+FFFD.
-fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
-    if error.contains('\0') {
+/// A failure's message as `last_error` can hold it and one statement can
+/// send it beside `beside` bytes of JSON text: NUL, which text cannot
+/// hold, becomes U+FFFD; past what [`crate::json::MAX_SENT_JSON_BYTES`]
+/// leaves it is cut at the last whole character that fits (PostgreSQL
+/// takes a message of at most 1 GiB, and past it dropped the connection:
+/// the failure went unrecorded).
+fn storable_error(error: &str, beside: usize) -> std::borrow::Cow<'_, str> {
+    let room = crate::json::MAX_SENT_JSON_BYTES.saturating_sub(beside);
+    let mut error: std::borrow::Cow<'_, str> = if error.contains('\0') {
         error.replace('\0', "\u{FFFD}").into()
     } else {
         error.into()
+    };
+    if error.len() > room {
+        let end = error.floor_char_boundary(room);
+        error.to_mut().truncate(end);
     }
+    error
 }
 
 /// Extends a live lease to `extend_by` past the start of this call's

@@ -4082,3 +4082,40 @@ async fn complete_many_counts_what_each_lease_sends_beside_its_result() {
             .unwrap();
     assert_eq!(processing, LEASES as i64, "nothing written");
 }
+
+/// A failure whose message is past what PostgreSQL takes in one message
+/// (1 GiB) is recorded, its message cut at the last whole character
+/// within what one statement sends: `fail` sent it whole and the server
+/// dropped the connection, leaving the failure unrecorded, where a
+/// failure's message must never keep it from being recorded.
+#[tokio::test]
+async fn a_failure_message_past_one_message_is_cut_and_recorded() {
+    let (_db, pool) = setup().await;
+    let id = job::enqueue(&pool, &NewJob::new("send", json!(null)))
+        .await
+        .unwrap();
+    let lease = job::claim(&pool, id, LEASE).await.unwrap();
+    // One byte, then three-byte characters past 1 GiB: the cut falls
+    // inside a character, and goes back to the one before.
+    let max = pgonce::json::MAX_SENT_JSON_BYTES;
+    let error = format!("x{}", "€".repeat((1 << 30) / 3 + 10));
+    let failed = job::fail(&pool, &lease, &error, &RetryPolicy::default()).await;
+    drop(error);
+    assert!(
+        matches!(failed, Ok(job::FailOutcome::Retry { .. })),
+        "fail: {:?}",
+        failed.map_err(|e| e.to_string())
+    );
+    let stored: i32 = sqlx::query_scalar(
+        "SELECT octet_length(last_error) FROM pgonce.jobs WHERE id = $1 AND status = 'failed'",
+    )
+    .bind(id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        stored as usize,
+        1 + (max - 1) / 3 * 3,
+        "cut at a whole character"
+    );
+}
