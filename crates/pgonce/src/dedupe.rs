@@ -245,7 +245,9 @@ pub const MIN_HOLD: Duration = crate::duration::SHORTEST_LEASE;
 /// Uses idempotency key `key` in `scope` for a request with `fingerprint`
 /// (see [`fingerprint`]), holding it for `hold_for` ([`MIN_HOLD`] to
 /// [`MAX_HOLD`]) if it is new or its previous holder's hold expired. See
-/// the module docs for the outcomes.
+/// the module docs for the outcomes. A fingerprint empty or past
+/// [`crate::json::MAX_SENT_JSON_BYTES`] is [`Error::Invalid`], nothing
+/// written.
 pub async fn acquire(
     pool: &PgPool,
     scope: &str,
@@ -260,6 +262,19 @@ pub async fn acquire(
         return Err(Error::invalid(
             "idempotency fingerprint",
             "must not be empty",
+        ));
+    }
+    // Sent beside the scope and key in one statement: past PostgreSQL's
+    // 1 GiB message the server dropped the connection.
+    if fingerprint.len() > crate::json::MAX_SENT_JSON_BYTES {
+        return Err(Error::invalid(
+            "idempotency fingerprint",
+            format!(
+                "{} bytes, past the {} one statement sends PostgreSQL (which takes a \
+                 message of at most 1 GiB): pass a hash of the request (dedupe::fingerprint)",
+                fingerprint.len(),
+                crate::json::MAX_SENT_JSON_BYTES
+            ),
         ));
     }
     // The upsert alone first: a new key, or one whose holder's hold ran

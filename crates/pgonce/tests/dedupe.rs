@@ -1191,3 +1191,22 @@ async fn a_response_past_one_message_is_refused_and_the_hold_stands() {
         .unwrap();
     assert_eq!(replay, Acquired::Replay(json!("ok")));
 }
+
+/// A fingerprint past what PostgreSQL takes in one message (1 GiB): the
+/// key's upsert sent it and the server dropped the connection. Refused as
+/// bad input now, nothing written: the key is new to the next request.
+#[tokio::test]
+async fn a_fingerprint_past_one_message_is_refused() {
+    let (_db, pool) = setup().await;
+    let huge = vec![7u8; (1 << 30) + 1_000];
+    let acquired = dedupe::acquire(&pool, "api", "k", &huge, Duration::from_secs(60)).await;
+    drop(huge);
+    assert!(
+        matches!(&acquired, Err(Error::Invalid { what: "idempotency fingerprint", why }) if why.contains("1 GiB")),
+        "acquire: {:?}",
+        acquired.map_err(|e| e.to_string())
+    );
+    let print = dedupe::fingerprint(&json!("request")).unwrap();
+    let again = dedupe::acquire(&pool, "api", "k", &print, Duration::from_secs(60)).await;
+    assert!(matches!(again, Ok(Acquired::Process(_))), "{again:?}");
+}
