@@ -677,6 +677,29 @@ async fn an_append_counts_the_tags_and_condition_it_sends_beside_its_events() {
     assert_eq!(head.unwrap(), None, "nothing written");
 }
 
+/// A query whose tags alone pass what PostgreSQL takes in one message
+/// (1 GiB): a read sent them and the server dropped the connection
+/// (`Connection reset by peer`). Refused as bad input now, as a query is
+/// built and as a read checks one built by hand.
+#[tokio::test]
+async fn a_query_past_one_message_is_refused() {
+    let (_db, pool) = db().await;
+    let huge = "t".repeat((1 << 30) + 1_000);
+    let built = Query::item(Vec::<String>::new(), [huge.as_str()]).map(drop);
+    let by_hand = Query::Items(vec![QueryItem::new().tags([huge])]);
+    let read = store(&pool, AppendStrategy::AdvisoryLocks)
+        .read(&by_hand, ReadOptions::default())
+        .await
+        .map(drop);
+    for (path, outcome) in [("read", read), ("built", built)] {
+        assert!(
+            matches!(&outcome, Err(Error::Invalid { what: "query", why }) if why.contains("1 GiB")),
+            "{path}: {:?}",
+            outcome.map_err(|e| e.to_string())
+        );
+    }
+}
+
 /// An append refused as bad input for its size, the error naming `limit`.
 fn assert_refused_as_too_large(path: &str, outcome: Result<Appended, Error>, limit: &str) {
     assert!(

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::query::text_array_bytes;
 use crate::error::{Error, Result};
 
 /// An event to append: a type, tags, JSON data and JSON metadata.
@@ -169,7 +170,9 @@ impl Query {
         Query::All
     }
 
-    /// The OR of `items`; at least one, each naming a type or a tag.
+    /// The OR of `items`; at least one, each naming a type or a tag, and
+    /// all of them, sent as text arrays or as JSON text, within
+    /// [`MAX_SENT_JSON_BYTES`](crate::json::MAX_SENT_JSON_BYTES).
     pub fn items(items: impl IntoIterator<Item = QueryItem>) -> Result<Query> {
         let query = Query::Items(items.into_iter().collect());
         query.validate()?;
@@ -252,6 +255,31 @@ impl Query {
                     "types and tags must contain no NUL character (PostgreSQL's text cannot hold it)",
                 ));
             }
+        }
+        // A read, a decision or a subscription sends the items in one
+        // statement, as text arrays or as JSON text: past PostgreSQL's
+        // 1 GiB message the server dropped the connection. The arrays are
+        // counted first, so a query already past the limit as arrays is
+        // refused without writing its JSON.
+        let arrays: usize = items
+            .iter()
+            .map(|i| text_array_bytes(&i.types) + text_array_bytes(&i.tags))
+            .sum();
+        let sent = if arrays > crate::json::MAX_SENT_JSON_BYTES {
+            arrays
+        } else {
+            let json = serde_json::to_string(items).expect("strings serialize");
+            arrays.max(json.len())
+        };
+        if sent > crate::json::MAX_SENT_JSON_BYTES {
+            return Err(Error::invalid(
+                "query",
+                format!(
+                    "its types and tags take {sent} bytes to send, past the {} one statement \
+                     sends PostgreSQL (which takes a message of at most 1 GiB)",
+                    crate::json::MAX_SENT_JSON_BYTES
+                ),
+            ));
         }
         Ok(())
     }
