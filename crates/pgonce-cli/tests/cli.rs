@@ -847,6 +847,10 @@ fn worker_names_the_key_of_a_value_the_librarys_checks_refuse() {
         ),
         (&[("PGONCE_API__ADMIN_TOKEN", "short")], "api.admin_token"),
         (&[("PGONCE_API__BODY_LIMIT", "10")], "api.body_limit"),
+        (
+            &[("PGONCE_API__BODY_LIMIT", "18446744073709551615")],
+            "api.body_limit",
+        ),
         (&[("PGONCE_API__BODY_TIMEOUT", "0s")], "api.body_timeout"),
         (
             &[("PGONCE_NOTIFIER__WEBHOOK_URL", "http://")],

@@ -68,6 +68,12 @@ use crate::model::{
 use crate::service::Service;
 use crate::store;
 
+/// The largest [`ApiConfig::body_limit`]: 16 MiB. A body is read whole into
+/// memory before it is parsed, so the limit is what one request may hold
+/// there; the largest body a route keeps is an observation, which the queue
+/// bounds at [`pgonce::queue::MAX_BODY_BYTES`] (256 KiB), far below it.
+pub const MAX_BODY_LIMIT: usize = 16 * 1024 * 1024;
+
 /// Settings of the API.
 #[derive(Debug, Clone)]
 pub struct ApiConfig {
@@ -75,7 +81,7 @@ pub struct ApiConfig {
     /// at least 16 bytes. Default `None`: admin routes refuse everyone.
     pub admin_token: Option<String>,
     /// Largest request body in bytes; larger ones get a JSON 413. Default
-    /// 64 KiB.
+    /// 64 KiB; 1024 to [`MAX_BODY_LIMIT`].
     pub body_limit: usize,
     /// Longest long-poll wait of `GET /v1/events?wait=`; longer requests
     /// are shortened to it. Default 30 s.
@@ -130,10 +136,10 @@ impl ApiConfig {
                 why: "the header, body and write timeouts must be positive".into(),
             });
         }
-        if self.body_limit < 1024 {
+        if !(1024..=MAX_BODY_LIMIT).contains(&self.body_limit) {
             return Err(Error::Invalid {
                 what: "body limit",
-                why: "must be at least 1024 bytes".into(),
+                why: format!("must be 1024 to {MAX_BODY_LIMIT} bytes"),
             });
         }
         Ok(())

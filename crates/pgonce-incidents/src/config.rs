@@ -185,8 +185,8 @@ pub struct ApiSection {
     /// `admin_token`: the admin routes' bearer token, at least 16 bytes.
     /// Default none (admin routes refuse everyone).
     pub admin_token: Option<String>,
-    /// `body_limit`: largest request body, bytes. Default 65536; at least
-    /// 1024.
+    /// `body_limit`: largest request body, bytes. Default 65536; 1024 to
+    /// 16777216 ([`crate::api::MAX_BODY_LIMIT`]).
     pub body_limit: usize,
     /// `max_wait`: longest `GET /v1/events?wait=`. Default 30s.
     #[serde(with = "humantime_serde")]
@@ -1149,8 +1149,11 @@ impl Config {
                 "must be at least 16 bytes, without whitespace around it",
             ));
         }
-        if a.body_limit < 1024 {
-            return Err(invalid("api.body_limit", "must be at least 1024 (bytes)"));
+        if !(1024..=crate::api::MAX_BODY_LIMIT).contains(&a.body_limit) {
+            return Err(invalid(
+                "api.body_limit",
+                format!("must be 1024 to {} (bytes)", crate::api::MAX_BODY_LIMIT),
+            ));
         }
         for (key, d) in [
             ("api.header_timeout", a.header_timeout),

@@ -271,7 +271,7 @@ fn what_cannot_work_is_refused_with_the_key_named() {
     largest.database.max_connections = 262_143;
     largest.validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 29] = [
+    let cases: [(Bad, &str); 30] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -374,6 +374,7 @@ fn what_cannot_work_is_refused_with_the_key_named() {
             "service.declaration_lock_timeout",
         ),
         (|c| c.api.body_limit = 10, "api.body_limit"),
+        (|c| c.api.body_limit = usize::MAX, "api.body_limit"),
         (
             |c| c.maintenance.reaper.batch_size = 0,
             "maintenance.reaper.batch_size",
