@@ -870,6 +870,10 @@ fn worker_names_the_key_of_a_value_the_librarys_checks_refuse() {
             "notifier.retry.max",
         ),
         (
+            &[webhook, ("PGONCE_NOTIFIER__RETRY__BASE", "0s")],
+            "notifier.retry.base",
+        ),
+        (
             &[webhook, ("PGONCE_NOTIFIER__RETRY__JITTER", "2")],
             "notifier.retry.jitter",
         ),

@@ -353,7 +353,7 @@ impl Default for NotifierSection {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetrySection {
-    /// `base`: delay after the first failure. Default 1s.
+    /// `base`: delay after the first failure. Default 1s; at least 1ms.
     #[serde(with = "humantime_serde")]
     pub base: Duration,
     /// `max`: upper bound of the delay before jitter. Default 10m.
@@ -1124,6 +1124,12 @@ impl Config {
             return Err(invalid(
                 "notifier.lease",
                 "must be longer than notifier.timeout (a send still under way would be taken over)",
+            ));
+        }
+        if n.retry.base < crate::notifier::MIN_RETRY_BASE {
+            return Err(invalid(
+                "notifier.retry.base",
+                "must be at least 1ms (a base of zero retries a failed send at once)",
             ));
         }
         if n.retry.max < n.retry.base {

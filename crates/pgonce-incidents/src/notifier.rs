@@ -33,6 +33,12 @@ pub fn idempotency_key(incident_id: i64) -> String {
     format!("incident-{incident_id}")
 }
 
+/// The shortest [`RetryPolicy::base`] of a [`NotifierConfig`]: 1 ms. Each
+/// delay doubles the one before from `base`, so a base of zero makes every
+/// delay zero: a failed send is sent again at once, again and again, until
+/// the notification has used up its attempts.
+pub const MIN_RETRY_BASE: Duration = Duration::from_millis(1);
+
 /// Settings of a [`Notifier`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct NotifierConfig {
@@ -50,9 +56,10 @@ pub struct NotifierConfig {
     /// Pause of [`Notifier::run`] when there was nothing to send. Default
     /// 100 ms.
     pub idle: Duration,
-    /// Backoff of failed sends. Default [`RetryPolicy::default`]. A 429 or
-    /// 503 answer's `Retry-After` (seconds or an HTTP date) is waited when
-    /// longer than the backoff, up to `max`.
+    /// Backoff of failed sends. Default [`RetryPolicy::default`]; its
+    /// `base` at least [`MIN_RETRY_BASE`]. A 429 or 503 answer's
+    /// `Retry-After` (seconds or an HTTP date) is waited when longer than
+    /// the backoff, up to `max`.
     pub retry: RetryPolicy,
 }
 
@@ -71,7 +78,8 @@ impl NotifierConfig {
     }
 
     /// Checks the URL (http or https), the batch (at least 1), that the lease
-    /// exceeds the timeout, that idle is above zero, and the retry policy;
+    /// exceeds the timeout, that idle is above zero, and the retry policy
+    /// (its base at least [`MIN_RETRY_BASE`]);
     /// otherwise [`Error::Invalid`].
     pub fn validate(&self) -> Result<()> {
         let url = reqwest::Url::parse(&self.webhook_url)
@@ -91,6 +99,12 @@ impl NotifierConfig {
                 "notifier config",
                 "lease must exceed timeout and be at most 365 days, and timeout and idle be \
                  above zero",
+            ));
+        }
+        if self.retry.base < MIN_RETRY_BASE {
+            return Err(Error::invalid(
+                "notifier retry base",
+                "at least 1 ms (a base of zero retries a failed send at once)",
             ));
         }
         self.retry.validate()?;

@@ -271,7 +271,7 @@ fn what_cannot_work_is_refused_with_the_key_named() {
     largest.database.max_connections = 262_143;
     largest.validate().unwrap();
     type Bad = fn(&mut Config);
-    let cases: [(Bad, &str); 30] = [
+    let cases: [(Bad, &str); 31] = [
         (|c| c.database.url = None, "database.url"),
         (
             |c| c.database.max_connections = 1,
@@ -319,6 +319,13 @@ fn what_cannot_work_is_refused_with_the_key_named() {
                 c.notifier.lease = pgonce::job::MAX_LEASE + Duration::from_secs(1);
             },
             "notifier.lease",
+        ),
+        (
+            |c| {
+                c.notifier.webhook_url = Some("http://x".into());
+                c.notifier.retry.base = Duration::ZERO;
+            },
+            "notifier.retry.base",
         ),
         (
             |c| c.api.admin_token = Some("short".into()),
