@@ -509,6 +509,39 @@ fn a_database_url_that_is_not_postgresqls_is_refused_naming_its_key() {
     }
 }
 
+/// A PostgreSQL URL sqlx cannot parse is refused naming its key, in
+/// sqlx's words once, nothing applied: a bad query parameter read
+/// `not a PostgreSQL URL: error with configuration: error with
+/// configuration: unknown value "bogus" for `ssl_mode``, sqlx's wrapper
+/// twice around the reason.
+#[test]
+fn a_database_url_sqlx_cannot_parse_is_refused_with_its_reason_once() {
+    let (rt, db, url) = fresh_database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let bad_port = format!("postgres://127.0.0.1:x/{}", db.name());
+    for (value, reason) in [
+        (
+            format!("{url}{separator}sslmode=bogus"),
+            "unknown value \"bogus\" for `ssl_mode`",
+        ),
+        (bad_port, "invalid port number"),
+    ] {
+        let out = pgonce()
+            .arg("migrate")
+            .env("PGONCE_DATABASE__URL", &value)
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert_eq!(
+            stderr.trim(),
+            format!("pgonce: error: database.url: not a PostgreSQL URL: {reason}"),
+        );
+        assert_never_migrated(&rt, &db);
+    }
+}
+
 /// `--database-url` typed on the command line names the database a
 /// command uses, direct sessions included: a `database.direct_url` left in
 /// the environment (or the file) for the configured database is set aside

@@ -1329,9 +1329,20 @@ fn check_postgres_url(url: &str) -> Result<(), String> {
     match scheme {
         Some("postgres" | "postgresql") => PgConnectOptions::from_str(url)
             .map(drop)
-            .map_err(|e| format!("not a PostgreSQL URL: {e}")),
+            .map_err(|e| format!("not a PostgreSQL URL: {}", url_error_reason(&e))),
         _ => Err("not a PostgreSQL URL: it must start with postgres:// or postgresql://".into()),
     }
+}
+
+/// What is wrong with a URL sqlx refused, without sqlx's `error with
+/// configuration:` wrapper: sqlx wraps a bad query parameter's error in
+/// `Error::Configuration` twice, each adding the words again.
+fn url_error_reason(e: &sqlx::Error) -> String {
+    let mut reason: &(dyn std::error::Error + 'static) = e;
+    while let Some(sqlx::Error::Configuration(inner)) = reason.downcast_ref::<sqlx::Error>() {
+        reason = inner.as_ref();
+    }
+    reason.to_string()
 }
 
 impl From<&PassSection> for ReaperConfig {
