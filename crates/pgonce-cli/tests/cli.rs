@@ -966,6 +966,51 @@ fn worker_refuses_the_test_kits_former_variables_as_unknown_keys() {
     }
 }
 
+/// Every `PGONCE_` variable the repository's scripts read (`scripts/`,
+/// `.ci/`) is one the configuration takes: a shell that exported it for a
+/// script runs `pgonce migrate`, and the tests' `pgonce serve` and
+/// `pgonce worker`, with it set. `scripts/test` read its job count from
+/// `PGONCE_TEST_JOBS` and unset it for its own run only, so the variable
+/// exported in a shell stopped a plain `cargo test` of the CLI as an
+/// unknown key.
+#[test]
+fn the_scripts_read_no_pgonce_variable_the_configuration_refuses() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut variables = std::collections::BTreeSet::new();
+    for dir in ["scripts", ".ci"] {
+        for entry in std::fs::read_dir(root.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            // A plain scan: a variable's name is PGONCE_ then capitals,
+            // digits and underscores.
+            for (at, _) in text.match_indices("PGONCE_") {
+                let name: String = text[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                    .collect();
+                // Not the prefix alone, as a comment writes it.
+                if name.len() > "PGONCE_".len() {
+                    variables.insert(name);
+                }
+            }
+        }
+    }
+    assert!(root.join("scripts/test").is_file());
+    let (_rt, _db, url) = fresh_database_url();
+    for variable in &variables {
+        let out = pgonce()
+            .args(["migrate", "--database-url", &url])
+            .env(variable, "3")
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{variable}=3: {stderr}");
+    }
+}
+
 /// Without the `sqs-tls` feature, a queue on real SQS (no plain-HTTP
 /// endpoint) is refused before the database is touched, saying to build
 /// `pgonce` with `--features sqs-tls`: it named only the library's `tls`
