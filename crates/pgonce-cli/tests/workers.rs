@@ -573,7 +573,17 @@ impl Notified {
         let mut worker = one_worker(&self.url, &settings);
         let stderr = Stderr::of(&mut worker.0);
         let key = self.webhook.next_key();
-        assert!(key.starts_with("incident-"), "{key}");
+        let payload: serde_json::Value = self
+            .rt
+            .block_on(
+                sqlx::query_scalar("SELECT payload FROM pgonce.jobs WHERE kind = $1")
+                    .bind(pgonce_incidents::service::NOTIFY_JOB_KIND)
+                    .fetch_one(&self.pool),
+            )
+            .unwrap();
+        let kept = pgonce_incidents::notifier::NotificationPayload::from_job(&payload).unwrap();
+        assert!(kept.idempotency_key.is_some(), "{payload}");
+        assert_eq!(key, kept.idempotency_key(), "the key its job keeps");
         (worker, stderr, key)
     }
 

@@ -1,7 +1,8 @@
 //! Notifications, sent once although their job may be delivered twice:
-//! creating an incident enqueued a notification job in the same transaction;
-//! the [`Notifier`] claims such jobs (two-phase, with a lease), POSTs a
-//! webhook carrying an `Idempotency-Key` header, and completes the job
+//! creating an incident enqueued a notification job in the same transaction,
+//! its payload ([`NotificationPayload`]) keeping a key drawn then; the
+//! [`Notifier`] claims such jobs (two-phase, with a lease), POSTs a webhook
+//! carrying that key in an `Idempotency-Key` header, and completes the job
 //! together with the `notifications` row.
 //!
 //! What it guarantees (I3): each incident's job completes once, and at most
@@ -12,14 +13,22 @@
 //! after a crash), and the retry carries the same key, which the receiver
 //! uses to drop the duplicate. A notifier whose lease was taken over cannot
 //! complete ([`pgonce::Error::LeaseLost`]): nothing written.
+//!
+//! The key is the notification's, not the incident id's: ids are unique in
+//! one database only. Two installations posting to one receiver, or a
+//! database restored from a backup (its sequence hands out again ids
+//! notified after the backup), would send one id's key for two incidents,
+//! and the receiver would drop the second as a repeat: a notification seen
+//! zero times.
 
 use std::future::Future;
 use std::time::Duration;
 
 use pgonce::job::{self, ClaimedJob, FailOutcome, RetryPolicy};
-use serde_json::json;
+use serde_json::{Value, json};
 use sqlx::PgPool;
 use time::OffsetDateTime;
+use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::service::{NOTIFY_JOB_KIND, Service};
@@ -27,10 +36,54 @@ use crate::service::{NOTIFY_JOB_KIND, Service};
 /// The header carrying the idempotency key of a notification.
 pub const IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
 
-/// The idempotency key of an incident's notification: the same for every
-/// attempt.
-pub fn idempotency_key(incident_id: i64) -> String {
-    format!("incident-{incident_id}")
+/// The payload of a notification job ([`NOTIFY_JOB_KIND`]), as JSON
+/// `{"incident_id": n, "idempotency_key": "<uuid>"}`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NotificationPayload {
+    /// The incident notified.
+    pub incident_id: i64,
+    /// A random (version 4) UUID drawn when the job was enqueued, in the
+    /// incident's transaction: every attempt of this notification sends it,
+    /// and no other notification does, whichever database it comes from.
+    /// `None` in the jobs of builds before it, which send the key those
+    /// builds sent ([`NotificationPayload::idempotency_key`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<Uuid>,
+}
+
+impl NotificationPayload {
+    /// The payload of `incident_id`'s notification, its key drawn now.
+    pub fn new(incident_id: i64) -> NotificationPayload {
+        NotificationPayload {
+            incident_id,
+            idempotency_key: Some(Uuid::new_v4()),
+        }
+    }
+
+    /// Reads a claimed job's payload; the JSON error for one that is not a
+    /// notification's (no integer `incident_id`, a key that is not a UUID).
+    pub fn from_job(
+        payload: &Value,
+    ) -> std::result::Result<NotificationPayload, serde_json::Error> {
+        serde::Deserialize::deserialize(payload)
+    }
+
+    /// The payload as the job stores it.
+    pub fn to_job(&self) -> Value {
+        serde_json::to_value(self).expect("an integer and a UUID serialize")
+    }
+
+    /// The `Idempotency-Key` of this notification, the same for every
+    /// attempt: the kept UUID, hyphenated. A job enqueued by a build before
+    /// it sends that build's key, `incident-<id>`: the receiver may hold
+    /// the POST of an attempt that build made, and drops a retry of it only
+    /// by that key.
+    pub fn idempotency_key(&self) -> String {
+        match self.idempotency_key {
+            Some(key) => key.hyphenated().to_string(),
+            None => format!("incident-{}", self.incident_id),
+        }
+    }
 }
 
 /// The shortest [`RetryPolicy::base`] of a [`NotifierConfig`]: 1 ms. Each
@@ -277,11 +330,15 @@ impl Notifier {
     async fn notify(&self, claimed: ClaimedJob) -> Result<NotifyCounts> {
         let lease = &claimed.lease;
         let mut counts = NotifyCounts::default();
-        let sent = match Service::notified_incident(&claimed.payload) {
-            None => Sent::Failed(format!("malformed payload {}", claimed.payload), None),
-            Some(id) => self.send(id).await?,
+        let payload = NotificationPayload::from_job(&claimed.payload);
+        let sent = match &payload {
+            Err(why) => Sent::Failed(
+                format!("malformed payload {}: {why}", claimed.payload),
+                None,
+            ),
+            Ok(payload) => self.send(payload).await?,
         };
-        let key = Service::notified_incident(&claimed.payload).map(idempotency_key);
+        let payload = payload.ok();
         match sent {
             Sent::Delivered(status) => {
                 let mut tx =
@@ -295,8 +352,8 @@ impl Notifier {
                     Err(e) => return Err(e.into()),
                 }
                 sqlx::query(include_str!("notifier/sql/record.sql"))
-                    .bind(Service::notified_incident(&claimed.payload))
-                    .bind(key)
+                    .bind(payload.as_ref().map(|p| p.incident_id))
+                    .bind(payload.as_ref().map(NotificationPayload::idempotency_key))
                     .bind(claimed.attempts + 1)
                     .bind(i32::from(status))
                     .execute(&mut *tx)
@@ -330,7 +387,8 @@ impl Notifier {
     /// redirect too) is a failure to retry, its reason what the job keeps
     /// (`webhook answered ...`, `webhook did not answer within ...`,
     /// `webhook unreachable: ...`).
-    async fn send(&self, incident_id: i64) -> Result<Sent> {
+    async fn send(&self, payload: &NotificationPayload) -> Result<Sent> {
+        let incident_id = payload.incident_id;
         let row: Option<IncidentSummary> =
             sqlx::query_as(include_str!("notifier/sql/incident.sql"))
                 .bind(incident_id)
@@ -363,7 +421,7 @@ impl Notifier {
         let response = self
             .client
             .post(&self.config.webhook_url)
-            .header(IDEMPOTENCY_HEADER, idempotency_key(id))
+            .header(IDEMPOTENCY_HEADER, payload.idempotency_key())
             .json(&body)
             .send()
             .await;

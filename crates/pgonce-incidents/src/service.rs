@@ -8,7 +8,8 @@
 //!    the decision saw, compared with it ([`pgonce::GuardedTransaction`]);
 //! 2. the incident's id (drawn from its identity sequence, so the next two
 //!    steps can name it before the number exists);
-//! 3. the notification job ([`pgonce::job::enqueue`]) and the `IncidentOpened`
+//! 3. the notification job ([`pgonce::job::enqueue`]), its idempotency key
+//!    drawn here ([`NotificationPayload`]), and the `IncidentOpened`
 //!    timeline event ([`pgonce::EventStore::append_in`]);
 //! 4. last, the organization's next number and the incident row
 //!    ([`pgonce::Sequence::commit_numbered`]), then COMMIT.
@@ -30,12 +31,13 @@ use pgonce::{
     EventStore, EventStoreConfig, Guard, GuardConfig, LockKey, NumberedTable, ReadSet, Sequence,
     SequenceConfig,
 };
-use serde_json::{Value, json};
+use serde_json::json;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use time::OffsetDateTime;
 
 use crate::error::{Error, Result};
 use crate::model::{Declaration, Incident, IncidentFilter, Lifecycle, Policy};
+use crate::notifier::NotificationPayload;
 use crate::store;
 
 /// The lock namespace of per-entity incident writes (key: the entity id in
@@ -49,7 +51,7 @@ pub const DECLARATION_LOCK_NAMESPACE: &str = "pgonce-incidents/declaration";
 pub const FEED_GAP_WAIT: Duration = Duration::from_secs(1);
 /// How often a feed page looks at a gap again.
 const FEED_GAP_RECHECK: Duration = Duration::from_millis(5);
-/// The job kind of incident notifications (payload `{"incident_id": n}`).
+/// The job kind of incident notifications (payload [`NotificationPayload`]).
 pub const NOTIFY_JOB_KIND: &str = "incident-notification";
 
 /// The entity's lock key, shared by the guarded write and every other writer
@@ -520,7 +522,7 @@ impl Service {
             .await?;
         job::enqueue(
             &mut **tx,
-            &NewJob::new(NOTIFY_JOB_KIND, json!({ "incident_id": id }))
+            &NewJob::new(NOTIFY_JOB_KIND, NotificationPayload::new(id).to_job())
                 .max_attempts(self.config.notify_max_attempts),
         )
         .await?;
@@ -807,10 +809,5 @@ impl Service {
             }
             tokio::time::sleep(pause).await;
         }
-    }
-
-    /// Reads a notification job's payload.
-    pub(crate) fn notified_incident(payload: &Value) -> Option<i64> {
-        payload.get("incident_id").and_then(Value::as_i64)
     }
 }

@@ -1,6 +1,7 @@
 //! The notifier's pass against a real PostgreSQL and a local webhook
 //! receiver: a job that fails on its own does not cost the others of the
-//! pass their sending or their count.
+//! pass their sending or their count; a notification's idempotency key is
+//! its own, whichever database sent it.
 
 use pgonce::job::{self, NewJob};
 use pgonce_incidents::model::{Declaration, Incident};
@@ -356,7 +357,11 @@ async fn a_notifier_whose_lease_ran_out_mid_post_records_nothing() {
         .await
         .unwrap();
     let keys = hook.keys.lock().unwrap().clone();
-    let expected_key = pgonce_incidents::notifier::idempotency_key(incidents[0].id);
+    let expected_key: String =
+        sqlx::query_scalar("SELECT payload->>'idempotency_key' FROM pgonce.jobs")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(
         (
             second_counts.sent,
@@ -525,4 +530,320 @@ async fn a_receiver_is_judged_by_its_status_line_not_its_body() {
         let _ = release.send(());
         receiver.await.unwrap();
     }
+}
+
+/// One request a [`RecordingHook`] received: the incident its body names
+/// and the key its header carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Posted {
+    incident_id: i64,
+    key: String,
+}
+
+/// A receiver that records every request, answering 500 to the first
+/// `refused` ones and 200 to the rest.
+struct RecordingHook {
+    url: String,
+    posted: std::sync::Arc<std::sync::Mutex<Vec<Posted>>>,
+}
+
+impl RecordingHook {
+    async fn start(refused: usize) -> RecordingHook {
+        use axum::Router;
+        use axum::http::{HeaderMap, StatusCode};
+        use axum::routing::post;
+
+        let posted: std::sync::Arc<std::sync::Mutex<Vec<Posted>>> = Default::default();
+        let app = Router::new().route(
+            "/hook",
+            post({
+                let posted = posted.clone();
+                move |headers: HeaderMap, axum::Json(body): axum::Json<serde_json::Value>| async move {
+                    let key = headers
+                        .get(pgonce_incidents::notifier::IDEMPOTENCY_HEADER)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    let incident_id = body["incident_id"].as_i64().unwrap_or_default();
+                    let mut posted = posted.lock().unwrap();
+                    posted.push(Posted { incident_id, key });
+                    if posted.len() <= refused {
+                        StatusCode::INTERNAL_SERVER_ERROR
+                    } else {
+                        StatusCode::OK
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        RecordingHook {
+            url: format!("http://127.0.0.1:{port}/hook"),
+            posted,
+        }
+    }
+
+    /// What was posted, by incident, each incident's in arrival order.
+    fn posted(&self) -> Vec<Posted> {
+        let mut posted = self.posted.lock().unwrap().clone();
+        posted.sort_by_key(|p| p.incident_id);
+        posted
+    }
+}
+
+/// The key a notification job's payload keeps, as the job table holds it.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+struct KeptKey {
+    incident_id: i64,
+    idempotency_key: Option<String>,
+}
+
+async fn kept_keys(pool: &PgPool) -> Vec<KeptKey> {
+    sqlx::query_as(
+        "SELECT (payload->>'incident_id')::bigint AS incident_id, \
+                payload->>'idempotency_key' AS idempotency_key \
+           FROM pgonce.jobs WHERE kind = $1 ORDER BY 1",
+    )
+    .bind(NOTIFY_JOB_KIND)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// One pass of a notifier on each of `services`, in turn, posting to
+/// `receiver`; each sends its one notification.
+async fn each_notifies_once(services: &[&Service], receiver: &WebhookReceiver) {
+    for service in services {
+        let notifier = Notifier::new(service, NotifierConfig::new(receiver.url())).unwrap();
+        let counts = notifier.run_once().await.unwrap();
+        assert_eq!(counts.sent, 1, "{counts:?}");
+    }
+}
+
+/// Two installations posting to one receiver: each database hands out
+/// incident ids from 1, so their first incidents share an id. Each
+/// notification is its own, and the receiver, which drops a key it has
+/// already taken, takes both: with the key `incident-<id>` it dropped the
+/// second installation's as a repeat of the first's, a notification seen
+/// zero times.
+#[tokio::test]
+async fn two_databases_posting_to_one_receiver_are_both_taken() {
+    let (_first_db, _, first, first_incidents) = declared(&["db down"]).await;
+    let (_second_db, _, second, second_incidents) = declared(&["disk full"]).await;
+    assert_eq!(
+        first_incidents[0].id, second_incidents[0].id,
+        "each database hands out the same first id"
+    );
+    let receiver = WebhookReceiver::start(ReceiverFaults::default())
+        .await
+        .unwrap();
+    each_notifies_once(&[&first, &second], &receiver).await;
+    let stats = receiver.stats();
+    assert_eq!((stats.accepted, stats.duplicates), (2, 0), "{stats:?}");
+}
+
+/// A database restored from a backup taken before its latest incident
+/// hands that incident's id out again, to another incident (the
+/// sequence's state is the backup's): the incident notified before the
+/// restore and the one created after it are two notifications, both
+/// taken by the receiver, which with `incident-<id>` dropped the second.
+/// The backup is a copy of the database (`CREATE DATABASE ... TEMPLATE`),
+/// which is what restoring one gives.
+#[tokio::test]
+async fn a_database_restored_from_a_backup_notifies_an_id_it_hands_out_again() {
+    let server = pgonce_testkit::server::shared_for_tests().unwrap();
+    // The backup: the organization, no incident yet. A copy needs its
+    // source without connections.
+    let (live_db, backup_pool, _, _) = declared(&[]).await;
+    backup_pool.close().await;
+    let restored_name = format!("{}_restored", live_db.name());
+    let admin = pgonce_testkit::fresh_database()
+        .await
+        .pool(1)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE \"{restored_name}\" TEMPLATE \"{}\"",
+        live_db.name()
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+
+    let receiver = WebhookReceiver::start(ReceiverFaults::default())
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    let mut pools = Vec::new();
+    for (options, title) in [
+        (live_db.options(), "db down"),
+        (
+            server.options().clone().database(&restored_name),
+            "disk full",
+        ),
+    ] {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .unwrap();
+        let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+        let org: i64 = sqlx::query_scalar("SELECT id FROM incidents.organizations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let declaration = Declaration {
+            title: title.into(),
+            entity: None,
+            idempotency_key: None,
+        };
+        ids.push(
+            service
+                .declare(org, &declaration, "alice")
+                .await
+                .unwrap()
+                .id,
+        );
+        each_notifies_once(&[&service], &receiver).await;
+        pools.push(pool);
+    }
+    for pool in pools {
+        pool.close().await;
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE \"{restored_name}\" WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+
+    assert_eq!(
+        ids[0], ids[1],
+        "the restored database hands the id out again"
+    );
+    let stats = receiver.stats();
+    assert_eq!((stats.accepted, stats.duplicates), (2, 0), "{stats:?}");
+}
+
+/// Every attempt of a notification sends the key drawn when its job was
+/// enqueued, which its payload keeps, and no other notification sends it:
+/// a POST answered 500 and its retry carry the same key, the key the
+/// `notifications` row records; the other incident's notification carries
+/// another.
+#[tokio::test]
+async fn a_retry_carries_the_key_its_jobs_payload_keeps() {
+    use pgonce::job::{Redriver, RedriverConfig};
+
+    let (_db, pool, service, incidents) = declared(&["db down", "queue stuck"]).await;
+    let hook = RecordingHook::start(2).await;
+    let notifier = Notifier::new(&service, NotifierConfig::new(hook.url.clone())).unwrap();
+    let refused = notifier.run_once().await.unwrap();
+    assert_eq!((refused.sent, refused.failed), (0, 2), "{refused:?}");
+    // The retries are made due now rather than waited for.
+    sqlx::query("UPDATE pgonce.jobs SET run_at = now() - interval '1 ms'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let redriven = Redriver::new(pool.clone(), RedriverConfig::default())
+        .unwrap()
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(redriven.redriven, 2);
+    let retried = notifier.run_once().await.unwrap();
+    assert_eq!(retried.sent, 2, "{retried:?}");
+
+    let kept = kept_keys(&pool).await;
+    assert!(
+        kept.iter().all(|k| k.idempotency_key.is_some()),
+        "every notification job keeps its key: {kept:?}"
+    );
+    let keys: Vec<String> = kept
+        .iter()
+        .filter_map(|k| k.idempotency_key.clone())
+        .collect();
+    assert_ne!(keys[0], keys[1], "each notification has its own key");
+    for key in &keys {
+        let uuid = uuid::Uuid::parse_str(key).unwrap();
+        assert_eq!(uuid.get_version_num(), 4, "a random UUID: {key}");
+    }
+    let expected: Vec<Posted> = incidents
+        .iter()
+        .zip(&keys)
+        .flat_map(|(incident, key)| {
+            let posted = Posted {
+                incident_id: incident.id,
+                key: key.clone(),
+            };
+            [posted.clone(), posted]
+        })
+        .collect();
+    assert_eq!(hook.posted(), expected, "a first attempt and its retry");
+    let recorded: Vec<String> = sqlx::query_scalar(
+        "SELECT idempotency_key FROM incidents.notifications ORDER BY incident_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(recorded, keys);
+}
+
+/// A notification job enqueued by a build before its payload kept a key
+/// keeps sending that build's key, `incident-<id>`: the receiver may
+/// already hold that build's POST of it, and drops the retry only by that
+/// key. A job enqueued now, beside it, sends the key its payload keeps;
+/// one whose kept key is not a UUID is a failed send naming the payload,
+/// nothing posted.
+#[tokio::test]
+async fn a_job_enqueued_without_a_key_keeps_sending_the_incidents_key() {
+    let (_db, pool, service, incidents) = declared(&["db down", "queue stuck", "disk full"]).await;
+    let (old, new, garbled) = (incidents[0].id, incidents[1].id, incidents[2].id);
+    // The first incident's job as the previous build enqueued it; the
+    // third's key written by hand, wrongly.
+    for (id, payload) in [
+        (old, json!({ "incident_id": old })),
+        (
+            garbled,
+            json!({ "incident_id": garbled, "idempotency_key": "incident-3" }),
+        ),
+    ] {
+        sqlx::query(
+            "UPDATE pgonce.jobs SET payload = $2 \
+              WHERE kind = $1 AND (payload->>'incident_id')::bigint = $3",
+        )
+        .bind(NOTIFY_JOB_KIND)
+        .bind(payload)
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let new_key = kept_keys(&pool).await[1].idempotency_key.clone();
+
+    let hook = RecordingHook::start(0).await;
+    let notifier = Notifier::new(&service, NotifierConfig::new(hook.url.clone())).unwrap();
+    let counts = notifier.run_once().await.unwrap();
+    assert_eq!((counts.sent, counts.failed), (2, 1), "{counts:?}");
+    assert_eq!(
+        hook.posted(),
+        [
+            Posted {
+                incident_id: old,
+                key: format!("incident-{old}"),
+            },
+            Posted {
+                incident_id: new,
+                key: new_key.unwrap_or_default(),
+            },
+        ]
+    );
+    let why: String = sqlx::query_scalar(
+        "SELECT last_error FROM pgonce.jobs WHERE (payload->>'incident_id')::bigint = $1",
+    )
+    .bind(garbled)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(why.starts_with("malformed payload"), "{why}");
 }
