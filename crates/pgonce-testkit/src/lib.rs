@@ -13,6 +13,7 @@
 //! * [`interleave`]: step-by-step interleavings whose blocking steps are
 //!   confirmed through `pg_blocking_pids`, never through sleeps, and a
 //!   table held locked while a test's subject runs into it.
+//! * [`logs`]: what a test's subject logs, kept for the test to count.
 //! * [`webhook`]: a loopback webhook receiver that deduplicates by
 //!   idempotency key and fails or answers late on purpose.
 
@@ -20,6 +21,7 @@
 
 pub mod cluster;
 pub mod interleave;
+pub mod logs;
 pub mod moto;
 pub mod pooler;
 pub mod server;
@@ -34,6 +36,6 @@ pub use pooler::{Pooler, PoolerSetup};
 pub use server::{
     SchemaCatalog, ScratchDatabase, Server, ServerError, fresh_database,
     fresh_database_behind_pooler, fresh_migrated_database, fresh_migrated_database_behind_pooler,
-    schema_catalog, shared_for_tests, shared_pooler_for_tests,
+    own_migrated_cluster, schema_catalog, shared_for_tests, shared_pooler_for_tests,
 };
 pub use webhook::{ReceiverFaults, ReceiverStats, WebhookError, WebhookReceiver};

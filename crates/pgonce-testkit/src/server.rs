@@ -287,6 +287,34 @@ pub async fn fresh_migrated_database<E: std::fmt::Display>(
     (database, pool)
 }
 
+/// A throwaway cluster of the test's own, to stop or restart (started off
+/// the runtime's thread: it blocks for a second or two), `migrate` applied
+/// to its `postgres` database, and a pool of at most `max` connections on
+/// it whose acquires give up after `acquire_timeout`: sqlx retries a
+/// refused connection until then, so that is how long an acquire takes
+/// once the server is stopped. Panics with the reason when the cluster
+/// cannot start or the migration fails.
+pub async fn own_migrated_cluster<E: std::fmt::Display>(
+    max: u32,
+    acquire_timeout: Duration,
+    migrate: impl AsyncFnOnce(&PgPool) -> Result<(), E>,
+) -> (Cluster, PgPool) {
+    let cluster = tokio::task::spawn_blocking(Cluster::start)
+        .await
+        .expect("the cluster's start does not panic")
+        .unwrap_or_else(|e| panic!("cannot start a cluster: {e}"));
+    let pool = PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(acquire_timeout)
+        .connect(&cluster.url("postgres"))
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to the cluster: {e}"));
+    migrate(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("cannot migrate the cluster's database: {e}"));
+    (cluster, pool)
+}
+
 /// PgBouncer in transaction mode in front of the shared test server
 /// ([`shared_for_tests`]), started on first use and stopped by its watchdog
 /// when the test process exits.

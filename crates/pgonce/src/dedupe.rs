@@ -524,7 +524,9 @@ impl Collector {
         }
     }
 
-    /// Runs a pass every `interval` until `shutdown` completes.
+    /// Runs a pass every `interval` until `shutdown` completes. A failed
+    /// pass is counted and logged (the first, then a line a minute at most,
+    /// then the recovery: [`crate::service`]).
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         crate::service::run_every("dedupe collector", self.config.interval, shutdown, || {
             self.run_once()

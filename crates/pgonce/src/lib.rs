@@ -26,6 +26,8 @@
 //!   (finished jobs, dead-letter messages, dedup claims, keys).
 //! * [`json`]: what a `jsonb` column can store and read back, checked
 //!   before a value is written.
+//! * [`service`]: how the background loops (reaper, re-driver, collector,
+//!   maintenance) tell of their failed passes, for a loop of one's own too.
 //! * [`begin`]: a transaction begun at a stated [`IsolationLevel`], never
 //!   at the database's default.
 //!
@@ -49,7 +51,7 @@ pub mod migrate;
 mod pooler;
 pub mod queue;
 mod sequence;
-mod service;
+pub mod service;
 mod text;
 mod timestamp;
 mod transaction;

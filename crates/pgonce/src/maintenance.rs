@@ -299,7 +299,8 @@ pub async fn run_once(pool: &PgPool, config: &MaintenanceConfig) -> Result<Clean
 }
 
 /// Runs a pass every `config.interval` until `shutdown` completes. A failed
-/// pass is logged and the next one tried. Validates `config` first. A pass
+/// pass is counted and logged (the first, then a line a minute at most,
+/// then the recovery: [`crate::service`]) and the next one tried. Validates `config` first. A pass
 /// in progress when `shutdown` completes is dropped at its current
 /// statement, a transaction of its own, which rolls back: nothing is left
 /// half deleted, and a delete waiting on a lock does not hold the stop.

@@ -4119,3 +4119,66 @@ async fn a_failure_message_past_one_message_is_cut_and_recorded() {
         "cut at a whole character"
     );
 }
+
+/// A reaper whose database is down (a server of the test's own, stopped)
+/// keeps passing every interval, and each failed pass counts in
+/// `pgonce_service_failed_passes_total`; the log has the first at warn
+/// with its error, then at most one warn line per minute of the outage,
+/// the others at debug. Ten minutes of tokio's paused clock: the bounds
+/// are read from that clock, not from how fast the machine runs. (Each
+/// failed pass was logged at warn, a line per interval for as long as the
+/// outage lasted, and counted nowhere.)
+#[tokio::test]
+async fn a_reaper_whose_database_is_down_logs_a_line_a_minute_and_counts_each_failed_pass() {
+    // A short acquire timeout: a pass against the stopped server fails
+    // within it.
+    let (mut cluster, pool) =
+        pgonce_testkit::own_migrated_cluster(2, Duration::from_secs(1), pgonce::migrate).await;
+    let config = ReaperConfig {
+        interval: Duration::from_secs(1),
+        ..ReaperConfig::default()
+    };
+    let reaper = Reaper::new(pool.clone(), config).unwrap();
+    reaper
+        .run_once()
+        .await
+        .expect("a pass while the server runs");
+    cluster.stop();
+
+    let (metric, recorder) = support::count_of("pgonce_service_failed_passes_total");
+    // On this single-threaded runtime the reaper's task records here too.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let logged = pgonce_testkit::logs::LogLines::default();
+    let _logging = logged.capture();
+    const OUTAGE: Duration = Duration::from_secs(600);
+    tokio::time::pause();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(reaper.run(async {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(OUTAGE).await;
+    stop.send(()).unwrap();
+    running.await.unwrap();
+
+    let failed = metric.load(Ordering::SeqCst);
+    // A pass at least every other second (its interval, then its acquire
+    // timeout at most): hundreds; some, whatever the jumps of the clock.
+    assert!(failed >= 60, "the passes went on failing: {failed}");
+    let first = logged.starting(tracing::Level::WARN, "reaper pass failed");
+    assert_eq!(first.len(), 1, "the first failure alone at warn: {first:?}");
+    assert!(first[0].error.is_some(), "with its error: {first:?}");
+    let still = logged.starting(tracing::Level::WARN, "reaper passes still failing");
+    let minutes = OUTAGE.as_secs() / 60;
+    assert!(
+        still.len() as u64 <= minutes && !still.is_empty(),
+        "one a minute at most, over {minutes} minutes: {}",
+        still.len()
+    );
+    let quiet = logged.starting(tracing::Level::DEBUG, "reaper pass failed");
+    assert_eq!(
+        quiet.len() as u64,
+        failed - 1 - still.len() as u64,
+        "the others at debug"
+    );
+    drop(cluster);
+}

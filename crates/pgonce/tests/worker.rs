@@ -13,6 +13,7 @@ use pgonce::{
     Received, SendMessage, Worker, WorkerConfig,
 };
 use pgonce_testkit::fresh_migrated_database;
+use pgonce_testkit::logs::LogLines;
 use sqlx::PgPool;
 use tokio::sync::Notify;
 
@@ -1535,55 +1536,6 @@ async fn until_counted<Q: Queue + 'static, H: Handler>(
     .expect(what)
 }
 
-/// One event logged: its level, message and `error` field.
-#[derive(Debug, Clone)]
-struct LogLine {
-    level: tracing::Level,
-    message: String,
-    error: Option<String>,
-}
-
-/// Keeps every event logged on this thread while it is the default
-/// subscriber's layer (the worker's tasks too, on a single-threaded
-/// runtime).
-#[derive(Clone, Default)]
-struct LogLines(Arc<std::sync::Mutex<Vec<LogLine>>>);
-
-impl LogLines {
-    /// The lines kept so far of `level` whose message starts with `start`.
-    fn starting(&self, level: tracing::Level, start: &str) -> Vec<LogLine> {
-        let lines = self.0.lock().unwrap();
-        lines
-            .iter()
-            .filter(|l| l.level == level && l.message.starts_with(start))
-            .cloned()
-            .collect()
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogLines {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        /// Reads the message and the `error` field of an event.
-        struct Fields(String, Option<String>);
-        impl tracing::field::Visit for Fields {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                match field.name() {
-                    "message" => self.0 = format!("{value:?}"),
-                    "error" => self.1 = Some(format!("{value:?}")),
-                    _ => {}
-                }
-            }
-        }
-        let mut fields = Fields(String::new(), None);
-        event.record(&mut fields);
-        self.0.lock().unwrap().push(LogLine {
-            level: *event.metadata().level(),
-            message: fields.0,
-            error: fields.1,
-        });
-    }
-}
-
 /// A worker whose queue was deleted by hand keeps retrying its receives,
 /// and counts each failure, in its counters and in
 /// `pgonce_queue_worker_failed_receives_total`; once the queue is created
@@ -1608,10 +1560,7 @@ async fn a_worker_counts_failed_receives_of_a_deleted_queue_and_recovers() {
     // On this single-threaded runtime the worker's tasks record here too.
     let _local = metrics::set_default_local_recorder(&recorder);
     let logged = LogLines::default();
-    let _logging = {
-        use tracing_subscriber::layer::SubscriberExt;
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(logged.clone()))
-    };
+    let _logging = logged.capture();
     let config = hour_long(WorkerConfig {
         concurrency: 1,
         batch: 1,

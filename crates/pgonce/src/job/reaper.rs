@@ -89,7 +89,8 @@ impl Reaper {
     }
 
     /// Runs a pass every `interval` until `shutdown` completes. A failed pass
-    /// is logged and the next one tried.
+    /// is counted and logged (the first, then a line a minute at most, then
+    /// the recovery: [`crate::service`]) and the next one tried.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         crate::service::run_every("reaper", self.config.interval, shutdown, || self.run_once())
             .await;

@@ -98,7 +98,9 @@ impl Redriver {
     /// Runs a pass every `interval` until `shutdown` completes, the ids of
     /// the jobs each makes pending dropped: for jobs that need no message
     /// ([`crate::job::claim_batch`] pollers take pending jobs). Queue-driven
-    /// workers need one per job: [`Redriver::run_handing_on`].
+    /// workers need one per job: [`Redriver::run_handing_on`]. A failed
+    /// pass is counted and logged (the first, then a line a minute at
+    /// most, then the recovery: [`crate::service`]).
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         crate::service::run_every("redriver", self.config.interval, shutdown, || {
             self.run_once()

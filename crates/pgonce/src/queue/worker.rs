@@ -80,6 +80,7 @@ use tokio::task::JoinSet;
 
 use super::{Queue, ReceiveRequest, Received};
 use crate::error::{Error, Result};
+use crate::service::{Failure, Failures};
 
 /// What a handler returns when it could not process a message.
 pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
@@ -514,7 +515,7 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
         let (abandoning, abandon) = watch::channel(false);
         tokio::pin!(shutdown);
         // The run of failed receives going on, if any, for the log.
-        let mut failing = ReceiveFailures::default();
+        let mut failing = Failures::default();
         // The receive under way when the shutdown came, if any.
         let receiving = loop {
             while let Some(joined) = tasks.try_join_next() {
@@ -574,14 +575,16 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
                 Err(e) => {
                     self.shared.count_failed_receive(&call);
                     let queue = self.shared.queue.name();
-                    match failing.failed(Instant::now(), time::OffsetDateTime::now_utc()) {
-                        FailedReceive::First => tracing::warn!(queue, error = %e,
+                    match failing
+                        .failed(tokio::time::Instant::now(), time::OffsetDateTime::now_utc())
+                    {
+                        Failure::First => tracing::warn!(queue, error = %e,
                             "receive failed; retrying every second"),
-                        FailedReceive::StillFailing(run) => {
+                        Failure::StillFailing(run) => {
                             tracing::warn!(queue, failed = run.count, since = %run.since, error = %e,
                             "receives still failing: {} failed since {}; retrying every second", run.count, run.since)
                         }
-                        FailedReceive::Quiet => {
+                        Failure::Quiet => {
                             tracing::debug!(queue, error = %e, "receive failed; retrying")
                         }
                     }
@@ -669,69 +672,6 @@ impl<Q: Queue + 'static, H: Handler> Worker<Q, H> {
 /// `WorkerConfig::shutdown_deadline` says so.) Stated on
 /// `WorkerConfig::shutdown_deadline`, where users set the deadline.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-
-/// While receives keep failing, [`Worker::run`] logs one line about them
-/// at most this often (module docs, Failed receives).
-const FAILING_RECEIVES_LOGGED_EVERY: Duration = Duration::from_secs(60);
-
-/// A run of failed receives: receives that failed one after the other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FailingRun {
-    /// How many failed so far.
-    count: u64,
-    /// When the first failed, by the wall clock (for the log).
-    since: time::OffsetDateTime,
-    /// When the last line about the run was logged.
-    logged_at: Instant,
-}
-
-/// What to log of a failed receive.
-#[derive(Debug, PartialEq, Eq)]
-enum FailedReceive {
-    /// The first of a run: at warn, with its error.
-    First,
-    /// The run goes on, and no line about it was logged for
-    /// [`FAILING_RECEIVES_LOGGED_EVERY`]: at warn, how many since when.
-    StillFailing(FailingRun),
-    /// Logged about lately: at debug only.
-    Quiet,
-}
-
-/// The run of failed receives going on in one [`Worker::run`], if any,
-/// deciding which failures the log tells of at warn.
-///
-/// Written here, not taken from a crate: `tracing` limits no rate of its
-/// own, and the crates that do (`tracing-throttle`) are subscriber layers,
-/// which the application installs, not a library; they drop repeats of a
-/// line, but say neither how many failed since when in the line that gets
-/// through nor when the failures stopped.
-#[derive(Debug, Default)]
-struct ReceiveFailures(Option<FailingRun>);
-
-impl ReceiveFailures {
-    /// A receive failed at `now` (`wall`, by the wall clock): what to log.
-    fn failed(&mut self, now: Instant, wall: time::OffsetDateTime) -> FailedReceive {
-        let Some(run) = &mut self.0 else {
-            self.0 = Some(FailingRun {
-                count: 1,
-                since: wall,
-                logged_at: now,
-            });
-            return FailedReceive::First;
-        };
-        run.count += 1;
-        if now.saturating_duration_since(run.logged_at) < FAILING_RECEIVES_LOGGED_EVERY {
-            return FailedReceive::Quiet;
-        }
-        run.logged_at = now;
-        FailedReceive::StillFailing(*run)
-    }
-
-    /// A receive succeeded: the run of failures it ended, if any.
-    fn succeeded(&mut self) -> Option<FailingRun> {
-        self.0.take()
-    }
-}
 
 /// Resolves once `signal` is raised (set to true), or never when its
 /// sender is gone unraised.
@@ -1252,48 +1192,6 @@ mod tests {
             ..ok
         };
         no_heartbeat.validate().unwrap();
-    }
-
-    /// A run of failed receives is told at warn at its first failure, then
-    /// once per [`FAILING_RECEIVES_LOGGED_EVERY`] with how many failed
-    /// since when, and its end gives the count; the next failure starts a
-    /// new run. The clock is given, not read: no waiting.
-    #[test]
-    fn failed_receives_are_logged_first_then_once_a_minute_then_at_recovery() {
-        let start = Instant::now();
-        let at = |secs: u64| start + Duration::from_secs(secs);
-        let wall = time::OffsetDateTime::UNIX_EPOCH;
-        let later = wall + Duration::from_secs(1000);
-        let mut failures = ReceiveFailures::default();
-        assert_eq!(failures.succeeded(), None, "nothing failed");
-        assert_eq!(failures.failed(at(0), wall), FailedReceive::First);
-        for secs in 1..60 {
-            assert_eq!(
-                failures.failed(at(secs), later),
-                FailedReceive::Quiet,
-                "{secs}"
-            );
-        }
-        let still = FailingRun {
-            count: 61,
-            since: wall,
-            logged_at: at(60),
-        };
-        assert_eq!(
-            failures.failed(at(60), later),
-            FailedReceive::StillFailing(still)
-        );
-        assert_eq!(failures.failed(at(119), later), FailedReceive::Quiet);
-        assert!(matches!(
-            failures.failed(at(120), later),
-            FailedReceive::StillFailing(FailingRun { count: 63, .. })
-        ));
-        assert!(matches!(
-            failures.succeeded(),
-            Some(FailingRun { count: 63, since, .. }) if since == wall
-        ));
-        assert_eq!(failures.succeeded(), None, "told once");
-        assert_eq!(failures.failed(at(121), later), FailedReceive::First);
     }
 
     /// A heartbeat under a millisecond would beat in a busy loop of
