@@ -107,7 +107,9 @@ pub struct NotifierConfig {
     /// Timeout of one POST. Default 5 s.
     pub timeout: Duration,
     /// Pause of [`Notifier::run`] when there was nothing to send. Default
-    /// 100 ms.
+    /// 100 ms. After a failed pass the pause doubles with each failure in
+    /// a row, from twice `idle` up to [`FAILED_PASSES_PAUSE_AT_MOST`] (or
+    /// `idle`, if longer), and is `idle` again after a pass that succeeds.
     pub idle: Duration,
     /// Backoff of failed sends. Default [`RetryPolicy::default`]; its
     /// `base` at least [`MIN_RETRY_BASE`]. A 429 or 503 answer's
@@ -274,7 +276,16 @@ impl Notifier {
         Ok(counts)
     }
 
-    /// Runs passes until `shutdown` resolves; errors are logged and retried.
+    /// Runs passes until `shutdown` resolves. A pass that fails (the
+    /// database down, refusing logins) is retried after a pause that
+    /// doubles with each failure in a row, up to
+    /// [`FAILED_PASSES_PAUSE_AT_MOST`] (see [`NotifierConfig::idle`]), so
+    /// that a database that is down is not asked ten times a second; each
+    /// is counted in `pgonce_service_failed_passes_total{service="notifier"}`
+    /// and logged as [`pgonce::service::FailingPasses`] does: the first at
+    /// warn, then a warn line a minute at most while they go on, and one
+    /// info line once a pass succeeds again.
+    ///
     /// A pass in flight at shutdown is finished, within the lease: its
     /// webhooks may already hold their notifications, and a pass dropped
     /// there would leave its jobs claimed until their leases ran out, then
@@ -284,6 +295,7 @@ impl Notifier {
         use futures::FutureExt;
         tokio::pin!(shutdown);
         let mut total = NotifyCounts::default();
+        let mut failing = pgonce::service::FailingPasses::new("notifier");
         loop {
             // No claim once shutdown has resolved.
             if (&mut shutdown).now_or_never().is_some() {
@@ -305,23 +317,24 @@ impl Notifier {
                     }
                 },
             };
-            let idle = match pass {
+            let pause = match pass {
                 Ok(c) => {
+                    failing.succeeded();
                     total += c;
-                    c == NotifyCounts::default()
+                    (c == NotifyCounts::default()).then_some(self.config.idle)
                 }
-                Err(e) => {
-                    tracing::warn!("notifier pass failed: {e}");
-                    true
-                }
+                Err(e) => Some(pause_after_failed_passes(
+                    self.config.idle,
+                    failing.failed(&e),
+                )),
             };
             if stopping {
                 return total;
             }
-            if idle {
+            if let Some(pause) = pause {
                 tokio::select! {
                     _ = &mut shutdown => return total,
-                    _ = tokio::time::sleep(self.config.idle) => {}
+                    _ = tokio::time::sleep(pause) => {}
                 }
             }
         }
@@ -445,6 +458,22 @@ impl Notifier {
     }
 }
 
+/// The longest pause of [`Notifier::run`] after failed passes (unless
+/// [`NotifierConfig::idle`] is longer): once the database is back,
+/// notifications go out again within it.
+pub const FAILED_PASSES_PAUSE_AT_MOST: Duration = Duration::from_secs(30);
+
+/// The pause of [`Notifier::run`] after `failed` passes in a row failed:
+/// `idle` doubled for each, at most [`FAILED_PASSES_PAUSE_AT_MOST`] (or
+/// `idle`, if longer). By hand: one saturating product, which no crate
+/// of the workspace's dependencies computes (a backoff crate would come
+/// in for this line alone).
+fn pause_after_failed_passes(idle: Duration, failed: u64) -> Duration {
+    let doublings = u32::try_from(failed).unwrap_or(u32::MAX).min(31);
+    idle.saturating_mul(1 << doublings)
+        .min(FAILED_PASSES_PAUSE_AT_MOST.max(idle))
+}
+
 /// How long a 429 (too many requests) or 503 (unavailable) answer asks
 /// the sender to wait: its `Retry-After`, in seconds or as an HTTP date
 /// (RFC 9110, 10.2.3). `None` for another status, no header, or one that
@@ -507,4 +536,45 @@ fn with_causes(error: &dyn std::error::Error) -> String {
         cause = c.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pause after failed passes doubles from twice `idle`, stops
+    /// growing at its bound (or `idle`, if longer), and never overflows.
+    #[test]
+    fn the_pause_after_failed_passes_doubles_up_to_its_bound() {
+        let idle = Duration::from_millis(100);
+        let pauses: Vec<Duration> = (1..=10)
+            .map(|failed| pause_after_failed_passes(idle, failed))
+            .collect();
+        let ms = Duration::from_millis;
+        assert_eq!(
+            pauses,
+            [
+                ms(200),
+                ms(400),
+                ms(800),
+                ms(1600),
+                ms(3200),
+                ms(6400),
+                ms(12800),
+                ms(25600),
+                FAILED_PASSES_PAUSE_AT_MOST,
+                FAILED_PASSES_PAUSE_AT_MOST
+            ]
+        );
+        assert_eq!(
+            pause_after_failed_passes(idle, u64::MAX),
+            FAILED_PASSES_PAUSE_AT_MOST
+        );
+        let long_idle = Duration::from_secs(120);
+        assert_eq!(pause_after_failed_passes(long_idle, 1), long_idle);
+        assert_eq!(
+            pause_after_failed_passes(Duration::from_secs(u64::MAX), 40),
+            Duration::from_secs(u64::MAX)
+        );
+    }
 }

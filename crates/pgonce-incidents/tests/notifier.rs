@@ -40,6 +40,25 @@ async fn notify_once(service: &Service) -> NotifyCounts {
     notifier.run_once().await.unwrap()
 }
 
+/// `notifier` running in a task of its own until the sender is used (or
+/// dropped); the task returns what it sent.
+fn run_until_stopped(
+    notifier: Notifier,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<NotifyCounts>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        notifier
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    (stop, running)
+}
+
 /// The test kit's receiver deduplicates by the header the notifier sends;
 /// the two crates name it each on its own.
 #[test]
@@ -183,14 +202,7 @@ async fn a_shutdown_while_a_post_is_in_flight_records_what_was_delivered() {
     config.timeout = Duration::from_secs(60);
     config.lease = Duration::from_secs(120);
     let notifier = Notifier::new(&service, config).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(async move {
-        notifier
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, run) = run_until_stopped(notifier);
     // The receiver holds the notification; its answer is on its way.
     tokio::time::timeout(Duration::from_secs(20), async {
         while receiver.stats().requests == 0 {
@@ -846,4 +858,138 @@ async fn a_job_enqueued_without_a_key_keeps_sending_the_incidents_key() {
     .await
     .unwrap();
     assert!(why.starts_with("malformed payload"), "{why}");
+}
+
+/// A notifier whose database is down (a server of the test's own,
+/// stopped) backs off: its pause after a failed pass doubles from twice
+/// `idle` up to `FAILED_PASSES_PAUSE_AT_MOST`, so that ten minutes of
+/// outage see a few dozen passes at most; the log has the first failure
+/// at warn with its error, then at most one warn line per minute, the
+/// others at debug. Ten minutes of tokio's paused clock: the bounds are
+/// read from that clock, not from how fast the machine runs. (A failed
+/// pass was followed by `idle`, 100 ms, and logged at warn: about ten
+/// lines a second for as long as the outage lasted.)
+#[tokio::test]
+async fn a_notifier_whose_database_is_down_backs_off_and_logs_a_line_a_minute() {
+    use std::time::Duration;
+    // A short acquire timeout: a pass against the stopped server fails
+    // within it.
+    let (mut cluster, pool) =
+        pgonce_testkit::own_migrated_cluster(2, Duration::from_secs(1), pgonce_incidents::migrate)
+            .await;
+    let service = Service::new(pool.clone(), ServiceConfig::default()).unwrap();
+    let config = NotifierConfig::new("http://127.0.0.1:9/unused");
+    let idle = config.idle;
+    let notifier = Notifier::new(&service, config).unwrap();
+    notifier
+        .run_once()
+        .await
+        .expect("a pass while the server runs");
+    cluster.stop();
+
+    let logged = pgonce_testkit::logs::LogLines::default();
+    let _logging = logged.capture();
+    const OUTAGE: Duration = Duration::from_secs(600);
+    tokio::time::pause();
+    let (stop, running) = run_until_stopped(notifier);
+    tokio::time::sleep(OUTAGE).await;
+    stop.send(()).unwrap();
+    let total = running.await.unwrap();
+    assert_eq!(total, NotifyCounts::default(), "nothing sent");
+
+    let first = logged.starting(tracing::Level::WARN, "notifier pass failed");
+    assert_eq!(first.len(), 1, "the first failure alone at warn: {first:?}");
+    assert!(first[0].error.is_some(), "with its error: {first:?}");
+    let still = logged.starting(tracing::Level::WARN, "notifier passes still failing");
+    let quiet = logged.starting(tracing::Level::DEBUG, "notifier pass failed");
+    let passes = 1 + still.len() + quiet.len();
+    let minutes = OUTAGE.as_secs() / 60;
+    assert!(
+        still.len() as u64 <= minutes,
+        "one a minute at most, over {minutes} minutes: {}",
+        still.len()
+    );
+    // How many failed passes the pauses leave room for in the outage,
+    // each pause doubling from twice `idle` up to its bound; plus the
+    // pass under way at its end.
+    let mut room = 0;
+    let mut paused = Duration::ZERO;
+    let mut pause = idle;
+    while paused <= OUTAGE {
+        pause = (pause * 2).min(pgonce_incidents::notifier::FAILED_PASSES_PAUSE_AT_MOST);
+        paused += pause;
+        room += 1;
+    }
+    assert!(
+        (2..=room).contains(&passes),
+        "{passes} failed passes in {OUTAGE:?}, room for {room} with the backoff"
+    );
+    drop(cluster);
+}
+
+/// Waits (60 s at most, a failsafe, not a verdict) until `logged` holds
+/// `at_least` lines of `level` starting with `start`.
+async fn until_logged(
+    logged: &pgonce_testkit::logs::LogLines,
+    level: tracing::Level,
+    start: &str,
+    at_least: usize,
+) {
+    tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while logged.starting(level, start).len() < at_least {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("never logged {at_least} of {level} {start:?}"));
+}
+
+/// A notifier whose passes fail (its claims meet no jobs table, renamed
+/// away) says once, at info, after how many failures a pass succeeded
+/// again, and the run of failures is over: the next failure is the first
+/// of a new run, at warn again (and its pause, counted from that run,
+/// starts again from twice `idle`).
+#[tokio::test]
+async fn a_notifier_whose_passes_recover_says_so_once_and_starts_over() {
+    let (_db, pool, service, _) = declared(&[]).await;
+    let config = NotifierConfig {
+        idle: std::time::Duration::from_millis(1),
+        ..NotifierConfig::new("http://127.0.0.1:9/unused")
+    };
+    let notifier = Notifier::new(&service, config).unwrap();
+    let logged = pgonce_testkit::logs::LogLines::default();
+    let _logging = logged.capture();
+    const AWAY: &str = "ALTER TABLE pgonce.jobs RENAME TO jobs_away";
+    const BACK: &str = "ALTER TABLE pgonce.jobs_away RENAME TO jobs";
+    let rename = async |statement: &'static str| {
+        sqlx::query(statement).execute(&pool).await.unwrap();
+    };
+    rename(AWAY).await;
+    let (stop, running) = run_until_stopped(notifier);
+    use tracing::Level;
+    until_logged(&logged, Level::DEBUG, "notifier pass failed", 2).await;
+    rename(BACK).await;
+    until_logged(&logged, Level::INFO, "notifier pass succeeded after", 1).await;
+    rename(AWAY).await;
+    until_logged(&logged, Level::WARN, "notifier pass failed", 2).await;
+    rename(BACK).await;
+    stop.send(()).unwrap();
+    running.await.unwrap();
+
+    let first = logged.starting(Level::WARN, "notifier pass failed");
+    assert_eq!(first.len(), 2, "the first of each run at warn: {first:?}");
+    let recovered = logged.starting(Level::INFO, "notifier pass succeeded after ");
+    assert!(
+        (1..=2).contains(&recovered.len()),
+        "the recovery once per run (the second may end with the stop): {recovered:?}"
+    );
+    // "notifier pass succeeded after {n} failed passes since {when}"
+    let failed: u64 = recovered[0]
+        .message
+        .trim_start_matches("notifier pass succeeded after ")
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count: {recovered:?}"));
+    assert!(failed >= 3, "the first run's failures, counted: {failed}");
 }
