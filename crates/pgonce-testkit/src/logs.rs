@@ -36,6 +36,45 @@ impl LogLines {
             .cloned()
             .collect()
     }
+
+    /// Checks the lines a run of `failed` failures lasting `lasting` left,
+    /// as pgonce's loops log one: the first at warn, its message starting
+    /// with `first`; at most one warn line a minute starting with `still`;
+    /// the others at debug, starting with `first` too; and, when
+    /// `recovered` is given, one info line starting with it. Panics naming
+    /// what is off; returns the first failure's line (to check its error).
+    pub fn assert_run_of_failures(
+        &self,
+        failed: u64,
+        lasting: std::time::Duration,
+        first: &str,
+        still: &str,
+        recovered: Option<&str>,
+    ) -> LogLine {
+        use tracing::Level;
+        let firsts = self.starting(Level::WARN, first);
+        assert_eq!(
+            firsts.len(),
+            1,
+            "the first failure alone at warn: {firsts:?}"
+        );
+        let stills = self.starting(Level::WARN, still);
+        assert!(
+            stills.len() as u64 <= lasting.as_secs() / 60,
+            "at most one a minute, {lasting:?} of failing: {stills:?}"
+        );
+        let quiet = self.starting(Level::DEBUG, first);
+        assert_eq!(
+            quiet.len() as u64,
+            failed - 1 - stills.len() as u64,
+            "the others of {failed} at debug"
+        );
+        if let Some(recovered) = recovered {
+            let recovery = self.starting(Level::INFO, recovered);
+            assert_eq!(recovery.len(), 1, "the recovery once: {recovery:?}");
+        }
+        firsts.into_iter().next().expect("one")
+    }
 }
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogLines {

@@ -59,13 +59,14 @@ pub(crate) fn check_retention(what: &'static str, retention: Duration) -> Result
 /// a pass under way, whose open transaction then rolls back. A failed pass
 /// is counted and logged as [`FailingPasses`] does (module docs, Failed
 /// passes); the next one comes after `interval` all the same.
-pub(crate) async fn run_every<T, Fut>(
+pub(crate) async fn run_every<T, E, Fut>(
     name: &'static str,
     interval: Duration,
     shutdown: impl Future<Output = ()>,
     mut pass: impl FnMut() -> Fut,
 ) where
-    Fut: Future<Output = Result<T>>,
+    E: std::fmt::Display,
+    Fut: Future<Output = std::result::Result<T, E>>,
 {
     tokio::pin!(shutdown);
     let mut tick = tokio::time::interval(interval);

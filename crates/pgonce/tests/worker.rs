@@ -1602,30 +1602,20 @@ async fn a_worker_counts_failed_receives_of_a_deleted_queue_and_recovers() {
         "the metric counts what the counters do"
     );
     let failed = recovered.failed_receives;
-    let first = logged.starting(tracing::Level::WARN, "receive failed");
-    assert_eq!(first.len(), 1, "the first failure alone at warn: {first:?}");
+    let first = logged.assert_run_of_failures(
+        failed,
+        failing_for,
+        "receive failed",
+        "receives still failing",
+        Some(&format!(
+            "receive recovered after {failed} failed receives since "
+        )),
+    );
     assert_eq!(
-        first[0].error.as_deref(),
+        first.error.as_deref(),
         Some(r#"queue "q" does not exist"#),
         "with its error"
     );
-    let still = logged.starting(tracing::Level::WARN, "receives still failing");
-    let minutes = failing_for.as_secs() / 60;
-    assert!(
-        still.len() as u64 <= minutes,
-        "at most one a minute, {failing_for:?} of failing: {still:?}"
-    );
-    let quiet = logged.starting(tracing::Level::DEBUG, "receive failed");
-    assert_eq!(
-        quiet.len() as u64,
-        failed - 1 - still.len() as u64,
-        "the others at debug"
-    );
-    let recovery = logged.starting(
-        tracing::Level::INFO,
-        &format!("receive recovered after {failed} failed receives since "),
-    );
-    assert_eq!(recovery.len(), 1, "the recovery once, with the count");
 }
 
 /// Sends each message's body to the test as it is handled.

@@ -117,7 +117,8 @@ impl Redriver {
     /// * `hand_on` fails, panics or runs past
     ///   [`RedriverConfig::hand_on_timeout`] (its future is then dropped):
     ///   the batch is rolled back, its jobs stay failed and due, the pass
-    ///   ends (the error, the panic's message or the timeout is logged) and
+    ///   fails (counted and logged with the error, the panic's message or
+    ///   the timeout, as every failed pass is: [`crate::service`]) and
     ///   the next pass hands them on again (ids a hand-on given up had
     ///   already published go out twice, duplicates the claim keeps from
     ///   running the work twice);
@@ -176,21 +177,16 @@ impl Redriver {
                     };
                     match finished {
                         Ok(out) => out.map_err(HandOnFailed::Refused),
-                        Err(payload) => Err(HandOnFailed::Panicked(
-                            crate::service::panic_message(&*payload),
-                        )),
+                        Err(payload) => Err(HandOnFailed::Panicked(crate::service::panic_message(
+                            &*payload,
+                        ))),
                     }
                 }
             };
-            match self.pass(caught).await {
-                Ok(counts) => Ok(counts),
-                Err(BatchFailed::Database(e)) => Err(e),
-                Err(BatchFailed::HandOn(e)) => {
-                    tracing::warn!(error = %e,
-                        "re-driven ids not handed on: their batch rolled back, the next pass hands them on");
-                    Ok(RedriveCounts::default())
-                }
-            }
+            // A hand-on that failed is a failed pass, counted and logged
+            // as the loop's others are: while its peer is down, a line a
+            // minute, not one per pass.
+            self.pass(caught).await
         })
         .await;
     }
@@ -282,7 +278,10 @@ impl<E: std::fmt::Display> std::fmt::Display for BatchFailed<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             BatchFailed::Database(e) => e.fmt(f),
-            BatchFailed::HandOn(e) => write!(f, "hand-on failed: {e}"),
+            BatchFailed::HandOn(e) => write!(
+                f,
+                "ids not handed on (their batch rolled back, the next pass hands them on): {e}"
+            ),
         }
     }
 }
