@@ -328,7 +328,9 @@ pub struct NotifierSection {
     /// `timeout`: of one POST. Default 5s.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
-    /// `idle`: pause when there was nothing to send. Default 100ms.
+    /// `idle`: pause when there was nothing to send. Default 100ms. After
+    /// a failed pass the pause doubles with each failure in a row, up to
+    /// 30 s ([`crate::NotifierConfig::idle`]).
     #[serde(with = "humantime_serde")]
     pub idle: Duration,
     /// `[notifier.retry]`: backoff of failed sends.
