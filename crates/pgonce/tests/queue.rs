@@ -4623,13 +4623,7 @@ async fn received_before_the_wait(
 async fn a_listener_that_reconnected_wakes_the_parked_receivers_for_what_it_missed() {
     let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
     let mut proxy = Proxy::start(&db).await;
-    let options = PgQueueOptions {
-        listen: pgonce::Listen::Direct(Box::new(proxy.options.clone())),
-        ..slow_poll()
-    };
-    let q = PgQueue::create(&plain, "q", QueueAttributes::default(), options)
-        .await
-        .unwrap();
+    let q = proxy.listening_queue(&plain).await;
     let wait = Duration::from_secs(30);
     let receiver = spawn_receive(&q, wait);
     proxy.next().await.forward();
@@ -4681,6 +4675,18 @@ impl Proxy {
         }
     }
 
+    /// Creates queue `q` on `pool`, its listener connecting through the
+    /// proxy; re-polls once a minute ([`slow_poll`]).
+    async fn listening_queue(&self, pool: &PgPool) -> PgQueue {
+        let options = PgQueueOptions {
+            listen: pgonce::Listen::Direct(Box::new(self.options.clone())),
+            ..slow_poll()
+        };
+        PgQueue::create(pool, "q", QueueAttributes::default(), options)
+            .await
+            .unwrap()
+    }
+
     /// The next connection made through the proxy.
     async fn next(&mut self) -> Attempt {
         self.attempts.recv().await.unwrap()
@@ -4718,13 +4724,7 @@ async fn a_listener_back_after_a_failed_reconnect_wakes_the_parked_receivers() {
     let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
     let (gated, gate) = Gate::pool(&db).await;
     let mut proxy = Proxy::start(&db).await;
-    let options = PgQueueOptions {
-        listen: pgonce::Listen::Direct(Box::new(proxy.options.clone())),
-        ..slow_poll()
-    };
-    let q = PgQueue::create(&gated, "q", QueueAttributes::default(), options)
-        .await
-        .unwrap();
+    let q = proxy.listening_queue(&gated).await;
     let wait = Duration::from_secs(20);
     let receiver = spawn_receive(&q, wait);
     proxy.next().await.forward();
@@ -6659,4 +6659,113 @@ async fn a_redrive_racing_its_sources_replacement_by_hand_moves_to_the_new_queue
     let moved = redriving.resume().await.unwrap();
     assert!(matches!(moved, Ok(1)), "{moved:?}");
     assert_eq!(queues_of_messages(&setup).await, ["s"]);
+}
+
+/// A queue listener whose database is down (a server of the test's own,
+/// stopped) keeps trying to LISTEN again, and each
+/// failed try counts in `pgonce_queue_listener_failed_tries_total`; the
+/// log has the first at warn with its error, then at most one warn line
+/// per minute of the outage, the others at debug. Ten minutes of tokio's
+/// paused clock: the bounds are read from that clock, not from how fast
+/// the machine runs. (Each failed try was logged at warn, a line every
+/// try for as long as the outage lasted, and counted nowhere.)
+#[tokio::test]
+async fn a_queue_listener_that_cannot_listen_again_logs_a_line_a_minute_and_counts_each_try() {
+    let (mut cluster, pool) =
+        pgonce_testkit::own_migrated_cluster(4, Duration::from_secs(1), pgonce::migrate).await;
+    let q = PgQueue::create(&pool, "q", QueueAttributes::default(), slow_poll())
+        .await
+        .unwrap();
+    let parked = {
+        let q = q.clone();
+        // Fails once the server is stopped: only its listener matters.
+        tokio::spawn(async move {
+            let _ = q
+                .receive(ReceiveRequest::up_to(1).wait(Duration::from_secs(20)))
+                .await;
+        })
+    };
+    parked_and_listening(&q, &pool).await;
+
+    let (metric, recorder) = support::count_of("pgonce_queue_listener_failed_tries_total");
+    // On this single-threaded runtime the listener's task records here too.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let logged = pgonce_testkit::logs::LogLines::default();
+    let _logging = logged.capture();
+    cluster.stop();
+    const OUTAGE: Duration = Duration::from_secs(600);
+    tokio::time::pause();
+    tokio::time::sleep(OUTAGE).await;
+    parked.abort();
+
+    let failed = metric.load(std::sync::atomic::Ordering::SeqCst);
+    // A try every half second plus the time its connect takes to give up
+    // (the listener's own pool's acquire timeout, 30 s, against a stopped
+    // server): about twenty; some, whatever the jumps of the clock.
+    assert!(failed >= 10, "the tries went on failing: {failed}");
+    let first = logged.assert_run_of_failures(
+        failed,
+        OUTAGE,
+        "queue listener cannot listen again yet",
+        "queue listener still cannot listen again",
+        None,
+    );
+    assert!(first.error.is_some(), "with its error: {first:?}");
+    let still = logged.starting(
+        tracing::Level::WARN,
+        "queue listener still cannot listen again",
+    );
+    assert!(!still.is_empty(), "a line a minute while it goes on");
+    drop(q);
+    drop(cluster);
+}
+
+/// A queue listener that lost its connection and then failed to LISTEN
+/// again three times (each connection refused through the proxy) logs the
+/// first failed try at warn, the next at debug, and once it LISTENs again
+/// one info line saying after how many failed tries. (Each failed try was
+/// logged at warn, and the line once it was back said nothing of them.)
+#[tokio::test]
+async fn a_queue_listener_listening_again_says_after_how_many_failed_tries() {
+    let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
+    let mut proxy = Proxy::start(&db).await;
+    let q = proxy.listening_queue(&plain).await;
+    let logged = pgonce_testkit::logs::LogLines::default();
+    let _logging = logged.capture();
+    let receiver = spawn_receive(&q, Duration::from_secs(20));
+    proxy.next().await.forward();
+    parked_and_listening(&q, &plain).await;
+
+    terminate_listener(&plain).await;
+    // The old listener's own reconnect (its error ends it), then three
+    // tries of new ones.
+    for _ in 0..4 {
+        proxy.next().await.refuse();
+    }
+    proxy.next().await.forward();
+    let back = loop {
+        let back = logged.starting(tracing::Level::INFO, "queue listener listening again");
+        if !back.is_empty() {
+            break back;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(back.len(), 1, "once: {back:?}");
+    assert!(
+        back[0]
+            .message
+            .starts_with("queue listener listening again after 3 failed tries since "),
+        "{back:?}"
+    );
+    let first = logged.starting(
+        tracing::Level::WARN,
+        "queue listener cannot listen again yet",
+    );
+    assert_eq!(
+        first.len(),
+        1,
+        "the first failed try alone at warn: {first:?}"
+    );
+    assert!(first[0].error.is_some(), "with its error: {first:?}");
+    receiver.abort();
 }

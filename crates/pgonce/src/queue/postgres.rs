@@ -21,6 +21,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::listen::Listen;
 use crate::lock::LockKey;
+use crate::service::{Failure, Failures};
 use crate::transaction::{self, IsolationLevel};
 
 mod notifier;
@@ -1385,7 +1386,6 @@ async fn listen(mut listener: PgListener, relisten: Relisten, queue: String, not
                 // after UNLISTEN.
                 drop(listener);
                 listener = relisten.until_listening(&queue, &notify).await;
-                tracing::info!(queue = %queue, "queue listener listening again");
                 notify.notify_waiters();
             }
         }
@@ -1403,16 +1403,49 @@ impl Relisten {
     /// A new listener LISTENing on the queues' channel, trying every
     /// half second until one is. Every failed try wakes the receivers as
     /// the first failure did: what was sent meanwhile has nobody to
-    /// announce it.
+    /// announce it. Each failed try counts in
+    /// `pgonce_queue_listener_failed_tries_total{queue}`; the log has the
+    /// first at warn with its error, then a warn line a minute at most
+    /// while they go on, and one info line once it listens again, as
+    /// [`crate::service`] tells of failed passes (its module docs).
     async fn until_listening(&self, queue: &str, notify: &Notify) -> PgListener {
+        let mut failing = Failures::default();
         loop {
             tokio::time::sleep(Duration::from_millis(500)).await;
             match self.listen.listener(&self.pool, CHANNEL).await {
-                Ok(Some(listener)) => return listener,
+                Ok(Some(listener)) => {
+                    match failing.succeeded() {
+                        Some(run) => {
+                            tracing::info!(queue = %queue, failed = run.count, since = %run.since,
+                            "queue listener listening again after {} failed tries since {}", run.count, run.since)
+                        }
+                        None => tracing::info!(queue = %queue, "queue listener listening again"),
+                    }
+                    return listener;
+                }
                 // The relay runs only for a setting that listens.
                 Ok(None) => std::future::pending::<()>().await,
                 Err(e) => {
-                    tracing::warn!(queue = %queue, error = %e, "queue listener cannot listen again yet");
+                    metrics::counter!("pgonce_queue_listener_failed_tries_total", "queue" => queue.to_owned())
+                        .increment(1);
+                    match failing
+                        .failed(tokio::time::Instant::now(), time::OffsetDateTime::now_utc())
+                    {
+                        Failure::First => {
+                            tracing::warn!(queue = %queue, error = %e,
+                            "queue listener cannot listen again yet; retrying")
+                        }
+                        Failure::StillFailing(run) => {
+                            tracing::warn!(queue = %queue,
+                            failed = run.count, since = %run.since, error = %e,
+                            "queue listener still cannot listen again: {} tries failed since {}; retrying",
+                            run.count, run.since)
+                        }
+                        Failure::Quiet => {
+                            tracing::debug!(queue = %queue, error = %e,
+                            "queue listener cannot listen again yet; retrying")
+                        }
+                    }
                     notify.notify_waiters();
                 }
             }
