@@ -11,7 +11,7 @@ use pgonce::Error;
 use pgonce::IsolationLevel;
 use pgonce::events::{
     AppendCondition, AppendStrategy, Appended, Event, EventStore, EventStoreConfig, PollHook,
-    PollPoint, Query, QueryItem, ReadOptions, StoredEvent, SubscriptionConfig,
+    PollPoint, Query, QueryItem, ReadOptions, StoredEvent, Subscription, SubscriptionConfig,
 };
 use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_migrated_database};
 use rand::Rng;
@@ -2369,18 +2369,14 @@ struct SireadLock {
 async fn a_listener_that_cannot_reconnect_leaves_next_waiting_not_polling_in_a_loop() {
     let (db, pool) = db().await;
     let s = store(&pool, AppendStrategy::AdvisoryLocks);
-    sqlx::query("CREATE ROLE pgonce_lost_listener LOGIN")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let mut sub = s
-        .subscribe(SubscriptionConfig {
-            poll_interval: Duration::from_secs(60),
-            listen: pgonce::Listen::Direct(Box::new(db.options().username("pgonce_lost_listener"))),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let mut sub = subscription_with_a_lost_listener(
+        &db,
+        &pool,
+        &s,
+        "pgonce_lost_listener",
+        Duration::from_secs(60),
+    )
+    .await;
     let polls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = polls.clone();
     sub.set_poll_hook(Some(Box::new(move |point, _| {
@@ -2389,23 +2385,136 @@ async fn a_listener_that_cannot_reconnect_leaves_next_waiting_not_polling_in_a_l
         }
         Box::pin(async {})
     })));
-    sqlx::query("ALTER ROLE pgonce_lost_listener NOLOGIN")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let killed: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE usename = 'pgonce_lost_listener'",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    assert_eq!(killed, [true]);
 
     let waited = tokio::time::timeout(Duration::from_secs(3), sub.next()).await;
     assert!(waited.is_err(), "no event to deliver: {waited:?}");
     let polls = polls.load(std::sync::atomic::Ordering::SeqCst);
     assert!(polls <= 2, "{polls} polls in 3 s with a 60 s poll interval");
+}
+
+/// A listener that cannot reconnect (its role may no longer log in) fails
+/// on every attempt, each counted in
+/// `pgonce_events_subscription_failed_reconnects_total`; the log has the
+/// first at warn with its error, then at most one warn line per minute,
+/// the others at debug. The test waits for thirty failures (a 10 ms poll
+/// interval) and bounds the warn lines by the time they took. (Each failed
+/// reconnect was logged at warn, a line per poll interval for as long as
+/// it lasted, and counted nowhere.)
+#[tokio::test]
+async fn a_listener_that_cannot_reconnect_logs_a_line_a_minute_and_counts_each_failure() {
+    let (db, pool) = db().await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let sub = subscription_with_a_lost_listener(
+        &db,
+        &pool,
+        &s,
+        "pgonce_refused_listener",
+        Duration::from_millis(10),
+    )
+    .await;
+
+    let (metric, recorder) =
+        support::count_of("pgonce_events_subscription_failed_reconnects_total");
+    // On this single-threaded runtime the polling task records here too.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let logged = pgonce_testkit::logs::LogLines::default();
+    let _logging = logged.capture();
+    const FAILED: &str = "subscription listener cannot reconnect";
+    let started = tokio::time::Instant::now();
+    let mut sub = sub;
+    let polling = tokio::spawn(async move {
+        loop {
+            let _ = sub.next().await;
+        }
+    });
+    while logged.starting(tracing::Level::WARN, FAILED).len()
+        + logged.starting(tracing::Level::DEBUG, FAILED).len()
+        < 30
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let lasted = started.elapsed();
+
+    let failed = metric.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(failed >= 30, "each failed reconnect counted: {failed}");
+    let first = logged.assert_run_of_failures(
+        failed,
+        lasted,
+        FAILED,
+        "subscription listener still cannot reconnect",
+        None,
+    );
+    assert!(first.error.is_some(), "with its error: {first:?}");
+
+    // The role may log in again: once the listener LISTENs, an append's
+    // notification reaches it, and the recovery is told once.
+    sqlx::query("ALTER ROLE pgonce_refused_listener LOGIN")
+        .execute(&pool)
+        .await
+        .unwrap();
+    while listening_as(&pool, "pgonce_refused_listener").await == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    s.append(&[booked("after the reconnect")], None)
+        .await
+        .unwrap();
+    const BACK: &str = "subscription listener reconnected after ";
+    while logged.starting(tracing::Level::INFO, BACK).is_empty() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    polling.abort();
+    let back = logged.starting(tracing::Level::INFO, BACK);
+    assert_eq!(back.len(), 1, "the recovery once: {back:?}");
+}
+
+/// A subscription of `s` polling every `poll_interval` whose listener
+/// (LISTENing as `role`, created here) has lost its connection and cannot
+/// get a new one: the role may no longer log in, and its session was
+/// terminated.
+async fn subscription_with_a_lost_listener(
+    db: &ScratchDatabase,
+    pool: &PgPool,
+    s: &EventStore,
+    role: &str,
+    poll_interval: Duration,
+) -> Subscription {
+    // `role` is one of this file's names, not input.
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE ROLE {role} LOGIN")))
+        .execute(pool)
+        .await
+        .unwrap();
+    let sub = s
+        .subscribe(SubscriptionConfig {
+            poll_interval,
+            listen: pgonce::Listen::Direct(Box::new(db.options().username(role))),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER ROLE {role} NOLOGIN")))
+        .execute(pool)
+        .await
+        .unwrap();
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1",
+    )
+    .bind(role)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, [true]);
+    sub
+}
+
+/// How many sessions of `role` are LISTENing.
+async fn listening_as(pool: &PgPool, role: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE usename = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(role)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// Under the serializable strategy an unconditional append's read of the

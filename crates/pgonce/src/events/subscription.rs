@@ -84,6 +84,7 @@ use super::query::Filter;
 use super::read::EventRow;
 use crate::error::{Error, Result};
 use crate::listen::Listen;
+use crate::service::{Failure, Failures};
 
 /// Settings of a [`Subscription`].
 #[derive(Debug, Clone)]
@@ -213,6 +214,9 @@ pub struct Subscription {
     horizon: i64,
     gap: Option<Gap>,
     listener: Option<PgListener>,
+    /// The listener's failed reconnects going on, if any (logged as
+    /// [`crate::service`] tells of failed passes).
+    failing: Failures,
     hook: Option<PollHook>,
 }
 
@@ -230,6 +234,7 @@ impl Subscription {
             pool,
             config,
             listener,
+            failing: Failures::default(),
             hook: None,
         })
     }
@@ -341,7 +346,13 @@ impl Subscription {
     }
 
     /// Waits until at least one event can be delivered, and returns the
-    /// next batch. Woken by NOTIFY, with polling as the fallback.
+    /// next batch. Woken by NOTIFY, with polling as the fallback. A
+    /// listener that lost its connection and cannot get a new one polls
+    /// at `poll_interval`; its failed reconnects count in
+    /// `pgonce_events_subscription_failed_reconnects_total` and are logged
+    /// as [`crate::service`] logs failed passes: the first at warn, then a
+    /// warn line a minute at most, and one info line once a notification
+    /// or a reconnect shows it connected again.
     pub async fn next(&mut self) -> Result<Vec<StoredEvent>> {
         loop {
             let (events, counters) = self.run_once().await?;
@@ -366,9 +377,21 @@ impl Subscription {
                     // wait out the interval as for a notification, or each
                     // poll would follow the last without a pause.
                     let until = tokio::time::Instant::now() + wait;
-                    if let Ok(Err(e)) = tokio::time::timeout(wait, l.try_recv()).await {
-                        tracing::warn!(error = %e, "subscription listener cannot reconnect; polling at poll_interval");
-                        tokio::time::sleep_until(until).await;
+                    match tokio::time::timeout(wait, l.try_recv()).await {
+                        Ok(Err(e)) => {
+                            failed_reconnect(&mut self.failing, &e);
+                            tokio::time::sleep_until(until).await;
+                        }
+                        // A notification or a reconnect: it has a connection
+                        // again. (A timeout tells nothing of it.)
+                        Ok(Ok(_)) => {
+                            if let Some(run) = self.failing.succeeded() {
+                                tracing::info!(failed = run.count, since = %run.since,
+                                    "subscription listener reconnected after {} failed reconnects since {}",
+                                    run.count, run.since);
+                            }
+                        }
+                        Err(_) => {}
                     }
                 }
                 _ => tokio::time::sleep(wait).await,
@@ -392,6 +415,25 @@ impl Subscription {
                 batch = self.next() => handle(batch?),
             }
         }
+    }
+}
+
+/// Counts a listener's failed reconnect in
+/// `pgonce_events_subscription_failed_reconnects_total` and logs it: the
+/// first of a run at warn with its error, then a warn line a minute at
+/// most while they go on, the others at debug.
+fn failed_reconnect(failing: &mut Failures, error: &sqlx::Error) {
+    metrics::counter!("pgonce_events_subscription_failed_reconnects_total").increment(1);
+    match failing.failed(tokio::time::Instant::now(), time::OffsetDateTime::now_utc()) {
+        Failure::First => tracing::warn!(error = %error,
+            "subscription listener cannot reconnect; polling at poll_interval"),
+        Failure::StillFailing(run) => {
+            tracing::warn!(failed = run.count, since = %run.since, error = %error,
+            "subscription listener still cannot reconnect: {} reconnects failed since {}; polling at poll_interval",
+            run.count, run.since)
+        }
+        Failure::Quiet => tracing::debug!(error = %error,
+            "subscription listener cannot reconnect; polling at poll_interval"),
     }
 }
 
