@@ -49,6 +49,7 @@ use axum::routing::{MethodRouter, delete, get, post, put};
 use axum::{Json, Router};
 use futures::future::BoxFuture;
 use metrics_exporter_prometheus::PrometheusHandle;
+use pgonce::service::Failure;
 use pgonce::{Queue, SendMessage, Sent};
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -166,6 +167,9 @@ struct Inner {
     stopping: watch::Sender<bool>,
     /// Requests whose handler runs: [`ApiState::requests_under_way`].
     under_way: RequestsUnderWay,
+    /// The `/readyz` probes answered 503 one after the other, if any
+    /// ([`NotReady::log`]). A std mutex: held for no await.
+    not_ready: std::sync::Mutex<pgonce::service::Failures>,
 }
 
 impl ApiState {
@@ -201,6 +205,7 @@ impl ApiState {
                 config,
                 stopping: watch::Sender::new(false),
                 under_way: RequestsUnderWay::default(),
+                not_ready: std::sync::Mutex::default(),
             }),
         })
     }
@@ -879,10 +884,64 @@ struct Writability {
     read_only: bool,
 }
 
+/// Why a `/readyz` probe answered 503: its answer's message, and the
+/// `reason` label of `pgonce_incidents_not_ready_probes_total`.
+#[derive(Debug, Clone, Copy)]
+enum NotReady {
+    /// The probe's statement failed or did not answer within
+    /// [`READY_WITHIN`].
+    NoAnswer,
+    /// `pg_is_in_recovery()`.
+    Standby,
+    /// `transaction_read_only`.
+    ReadOnly,
+}
+
+impl NotReady {
+    fn message(self) -> &'static str {
+        match self {
+            NotReady::NoAnswer => "the database does not answer",
+            NotReady::Standby => "the database is a standby and refuses writes",
+            NotReady::ReadOnly => "the database is read-only and refuses writes",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            NotReady::NoAnswer => "no_answer",
+            NotReady::Standby => "standby",
+            NotReady::ReadOnly => "read_only",
+        }
+    }
+
+    /// Counts the probe and logs it as pgonce's loops log failed passes
+    /// (`pgonce::service`): the first of a run at warn with `detail`, then
+    /// a warn line a minute at most while probes go on answering 503, the
+    /// others at debug. Load balancers probe every few seconds each: a line
+    /// per probe filled the log for as long as the database was away.
+    fn log(self, state: &ApiState, detail: &dyn std::fmt::Display) -> ApiError {
+        metrics::counter!("pgonce_incidents_not_ready_probes_total", "reason" => self.label())
+            .increment(1);
+        let what = state
+            .inner
+            .not_ready
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .failed(tokio::time::Instant::now(), time::OffsetDateTime::now_utc());
+        let message = self.message();
+        match what {
+            Failure::First => tracing::warn!(error = %detail, "not ready: {message}"),
+            Failure::StillFailing(run) => {
+                tracing::warn!(failed = run.count, since = %run.since, error = %detail,
+                "still not ready: {} probes answered 503 since {}; now {message}", run.count, run.since)
+            }
+            Failure::Quiet => tracing::debug!(error = %detail, "not ready: {message}"),
+        }
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
+    }
+}
+
 async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
-    let not_ready = |reason: &'static str| {
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason)
-    };
     let probe = sqlx::query_as::<_, Writability>(
         "SELECT pg_is_in_recovery() AS in_recovery, \
                 current_setting('transaction_read_only')::boolean AS read_only",
@@ -891,22 +950,28 @@ async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
     let writability = tokio::time::timeout(READY_WITHIN, probe)
         .await
         .unwrap_or(Err(sqlx::Error::PoolTimedOut))
-        .map_err(|e| {
-            tracing::warn!(error = %e, "not ready: the database does not answer");
-            not_ready("the database does not answer")
-        })?;
+        .map_err(|e| NotReady::NoAnswer.log(&state, &e))?;
     // Every write would answer 503 `unavailable` (SQLSTATE 25006): not a
     // server to send traffic to until it takes writes again.
     if writability.in_recovery {
-        tracing::warn!("not ready: the database is a standby (in recovery) and refuses writes");
-        return Err(not_ready("the database is a standby and refuses writes"));
+        return Err(NotReady::Standby.log(&state, &"pg_is_in_recovery() is true"));
     }
     if writability.read_only {
-        tracing::warn!(
-            "not ready: the database refuses writes (transaction_read_only is on: \
-             default_transaction_read_only of the server, database or role)"
-        );
-        return Err(not_ready("the database is read-only and refuses writes"));
+        return Err(NotReady::ReadOnly.log(
+            &state,
+            &"transaction_read_only is on: default_transaction_read_only of the server, \
+              database or role",
+        ));
+    }
+    let ended = state
+        .inner
+        .not_ready
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .succeeded();
+    if let Some(run) = ended {
+        tracing::info!(failed = run.count, since = %run.since,
+            "ready again after {} probes answered 503 since {}", run.count, run.since);
     }
     Ok(Json(json!({ "status": "ready" })))
 }

@@ -307,3 +307,77 @@ async fn a_database_a_newer_build_migrated_while_running_stays_ready() {
     let (status, body) = get(&api, "/readyz", within).await;
     assert_eq!(status, StatusCode::OK, "{body}");
 }
+
+/// Probes answering 503 one after the other (here the service's role may
+/// no longer log in) are each counted in
+/// `pgonce_incidents_not_ready_probes_total{reason}`; the log has the
+/// first at warn with its error, the others at debug (with a warn line a
+/// minute at most, bounded by the time the probes took), and, once a probe
+/// answers 200 again, one info line saying after how many. Each was
+/// logged at warn: a line per probe, every few seconds from each load
+/// balancer, for as long as the database was away.
+#[tokio::test]
+async fn probes_answering_503_log_the_first_then_a_line_a_minute_then_the_recovery() {
+    const ROLE: &str = "pgonce_unready_probe";
+    const PROBES: u64 = 5;
+    let (db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
+    sqlx::query("CREATE ROLE pgonce_unready_probe LOGIN")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let probing = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(db.options().username(ROLE))
+        .await
+        .unwrap();
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let rendered = recorder.handle();
+    // The requests run on this thread, so their counters land here.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let service = Service::new(probing, ServiceConfig::default()).unwrap();
+    let state = ApiState::new(service, queue, None, ApiConfig::default()).unwrap();
+    let router = router(state);
+    let logged = pgonce_testkit::logs::LogLines::default();
+    let _logging = logged.capture();
+    let within = Duration::from_secs(60);
+    let (status, body) = get(&router, "/readyz", within).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    sqlx::query("ALTER ROLE pgonce_unready_probe NOLOGIN")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1")
+        .bind(ROLE)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    for _ in 0..PROBES {
+        let (status, body) = get(&router, "/readyz", within).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    }
+    let lasted = started.elapsed();
+    sqlx::query("ALTER ROLE pgonce_unready_probe LOGIN")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (status, body) = get(&router, "/readyz", within).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    let first = logged.assert_run_of_failures(
+        PROBES,
+        lasted,
+        "not ready: the database does not answer",
+        "still not ready",
+        Some(&format!("ready again after {PROBES} probes answered 503")),
+    );
+    assert!(first.error.is_some(), "with its error: {first:?}");
+    let counted =
+        format!("pgonce_incidents_not_ready_probes_total{{reason=\"no_answer\"}} {PROBES}");
+    let rendered = rendered.render();
+    assert!(rendered.contains(&counted), "{counted} in:\n{rendered}");
+}

@@ -87,22 +87,23 @@ pub(crate) async fn run_every<T, E, Fut>(
 
 /// While failures go on one after the other, one line about them is
 /// logged at warn at most this often (module docs, Failed passes).
-pub(crate) const FAILURES_LOGGED_EVERY: Duration = Duration::from_secs(60);
+pub const FAILURES_LOGGED_EVERY: Duration = Duration::from_secs(60);
 
-/// A run of failures: passes (or receives) that failed one after the other.
+/// A run of failures: passes (or receives, probes) that failed one after
+/// the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct FailingRun {
+pub struct FailingRun {
     /// How many failed so far.
-    pub(crate) count: u64,
+    pub count: u64,
     /// When the first failed, by the wall clock (for the log).
-    pub(crate) since: time::OffsetDateTime,
+    pub since: time::OffsetDateTime,
     /// When the last line about the run was logged.
     logged_at: Instant,
 }
 
 /// What to log of a failure.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Failure {
+pub enum Failure {
     /// The first of a run: at warn, with its error.
     First,
     /// The run goes on, and no line about it was logged for
@@ -121,12 +122,15 @@ pub(crate) enum Failure {
 /// which the application installs, not a library; they drop repeats of a
 /// line, but say neither how many failed since when in the line that gets
 /// through nor when the failures stopped.
+///
+/// [`FailingPasses`] logs and counts with it; take it for failures that
+/// are not a loop's passes, to log them in words of their own.
 #[derive(Debug, Default)]
-pub(crate) struct Failures(Option<FailingRun>);
+pub struct Failures(Option<FailingRun>);
 
 impl Failures {
     /// A failure at `now` (`wall`, by the wall clock): what to log.
-    pub(crate) fn failed(&mut self, now: Instant, wall: time::OffsetDateTime) -> Failure {
+    pub fn failed(&mut self, now: Instant, wall: time::OffsetDateTime) -> Failure {
         let Some(run) = &mut self.0 else {
             self.0 = Some(FailingRun {
                 count: 1,
@@ -144,7 +148,7 @@ impl Failures {
     }
 
     /// A success: the run of failures it ended, if any.
-    pub(crate) fn succeeded(&mut self) -> Option<FailingRun> {
+    pub fn succeeded(&mut self) -> Option<FailingRun> {
         self.0.take()
     }
 }
