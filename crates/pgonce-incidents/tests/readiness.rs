@@ -381,3 +381,46 @@ async fn probes_answering_503_log_the_first_then_a_line_a_minute_then_the_recove
     let rendered = rendered.render();
     assert!(rendered.contains(&counted), "{counted} in:\n{rendered}");
 }
+
+/// A database down for ten minutes (a cluster of the test's own, stopped)
+/// while a load balancer probes five seconds after each answer: about a
+/// hundred probes answered 503 (each within `READY_WITHIN`), the first
+/// logged at warn, then a warn line a minute at most saying
+/// how many since when, the others at debug. Tokio's paused clock: the
+/// bounds are read from that clock, not from how fast the machine runs.
+#[tokio::test]
+async fn a_database_down_for_ten_minutes_logs_a_not_ready_line_a_minute() {
+    const OUTAGE: Duration = Duration::from_secs(600);
+    const EVERY: Duration = Duration::from_secs(5);
+    let (mut cluster, pool) =
+        pgonce_testkit::own_migrated_cluster(4, ACQUIRE_TIMEOUT, pgonce_incidents::migrate).await;
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let router = api_on(pool, &queue);
+    let (status, body) = get(&router, "/readyz", Duration::from_secs(60)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    cluster.stop();
+
+    let logged = pgonce_testkit::logs::LogLines::default();
+    let _logging = logged.capture();
+    tokio::time::pause();
+    let started = tokio::time::Instant::now();
+    let mut probes = 0;
+    while started.elapsed() < OUTAGE {
+        let (status, body) = get(&router, "/readyz", Duration::from_secs(1)).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        probes += 1;
+        tokio::time::sleep(EVERY).await;
+    }
+    let first = logged.assert_run_of_failures(
+        probes,
+        started.elapsed(),
+        "not ready: the database does not answer",
+        "still not ready",
+        None,
+    );
+    assert!(first.error.is_some(), "with its error: {first:?}");
+    let still = logged.starting(tracing::Level::WARN, "still not ready");
+    assert!(!still.is_empty(), "a line a minute while it goes on");
+}
