@@ -486,6 +486,9 @@ impl std::fmt::Display for Abandoned {
                 "job maintenance loops",
             ));
         }
+        if r.ledger_cleaner {
+            parts.push("the ledger cleaner".into());
+        }
         if self.cleaner {
             parts.push("the cleaner".into());
         }

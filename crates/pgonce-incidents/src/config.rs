@@ -39,7 +39,7 @@ pub use queue::{QueueBackend, QueueSection, SqsSection};
 
 use crate::api::ApiConfig;
 use crate::notifier::NotifierConfig;
-use crate::pipeline::SimulatedEvaluatorConfig;
+use crate::pipeline::{LedgerCleanerConfig, SimulatedEvaluatorConfig};
 use crate::runtime::RuntimeConfig;
 use crate::service::ServiceConfig;
 
@@ -479,24 +479,32 @@ pub struct CleanerSection {
     pub idempotency_keys: Duration,
     /// `processed_messages`: processed-message keys of
     /// [`pgonce::dedupe`] (`pgonce.processed_messages`), kept this long.
-    /// Default 7days. The service writes none: the pipeline's own ledger
-    /// (`incidents.observations`), which catches a redelivered observation
-    /// however late, is never deleted.
+    /// Default 7days. The service writes none: the pipeline keeps its own
+    /// ledger (`observations` below).
     #[serde(with = "humantime_serde")]
     pub processed_messages: Duration,
+    /// `observations`: rows of the pipeline's ledger
+    /// (`incidents.observations`), kept this long after their last
+    /// delivery. Default none: kept for good. A producer's resend, or a
+    /// redrive from the dead-letter queue, arriving after its row was
+    /// deleted is processed again as a new observation
+    /// ([`LedgerCleanerConfig`]). At least 28 days.
+    #[serde(with = "humantime_serde")]
+    pub observations: Option<Duration>,
     /// `keep`: kinds of rows never deleted, by the names above, e.g.
     /// `["dead_jobs"]`. Default none.
     pub keep: Vec<String>,
 }
 
 /// The kinds of rows `[maintenance.cleaner]` names.
-const CLEANED: [&str; 6] = [
+const CLEANED: [&str; 7] = [
     "completed_jobs",
     "dead_jobs",
     "queue_dedup",
     "dead_letter_messages",
     "idempotency_keys",
     "processed_messages",
+    "observations",
 ];
 
 impl Default for CleanerSection {
@@ -513,6 +521,7 @@ impl Default for CleanerSection {
             dead_letter_messages: or_zero(m.dead_letter_messages),
             idempotency_keys: or_zero(m.idempotency_keys),
             processed_messages: or_zero(m.processed_messages),
+            observations: None,
             keep: Vec::new(),
         }
     }
@@ -532,6 +541,18 @@ impl CleanerSection {
             idempotency_keys: retain("idempotency_keys", self.idempotency_keys),
             processed_messages: retain("processed_messages", self.processed_messages),
         }
+    }
+
+    /// The pipeline ledger's cleaner: `None` unless `enabled`, with
+    /// `observations` set and not in `keep`.
+    pub fn ledger_cleaner_config(&self) -> Option<LedgerCleanerConfig> {
+        let kept = self.keep.iter().any(|k| k == "observations");
+        let retention = self.observations.filter(|_| self.enabled && !kept)?;
+        Some(LedgerCleanerConfig {
+            retention,
+            interval: self.interval,
+            batch_size: self.batch_size,
+        })
     }
 }
 
@@ -995,6 +1016,20 @@ impl Config {
         if let Err(e) = self.maintenance.cleaner.maintenance_config().validate() {
             return Err(invalid("maintenance.cleaner", e.to_string()));
         }
+        if let Some(retention) = self.maintenance.cleaner.observations {
+            let ledger = LedgerCleanerConfig {
+                retention,
+                interval: self.maintenance.cleaner.interval,
+                batch_size: self.maintenance.cleaner.batch_size,
+            };
+            if let Err(e) = ledger.validate() {
+                let why = match e {
+                    crate::Error::Invalid { why, .. } => why,
+                    other => other.to_string(),
+                };
+                return Err(invalid("maintenance.cleaner.observations", why));
+            }
+        }
         if self.database.acquire_timeout.is_zero() {
             return Err(invalid("database.acquire_timeout", "must be above zero"));
         }
@@ -1318,6 +1353,7 @@ impl Config {
                 // The service's re-driver hands nothing on (`run`).
                 ..RedriverConfig::default()
             },
+            ledger_cleaner: self.maintenance.cleaner.ledger_cleaner_config(),
         }
     }
 }

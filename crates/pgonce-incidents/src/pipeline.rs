@@ -366,6 +366,101 @@ impl<E: Evaluator> ObservationHandler<E> {
     }
 }
 
+/// The shortest retention [`LedgerCleanerConfig`] takes: twice the longest
+/// any queue keeps a message (14 days, SQS's limit, on either backend), so
+/// that a message can sit its whole retention in the observations queue
+/// and then in its dead-letter queue, be moved back and be delivered, and
+/// still find its ledger row.
+pub const MIN_LEDGER_RETENTION: Duration = Duration::from_secs(2 * 14 * 24 * 3600);
+
+/// The ledger's cleaner (`incidents.observations`, the rows by which a
+/// redelivered observation is known as processed): what it deletes and how.
+///
+/// A ledger row is what makes a late delivery of an observation a repeat
+/// rather than a new one. Once it is deleted, a delivery of that message
+/// (a producer resending its `message_id`, a message redriven from a
+/// dead-letter queue it sat in longer than the retention) is processed
+/// again as new: its attributes recorded over newer ones, its policies
+/// evaluated again (the guard still keeps a singleton policy at one open
+/// incident). The retention is how late a resend may come and still be
+/// caught; without a cleaner (the default) that is for ever, and the
+/// ledger grows by a row per observation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LedgerCleanerConfig {
+    /// Rows whose last delivery is older than this are deleted. At least
+    /// [`MIN_LEDGER_RETENTION`].
+    pub retention: Duration,
+    /// Pause between passes.
+    pub interval: Duration,
+    /// Rows deleted per statement; at least 1.
+    pub batch_size: i64,
+}
+
+impl LedgerCleanerConfig {
+    /// What cannot work, as [`Error::Invalid`].
+    pub fn validate(&self) -> Result<()> {
+        if self.retention < MIN_LEDGER_RETENTION {
+            return Err(Error::Invalid {
+                what: "ledger retention",
+                why: format!(
+                    "at least 28 days (a message may sit 14 days in the observations queue \
+                     and 14 more in its dead-letter queue), got {}",
+                    humantime_serde::re::humantime::format_duration(self.retention)
+                ),
+            });
+        }
+        if self.retention > pgonce::maintenance::MAX_RETENTION {
+            return Err(Error::Invalid {
+                what: "ledger retention",
+                why: format!(
+                    "at most 1,000 years (leave the cleaner out to keep the ledger for good), \
+                     got {}",
+                    humantime_serde::re::humantime::format_duration(self.retention)
+                ),
+            });
+        }
+        pgonce::maintenance::MaintenanceConfig {
+            interval: self.interval,
+            batch_size: self.batch_size,
+            ..pgonce::maintenance::MaintenanceConfig::keep_everything()
+        }
+        .validate()?;
+        Ok(())
+    }
+}
+
+/// One pass of the ledger's cleaner: deletes the rows past
+/// `config.retention`, `config.batch_size` per statement (each a
+/// transaction of its own), until a batch comes back short, and returns
+/// how many it deleted. A row a delivery is updating is left to the next
+/// pass; one a delivery updated meanwhile is kept (`forget.sql`).
+pub async fn forget_processed(pool: &sqlx::PgPool, config: &LedgerCleanerConfig) -> Result<u64> {
+    config.validate()?;
+    let mut deleted = 0;
+    loop {
+        let n = sqlx::query(include_str!("pipeline/sql/forget.sql"))
+            .bind(config.retention.as_secs_f64())
+            .bind(config.batch_size)
+            .execute(pool)
+            .await?
+            .rows_affected();
+        deleted += n;
+        metrics::counter!("pgonce_maintenance_deleted_total", "table" => "incidents_observations")
+            .increment(n);
+        if (n as i64) < config.batch_size {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    if deleted > 0 {
+        tracing::info!(
+            deleted,
+            "ledger cleaner deleted observations past retention"
+        );
+    }
+    Ok(deleted)
+}
+
 impl<E: Evaluator> Handler for ObservationHandler<E> {
     async fn handle(&self, message: &Received) -> std::result::Result<(), HandlerError> {
         self.process(message).await.map_err(Into::into)

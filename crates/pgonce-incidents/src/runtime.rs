@@ -1,6 +1,7 @@
 //! The service's background work in one place: pipeline workers on the
-//! observations queue, the notifier, and the job reaper and re-driver that
-//! keep notifications from being lost. `pgonce serve`, `pgonce worker` and
+//! observations queue, the notifier, the job reaper and re-driver that
+//! keep notifications from being lost, and the pipeline ledger's cleaner
+//! when one is configured. `pgonce serve`, `pgonce worker` and
 //! `pgonce demo` start it; [`Runtime::shutdown`] stops it gracefully.
 
 use std::sync::Arc;
@@ -21,7 +22,8 @@ use crate::config::SqsSection;
 use crate::error::{Error, Result};
 use crate::notifier::{Notifier, NotifierConfig, NotifyCounts};
 use crate::pipeline::{
-    Evaluator, ObservationHandler, PipelineCounters, SimulatedEvaluator, SimulatedEvaluatorConfig,
+    Evaluator, LedgerCleanerConfig, ObservationHandler, PipelineCounters, SimulatedEvaluator,
+    SimulatedEvaluatorConfig, forget_processed,
 };
 use crate::service::Service;
 
@@ -130,6 +132,10 @@ pub struct RuntimeConfig {
     /// The job re-driver's settings (with `job_maintenance`). Default
     /// [`RedriverConfig::default`].
     pub redriver: RedriverConfig,
+    /// Run the pipeline ledger's cleaner here, with these settings
+    /// ([`crate::pipeline::forget_processed`]). Default `None`: the
+    /// ledger is kept for good.
+    pub ledger_cleaner: Option<LedgerCleanerConfig>,
 }
 
 impl Default for RuntimeConfig {
@@ -142,6 +148,7 @@ impl Default for RuntimeConfig {
             job_maintenance: true,
             reaper: ReaperConfig::default(),
             redriver: RedriverConfig::default(),
+            ledger_cleaner: None,
         }
     }
 }
@@ -166,6 +173,8 @@ pub struct Unfinished {
     pub notifier: bool,
     /// Job reaper and re-driver loops still running or stopping.
     pub job_maintenance: usize,
+    /// Whether the ledger's cleaner is.
+    pub ledger_cleaner: bool,
 }
 
 impl Unfinished {
@@ -181,6 +190,7 @@ struct Left {
     pipeline_workers: AtomicUsize,
     notifier: AtomicBool,
     job_maintenance: AtomicUsize,
+    ledger_cleaner: AtomicBool,
 }
 
 /// A runtime's [`Unfinished`] tasks, readable while it stops and after it
@@ -195,6 +205,7 @@ impl RuntimeProgress {
             pipeline_workers: self.0.pipeline_workers.load(Ordering::Relaxed),
             notifier: self.0.notifier.load(Ordering::Relaxed),
             job_maintenance: self.0.job_maintenance.load(Ordering::Relaxed),
+            ledger_cleaner: self.0.ledger_cleaner.load(Ordering::Relaxed),
         }
     }
 }
@@ -301,6 +312,27 @@ impl Runtime {
                 });
             }
         }
+        if let Some(ledger) = config.ledger_cleaner {
+            ledger.validate()?;
+            let (pool, shutdown, left) = (service.pool().clone(), until_stopped(), left.clone());
+            left.ledger_cleaner.store(true, Ordering::Relaxed);
+            // Raced against the stop, as the job loops are: a pass is
+            // dropped at its current batch, a statement that rolls back.
+            tasks.spawn(async move {
+                let passes = pgonce::service::run_every(
+                    "incidents ledger cleaner",
+                    ledger.interval,
+                    std::future::pending(),
+                    || forget_processed(&pool, &ledger),
+                );
+                tokio::select! {
+                    () = passes => {}
+                    () = shutdown => {}
+                }
+                left.ledger_cleaner.store(false, Ordering::Relaxed);
+                Finished::Other
+            });
+        }
         Ok(Runtime {
             stop,
             tasks,
@@ -325,9 +357,9 @@ impl Runtime {
     /// Stops receiving, lets in-flight handlers finish (within the worker's
     /// shutdown deadline, their acks and hand-backs within 5 s more:
     /// [`WorkerConfig::shutdown_deadline`]) and the notifier's pass in
-    /// flight (within its lease), drops the job reaper's and re-driver's
-    /// passes under way (each statement a transaction of its own, rolled
-    /// back), and returns what was done.
+    /// flight (within its lease), drops the job reaper's, the re-driver's
+    /// and the ledger cleaner's passes under way (each statement a
+    /// transaction of its own, rolled back), and returns what was done.
     pub async fn shutdown(mut self) -> Result<RuntimeSummary> {
         let _ = self.stop.send(true);
         let mut summary = RuntimeSummary::default();

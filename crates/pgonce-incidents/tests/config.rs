@@ -509,6 +509,49 @@ fn the_cleaners_retention_is_configurable_and_keep_names_known_kinds() {
     assert!(err.contains("maintenance.cleaner.keep"), "{err}");
 }
 
+/// `[maintenance.cleaner] observations`: the pipeline ledger's cleaner is
+/// off unless set; set, it runs with the cleaner's interval and batch size
+/// unless the cleaner is disabled or `keep` names it; under 28 days (a
+/// message's time in the queue and its dead-letter queue) and past 1,000
+/// years it is refused with the key named.
+#[test]
+fn the_ledgers_retention_is_off_by_default_and_checked_when_set() {
+    let day = Duration::from_secs(24 * 3600);
+    let none = with_url();
+    none.validate().unwrap();
+    assert_eq!(none.maintenance.cleaner.observations, None);
+    assert_eq!(none.runtime_config().ledger_cleaner, None, "kept for good");
+
+    let f = file(
+        "[database]\nurl = \"postgres://x/y\"\n\
+         [maintenance.cleaner]\nobservations = \"30days\"\nbatch_size = 50\ninterval = \"2m\"\n",
+    );
+    let c = Config::load(Some(f.path()), env(&[])).unwrap();
+    c.validate().unwrap();
+    let ledger = c.runtime_config().ledger_cleaner.expect("a ledger cleaner");
+    assert_eq!(ledger.retention, 30 * day);
+    assert_eq!(ledger.batch_size, 50);
+    assert_eq!(ledger.interval, Duration::from_secs(120));
+
+    let mut kept = c.clone();
+    kept.maintenance.cleaner.keep = vec!["observations".into()];
+    kept.validate().unwrap();
+    assert_eq!(kept.runtime_config().ledger_cleaner, None);
+    let mut disabled = c.clone();
+    disabled.maintenance.cleaner.enabled = false;
+    assert_eq!(disabled.runtime_config().ledger_cleaner, None);
+
+    for retention in [27 * day, 1001 * 365 * day] {
+        let mut bad = c.clone();
+        bad.maintenance.cleaner.observations = Some(retention);
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("maintenance.cleaner.observations"),
+            "{retention:?}: {err}"
+        );
+    }
+}
+
 /// `[queue]`: the backend and the SQS section from the file, overridden
 /// from the environment; SQS's limits refused with the key named.
 #[test]

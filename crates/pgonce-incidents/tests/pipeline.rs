@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use pgonce::job::{ReaperConfig, RedriverConfig, RetryPolicy};
 use pgonce::{Queue, SendMessage, WorkerConfig};
 use pgonce_incidents::model::{Observation, Op, Rule, Singleton};
-use pgonce_incidents::pipeline::SimulatedEvaluatorConfig;
+use pgonce_incidents::pipeline::{
+    LedgerCleanerConfig, MIN_LEDGER_RETENTION, SimulatedEvaluatorConfig, forget_processed,
+};
 use pgonce_incidents::runtime::{Runtime, RuntimeConfig, observations_queue};
 use pgonce_incidents::{NotifierConfig, Service, ServiceConfig, invariants, store};
 use pgonce_testkit::webhook::{ReceiverFaults, WebhookReceiver};
@@ -53,6 +55,7 @@ fn config(webhook: &str, visibility: Duration) -> RuntimeConfig {
             interval: Duration::from_millis(50),
             ..RedriverConfig::default()
         },
+        ledger_cleaner: None,
     }
 }
 
@@ -623,4 +626,141 @@ async fn a_runtime_stops_while_its_job_maintenance_waits_on_a_lock() {
         progress.unfinished()
     );
     lock.release().await.unwrap();
+}
+
+/// Ages the ledger rows of `message_ids` (producer ids) by `days`, as if
+/// their last delivery was that long ago.
+async fn age_ledger_rows(pool: &sqlx::PgPool, message_ids: &[&str], days: i32) {
+    let keys: Vec<String> = message_ids
+        .iter()
+        .map(|id| format!("producer:{id}"))
+        .collect();
+    let aged = sqlx::query(
+        "UPDATE incidents.observations
+            SET processed_at = processed_at - make_interval(days => $2)
+          WHERE message_id = ANY($1)",
+    )
+    .bind(&keys)
+    .bind(days)
+    .execute(pool)
+    .await
+    .unwrap();
+    assert_eq!(aged.rows_affected(), keys.len() as u64);
+}
+
+fn ledger_cleaner(batch_size: i64) -> LedgerCleanerConfig {
+    LedgerCleanerConfig {
+        retention: MIN_LEDGER_RETENTION,
+        interval: Duration::from_millis(50),
+        batch_size,
+    }
+}
+
+/// The ledger's cleaner deletes the rows whose last delivery is past the
+/// retention, a batch at a time, and only those: a resend of a row it
+/// kept is still a repeat, and one of a row it forgot is processed as a
+/// new observation (the retention is how late a resend is caught).
+#[tokio::test]
+async fn the_ledger_cleaner_forgets_only_rows_past_their_retention() {
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let (pool, org) = (acme.pool.clone(), acme.org);
+    handle_in_turn(
+        &acme,
+        &[("e", 10, "old-1"), ("e", 10, "old-2"), ("e", 10, "recent")],
+    )
+    .await;
+    age_ledger_rows(&pool, &["old-1", "old-2"], 29).await;
+    // The row of `recent` aged too, but within the retention.
+    age_ledger_rows(&pool, &["recent"], 27).await;
+
+    let forgotten = forget_processed(&pool, &ledger_cleaner(1)).await.unwrap();
+    assert_eq!(forgotten, 2, "one batch per row, then a short one");
+    let row = |message_id: &str, deliveries| LedgerRow {
+        organization_id: org,
+        message_id: format!("producer:{message_id}"),
+        deliveries,
+    };
+    assert_eq!(ledger(&pool).await, [row("recent", 1)]);
+    assert_eq!(
+        forget_processed(&pool, &ledger_cleaner(1)).await.unwrap(),
+        0
+    );
+
+    handle_in_turn(&acme, &[("e", 10, "recent"), ("e", 10, "old-1")]).await;
+    assert_eq!(
+        ledger(&pool).await,
+        [row("old-1", 1), row("recent", 2)],
+        "the kept row counted its resend; the forgotten one is new again"
+    );
+}
+
+/// A delivery that is updating a row past the retention (its resend,
+/// counted on the row, its transaction still open) is neither waited for
+/// nor undone by the cleaner: the pass skips the row it holds, and once
+/// the delivery commits the row is recent and stays.
+#[tokio::test]
+async fn a_row_a_delivery_is_updating_is_skipped_and_kept() {
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let pool = acme.pool.clone();
+    handle_in_turn(&acme, &[("e", 10, "resent")]).await;
+    age_ledger_rows(&pool, &["resent"], 29).await;
+    let mut delivery = pool.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE incidents.observations
+            SET deliveries = deliveries + 1, processed_at = now()
+          WHERE message_id = 'producer:resent'",
+    )
+    .execute(&mut *delivery)
+    .await
+    .unwrap();
+    let pass = tokio::time::timeout(
+        Duration::from_secs(30),
+        forget_processed(&pool, &ledger_cleaner(10)),
+    )
+    .await
+    .expect("the pass waited for the delivery's row lock")
+    .unwrap();
+    assert_eq!(pass, 0, "the row held by the delivery is skipped");
+    delivery.commit().await.unwrap();
+    assert_eq!(
+        forget_processed(&pool, &ledger_cleaner(10)).await.unwrap(),
+        0
+    );
+    let rows = ledger(&pool).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].deliveries, 2);
+}
+
+/// A runtime given a ledger cleaner runs it, and its stop ends it: the
+/// rows past the retention go, the others stay, and nothing is left
+/// running.
+#[tokio::test]
+async fn a_runtime_runs_its_ledger_cleaner_until_it_stops() {
+    let acme = acme_with_policy("cpu-high", &cpu_over_50()).await;
+    let pool = acme.pool.clone();
+    handle_in_turn(&acme, &[("e", 10, "old"), ("e", 10, "recent")]).await;
+    age_ledger_rows(&pool, &["old"], 29).await;
+    let queue = observations_queue(&pool, Duration::from_secs(5), 5)
+        .await
+        .unwrap();
+    let mut c = config("http://127.0.0.1:9/unused", Duration::from_secs(5));
+    c.workers = 0;
+    c.notifier = None;
+    c.job_maintenance = false;
+    c.ledger_cleaner = Some(ledger_cleaner(10));
+    let runtime = Runtime::start(&acme.service, queue, c).unwrap();
+    let progress = runtime.progress();
+    assert!(progress.unfinished().ledger_cleaner);
+    // Waits for the cleaner's first pass, which runs at once; the bound
+    // only keeps a broken cleaner from hanging the test.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ledger(&pool).await.len() > 1 {
+        assert!(Instant::now() < deadline, "the cleaner never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    runtime.shutdown().await.unwrap();
+    assert!(progress.unfinished().is_empty());
+    let rows = ledger(&pool).await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].message_id, "producer:recent");
 }

@@ -169,6 +169,7 @@ impl IncidentRunConfig {
                     interval: Duration::from_millis(100),
                     ..RedriverConfig::default()
                 },
+                ledger_cleaner: None,
             },
             receiver: ReceiverFaults {
                 fail_rate: 0.05,

@@ -59,7 +59,7 @@ pub(crate) fn check_retention(what: &'static str, retention: Duration) -> Result
 /// a pass under way, whose open transaction then rolls back. A failed pass
 /// is counted and logged as [`FailingPasses`] does (module docs, Failed
 /// passes); the next one comes after `interval` all the same.
-pub(crate) async fn run_every<T, E, Fut>(
+pub async fn run_every<T, E, Fut>(
     name: &'static str,
     interval: Duration,
     shutdown: impl Future<Output = ()>,
