@@ -23,7 +23,8 @@
 //! 422 `invalid` (validation, wrong JSON types, unknown fields, a body that
 //! is not an object, a name sent twice in one object, a number that cannot
 //! be kept as sent, `1e400` or `1e-400`, a string escaping a lone surrogate,
-//! `"\ud800"`, a reused idempotency key), 503 `busy` / `unavailable`
+//! `"\ud800"`, arrays and objects nested more than 127 deep, the body's
+//! own object included, a reused idempotency key), 503 `busy` / `unavailable`
 //! (their details only in the server's log) / `pooler` (the
 //! misconfiguration and its fix) and 500 `internal` (details only in the
 //! log). What the HTTP

@@ -174,6 +174,35 @@ impl Api {
         assert_eq!(a.body["policies"][0]["rule"]["value"], *value);
     }
 
+    /// Sends `attributes` (JSON text) as the attributes of the entity
+    /// `db-1`, then in an observation of it: each route with its answer.
+    async fn send_attributes(
+        &self,
+        org: i64,
+        key: &str,
+        attributes: &str,
+    ) -> Vec<(&'static str, Answer)> {
+        let mut answers = Vec::new();
+        for (uri, body) in [
+            (
+                "/v1/entities",
+                format!(r#"{{"external_id": "db-1", "attributes": {attributes}}}"#),
+            ),
+            (
+                "/v1/observations",
+                format!(
+                    r#"{{"organization_id": {org}, "entity": "db-1", "attributes": {attributes}}}"#
+                ),
+            ),
+        ] {
+            let a = self
+                .send(Method::POST, uri, Some(key), Body::from(body))
+                .await;
+            answers.push((uri, a));
+        }
+        answers
+    }
+
     async fn count(&self, sql: &'static str) -> i64 {
         sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
     }
@@ -1601,21 +1630,7 @@ async fn a_name_sent_twice_in_one_object_is_refused() {
         (r#"{"hosts": [{"a": 1}, {"b": 1, "b": 1}]}"#, "b"),
         (r#"{"cpu": 1, "\u0063pu": 2}"#, "cpu"),
     ] {
-        for (uri, body) in [
-            (
-                "/v1/entities",
-                format!(r#"{{"external_id": "db-1", "attributes": {attributes}}}"#),
-            ),
-            (
-                "/v1/observations",
-                format!(
-                    r#"{{"organization_id": {org}, "entity": "db-1", "attributes": {attributes}}}"#
-                ),
-            ),
-        ] {
-            let a = api
-                .send(Method::POST, uri, Some(&key), Body::from(body))
-                .await;
+        for (uri, a) in api.send_attributes(org, &key, attributes).await {
             assert_invalid(&a, format!("{uri} {attributes}"));
             assert_eq!(
                 a.body["error"]["message"],
@@ -1668,6 +1683,57 @@ async fn a_lone_surrogate_is_invalid_not_malformed() {
             + api.count("SELECT count(*) FROM incidents.incidents").await,
         0
     );
+}
+
+/// JSON nested deeper than the API reads (serde_json reads 127 levels, the
+/// body's own object one of them) is 422 with a message that says how deep
+/// a body may nest, not one about strings a body cannot keep (the answer
+/// of a lone surrogate escape, `"\ud800"`), which told the client to look
+/// for the wrong thing. Nothing is written or queued. Attributes nested
+/// well within the bound are taken and read back equal.
+#[tokio::test]
+async fn json_nested_too_deep_is_answered_as_too_deep() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let nested = |depth: usize| format!("{}1{}", "[".repeat(depth), "]".repeat(depth));
+    // Attributes 124 deep: the entity listing, which holds them two
+    // levels down, is 127 levels deep, as deep as this test reads.
+    let deepest = format!("{{\"a\": {}}}", nested(123));
+    let deepest: Value = serde_json::from_str(&deepest).unwrap();
+    api.assert_attributes_read_back(&key, &deepest).await;
+    let mut answers = Vec::new();
+    for depth in [126, 127, 1000] {
+        let attributes = format!("{{\"a\": {}}}", nested(depth));
+        for (uri, a) in api.send_attributes(org, &key, &attributes).await {
+            answers.push((format!("{uri} attributes {}", depth + 1), a));
+        }
+    }
+    let wrong: Vec<String> = answers
+        .iter()
+        .filter(|(_, a)| {
+            a.status != StatusCode::UNPROCESSABLE_ENTITY
+                || a.code() != "invalid"
+                || !a.body["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("nest"))
+        })
+        .map(|(what, a)| format!("{what}: {} {}", a.status, a.body))
+        .collect();
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    // Not an object, however deep: 422 too.
+    let a = api
+        .send(
+            Method::POST,
+            "/v1/incidents",
+            Some(&key),
+            Body::from(nested(1000)),
+        )
+        .await;
+    assert_invalid(&a, "an array 1000 deep");
+    let a = api.get("/v1/entities", &key).await;
+    assert_eq!(a.body["entities"].as_array().unwrap().len(), 1);
+    assert_eq!(a.body["entities"][0]["attributes"], deepest);
+    assert_eq!(api.queue.stats().await.unwrap().depth, 0, "nothing queued");
 }
 
 /// The same Idempotency-Key with another declaration is 422; with the same

@@ -19,6 +19,13 @@ pub(crate) const MALFORMED_PREFIX: &str = "the body is not valid JSON: ";
 /// How serde_json's `NumberOutOfRange` error begins.
 const NUMBER_OUT_OF_RANGE: &str = "number out of range";
 
+/// How serde_json's `RecursionLimitExceeded` error begins.
+const RECURSION_LIMIT_EXCEEDED: &str = "recursion limit exceeded";
+
+/// How deep a request body's arrays and objects may nest, the body's own
+/// object included: serde_json stops at the 128th level.
+const MAX_BODY_NESTING: usize = 127;
+
 /// An error answer of the API.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
@@ -68,9 +75,12 @@ impl ApiError {
     /// A number past a double's range (`1e400`) is valid JSON, but
     /// serde_json stops at it with a syntax error, `NumberOutOfRange`: it
     /// is answered like every other number the API cannot keep (`1e-400`,
-    /// refused once parsed), 422. serde_json does not expose the error's
-    /// code, only its text, so the code is recognised by the text it
-    /// prints (a unit test holds the two together).
+    /// refused once parsed), 422. So is JSON nested deeper than serde_json
+    /// reads ([`MAX_BODY_NESTING`]), where serde_json stops with another
+    /// syntax error, `RecursionLimitExceeded`: its message says how deep
+    /// a body may nest. serde_json does not expose the error's code, only
+    /// its text, so each code is recognised by the text it prints (a unit
+    /// test holds them together).
     pub(crate) fn from_json(e: serde_json::Error) -> ApiError {
         use serde_json::error::Category;
         match e.classify() {
@@ -78,6 +88,14 @@ impl ApiError {
             Category::Syntax if e.to_string().starts_with(NUMBER_OUT_OF_RANGE) => {
                 ApiError::invalid(format!(
                     "the number at line {} column {} is past a double's range: it cannot be kept",
+                    e.line(),
+                    e.column()
+                ))
+            }
+            Category::Syntax if e.to_string().starts_with(RECURSION_LIMIT_EXCEEDED) => {
+                ApiError::invalid(format!(
+                    "the array or object at line {} column {} is nested too deep: arrays and \
+                     objects nest at most {MAX_BODY_NESTING} deep in a body, its own object included",
                     e.line(),
                     e.column()
                 ))
@@ -221,6 +239,23 @@ mod tests {
                 (StatusCode::BAD_REQUEST, "malformed_json"),
                 "{body}"
             );
+        }
+    }
+
+    /// JSON nested deeper than serde_json reads is 422 with a message that
+    /// says how deep a body may nest; [`MAX_BODY_NESTING`] levels are read.
+    #[test]
+    fn json_nested_too_deep_is_invalid_not_malformed() {
+        let nested = |depth: usize| format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+        serde_json::from_str::<serde_json::Value>(&nested(MAX_BODY_NESTING)).unwrap();
+        for body in [nested(MAX_BODY_NESTING + 1), "[".repeat(1000)] {
+            let e = serde_json::from_str::<serde_json::Value>(&body).unwrap_err();
+            let a = ApiError::from_json(e);
+            assert_eq!(
+                (a.status, a.code),
+                (StatusCode::UNPROCESSABLE_ENTITY, "invalid")
+            );
+            assert!(a.message.contains("nested too deep"), "{}", a.message);
         }
     }
 
