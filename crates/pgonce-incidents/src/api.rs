@@ -554,7 +554,9 @@ async fn set_singleton(
     JsonBody(body): JsonBody<SingletonFlag>,
 ) -> ApiResult<Json<Value>> {
     let pool = state.service().pool();
-    store::set_entity_singleton(pool, caller.organization_id, id, body.singleton).await?;
+    let lock_wait = state.service().config().entity_lock_timeout;
+    store::set_entity_singleton_within(pool, caller.organization_id, id, body.singleton, lock_wait)
+        .await?;
     let entity = store::get_entity(pool, caller.organization_id, id).await?;
     Ok(Json(json!(entity)))
 }

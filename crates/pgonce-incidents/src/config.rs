@@ -406,7 +406,9 @@ pub struct ServiceSection {
     /// `numbering`: `advisory_lock` (default), `counter_row` or
     /// `table_lock`.
     pub numbering: Numbering,
-    /// `entity_lock_timeout`: longest wait for an entity's lock. Default 10s.
+    /// `entity_lock_timeout`: longest wait for an entity's lock (a guarded
+    /// incident write's, `PUT /v1/entities/{id}/singleton`'s, then 503
+    /// `busy`). Default 10s.
     #[serde(with = "humantime_serde")]
     pub entity_lock_timeout: Duration,
     /// `declaration_lock_timeout`: longest wait of a declaration for its

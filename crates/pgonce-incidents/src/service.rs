@@ -76,8 +76,10 @@ pub struct ServiceConfig {
     /// How organization numbers are serialized. Default: an advisory lock
     /// per organization ([`pgonce::SequenceStrategy::AdvisoryLock`]).
     pub numbering: pgonce::SequenceStrategy,
-    /// Longest wait for an entity's lock before
-    /// [`pgonce::Error::LockTimeout`]. Default 10 s.
+    /// Longest wait for an entity's lock (of a guarded incident write, and
+    /// of the API's `PUT /v1/entities/{id}/singleton`) before
+    /// [`pgonce::Error::LockTimeout`], which the API answers 503 `busy`.
+    /// Default 10 s.
     pub entity_lock_timeout: Duration,
     /// Longest wait of a declaration for its idempotency key's lock (held
     /// by a declaration with the same key until it commits) before

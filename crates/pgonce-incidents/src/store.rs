@@ -3,6 +3,8 @@
 //! [`set_entity_singleton`], which takes the entity's lock because the
 //! guarded incident write reads what it changes.
 
+use std::time::Duration;
+
 use pgonce::IsolationLevel;
 use rand::RngCore;
 use serde_json::Value;
@@ -288,6 +290,8 @@ pub async fn list_entities(
 /// Sets the entity's run-time singleton state, under the entity's lock: a
 /// guarded incident write for this entity either re-reads the new value or
 /// commits before it changes (READ COMMITTED, the lock held to commit).
+/// Waits for the lock as long as its holder keeps it; see
+/// [`set_entity_singleton_within`] for a bounded wait.
 ///
 /// An entity of another organization is [`Error::NotFound`] before its
 /// lock is taken (an entity never changes organization): the caller
@@ -299,9 +303,45 @@ pub async fn set_entity_singleton(
     entity_id: i64,
     singleton: bool,
 ) -> Result<()> {
+    set_singleton_under_lock(pool, organization_id, entity_id, singleton, None).await
+}
+
+/// [`set_entity_singleton`], waiting at most `lock_wait` for the entity's
+/// lock (held by a guarded incident write of the entity until it commits,
+/// or by any client changing what that write reads); past it
+/// [`pgonce::Error::LockTimeout`], nothing written. What the API calls,
+/// with [`crate::ServiceConfig::entity_lock_timeout`]: a request waiting
+/// without a bound would hold its pooled connection, and a graceful stop,
+/// as long as the holder takes.
+pub async fn set_entity_singleton_within(
+    pool: &PgPool,
+    organization_id: i64,
+    entity_id: i64,
+    singleton: bool,
+    lock_wait: Duration,
+) -> Result<()> {
+    set_singleton_under_lock(pool, organization_id, entity_id, singleton, Some(lock_wait)).await
+}
+
+async fn set_singleton_under_lock(
+    pool: &PgPool,
+    organization_id: i64,
+    entity_id: i64,
+    singleton: bool,
+    lock_wait: Option<Duration>,
+) -> Result<()> {
     get_entity(pool, organization_id, entity_id).await?;
     let mut tx = pgonce::begin(pool, IsolationLevel::ReadCommitted).await?;
-    pgonce::lock::lock(&mut tx, entity_lock_key(entity_id)?).await?;
+    let key = entity_lock_key(entity_id)?;
+    let locked = match lock_wait {
+        Some(wait) => pgonce::lock::lock_timeout(&mut tx, key, wait).await,
+        None => pgonce::lock::lock(&mut tx, key).await,
+    };
+    if let Err(e) = locked {
+        // The transaction ends now, not at the pooled connection's next use.
+        let _ = tx.rollback().await;
+        return Err(e.into());
+    }
     let done = sqlx::query(include_str!("store/sql/set_entity_singleton.sql"))
         .bind(organization_id)
         .bind(entity_id)

@@ -17,7 +17,7 @@ use pgonce_incidents::api::{ApiConfig, ApiState, openapi, router};
 use pgonce_incidents::model::Observation;
 use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::{Service, ServiceConfig};
-use pgonce_testkit::ScratchDatabase;
+use pgonce_testkit::{Interleaving, ScratchDatabase};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use tower::ServiceExt;
@@ -1734,6 +1734,78 @@ async fn json_nested_too_deep_is_answered_as_too_deep() {
     assert_eq!(a.body["entities"].as_array().unwrap().len(), 1);
     assert_eq!(a.body["entities"][0]["attributes"], deepest);
     assert_eq!(api.queue.stats().await.unwrap().depth, 0, "nothing queued");
+}
+
+/// `PUT /v1/entities/{id}/singleton` waits for the entity's lock (held by
+/// a guarded incident write of the entity until it commits) at most
+/// `service.entity_lock_timeout`, then answers 503 `busy` with nothing
+/// written; once the holder is done, the same request is made. It waited
+/// as long as the holder took, holding its pooled connection (and a
+/// graceful stop) all along. Step by step: A holds the entity's lock; B's
+/// request is seen blocked by A in pg_locks, then answered.
+#[tokio::test]
+async fn the_singleton_flag_waits_for_the_entitys_lock_only_so_long() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let entity = api
+        .post("/v1/entities", &key, json!({"external_id": "db-1"}))
+        .await;
+    let entity = id(&entity.body);
+    let race = Interleaving::new(api._db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    // B's API runs on B's one connection, which the harness watches. Its
+    // bound is well within the harness's step timeout, which the wait
+    // without a bound runs into instead.
+    let config = ServiceConfig {
+        entity_lock_timeout: Duration::from_secs(2),
+        ..ServiceConfig::default()
+    };
+    let service = Service::new(b.pool().clone(), config).unwrap();
+    let state = ApiState::new(service, api.queue.clone(), None, ApiConfig::default()).unwrap();
+    let on_b = router(state);
+    let put = || {
+        Request::put(format!("/v1/entities/{entity}/singleton"))
+            .header(header::AUTHORIZATION, format!("Bearer {key}"))
+            .body(Body::from(json!({"singleton": true}).to_string()))
+            .unwrap()
+    };
+    let mut tx = a.pool().begin().await.unwrap();
+    let lock = pgonce_incidents::service::entity_lock_key(entity).unwrap();
+    race.step(
+        &a,
+        "hold the entity lock",
+        pgonce::lock::lock(&mut tx, lock),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let waiting = race
+        .step_blocks(&b, "PUT singleton", on_b.clone().oneshot(put()))
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    let response = waiting.resume().await.unwrap().unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("busy")),
+        "{body}"
+    );
+    let unchanged = api.get(&format!("/v1/entities/{entity}"), &key).await;
+    assert_eq!(unchanged.body["singleton_incidents"], false);
+    race.step(&a, "COMMIT", tx.commit()).await.unwrap().unwrap();
+    // B's one connection is back in its pool, its transaction ended.
+    let response = race
+        .step(&b, "PUT singleton again", on_b.clone().oneshot(put()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let changed = api.get(&format!("/v1/entities/{entity}"), &key).await;
+    assert_eq!(changed.body["singleton_incidents"], true);
 }
 
 /// The same Idempotency-Key with another declaration is 422; with the same
