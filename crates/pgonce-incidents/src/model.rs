@@ -34,7 +34,9 @@ pub const NO_NUL_PATTERN: &str = r"^[^\u0000]*$";
 
 /// The schema of entity and observation attributes, for the OpenAPI
 /// document: what [`check_attributes`] takes, a JSON object whose keys and
-/// strings, at any depth, hold no NUL.
+/// strings, at any depth, hold no NUL, nested at most
+/// [`MAX_ATTRIBUTES_NESTING`] deep (which JSON Schema cannot state but in
+/// words).
 pub struct AttributesSchema;
 
 impl JsonSchema for AttributesSchema {
@@ -48,6 +50,9 @@ impl JsonSchema for AttributesSchema {
             "type": "object",
             "propertyNames": {"pattern": NO_NUL_PATTERN},
             "additionalProperties": value,
+            "description": format!(
+                "arrays and objects nest at most {MAX_ATTRIBUTES_NESTING} deep, this object included"
+            ),
         })
     }
 }
@@ -164,16 +169,49 @@ fn numbers_round_trip(v: &Value) -> bool {
     }
 }
 
+/// How deep arrays and objects may nest in an entity's or observation's
+/// attributes, their own object included: as deep as every answer that
+/// carries them can be read by serde_json, and by JSON readers with the
+/// same bound, which stop at the 128th level
+/// ([`pgonce::json::MAX_JSON_NESTING`] levels are read). The deepest such
+/// answer, the entity listing, holds them three levels down
+/// (`{"entities": [{"attributes": ...}]}`).
+pub const MAX_ATTRIBUTES_NESTING: usize = pgonce::json::MAX_JSON_NESTING - 3;
+
+/// How deep arrays and objects nest in `value`: 0 for a scalar, 1 for
+/// `[1]` or `{"k": 1}`. Recursive: called on values serde_json parsed,
+/// which are at most [`pgonce::json::MAX_JSON_NESTING`] deep.
+fn nesting(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => 1 + items.iter().map(nesting).max().unwrap_or(0),
+        Value::Object(map) => 1 + map.values().map(nesting).max().unwrap_or(0),
+        Value::Null | Value::Bool(_) | Value::Number(_) | Value::String(_) => 0,
+    }
+}
+
 /// Checks an entity's attributes: a JSON object that `jsonb` can hold and
-/// pgonce can read back (no NUL in a key or string, nested at most
-/// [`pgonce::json::MAX_JSON_NESTING`] deep: [`pgonce::json::check_storable`]),
-/// and whose numbers read back equal from `jsonb` ([`number_round_trips`]).
-/// Refused here as invalid input, so the API answers 422 and the pipeline
-/// counts the message as malformed, instead of a database error on every
-/// delivery or a row no read can decode.
+/// pgonce can read back (no NUL in a key or string:
+/// [`pgonce::json::check_storable`]), nested at most
+/// [`MAX_ATTRIBUTES_NESTING`] deep, so that every answer holding them can
+/// be read back, and whose numbers read back equal from `jsonb`
+/// ([`number_round_trips`]). Refused here as invalid input, so the API
+/// answers 422 and the pipeline counts the message as malformed, instead
+/// of a database error on every delivery, a row no read can decode, or
+/// an entity listing a client cannot read.
 pub fn check_attributes(attributes: &Value) -> Result<()> {
     if !attributes.is_object() {
         return Err(Error::invalid("attributes", "must be a JSON object"));
+    }
+    if nesting(attributes) > MAX_ATTRIBUTES_NESTING {
+        return Err(Error::invalid(
+            "attributes",
+            format!(
+                "arrays and objects nest at most {MAX_ATTRIBUTES_NESTING} deep, the attributes' \
+                 own object included (the entity listing holds them three levels down, and \
+                 JSON readers such as serde_json read at most {} levels)",
+                pgonce::json::MAX_JSON_NESTING
+            ),
+        ));
     }
     if let Err(pgonce::Error::Invalid { why, .. }) =
         pgonce::json::check_storable("attributes", attributes)

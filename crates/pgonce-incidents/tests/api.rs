@@ -1736,6 +1736,42 @@ async fn json_nested_too_deep_is_answered_as_too_deep() {
     assert_eq!(api.queue.stats().await.unwrap().depth, 0, "nothing queued");
 }
 
+/// Attributes are taken only as deep as every answer that carries them can
+/// be read: the entity listing holds them three levels down
+/// (`{"entities": [{"attributes": ...}]}`), and serde_json, like other
+/// JSON readers, stops at 128 levels. Attributes 125 or 126 deep fit in a
+/// request (127 levels with its object) and were stored, after which no
+/// such client could read a page of the organization's entities that
+/// listed them. Now they are 422, as entity and as observation, with
+/// nothing stored or queued; 124 deep are taken and listed.
+#[tokio::test]
+async fn attributes_nest_no_deeper_than_every_answer_can_carry() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let nested = |depth: usize| format!("{}1{}", "[".repeat(depth), "]".repeat(depth));
+    let mut wrong = Vec::new();
+    for depth in [125, 126] {
+        let attributes = format!("{{\"a\": {}}}", nested(depth - 1));
+        for (uri, a) in api.send_attributes(org, &key, &attributes).await {
+            if (a.status, a.code()) != (StatusCode::UNPROCESSABLE_ENTITY, "invalid") {
+                wrong.push(format!(
+                    "{uri} attributes {depth} deep: {} {}",
+                    a.status, a.body
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.entities").await,
+        0
+    );
+    assert_eq!(api.queue.stats().await.unwrap().depth, 0, "nothing queued");
+    let deepest = format!("{{\"a\": {}}}", nested(123));
+    let deepest: Value = serde_json::from_str(&deepest).unwrap();
+    api.assert_attributes_read_back(&key, &deepest).await;
+}
+
 /// `PUT /v1/entities/{id}/singleton` waits for the entity's lock (held by
 /// a guarded incident write of the entity until it commits) at most
 /// `service.entity_lock_timeout`, then answers 503 `busy` with nothing
