@@ -5,7 +5,8 @@
 //! Organization routes (`/v1/entities`, `/v1/policies`, `/v1/incidents`,
 //! `/v1/events`, `/v1/observations`) need `Authorization: Bearer pgo_...`,
 //! an API key of one organization ([`store::authenticate`]: stored as
-//! SHA-256, revocable). Every read and write of such a route is made in the
+//! SHA-256, revocable), in one `Authorization` header: sent twice, the
+//! header is 401, whatever it holds. Every read and write of such a route is made in the
 //! key's organization: another organization's id is answered 404, exactly
 //! like an id that does not exist, so a key learns nothing of other
 //! organizations. Admin routes (`/v1/organizations`, `/v1/settings`) need

@@ -412,6 +412,63 @@ async fn api_keys_authenticate_and_missing_wrong_or_revoked_keys_are_401() {
     );
 }
 
+/// Credentials sent twice (two `Authorization` headers) are 401, whoever's
+/// they are, with nothing read or written: which of them the request is
+/// made with would be a guess, and the first one had been taken, so a
+/// request carrying one organization's key after another's was made in
+/// the first's. The same as an `Idempotency-Key` sent twice.
+#[tokio::test]
+async fn credentials_sent_twice_are_refused() {
+    let api = setup().await;
+    let (_, first) = api.organization("acme").await;
+    let (_, second) = api.organization("other").await;
+    let twice = |method: Method, uri: &str, keys: [&str; 2], body: Body| {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(header::AUTHORIZATION, format!("Bearer {}", keys[0]))
+            .header(header::AUTHORIZATION, format!("Bearer {}", keys[1]))
+            .body(body)
+            .unwrap()
+    };
+    let mut answers = Vec::new();
+    for keys in [[&*first, &*second], [&*first, &*first]] {
+        let a = api
+            .raw(twice(Method::GET, "/v1/incidents", keys, Body::empty()))
+            .await;
+        answers.push(("GET /v1/incidents", a));
+        let declaration = json!({"title": "db down"}).to_string();
+        let a = api
+            .raw(twice(
+                Method::POST,
+                "/v1/incidents",
+                keys,
+                Body::from(declaration),
+            ))
+            .await;
+        answers.push(("POST /v1/incidents", a));
+    }
+    let a = api
+        .raw(twice(
+            Method::GET,
+            "/v1/organizations",
+            [ADMIN, ADMIN],
+            Body::empty(),
+        ))
+        .await;
+    answers.push(("GET /v1/organizations", a));
+    let wrong: Vec<String> = answers
+        .iter()
+        .filter(|(_, a)| (a.status, a.code()) != (StatusCode::UNAUTHORIZED, "unauthorized"))
+        .map(|(what, a)| format!("{what}: {} {}", a.status, a.body))
+        .collect();
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.incidents").await,
+        0
+    );
+}
+
 #[tokio::test]
 async fn a_key_never_reaches_another_organizations_data() {
     let api = setup().await;

@@ -24,11 +24,21 @@ pub struct Caller {
     pub organization_id: i64,
 }
 
+/// The token of the request's one `Authorization: Bearer <token>` header.
+/// Sent more than once, the header is refused, whatever it holds: which
+/// credentials the request is made with would be a guess (as with an
+/// `Idempotency-Key` sent twice), and taking the first made a request
+/// carrying one organization's key after another's in the first's.
 fn bearer(parts: &Parts) -> Result<&str, ApiError> {
-    let value = parts
-        .headers
-        .get(header::AUTHORIZATION)
+    let mut values = parts.headers.get_all(header::AUTHORIZATION).iter();
+    let value = values
+        .next()
         .ok_or(ApiError::unauthorized("missing Authorization header"))?;
+    if values.next().is_some() {
+        return Err(ApiError::unauthorized(
+            "the Authorization header must be sent once",
+        ));
+    }
     let value = value
         .to_str()
         .map_err(|_| ApiError::unauthorized("malformed Authorization header"))?;

@@ -223,7 +223,7 @@ fn error_statuses(r: &Route) -> Vec<(u16, &'static str)> {
     if r.auth != Auth::None {
         statuses.push((
             401,
-            "missing, malformed, unknown or revoked credentials (`unauthorized`)",
+            "missing, malformed, unknown or revoked credentials, or the Authorization header sent twice (`unauthorized`)",
         ));
         statuses.push((
             404,
