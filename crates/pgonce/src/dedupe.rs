@@ -64,6 +64,30 @@
 //! whatever the database's default: it skips locked keys and re-checks the
 //! rest, and under a stricter level a key changed since its statement's
 //! snapshot would fail the pass with 40001.
+//!
+//! # Cancel safety
+//!
+//! A caller may drop any of these futures at any await (its own timeout,
+//! a `select!`, a client that hung up, a task aborted at shutdown). Once a
+//! statement was sent the server runs it whether or not anyone reads its
+//! answer, so what a dropped call leaves is:
+//!
+//! * [`acquire`]: nothing. It runs in a task of its own on one pooled
+//!   connection; a hold taken for a caller that is gone is given back (as
+//!   [`release`] would) before that connection serves anyone else, and the
+//!   connection goes back to the pool outside any transaction, its row
+//!   locks gone. Only when that release fails too (the connection or the
+//!   server died, the runtime shut down) is the key left in progress, until
+//!   the hold runs out, as for a holder that died.
+//! * [`apply_once`]: the mark and the effect both, or neither: they are one
+//!   transaction, rolled back unless its COMMIT was sent.
+//! * [`mark_processed`], [`finish`], [`release`]: one statement each, on
+//!   the executor given. On a pool it either ran or did not; a [`finish`]
+//!   whose answer was never read may have stored the response (a retried
+//!   [`acquire`] then replays it). In a transaction of the caller's, whether
+//!   it ran is unknown to the caller (a statement sent runs before the
+//!   transaction's next one): roll the transaction back, as after an
+//!   error, rather than commit it.
 
 use std::future::Future;
 use std::time::Duration;
@@ -71,7 +95,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgExecutor, PgPool, Postgres, Transaction};
+use sqlx::{Connection, PgConnection, PgExecutor, PgPool, Postgres, Transaction};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -248,6 +272,9 @@ pub const MIN_HOLD: Duration = crate::duration::SHORTEST_LEASE;
 /// the module docs for the outcomes. A fingerprint empty or past
 /// [`crate::json::MAX_SENT_JSON_BYTES`] is [`Error::Invalid`], nothing
 /// written.
+///
+/// Cancel safe: a call dropped at any await leaves no hold behind (see
+/// "Cancel safety" in the module docs).
 pub async fn acquire(
     pool: &PgPool,
     scope: &str,
@@ -277,13 +304,61 @@ pub async fn acquire(
             ),
         ));
     }
+    let (scope, key, fingerprint) = (scope.to_owned(), key.to_owned(), fingerprint.to_owned());
+    // On one connection, in a task of its own: a hold taken for a caller
+    // who stopped waiting (its future dropped once the upsert was sent,
+    // which the server runs regardless) is given back at once, before the
+    // connection serves anyone else. Left, it would turn every retry of
+    // the request away as in progress until it ran out.
+    crate::transaction::answered_or_given_back(
+        pool,
+        move |conn| {
+            Box::pin(async move { acquire_on(conn, &scope, &key, &fingerprint, hold_for).await })
+        },
+        |conn, acquired| {
+            Box::pin(async move {
+                if let Acquired::Process(hold) = acquired {
+                    give_back(conn, &hold).await;
+                }
+            })
+        },
+    )
+    .await
+}
+
+/// Releases a hold [`acquire`] took for a caller that stopped waiting.
+async fn give_back(conn: &mut PgConnection, hold: &KeyHold) {
+    match release(&mut *conn, hold).await {
+        Ok(()) => tracing::debug!(
+            scope = %hold.scope,
+            key = %hold.key,
+            "idempotency key hold given back: its caller stopped waiting"
+        ),
+        Err(e) => tracing::warn!(
+            scope = %hold.scope,
+            key = %hold.key,
+            error = %e,
+            "idempotency key hold taken for a caller that stopped waiting \
+             not given back: the key is in progress until the hold runs out"
+        ),
+    }
+}
+
+/// [`acquire`]'s statements, on `conn`, outside any transaction.
+async fn acquire_on(
+    conn: &mut PgConnection,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+    hold_for: Duration,
+) -> Result<Acquired> {
     // The upsert alone first: a new key, or one whose holder's hold ran
     // out, is taken in one statement, the commonest case. That statement
     // is a transaction at the database's default isolation level: under a
     // stricter one than READ COMMITTED, meeting a key another request
     // wrote since its snapshot is a serialization failure, and the READ
     // COMMITTED transaction below says what happened instead.
-    match upsert_key(pool, scope, key, fingerprint, hold_for).await {
+    match upsert_key(&mut *conn, scope, key, fingerprint, hold_for).await {
         Ok(Some(row)) => return Ok(taken(scope, key, row)),
         Ok(None) => {}
         Err(e) if e.is_retryable() => {}
@@ -297,8 +372,12 @@ pub async fn acquire(
     // snapshot taken after that lock, sees that very row: nobody can
     // collect, release or finish it before this transaction ends. Run on
     // their own, the key could be collected and made again between them,
-    // and the read find nothing, round after round.
-    let mut tx = crate::begin(pool, crate::IsolationLevel::ReadCommitted).await?;
+    // and the read find nothing, round after round. (sqlx's BEGIN on a
+    // bare connection leaves it inside a transaction if dropped midway:
+    // not here, in a task nobody drops.)
+    let mut tx = conn
+        .begin_with(crate::IsolationLevel::ReadCommitted.begin())
+        .await?;
     if let Some(row) = upsert_key(&mut *tx, scope, key, fingerprint, hold_for).await? {
         tx.commit().await?;
         return Ok(taken(scope, key, row));

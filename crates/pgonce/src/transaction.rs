@@ -25,6 +25,7 @@
 
 use std::fmt;
 
+use futures::future::BoxFuture;
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Row, Transaction};
 
 /// A transaction isolation level of PostgreSQL, as a BEGIN states it.
@@ -62,7 +63,7 @@ impl IsolationLevel {
     }
 
     /// The BEGIN statement that opens a read-write transaction at this level.
-    const fn begin(self) -> &'static str {
+    pub(crate) const fn begin(self) -> &'static str {
         match self {
             IsolationLevel::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
             IsolationLevel::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
@@ -224,6 +225,48 @@ pub(crate) async fn begin_detached(
         Ok(begun) => begun,
         // The task only panics if sqlx does; carry the panic on.
         Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
+}
+
+/// Runs `work` on one connection of `pool`, in a task of its own, and
+/// returns what it returns. If the caller stops waiting (its future
+/// dropped, which may happen after `work`'s statements were sent and the
+/// server runs them anyway), `give_back` undoes what `work` took for it, on
+/// the same connection, before that connection serves anyone else. For
+/// calls that take something the caller alone can let go of (an
+/// idempotency key's hold, a job's lease), which a dropped caller would
+/// leave taken, by nobody, until it runs out.
+///
+/// Hand-written around a task and a oneshot channel: nothing in sqlx or
+/// tokio runs a clean-up on the output of a future whose caller is gone.
+pub(crate) async fn answered_or_given_back<T: Send + 'static>(
+    pool: &PgPool,
+    work: impl for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, crate::Result<T>> + Send + 'static,
+    give_back: impl for<'c> FnOnce(&'c mut PgConnection, T) -> BoxFuture<'c, ()> + Send + 'static,
+) -> crate::Result<T> {
+    let (answer_to, answered) = tokio::sync::oneshot::channel();
+    let pool = pool.clone();
+    let task = tokio::spawn(async move {
+        let mut conn = match pool.acquire().await {
+            Ok(conn) => conn,
+            // Nothing taken; nobody to tell if the caller is gone.
+            Err(e) => {
+                let _ = answer_to.send(Err(e.into()));
+                return;
+            }
+        };
+        if let Err(Ok(taken)) = answer_to.send(work(&mut conn).await) {
+            give_back(&mut conn, taken).await;
+        }
+    });
+    match answered.await {
+        Ok(answer) => answer,
+        // The task ended without an answer: only if sqlx panicked. Carry
+        // the panic on.
+        Err(_) => match task.await {
+            Err(join) => std::panic::resume_unwind(join.into_panic()),
+            Ok(()) => unreachable!("the task answers before it returns"),
+        },
     }
 }
 

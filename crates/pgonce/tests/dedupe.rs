@@ -887,6 +887,70 @@ async fn a_late_finish_racing_a_takeover_is_replayed_if_it_commits_and_taken_ove
     }
 }
 
+/// An acquire given up (a request timeout, a client gone) while its upsert
+/// waits for another transaction writing the key. The upsert was sent: the
+/// server runs it once that transaction ends, and commits a hold nobody has
+/// the token of. Left, that hold turned every retry of the request away as
+/// in progress for the hold's whole length. The hold must be given back,
+/// before the connection serves anyone else, and the connection come back
+/// outside any transaction.
+#[tokio::test]
+async fn an_acquire_dropped_while_it_waits_leaves_no_hold_behind() {
+    let (db, pool) = setup().await;
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let hold_for = Duration::from_secs(3600);
+    let Acquired::Process(first) = dedupe::acquire(&pool, "api", "k", &fp, hold_for)
+        .await
+        .unwrap()
+    else {
+        panic!("a new key is held");
+    };
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    // A gives the key up in a transaction it keeps open: B's upsert waits
+    // for it, then inserts the key anew.
+    let mut tx_a = a.pool().begin().await.unwrap();
+    race.try_step(&a, "release", dedupe::release(&mut *tx_a, &first))
+        .await
+        .unwrap();
+    let pool_b = b.pool().clone();
+    let fp_b = fp.clone();
+    let waiting = race
+        .step_blocks(&b, "acquire", async move {
+            dedupe::acquire(&pool_b, "api", "k", &fp_b, hold_for).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.blocked_by(), ["A"]);
+    waiting.cancel();
+    race.try_step(&a, "COMMIT", tx_a.commit()).await.unwrap();
+
+    // B's one connection, once the dropped acquire is done with it.
+    assert_eq!(
+        race.step(&b, "next use", support::leftovers(b.pool()))
+            .await
+            .unwrap(),
+        support::Leftovers::NONE
+    );
+    let retry = race
+        .step(
+            &b,
+            "retry",
+            dedupe::acquire(b.pool(), "api", "k", &fp, hold_for),
+        )
+        .await
+        .unwrap();
+    let Ok(Acquired::Process(hold)) = retry else {
+        panic!("the retry of a request given up is processed, got {retry:?}");
+    };
+    assert!(
+        hold.first_use,
+        "the given-up hold was released, not taken over"
+    );
+    dedupe::finish(&pool, &hold, &json!("done")).await.unwrap();
+}
+
 /// Waits until `acquire`, running as `session`, has either returned or is
 /// seen waiting on `gate` alone, its next statement queued behind the
 /// gate's lock: `true` for the latter.

@@ -364,3 +364,41 @@ pub async fn pass_meeting_a_committed_change<T: Send + 'static>(
         .unwrap();
     waiting.resume().await.unwrap()
 }
+
+/// What a pooled connection carries over from its last use, as the next
+/// user of the pool sees it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Leftovers {
+    /// Inside a transaction block begun before this statement.
+    pub in_transaction: bool,
+    /// Advisory locks its backend holds.
+    pub advisory_locks: i64,
+}
+
+impl Leftovers {
+    /// A connection fit for its next user: no transaction, no lock.
+    pub const NONE: Leftovers = Leftovers {
+        in_transaction: false,
+        advisory_locks: 0,
+    };
+}
+
+/// What the connection `pool` hands out next carries over. A simple query
+/// (one message): outside a transaction block it is the first command of
+/// its own transaction, where `statement_timestamp()` and
+/// `transaction_timestamp()` are the same; a row lock can only be held
+/// inside a block, so none is left when there is none.
+pub async fn leftovers(pool: &sqlx::PgPool) -> Leftovers {
+    use sqlx::Row;
+    let row = sqlx::raw_sql(
+        "SELECT statement_timestamp() <> transaction_timestamp(), \
+         (SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory')",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    Leftovers {
+        in_transaction: row.get(0),
+        advisory_locks: row.get(1),
+    }
+}
