@@ -116,6 +116,46 @@
 //! [`claim_batch`], the [`Reaper`] and the [`Redriver`] never wait for a
 //! row: they skip locked ones.
 //!
+//! # Cancel safety
+//!
+//! A caller may drop any of these futures at any await (its own timeout,
+//! a `select!`, a task aborted at shutdown). A statement once sent runs on
+//! the server whether or not anyone reads its answer; on a pool, its
+//! connection goes back to the pool only once it has, outside any
+//! transaction and holding no lock. Each call is one statement, or one
+//! transaction of its own, so what it writes is all there or absent, never
+//! half; but a dropped caller does not learn which:
+//!
+//! * [`claim`] on a pool: nothing. It runs in a task of its own, on one
+//!   pooled connection; dropped once its statement was sent (while it
+//!   waits for a transaction holding the job's row, say), the server still
+//!   claims the job, and the task gives that lease back (the job pending
+//!   again, runnable at once, no attempt counted) before the connection
+//!   serves anyone else. Only when that fails too (the connection or the
+//!   server died, the runtime shut down) is the job left `processing` under
+//!   a lease nobody has: its message hears [`Error::JobBusy`] until the
+//!   lease runs out, and the [`Reaper`], or a delivery taking the lease
+//!   over, counts it as a failed attempt, as for a worker that died.
+//! * [`claim_batch`] on a pool runs in a transaction begun as
+//!   [`crate::begin`] begins one: dropped before its COMMIT was sent it
+//!   claims nothing; after, the batch is claimed for nobody, each job
+//!   `processing` until its lease runs out. On a bare connection, see
+//!   [`ClaimBatchOn`].
+//! * [`complete`], [`complete_many`], [`fail`], [`transition`]: written or
+//!   not. Written, the job moved on, and the same call again gets
+//!   [`Error::LeaseLost`] ([`Error::AlreadyHandled`] from [`transition`]):
+//!   keep the message then, as the consumer policy says; its next delivery
+//!   hears [`Error::AlreadyHandled`], or, after a [`fail`], claims the job
+//!   once its retry is due.
+//! * [`heartbeat`]: extended or not; run it again.
+//! * [`enqueue`] on a pool: the job may exist without its id reaching the
+//!   caller. Enqueue in the transaction that writes what the job is for,
+//!   so both commit or neither.
+//!
+//! In a transaction of the caller's, a dropped call's statement may have
+//! run, or may yet run before the transaction's next statement: roll the
+//! transaction back, as after an error, rather than commit it.
+//!
 //! # The consumer policy
 //!
 //! See [`crate::queue::AckPolicy`]: with `AlwaysDelete` the queue message is deleted
@@ -477,12 +517,38 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
 /// ids of every kind), reads the job's kind with [`get`] before claiming
 /// and leaves the message of a job it does not serve: a job's kind never
 /// changes, so reading it first races nothing.
-pub async fn claim<'c>(db: impl PgExecutor<'c>, id: i64, lease_for: Duration) -> Result<Lease> {
+///
+/// `db` is a pool (`&pool`) or a connection (`&mut *tx` for a transaction
+/// of the caller's, `&mut conn` for a bare one): see [`ClaimBatchOn`]. On
+/// a pool the claim is cancel safe: it runs in a task of its own, and a
+/// lease it took for a caller that stopped waiting is given back, the job
+/// pending again, before its connection serves anyone else (module docs,
+/// "Cancel safety").
+pub async fn claim<'c>(
+    db: impl Into<ClaimBatchOn<'c>>,
+    id: i64,
+    lease_for: Duration,
+) -> Result<Lease> {
     let secs = lease_secs(lease_for)?;
+    match db.into().0 {
+        ClaimBatchTarget::Pool(pool) => {
+            crate::transaction::answered_or_given_back(
+                pool,
+                move |conn| Box::pin(claim_on(conn, id, secs)),
+                |conn, lease| Box::pin(async move { give_back(conn, &lease).await }),
+            )
+            .await
+        }
+        ClaimBatchTarget::Connection(conn) => claim_on(conn, id, secs).await,
+    }
+}
+
+/// [`claim`]'s statement and what its row means, on `conn`.
+async fn claim_on(conn: &mut sqlx::PgConnection, id: i64, secs: f64) -> Result<Lease> {
     let row: Option<ClaimRow> = sqlx::query_as(include_str!("job/sql/claim.sql"))
         .bind(id)
         .bind(secs)
-        .fetch_optional(db)
+        .fetch_optional(conn)
         .await?;
     let busy = match row {
         Some(ClaimRow {
@@ -554,6 +620,35 @@ struct ClaimRow {
     made_dead: Option<bool>,
 }
 
+/// Gives back a lease [`claim`] took for a caller that stopped waiting:
+/// the job is pending again, with no attempt counted
+/// (`job/sql/claim_given_back.sql`).
+async fn give_back(conn: &mut sqlx::PgConnection, lease: &Lease) {
+    let back: sqlx::Result<Option<i64>> =
+        sqlx::query_scalar(include_str!("job/sql/claim_given_back.sql"))
+            .bind(lease.job_id)
+            .bind(lease.token)
+            .fetch_optional(conn)
+            .await;
+    match back {
+        Ok(Some(_)) => {
+            metrics::counter!("pgonce_job_claims_given_back_total").increment(1);
+            tracing::debug!(
+                job_id = lease.job_id,
+                "job lease given back: its claimer stopped waiting"
+            );
+        }
+        // Reaped or taken over meanwhile: the lease is no longer the job's.
+        Ok(None) => {}
+        Err(e) => tracing::warn!(
+            job_id = lease.job_id,
+            error = %e,
+            "job lease taken for a claimer that stopped waiting not given back: \
+             the job waits until the lease runs out"
+        ),
+    }
+}
+
 /// A job claimed by [`claim_batch`].
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -568,11 +663,15 @@ pub struct ClaimedJob {
     pub lease: Lease,
 }
 
-/// Where [`claim_batch`] runs its statement: a pool (`&pool`) or a
-/// connection (`&mut *tx` for a transaction of the caller's, `&mut conn`
-/// for a bare one).
+/// Where [`claim`] and [`claim_batch`] run their statement: a pool
+/// (`&pool`) or a connection (`&mut *tx` for a transaction of the
+/// caller's, `&mut conn` for a bare one).
 ///
-/// On a pool, or a connection outside a transaction, the claim runs in a
+/// A [`claim`] on a pool runs in a task of its own, which gives its lease
+/// back if the caller stopped waiting for it; on a connection it is one
+/// statement there.
+///
+/// On a pool, or a connection outside a transaction, [`claim_batch`] runs in a
 /// READ COMMITTED transaction of its own, whatever the database's default
 /// isolation level: `SKIP LOCKED` then the outer re-check is what keeps
 /// concurrent pollers apart, and it is correct at READ COMMITTED. Under a

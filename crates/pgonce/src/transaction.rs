@@ -246,7 +246,8 @@ pub(crate) async fn answered_or_given_back<T: Send + 'static>(
 ) -> crate::Result<T> {
     let (answer_to, answered) = tokio::sync::oneshot::channel();
     let pool = pool.clone();
-    let task = tokio::spawn(async move {
+    // In the caller's span, so that what `work` logs says whose call it was.
+    let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
         let mut conn = match pool.acquire().await {
             Ok(conn) => conn,
             // Nothing taken; nobody to tell if the caller is gone.
@@ -258,7 +259,7 @@ pub(crate) async fn answered_or_given_back<T: Send + 'static>(
         if let Err(Ok(taken)) = answer_to.send(work(&mut conn).await) {
             give_back(&mut conn, taken).await;
         }
-    });
+    }));
     match answered.await {
         Ok(answer) => answer,
         // The task ended without an answer: only if sqlx panicked. Carry

@@ -922,17 +922,7 @@ async fn an_acquire_dropped_while_it_waits_leaves_no_hold_behind() {
         })
         .await
         .unwrap();
-    assert_eq!(waiting.blocked_by(), ["A"]);
-    waiting.cancel();
-    race.try_step(&a, "COMMIT", tx_a.commit()).await.unwrap();
-
-    // B's one connection, once the dropped acquire is done with it.
-    assert_eq!(
-        race.step(&b, "next use", support::leftovers(b.pool()))
-            .await
-            .unwrap(),
-        support::Leftovers::NONE
-    );
+    support::give_up_then_end(&race, waiting, (&a, tx_a.commit()), &b).await;
     let retry = race
         .step(
             &b,

@@ -76,21 +76,23 @@ fn reaper(pool: &PgPool) -> Reaper {
     Reaper::new(pool.clone(), ReaperConfig::default()).unwrap()
 }
 
+/// A claim on B's pool seen waiting for A's, made in a transaction A
+/// keeps open.
+struct ClaimBehindA {
+    a: pgonce_testkit::Session,
+    b: pgonce_testkit::Session,
+    tx_a: sqlx::Transaction<'static, sqlx::Postgres>,
+    lease_a: job::Lease,
+    waiting: pgonce_testkit::Blocked<pgonce::Result<job::Lease>>,
+}
+
 /// Two deliveries claim job `id`: A claims in a transaction, B's claim is
-/// seen waiting for A's row lock, A commits, B's claim returns. Gives A's
-/// session and lease and B's outcome.
-async fn claim_race(
-    race: &Interleaving,
-    id: i64,
-) -> (
-    pgonce_testkit::Session,
-    job::Lease,
-    pgonce::Result<job::Lease>,
-) {
+/// seen waiting for A's row lock.
+async fn claim_behind_a(race: &Interleaving, id: i64) -> ClaimBehindA {
     let a = race.session("A").await.unwrap();
     let b = race.session("B").await.unwrap();
     let mut tx_a = a.pool().begin().await.unwrap();
-    let lease = race
+    let lease_a = race
         .step(&a, "claim", job::claim(&mut *tx_a, id, LEASE))
         .await
         .unwrap()
@@ -104,8 +106,35 @@ async fn claim_race(
         )
         .await
         .unwrap();
+    ClaimBehindA {
+        a,
+        b,
+        tx_a,
+        lease_a,
+        waiting,
+    }
+}
+
+/// Two deliveries claim job `id`: A claims in a transaction, B's claim is
+/// seen waiting for A's row lock, A commits, B's claim returns. Gives A's
+/// session and lease and B's outcome.
+async fn claim_race(
+    race: &Interleaving,
+    id: i64,
+) -> (
+    pgonce_testkit::Session,
+    job::Lease,
+    pgonce::Result<job::Lease>,
+) {
+    let ClaimBehindA {
+        a,
+        tx_a,
+        lease_a,
+        waiting,
+        ..
+    } = claim_behind_a(race, id).await;
     let b_claim = commit_a_then_resume(race, &a, tx_a, waiting).await;
-    (a, lease, b_claim)
+    (a, lease_a, b_claim)
 }
 
 /// A duplicate delivery that loses the claim to a delivery still at work
@@ -4230,4 +4259,37 @@ async fn a_reaper_whose_database_is_down_logs_a_line_a_minute_and_counts_each_fa
     let still = logged.starting(tracing::Level::WARN, "reaper passes still failing");
     assert!(!still.is_empty(), "a line a minute while it goes on");
     drop(cluster);
+}
+
+/// A claim on a pool given up while it waits for another delivery's claim,
+/// whose transaction then rolls back. The given-up claim's statement was
+/// sent, so the server ran it once that transaction ended: the job was
+/// claimed for nobody, and its message heard `JobBusy` until the lease ran
+/// out, which then counted as a failed attempt (on the last one, the job
+/// went dead). The lease must be given back before the connection serves
+/// anyone else: the job pending, no attempt counted, the connection
+/// outside any transaction.
+#[tokio::test]
+async fn a_claim_dropped_while_it_waits_gives_its_lease_back() {
+    let (db, pool) = setup().await;
+    let id = new_job(&pool, 5).await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let ClaimBehindA {
+        a,
+        b,
+        tx_a,
+        waiting,
+        ..
+    } = claim_behind_a(&race, id).await;
+    support::give_up_then_end(&race, waiting, (&a, tx_a.rollback()), &b).await;
+
+    let redelivery = race
+        .step(&b, "redelivery: claim", job::claim(b.pool(), id, LEASE))
+        .await
+        .unwrap();
+    let Ok(lease) = redelivery else {
+        panic!("the job of a claim given up is claimable at once, got {redelivery:?}");
+    };
+    assert_eq!(job::get(&pool, id).await.unwrap().unwrap().attempts, 0);
+    job::complete(&pool, &lease, &json!("done")).await.unwrap();
 }

@@ -402,3 +402,28 @@ pub async fn leftovers(pool: &sqlx::PgPool) -> Leftovers {
         advisory_locks: row.get(1),
     }
 }
+
+/// Gives up `waiting`, a step of `waiter` seen blocked by `holder`'s
+/// transaction, as a caller whose client went away would; then ends that
+/// transaction (`end`: its commit or rollback), and checks that `waiter`'s
+/// one connection, once the given-up step is done with it, carries
+/// nothing over to its next user.
+pub async fn give_up_then_end<T>(
+    race: &pgonce_testkit::Interleaving,
+    waiting: pgonce_testkit::Blocked<T>,
+    (holder, end): (
+        &pgonce_testkit::Session,
+        impl std::future::Future<Output = sqlx::Result<()>>,
+    ),
+    waiter: &pgonce_testkit::Session,
+) {
+    assert_eq!(waiting.blocked_by(), [holder.name()]);
+    waiting.cancel();
+    race.try_step(holder, "end", end).await.unwrap();
+    assert_eq!(
+        race.step(waiter, "next use", leftovers(waiter.pool()))
+            .await
+            .unwrap(),
+        Leftovers::NONE
+    );
+}
