@@ -159,6 +159,22 @@
 //!   argument. We chose a horizon over a commit-ordered position assigned
 //!   under one global lock, because that lock would serialize every commit
 //!   and undo the parallelism of the advisory strategy.
+//!
+//! # Cancel safety
+//!
+//! [`EventStore::append`] and [`EventStore::decide`] run one statement on
+//! the pool (its own transaction), or, where that statement cannot serve
+//! (another strategy, another default isolation), a transaction begun
+//! from a task of its own (BEGIN and the locks in one round trip), which
+//! rolls it back if nobody waits for it any more; [`EventStore::begin_append`]
+//! always the latter. A call dropped at any await, its lock wait included,
+//! leaves no transaction open and no lock held, and its connection goes
+//! back to the pool clean once the wait has ended. A dropped append's
+//! events are committed or absent, all of them, and the caller does not
+//! know which: a retry under the same condition then fails on them if they
+//! were. [`EventStore::append_in`] runs in the caller's transaction:
+//! dropped, its events may or may not be inserted there; roll the
+//! transaction back.
 
 mod append;
 mod model;

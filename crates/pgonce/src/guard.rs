@@ -67,6 +67,22 @@
 //! [`GuardedTransaction::check`], the guarded transaction is aborted and
 //! rolls back when dropped.
 //!
+//! # Cancel safety
+//!
+//! A caller may drop a guarded write at any await (its own timeout, a
+//! `select!`, a client that hung up, a task aborted at shutdown), and
+//! nothing is left behind. [`Guard::write`] and [`Guard::begin_for`] send
+//! BEGIN and the lock from a task of their own, which rolls the
+//! transaction back if nobody waits for it any more: dropped while the
+//! lock is waited for, the wait goes on on the server, and once it ends the
+//! transaction is rolled back and the lock released before the connection
+//! goes back to the pool. Dropped later, the transaction is dropped with the
+//! future and rolls back. Only a drop while the COMMIT is on its way may
+//! leave the write committed, all of it. [`Guard::begin`] is cancel safe
+//! as [`crate::begin`] is. [`GuardedTransaction::check`] dropped mid-way
+//! leaves the transaction in an unknown state (its lock may yet be
+//! granted): drop or roll back the [`GuardedTransaction`].
+//!
 //! # Example
 //!
 //! ```no_run

@@ -56,6 +56,20 @@
 //! unlock leaks the lock to whoever gets the connection next. pgonce offers
 //! no API for it; `pgonce race guard` and `pgonce bench guard` measure it
 //! as the baseline it is.
+//!
+//! # Cancel safety
+//!
+//! Each function is one statement in the caller's transaction. Dropped (a
+//! timeout around it, a `select!`), that statement still runs on the
+//! server: the lock may be granted after the caller stopped waiting, and is
+//! then held until the transaction ends. Roll the transaction back, or
+//! drop it: sqlx sends its ROLLBACK when the connection is next used, which
+//! for a pooled connection is as it goes back to the pool, once the wait
+//! has ended. A transaction on a connection of the caller's own keeps a
+//! granted lock until that connection is used again. [`lock_timeout`]
+//! leaves the transaction usable either way (see there); after [`lock`],
+//! [`lock_many`] or [`try_lock`] the caller does not know whether it holds
+//! the lock, so it must not go on as if it did.
 
 use std::fmt;
 use std::sync::LazyLock;

@@ -46,6 +46,26 @@
 //! pass; `conformance::Caveats` is where a backend states what its server
 //! cannot do.
 //!
+//! # Cancel safety
+//!
+//! A caller may drop any call at any await (its own timeout, a `select!`,
+//! a task aborted at shutdown). [`PgQueue`]'s sends, deletes and
+//! visibility changes are one statement each, all or none (a batch too):
+//! a dropped one either happened or did not, and its pooled connection
+//! goes back to the pool outside any transaction once the statement has
+//! ended. (A wake it would have sent parked receivers after its statement
+//! may be lost: they find the message at their next poll.) A send the
+//! caller did not see happen may be sent again: with a deduplication id,
+//! within the queue's window, the queue keeps one copy. A dropped receive
+//! may have delivered messages nobody sees: they are invisible until their
+//! visibility timeout runs out and then delivered again, at least once as
+//! the contract allows, and each such delivery counts toward the message's
+//! `max_receive_count` (in a FIFO queue, the message's group waits behind
+//! it meanwhile). [`Queue::receive_or_stop`] stops a receive without that.
+//! [`PgQueue::send_in`] and [`PgQueue::send_batch_in`] run in the caller's
+//! transaction: dropped, the message may or may not be written there; roll
+//! the transaction back.
+//!
 //! ```no_run
 //! use pgonce::{Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes};
 //! use pgonce::{Received, SendMessage, Worker, WorkerConfig};

@@ -139,6 +139,22 @@
 //! same number, and the unique index refuses the one that commits second
 //! with [`Error::NumberTaken`]: never a duplicate or a gap, and its retry
 //! takes the next number.
+//!
+//! # Cancel safety
+//!
+//! [`Sequence::commit_numbered`] owns the declaration's transaction:
+//! dropped at any await, it drops the transaction, which rolls back (the
+//! number is free again, nothing of the declaration is written), unless
+//! its COMMIT was already sent, in which case the number and its row are
+//! committed together. Dropped while it waits for the scope, the wait goes
+//! on on the server; a pooled connection goes back to the pool only once it
+//! has ended and the transaction rolled back, so the scope is free again
+//! then. On a connection of the caller's own the ROLLBACK is sent when
+//! that connection is next used: until then a scope granted meanwhile stays
+//! locked, so use or close it.
+//! [`Sequence::next`] runs in the caller's transaction: dropped, the
+//! number may or may not be taken, and the scope may be locked: roll the
+//! transaction back.
 
 use std::fmt;
 use std::sync::Arc;
