@@ -136,11 +136,10 @@
 //!   a lease nobody has: its message hears [`Error::JobBusy`] until the
 //!   lease runs out, and the [`Reaper`], or a delivery taking the lease
 //!   over, counts it as a failed attempt, as for a worker that died.
-//! * [`claim_batch`] on a pool runs in a transaction begun as
-//!   [`crate::begin`] begins one: dropped before its COMMIT was sent it
-//!   claims nothing; after, the batch is claimed for nobody, each job
-//!   `processing` until its lease runs out. On a bare connection, see
-//!   [`ClaimBatchOn`].
+//! * [`claim_batch`] on a pool: nothing, the same way. Its transaction
+//!   runs in a task of its own: dropped before its COMMIT was sent it
+//!   rolls back; dropped after, the task gives every lease of the batch
+//!   back. On a bare connection, see [`ClaimBatchOn`].
 //! * [`complete`], [`complete_many`], [`fail`], [`transition`]: written or
 //!   not. Written, the job moved on, and the same call again gets
 //!   [`Error::LeaseLost`] ([`Error::AlreadyHandled`] from [`transition`]):
@@ -199,7 +198,7 @@ use std::fmt;
 use std::time::Duration;
 
 use serde_json::Value;
-use sqlx::PgExecutor;
+use sqlx::{Connection, PgExecutor};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -667,9 +666,9 @@ pub struct ClaimedJob {
 /// (`&pool`) or a connection (`&mut *tx` for a transaction of the
 /// caller's, `&mut conn` for a bare one).
 ///
-/// A [`claim`] on a pool runs in a task of its own, which gives its lease
-/// back if the caller stopped waiting for it; on a connection it is one
-/// statement there.
+/// On a pool, [`claim`] and [`claim_batch`] run in a task of their own,
+/// which gives the leases they took back if the caller stopped waiting for
+/// them; on a connection they run there.
 ///
 /// On a pool, or a connection outside a transaction, [`claim_batch`] runs in a
 /// READ COMMITTED transaction of its own, whatever the database's default
@@ -740,45 +739,53 @@ pub async fn claim_batch<'c>(
             why: format!("must be at least 1, got {limit}"),
         });
     }
-    /// A job `job/sql/claim_batch.sql` claimed, with its new lease.
-    #[derive(sqlx::FromRow)]
-    struct Row {
-        id: i64,
-        kind: String,
-        /// As text, parsed row by row (see above).
-        payload: String,
-        attempts: i32,
-        lease_token: Uuid,
-        lease_expires_at: OffsetDateTime,
-        claimed_in: i64,
-    }
-    let statement = async |conn: &mut sqlx::PgConnection| -> sqlx::Result<Vec<Row>> {
-        sqlx::query_as(include_str!("job/sql/claim_batch.sql"))
-            .bind(kind)
-            .bind(limit)
-            .bind(secs)
-            .fetch_all(conn)
-            .await
-    };
     let rows = match db.into().0 {
-        ClaimBatchTarget::Pool(pool) => crate::transaction::read_committed(pool, statement).await?,
+        ClaimBatchTarget::Pool(pool) => {
+            let kind = kind.to_owned();
+            // In a task of its own, on one connection, so that a batch
+            // committed for a caller who stopped waiting (dropped while its
+            // COMMIT was on its way) is given back at once, its jobs
+            // pending again, rather than held by nobody until their leases
+            // run out. That connection comes fresh from the pool, outside
+            // any transaction, and the task is not dropped midway, so
+            // sqlx's BEGIN on it is safe here.
+            crate::transaction::answered_or_given_back(
+                pool,
+                move |conn| {
+                    Box::pin(async move {
+                        let mut tx = conn
+                            .begin_with(crate::IsolationLevel::ReadCommitted.begin())
+                            .await?;
+                        let rows = claim_batch_rows(&mut tx, &kind, limit, secs).await?;
+                        tx.commit().await?;
+                        Ok(rows)
+                    })
+                },
+                |conn, rows: Vec<BatchRow>| {
+                    Box::pin(async move {
+                        for row in &rows {
+                            give_back(conn, &row.lease()).await;
+                        }
+                    })
+                },
+            )
+            .await?
+        }
         ClaimBatchTarget::Connection(conn) => {
-            crate::transaction::read_committed_unless_in_transaction(conn, statement).await?
+            crate::transaction::read_committed_unless_in_transaction(conn, async |conn| {
+                claim_batch_rows(conn, kind, limit, secs).await
+            })
+            .await?
         }
     };
     let claimed: Vec<ClaimedJob> = rows
         .into_iter()
-        .filter_map(|row| match crate::json::read_back(row.payload) {
+        .filter_map(|mut row| match crate::json::read_back(std::mem::take(&mut row.payload)) {
             Ok(payload) => Some(ClaimedJob {
+                lease: row.lease(),
                 kind: row.kind,
                 payload,
                 attempts: row.attempts,
-                lease: Lease {
-                    job_id: row.id,
-                    token: row.lease_token,
-                    expires_at: row.lease_expires_at,
-                    claimed_in: row.claimed_in,
-                },
             }),
             Err(e) => {
                 metrics::counter!("pgonce_job_payload_unreadable_total").increment(1);
@@ -790,6 +797,46 @@ pub async fn claim_batch<'c>(
     // The jobs handed back, not the unreadable ones left to the reaper.
     metrics::counter!("pgonce_job_claimed_total").increment(claimed.len() as u64);
     Ok(claimed)
+}
+
+/// A job `job/sql/claim_batch.sql` claimed, with its new lease.
+#[derive(sqlx::FromRow)]
+struct BatchRow {
+    id: i64,
+    kind: String,
+    /// As text, parsed row by row (see [`claim_batch`]).
+    payload: String,
+    attempts: i32,
+    lease_token: Uuid,
+    lease_expires_at: OffsetDateTime,
+    claimed_in: i64,
+}
+
+impl BatchRow {
+    /// The lease this row's claim took.
+    fn lease(&self) -> Lease {
+        Lease {
+            job_id: self.id,
+            token: self.lease_token,
+            expires_at: self.lease_expires_at,
+            claimed_in: self.claimed_in,
+        }
+    }
+}
+
+/// [`claim_batch`]'s statement, on `conn` (in a transaction).
+async fn claim_batch_rows(
+    conn: &mut sqlx::PgConnection,
+    kind: &str,
+    limit: i64,
+    secs: f64,
+) -> sqlx::Result<Vec<BatchRow>> {
+    sqlx::query_as(include_str!("job/sql/claim_batch.sql"))
+        .bind(kind)
+        .bind(limit)
+        .bind(secs)
+        .fetch_all(conn)
+        .await
 }
 
 /// Phase 2: processing to completed with `result`, only while `lease` is

@@ -4293,3 +4293,67 @@ async fn a_claim_dropped_while_it_waits_gives_its_lease_back() {
     assert_eq!(job::get(&pool, id).await.unwrap().unwrap().attempts, 0);
     job::complete(&pool, &lease, &json!("done")).await.unwrap();
 }
+
+/// A `claim_batch` on a pool given up while its COMMIT is on its way: the
+/// server commits it anyway, and its jobs were claimed for nobody, each
+/// `processing` until its lease ran out, which then counted as a failed
+/// attempt. The COMMIT is held at a gate for the step: a deferred trigger
+/// on the jobs table takes an advisory lock that A holds, so B's COMMIT is
+/// seen waiting for A in `pg_blocking_pids`. The leases must be given back
+/// before the connection serves anyone else: the next poll claims the jobs
+/// with no attempt counted.
+#[tokio::test]
+async fn a_claim_batch_dropped_while_it_commits_gives_its_leases_back() {
+    let (db, pool) = setup().await;
+    let ids = [new_job(&pool, 5).await, new_job(&pool, 5).await];
+    sqlx::raw_sql(
+        "CREATE FUNCTION commit_gate() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER commit_gate AFTER UPDATE ON pgonce.jobs \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION commit_gate();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a.pool().begin().await.unwrap();
+    race.try_step(
+        &a,
+        "hold the commit gate",
+        sqlx::query("SELECT pg_advisory_xact_lock(4242)").execute(&mut *tx_a),
+    )
+    .await
+    .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "claim_batch, then COMMIT", async move {
+            job::claim_batch(&pool_b, "send", 10, LEASE).await
+        })
+        .await
+        .unwrap();
+    support::give_up_then_end(&race, waiting, (&a, tx_a.commit()), &b).await;
+
+    let next_poll = race
+        .step(
+            &b,
+            "next poll",
+            job::claim_batch(b.pool(), "send", 10, LEASE),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let mut claimed: Vec<i64> = next_poll.iter().map(|j| j.lease.job_id).collect();
+    claimed.sort_unstable();
+    assert_eq!(
+        claimed, ids,
+        "the given-up batch's jobs are claimable at once"
+    );
+    for job in &next_poll {
+        assert_eq!(job.attempts, 0);
+        job::complete(&pool, &job.lease, &json!("done"))
+            .await
+            .unwrap();
+    }
+}
