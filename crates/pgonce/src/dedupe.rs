@@ -73,12 +73,13 @@
 //! answer, so what a dropped call leaves is:
 //!
 //! * [`acquire`]: nothing. It runs in a task of its own on one pooled
-//!   connection; a hold taken for a caller that is gone is given back (as
-//!   [`release`] would) before that connection serves anyone else, and the
-//!   connection goes back to the pool outside any transaction, its row
-//!   locks gone. Only when that release fails too (the connection or the
-//!   server died, the runtime shut down) is the key left in progress, until
-//!   the hold runs out, as for a holder that died.
+//!   connection, and not at all if its caller is gone by the time a
+//!   connection is free; a hold taken for a caller that is gone is given
+//!   back (as [`release`] would) before that connection serves anyone
+//!   else, and the connection goes back to the pool outside any
+//!   transaction, its row locks gone. Only when that release fails too
+//!   (the connection or the server died, the runtime shut down) is the key
+//!   left in progress, until the hold runs out, as for a holder that died.
 //! * [`apply_once`]: the mark and the effect both, or neither: they are one
 //!   transaction, rolled back unless its COMMIT was sent.
 //! * [`mark_processed`], [`finish`], [`release`]: one statement each, on

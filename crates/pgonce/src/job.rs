@@ -127,7 +127,8 @@
 //! half; but a dropped caller does not learn which:
 //!
 //! * [`claim`] on a pool: nothing. It runs in a task of its own, on one
-//!   pooled connection; dropped once its statement was sent (while it
+//!   pooled connection (not at all if its caller is gone by the time a
+//!   connection is free); dropped once its statement was sent (while it
 //!   waits for a transaction holding the job's row, say), the server still
 //!   claims the job, and the task gives that lease back (the job pending
 //!   again, runnable at once, no attempt counted) before the connection

@@ -229,10 +229,12 @@ pub(crate) async fn begin_detached(
 }
 
 /// Runs `work` on one connection of `pool`, in a task of its own, and
-/// returns what it returns. If the caller stops waiting (its future
-/// dropped, which may happen after `work`'s statements were sent and the
-/// server runs them anyway), `give_back` undoes what `work` took for it, on
-/// the same connection, before that connection serves anyone else. For
+/// returns what it returns; not at all if the caller stopped waiting
+/// before a connection was free. If the caller stops waiting later (its
+/// future dropped, which may happen after `work`'s statements were sent
+/// and the server runs them anyway), `give_back` undoes what `work` took
+/// for it, on the same connection, before that connection serves anyone
+/// else. For
 /// calls that take something the caller alone can let go of (an
 /// idempotency key's hold, a job's lease), which a dropped caller would
 /// leave taken, by nobody, until it runs out.
@@ -256,6 +258,11 @@ pub(crate) async fn answered_or_given_back<T: Send + 'static>(
                 return;
             }
         };
+        // Given up while it waited for the connection (an exhausted pool):
+        // nobody would use what `work` took, so it is not run at all.
+        if answer_to.is_closed() {
+            return;
+        }
         if let Err(Ok(taken)) = answer_to.send(work(&mut conn).await) {
             give_back(&mut conn, taken).await;
         }

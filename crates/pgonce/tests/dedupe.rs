@@ -941,6 +941,52 @@ async fn an_acquire_dropped_while_it_waits_leaves_no_hold_behind() {
     dedupe::finish(&pool, &hold, &json!("done")).await.unwrap();
 }
 
+/// An acquire given up while it waits for a pooled connection (the pool
+/// exhausted, the client's own timeout run out) must not take the key once
+/// a connection is free: nobody would use that hold, and until it was
+/// given back the client's retry would be turned away as in progress. It
+/// writes nothing. Every write to the key table is logged by a trigger, so
+/// a hold taken and given back shows too.
+#[tokio::test]
+async fn an_acquire_dropped_while_it_waits_for_a_connection_writes_nothing() {
+    let (db, pool) = setup().await;
+    sqlx::raw_sql(
+        "CREATE TABLE key_writes (key text NOT NULL); \
+         CREATE FUNCTION log_key_write() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN INSERT INTO key_writes VALUES (NEW.key); RETURN NULL; END $$; \
+         CREATE TRIGGER log_key_write AFTER INSERT OR UPDATE ON pgonce.idempotency_keys \
+         FOR EACH ROW EXECUTE FUNCTION log_key_write();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let pool_of_one = db.pool(1).await.unwrap();
+    let fp = dedupe::fingerprint(&json!("req")).unwrap();
+    let held = pool_of_one.acquire().await.unwrap();
+    {
+        let acquire = dedupe::acquire(&pool_of_one, "api", "k", &fp, Duration::from_secs(60));
+        tokio::pin!(acquire);
+        assert!(futures::poll!(acquire.as_mut()).is_pending());
+        // Let it reach the pool's queue before it is given up.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+            assert!(futures::poll!(acquire.as_mut()).is_pending());
+        }
+    }
+    drop(held);
+
+    // The pool's one connection, once the given-up acquire is done with it.
+    assert_eq!(
+        support::leftovers(&pool_of_one).await,
+        support::Leftovers::NONE
+    );
+    let writes: i64 = sqlx::query_scalar("SELECT count(*) FROM key_writes")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(writes, 0, "the given-up acquire wrote to the key table");
+}
+
 /// Waits until `acquire`, running as `session`, has either returned or is
 /// seen waiting on `gate` alone, its next statement queued behind the
 /// gate's lock: `true` for the latter.
