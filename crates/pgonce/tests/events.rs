@@ -1707,6 +1707,39 @@ async fn an_append_dropped_while_it_waits_leaves_no_transaction_open() {
     st(&b).append(&[booked("booking:1")], None).await.unwrap();
 }
 
+/// A decision read given up while it waits for an append in flight on its
+/// keys: its statement finishes on the server once the append commits,
+/// and its connection goes back to the pool outside any transaction,
+/// holding no lock. The next decision sees the append.
+#[tokio::test]
+async fn a_decide_dropped_while_it_waits_leaves_its_connection_clean() {
+    let (db, _pool) = db().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let st = |s: &pgonce_testkit::Session| store(s.pool(), AppendStrategy::AdvisoryLocks);
+    let held = race
+        .step(
+            &a,
+            "begin_append",
+            st(&a).begin_append(&[booked("booking:1")], None),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let sb = st(&b);
+    let waiting = race
+        .step_blocks(&b, "decide", async move {
+            sb.decide(&tag_query("booking:1")).await
+        })
+        .await
+        .unwrap();
+    support::give_up_then_end(&race, waiting, (&a, held.commit()), &b).await;
+
+    let decision = st(&b).decide(&tag_query("booking:1")).await.unwrap();
+    assert_eq!(decision.events.len(), 1);
+}
+
 // ------------------------------------------- late lower unconditional writer
 
 /// How the lower writer A of [`late_lower_writer`] appends its event.

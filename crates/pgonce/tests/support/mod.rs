@@ -408,12 +408,12 @@ pub async fn leftovers(pool: &sqlx::PgPool) -> Leftovers {
 /// transaction (`end`: its commit or rollback), and checks that `waiter`'s
 /// one connection, once the given-up step is done with it, carries
 /// nothing over to its next user.
-pub async fn give_up_then_end<T>(
+pub async fn give_up_then_end<T, R, E: Into<pgonce_testkit::BoxError>>(
     race: &pgonce_testkit::Interleaving,
     waiting: pgonce_testkit::Blocked<T>,
     (holder, end): (
         &pgonce_testkit::Session,
-        impl std::future::Future<Output = sqlx::Result<()>>,
+        impl std::future::Future<Output = Result<R, E>>,
     ),
     waiter: &pgonce_testkit::Session,
 ) {
