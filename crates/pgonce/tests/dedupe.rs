@@ -171,6 +171,52 @@ async fn a_wait_past_the_sessions_lock_timeout_is_typed_and_writes_nothing() {
     assert_eq!(again, Acquired::Replay(json!("ok")));
 }
 
+/// `apply_once` given up after its mark, while its effect waits for a row
+/// another transaction holds: the mark and the effect are one
+/// transaction, rolled back when the call is dropped. Neither is left:
+/// the message's redelivery applies the effect, once.
+#[tokio::test]
+async fn an_apply_once_dropped_during_its_effect_leaves_neither_mark_nor_effect() {
+    let (db, pool) = setup().await;
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a.pool().begin().await.unwrap();
+    race.try_step(
+        &a,
+        "lock the counter",
+        sqlx::query("SELECT 1 FROM counter WHERE id = 1 FOR UPDATE").execute(&mut *tx_a),
+    )
+    .await
+    .unwrap();
+    let pool_b = b.pool().clone();
+    let waiting = race
+        .step_blocks(&b, "apply_once", async move {
+            dedupe::apply_once(
+                &pool_b,
+                "billing",
+                "msg-1",
+                async |c: &mut sqlx::PgConnection| bump(c).await,
+            )
+            .await
+        })
+        .await
+        .unwrap();
+    support::give_up_then_end(&race, waiting, (&a, tx_a.commit()), &b).await;
+
+    assert_eq!(counter(&pool).await, 0, "the effect was rolled back");
+    let redelivery = dedupe::apply_once(
+        b.pool(),
+        "billing",
+        "msg-1",
+        async |c: &mut sqlx::PgConnection| bump(c).await,
+    )
+    .await
+    .unwrap();
+    assert_eq!(redelivery, Some(()), "the mark was rolled back too");
+    assert_eq!(counter(&pool).await, 1);
+}
+
 #[tokio::test]
 async fn two_concurrent_deliveries_of_one_message_bump_the_counter_once() {
     let (db, pool) = setup().await;
