@@ -178,17 +178,12 @@ async fn a_wait_past_the_sessions_lock_timeout_is_typed_and_writes_nothing() {
 #[tokio::test]
 async fn an_apply_once_dropped_during_its_effect_leaves_neither_mark_nor_effect() {
     let (db, pool) = setup().await;
-    let race = Interleaving::new(db.options()).await.unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-    let mut tx_a = a.pool().begin().await.unwrap();
-    race.try_step(
-        &a,
+    let support::HolderAndWaiter { race, a, b, tx_a } = support::a_holding(
+        db.options(),
         "lock the counter",
-        sqlx::query("SELECT 1 FROM counter WHERE id = 1 FOR UPDATE").execute(&mut *tx_a),
+        "SELECT 1 FROM counter WHERE id = 1 FOR UPDATE",
     )
-    .await
-    .unwrap();
+    .await;
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "apply_once", async move {

@@ -4315,17 +4315,12 @@ async fn a_claim_batch_dropped_while_it_commits_gives_its_leases_back() {
     .execute(&pool)
     .await
     .unwrap();
-    let race = Interleaving::new(db.options()).await.unwrap();
-    let a = race.session("A").await.unwrap();
-    let b = race.session("B").await.unwrap();
-    let mut tx_a = a.pool().begin().await.unwrap();
-    race.try_step(
-        &a,
+    let support::HolderAndWaiter { race, a, b, tx_a } = support::a_holding(
+        db.options(),
         "hold the commit gate",
-        sqlx::query("SELECT pg_advisory_xact_lock(4242)").execute(&mut *tx_a),
+        "SELECT pg_advisory_xact_lock(4242)",
     )
-    .await
-    .unwrap();
+    .await;
     let pool_b = b.pool().clone();
     let waiting = race
         .step_blocks(&b, "claim_batch, then COMMIT", async move {

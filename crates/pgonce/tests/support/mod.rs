@@ -427,3 +427,30 @@ pub async fn give_up_then_end<T, R, E: Into<pgonce_testkit::BoxError>>(
         Leftovers::NONE
     );
 }
+
+/// Two sessions of a race: A holds a lock in a transaction it keeps open,
+/// B is to wait for it.
+pub struct HolderAndWaiter {
+    pub race: pgonce_testkit::Interleaving,
+    pub a: pgonce_testkit::Session,
+    pub b: pgonce_testkit::Session,
+    pub tx_a: sqlx::Transaction<'static, sqlx::Postgres>,
+}
+
+/// Sessions A and B on the database `options` points to, A having run
+/// `lock` (a statement that takes a lock, `what` for the timeline) in a
+/// transaction it keeps open.
+pub async fn a_holding(
+    options: sqlx::postgres::PgConnectOptions,
+    what: &str,
+    lock: &'static str,
+) -> HolderAndWaiter {
+    let race = pgonce_testkit::Interleaving::new(options).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let mut tx_a = a.pool().begin().await.unwrap();
+    race.try_step(&a, what, sqlx::query(lock).execute(&mut *tx_a))
+        .await
+        .unwrap();
+    HolderAndWaiter { race, a, b, tx_a }
+}
