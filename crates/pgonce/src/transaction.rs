@@ -269,10 +269,15 @@ pub(crate) async fn answered_or_given_back<T: Send + 'static>(
     }));
     match answered.await {
         Ok(answer) => answer,
-        // The task ended without an answer: only if sqlx panicked. Carry
-        // the panic on.
+        // The task ended without an answer: it panicked (the panic is
+        // carried on), or it was cancelled, which only a runtime shutting
+        // down does to it (reported as sqlx reports a connection task it
+        // lost; `into_panic` would itself panic on a cancellation).
         Err(_) => match task.await {
-            Err(join) => std::panic::resume_unwind(join.into_panic()),
+            Err(join) => match join.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_cancelled) => Err(sqlx::Error::WorkerCrashed.into()),
+            },
             Ok(()) => unreachable!("the task answers before it returns"),
         },
     }
