@@ -1471,6 +1471,7 @@ async fn numbers_that_would_not_read_back_as_sent_are_refused() {
         "0.10000000000000000001",
         "1e-400",
         "[1, 2.00000000000000000000001]",
+        "[[[[[[[[[[[[[[[[[[[[{\"y\": 1e-400}]]]]]]]]]]]]]]]]]]]]",
         // Valid JSON, but past a double's range: it cannot be kept either.
         "1e400",
         "-1e400",

@@ -7,7 +7,6 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use serde::de::DeserializeOwned;
-use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -139,112 +138,198 @@ fn parse_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     })?;
     // Parsed above, so valid JSON: only the numbers and the names of
     // members are left to check.
-    let raw: &RawValue = serde_json::from_slice(bytes).map_err(ApiError::from_json)?;
-    reads_back_as_sent(raw)?;
+    reads_back_as_sent(bytes)?;
     Ok(parsed)
 }
 
 /// Refuses what in the body would not read back as sent: a name sent twice
-/// in one object ([`Members`]), and a number the API cannot keep.
+/// in one object ([`Names`]), and a number the API cannot keep.
 ///
 /// serde_json (without its `arbitrary_precision` feature, which would change
 /// every `Value` of the workspace) parses an integer beyond the 64-bit
 /// ranges, or a decimal with more digits than an `f64` holds, into the
 /// nearest `f64`: `18446744073709551617` would be stored and read back as
 /// `1.8446744073709552e19`, `1e-400` as `0`. The parsed value has no trace
-/// of the text, so the text is read again: serde_json's `RawValue` hands
-/// out each number's token as it was sent (no tokenizer written here), and
-/// each token must denote the same decimal number as what the API will
-/// write back for it (serde_json's shortest round-trip form of the
-/// `f64`). An integer within the 64-bit ranges is kept exactly; `-0` reads
-/// back as `0`, the same number.
-fn reads_back_as_sent(raw: &RawValue) -> Result<(), ApiError> {
-    let text = raw.get();
-    match text.as_bytes().first() {
-        Some(b'{') => {
-            let members: Members = serde_json::from_str(text).map_err(ApiError::from_json)?;
-            if let Some(name) = members.repeated {
-                // Not through serde_json's error, whose position would count
-                // from the start of this object, not of the body.
-                return Err(ApiError::invalid(format!(
-                    "the name {name:?} is sent twice in one object"
-                )));
-            }
-            members.values.into_iter().try_for_each(reads_back_as_sent)
-        }
-        Some(b'[') => {
-            let items: Vec<&RawValue> = serde_json::from_str(text).map_err(ApiError::from_json)?;
-            items.into_iter().try_for_each(reads_back_as_sent)
-        }
-        Some(b'-' | b'0'..=b'9') => {
-            let number: serde_json::Number =
-                serde_json::from_str(text).map_err(ApiError::from_json)?;
-            let exact = number.is_i64()
-                || number.is_u64()
-                || decimal(text).is_some_and(|sent| decimal(&number.to_string()) == Some(sent));
-            if exact {
-                Ok(())
-            } else {
-                Err(ApiError::invalid(format!(
-                    "the number {text} cannot be kept exactly: it would read back as {number}"
-                )))
-            }
-        }
-        _ => Ok(()),
-    }
+/// of the text, so the text is read again, each number token
+/// ([`number_tokens`]) of it once: it must denote the same decimal number
+/// as what the API will write back for it (serde_json's shortest
+/// round-trip form of the `f64`). An integer within the 64-bit ranges is
+/// kept exactly; `-0` reads back as `0`, the same number.
+///
+/// Both passes read the body once each, so the work is linear in its
+/// size: an earlier check parsed each object's and array's text again at
+/// every level it nested in, up to 127 times the body.
+fn reads_back_as_sent(body: &[u8]) -> Result<(), ApiError> {
+    checked_reading(body, &mut 0)
 }
 
-/// The values of a JSON object's members, and the first name sent twice
-/// in it (as it reads once unescaped: `"a"` and `"\u0061"` are one name).
-/// serde_json keeps the last of two in a map, and `jsonb` too, so a client
-/// whose parser keeps the first would read back another value than it
-/// sent; serde_json has no option to refuse them, hence this visitor.
-struct Members<'a> {
-    /// Each member's value, up to the first name sent twice.
-    values: Vec<&'a RawValue>,
+/// [`reads_back_as_sent`], adding to `read` the bytes it hands to a parser
+/// or scans: what its work is counted in.
+fn checked_reading(body: &[u8], read: &mut usize) -> Result<(), ApiError> {
+    *read += body.len();
+    let names: Names = serde_json::from_slice(body).map_err(ApiError::from_json)?;
+    if let Some(name) = names.repeated {
+        // Not through serde_json's error: the body is JSON, and the answer
+        // is about what it holds.
+        return Err(ApiError::invalid(format!(
+            "the name {name:?} is sent twice in one object"
+        )));
+    }
+    let mut parsed = 0;
+    let scanned = number_tokens(body, |text| {
+        parsed += text.len();
+        let number: serde_json::Number = serde_json::from_str(text).map_err(ApiError::from_json)?;
+        let exact = number.is_i64()
+            || number.is_u64()
+            || decimal(text).is_some_and(|sent| decimal(&number.to_string()) == Some(sent));
+        if exact {
+            Ok(())
+        } else {
+            Err(ApiError::invalid(format!(
+                "the number {text} cannot be kept exactly: it would read back as {number}"
+            )))
+        }
+    })?;
+    *read += scanned + parsed;
+    Ok(())
+}
+
+/// Calls `each` with the text of every number token of `json`, in order;
+/// returns how many bytes it looked at (each byte once).
+///
+/// Hand-written, as no crate of the workspace hands out a number's text
+/// without reading a container's text again at every level: serde_json
+/// does only with `arbitrary_precision` (which feature unification would
+/// turn on for every `Value` of the workspace) or through `RawValue`, one
+/// container at a time. `json` has been parsed as JSON before, so the scan
+/// relies on its grammar (RFC 8259): outside strings, a number is the only
+/// token that starts with `-` or a digit, and it runs on over digits, `.`,
+/// `e`, `E`, `+` and `-` only, up to a structural character or white space.
+/// A string runs from `"` to the next `"` that no backslash escapes; after
+/// a backslash the next byte is part of the escape (`\"`, `\\`, the `u` of
+/// `\uXXXX`, whose hex digits hold no quote), and the bytes of a UTF-8
+/// sequence are all above 0x7F, never a `"` or a backslash.
+fn number_tokens(
+    json: &[u8],
+    mut each: impl FnMut(&str) -> Result<(), ApiError>,
+) -> Result<usize, ApiError> {
+    let mut at = 0;
+    // `at` only grows, one byte at a time or past a token: each byte is
+    // looked at once.
+    while let Some(&byte) = json.get(at) {
+        match byte {
+            b'"' => {
+                at += 1;
+                while let Some(&inside) = json.get(at) {
+                    at += if inside == b'\\' { 2 } else { 1 };
+                    if inside == b'"' {
+                        break;
+                    }
+                }
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = at;
+                while json
+                    .get(at)
+                    .is_some_and(|b| matches!(b, b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-'))
+                {
+                    at += 1;
+                }
+                // ASCII only, so UTF-8.
+                let text = std::str::from_utf8(&json[start..at]).unwrap_or_default();
+                each(text)?;
+            }
+            _ => at += 1,
+        }
+    }
+    // A string left open (not JSON) would step past the end.
+    Ok(at.min(json.len()))
+}
+
+/// The first name sent twice in one object of a JSON value, as it reads
+/// once unescaped (`"a"` and `"\u0061"` are one name), in the order of the
+/// text. serde_json keeps the last of two in a map, and `jsonb` too, so a
+/// client whose parser keeps the first would read back another value than
+/// it sent; serde_json has no option to refuse them, hence this visitor.
+/// One pass: each member's value and each item is read as `Names` in turn,
+/// each object keeping its names until it ends.
+#[derive(Default)]
+struct Names {
     /// The first name sent twice, if one was.
     repeated: Option<String>,
 }
 
-impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Members<'a>, D::Error> {
-        struct Visitor<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visitor<'a> {
-            type Value = Members<'a>;
+impl<'de> serde::Deserialize<'de> for Names {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Names, D::Error> {
+        d.deserialize_any(NamesVisitor)
+    }
+}
 
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
+/// Reads a [`Names`].
+struct NamesVisitor;
 
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Members<'a>, A::Error> {
-                let mut names = std::collections::HashSet::new();
-                let mut values = Vec::new();
-                while let Some(name) = map.next_key::<String>()? {
-                    if !names.insert(name.clone()) {
-                        // Its value and the rest of the object are read
-                        // (serde_json wants the whole of it), not checked.
-                        map.next_value::<serde::de::IgnoredAny>()?;
-                        while map
-                            .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
-                            .is_some()
-                        {}
-                        return Ok(Members {
-                            values,
-                            repeated: Some(name),
-                        });
-                    }
-                    values.push(map.next_value()?);
-                }
-                Ok(Members {
-                    values,
-                    repeated: None,
-                })
+impl<'de> serde::de::Visitor<'de> for NamesVisitor {
+    type Value = Names;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Names, E> {
+        Ok(Names::default())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Names, E> {
+        Ok(Names::default())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Names, E> {
+        Ok(Names::default())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Names, E> {
+        Ok(Names::default())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Names, E> {
+        Ok(Names::default())
+    }
+
+    fn visit_unit<E>(self) -> Result<Names, E> {
+        Ok(Names::default())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Names, A::Error> {
+        let mut names = std::collections::HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let repeated = if names.contains(&name) {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                Some(name)
+            } else {
+                names.insert(name);
+                map.next_value::<Names>()?.repeated
+            };
+            if repeated.is_some() {
+                // The rest of the object is read (serde_json wants the
+                // whole of it), not checked.
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                return Ok(Names { repeated });
             }
         }
-        d.deserialize_map(Visitor(std::marker::PhantomData))
+        Ok(Names::default())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Names, A::Error> {
+        while let Some(item) = seq.next_element::<Names>()? {
+            if item.repeated.is_some() {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                return Ok(item);
+            }
+        }
+        Ok(Names::default())
     }
 }
 
@@ -329,5 +414,175 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for QueryParams<T>
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         let Query(t) = Query::<T>::from_request_parts(parts, state).await?;
         Ok(QueryParams(t))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the check answers of `body`: `Ok`, or the message refusing it.
+    fn verdict(body: &str) -> Result<(), String> {
+        reads_back_as_sent(body.as_bytes()).map_err(|e| e.message)
+    }
+
+    /// The work of the check is linear in the body's size, however deep it
+    /// nests: counted in bytes handed to a parser or scanned, at most three
+    /// times the body (parsed once for names, scanned once for numbers,
+    /// each number's token parsed once). Reading each object's and array's
+    /// text again at every level it nests in counted about 126 times the
+    /// body here.
+    #[test]
+    fn the_work_is_linear_in_the_size_of_the_body() {
+        let numbers = vec!["1.5"; 10_000].join(",");
+        for depth in [1, 10, 126] {
+            let body = format!(
+                "{{\"a\": {}{numbers}{}}}",
+                "[".repeat(depth),
+                "]".repeat(depth)
+            );
+            let mut read = 0;
+            checked_reading(body.as_bytes(), &mut read).unwrap();
+            assert!(
+                read <= 3 * body.len(),
+                "{depth} deep: {read} bytes read for a body of {}",
+                body.len()
+            );
+        }
+    }
+
+    /// Only number tokens are numbers: digits in strings and names, after
+    /// escaped quotes and backslashes, are not read as numbers, and every
+    /// number outside strings is.
+    #[test]
+    fn numbers_in_strings_are_not_numbers() {
+        for body in [
+            r#"{"18446744073709551617": "1e-400"}"#,
+            r#"{"a": "\"1e-400"}"#,
+            r#"{"a": "\\", "b": "1e-400\\"}"#,
+            r#"{"a": "\u00221e-400"}"#,
+            r#"{"é1e-400": ["ü\"", -0, 0.1, 1E2, 12.5e-1, true, null, false]}"#,
+        ] {
+            assert_eq!(verdict(body), Ok(()), "{body}");
+        }
+        for (body, number) in [
+            (r#"{"a": "\\", "b": 1e-400}"#, "1e-400"),
+            (
+                r#"{"a": "\"", "b": [18446744073709551617]}"#,
+                "18446744073709551617",
+            ),
+            (
+                r#"{"a\\":0.10000000000000000001}"#,
+                "0.10000000000000000001",
+            ),
+            (
+                r#"{"a": {"b": [1, {"c": 2.00000000000000000000001}]}}"#,
+                "2.00000000000000000000001",
+            ),
+        ] {
+            let refused = verdict(body).unwrap_err();
+            assert!(
+                refused.starts_with(&format!("the number {number} cannot be kept")),
+                "{body}: {refused}"
+            );
+        }
+    }
+
+    /// The number tokens of `json` as serde_json reads its values, one
+    /// container at a time: a number's text is a value's whole text.
+    fn numbers_read_by_serde_json(json: &str) -> Vec<String> {
+        let raw: &serde_json::value::RawValue = serde_json::from_str(json).unwrap();
+        let text = raw.get();
+        match text.as_bytes().first() {
+            Some(b'{') => {
+                let members: std::collections::HashMap<String, &serde_json::value::RawValue> =
+                    serde_json::from_str(text).unwrap();
+                members
+                    .values()
+                    .flat_map(|v| numbers_read_by_serde_json(v.get()))
+                    .collect()
+            }
+            Some(b'[') => {
+                let items: Vec<&serde_json::value::RawValue> = serde_json::from_str(text).unwrap();
+                items
+                    .iter()
+                    .flat_map(|v| numbers_read_by_serde_json(v.get()))
+                    .collect()
+            }
+            Some(b'-' | b'0'..=b'9') => vec![text.to_owned()],
+            _ => Vec::new(),
+        }
+    }
+
+    /// JSON text: numbers of every form, strings with every kind of
+    /// escape and digits in them, nested arrays and objects. Names within
+    /// an object are distinct (their escapes, `\"` and `\\`, have one
+    /// spelling each), so that no member is lost to another of its name.
+    fn json_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let number = "-?(0|[1-9][0-9]{0,22})(\\.[0-9]{1,22})?([eE][+-]?[0-9]{1,3})?";
+        let string = r#""([a-z0-9 .+\-éü]|\\["\\/bfnrt]|\\u00[2-7][0-9a-f]|\\u20ac)*""#;
+        let name = r#""([a-z0-9 .\-]|\\["\\]){0,6}""#;
+        let leaf = prop_oneof![
+            number.prop_map(|n| n),
+            string.prop_map(|s| s),
+            Just("true".to_owned()),
+            Just("null".to_owned()),
+        ];
+        leaf.prop_recursive(6, 64, 5, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..5)
+                    .prop_map(|items| format!("[{}]", items.join(", "))),
+                prop::collection::btree_map(name, inner, 0..5).prop_map(|members| {
+                    let members: Vec<String> =
+                        members.iter().map(|(n, v)| format!("{n}:{v}")).collect();
+                    format!("{{ {} }}", members.join(","))
+                }),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        /// The scan finds exactly the number tokens serde_json reads, and
+        /// looks at each byte once.
+        #[test]
+        fn the_scan_finds_the_numbers_serde_json_reads(value in json_text()) {
+            let json = format!("{{\"v\": {value}}}");
+            let mut scanned = Vec::new();
+            let looked_at = number_tokens(json.as_bytes(), |n| {
+                scanned.push(n.to_owned());
+                Ok(())
+            })
+            .unwrap();
+            let mut read = numbers_read_by_serde_json(&json);
+            scanned.sort();
+            read.sort();
+            proptest::prop_assert_eq!(scanned, read);
+            proptest::prop_assert_eq!(looked_at, json.len());
+        }
+    }
+
+    /// A name sent twice is found at any depth, once unescaped, and the
+    /// same name in different objects is not sent twice.
+    #[test]
+    fn a_name_sent_twice_is_found_at_any_depth() {
+        for (body, name) in [
+            (r#"{"a": 1, "a": 2}"#, "a"),
+            (r#"{"a": [[{"b": 1, "\u0062": 2}]], "c": 1}"#, "b"),
+            (
+                r#"{"a": {"b": {"c": 1}}, "d": [{"e": {"f": 1, "f": 2}}]}"#,
+                "f",
+            ),
+        ] {
+            assert_eq!(
+                verdict(body),
+                Err(format!("the name {name:?} is sent twice in one object")),
+                "{body}"
+            );
+        }
+        assert_eq!(
+            verdict(r#"{"a": {"b": 1}, "c": {"b": 1}, "b": [{"b": 1}, {"b": 2}]}"#),
+            Ok(())
+        );
     }
 }
