@@ -328,7 +328,8 @@ pub struct Rule {
     pub attribute: String,
     /// How the attribute is compared with `value`.
     pub op: Op,
-    /// The threshold; a finite number.
+    /// The threshold; a finite number. `-0.0` is stored, and read back, as
+    /// `0.0`, which every rule compares with alike.
     #[serde(deserialize_with = "exact_double")]
     pub value: f64,
 }

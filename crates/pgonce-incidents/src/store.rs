@@ -385,8 +385,8 @@ fn policy(
     })
 }
 
-/// A new policy; [`Error::AlreadyExists`] if the organization has one of
-/// that name.
+/// A new policy, as stored (its rule as every read of it answers);
+/// [`Error::AlreadyExists`] if the organization has one of that name.
 pub async fn create_policy(
     db: impl PgExecutor<'_>,
     organization_id: i64,
@@ -400,7 +400,7 @@ pub async fn create_policy(
     // jsonb prints as an integer, still reads back as its double (see
     // `Rule::value`).
     let rule_json = pgonce::json::stored(&serde_json::to_value(rule).expect("a rule serializes"));
-    let id: Option<i64> = sqlx::query_scalar(include_str!("store/sql/create_policy.sql"))
+    let row: Option<PolicyRow> = sqlx::query_as(include_str!("store/sql/create_policy.sql"))
         .bind(organization_id)
         .bind(name)
         .bind(singleton.as_str())
@@ -408,14 +408,10 @@ pub async fn create_policy(
         .fetch_optional(db)
         .await
         .map_err(|e| unknown_organization(e, organization_id))?;
-    let id = id.ok_or(Error::AlreadyExists { what: "policy" })?;
-    Ok(Policy {
-        id,
-        organization_id,
-        name: name.to_owned(),
-        singleton,
-        rule: rule.clone(),
-    })
+    // The policy as stored, not as given: what every later read answers
+    // (`-0.0` is stored as `jsonb`'s `0.0`, a numeric having no signed
+    // zero).
+    policy(row.ok_or(Error::AlreadyExists { what: "policy" })?)
 }
 
 /// The policies of `organization_id`, by id.

@@ -1428,6 +1428,60 @@ async fn rule_values_the_database_prints_as_integers_read_back_equal() {
     assert_eq!(a.body["policies"].as_array().unwrap().len(), 3);
 }
 
+/// A negative zero (`-0.0`, `-0`, `-0e5`) is zero: `jsonb` keeps numbers
+/// as `numeric`, which has no sign for zero, so it reads back as `0.0`. A
+/// rule value of `-0.0` was answered `-0.0` by `POST /v1/policies`, which
+/// echoed the rule it was sent, and listed as `0.0` afterwards. Now the
+/// answer is the rule as stored, `0.0`, as the listing and `GET` read it
+/// back (a rule compares with `-0.0` as with `0.0`: nothing else changes).
+/// An entity's attributes answer and read back `0.0` too, checked here
+/// against the database's own text; an observation's are taken (202) and
+/// queued as parsed, `-0.0`, then recorded as `0.0` by the pipeline (see
+/// `pipeline.rs` `a_negative_zero_goes_through_the_pipeline_as_zero`).
+#[tokio::test]
+async fn a_negative_zero_is_answered_as_it_reads_back() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let text = |v: &Value| v.to_string();
+    for (name, value) in [("a", "-0.0"), ("b", "-0"), ("c", "-0e5")] {
+        let policy = format!(
+            r#"{{"name": "{name}", "singleton": "never", "rule": {{"attribute": "x", "op": "gt", "value": {value}}}}}"#
+        );
+        let created = api
+            .send(Method::POST, "/v1/policies", Some(&key), Body::from(policy))
+            .await;
+        assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+        let fetched = api
+            .get(&format!("/v1/policies/{}", id(&created.body)), &key)
+            .await;
+        assert_eq!(fetched.status, StatusCode::OK, "{}", fetched.body);
+        assert_eq!(
+            text(&created.body["rule"]["value"]),
+            text(&fetched.body["rule"]["value"]),
+            "{value}: answered as created, then read back"
+        );
+        assert_eq!(text(&fetched.body["rule"]["value"]), "0.0", "{value}");
+    }
+    let attributes = r#"{"x": -0.0, "y": [-0, -0e5], "z": {"w": -0.0}}"#;
+    let read_back = r#"{"x":0.0,"y":[0.0,0.0],"z":{"w":0.0}}"#;
+    let answers = api.send_attributes(org, &key, attributes).await;
+    assert_eq!(answers[0].1.status, StatusCode::OK, "{}", answers[0].1.body);
+    assert_eq!(text(&answers[0].1.body["attributes"]), read_back);
+    assert_eq!(
+        answers[1].1.status,
+        StatusCode::ACCEPTED,
+        "{}",
+        answers[1].1.body
+    );
+    let listed = api.get("/v1/entities", &key).await;
+    assert_eq!(text(&listed.body["entities"][0]["attributes"]), read_back);
+    let stored: String = sqlx::query_scalar("SELECT attributes::text FROM incidents.entities")
+        .fetch_one(&api.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, r#"{"x": 0.0, "y": [0.0, 0.0], "z": {"w": 0.0}}"#);
+}
+
 /// A double that is a whole number past 10^16 (where serde_json writes an
 /// exponent, `1e16`, and `jsonb` keeps the plain digits) reads back as the
 /// same double, not as an integer: in attributes, at any depth, through

@@ -590,6 +590,44 @@ async fn extreme_doubles_go_through_the_pipeline_and_read_back_equal() {
     assert_eq!(tallies.incidents, 1, "x >= f64::MAX opens the incident");
 }
 
+/// A negative zero is zero through the pipeline: an observation's `-0.0`
+/// is queued as taken and recorded as the `0.0` `jsonb` keeps (a `numeric`
+/// has no signed zero), which the entity reads back; a rule value of
+/// `-0.0`, created and read back as `0.0`, is violated by it as `0.0`
+/// would be (`x >= 0`).
+#[tokio::test]
+async fn a_negative_zero_goes_through_the_pipeline_as_zero() {
+    let rule = Rule {
+        attribute: "x".into(),
+        op: Op::Gte,
+        value: -0.0,
+    };
+    let acme = acme_with_policy("at-zero", &rule).await;
+    let pool = acme.pool.clone();
+    let policies = store::list_policies(&pool, acme.org).await.unwrap();
+    assert!(
+        policies[0].rule.value.is_sign_positive(),
+        "read back as 0.0"
+    );
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let handler = instant_handler(&acme.service);
+    send(&queue, acme.org, "e", json!({ "x": -0.0, "y": [-0.0] })).await;
+    let delivery = receive_one(&queue).await;
+    handler.process(&delivery).await.unwrap();
+    queue.delete(&delivery.receipt).await.unwrap();
+    let stored: String = sqlx::query_scalar("SELECT attributes::text FROM incidents.entities")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, r#"{"x": 0.0, "y": [0.0]}"#);
+    let entity = store::find_entity(&pool, acme.org, "e").await.unwrap();
+    assert_eq!(entity.attributes.to_string(), r#"{"x":0.0,"y":[0.0]}"#);
+    let tallies = invariants::tallies(&pool, &[acme.org]).await.unwrap();
+    assert_eq!(tallies.incidents, 1, "x >= -0.0 is x >= 0.0");
+}
+
 /// A runtime stops while its job reaper and re-driver wait on a lock: with
 /// `pgonce.jobs` locked by the test (a migration's lock, a `VACUUM
 /// FULL`'s) and both loops' passes seen blocked on it, `shutdown` returns
