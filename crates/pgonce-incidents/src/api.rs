@@ -475,27 +475,38 @@ async fn put_settings(
 struct NewEntity {
     #[schemars(length(min = 1, max = MAX_NAME), pattern(NAME_PATTERN))]
     external_id: String,
-    #[serde(default = "empty_object")]
-    #[schemars(with = "crate::model::AttributesSchema")]
-    attributes: Value,
+    /// The entity's attributes, replacing those it has (`{}` empties
+    /// them). Omitted: a new entity has none (`{}`), an existing one keeps
+    /// its own, its latest observation's.
+    #[serde(default, deserialize_with = "present")]
+    #[schemars(with = "crate::model::AttributesSchema", transform = no_default)]
+    attributes: Option<Value>,
 }
 
-fn empty_object() -> Value {
-    json!({})
+/// Drops the `default` schemars derives from `#[serde(default)]`: `null`
+/// for an omitted member, which is neither what is sent nor what is taken.
+fn no_default(schema: &mut schemars::Schema) {
+    schema.remove("default");
 }
 
+/// A member that is sent, `null` included (refused then as attributes that
+/// are not an object): only an omitted one is `None`.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
+/// Creates the entity, or records its attributes; see [`NewEntity`].
 async fn upsert_entity(
     caller: Caller,
     State(state): State<ApiState>,
     JsonBody(body): JsonBody<NewEntity>,
 ) -> ApiResult<Json<Value>> {
-    let entity = store::upsert_entity(
-        state.service().pool(),
-        caller.organization_id,
-        &body.external_id,
-        &body.attributes,
-    )
-    .await?;
+    let pool = state.service().pool();
+    let org = caller.organization_id;
+    let entity = match &body.attributes {
+        Some(attributes) => store::upsert_entity(pool, org, &body.external_id, attributes).await?,
+        None => store::ensure_entity(pool, org, &body.external_id).await?,
+    };
     Ok(Json(json!(entity)))
 }
 

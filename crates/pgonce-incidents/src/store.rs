@@ -228,6 +228,31 @@ pub async fn upsert_entity(
     Ok(entity(row))
 }
 
+/// Creates the entity `external_id` of the organization on first sight,
+/// with no attributes (`{}`); an existing one is returned as it is, its
+/// attributes (its latest observation's) kept. Writes nothing then, so it
+/// neither waits for the entity's lock nor holds it.
+pub async fn ensure_entity(
+    pool: &PgPool,
+    organization_id: i64,
+    external_id: &str,
+) -> Result<Entity> {
+    check_name("entity", external_id)?;
+    let created: Option<EntityRow> = sqlx::query_as(include_str!("store/sql/create_entity.sql"))
+        .bind(organization_id)
+        .bind(external_id)
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| unknown_organization(e, organization_id))?;
+    match created {
+        Some(row) => Ok(entity(row)),
+        // Another statement, so another snapshot: an entity created by a
+        // transaction that committed while the insert waited on it is
+        // seen (entities are never deleted).
+        None => find_entity(pool, organization_id, external_id).await,
+    }
+}
+
 /// A foreign-key violation on organization_id becomes NotFound.
 fn unknown_organization(e: sqlx::Error, organization_id: i64) -> Error {
     let fk = e

@@ -1428,6 +1428,60 @@ async fn rule_values_the_database_prints_as_integers_read_back_equal() {
     assert_eq!(a.body["policies"].as_array().unwrap().len(), 3);
 }
 
+/// `POST /v1/entities` without `attributes` creates the entity with none
+/// (`{}`) and leaves an existing one's as they are: they are its latest
+/// observation's, which a client registering the entity (to flag it for
+/// singleton incidents, say) had no mind to erase. Before, they were
+/// replaced by `{}`. Sent, `attributes` replace the entity's, `{}` too;
+/// `null` is not an object (422), and changes nothing.
+#[tokio::test]
+async fn an_entity_posted_without_attributes_keeps_its_attributes() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let created = api
+        .post("/v1/entities", &key, json!({"external_id": "db-2"}))
+        .await;
+    assert_eq!(created.status, StatusCode::OK, "{}", created.body);
+    assert_eq!(created.body["attributes"], json!({}));
+    let sent = json!({"cpu": 3, "disk": [1.5, "sda"]});
+    let first = api
+        .post(
+            "/v1/entities",
+            &key,
+            json!({"external_id": "db-1", "attributes": sent}),
+        )
+        .await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    let entity = format!("/v1/entities/{}", id(&first.body));
+    // Each body posted in turn, with the status answered and the
+    // attributes read back after it.
+    for (body, status, read_back) in [
+        (json!({"external_id": "db-1"}), StatusCode::OK, &sent),
+        (
+            json!({"external_id": "db-1", "attributes": null}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &sent,
+        ),
+        (
+            json!({"external_id": "db-1", "attributes": {}}),
+            StatusCode::OK,
+            &json!({}),
+        ),
+    ] {
+        let a = api.post("/v1/entities", &key, body.clone()).await;
+        assert_eq!(a.status, status, "{body}: {}", a.body);
+        if a.status == StatusCode::OK {
+            assert_eq!(a.body["attributes"], *read_back, "{body}: answered");
+        }
+        let fetched = api.get(&entity, &key).await;
+        assert_eq!(fetched.body["attributes"], *read_back, "{body}: read back");
+    }
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.entities").await,
+        2
+    );
+}
+
 /// A negative zero (`-0.0`, `-0`, `-0e5`) is zero: `jsonb` keeps numbers
 /// as `numeric`, which has no sign for zero, so it reads back as `0.0`. A
 /// rule value of `-0.0` was answered `-0.0` by `POST /v1/policies`, which

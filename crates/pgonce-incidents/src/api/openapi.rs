@@ -294,7 +294,7 @@ pub const ROUTES: &[Route] = &[
     Route {
         body: Some((of::<NewEntity>, Need::Required)),
         response: Some(of::<Entity>),
-        ..route("POST", "/v1/entities", Auth::ApiKey, 200, "Create an entity or update its attributes")
+        ..route("POST", "/v1/entities", Auth::ApiKey, 200, "Create an entity or replace its attributes (omitted: kept)")
     },
     Route {
         query: &["after", "limit"],
