@@ -277,13 +277,8 @@ async fn assert_unavailable<T: std::fmt::Debug>(
 async fn a_closed_endpoint_fails_typed_within_the_timeout() {
     let moto = support::start();
     let timeout = Duration::from_secs(2);
-    let sqs = SqsClient::connect(SqsConfig::local(moto.endpoint()).operation_timeout(timeout))
-        .await
-        .unwrap();
-    let q = sqs
-        .create_queue("q", QueueAttributes::default())
-        .await
-        .unwrap();
+    let config = SqsConfig::local(moto.endpoint()).operation_timeout(timeout);
+    let q = through(&moto, "q", QueueAttributes::default(), config).await;
     drop(moto); // stopped: the port is closed
     let send = q.send(SendMessage::new("x"));
     assert_unavailable("send, closed endpoint", send, timeout, Duration::ZERO).await;
@@ -1267,12 +1262,19 @@ async fn through(
         .create_queue(name, attributes)
         .await
         .unwrap();
-    SqsClient::connect(config)
-        .await
-        .unwrap()
-        .open(name)
-        .await
-        .unwrap()
+    let sqs = SqsClient::connect(config).await.unwrap();
+    // The open goes through the short operation timeout the tests are
+    // about, and a busy machine can make moto answer its four requests
+    // later than that: set-up is not what they check, so an open cut off
+    // by the timeout is tried again.
+    let mut tries = 0;
+    loop {
+        match sqs.open(name).await {
+            Ok(q) => return q,
+            Err(Error::Unavailable { .. }) if tries < 20 => tries += 1,
+            Err(e) => panic!("opening {name}: {e:?}"),
+        }
+    }
 }
 
 /// A fresh moto, a front to it, and queue `name` opened through the front.
