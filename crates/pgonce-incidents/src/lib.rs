@@ -37,6 +37,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(test)]
+mod allocations;
 pub mod api;
 pub mod config;
 pub mod error;

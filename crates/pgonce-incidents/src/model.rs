@@ -138,26 +138,61 @@ pub fn check_title(s: &str) -> Result<()> {
 
 /// Whether the number `n` reads back equal from PostgreSQL's `jsonb`, which
 /// stores it as an exact `numeric` and prints it without an exponent
-/// (`1.7976931348623157e308` comes back as 309 digits). Every finite `f64`
-/// does with serde_json's exact float parsing; checked all the same, so
-/// that a value which would not is refused before it is stored rather
-/// than stored and unreadable.
+/// (`1.7976931348623157e308` comes back as 309 digits): an integer within
+/// the 64-bit ranges, kept as one, or a finite double.
+///
+/// A double is written as its shortest round-trip decimal (serde_json's,
+/// ryu's), which `numeric` keeps exactly and prints in full; serde_json's
+/// exact float parsing (its `float_roundtrip` feature, which the workspace
+/// turns on) reads that decimal back as the double nearest to it, the one
+/// it was written from. So every finite double reads back equal, and
+/// constant work tells whether `n` is one. Printing `n` in full and reading
+/// it back, the definition this stands for, cost a string of up to 330
+/// characters and serde_json's slow path for long digit strings for each
+/// number: over 15 times the parse of `1e308` itself. The unit tests check
+/// that the two agree on random doubles and on the edges (subnormals,
+/// `-0.0`, the largest finite, integers past 2^53 and the 64-bit ranges).
 pub fn number_round_trips(n: &serde_json::Number) -> bool {
-    let Some(f) = n.as_f64() else {
-        return false;
-    };
-    if n.is_i64() || n.is_u64() {
-        return true;
+    n.is_i64() || n.is_u64() || n.as_f64().is_some_and(f64::is_finite)
+}
+
+/// The parts of a JSON number's text: `-12.50e-3` is negative, whole
+/// `12`, fraction `50`, exponent `-3`. Without a fraction, the fraction is
+/// empty; without an exponent, the exponent is `0`.
+pub(crate) struct NumberParts<'a> {
+    pub(crate) negative: bool,
+    pub(crate) whole: &'a str,
+    pub(crate) fraction: &'a str,
+    /// Digits, after a sign or not.
+    pub(crate) exponent: &'a str,
+}
+
+impl<'a> NumberParts<'a> {
+    /// The parts of `text`, which JSON's grammar spells.
+    pub(crate) fn of(text: &'a str) -> NumberParts<'a> {
+        let (negative, unsigned) = match text.strip_prefix('-') {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
+        let (mantissa, exponent) = unsigned.split_once(['e', 'E']).unwrap_or((unsigned, "0"));
+        let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        NumberParts {
+            negative,
+            whole,
+            fraction,
+            exponent,
+        }
     }
-    if !f.is_finite() {
-        return false;
+
+    /// Where the point goes once the digits of the whole and the fraction
+    /// lose their `leading_zeros`: the value is 0.(the digits left) x
+    /// 10^point. `None` for an exponent, or a point, beyond an `i64`.
+    pub(crate) fn point(&self, leading_zeros: i64) -> Option<i64> {
+        self.exponent
+            .parse::<i64>()
+            .ok()?
+            .checked_add(self.whole.len() as i64 - leading_zeros)
     }
-    // Rust prints an f64 without an exponent, like PostgreSQL's numeric.
-    let printed = format!("{f}");
-    matches!(
-        serde_json::from_str::<Value>(&printed),
-        Ok(Value::Number(back)) if back.as_f64() == Some(f)
-    )
 }
 
 fn numbers_round_trip(v: &Value) -> bool {
@@ -729,9 +764,131 @@ impl Declaration {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::json;
+
+    /// Doubles at the edges: subnormals, the smallest normal, the largest
+    /// finite, both zeros, integers past 2^53 and the 64-bit ranges.
+    const EDGE_DOUBLES: [f64; 14] = [
+        5e-324,
+        -5e-324,
+        2.225073858507201e-308,
+        f64::MIN_POSITIVE,
+        1e308,
+        f64::MAX,
+        f64::MIN,
+        0.0,
+        -0.0,
+        0.1,
+        9007199254740994.0,
+        9.223372036854776e18,
+        1.8446744073709552e19,
+        1e23,
+    ];
+
+    /// Checking that a double reads back equal allocates nothing, however
+    /// long `jsonb` prints it (`1e308` as 309 digits): printing it so and
+    /// reading that back asked the allocator for the printed text, over
+    /// 300 bytes for `5e-324` and `1e308`, and cost about 15 times
+    /// serde_json's parse of the number.
+    #[test]
+    fn a_double_is_checked_without_printing_it_in_full() {
+        let mut allocating = Vec::new();
+        for f in EDGE_DOUBLES {
+            let n = serde_json::Number::from_f64(f).unwrap();
+            let (exact, allocated) = crate::allocations::allocated_by(|| number_round_trips(&n));
+            assert!(exact, "{f:e}");
+            if allocated > 0 {
+                allocating.push(format!("{f:e}: {allocated} bytes"));
+            }
+        }
+        assert_eq!(allocating, Vec::<String>::new());
+    }
+
+    /// `text`, a JSON number, as PostgreSQL's `numeric` (so `jsonb`) prints
+    /// it: in full, without an exponent, keeping as many decimals as the
+    /// text holds once its exponent has moved the point (none for `1e308`,
+    /// 324 for `5e-324`), and no sign on zero. Checked against PostgreSQL
+    /// 15 on serde_json's text of 3000 random doubles.
+    pub(crate) fn as_numeric_prints(text: &str) -> String {
+        let parts = NumberParts::of(text);
+        // The value is `whole fraction` x 10^-scale.
+        let scale = parts.fraction.len() as i64 - parts.exponent.parse::<i64>().unwrap();
+        let mut digits = format!("{}{}", parts.whole, parts.fraction);
+        if scale < 0 {
+            digits.push_str(&"0".repeat(scale.unsigned_abs() as usize));
+        }
+        let scale = scale.max(0) as usize;
+        if digits.len() <= scale {
+            digits.insert_str(0, &"0".repeat(scale + 1 - digits.len()));
+        }
+        let (integer, decimals) = digits.split_at(digits.len() - scale);
+        let integer = match integer.trim_start_matches('0') {
+            "" => "0",
+            integer => integer,
+        };
+        let zero = integer == "0" && decimals.bytes().all(|b| b == b'0');
+        let sign = if parts.negative && !zero { "-" } else { "" };
+        if scale == 0 {
+            format!("{sign}{integer}")
+        } else {
+            format!("{sign}{integer}.{decimals}")
+        }
+    }
+
+    /// What [`number_round_trips`] stands for: `n`, as serde_json writes it,
+    /// printed by `numeric` in full and read back by serde_json, is `n`
+    /// (`-0.0` and `0.0` are one number; an integral double may come back
+    /// as an integer).
+    fn reads_back_printed_in_full(n: &serde_json::Number) -> bool {
+        let printed = as_numeric_prints(&n.to_string());
+        match serde_json::from_str::<serde_json::Number>(&printed) {
+            Ok(back) => back == *n || (n.is_f64() && back.as_f64() == n.as_f64()),
+            Err(_) => false,
+        }
+    }
+
+    /// Doubles of every kind: any bits (every exponent alike, NaN and the
+    /// infinities among them), subnormals, the edges, integers of the
+    /// 64-bit ranges and about 2^53.
+    pub(crate) fn double() -> impl Strategy<Value = f64> {
+        prop_oneof![
+            any::<u64>().prop_map(f64::from_bits),
+            (any::<bool>(), 0..1u64 << 52)
+                .prop_map(|(negative, m)| f64::from_bits(m | u64::from(negative) << 63)),
+            proptest::sample::select(EDGE_DOUBLES.to_vec()),
+            any::<i64>().prop_map(|i| i as f64),
+            any::<u64>().prop_map(|u| u as f64),
+            (-64..64i64).prop_map(|d| (1u64 << 53) as f64 + d as f64),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        /// The constant-work check agrees with its definition on every
+        /// double serde_json can hold (none that is not finite).
+        #[test]
+        fn a_double_reads_back_exactly_when_the_check_says(f in double()) {
+            match serde_json::Number::from_f64(f) {
+                Some(n) => prop_assert_eq!(number_round_trips(&n), reads_back_printed_in_full(&n)),
+                None => prop_assert!(!f.is_finite()),
+            }
+        }
+
+        /// The same on numbers serde_json reads from JSON text: integers
+        /// past the 64-bit ranges and long decimals become doubles.
+        #[test]
+        fn a_number_read_from_text_reads_back_exactly_when_the_check_says(
+            text in "-?(0|[1-9][0-9]{0,40})(\\.[0-9]{1,40})?([eE][+-]?[0-9]{1,3})?"
+        ) {
+            if let Ok(n) = serde_json::from_str::<serde_json::Number>(&text) {
+                prop_assert_eq!(number_round_trips(&n), reads_back_printed_in_full(&n), "{}", text);
+            }
+        }
+    }
 
     #[test]
     fn rules_compare_numeric_attributes_only() {

@@ -12,6 +12,7 @@ use subtle::ConstantTimeEq;
 
 use super::error::MALFORMED_PREFIX;
 use super::{ApiError, ApiState};
+use crate::model::NumberParts;
 use crate::store;
 
 /// The organization whose API key (`Authorization: Bearer pgo_...`) made the
@@ -178,20 +179,60 @@ fn checked_reading(body: &[u8], read: &mut usize) -> Result<(), ApiError> {
     let mut parsed = 0;
     let scanned = number_tokens(body, |text| {
         parsed += text.len();
-        let number: serde_json::Number = serde_json::from_str(text).map_err(ApiError::from_json)?;
-        let exact = number.is_i64()
-            || number.is_u64()
-            || decimal(text).is_some_and(|sent| decimal(&number.to_string()) == Some(sent));
-        if exact {
-            Ok(())
-        } else {
-            Err(ApiError::invalid(format!(
-                "the number {text} cannot be kept exactly: it would read back as {number}"
-            )))
-        }
+        check_number(text)
     })?;
     *read += scanned + parsed;
     Ok(())
+}
+
+/// Refuses the number token `text` unless it reads back as sent
+/// ([`reads_back_as_sent`]). No allocation: the two decimals compared are
+/// read where they are, `text` and serde_json's text of the double written
+/// on the stack ([`NumberText`]), so the work is a parse of `text` and a
+/// look at each byte of the two; building strings for them cost several
+/// times the parse.
+fn check_number(text: &str) -> Result<(), ApiError> {
+    use std::fmt::Write as _;
+    let number: serde_json::Number = serde_json::from_str(text).map_err(ApiError::from_json)?;
+    let exact = number.is_i64() || number.is_u64() || {
+        let mut written = NumberText::default();
+        write!(written, "{number}").is_ok()
+            && decimal(text).is_some_and(|sent| decimal(written.as_str()) == Some(sent))
+    };
+    if exact {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!(
+            "the number {text} cannot be kept exactly: it would read back as {number}"
+        )))
+    }
+}
+
+/// serde_json's text of a number (its `Display`, what it writes), on the
+/// stack: a double's shortest round-trip decimal takes at most 24 bytes
+/// (`-2.2250738585072014e-308`). Longer text does not fit, and the write
+/// fails.
+#[derive(Default)]
+struct NumberText {
+    bytes: [u8; 32],
+    len: usize,
+}
+
+impl NumberText {
+    fn as_str(&self) -> &str {
+        // Only whole `&str`s are copied in.
+        std::str::from_utf8(&self.bytes[..self.len]).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Write for NumberText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        let room = self.bytes.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+        room.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
 }
 
 /// Calls `each` with the text of every number token of `json`, in order;
@@ -333,31 +374,67 @@ impl<'de> serde::de::Visitor<'de> for NamesVisitor {
     }
 }
 
-/// The value of a JSON number's text as (negative, significant digits,
-/// where the point goes): `-0.0120e3` is (true, "12", 2), that is
-/// -0.12 x 10^2. Zero is (false, "", 0) whatever its sign and exponent.
-/// `None` for a non-zero number with an exponent beyond an `i64` (serde_json
-/// refuses such a number anyway).
-fn decimal(text: &str) -> Option<(bool, String, i64)> {
-    let (negative, unsigned) = match text.strip_prefix('-') {
-        Some(rest) => (true, rest),
-        None => (false, text),
-    };
-    let (mantissa, exponent) = unsigned.split_once(['e', 'E']).unwrap_or((unsigned, "0"));
-    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let all = format!("{whole}{fraction}");
-    let significant = all.trim_start_matches('0');
-    let leading_zeros = (all.len() - significant.len()) as i64;
-    let significant = significant.trim_end_matches('0');
-    // Zero is zero whatever its exponent (`0e99999999999999999999` too).
-    if significant.is_empty() {
-        return Some((false, String::new(), 0));
+/// The most significant digits a double's shortest round-trip decimal
+/// has.
+const MAX_SHORTEST_DIGITS: usize = 17;
+
+/// A decimal number with at most [`MAX_SHORTEST_DIGITS`] significant
+/// digits, in one spelling: `-0.0120e3` is negative, digits `12`, point
+/// 2, that is -0.12 x 10^2. Zero is not negative, has no digits and its
+/// point at 0, whatever its sign and exponent.
+#[derive(Debug, PartialEq, Eq)]
+struct Decimal {
+    negative: bool,
+    /// The significant digits, from the first non-zero one to the last,
+    /// as ASCII; `digits[len..]` is zero bytes.
+    digits: [u8; MAX_SHORTEST_DIGITS],
+    len: usize,
+    /// Where the point goes: the value is 0.`digits` x 10^`point`.
+    point: i64,
+}
+
+/// The value of a JSON number's text ([`Decimal`]), looking at each byte
+/// once. `None` for a non-zero number with an exponent beyond an `i64`
+/// (serde_json refuses such a number anyway) or with more significant
+/// digits than [`MAX_SHORTEST_DIGITS`]: neither is what serde_json writes
+/// for a double, so neither reads back as sent.
+fn decimal(text: &str) -> Option<Decimal> {
+    let parts = NumberParts::of(text);
+    let mut digits = [0; MAX_SHORTEST_DIGITS];
+    let mut len = 0;
+    let mut leading_zeros: i64 = 0;
+    // Zeros after a significant digit, significant once another follows.
+    let mut zeros = 0;
+    for digit in parts.whole.bytes().chain(parts.fraction.bytes()) {
+        if digit == b'0' {
+            if len == 0 {
+                leading_zeros += 1;
+            } else {
+                zeros += 1;
+            }
+            continue;
+        }
+        let end = len + zeros + 1;
+        digits.get_mut(len..end)?.fill(b'0');
+        digits[end - 1] = digit;
+        len = end;
+        zeros = 0;
     }
-    let point = exponent
-        .parse::<i64>()
-        .ok()?
-        .checked_add(whole.len() as i64 - leading_zeros)?;
-    Some((negative, significant.to_string(), point))
+    // Zero is zero whatever its exponent (`0e99999999999999999999` too).
+    if len == 0 {
+        return Some(Decimal {
+            negative: false,
+            digits,
+            len,
+            point: 0,
+        });
+    }
+    Some(Decimal {
+        negative: parts.negative,
+        digits,
+        len,
+        point: parts.point(leading_zeros)?,
+    })
 }
 
 /// A JSON object request body, read by `read_body`, parsed whatever the
@@ -420,6 +497,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for QueryParams<T>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::tests::{as_numeric_prints, double};
 
     /// What the check answers of `body`: `Ok`, or the message refusing it.
     fn verdict(body: &str) -> Result<(), String> {
@@ -448,6 +526,170 @@ mod tests {
                 "{depth} deep: {read} bytes read for a body of {}",
                 body.len()
             );
+        }
+    }
+
+    /// Numbers the API accepts, at the edges of a double's range and
+    /// precision and of the 64-bit integers: each spelt in at most 24
+    /// characters, which serde_json reads without a buffer of its own.
+    const ACCEPTED: [&str; 16] = [
+        "5e-324",
+        "-5e-324",
+        "2.225073858507201e-308",
+        "2.2250738585072014e-308",
+        "1e308",
+        "-1.7976931348623157e308",
+        "1e22",
+        "1e23",
+        "0.1",
+        "1.5",
+        "-0.0",
+        "1e-7",
+        "123",
+        "9007199254740993",
+        "18446744073709551615",
+        "-9223372036854775808",
+    ];
+
+    /// Checking a number allocates nothing: its work is reading its own
+    /// text and serde_json's text of its double (at most 24 bytes, on the
+    /// stack). Building strings for the two decimals compared asked the
+    /// allocator for 24 to 92 bytes a double, in up to five allocations,
+    /// and cost several times the parse of the number.
+    #[test]
+    fn a_number_is_checked_without_allocating() {
+        let mut allocating = Vec::new();
+        for text in ACCEPTED {
+            let (checked, allocated) = crate::allocations::allocated_by(|| check_number(text));
+            assert!(checked.is_ok(), "{text}");
+            if allocated > 0 {
+                allocating.push(format!("{text}: {allocated} bytes"));
+            }
+        }
+        assert_eq!(allocating, Vec::<String>::new());
+    }
+
+    /// A decimal spelt out: sign, significant digits as a string, where
+    /// the point goes (as [`Decimal`], with any number of digits).
+    #[derive(Debug, PartialEq, Eq)]
+    struct SpeltOut {
+        negative: bool,
+        significant: String,
+        point: i64,
+    }
+
+    /// The decimal `text` denotes, spelt out; `None` for an exponent
+    /// beyond an `i64`. Zero has no sign, no digits, its point at 0.
+    fn spelt_out(text: &str) -> Option<SpeltOut> {
+        let parts = NumberParts::of(text);
+        let all = format!("{}{}", parts.whole, parts.fraction);
+        let significant = all.trim_start_matches('0');
+        let leading_zeros = (all.len() - significant.len()) as i64;
+        let significant = significant.trim_end_matches('0');
+        Some(match significant {
+            "" => SpeltOut {
+                negative: false,
+                significant: String::new(),
+                point: 0,
+            },
+            _ => SpeltOut {
+                negative: parts.negative,
+                significant: significant.to_owned(),
+                point: parts.point(leading_zeros)?,
+            },
+        })
+    }
+
+    /// What the API guarantees of a number token, end to end: parsed by
+    /// serde_json, written, stored and printed by `jsonb` in full
+    /// (`as_numeric_prints`), read again and written to the client, it
+    /// denotes the decimal `text` does.
+    fn reads_back_as_sent_end_to_end(text: &str) -> bool {
+        let Ok(number) = serde_json::from_str::<serde_json::Number>(text) else {
+            return false;
+        };
+        let printed = as_numeric_prints(&number.to_string());
+        let Ok(back) = serde_json::from_str::<serde_json::Number>(&printed) else {
+            return false;
+        };
+        spelt_out(text).is_some_and(|sent| spelt_out(&back.to_string()) == Some(sent))
+    }
+
+    /// What the API accepts of a number token: the body's check, then the
+    /// attributes' ([`crate::model::number_round_trips`]).
+    fn accepted(text: &str) -> bool {
+        check_number(text).is_ok()
+            && serde_json::from_str(text).is_ok_and(|n| crate::model::number_round_trips(&n))
+    }
+
+    /// Number texts of every kind: any JSON number with up to 40 digits
+    /// before and after the point; each double of
+    /// [`crate::model::tests::double`] as serde_json writes it, in full,
+    /// with 1 to 25 significant digits, with zeros after it; integers
+    /// about 2^53 and the ends of the 64-bit ranges; 1 with up to 400
+    /// zeros before or after it; and the edges of a double's range.
+    fn number_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let spellings =
+            (double(), 0..25usize, 0..4usize).prop_filter_map("finite", |(f, digits, zeros)| {
+                let n = serde_json::Number::from_f64(f)?;
+                let (mantissa, exponent) = format!("{:.digits$e}", f.abs())
+                    .split_once('e')
+                    .map(|(m, e)| (m.to_owned(), e.to_owned()))?;
+                let sign = if f.is_sign_negative() { "-" } else { "" };
+                let point = if mantissa.contains('.') { "" } else { "." };
+                let zeros = "0".repeat(zeros);
+                Some(vec![
+                    n.to_string(),
+                    format!("{f}"),
+                    format!("{sign}{mantissa}e{exponent}"),
+                    format!("{sign}{mantissa}{point}{zeros}e{exponent}"),
+                ])
+            });
+        let integers = prop_oneof![
+            (-64..64i128).prop_map(|d| (1i128 << 53) + d),
+            (-64..64i128).prop_map(|d| i128::from(i64::MIN) + d),
+            (-64..64i128).prop_map(|d| i128::from(i64::MAX) + d),
+            (-64..64i128).prop_map(|d| i128::from(u64::MAX) + d),
+        ];
+        prop_oneof![
+            "-?(0|[1-9][0-9]{0,40})(\\.[0-9]{1,40})?([eE][+-]?[0-9]{1,3})?",
+            spellings.prop_flat_map(proptest::sample::select),
+            integers.prop_map(|i| i.to_string()),
+            (0..400usize).prop_map(|zeros| format!("1{}", "0".repeat(zeros))),
+            (0..400usize).prop_map(|zeros| format!("0.{}1", "0".repeat(zeros))),
+            proptest::sample::select(vec![
+                "5e-324",
+                "4e-324",
+                "3e-324",
+                "2e-324",
+                "2.4703282292062328e-324",
+                "1e-400",
+                "-0",
+                "-0.0",
+                "0e99999999999999999999",
+                "1e308",
+                "1E+308",
+                "1.7976931348623157e308",
+                "1.7976931348623158e308",
+                "1.8e308",
+                "2.2250738585072011e-308",
+                "2.2250738585072014e-308",
+            ])
+            .prop_map(str::to_owned),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(4096))]
+
+        /// The API accepts a number exactly when it reads back as sent, end
+        /// to end: the checks, each reading the number's text once and
+        /// writing nothing, agree with the definition that prints the
+        /// number in full and reads it back.
+        #[test]
+        fn a_number_is_accepted_exactly_when_it_reads_back_as_sent(text in number_text()) {
+            proptest::prop_assert_eq!(accepted(&text), reads_back_as_sent_end_to_end(&text), "{}", text);
         }
     }
 
