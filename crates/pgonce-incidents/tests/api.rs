@@ -1640,6 +1640,67 @@ async fn numbers_that_would_not_read_back_as_sent_are_refused() {
     }
 }
 
+/// An entity body of exactly `size` bytes whose attributes hold `number`
+/// as many times as fit (`{"x": [number, number, ...]}`), and how many.
+fn entity_body_full_of(number: &str, size: usize) -> (String, usize) {
+    let head = r#"{"external_id": "e", "attributes": {"x": ["#;
+    let tail = "]}}";
+    let room = size - head.len() - tail.len();
+    let count = (room + 1) / (number.len() + 1);
+    let numbers = vec![number; count].join(",");
+    let padding = " ".repeat(room - numbers.len());
+    let body = format!("{head}{numbers}{padding}{tail}");
+    assert_eq!(body.len(), size);
+    (body, count)
+}
+
+/// The largest body the limit allows, full of the numbers whose check
+/// cost most (`1e308` and `5e-324`, which `jsonb` prints as 309 and 326
+/// characters), is answered as any body is: stored and read back equal.
+/// Full of numbers that cannot be kept (an integer past 64 bits, a
+/// decimal with more digits than a double holds), it is refused with a
+/// 422 that names the number, and nothing is stored. A byte more is 413.
+#[tokio::test]
+async fn a_body_at_the_limit_full_of_the_costliest_numbers_is_answered() {
+    let api = setup().await;
+    let (_, key) = api.organization("acme").await;
+    let limit = ApiConfig::default().body_limit;
+    let post = |body: String| api.send(Method::POST, "/v1/entities", Some(&key), Body::from(body));
+    for number in [
+        "123456789012345678901234567890",
+        "0.1000000000000000055511151231257827",
+    ] {
+        let (body, _) = entity_body_full_of(number, limit);
+        let a = post(body).await;
+        assert_invalid(&a, number);
+        let message = a.body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with(&format!("the number {number} cannot be kept exactly")),
+            "{message}"
+        );
+    }
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.entities").await,
+        0
+    );
+    for (number, value) in [("1e308", 1e308), ("5e-324", 5e-324)] {
+        let (body, count) = entity_body_full_of(number, limit);
+        let a = post(body).await;
+        assert_eq!(a.status, StatusCode::OK, "{number}: {}", a.body);
+        let expected = json!({"x": vec![value; count]});
+        assert_eq!(a.body["attributes"], expected, "{number}");
+        let a = api.get("/v1/entities", &key).await;
+        assert_eq!(a.status, StatusCode::OK, "{number}: {}", a.body);
+        assert_eq!(a.body["entities"][0]["attributes"], expected, "{number}");
+    }
+    let (body, _) = entity_body_full_of("1e308", limit + 1);
+    let a = post(body).await;
+    assert_eq!(
+        (a.status, a.code()),
+        (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")
+    );
+}
+
 /// An Idempotency-Key sent literally in the form a long key is hashed to
 /// (`sha256:<hex>`) is a key of its own: its observation is queued, not
 /// dropped as a resend of the long key's.
