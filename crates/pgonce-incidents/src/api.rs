@@ -54,7 +54,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use pgonce::service::Failure;
 use pgonce::{Queue, SendMessage, Sent};
 use schemars::JsonSchema;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
@@ -406,9 +406,14 @@ async fn create_organization(
         .into_response())
 }
 
-async fn list_organizations(_: Admin, State(state): State<ApiState>) -> ApiResult<Json<Value>> {
-    let organizations = store::list_organizations(state.service().pool()).await?;
-    Ok(Json(json!({ "organizations": organizations })))
+async fn list_organizations(
+    _: Admin,
+    State(state): State<ApiState>,
+    QueryParams(page): QueryParams<IdPage>,
+) -> ApiResult<Json<Value>> {
+    let organizations =
+        store::list_organizations(state.service().pool(), page.after()?, page.limit).await?;
+    Ok(page.answer("organizations", organizations, |o| o.id))
 }
 
 #[derive(Deserialize, Default, JsonSchema)]
@@ -510,38 +515,54 @@ async fn upsert_entity(
     Ok(Json(json!(entity)))
 }
 
+/// A page of a listing by id (entities, policies, organizations): the
+/// rows after id `after` (default 0), at most `limit` (1 to
+/// [`store::MAX_PAGE`], default [`DEFAULT_PAGE`]).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct EntityPage {
+struct IdPage {
     #[serde(default)]
     after: i64,
     #[serde(default = "default_page")]
     limit: i64,
 }
 
+/// The rows a listing by id, or the event feed, answers when no `limit`
+/// is given.
+const DEFAULT_PAGE: i64 = 100;
+
 fn default_page() -> i64 {
-    100
+    DEFAULT_PAGE
+}
+
+impl IdPage {
+    /// The page's `after`, checked ([`check_after`]); the store checks
+    /// `limit`.
+    fn after(&self) -> ApiResult<i64> {
+        check_after(self.after)?;
+        Ok(self.after)
+    }
+
+    /// The answer of a page of `rows` (in id order) under `list`, with
+    /// `next_after`: the last row's id when the page is full, else null
+    /// (this is the last page).
+    fn answer<T: Serialize>(&self, list: &str, rows: Vec<T>, id: fn(&T) -> i64) -> Json<Value> {
+        let next_after = (rows.len() as i64 == self.limit)
+            .then(|| rows.last().map(id))
+            .flatten();
+        Json(json!({ list: rows, "next_after": next_after }))
+    }
 }
 
 async fn list_entities(
     caller: Caller,
     State(state): State<ApiState>,
-    QueryParams(page): QueryParams<EntityPage>,
+    QueryParams(page): QueryParams<IdPage>,
 ) -> ApiResult<Json<Value>> {
-    check_after(page.after)?;
-    let entities = store::list_entities(
-        state.service().pool(),
-        caller.organization_id,
-        page.after,
-        page.limit,
-    )
-    .await?;
-    let next_after = (entities.len() as i64 == page.limit)
-        .then(|| entities.last().map(|e| e.id))
-        .flatten();
-    Ok(Json(
-        json!({ "entities": entities, "next_after": next_after }),
-    ))
+    let pool = state.service().pool();
+    let entities =
+        store::list_entities(pool, caller.organization_id, page.after()?, page.limit).await?;
+    Ok(page.answer("entities", entities, |e| e.id))
 }
 
 async fn get_entity(
@@ -600,9 +621,15 @@ async fn create_policy(
     Ok((StatusCode::CREATED, Json(json!(policy))).into_response())
 }
 
-async fn list_policies(caller: Caller, State(state): State<ApiState>) -> ApiResult<Json<Value>> {
-    let policies = store::list_policies(state.service().pool(), caller.organization_id).await?;
-    Ok(Json(json!({ "policies": policies })))
+async fn list_policies(
+    caller: Caller,
+    State(state): State<ApiState>,
+    QueryParams(page): QueryParams<IdPage>,
+) -> ApiResult<Json<Value>> {
+    let pool = state.service().pool();
+    let policies =
+        store::list_policies_page(pool, caller.organization_id, page.after()?, page.limit).await?;
+    Ok(page.answer("policies", policies, |p| p.id))
 }
 
 async fn get_policy(

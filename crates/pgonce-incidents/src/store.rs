@@ -70,9 +70,28 @@ pub async fn get_organization(db: impl PgExecutor<'_>, id: i64) -> Result<Organi
         .ok_or_else(|| Error::not_found("organization", id))
 }
 
-/// Every organization, by id.
-pub async fn list_organizations(db: impl PgExecutor<'_>) -> Result<Vec<Organization>> {
+/// The most rows a listing's page holds: its `limit` is 1 to this.
+pub const MAX_PAGE: i64 = 500;
+
+/// A listing's `limit`: 1 to [`MAX_PAGE`], else [`Error::Invalid`].
+fn check_page_limit(limit: i64) -> Result<()> {
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(Error::invalid("limit", format!("must be 1 to {MAX_PAGE}")));
+    }
+    Ok(())
+}
+
+/// Organizations by id after `after_id`, at most `limit` (1 to
+/// [`MAX_PAGE`]).
+pub async fn list_organizations(
+    db: impl PgExecutor<'_>,
+    after_id: i64,
+    limit: i64,
+) -> Result<Vec<Organization>> {
+    check_page_limit(limit)?;
     let rows: Vec<OrgRow> = sqlx::query_as(include_str!("store/sql/list_organizations.sql"))
+        .bind(after_id)
+        .bind(limit)
         .fetch_all(db)
         .await?;
     Ok(rows.into_iter().map(organization).collect())
@@ -293,16 +312,14 @@ pub async fn find_entity(
         .ok_or_else(|| Error::not_found("entity", external_id))
 }
 
-/// Entities by id after `after_id`, at most `limit` (1..=500).
+/// Entities by id after `after_id`, at most `limit` (1 to [`MAX_PAGE`]).
 pub async fn list_entities(
     db: impl PgExecutor<'_>,
     organization_id: i64,
     after_id: i64,
     limit: i64,
 ) -> Result<Vec<Entity>> {
-    if !(1..=500).contains(&limit) {
-        return Err(Error::invalid("limit", "must be 1 to 500"));
-    }
+    check_page_limit(limit)?;
     let rows: Vec<EntityRow> = sqlx::query_as(include_str!("store/sql/list_entities.sql"))
         .bind(organization_id)
         .bind(after_id)
@@ -439,10 +456,34 @@ pub async fn create_policy(
     policy(row.ok_or(Error::AlreadyExists { what: "policy" })?)
 }
 
-/// The policies of `organization_id`, by id.
+/// The policies of `organization_id`, by id: all of them, as the
+/// pipeline evaluates them. [`list_policies_page`] takes a page.
 pub async fn list_policies(db: impl PgExecutor<'_>, organization_id: i64) -> Result<Vec<Policy>> {
+    select_policies(db, organization_id, 0, i64::MAX).await
+}
+
+/// The policies of `organization_id` by id after `after_id`, at most
+/// `limit` (1 to [`MAX_PAGE`]).
+pub async fn list_policies_page(
+    db: impl PgExecutor<'_>,
+    organization_id: i64,
+    after_id: i64,
+    limit: i64,
+) -> Result<Vec<Policy>> {
+    check_page_limit(limit)?;
+    select_policies(db, organization_id, after_id, limit).await
+}
+
+async fn select_policies(
+    db: impl PgExecutor<'_>,
+    organization_id: i64,
+    after_id: i64,
+    limit: i64,
+) -> Result<Vec<Policy>> {
     let rows: Vec<PolicyRow> = sqlx::query_as(include_str!("store/sql/list_policies.sql"))
         .bind(organization_id)
+        .bind(after_id)
+        .bind(limit)
         .fetch_all(db)
         .await?;
     rows.into_iter().map(policy).collect()

@@ -1701,6 +1701,74 @@ async fn a_body_at_the_limit_full_of_the_costliest_numbers_is_answered() {
     );
 }
 
+/// Policies and organizations are listed a page at a time, by id, as
+/// entities are: `after` (an id, default 0) and `limit` (1 to 500,
+/// default 100); `next_after` is the page's last id when the page is
+/// full, else null. Keyset pages of 2 cover every row once, in id order;
+/// a cursor at or past the last id is an empty last page; a limit of 0 or
+/// past 500, or a cursor that is negative or not an integer, is 422.
+#[tokio::test]
+async fn policies_and_organizations_are_listed_a_page_at_a_time() {
+    let api = setup().await;
+    let mut organizations = Vec::new();
+    let mut key = String::new();
+    for name in ["a", "b", "c", "d", "e"] {
+        let (org, org_key) = api.organization(name).await;
+        organizations.push(org);
+        key = org_key;
+    }
+    let mut policies = Vec::new();
+    for i in 0..5 {
+        let rule = json!({"attribute": "x", "op": "gt", "value": i});
+        let body = json!({"name": format!("p{i}"), "singleton": "never", "rule": rule});
+        let a = api.post("/v1/policies", &key, body).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        policies.push(id(&a.body));
+    }
+    for (path, list, auth, ids) in [
+        ("/v1/policies", "policies", key.as_str(), &policies),
+        ("/v1/organizations", "organizations", ADMIN, &organizations),
+    ] {
+        let mut seen = Vec::new();
+        let mut after = 0;
+        loop {
+            let a = api
+                .get(&format!("{path}?after={after}&limit=2"), auth)
+                .await;
+            assert_eq!(a.status, StatusCode::OK, "{path}: {}", a.body);
+            let page = a.body[list].as_array().unwrap();
+            assert!(page.len() <= 2, "{path}: {}", a.body);
+            seen.extend(page.iter().map(id));
+            match a.body["next_after"].as_i64() {
+                Some(next) => after = next,
+                None => break,
+            }
+        }
+        assert_eq!(seen, *ids, "{path}");
+        let whole = api.get(path, auth).await;
+        assert_eq!(whole.body[list].as_array().unwrap().len(), ids.len());
+        assert_eq!(whole.body["next_after"], Value::Null, "{path}");
+        let last = ids.last().unwrap();
+        for past in [*last, last + 1000] {
+            let a = api.get(&format!("{path}?after={past}"), auth).await;
+            assert_eq!(a.status, StatusCode::OK, "{path}: {}", a.body);
+            assert_eq!(a.body[list], json!([]), "{path}?after={past}");
+            assert_eq!(a.body["next_after"], Value::Null, "{path}?after={past}");
+        }
+        for bad in [
+            "limit=0",
+            "limit=501",
+            "limit=x",
+            "after=-1",
+            "after=abc",
+            "colour=red",
+        ] {
+            let a = api.get(&format!("{path}?{bad}"), auth).await;
+            assert_invalid(&a, format!("{path}?{bad}"));
+        }
+    }
+}
+
 /// An Idempotency-Key sent literally in the form a long key is hashed to
 /// (`sha256:<hex>`) is a key of its own: its observation is queued, not
 /// dropped as a resend of the long key's.
@@ -2193,7 +2261,11 @@ async fn the_document_states_the_validations_limits() {
             .clone()
     };
     assert_eq!(parameter("/v1/incidents", "limit")["maximum"], 500);
-    assert_eq!(parameter("/v1/entities", "limit")["maximum"], 500);
+    for listing in ["/v1/entities", "/v1/policies", "/v1/organizations"] {
+        assert_eq!(parameter(listing, "limit")["maximum"], 500, "{listing}");
+        assert_eq!(parameter(listing, "limit")["default"], 100, "{listing}");
+        assert_eq!(parameter(listing, "after")["minimum"], 0, "{listing}");
+    }
     assert_eq!(parameter("/v1/events", "limit")["maximum"], 1000);
     assert_eq!(parameter("/v1/incidents", "policy_id")["minimum"], 0);
     let prefix = &doc["paths"]["/v1/organizations/{org_id}/keys/{prefix}"]["delete"];

@@ -123,8 +123,22 @@ fn created_organization(g: &mut SchemaGenerator) -> Value {
     ])
 }
 
-fn organizations(g: &mut SchemaGenerator) -> Value {
-    object(vec![("organizations", array(of::<Organization>(g)))])
+/// A page of a listing by id: its rows under `list`, and `next_after`.
+fn id_page(list: &str, rows: Value) -> Value {
+    object(vec![
+        (list, array(rows)),
+        (
+            "next_after",
+            json!({
+                "type": ["integer", "null"], "format": "int64",
+                "description": "pass as `after` for the next page; null on the last"
+            }),
+        ),
+    ])
+}
+
+fn organization_page(g: &mut SchemaGenerator) -> Value {
+    id_page("organizations", of::<Organization>(g))
 }
 
 fn created_key(_: &mut SchemaGenerator) -> Value {
@@ -143,17 +157,11 @@ fn settings(_: &mut SchemaGenerator) -> Value {
 }
 
 fn entity_page(g: &mut SchemaGenerator) -> Value {
-    object(vec![
-        ("entities", array(of::<Entity>(g))),
-        (
-            "next_after",
-            json!({"type": ["integer", "null"], "format": "int64"}),
-        ),
-    ])
+    id_page("entities", of::<Entity>(g))
 }
 
-fn policies(g: &mut SchemaGenerator) -> Value {
-    object(vec![("policies", array(of::<Policy>(g)))])
+fn policy_page(g: &mut SchemaGenerator) -> Value {
+    id_page("policies", of::<Policy>(g))
 }
 
 fn incident_page(g: &mut SchemaGenerator) -> Value {
@@ -199,7 +207,9 @@ fn query_parameter(path: &str, name: &str) -> Value {
         "limit" => {
             let (max, default) = match path {
                 "/v1/events" => (1000, 100),
-                "/v1/entities" => (500, 100),
+                "/v1/entities" | "/v1/policies" | "/v1/organizations" => {
+                    (crate::store::MAX_PAGE, super::DEFAULT_PAGE)
+                }
                 _ => (500, 50),
             };
             json!({"type": "integer", "minimum": 1, "maximum": max, "default": default})
@@ -273,8 +283,9 @@ pub const ROUTES: &[Route] = &[
         ..route("POST", "/v1/organizations", Auth::Admin, 201, "Create an organization; returns its first API key")
     },
     Route {
-        response: Some(organizations),
-        ..route("GET", "/v1/organizations", Auth::Admin, 200, "List organizations")
+        query: &["after", "limit"],
+        response: Some(organization_page),
+        ..route("GET", "/v1/organizations", Auth::Admin, 200, "List organizations by id (keyset: after)")
     },
     Route {
         body: Some((of::<NewKey>, Need::Optional)),
@@ -316,8 +327,9 @@ pub const ROUTES: &[Route] = &[
         ..route("POST", "/v1/policies", Auth::ApiKey, 201, "Create a policy")
     },
     Route {
-        response: Some(policies),
-        ..route("GET", "/v1/policies", Auth::ApiKey, 200, "List policies")
+        query: &["after", "limit"],
+        response: Some(policy_page),
+        ..route("GET", "/v1/policies", Auth::ApiKey, 200, "List policies by id (keyset: after)")
     },
     Route {
         response: Some(of::<Policy>),
