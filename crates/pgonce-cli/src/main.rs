@@ -78,7 +78,8 @@ enum Command {
     #[cfg(feature = "lab")]
     /// The main job: run the incident service end to end on a throwaway
     /// database, under redeliveries, duplicates and a killed worker, and
-    /// check every invariant. Exit 0 iff all hold.
+    /// check every invariant. Exit 0 iff all hold and the run finished; 1
+    /// when one broke, 3 when it could not finish (a stall, an error).
     Demo(demo::DemoArgs),
     #[cfg(feature = "lab")]
     /// An adversary: concurrent workloads under injected faults, their
@@ -143,15 +144,16 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
 
-    // Only the lab's commands make a throwaway database or cluster; a
-    // product command stopped by a signal has none to speak of.
+    // Only the lab's commands make a throwaway database or cluster (a
+    // product command stopped by a signal has none to speak of), and only
+    // theirs end in a report, whose run an error left unfinished.
     #[cfg(feature = "lab")]
-    let throwaway = matches!(
+    let lab = matches!(
         cli.command,
         Command::Race(_) | Command::Bench(_) | Command::Demo(_) | Command::Chaos(_)
     );
     #[cfg(not(feature = "lab"))]
-    let throwaway = false;
+    let lab = false;
     let service = matches!(cli.command, Command::Serve(_) | Command::Worker(_));
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let outcome = runtime.block_on(async {
@@ -179,11 +181,8 @@ fn main() -> ExitCode {
         #[cfg(feature = "lab")]
         Ok(Some(report)) => {
             report.print(cli.json);
-            if report.verdict.ok {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
+            // 0 ok, 1 a violation, 3 a run that could not finish.
+            ExitCode::from(report.verdict.outcome().exit_code())
         }
         #[cfg(not(feature = "lab"))]
         Ok(Some(never)) => match never {},
@@ -200,7 +199,7 @@ fn main() -> ExitCode {
                          messages in hand are redelivered after their visibility timeout, \
                          claimed notifications sent again after their lease"
                     );
-                } else if throwaway {
+                } else if lab {
                     eprintln!("pgonce: interrupted ({signal}); throwaway database removed");
                 } else {
                     eprintln!("pgonce: interrupted ({signal})");
@@ -209,10 +208,22 @@ fn main() -> ExitCode {
             }
             None => {
                 eprintln!("pgonce: error: {}", one_line(&e));
-                ExitCode::FAILURE
+                error_exit_code(lab)
             }
         },
     }
+}
+
+/// The exit code of a command that ended in an error. A lab command's
+/// (`lab`) is a run that could not finish, which is not a violation: its
+/// exit code is the one its report would have had.
+fn error_exit_code(lab: bool) -> ExitCode {
+    #[cfg(feature = "lab")]
+    if lab {
+        return ExitCode::from(pgonce_lab::report::EXIT_UNFINISHED);
+    }
+    let _ = lab;
+    ExitCode::FAILURE
 }
 
 /// The error and its causes on one line, each cause's text once: a cause

@@ -355,7 +355,8 @@ fn race_events_late_writer_holds_every_condition_under_every_strategy() {
 
 /// Numbers a lab command turns into durations are refused when no duration
 /// holds them, never a panic: `bench --seconds` by its argument parser
-/// (exit 2, naming the flag), the demo in its JSON report (exit 1).
+/// (exit 2, naming the flag), the demo in its JSON report, a run that
+/// could not finish (exit 3).
 #[test]
 fn durations_no_clock_holds_are_refused_without_a_panic() {
     for seconds in ["inf", "NaN", "1e300", "0", "-1"] {
@@ -381,10 +382,11 @@ fn durations_no_clock_holds_are_refused_without_a_panic() {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{flags:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(3), "{flags:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
         let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(report["verdict"]["ok"], false, "{flags:?}: {report}");
+        assert_eq!(report["verdict"]["violated"], false, "{flags:?}: {report}");
     }
 }
 
@@ -439,7 +441,8 @@ fn sigterm_stops_a_lab_command_and_drops_its_scratch_database() {
 /// A plot that passes the check before the run but cannot be written after
 /// it (a full disk: /dev/full takes the open, refuses the data) costs the
 /// plot, not the run: the report is printed, its verdict saying the plot
-/// is missing, and the command exits 1.
+/// is missing, and the command exits 3, a run that could not finish (a
+/// missing plot is no violation).
 #[test]
 fn a_plot_that_fails_to_write_after_the_run_keeps_the_report() {
     let out = pgonce()
@@ -449,9 +452,10 @@ fn a_plot_that_fails_to_write_after_the_run_keeps_the_report() {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["verdict"]["ok"], false);
+    assert_eq!(report["verdict"]["violated"], false);
     assert!(
         report["verdict"]["reasons"]
             .as_array()
@@ -460,6 +464,25 @@ fn a_plot_that_fails_to_write_after_the_run_keeps_the_report() {
             .any(|r| r.as_str().unwrap().contains("the plot was not written"))
     );
     assert!(!report["results"].as_array().unwrap().is_empty());
+}
+
+/// A lab command cut short by a fatal error (here: its server out of
+/// reach) could not finish, which is no violation: exit 3, as a report
+/// whose run could not finish. It exited 1, the code of a broken
+/// invariant.
+#[test]
+fn a_lab_command_cut_short_by_an_error_exits_3_not_1() {
+    for command in [["bench", "lock"], ["race", "lock-wait"]] {
+        let out = pgonce()
+            .args(command)
+            .args(["--database-url", "postgres://postgres@127.0.0.1:1/absent"])
+            .timeout(Duration::from_secs(60))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{command:?}: {stderr}");
+        assert!(stderr.contains("127.0.0.1:1"), "{command:?}: {stderr}");
+    }
 }
 
 /// `--json` shapes the lab's reports; the product's commands (`migrate`,

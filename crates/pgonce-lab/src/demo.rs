@@ -17,8 +17,9 @@
 //! invariant where SQS is weaker than the PostgreSQL queue. The run itself is
 //! [`crate::incident_run`]; this module renders its outcome. The report counts
 //! what happened and checks I1, I2, I3 and I6, telling violations apart
-//! from work still pending at the deadline; the exit code is 0 iff all
-//! hold.
+//! from work still pending at the deadline; the exit code is 0 when all
+//! hold and the run finished, 1 on a violation, 3 when the run could not
+//! finish (a stall, a fatal error) with no violation seen.
 
 use std::time::Duration;
 
@@ -138,7 +139,8 @@ impl DemoArgs {
 const MAX_SECONDS: f64 = 86_400.0;
 
 /// Runs the demo. A fatal error (the database gone for good, bad
-/// arguments) still ends in a report, whose verdict says what failed, so
+/// arguments) still ends in a report, whose verdict says the run could not
+/// finish and why (exit 3, not a violation), so
 /// that `--json` prints one JSON object on every exit path but Ctrl-C; the
 /// scratch database is dropped on every path (see [`RunDatabase`]).
 pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<Report> {
@@ -149,7 +151,8 @@ pub async fn run(args: &DemoArgs, database_url: Option<&str>) -> anyhow::Result<
     }
 }
 
-/// The report of a run that could not finish: `error` in its verdict.
+/// The report of a run that could not finish: `error` in its verdict, which
+/// is unfinished, not violated.
 pub(crate) fn fatal_report(error: &anyhow::Error, environment: Option<Environment>) -> Report {
     let mut report = Report::new(
         "demo",
@@ -158,7 +161,7 @@ pub(crate) fn fatal_report(error: &anyhow::Error, environment: Option<Environmen
     );
     report
         .verdict
-        .check(false, format!("the demo could not finish: {error:#}"));
+        .finished(false, format!("the demo could not finish: {error:#}"));
     report
 }
 
@@ -313,7 +316,9 @@ const LISTED: usize = 5;
 
 /// The demo's report of an incident run: its figures, the invariants, and a
 /// verdict that separates violations from work still pending at the
-/// deadline.
+/// deadline: a violation fails it, pending work (a stalled drain or settle,
+/// a message or notification not done yet, a failed restart) leaves it
+/// unfinished.
 pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environment) -> Report {
     let o = outcome;
     let checked = &o.invariants;
@@ -489,7 +494,9 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
 
     let v = &mut report.verdict;
     if let Some(r) = &o.restart {
-        v.check(
+        // The fault asked for, not the service: a restart that failed
+        // leaves the run short of what it set out to do.
+        v.finished(
             r.error.is_none(),
             format!(
                 "the database restarted {:.1} s in ({:.1} s){}; the drivers retried {} calls",
@@ -503,7 +510,7 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
             ),
         );
     }
-    v.check(
+    v.finished(
         o.drained,
         format!(
             "the pipeline drained (never {} s without progress)",
@@ -558,7 +565,9 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
             }))
         ),
     );
-    v.check(
+    // Still waiting (lease, backoff, claim) when the settle stalled: not
+    // notified yet, and not lost.
+    v.finished(
         n.pending_at_deadline.is_empty(),
         format!(
             "I3: {} notification jobs still pending at the deadline ({:.1} s without any of them \
@@ -600,7 +609,9 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
             )))
         ),
     );
-    v.check(
+    // Still in the queue when the drain stalled: not processed yet, and not
+    // lost.
+    v.finished(
         obs.pending_at_deadline.is_empty(),
         format!(
             "I6: {} observations still in the queue at the deadline{}",
@@ -617,11 +628,25 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
             )))
         ),
     );
+    // A malformed message still in the queue has receives to go before it
+    // is dead-lettered; one in neither queue vanished.
     v.check(
-        obs.malformed_dead_lettered == obs.malformed_sent,
+        obs.malformed_vanished() == 0,
         format!(
-            "queue: {} of {} malformed messages in the dead-letter queue ({} there in all)",
-            obs.malformed_dead_lettered, obs.malformed_sent, obs.dead_lettered
+            "queue: {} of {} malformed messages vanished (in neither queue)",
+            obs.malformed_vanished(),
+            obs.malformed_sent
+        ),
+    );
+    v.finished(
+        obs.malformed_pending == 0,
+        format!(
+            "queue: {} of {} malformed messages in the dead-letter queue ({} there in all), \
+             {} still in the queue at the deadline",
+            obs.malformed_dead_lettered,
+            obs.malformed_sent,
+            obs.dead_lettered,
+            obs.malformed_pending
         ),
     );
     report

@@ -798,6 +798,10 @@ pub struct ObservationAudit {
     pub(crate) malformed_sent: u64,
     /// How many of them reached the dead-letter queue (all must).
     pub malformed_dead_lettered: u64,
+    /// How many of them were still in the observations queue when the
+    /// deadline ran out, receives to go before they are dead-lettered:
+    /// unfinished, not lost.
+    pub malformed_pending: u64,
     /// Messages in the dead-letter queue, all told: the malformed ones,
     /// and valid ones delivered more than the queue allows though processed
     /// (a slow machine), which is no loss.
@@ -805,6 +809,13 @@ pub struct ObservationAudit {
 }
 
 impl ObservationAudit {
+    /// Malformed messages in neither queue: deleted, never dead-lettered.
+    pub(crate) fn malformed_vanished(&self) -> u64 {
+        self.malformed_sent
+            .saturating_sub(self.malformed_dead_lettered + self.malformed_pending)
+    }
+
+    /// Nothing lost, nothing pending, every malformed message dead-lettered.
     pub(crate) fn holds(&self) -> bool {
         self.lost.is_empty()
             && self.pending_at_deadline.is_empty()
@@ -1301,11 +1312,15 @@ where
         })
         .await?;
     let dead_letters = audit.dead_letter_queue();
-    let mut observations = ObservationAudit {
-        malformed_dead_lettered: poison
+    let poison_in = |name: &str| {
+        poison
             .iter()
-            .filter(|m| m.queue.as_deref() == Some(dead_letters))
-            .count() as u64,
+            .filter(|m| m.queue.as_deref() == Some(name))
+            .count() as u64
+    };
+    let mut observations = ObservationAudit {
+        malformed_dead_lettered: poison_in(dead_letters),
+        malformed_pending: poison_in(queue.name()),
         malformed_sent: produced.malformed,
         dead_lettered: queue_stats.dead_letter_depth.unwrap_or(0),
         ..ObservationAudit::default()

@@ -5,7 +5,7 @@
 //! {"command", "name", "environment", "results": [{"strategy", ...figures}],
 //!  "ratios": {"<a>_vs_<b>": x}, "goals": [{"figure", "bound", "target",
 //!  "unit", "measured", "met", "note"}], "sections": {...},
-//!  "verdict": {"ok", "reasons"}}
+//!  "verdict": {"ok", "finished", "violated", "reasons"}}
 //! ```
 //!
 //! `goals` are the performance goals a suite states, each beside what the
@@ -13,7 +13,14 @@
 //!
 //! Figures use the shared names where they apply: `ops_per_sec`, `p50_ms`,
 //! `p99_ms`, `max_ms`, `conflicts`, `aborts`, `retries`, `violations`,
-//! `invariant_held`. The process exits 0 iff `verdict.ok`.
+//! `invariant_held`.
+//!
+//! The verdict is about correctness, never timing. It has three outcomes
+//! ([`Outcome`]), each with its exit code: ok (`verdict: ok`, exit 0); a
+//! violation (`verdict: FAILED`, `violated`, exit 1); a run that could not
+//! finish, its work still pending when a wait stalled or a fatal error cut
+//! it short (`verdict: COULD NOT FINISH`, `finished` false, exit 3). A
+//! violation wins; `ok` is `finished && !violated`.
 
 use std::collections::BTreeMap;
 
@@ -96,31 +103,115 @@ impl Environment {
     }
 }
 
-/// Whether the run showed what it set out to show, and why not.
-#[derive(Debug, Clone, Default, Serialize)]
+/// Whether the run showed what it set out to show, and why not. One of
+/// three outcomes ([`Verdict::outcome`]): ok; a violation (an invariant
+/// broken, an error where none may be); or a run that could not finish
+/// (work still pending when a wait stalled past its window, a fatal error,
+/// an output that could not be written), which is neither ok nor a
+/// violation: a busy machine can cause it, a broken invariant cannot hide
+/// behind it. A violation wins over an unfinished run.
+#[derive(Debug, Clone, Serialize)]
 pub struct Verdict {
-    /// Whether every check passed; the command exits 0 only then.
+    /// `finished && !violated`; the command exits 0 only then.
     pub ok: bool,
-    /// What each failed check said, in the order they failed.
+    /// Every wait of the run ended with its work done, and no fatal error
+    /// cut it short.
+    pub finished: bool,
+    /// A check of correctness failed.
+    pub violated: bool,
+    /// What each check said, in the order they were made: `ok: ...`,
+    /// `FAILED: ...` (a violation) or `UNFINISHED: ...`.
     pub reasons: Vec<String>,
 }
 
+/// The outcome of a run, from its [`Verdict`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every check held and the run finished.
+    Ok,
+    /// A check of correctness failed (whether or not the run finished).
+    Violated,
+    /// No check failed, but the run could not finish.
+    Unfinished,
+}
+
+/// The exit code of a lab command whose run could not finish: a stall, a
+/// fatal error. 0 is ok, 1 a violation.
+pub const EXIT_UNFINISHED: u8 = 3;
+
+impl Outcome {
+    /// The process's exit code: 0 ok, 1 a violation, [`EXIT_UNFINISHED`]
+    /// (3) a run that could not finish.
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Outcome::Ok => 0,
+            Outcome::Violated => 1,
+            Outcome::Unfinished => EXIT_UNFINISHED,
+        }
+    }
+
+    /// As the report's table prints it after `verdict: `.
+    pub fn text(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Violated => "FAILED",
+            Outcome::Unfinished => "COULD NOT FINISH",
+        }
+    }
+}
+
 impl Verdict {
-    /// Starts as ok; each failed [`Verdict::check`] turns it false.
+    /// Starts as ok: finished, nothing violated.
     pub(crate) fn new() -> Verdict {
         Verdict {
             ok: true,
+            finished: true,
+            violated: false,
             reasons: Vec::new(),
         }
     }
 
-    /// Records `reason`, prefixed `ok:` or `FAILED:`, and clears `ok` when
-    /// `holds` is false.
+    /// A check of correctness: records `reason`, prefixed `ok:` or
+    /// `FAILED:`; a violation when `holds` is false.
     pub(crate) fn check(&mut self, holds: bool, reason: impl Into<String>) {
-        let reason = reason.into();
-        self.ok &= holds;
+        self.violated |= !holds;
+        self.record(holds, "FAILED", reason.into());
+    }
+
+    /// Whether a part of the run got to its end: records `reason`,
+    /// prefixed `ok:` or `UNFINISHED:`; the run could not finish when
+    /// `done` is false. Never a violation: for work still pending when a
+    /// wait gave up, a fatal error, an output not written.
+    pub(crate) fn finished(&mut self, done: bool, reason: impl Into<String>) {
+        self.finished &= done;
+        self.record(done, "UNFINISHED", reason.into());
+    }
+
+    /// Takes in `other`'s outcome and reasons, each reason prefixed
+    /// `prefix`: a part of the run judged on its own.
+    pub(crate) fn absorb(&mut self, prefix: &str, other: &Verdict) {
+        self.violated |= other.violated;
+        self.finished &= other.finished;
+        self.ok = self.finished && !self.violated;
         self.reasons
-            .push(format!("{}: {reason}", if holds { "ok" } else { "FAILED" }));
+            .extend(other.reasons.iter().map(|r| format!("{prefix}{r}")));
+    }
+
+    fn record(&mut self, held: bool, failed: &str, reason: String) {
+        self.ok = self.finished && !self.violated;
+        self.reasons
+            .push(format!("{}: {reason}", if held { "ok" } else { failed }));
+    }
+
+    /// Ok, a violation (which wins), or a run that could not finish.
+    pub fn outcome(&self) -> Outcome {
+        if self.violated {
+            Outcome::Violated
+        } else if !self.finished {
+            Outcome::Unfinished
+        } else {
+            Outcome::Ok
+        }
     }
 }
 
@@ -391,7 +482,7 @@ impl Report {
             println!("{}", table(rows));
         }
         println!();
-        println!("verdict: {}", if self.verdict.ok { "ok" } else { "FAILED" });
+        println!("verdict: {}", self.verdict.outcome().text());
         for reason in &self.verdict.reasons {
             println!("  - {reason}");
         }
@@ -426,5 +517,76 @@ fn cell(value: Option<&Value>) -> String {
             _ => n.to_string(),
         },
         Some(other) => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Given the checks a run made, its outcome, exit code and printed
+    /// word: a stall is not a violation, and a violation is not hidden
+    /// by a stall.
+    #[test]
+    fn a_run_that_could_not_finish_is_neither_ok_nor_a_violation() {
+        let mut v = Verdict::new();
+        v.check(true, "I1: 0 duplicates");
+        v.finished(true, "the pipeline drained");
+        assert_eq!((v.outcome(), v.ok), (Outcome::Ok, true));
+        assert_eq!(v.outcome().exit_code(), 0);
+
+        v.finished(false, "the pipeline drained 3 of 5, then stalled");
+        assert_eq!((v.outcome(), v.ok), (Outcome::Unfinished, false));
+        assert_eq!((v.finished, v.violated), (false, false));
+        assert_eq!(v.outcome().exit_code(), 3);
+        assert_eq!(v.outcome().text(), "COULD NOT FINISH");
+        v.finished(true, "a later part finished");
+        assert_eq!(v.outcome(), Outcome::Unfinished, "stays unfinished");
+
+        v.check(false, "I6: 1 observation lost");
+        assert_eq!((v.outcome(), v.ok), (Outcome::Violated, false));
+        assert_eq!(v.outcome().exit_code(), 1);
+        assert_eq!(v.outcome().text(), "FAILED");
+        assert_eq!(
+            v.reasons,
+            [
+                "ok: I1: 0 duplicates",
+                "ok: the pipeline drained",
+                "UNFINISHED: the pipeline drained 3 of 5, then stalled",
+                "ok: a later part finished",
+                "FAILED: I6: 1 observation lost",
+            ]
+        );
+
+        let mut violated_first = Verdict::new();
+        violated_first.check(false, "I2: a gap");
+        violated_first.finished(false, "stalled");
+        assert_eq!(violated_first.outcome(), Outcome::Violated);
+    }
+
+    /// A part judged on its own passes on what it found, and nothing more.
+    #[test]
+    fn an_absorbed_verdict_keeps_its_outcome() {
+        let mut part = Verdict::new();
+        part.finished(false, "stalled");
+        let mut whole = Verdict::new();
+        whole.check(true, "no errors");
+        whole.absorb("warm-up: ", &part);
+        assert_eq!(whole.outcome(), Outcome::Unfinished);
+        assert_eq!(whole.reasons[1], "warm-up: UNFINISHED: stalled");
+        let mut clean = Verdict::new();
+        clean.absorb("warm-up: ", &Verdict::new());
+        assert_eq!(clean.outcome(), Outcome::Ok);
+    }
+
+    /// The JSON keeps `ok` and says which of the three outcomes it is.
+    #[test]
+    fn the_json_verdict_says_finished_and_violated() {
+        let mut v = Verdict::new();
+        v.finished(false, "stalled");
+        let json = serde_json::to_value(&v).unwrap();
+        assert_eq!(json["ok"], false);
+        assert_eq!(json["finished"], false);
+        assert_eq!(json["violated"], false);
     }
 }

@@ -5,8 +5,8 @@
 //! killed mid-run, and, in one test, the database server restarted
 //! mid-run. Afterwards I1, I2, I3 and I6 hold in the database. Also: the
 //! settle phase finishes notifications a stopped notifier left behind; the
-//! demo's verdict tells pending work from violations; a fatal error still
-//! ends in one report.
+//! demo's verdict tells pending work (a run that could not finish) from
+//! violations; a fatal error still ends in one report.
 
 use std::time::Duration;
 
@@ -20,7 +20,7 @@ use pgonce_lab::demo;
 use pgonce_lab::incident_run::{
     self, IncidentRunConfig, NotificationAudit, NotificationJob, Retrier,
 };
-use pgonce_lab::report::Environment;
+use pgonce_lab::report::{Environment, Report};
 use pgonce_lab::scratch::RunDatabase;
 use pgonce_testkit::webhook::{ReceiverFaults, WebhookReceiver};
 use pgonce_testkit::{fresh_database, fresh_migrated_database};
@@ -256,10 +256,10 @@ fn notifications_pending_at_the_deadline_are_told_apart_from_violations() {
 }
 
 /// The demo's verdict on a run whose only problem is a notification still
-/// waiting for its retry: failed, with the pending job, its state and why,
-/// and no violation claimed.
+/// waiting for its retry: the run could not finish (exit 3), with the
+/// pending job, its state and why, and no violation claimed.
 #[tokio::test]
-async fn the_demo_reports_a_pending_notification_as_a_failure_with_its_state() {
+async fn the_demo_reports_a_pending_notification_as_unfinished_with_its_state() {
     let db = fresh_database().await;
     let pool = db.pool(30).await.unwrap();
     let mut outcome = incident_run::run(&pool, &IncidentRunConfig::quick(), None, None)
@@ -271,19 +271,14 @@ async fn the_demo_reports_a_pending_notification_as_a_failure_with_its_state() {
 
     outcome.notifications.pending_at_deadline = vec![job(42, 2, "failed")];
     let report = demo::render(&outcome, 100, Environment::unknown());
-    assert!(!report.verdict.ok);
-    let failed: Vec<&String> = report
-        .verdict
-        .reasons
-        .iter()
-        .filter(|r| r.starts_with("FAILED"))
-        .collect();
-    assert_eq!(failed.len(), 1, "{failed:#?}");
+    let unfinished = unfinished_not_violated(&report);
+    assert_eq!(unfinished.len(), 1, "{unfinished:#?}");
     assert!(
-        failed[0].contains("1 notification jobs still pending at the deadline")
-            && failed[0].contains("job 42 (incident 2): waiting for its retry"),
+        unfinished[0]
+            .starts_with("UNFINISHED: I3: 1 notification jobs still pending at the deadline")
+            && unfinished[0].contains("job 42 (incident 2): waiting for its retry"),
         "{}",
-        failed[0]
+        unfinished[0]
     );
     assert!(
         report
@@ -298,9 +293,53 @@ async fn the_demo_reports_a_pending_notification_as_a_failure_with_its_state() {
     assert_eq!(listed.len(), 1);
 }
 
+/// A run whose pipeline stalls past its window with every invariant intact
+/// could not finish; it did not fail. Here the stall is certain: a failed
+/// delivery comes back only after 30 s, the window is 2 s, and the four
+/// malformed messages fail every delivery, so they sit in the queue with
+/// nothing else to move. The demo reported it FAILED, as it reports a
+/// broken invariant, malformed messages still to be dead-lettered counted
+/// as a violation too.
+#[tokio::test]
+async fn a_run_that_stalls_with_every_invariant_intact_could_not_finish() {
+    let db = fresh_database().await;
+    let pool = db.pool(30).await.unwrap();
+    let mut config = IncidentRunConfig::quick();
+    config.observations = 60;
+    config.runtime.worker.failure_visibility = Some(Duration::from_secs(30));
+    config.runtime.evaluator.failure_rate = 0.0;
+    config.drain_deadline = Duration::from_secs(2);
+    let outcome = incident_run::run(&pool, &config, None, None).await.unwrap();
+    assert!(!outcome.drained, "{outcome:#?}");
+    assert_eq!(outcome.observations.malformed_dead_lettered, 0);
+    let report = demo::render(&outcome, 100, Environment::unknown());
+    let unfinished = unfinished_not_violated(&report);
+    assert!(
+        unfinished.iter().all(|r| r.starts_with("UNFINISHED: ")),
+        "{unfinished:#?}"
+    );
+}
+
+/// Asserts that `report`'s run could not finish and broke nothing; returns
+/// the reasons that are not `ok:`.
+fn unfinished_not_violated(report: &Report) -> Vec<&String> {
+    let verdict = serde_json::to_value(&report.verdict).unwrap();
+    assert_eq!(
+        (&verdict["ok"], &verdict["finished"], &verdict["violated"]),
+        (&false.into(), &false.into(), &false.into()),
+        "{verdict:#}"
+    );
+    report
+        .verdict
+        .reasons
+        .iter()
+        .filter(|r| !r.starts_with("ok:"))
+        .collect()
+}
+
 /// A fatal error (here: the server cannot be reached) still ends in a
 /// report, printed as one JSON object with `--json`, whose verdict says
-/// what failed.
+/// the run could not finish and why, claiming no violation.
 #[tokio::test]
 async fn a_fatal_error_still_ends_in_one_json_report() {
     use clap::Parser;
@@ -315,11 +354,14 @@ async fn a_fatal_error_still_ends_in_one_json_report() {
         .unwrap();
     let json = serde_json::to_value(&report).unwrap();
     assert_eq!(json["verdict"]["ok"], false);
+    assert_eq!(json["verdict"]["finished"], false, "not a violation");
+    assert_eq!(json["verdict"]["violated"], false);
     let reasons = json["verdict"]["reasons"].as_array().unwrap();
     assert_eq!(reasons.len(), 1);
     let reason = reasons[0].as_str().unwrap();
     assert!(
-        reason.starts_with("FAILED: the demo could not finish") && reason.contains("127.0.0.1:1"),
+        reason.starts_with("UNFINISHED: the demo could not finish")
+            && reason.contains("127.0.0.1:1"),
         "{reason}"
     );
 }

@@ -262,10 +262,7 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
         0,
     )
     .await?;
-    report.verdict.check(
-        warm_up.verdict.ok,
-        format!("warm-up: {}", warm_up.verdict.reasons.join("; ")),
-    );
+    report.verdict.absorb("warm-up: ", &warm_up.verdict);
     let runs = args.repeat.max(1) as usize;
     let mut per_run: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     for run in 0..runs {
