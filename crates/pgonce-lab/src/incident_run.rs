@@ -1358,22 +1358,47 @@ where
 
 /// Waits until the pipeline has processed `expected` observations of
 /// `organizations` (counted in the database, so a redelivered message
-/// counts once), or until `deadline`; returns how many it processed. What
-/// `pgonce bench service` drains its backlog with; the run above drains the
-/// same way, with a runtime killed and notifications checked on the way.
+/// counts once), or until it went `stall_window` without processing any
+/// delivery; returns how many it processed. What `pgonce bench service`
+/// drains its backlog with; the run above drains the same way, with a
+/// runtime killed and notifications checked on the way.
 pub(crate) async fn drain(
     pool: &PgPool,
     organizations: &[i64],
     expected: u64,
-    deadline: Instant,
+    stall_window: Duration,
     retrier: &Retrier,
 ) -> anyhow::Result<u64> {
+    drain_counted(expected, stall_window, || {
+        retrier.run("counting", || invariants::tallies(pool, organizations))
+    })
+    .await
+}
+
+/// [`drain`], its tallies read by `count`.
+async fn drain_counted<F, Fut>(
+    expected: u64,
+    stall_window: Duration,
+    mut count: F,
+) -> anyhow::Result<u64>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<Tallies>>,
+{
+    let mut watch = StallWatch::new(stall_window, Instant::now());
     loop {
-        let tallies = retrier
-            .run("counting", || invariants::tallies(pool, organizations))
-            .await?;
+        let tallies = count().await?;
         let done = tallies.messages_processed as u64;
-        if done >= expected || Instant::now() >= deadline {
+        let now = Instant::now();
+        watch.saw(
+            DrainProgress {
+                deliveries: tallies.deliveries_processed,
+                dead_lettered: 0,
+                left: expected.saturating_sub(done),
+            },
+            now,
+        );
+        if done >= expected || watch.stalled(now) {
             return Ok(done);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1411,5 +1436,46 @@ mod tests {
         assert!(drain.stalled(at(10)), "more left is not progress");
         drain.saw(left(2), at(11));
         assert!(!drain.stalled(at(20)));
+    }
+
+    /// A backlog that takes longer than the window to drain, processing a
+    /// message at every count (at least 50 ms apart: 100 of them take 5 s
+    /// against a window of 2 s), drains all of it: the window bounds a
+    /// stall, not the drain. It ended at the window counted from the start.
+    #[tokio::test]
+    async fn a_drain_slower_than_its_window_ends_when_done() {
+        let mut processed = 0;
+        let done = drain_counted(100, Duration::from_secs(2), || {
+            processed += 1;
+            let tallies = Tallies {
+                messages_processed: processed,
+                deliveries_processed: processed,
+                ..Tallies::default()
+            };
+            async move { Ok(tallies) }
+        })
+        .await
+        .unwrap();
+        assert_eq!(done, 100);
+    }
+
+    /// One that stops moving ends a window after its last move.
+    #[tokio::test]
+    async fn a_drain_that_stops_moving_ends_a_window_later() {
+        let mut counts = 0;
+        let started = Instant::now();
+        let done = drain_counted(100, Duration::from_millis(300), || {
+            counts += 1;
+            let tallies = Tallies {
+                messages_processed: counts.min(5),
+                deliveries_processed: counts.min(5),
+                ..Tallies::default()
+            };
+            async move { Ok(tallies) }
+        })
+        .await
+        .unwrap();
+        assert_eq!(done, 5);
+        assert!(started.elapsed() >= Duration::from_millis(300));
     }
 }

@@ -500,18 +500,25 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     Ok(report)
 }
 
+/// The verdict's lines for one scenario: no errors (a violation), and
+/// something consumed in the phase: nothing consumed leaves nothing
+/// measured, a run that could not finish (a machine too busy to get to
+/// it), not a violation.
 fn check(report: &mut Report, strategy: &str, flow: &Flow) {
     report.verdict.check(
-        flow.errors == 0 && flow.consumed > 0,
+        flow.errors == 0,
         format!(
-            "{strategy}: {} consumed, {} errors{}",
-            flow.consumed,
+            "{strategy}: {} errors{}",
             flow.errors,
             flow.first_error
                 .as_ref()
                 .map(|e| format!(" (first: {e})"))
                 .unwrap_or_default()
         ),
+    );
+    report.verdict.finished(
+        flow.consumed > 0,
+        format!("{strategy}: {} consumed in the phase", flow.consumed),
     );
 }
 
@@ -671,4 +678,37 @@ async fn lease_then_delete(pool: PgPool) -> Result<Option<String>, sqlx::Error> 
         .execute(&pool)
         .await?;
     Ok(Some(row.body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{Environment, Outcome};
+
+    fn flow(consumed: u64, errors: u64) -> Flow {
+        Flow {
+            consumed,
+            errors,
+            first_error: None,
+            elapsed: Duration::from_secs(1),
+            latency: new_histogram(),
+            wal: None,
+        }
+    }
+
+    /// A queue that consumed nothing in its phase (a machine too busy to
+    /// get to it) left nothing measured, the run unfinished; it broke
+    /// nothing. An error is a violation.
+    #[test]
+    fn a_phase_with_nothing_consumed_is_unfinished_not_a_violation() {
+        let judged = |flow: Flow| {
+            let mut report = Report::new("bench", "queue", Environment::unknown());
+            check(&mut report, "pgonce-b1", &flow);
+            report.verdict.outcome()
+        };
+        assert_eq!(judged(flow(10, 0)), Outcome::Ok);
+        assert_eq!(judged(flow(0, 0)), Outcome::Unfinished);
+        assert_eq!(judged(flow(0, 1)), Outcome::Violated);
+        assert_eq!(judged(flow(10, 1)), Outcome::Violated);
+    }
 }

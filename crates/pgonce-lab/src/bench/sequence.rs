@@ -176,30 +176,31 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
         "one scope, 50 declarers, against the 3 s declaration SLO".into(),
         slo,
     );
-    let mut rows = Vec::new();
-    for (name, values) in &per_run {
-        if name.starts_with("advisory_vs") || name.ends_with("_vs_late") {
-            report.ratio(name, median(values), 1.0);
-        }
-        rows.push(runs_row(name, values));
-    }
+    let rows = per_run
+        .iter()
+        .map(|(name, values)| runs_row(name, values))
+        .collect();
     report.sections.insert(
         format!("figures of each run ({runs} runs, order reversed every other run)"),
         rows,
     );
+    conclude(&mut report, scopes, &per_run);
+    Ok(report)
+}
 
-    let ratio_early = median(&per_run["advisory_vs_table_lock_s8_early"]);
-    report.verdict.check(
-        ratio_early > 1.0,
-        format!(
-            "with {scopes} scopes the advisory lock declares faster than the table lock ({}x, number taken early, the naive order)",
-            round2(ratio_early)
-        ),
-    );
+/// The ratios and goals of the whole run, from each run's figures
+/// (`per_run`, by name). The verdict was judged phase by phase
+/// ([`judge`]): how fast a strategy declares is a figure, never part of it.
+fn conclude(report: &mut Report, scopes: usize, per_run: &BTreeMap<&'static str, Vec<f64>>) {
+    for (name, values) in per_run {
+        if name.starts_with("advisory_vs") || name.ends_with("_vs_late") {
+            report.ratio(name, median(values), 1.0);
+        }
+    }
     let late_p99 = round2(median(&per_run["one_scope_late_p99_ms"]));
     report
         .ratio_goal("advisory_vs_table_lock_s8_early", GOAL_RATIO)
-        .note = Some("8 scopes, number taken early".into());
+        .note = Some(format!("{scopes} scopes, number taken early"));
     report.goal(
         Goal::ms_at_most("one_scope_late_p99_ms", GOAL_P99_MS)
             .measured(Some(late_p99))
@@ -207,7 +208,6 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
                 "one scope, 50 declarers, number taken late; declaration SLO {SLO_MS} ms"
             )),
     );
-    Ok(report)
 }
 
 fn judge(report: &mut Report, strategy: Strategy, window: Window, f: &Figures) {
@@ -405,4 +405,38 @@ async fn violations(pool: &PgPool, scopes: &[String], m: &Measured) -> anyhow::R
     let aborts = m.counters.get("aborts").copied().unwrap_or(0);
     let declared = (m.ops - conflicts - aborts) as i64;
     Ok(gaps + duplicates + (rows - declared).abs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::Environment;
+
+    /// A machine too busy for the advisory lock to outrun the table lock,
+    /// or for one scope to meet its p99, misses the goals; the verdict is
+    /// about correctness and stays ok.
+    #[test]
+    fn a_slow_figure_misses_its_goal_and_never_fails_the_verdict() {
+        let mut report = Report::new("bench", "sequence", Environment::unknown());
+        let per_run = BTreeMap::from([
+            ("advisory_vs_table_lock_s8_early", vec![0.7, 0.9, 1.4]),
+            ("advisory_vs_table_lock_s8_late", vec![0.8]),
+            ("one_scope_late_p99_ms", vec![4000.0, 9000.0, 5000.0]),
+        ]);
+        conclude(&mut report, 8, &per_run);
+        assert!(report.verdict.ok, "{:?}", report.verdict);
+        assert_eq!(report.ratios["advisory_vs_table_lock_s8_early"], 0.9);
+        let met: Vec<(&str, Option<bool>)> = report
+            .goals
+            .iter()
+            .map(|g| (g.figure.as_str(), g.met))
+            .collect();
+        assert_eq!(
+            met,
+            [
+                ("advisory_vs_table_lock_s8_early", Some(false)),
+                ("one_scope_late_p99_ms", Some(false)),
+            ]
+        );
+    }
 }

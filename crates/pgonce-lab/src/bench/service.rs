@@ -104,6 +104,25 @@ async fn processed(pool: &PgPool, org: i64) -> anyhow::Result<i64> {
     Ok(invariants::tallies(pool, &[org]).await?.messages_processed)
 }
 
+/// The observations queue's visibility timeout.
+const VISIBILITY: Duration = Duration::from_secs(30);
+
+/// How long the backlog's drain may go without processing a delivery
+/// before it stops waiting: twice the visibility timeout, after which a
+/// delivery that failed is received again.
+const DRAIN_STALL: Duration = Duration::from_secs(2 * VISIBILITY.as_secs());
+
+/// The verdict's line on the backlog: `drained` of `backlog` observations
+/// processed when the drain ended. Fewer is work left when the drain
+/// stalled, which a busy machine can leave: the run could not finish. It
+/// is not a loss (the demo tells those apart, I6).
+fn judge_backlog(report: &mut Report, drained: u64, backlog: u64) {
+    report.verdict.finished(
+        drained == backlog,
+        format!("the pipeline drained {drained} of {backlog} observations"),
+    );
+}
+
 /// A strategy's name in figure names: `advisory_lock`, `table_lock`...
 fn figure_name(strategy: SequenceStrategy) -> String {
     strategy.name().replace('-', "_")
@@ -205,7 +224,7 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
         listen,
         ..PgQueueOptions::default()
     };
-    let queue = observations_queue_with(&pool, Duration::from_secs(30), 10, options).await?;
+    let queue = observations_queue_with(&pool, VISIBILITY, 10, options).await?;
     if let Some(reason) = listen_off {
         report.sections.insert(
             "skipped behind a transaction-mode pooler".into(),
@@ -226,8 +245,7 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     let started = Instant::now();
     let runtime = Runtime::start(&service, queue.clone(), runtime_config())?;
     let retrier = Retrier::new(Duration::from_secs(10));
-    let deadline = started + Duration::from_secs(120);
-    let drained = incident_run::drain(&pool, &[org], backlog as u64, deadline, &retrier).await?;
+    let drained = incident_run::drain(&pool, &[org], backlog as u64, DRAIN_STALL, &retrier).await?;
     let elapsed = started.elapsed();
     runtime.shutdown().await?;
     let pipeline_rate = drained as f64 / elapsed.as_secs_f64();
@@ -237,10 +255,7 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
             .with("observations", drained)
             .with("evaluation_ms", "10-20"),
     );
-    report.verdict.check(
-        drained == backlog as u64,
-        format!("the pipeline drained {drained} of {backlog} observations"),
-    );
+    judge_backlog(&mut report, drained, backlog as u64);
 
     // Declarations by hand during pipeline creations, one cell per
     // strategy, each in an organization of its own. Cells run one after the
@@ -322,4 +337,27 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
             )),
     );
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{Environment, Outcome};
+
+    /// A backlog not drained when the drain stalled is work left, which a
+    /// busy machine can leave: the bench could not finish, it found no
+    /// violation (losing a message is the demo's to find, I6).
+    #[test]
+    fn a_backlog_left_is_unfinished_not_a_violation() {
+        let mut report = Report::new("bench", "service", Environment::unknown());
+        judge_backlog(&mut report, 400, 400);
+        assert_eq!(report.verdict.outcome(), Outcome::Ok);
+        judge_backlog(&mut report, 250, 400);
+        assert_eq!(
+            report.verdict.outcome(),
+            Outcome::Unfinished,
+            "{:?}",
+            report.verdict
+        );
+    }
 }
