@@ -165,6 +165,9 @@ pub enum Mutant {
     /// A writer with no condition that inserts into the event log directly,
     /// taking none of the strategy's publishing keys.
     EventsRawInsert,
+    /// A reaper that deletes a job whose lease ran out instead of
+    /// returning it to pending, and counts it as returned.
+    JobsReaperDelete,
 }
 
 /// How long a recovery took (a restart until an operation succeeded).

@@ -93,6 +93,18 @@ async fn a_queue_delete_that_ignores_the_receipts_generation_is_caught() {
     .await;
 }
 
+/// Caught only because the checker holds every job the round enqueued to
+/// account: the deleted job leaves no row for a check of rows to see.
+#[tokio::test]
+async fn a_reaper_that_deletes_an_expired_job_is_caught_losing_it() {
+    mutant_is_caught(
+        ScenarioKind::Jobs,
+        Mutant::JobsReaperDelete,
+        chaos::checker::I3,
+    )
+    .await;
+}
+
 /// Caught only because appends are interleaved step by step: the raw
 /// writer's insert must be in flight while a conditional append checks
 /// and commits.

@@ -2,7 +2,8 @@
 //! them with leases, a lease that runs out while its worker is busy (then
 //! the reaper returns the job), and at the end a drain that finishes every
 //! job. Each job's side effect, recorded with its job id in the
-//! transaction that completes it, must exist exactly once.
+//! transaction that completes it, must exist exactly once, and each job
+//! enqueued must end completed: a job whose row is gone is lost.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -10,8 +11,9 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use serde_json::json;
 
-use pgonce::job::{self, Lease, NewJob, Reaper, ReaperConfig};
+use pgonce::job::{self, Lease, NewJob, ReapCounts, Reaper, ReaperConfig};
 
+use super::Mutant;
 use super::faults::{self, FaultKind};
 use super::history::Outcome;
 use super::round::Round;
@@ -30,9 +32,15 @@ pub(crate) fn plan(rng: &mut StdRng, faults: &[FaultKind]) -> Vec<Step> {
 
 pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()> {
     let mut ids = Vec::with_capacity(JOBS);
+    let setup = round.tasks();
     for n in 0..JOBS {
         let new = NewJob::new(&round.scope, json!({ "n": n })).max_attempts(1000);
-        ids.push(job::enqueue(round.control(), &new).await?);
+        let op = round
+            .history
+            .invoke(setup, Action::Enqueue { job: n }, json!({ "n": n }));
+        let enqueued = job::enqueue(round.control(), &new).await;
+        round.history.finish(op, &enqueued);
+        ids.push(enqueued?);
     }
     let reaper = Reaper::new(round.control().clone(), ReaperConfig::default())?;
     let mut leases: Vec<BTreeMap<usize, Lease>> = vec![BTreeMap::new(); round.tasks()];
@@ -131,13 +139,17 @@ async fn work(pool: &sqlx::PgPool, scope: &str, lease: &Lease, op: i64) -> pgonc
     Ok(())
 }
 
-/// Runs job `id`'s lease out and lets the reaper return it.
+/// Runs job `id`'s lease out and lets the reaper return it (under the
+/// deleting-reaper mutant, delete it).
 async fn expire(round: &Round, reaper: &Reaper, id: i64) -> Outcome {
     let expired = async {
         sqlx::query(include_str!("sql/job_expire.sql"))
             .bind(id)
             .execute(round.control())
             .await?;
+        if round.mutant == Some(Mutant::JobsReaperDelete) {
+            return deleting_reaper(round).await;
+        }
         reaper.run_once().await
     }
     .await;
@@ -145,4 +157,16 @@ async fn expire(round: &Round, reaper: &Reaper, id: i64) -> Outcome {
         Ok(counts) => Outcome::ok(json!({ "returned": counts.returned, "dead": counts.dead })),
         Err(e) => Outcome::error(&e),
     }
+}
+
+/// The mutant's reaper: deletes the round's jobs whose lease ran out, and
+/// reports them returned, as a reaper that believes it did its job would.
+async fn deleting_reaper(round: &Round) -> pgonce::Result<ReapCounts> {
+    let deleted = sqlx::query(include_str!("sql/mutant_jobs_reap_delete.sql"))
+        .bind(&round.scope)
+        .execute(round.control())
+        .await?;
+    let mut counts = ReapCounts::default();
+    counts.returned = deleted.rows_affected();
+    Ok(counts)
 }

@@ -35,6 +35,9 @@ pub(crate) enum Action {
     Commit,
     /// sequence: ROLLBACK the declaration.
     Rollback,
+    /// jobs: enqueue job `job`; the round's set-up, before its schedule
+    /// (the checker holds every job enqueued to account).
+    Enqueue { job: usize },
     /// jobs: claim job `job` (two-phase, with a lease).
     Claim { job: usize },
     /// jobs: record the side effect and complete, fenced by the lease.
