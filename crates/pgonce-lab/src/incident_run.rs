@@ -62,7 +62,7 @@ use crate::scratch::Restarter;
 mod audit;
 
 use audit::PgAudit;
-pub use audit::{QueueAudit, SqsAudit};
+pub use audit::{DeliveryAudit, DoubledDelivery, QueueAudit, SqsAudit};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -857,6 +857,9 @@ pub struct IncidentRunOutcome {
     pub observations: ObservationAudit,
     /// What the webhook receiver saw.
     pub receiver: ReceiverStats,
+    /// I3's audit of the receiver's log: each incident's notification
+    /// accepted once.
+    pub deliveries: DeliveryAudit,
     pub(crate) queue: QueueStats,
     /// Every message processed and none left in the queue, with no stall
     /// as long as the drain deadline on the way (the notifications are the
@@ -878,13 +881,15 @@ pub struct IncidentRunOutcome {
 }
 
 impl IncidentRunOutcome {
-    /// I1, I2, I3 (no notification pending either) and I6 (nothing
-    /// pending, malformed messages dead-lettered) all hold.
+    /// I1, I2, I3 (in the database and in the receiver's log, no
+    /// notification pending either) and I6 (nothing pending, malformed
+    /// messages dead-lettered) all hold.
     pub fn all_hold(&self) -> bool {
         self.invariants.i1()
             && self.invariants.i2()
             && self.notifications.holds()
             && self.invariants.i3()
+            && self.deliveries.holds()
             && self.observations.holds()
             && self.invariants.i6()
     }
@@ -897,6 +902,14 @@ async fn notification_jobs(
 ) -> sqlx::Result<Vec<NotificationJob>> {
     sqlx::query_as(include_str!("incident_run/sql/notification_jobs.sql"))
         .bind(NOTIFY_JOB_KIND)
+        .bind(organizations)
+        .fetch_all(pool)
+        .await
+}
+
+/// Every incident of `organizations`: each must be notified once.
+async fn incident_ids(pool: &PgPool, organizations: &[i64]) -> sqlx::Result<Vec<i64>> {
+    sqlx::query_scalar(include_str!("incident_run/sql/incident_ids.sql"))
         .bind(organizations)
         .fetch_all(pool)
         .await
@@ -1301,6 +1314,17 @@ where
         })
         .await?;
     let notifications = NotificationAudit::classify(checked.i3_not_notified_once.clone(), &jobs);
+    let opened = retrier
+        .run("listing the run's incidents", || {
+            incident_ids(pool, &setup.organizations)
+        })
+        .await?;
+    let unfinished: BTreeSet<i64> = jobs
+        .iter()
+        .filter(|j| !j.terminal())
+        .map(|j| j.incident_id)
+        .collect();
+    let deliveries = DeliveryAudit::of(&opened, &unfinished, &receiver.accepted());
     let unprocessed = retrier
         .run("auditing unprocessed messages", || {
             audit.locate(pool, &checked.i6_unprocessed)
@@ -1344,6 +1368,7 @@ where
         notifications,
         observations,
         receiver: receiver.stats(),
+        deliveries,
         queue: queue_stats,
         drained,
         drain_deadline: config.drain_deadline,

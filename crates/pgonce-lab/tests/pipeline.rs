@@ -8,6 +8,7 @@
 //! demo's verdict tells pending work (a run that could not finish) from
 //! violations; a fatal error still ends in one report.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use pgonce::job::{self, RetryPolicy};
@@ -18,7 +19,7 @@ use pgonce_incidents::service::NOTIFY_JOB_KIND;
 use pgonce_incidents::{Service, ServiceConfig, store};
 use pgonce_lab::demo;
 use pgonce_lab::incident_run::{
-    self, IncidentRunConfig, NotificationAudit, NotificationJob, Retrier,
+    self, DeliveryAudit, IncidentRunConfig, NotificationAudit, NotificationJob, Retrier,
 };
 use pgonce_lab::report::{Environment, Report};
 use pgonce_lab::scratch::RunDatabase;
@@ -198,6 +199,11 @@ async fn settling_finishes_claimed_and_failed_notifications() {
     assert!(settled.settled, "still pending: {:#?}", settled.jobs);
     assert_eq!(states, ["completed", "completed"]);
     assert_eq!(receiver.stats().accepted, 2);
+    // The receiver's log names each incident once, from the bodies sent.
+    let opened: Vec<i64> = settled.jobs.iter().map(|j| j.incident_id).collect();
+    let deliveries = DeliveryAudit::of(&opened, &BTreeSet::new(), &receiver.accepted());
+    assert!(deliveries.holds(), "{deliveries:#?}");
+    assert_eq!((deliveries.incidents, deliveries.accepted), (2, 2));
 }
 
 fn not_once(incident_id: i64, notifications: i64, jobs: i64, completed: i64) -> NotNotifiedOnce {

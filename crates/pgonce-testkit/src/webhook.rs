@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
@@ -62,10 +63,22 @@ pub struct ReceiverStats {
     pub without_key: u64,
 }
 
+/// A notification the receiver accepted: the first request carrying its
+/// key that was not refused. Repeats of the key are not logged again.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct AcceptedDelivery {
+    /// Its [`IDEMPOTENCY_HEADER`].
+    pub key: String,
+    /// Its body as sent (lossily decoded as UTF-8), for the caller to read
+    /// what the notification was about.
+    pub body: String,
+}
+
 #[derive(Default)]
 struct Seen {
     stats: ReceiverStats,
     keys: HashMap<String, u32>,
+    accepted: Vec<AcceptedDelivery>,
 }
 
 #[derive(Clone)]
@@ -128,9 +141,20 @@ impl WebhookReceiver {
     pub fn deliveries(&self) -> HashMap<String, u32> {
         self.shared.seen.lock().expect("not poisoned").keys.clone()
     }
+
+    /// The receiver's log: every notification accepted, once per key, in
+    /// the order accepted.
+    pub fn accepted(&self) -> Vec<AcceptedDelivery> {
+        self.shared
+            .seen
+            .lock()
+            .expect("not poisoned")
+            .accepted
+            .clone()
+    }
 }
 
-async fn receive(State(shared): State<Shared>, headers: HeaderMap) -> StatusCode {
+async fn receive(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> StatusCode {
     let (refuse, late) = {
         let mut rng = rand::rng();
         (
@@ -153,10 +177,14 @@ async fn receive(State(shared): State<Shared>, headers: HeaderMap) -> StatusCode
             seen.stats.refused += 1;
             return StatusCode::INTERNAL_SERVER_ERROR;
         }
-        let n = seen.keys.entry(key).or_default();
+        let n = seen.keys.entry(key.clone()).or_default();
         *n += 1;
         if *n == 1 {
             seen.stats.accepted += 1;
+            seen.accepted.push(AcceptedDelivery {
+                key,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            });
         } else {
             seen.stats.duplicates += 1;
         }

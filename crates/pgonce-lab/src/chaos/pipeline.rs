@@ -151,13 +151,13 @@ pub(crate) async fn run(round: &mut Round, steps: &[Step]) -> anyhow::Result<()>
                 Outcome::ok(json!({
                     "i1": o.invariants.i1(),
                     "i2": o.invariants.i2(),
-                    "i3": o.invariants.i3() && o.notifications.holds(),
+                    "i3": o.invariants.i3() && o.notifications.holds() && o.deliveries.holds(),
                     "i6": o.invariants.i6() && o.observations.holds(),
                     "drained": o.drained,
                     "settled": o.settled,
                     "incidents": o.tallies.incidents,
                     "notifications": o.tallies.notifications,
-                    "detail": format!("{:?}", o.invariants),
+                    "detail": format!("{:?}; {:?}", o.invariants, o.deliveries),
                 }))
             }
             Err(e) => Outcome::Err {
