@@ -456,7 +456,10 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
         Row::new("I3")
             .with("kept by", kept_by(o.backend, "I3"))
             .with("invariant", "each incident is notified exactly once")
-            .with("held", o.notifications.holds() && checked.i3())
+            .with(
+                "held",
+                o.notifications.holds() && checked.i3() && o.deliveries.holds(),
+            )
             .with(
                 "violations",
                 o.notifications.more_than_once.len() + o.notifications.never_enqueued_or_lost.len(),
@@ -580,6 +583,24 @@ pub fn render(outcome: &IncidentRunOutcome, rollout: u8, environment: Environmen
                 j.incident_id,
                 j.why_pending()
             )))
+        ),
+    );
+    let d = &o.deliveries;
+    v.check(
+        d.holds(),
+        format!(
+            "I3 in the receiver's log: of {} incidents, {} accepted more than once, {} never \
+             accepted though their job finished; {} notifications for no incident of the run{}",
+            d.incidents,
+            d.doubled.len(),
+            d.missing.len(),
+            d.strays.len(),
+            listed(
+                d.doubled
+                    .iter()
+                    .map(|x| format!("incident {}: keys {}", x.incident_id, x.keys.join(", ")))
+                    .chain(d.missing.iter().map(|id| format!("incident {id}: none")))
+            )
         ),
     );
     let obs = &o.observations;
