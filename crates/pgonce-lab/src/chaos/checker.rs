@@ -152,7 +152,7 @@ async fn sequence(
         found.push(violation(
             I2,
             format!(
-                "committed numbers {:?}: {} missing, {} stored twice",
+                "committed numbers {:?}: {} missing or below 1, {} stored twice",
                 c.numbers,
                 c.gaps(),
                 c.duplicates()

@@ -208,11 +208,18 @@ impl ScopeNumbers {
         (self.numbers.len() - distinct.len()) as i64
     }
 
-    /// Numbers missing below the scope's highest (numbers start at 1).
+    /// Numbers out of place: those missing from 1 up to the scope's
+    /// highest, and those stored below 1 (numbers start at 1). Never
+    /// negative, so a sum over scopes counts every one: a number below 1
+    /// does not offset a gap elsewhere. A number missing above the highest
+    /// stored is not seen here; only a count of what was declared tells.
     pub(crate) fn gaps(&self) -> i64 {
         let mut distinct = self.numbers.clone();
         distinct.dedup();
-        distinct.last().copied().unwrap_or(0) - distinct.len() as i64
+        let below_one = distinct.iter().filter(|n| **n < 1).count() as i64;
+        let from_one = distinct.len() as i64 - below_one;
+        let highest = distinct.last().copied().unwrap_or(0).max(0);
+        highest - from_one + below_one
     }
 
     /// I2 for the scope: its numbers are exactly 1..=n.
@@ -227,4 +234,28 @@ pub(crate) async fn numbers(pool: &PgPool, scopes: &[String]) -> sqlx::Result<Ve
         .bind(scopes)
         .fetch_all(pool)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(numbers: &[i64]) -> ScopeNumbers {
+        ScopeNumbers {
+            scope: "s".to_owned(),
+            numbers: numbers.to_vec(),
+            ops: (1..=numbers.len() as i64).collect(),
+        }
+    }
+
+    #[test]
+    fn a_number_below_one_is_out_of_place_and_offsets_no_gap_elsewhere() {
+        let from_zero = stored(&[0, 1, 2]);
+        let with_gap = stored(&[1, 3]);
+        assert_eq!((from_zero.gaps(), with_gap.gaps()), (1, 1));
+        assert_eq!(stored(&[-2, -1]).gaps(), 2);
+        assert!(!from_zero.held() && !with_gap.held());
+        assert!(stored(&[1, 2, 3]).held() && stored(&[]).held());
+        assert_eq!(stored(&[1, 2, 2]).duplicates(), 1);
+    }
 }
