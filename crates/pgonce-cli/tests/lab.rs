@@ -264,6 +264,9 @@ fn race_sequence_keeps_i2_under_the_default_and_tells_the_truth_about_the_others
     assert_eq!(advisory["rollback_number_reused"], true);
     assert_eq!(by_strategy("table-lock")["invariant_held"], false);
     assert_eq!(by_strategy("select-for-update")["failed_declarations"], 1);
+    for row in report["results"].as_array().unwrap() {
+        assert_eq!(row["told_vs_committed"], "agree", "{row}");
+    }
 }
 
 #[test]

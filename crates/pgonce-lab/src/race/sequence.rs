@@ -21,7 +21,7 @@ use sqlx::PgPool;
 
 use super::{maybe_blocks, timeline_rows};
 use crate::report::{Environment, Report, Row};
-use crate::scenario::sequence::{self as scenario, Declared};
+use crate::scenario::sequence::{self as scenario, CommittedDeclaration, Declared};
 use crate::scratch::RunDatabase;
 
 /// Everything `pgonce race sequence` replays.
@@ -103,6 +103,10 @@ pub struct SequenceCase {
     pub duplicates: i64,
     /// Numbers missing below an organization's highest, all told.
     pub gaps: i64,
+    /// Where what the declarations were told and what the table holds
+    /// differ, in words: a number told whose row is missing or carries
+    /// another number, a row nobody was told. Empty when they agree.
+    pub unaccounted: Vec<String>,
     /// B's declaration in A's organization: its number, or why it failed.
     pub b: Result<i64, String>,
     /// Whom B was seen waiting for.
@@ -133,6 +137,7 @@ impl SequenceCase {
     pub fn invariant_held(&self) -> bool {
         self.duplicates == 0
             && self.gaps == 0
+            && self.unaccounted.is_empty()
             && self.failed_declarations() == 0
             && self.after_rollback == self.rolled_back
             && !self.other_scope_waited()
@@ -168,6 +173,14 @@ impl SequenceCase {
             .with("other_scope", waited("C", &self.c_waited_for))
             .with("duplicates", self.duplicates)
             .with("gaps", self.gaps)
+            .with(
+                "told_vs_committed",
+                if self.unaccounted.is_empty() {
+                    "agree".to_owned()
+                } else {
+                    self.unaccounted.join("; ")
+                },
+            )
             .with("failed_declarations", self.failed_declarations())
             .with(
                 "rollback_number_reused",
@@ -184,6 +197,14 @@ fn judge(report: &mut Report, strategy: Strategy, o: &SequenceCase) {
     report.verdict.check(
         o.duplicates == 0,
         format!("{name}: no duplicate committed (the unique index backs every strategy)"),
+    );
+    report.verdict.check(
+        o.unaccounted.is_empty(),
+        if o.unaccounted.is_empty() {
+            format!("{name}: every committed declaration's row carries the number it was told, and no other row is committed")
+        } else {
+            format!("{name}: {}", o.unaccounted.join("; "))
+        },
     );
     report.verdict.check(
         o.after_rollback == o.rolled_back,
@@ -314,12 +335,19 @@ async fn replay_case(db: &RunDatabase, strategy: Strategy) -> anyhow::Result<Seq
         .map_err(anyhow::Error::msg)?;
     race.note(&d, &format!("declare(acme): got {after_rollback}"));
 
-    let (committed, duplicates, gaps) = check(db.pool(), strategy).await?;
+    let mut told = vec![
+        told_number(&acme, OP_A, taken.number),
+        told_number(&acme, OP_D, after_rollback),
+    ];
+    told.extend(b_out.as_ref().ok().map(|n| told_number(&acme, OP_B, *n)));
+    told.extend(c_out.as_ref().ok().map(|n| told_number(&globex, OP_C, *n)));
+    let stored = check(db.pool(), strategy, &told).await?;
     Ok(SequenceCase {
         strategy,
-        committed,
-        duplicates,
-        gaps,
+        committed: stored.committed,
+        duplicates: stored.duplicates,
+        gaps: stored.gaps,
+        unaccounted: stored.unaccounted,
         b: b_out,
         b_waited_for,
         c_waited_for,
@@ -336,24 +364,49 @@ fn show(out: &Result<i64, String>) -> String {
     }
 }
 
-/// Committed numbers per organization, duplicates and gaps, as the
-/// scenario's per-scope check reads them.
+fn told_number(scope: &str, op: i64, number: i64) -> CommittedDeclaration {
+    CommittedDeclaration {
+        scope: scope.to_owned(),
+        op,
+        number,
+    }
+}
+
+/// What one strategy's scopes hold once the replay is over.
+struct Stored {
+    /// Committed numbers per organization.
+    committed: BTreeMap<String, Vec<i64>>,
+    duplicates: i64,
+    gaps: i64,
+    /// Differences from what the committed declarations were told.
+    unaccounted: Vec<String>,
+}
+
+/// Reads the strategy's scopes as the scenario's per-scope check does, and
+/// sets them against the numbers the committed declarations were `told`.
 async fn check(
     pool: &PgPool,
     strategy: Strategy,
-) -> anyhow::Result<(BTreeMap<String, Vec<i64>>, i64, i64)> {
+    told: &[CommittedDeclaration],
+) -> anyhow::Result<Stored> {
     let scopes = ORGS.map(|org| scope(strategy, org));
     let rows = scenario::numbers(pool, &scopes).await?;
-    let (mut duplicates, mut gaps) = (0, 0);
-    let mut committed = BTreeMap::new();
+    let mut stored = Stored {
+        committed: BTreeMap::new(),
+        duplicates: 0,
+        gaps: 0,
+        unaccounted: scenario::unaccounted(told, &rows),
+    };
     for (org, scope) in ORGS.iter().zip(&scopes) {
         if let Some(row) = rows.iter().find(|r| &r.scope == scope) {
-            duplicates += row.duplicates();
-            gaps += row.gaps();
-            committed.insert(org.to_string(), row.numbers.clone());
+            stored.duplicates += row.duplicates();
+            stored.gaps += row.gaps();
+            stored
+                .committed
+                .insert(org.to_string(), row.numbers.clone());
         }
     }
-    Ok((committed, duplicates, gaps))
+    Ok(stored)
 }
 
 /// Each strategy's `next` in a REPEATABLE READ transaction: refused or not.

@@ -212,7 +212,8 @@ impl ScopeNumbers {
     /// highest, and those stored below 1 (numbers start at 1). Never
     /// negative, so a sum over scopes counts every one: a number below 1
     /// does not offset a gap elsewhere. A number missing above the highest
-    /// stored is not seen here; only a count of what was declared tells.
+    /// stored is not seen here; [`unaccounted`] sets the table against what
+    /// the declarations were told.
     pub(crate) fn gaps(&self) -> i64 {
         let mut distinct = self.numbers.clone();
         distinct.dedup();
@@ -226,6 +227,59 @@ impl ScopeNumbers {
     pub(crate) fn held(&self) -> bool {
         self.duplicates() == 0 && self.gaps() == 0
     }
+}
+
+/// A declaration its driver saw commit, with the number it was told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CommittedDeclaration {
+    /// The scope it declared in.
+    pub(crate) scope: String,
+    /// The operation its row is tagged with.
+    pub(crate) op: i64,
+    /// The number the sequence told it.
+    pub(crate) number: i64,
+}
+
+/// What the declarations were told against what the table holds, each
+/// difference said in words: a declaration told a number its row does not
+/// carry (or whose row is missing), and a row no committed declaration was
+/// told. [`ScopeNumbers::gaps`] cannot see a number missing above the
+/// highest stored, nor a row carrying another number than its declaration
+/// was told; this sees both.
+pub(crate) fn unaccounted(
+    declared: &[CommittedDeclaration],
+    stored: &[ScopeNumbers],
+) -> Vec<String> {
+    let mut rows: Vec<(&str, i64, i64)> = stored
+        .iter()
+        .flat_map(|s| {
+            s.numbers
+                .iter()
+                .zip(&s.ops)
+                .map(|(number, op)| (s.scope.as_str(), *number, *op))
+        })
+        .collect();
+    let mut found = Vec::new();
+    for d in declared {
+        match rows
+            .iter()
+            .position(|(scope, number, op)| *scope == d.scope && *number == d.number && *op == d.op)
+        {
+            Some(at) => {
+                rows.swap_remove(at);
+            }
+            None => found.push(format!(
+                "op {} was told {} in {}, and no such row is committed",
+                d.op, d.number, d.scope
+            )),
+        }
+    }
+    found.extend(rows.into_iter().map(|(scope, number, op)| {
+        format!(
+            "{number} is committed in {scope} by op {op}, which no committed declaration was told"
+        )
+    }));
+    found
 }
 
 /// The committed numbers of each of `scopes` that has any, by scope.
@@ -246,6 +300,42 @@ mod tests {
             numbers: numbers.to_vec(),
             ops: (1..=numbers.len() as i64).collect(),
         }
+    }
+
+    fn told(op: i64, number: i64) -> CommittedDeclaration {
+        CommittedDeclaration {
+            scope: "s".to_owned(),
+            op,
+            number,
+        }
+    }
+
+    #[test]
+    fn a_number_told_above_the_highest_stored_is_unaccounted_though_no_gap_shows() {
+        // Declarations 1 and 2 committed with numbers 1 and 2; only 1's row
+        // is there. The table alone looks gapless.
+        let table = stored(&[1]);
+        assert!(table.held());
+        let found = unaccounted(&[told(1, 1), told(2, 2)], std::slice::from_ref(&table));
+        assert_eq!(
+            found,
+            ["op 2 was told 2 in s, and no such row is committed"]
+        );
+    }
+
+    #[test]
+    fn a_row_with_another_number_or_nobody_told_is_unaccounted() {
+        // Op 2 was told 3, its row carries 2: both sides are reported.
+        let table = stored(&[1, 2]);
+        let found = unaccounted(&[told(1, 1), told(2, 3)], std::slice::from_ref(&table));
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(
+            found[1].contains("2 is committed in s by op 2"),
+            "{found:?}"
+        );
+        // Every told number has its row, and nothing else is stored.
+        assert!(unaccounted(&[told(2, 2), told(1, 1)], &[table]).is_empty());
+        assert!(unaccounted(&[], &[]).is_empty());
     }
 
     #[test]
