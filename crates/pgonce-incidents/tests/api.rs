@@ -1179,6 +1179,25 @@ async fn health_readiness_metrics_and_the_openapi_document() {
     let paths = doc["paths"].as_object().unwrap();
     let operations: usize = paths.values().map(|p| p.as_object().unwrap().len()).sum();
     assert_eq!(operations, openapi::ROUTES.len());
+    // The two routes that read an Idempotency-Key header document it, so
+    // that a client generated from the document can send it (and the
+    // fuzz test sends it).
+    for (path, max_length) in [
+        ("/v1/incidents", json!(200)),
+        ("/v1/observations", json!(null)),
+    ] {
+        let header = paths[path]["post"]["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["in"] == "header")
+            .unwrap_or_else(|| panic!("POST {path} documents no header"))
+            .clone();
+        assert_eq!(header["name"], "Idempotency-Key", "{header}");
+        assert_eq!(header["required"], false, "{header}");
+        assert_eq!(header["schema"]["minLength"], 1, "{header}");
+        assert_eq!(header["schema"]["maxLength"], max_length, "{header}");
+    }
     for route in openapi::ROUTES {
         let method = route.method.to_ascii_lowercase();
         assert!(

@@ -46,6 +46,31 @@ pub struct Route {
     pub body: Option<(SchemaFn, Need)>,
     /// The success response's JSON schema (none: no JSON body).
     pub response: Option<SchemaFn>,
+    /// The `Idempotency-Key` header the route reads (none: it reads none).
+    pub idempotency_key: Option<KeyHeader>,
+}
+
+/// The `Idempotency-Key` header of a route, for its OpenAPI parameter:
+/// optional, visible ASCII that neither starts nor ends with a space (HTTP
+/// trims those, so a key of spaces arrives empty and is refused), sent once.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyHeader {
+    /// The longest key the route takes, in characters (none: any length).
+    pub max_length: Option<usize>,
+    /// What the route does with it.
+    pub description: &'static str,
+}
+
+impl KeyHeader {
+    fn parameter(&self) -> Value {
+        let mut schema =
+            json!({"type": "string", "minLength": 1, "pattern": super::IDEMPOTENCY_KEY_PATTERN});
+        if let Some(max) = self.max_length {
+            schema["maxLength"] = json!(max);
+        }
+        json!({"name": super::IDEMPOTENCY_HEADER, "in": "header", "required": false,
+               "description": self.description, "schema": schema})
+    }
 }
 
 /// Whether a request body is required.
@@ -76,6 +101,7 @@ const fn route(
         query: &[],
         body: None,
         response: None,
+        idempotency_key: None,
     }
 }
 
@@ -343,6 +369,10 @@ pub const ROUTES: &[Route] = &[
     Route {
         body: Some((of::<NewDeclaration>, Need::Required)),
         response: Some(of::<Incident>),
+        idempotency_key: Some(KeyHeader {
+            max_length: Some(crate::model::MAX_NAME),
+            description: "Names the declaration: sent again with the same key, it answers the incident the first one declared, and with another title, entity or actor it is refused (422). The body's idempotency_key is the same key; when both are sent they must be equal.",
+        }),
         ..route("POST", "/v1/incidents", Auth::ApiKey, 201, "Declare an incident by hand (Idempotency-Key header or body field)")
     },
     Route {
@@ -371,6 +401,10 @@ pub const ROUTES: &[Route] = &[
     Route {
         body: Some((of::<Observation>, Need::Required)),
         response: Some(queued),
+        idempotency_key: Some(KeyHeader {
+            max_length: None,
+            description: "Queues the observation once within the pipeline queue's deduplication window: a resend with the same key answers the first message's id with duplicate true. Without it, the observation's message_id is the key. A long key is hashed.",
+        }),
         ..route("POST", "/v1/observations", Auth::ApiKey, 202, "Send an observation to the pipeline's queue (Idempotency-Key header: deduplicated within the queue's window)")
     },
     route("GET", "/metrics", Auth::None, 200, "Prometheus metrics (text)"),
@@ -412,6 +446,7 @@ pub fn document() -> Value {
         parameters.extend(r.query.iter().map(
             |q| json!({"name": q, "in": "query", "required": false, "schema": query_parameter(r.path, q)}),
         ));
+        parameters.extend(r.idempotency_key.map(|h| h.parameter()));
         let security = match r.auth {
             Auth::None => json!([]),
             Auth::ApiKey => json!([{ "apiKey": [] }]),
