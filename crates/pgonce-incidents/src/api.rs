@@ -68,7 +68,7 @@ use crate::model::{
     Declaration, IncidentFilter, Lifecycle, MAX_NAME, MAX_TITLE, NAME_PATTERN, Observation, Rule,
     Singleton, TITLE_PATTERN, check_name,
 };
-use crate::service::Service;
+use crate::service::{FeedPage, Service};
 use crate::store;
 
 /// The largest [`ApiConfig::body_limit`]: 16 MiB. A body is read whole into
@@ -842,14 +842,17 @@ async fn events(
     let feed = state
         .service()
         .feed(caller.organization_id, params.after, params.limit, wait);
-    let (events, next) = tokio::select! {
+    let page = tokio::select! {
         read = feed => read?,
         // A stop ends the wait. The feed only reads, so dropping it leaves
         // nothing behind; `next` = `after` is a horizon the page reached,
         // and the client's next poll reads everything after it.
-        Ok(_) = stopping.wait_for(|s| *s), if !wait.is_zero() => (Vec::new(), params.after),
+        Ok(_) = stopping.wait_for(|s| *s), if !wait.is_zero() => FeedPage {
+            events: Vec::new(),
+            next: params.after,
+        },
     };
-    Ok(Json(json!({ "events": events, "next": next })))
+    Ok(Json(json!({ "events": page.events, "next": page.next })))
 }
 
 // ---- ingest ----

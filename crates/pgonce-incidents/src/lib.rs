@@ -55,4 +55,4 @@ pub use error::{Error, Result};
 pub use migrate::{MIGRATOR, SCHEMA, migrate, newer_version};
 pub use notifier::{Notifier, NotifierConfig};
 pub use pipeline::{ObservationHandler, SimulatedEvaluator, SimulatedEvaluatorConfig};
-pub use service::{Service, ServiceConfig, WritePath};
+pub use service::{FeedPage, Service, ServiceConfig, WritePath};

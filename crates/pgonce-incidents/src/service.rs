@@ -767,7 +767,7 @@ impl Service {
         after: i64,
         limit: i64,
         wait: Duration,
-    ) -> Result<(Vec<StoredEvent>, i64)> {
+    ) -> Result<FeedPage> {
         if after < 0 {
             return Err(Error::invalid("after", "must not be negative"));
         }
@@ -791,10 +791,17 @@ impl Service {
         // run past a short `wait`, up to this.
         let busy_deadline = deadline.max(started + FEED_GAP_WAIT);
         loop {
-            let (events, polled) = subscription.run_once().await?;
+            let pgonce::events::PollOutcome {
+                events,
+                counters: polled,
+                ..
+            } = subscription.run_once().await?;
             let now = tokio::time::Instant::now();
             if !events.is_empty() {
-                return Ok((events, subscription.horizon()));
+                return Ok(FeedPage {
+                    events,
+                    next: subscription.horizon(),
+                });
             }
             let pause = if polled.advanced > 0 {
                 // Moved over other organizations' events: look further now.
@@ -804,12 +811,29 @@ impl Service {
             } else if now < deadline {
                 Duration::from_millis(100).min(wait)
             } else {
-                return Ok((events, subscription.horizon()));
+                return Ok(FeedPage {
+                    events,
+                    next: subscription.horizon(),
+                });
             };
             if now >= busy_deadline {
-                return Ok((events, subscription.horizon()));
+                return Ok(FeedPage {
+                    events,
+                    next: subscription.horizon(),
+                });
             }
             tokio::time::sleep(pause).await;
         }
     }
+}
+
+/// A page of an organization's event feed ([`Service::feed`]).
+#[derive(Debug, Clone)]
+pub struct FeedPage {
+    /// The organization's events, at most the page's limit, in position
+    /// order; none when nothing came within the wait.
+    pub events: Vec<StoredEvent>,
+    /// The position to pass as `after` for the next page: the last
+    /// event's, or the horizon reached without one.
+    pub next: i64,
 }

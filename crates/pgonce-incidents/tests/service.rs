@@ -680,20 +680,23 @@ async fn the_lifecycle_moves_forward_once_and_is_on_the_timeline() {
     ] {
         assert!(matches!(r, Err(Error::NotFound { .. })), "{r:?}");
     }
-    let (feed, next) = w.service.feed(w.org, 0, 100, Duration::ZERO).await.unwrap();
-    assert_eq!(feed.len(), 3);
-    let (empty, _) = w
+    let page = w.service.feed(w.org, 0, 100, Duration::ZERO).await.unwrap();
+    assert_eq!(page.events.len(), 3);
+    let empty = w
         .service
         .feed(other.id, 0, 100, Duration::ZERO)
         .await
         .unwrap();
-    assert!(empty.is_empty(), "another organization's feed is its own");
-    let (after, _) = w
+    assert!(
+        empty.events.is_empty(),
+        "another organization's feed is its own"
+    );
+    let after = w
         .service
-        .feed(w.org, next, 100, Duration::from_millis(150))
+        .feed(w.org, page.next, 100, Duration::from_millis(150))
         .await
         .unwrap();
-    assert!(after.is_empty());
+    assert!(after.events.is_empty());
 }
 
 /// A feed page gets past a rolled-back position and past other
@@ -731,18 +734,19 @@ async fn the_feed_passes_a_rolled_back_position_and_other_organizations_events_a
         .declare(w.org, &declaration("ours"), "alice")
         .await
         .unwrap();
-    let (page, next) = w.service.feed(w.org, 0, 1, Duration::ZERO).await.unwrap();
-    assert_eq!(page.len(), 1, "{page:?}");
-    assert_eq!(page[0].event.event_type, "IncidentOpened");
-    assert_eq!(page[0].event.data["title"], "ours");
-    assert_eq!(next, page[0].position);
-    let (rest, last) = w
+    let page = w.service.feed(w.org, 0, 1, Duration::ZERO).await.unwrap();
+    let (first, next) = (&page.events, page.next);
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].event.event_type, "IncidentOpened");
+    assert_eq!(first[0].event.data["title"], "ours");
+    assert_eq!(next, first[0].position);
+    let rest = w
         .service
         .feed(w.org, next, 1, Duration::ZERO)
         .await
         .unwrap();
-    assert!(rest.is_empty());
-    assert_eq!(last, next, "nothing after it");
+    assert!(rest.events.is_empty());
+    assert_eq!(rest.next, next, "nothing after it");
     assert_eq!(w.service.get(w.org, ours.id).await.unwrap().number, 1);
 }
 

@@ -231,8 +231,8 @@ async fn sequence_declarations_under_each_strategy() -> anyhow::Result<()> {
             other => panic!("no expectation written for {other}"),
         }
     }
-    for (s, refused) in &race.refused_under_repeatable_read {
-        assert_eq!(*refused, !s.accepts("repeatable read"), "{s}");
+    for o in &race.under_repeatable_read {
+        assert_eq!(o.refused, !o.strategy.accepts("repeatable read"), "{o:?}");
     }
     db.close().await
 }

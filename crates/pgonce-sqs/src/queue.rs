@@ -854,7 +854,7 @@ impl SqsQueue {
         Ok(())
     }
 
-    async fn counts(&self, url: &str) -> Result<(u64, u64, u64)> {
+    async fn counts(&self, url: &str) -> Result<MessageCounts> {
         let out = self
             .sdk()
             .get_queue_attributes()
@@ -871,11 +871,27 @@ impl SqsQueue {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0)
         };
-        Ok((
-            get(QueueAttributeName::ApproximateNumberOfMessages),
-            get(QueueAttributeName::ApproximateNumberOfMessagesNotVisible),
-            get(QueueAttributeName::ApproximateNumberOfMessagesDelayed),
-        ))
+        Ok(MessageCounts {
+            visible: get(QueueAttributeName::ApproximateNumberOfMessages),
+            in_flight: get(QueueAttributeName::ApproximateNumberOfMessagesNotVisible),
+            delayed: get(QueueAttributeName::ApproximateNumberOfMessagesDelayed),
+        })
+    }
+}
+
+/// A queue's approximate message counts, as `GetQueueAttributes` gives them.
+struct MessageCounts {
+    /// Ready to be received.
+    visible: u64,
+    /// Received and not yet deleted, within their visibility timeout.
+    in_flight: u64,
+    /// Sent with a delay that has not run out.
+    delayed: u64,
+}
+
+impl MessageCounts {
+    fn total(&self) -> u64 {
+        self.visible + self.in_flight + self.delayed
     }
 }
 
@@ -1092,7 +1108,7 @@ impl Queue for SqsQueue {
     /// promise (every message sent before it gone) would not be kept. The
     /// caller purges again once the earlier purge is over.
     async fn purge(&self) -> Result<u64> {
-        let (depth, in_flight, delayed) = self.counts(&self.inner.url).await?;
+        let before = self.counts(&self.inner.url).await?;
         self.sdk()
             .purge_queue()
             .queue_url(&self.inner.url)
@@ -1104,22 +1120,19 @@ impl Queue for SqsQueue {
                 },
                 other => other,
             })?;
-        Ok(depth + in_flight + delayed)
+        Ok(before.total())
     }
 
     async fn stats(&self) -> Result<QueueStats> {
-        let (depth, in_flight, delayed) = self.counts(&self.inner.url).await?;
+        let counts = self.counts(&self.inner.url).await?;
         let dead_letter_depth = match &self.inner.dead_letter_url {
-            Some(url) => {
-                let (d, f, l) = self.counts(url).await?;
-                Some(d + f + l)
-            }
+            Some(url) => Some(self.counts(url).await?.total()),
             None => None,
         };
         Ok(QueueStats {
-            depth,
-            in_flight,
-            delayed,
+            depth: counts.visible,
+            in_flight: counts.in_flight,
+            delayed: counts.delayed,
             oldest_age: None,
             dead_letter_depth,
         })

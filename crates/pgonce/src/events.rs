@@ -192,7 +192,7 @@ pub use model::{
     AppendCondition, Appended, Decision, Event, MAX_NAME_BYTES, MAX_QUERY_ITEMS, Query, QueryItem,
     ReadOptions, StoredEvent,
 };
-pub use subscription::{PollCounters, Subscription, SubscriptionConfig};
+pub use subscription::{PollCounters, PollOutcome, Subscription, SubscriptionConfig};
 #[doc(hidden)]
 pub use subscription::{PollHook, PollPoint};
 

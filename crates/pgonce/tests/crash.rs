@@ -208,8 +208,11 @@ async fn a_subscription_waiting_at_a_gap_when_the_server_crashes_goes_on_after_t
         })
         .await
         .unwrap();
-    let (events, counters) = subscription.run_once().await.unwrap();
-    assert!(events.is_empty() && counters.waiting_on_gap, "{counters:?}");
+    let first = subscription.run_once().await.unwrap();
+    assert!(
+        first.events.is_empty() && first.counters.waiting_on_gap,
+        "{first:?}"
+    );
 
     let mut cluster = crash_and_restart(cluster).await;
     // The old connections died with the server; the subscription's pool
@@ -221,9 +224,9 @@ async fn a_subscription_waiting_at_a_gap_when_the_server_crashes_goes_on_after_t
     let mut delivered = Vec::new();
     let mut polls = Vec::new();
     for _ in 0..3 {
-        let (events, counters) = subscription.run_once().await.unwrap();
-        delivered.extend(events.iter().map(|e| e.position));
-        polls.push(counters);
+        let polled = subscription.run_once().await.unwrap();
+        delivered.extend(polled.events.iter().map(|e| e.position));
+        polls.push(polled.counters);
     }
     assert_eq!(delivered, [2], "after the restart: {polls:?}");
     assert_eq!(subscription.horizon(), 2);

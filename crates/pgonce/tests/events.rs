@@ -11,7 +11,8 @@ use pgonce::Error;
 use pgonce::IsolationLevel;
 use pgonce::events::{
     AppendCondition, AppendStrategy, Appended, Event, EventStore, EventStoreConfig, PollHook,
-    PollPoint, Query, QueryItem, ReadOptions, StoredEvent, Subscription, SubscriptionConfig,
+    PollOutcome, PollPoint, Query, QueryItem, ReadOptions, StoredEvent, Subscription,
+    SubscriptionConfig,
 };
 use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_migrated_database};
 use rand::Rng;
@@ -1068,7 +1069,7 @@ async fn a_query_past_the_most_items_is_refused_and_one_at_it_answers() {
         })
         .await
         .unwrap();
-    assert_eq!(sub.run_once().await.unwrap().0.len(), 1);
+    assert_eq!(sub.run_once().await.unwrap().events.len(), 1);
 }
 
 /// Every distinct tag and type an append publishes or a condition checks
@@ -1174,7 +1175,9 @@ async fn catch_up_under_concurrent_writers_delivers_every_event_in_order() {
         done = writers.iter().all(|w| w.is_finished());
         // Catch up as far as possible (after the writers finished: fully).
         loop {
-            let (events, counters) = sub.run_once().await.unwrap();
+            let PollOutcome {
+                events, counters, ..
+            } = sub.run_once().await.unwrap();
             seen.extend(positions(&events));
             if counters.advanced == 0 && !counters.waiting_on_gap {
                 break;
@@ -2232,7 +2235,7 @@ impl Faults {
         let stalled = self.stalled.clone();
         let out = tokio::select! {
             biased;
-            r = sub.run_once() => Some(r.map(|(events, _)| events)),
+            r = sub.run_once() => Some(r.map(|polled| polled.events)),
             _ = stalled.notified() => None,
         };
         *self.plan.lock().unwrap() = None;
@@ -2244,7 +2247,9 @@ impl Faults {
 async fn drain(sub: &mut pgonce::events::Subscription) -> Vec<i64> {
     let mut seen = Vec::new();
     loop {
-        let (events, counters) = sub.run_once().await.unwrap();
+        let PollOutcome {
+            events, counters, ..
+        } = sub.run_once().await.unwrap();
         seen.extend(positions(&events));
         if counters.advanced == 0 && !counters.waiting_on_gap {
             return seen;

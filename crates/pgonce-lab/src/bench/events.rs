@@ -117,18 +117,11 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     let mut limits: Vec<(Overlap, f64)> = Vec::new();
     for overlap in [Overlap::Disjoint, Overlap::Partial, Overlap::Full] {
         let label = format!("{UNCONDITIONED}/{}", overlap.name());
-        let (m, deadlocks, waiting) = observed(
+        let cell = observed(
             db.pool(),
             unguarded(db.pool(), overlap, false, workers, phase, &label),
         )
         .await?;
-        let cell = Cell {
-            m,
-            retries: 0,
-            aborts: 0,
-            deadlocks,
-            waiting,
-        };
         report
             .results
             .push(row(UNCONDITIONED, overlap, workers, &cell));
@@ -213,18 +206,11 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     // command that reads before it writes cannot go below, whatever guards
     // it: how much of the gap to the one-statement limit is the safeguard's.
     let label = format!("{READ_THEN_INSERT}/disjoint");
-    let (m, deadlocks, waiting) = observed(
+    let unguarded = observed(
         db.pool(),
         unguarded(db.pool(), Overlap::Disjoint, true, workers, phase, &label),
     )
     .await?;
-    let unguarded = Cell {
-        m,
-        retries: 0,
-        aborts: 0,
-        deadlocks,
-        waiting,
-    };
     report.results.push(row(
         READ_THEN_INSERT,
         Overlap::Disjoint,
@@ -267,15 +253,11 @@ pub(crate) async fn run(args: &BenchArgs, db: &RunDatabase) -> anyhow::Result<Re
     let mut peer_cells: Vec<(Overlap, Cell)> = Vec::new();
     for overlap in [Overlap::Disjoint, Overlap::Partial, Overlap::Full] {
         let label = format!("{}/{}", disintegrate::NAME, overlap.name());
-        let (m, deadlocks, waiting) =
+        let observed_cell =
             observed(db.pool(), peer.measure(overlap, workers, phase, &label)).await?;
-        let aborts = m.counters.get("aborts").copied().unwrap_or(0);
         let cell = Cell {
-            m,
-            retries: 0,
-            aborts,
-            deadlocks,
-            waiting,
+            aborts: observed_cell.m.counters.get("aborts").copied().unwrap_or(0),
+            ..observed_cell
         };
         report
             .results
@@ -508,7 +490,7 @@ async fn measure(
     // history. (With tags shared across cells, the strategy measured later
     // read the earlier cells' events in every decision and paid for them.)
     let cell = Arc::new(label.to_owned());
-    let (m, deadlocks, waiting) = observed(
+    let observed_cell = observed(
         pool,
         closed_loop(label, workers, phase, move |worker, _| {
             let (store, r, a, cell) = (store.clone(), r.clone(), a.clone(), cell.clone());
@@ -539,11 +521,9 @@ async fn measure(
     )
     .await?;
     Ok(Cell {
-        m,
         retries: retries.load(Ordering::Relaxed),
         aborts: aborts.load(Ordering::Relaxed),
-        deadlocks,
-        waiting,
+        ..observed_cell
     })
 }
 
@@ -566,7 +546,7 @@ async fn measure_kept_decision(
     let kept: Arc<Vec<Mutex<Option<Option<i64>>>>> =
         Arc::new((0..workers).map(|_| Mutex::new(None)).collect());
     let cell = Arc::new(label.to_owned());
-    let (m, deadlocks, waiting) = observed(
+    observed(
         pool,
         closed_loop(label, workers, phase, move |worker, _| {
             let (store, kept, cell) = (store.clone(), kept.clone(), cell.clone());
@@ -596,23 +576,14 @@ async fn measure_kept_decision(
             }
         }),
     )
-    .await?;
-    Ok(Cell {
-        m,
-        retries: 0,
-        aborts: 0,
-        deadlocks,
-        waiting,
-    })
+    .await
 }
 
 /// Runs `load` while sampling how many backends wait on a lock (pg_locks,
-/// every 10 ms); returns its figures, the deadlocks it caused and the mean
-/// number of waiting backends.
-async fn observed(
-    pool: &PgPool,
-    load: impl Future<Output = Measured>,
-) -> anyhow::Result<(Measured, i64, f64)> {
+/// every 10 ms); returns its cell: its figures, the deadlocks it caused and
+/// the mean number of waiting backends, with no retries or aborts counted
+/// (a caller that counts them sets them).
+async fn observed(pool: &PgPool, load: impl Future<Output = Measured>) -> anyhow::Result<Cell> {
     let deadlocks_before = deadlocks(pool).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
@@ -636,7 +607,13 @@ async fn observed(
     let m = load.await;
     stop.store(true, Ordering::Relaxed);
     let waiting = sampler.await.unwrap_or(0.0);
-    Ok((m, deadlocks(pool).await? - deadlocks_before, waiting))
+    Ok(Cell {
+        m,
+        retries: 0,
+        aborts: 0,
+        deadlocks: deadlocks(pool).await? - deadlocks_before,
+        waiting,
+    })
 }
 
 async fn deadlocks(pool: &PgPool) -> anyhow::Result<i64> {

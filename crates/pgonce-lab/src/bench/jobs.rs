@@ -130,7 +130,7 @@ pub(crate) async fn run(
         Guard::DedupeKey,
     ] {
         let name = strategy.name();
-        let (first, last) = prefill(db.pool(), name, jobs_per_variant).await?;
+        let Prefilled { first, last } = prefill(db.pool(), name, jobs_per_variant).await?;
         let r = redeliver(db.pool(), strategy, workers, first, last).await?;
         let dup = r.duplicates;
         report.results.push(
@@ -218,19 +218,29 @@ fn check_errors(report: &mut Report, strategy: &str, m: &Measured) {
     );
 }
 
-async fn prefill(pool: &PgPool, kind: &str, n: i64) -> anyhow::Result<(i64, i64)> {
-    /// The first and last id `sql/jobs_prefill.sql` inserted.
+/// The ids of the jobs [`prefill`] inserted: `first..=last`, empty when
+/// none was (`first` 0, `last` -1).
+struct Prefilled {
+    first: i64,
+    last: i64,
+}
+
+async fn prefill(pool: &PgPool, kind: &str, n: i64) -> anyhow::Result<Prefilled> {
+    /// The first and last id `sql/jobs_prefill.sql` inserted, if any.
     #[derive(sqlx::FromRow)]
-    struct Prefilled {
+    struct PrefillRow {
         first: Option<i64>,
         last: Option<i64>,
     }
-    let Prefilled { first, last } = sqlx::query_as(include_str!("sql/jobs_prefill.sql"))
+    let PrefillRow { first, last } = sqlx::query_as(include_str!("sql/jobs_prefill.sql"))
         .bind(kind)
         .bind(n)
         .fetch_one(pool)
         .await?;
-    Ok((first.unwrap_or(0), last.unwrap_or(-1)))
+    Ok(Prefilled {
+        first: first.unwrap_or(0),
+        last: last.unwrap_or(-1),
+    })
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -677,15 +677,16 @@ async fn late_lower_position_catch_up(db: &RunDatabase) -> anyhow::Result<CatchU
         s2.append(&booking("b"), None),
     )
     .await?;
-    let (first, c1) = race.try_step(&r, "catch-up poll", sub.run_once()).await?;
-    let first = positions(&first);
+    let first = race.try_step(&r, "catch-up poll", sub.run_once()).await?;
+    let c1 = first.counters;
+    let first = positions(&first.events);
     race.note(
         &r,
         &format!("delivered {first:?}, waiting on gap: {}", c1.waiting_on_gap),
     );
     race.try_step(&w1, "COMMIT", p1.commit()).await?;
-    let (second, _) = race.try_step(&r, "catch-up poll", sub.run_once()).await?;
-    let second = positions(&second);
+    let second = race.try_step(&r, "catch-up poll", sub.run_once()).await?;
+    let second = positions(&second.events);
     race.note(&r, &format!("delivered {second:?}"));
 
     let p3 = race
@@ -701,8 +702,8 @@ async fn late_lower_position_catch_up(db: &RunDatabase) -> anyhow::Result<CatchU
         s2.append(&booking("d"), None),
     )
     .await?;
-    let (third, _) = race.try_step(&r, "catch-up poll", sub.run_once()).await?;
-    let third = positions(&third);
+    let third = race.try_step(&r, "catch-up poll", sub.run_once()).await?;
+    let third = positions(&third.events);
     race.note(&r, &format!("delivered {third:?}"));
     race.try_step(&w1, "ROLLBACK", p3.rollback()).await?;
     // Once every transaction that was running when the gap was seen has
@@ -711,9 +712,9 @@ async fn late_lower_position_catch_up(db: &RunDatabase) -> anyhow::Result<CatchU
     let settled = race
         .try_step(&r, "catch-up poll until the gap settles", async {
             loop {
-                let (events, counters) = sub.run_once().await?;
-                if !counters.waiting_on_gap || !events.is_empty() {
-                    return Ok::<_, Error>(events);
+                let polled = sub.run_once().await?;
+                if !polled.counters.waiting_on_gap || !polled.events.is_empty() {
+                    return Ok::<_, Error>(polled.events);
                 }
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }

@@ -29,9 +29,17 @@ use crate::scratch::RunDatabase;
 pub struct SequenceRace {
     /// One case per sequence strategy.
     pub cases: Vec<SequenceCase>,
-    /// Each strategy's `next` in a REPEATABLE READ transaction: refused
-    /// with `WrongIsolation` (true) or accepted.
-    pub refused_under_repeatable_read: Vec<(Strategy, bool)>,
+    /// Each strategy's `next` in a REPEATABLE READ transaction.
+    pub under_repeatable_read: Vec<IsolationOutcome>,
+}
+
+/// What a strategy's `next` did in a REPEATABLE READ transaction.
+#[derive(Debug, Clone, Copy)]
+pub struct IsolationOutcome {
+    /// The sequence strategy.
+    pub strategy: Strategy,
+    /// Refused with `WrongIsolation` (true) or accepted.
+    pub refused: bool,
 }
 
 pub(crate) async fn run(db: &RunDatabase) -> anyhow::Result<Report> {
@@ -53,7 +61,7 @@ pub async fn replay(db: &RunDatabase) -> anyhow::Result<SequenceRace> {
     }
     Ok(SequenceRace {
         cases,
-        refused_under_repeatable_read: wrong_isolation(db).await?,
+        under_repeatable_read: wrong_isolation(db).await?,
     })
 }
 
@@ -68,19 +76,21 @@ pub(crate) fn report(race: &SequenceRace, environment: Environment) -> Report {
             timeline_rows(strategy.name(), &case.timeline),
         );
     }
-    let isolation = &race.refused_under_repeatable_read;
+    let isolation = &race.under_repeatable_read;
     report.verdict.check(
-        isolation.iter().all(|(s, refused)| *refused != s.accepts("repeatable read")),
+        isolation
+            .iter()
+            .all(|o| o.refused != o.strategy.accepts("repeatable read")),
         "under REPEATABLE READ the max + 1 strategies refuse with a typed WrongIsolation error (no number, no lock); the counter row accepts",
     );
     report.sections.insert(
         "isolation: next() under REPEATABLE READ".into(),
         isolation
             .iter()
-            .map(|(s, refused)| {
-                Row::new(s.name()).with(
+            .map(|o| {
+                Row::new(o.strategy.name()).with(
                     "outcome",
-                    if *refused {
+                    if o.refused {
                         "Error::WrongIsolation (needs read committed)"
                     } else {
                         "accepted (a concurrent update aborts with 40001, never a duplicate)"
@@ -410,7 +420,7 @@ async fn check(
 }
 
 /// Each strategy's `next` in a REPEATABLE READ transaction: refused or not.
-async fn wrong_isolation(db: &RunDatabase) -> anyhow::Result<Vec<(Strategy, bool)>> {
+async fn wrong_isolation(db: &RunDatabase) -> anyhow::Result<Vec<IsolationOutcome>> {
     let mut out = Vec::new();
     for strategy in Strategy::ALL {
         let seq = scenario::sequence(strategy)?;
@@ -421,7 +431,7 @@ async fn wrong_isolation(db: &RunDatabase) -> anyhow::Result<Vec<(Strategy, bool
             Err(e) => return Err(e.into()),
         };
         tx.rollback().await?;
-        out.push((strategy, refused));
+        out.push(IsolationOutcome { strategy, refused });
     }
     Ok(out)
 }

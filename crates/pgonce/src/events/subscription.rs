@@ -194,6 +194,16 @@ struct HorizonRow {
     positions: Vec<i64>,
 }
 
+/// What one [`Subscription::run_once`] read, and what it did.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct PollOutcome {
+    /// The events delivered, in position order; possibly none.
+    pub events: Vec<StoredEvent>,
+    /// How far the poll moved.
+    pub counters: PollCounters,
+}
+
 /// What one [`Subscription::run_once`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -276,7 +286,7 @@ impl Subscription {
     /// dropped at any await leaves them where they were, so the next poll,
     /// or a subscription resumed from [`Subscription::horizon`], reads the
     /// same positions again and no event is lost.
-    pub async fn run_once(&mut self) -> Result<(Vec<StoredEvent>, PollCounters)> {
+    pub async fn run_once(&mut self) -> Result<PollOutcome> {
         let mut tx = crate::begin(&self.pool, crate::IsolationLevel::RepeatableRead).await?;
         let HorizonRow {
             xmin,
@@ -342,7 +352,7 @@ impl Subscription {
             advanced: horizon - old,
             waiting_on_gap: waiting,
         };
-        Ok((events, counters))
+        Ok(PollOutcome { events, counters })
     }
 
     /// Waits until at least one event can be delivered, and returns the
@@ -355,7 +365,7 @@ impl Subscription {
     /// or a reconnect shows it connected again.
     pub async fn next(&mut self) -> Result<Vec<StoredEvent>> {
         loop {
-            let (events, counters) = self.run_once().await?;
+            let PollOutcome { events, counters } = self.run_once().await?;
             if !events.is_empty() {
                 return Ok(events);
             }
