@@ -156,45 +156,6 @@ pub fn number_round_trips(n: &serde_json::Number) -> bool {
     n.is_i64() || n.is_u64() || n.as_f64().is_some_and(f64::is_finite)
 }
 
-/// The parts of a JSON number's text: `-12.50e-3` is negative, whole
-/// `12`, fraction `50`, exponent `-3`. Without a fraction, the fraction is
-/// empty; without an exponent, the exponent is `0`.
-pub(crate) struct NumberParts<'a> {
-    pub(crate) negative: bool,
-    pub(crate) whole: &'a str,
-    pub(crate) fraction: &'a str,
-    /// Digits, after a sign or not.
-    pub(crate) exponent: &'a str,
-}
-
-impl<'a> NumberParts<'a> {
-    /// The parts of `text`, which JSON's grammar spells.
-    pub(crate) fn of(text: &'a str) -> NumberParts<'a> {
-        let (negative, unsigned) = match text.strip_prefix('-') {
-            Some(rest) => (true, rest),
-            None => (false, text),
-        };
-        let (mantissa, exponent) = unsigned.split_once(['e', 'E']).unwrap_or((unsigned, "0"));
-        let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-        NumberParts {
-            negative,
-            whole,
-            fraction,
-            exponent,
-        }
-    }
-
-    /// Where the point goes once the digits of the whole and the fraction
-    /// lose their `leading_zeros`: the value is 0.(the digits left) x
-    /// 10^point. `None` for an exponent, or a point, beyond an `i64`.
-    pub(crate) fn point(&self, leading_zeros: i64) -> Option<i64> {
-        self.exponent
-            .parse::<i64>()
-            .ok()?
-            .checked_add(self.whole.len() as i64 - leading_zeros)
-    }
-}
-
 fn numbers_round_trip(v: &Value) -> bool {
     match v {
         Value::Number(n) => number_round_trips(n),
@@ -813,7 +774,7 @@ pub(crate) mod tests {
     /// 324 for `5e-324`), and no sign on zero. Checked against PostgreSQL
     /// 15 on serde_json's text of 3000 random doubles.
     pub(crate) fn as_numeric_prints(text: &str) -> String {
-        let parts = NumberParts::of(text);
+        let parts = pgonce::json::NumberParts::of(text);
         // The value is `whole fraction` x 10^-scale.
         let scale = parts.fraction.len() as i64 - parts.exponent.parse::<i64>().unwrap();
         let mut digits = format!("{}{}", parts.whole, parts.fraction);

@@ -2473,3 +2473,93 @@ async fn an_observations_queue_deleted_by_hand_is_unavailable() {
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     assert_eq!(sqs.queue.stats().await.unwrap().depth, 1);
 }
+
+/// Values of every kind for [`pgonce::json::text_lengths`]: doubles of any
+/// bits, of every decimal exponent from 1e-324 to 1e308 with 1 to 17
+/// digits, whole doubles of the 64-bit ranges, both zeros, integers of
+/// both 64-bit ranges; and objects of them nested in arrays and objects,
+/// with strings holding every escape, and characters past ASCII.
+fn values_of_every_kind() -> impl proptest::strategy::Strategy<Value = Value> {
+    use proptest::prelude::*;
+    let double = prop_oneof![
+        any::<u64>().prop_map(f64::from_bits),
+        (1..=17i32, -324..=308i32, any::<bool>()).prop_map(|(digits, exponent, negative)| {
+            let sign = if negative { "-" } else { "" };
+            let mantissa = "7".repeat(digits as usize);
+            format!("{sign}{mantissa}e{}", exponent - digits + 1)
+                .parse::<f64>()
+                .unwrap()
+        }),
+        any::<i64>().prop_map(|i| i as f64),
+        any::<u64>().prop_map(|u| u as f64),
+        Just(-0.0),
+        Just(0.0),
+    ]
+    .prop_filter_map("finite", |f| {
+        serde_json::Number::from_f64(f).map(Value::Number)
+    });
+    let number = prop_oneof![
+        4 => double,
+        1 => any::<i64>().prop_map(Value::from),
+        1 => any::<u64>().prop_map(Value::from),
+        1 => (-1000..1000i64).prop_map(Value::from),
+    ]
+    .boxed();
+    let string = "[\\x01-\\x7f\u{e9}\u{2028}\u{1F600}]{0,12}";
+    let scalar = prop_oneof![
+        6 => number.clone(),
+        2 => string.prop_map(Value::from),
+        1 => any::<bool>().prop_map(Value::from),
+        1 => Just(Value::Null),
+    ];
+    let nested = scalar.prop_recursive(3, 16, 4, move |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+            proptest::collection::btree_map(string, inner, 0..4)
+                .prop_map(|map| Value::Object(map.into_iter().collect())),
+        ]
+    });
+    prop_oneof![
+        3 => number,
+        1 => nested.prop_map(|value| json!({ "a": value })),
+    ]
+}
+
+/// The lengths `pgonce::json::text_lengths` counts, which bound what
+/// attributes may print as, are the lengths of serde_json's compact text
+/// and of PostgreSQL's text (`jsonb::text`) of the value once stored, on
+/// 4000 values drawn by proptest: doubles and integers of every size,
+/// and objects holding strings with every escape.
+#[tokio::test]
+async fn the_lengths_counted_are_what_serde_json_writes_and_postgresql_prints() {
+    use proptest::strategy::{Strategy as _, ValueTree as _};
+    let api = setup().await;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = values_of_every_kind();
+    let values: Vec<Value> = (0..4000)
+        .map(|_| strategy.new_tree(&mut runner).unwrap().current())
+        .collect();
+    let stored: Vec<String> = values
+        .iter()
+        .map(|v| pgonce::json::stored(v).0.get().to_owned())
+        .collect();
+    let printed: Vec<i64> = sqlx::query_scalar(
+        "SELECT octet_length(t::jsonb::text)::bigint \
+         FROM unnest($1::text[]) WITH ORDINALITY AS u(t, i) ORDER BY i",
+    )
+    .bind(&stored)
+    .fetch_all(&api.pool)
+    .await
+    .unwrap();
+    let mut wrong = Vec::new();
+    for ((value, stored), printed) in values.iter().zip(&stored).zip(printed) {
+        let counted = pgonce::json::text_lengths(value);
+        let compact = value.to_string().len();
+        if (counted.compact, counted.printed) != (compact, printed as usize) {
+            wrong.push(format!(
+                "{stored}: counted {counted:?}, written {compact}, printed {printed}"
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{} of 4000: {wrong:#?}", wrong.len());
+}

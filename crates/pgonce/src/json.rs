@@ -71,9 +71,8 @@ pub fn stored(value: &Value) -> Json<Box<RawValue>> {
             value: f64,
         ) -> std::io::Result<()> {
             // Only finite doubles reach here: serde_json writes the others
-            // as `null` before asking the formatter. `u64::MAX as f64` is
-            // 2^64 (rounded up), the first whole double read back as one.
-            if value.fract() == 0.0 && (i64::MIN as f64..u64::MAX as f64).contains(&value) {
+            // as `null` before asking the formatter.
+            if written_with_fraction(value) {
                 write!(writer, "{value}.0")
             } else {
                 serde_json::ser::CompactFormatter.write_f64(writer, value)
@@ -89,6 +88,203 @@ pub fn stored(value: &Value) -> Json<Box<RawValue>> {
         .expect("a Value serializes");
     let text = String::from_utf8(text).expect("serde_json writes UTF-8");
     Json(RawValue::from_string(text).expect("serde_json writes JSON"))
+}
+
+/// Whether [`stored`] writes the finite double `value` in plain digits
+/// with a zero fraction: a whole double from `i64::MIN` to below 2^64
+/// (`u64::MAX as f64` is 2^64, rounded up, the first whole double read
+/// back as one).
+fn written_with_fraction(value: f64) -> bool {
+    value.fract() == 0.0 && (i64::MIN as f64..u64::MAX as f64).contains(&value)
+}
+
+/// The lengths, in bytes, of a JSON value's text ([`text_lengths`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TextLengths {
+    /// serde_json's compact text of the value (`serde_json::to_string`):
+    /// about the least a client sends for it (a number can be spelt a
+    /// byte shorter: `1e308` for serde_json's `1e+308`).
+    pub compact: usize,
+    /// The value's text as PostgreSQL prints it back (`jsonb::text`) once
+    /// written with [`stored`]: what every read of the stored value
+    /// receives from the database. A space follows each `,` and `:`, and a
+    /// number is printed as `numeric` prints it, in full, without an
+    /// exponent, keeping as many decimals as its text has once the
+    /// exponent has moved the point: `1e308` as 309 digits, `5e-324` as
+    /// 326 characters, `1e-7` as `0.0000001`, a whole double written
+    /// with a zero fraction as its digits and `.0`, a zero without a sign.
+    /// Strings are escaped alike by both (`\"`, `\\`, `\n` and the
+    /// other C0 controls, the rest as they are).
+    pub printed: usize,
+}
+
+impl TextLengths {
+    fn both(len: usize) -> TextLengths {
+        TextLengths {
+            compact: len,
+            printed: len,
+        }
+    }
+}
+
+/// The [`TextLengths`] of `value`, counted without writing either text,
+/// in one walk: each string's bytes are looked at once, and each number's
+/// printed length is derived from its digits and exponent (serde_json's
+/// text of it, at most 24 bytes, on the stack), never printed in full.
+/// Recursive: call it on a value at most [`MAX_JSON_NESTING`] deep (see
+/// [`check_storable`]), as serde_json parses.
+pub fn text_lengths(value: &Value) -> TextLengths {
+    match value {
+        Value::Null | Value::Bool(true) => TextLengths::both(4),
+        Value::Bool(false) => TextLengths::both(5),
+        Value::String(s) => TextLengths::both(quoted_len(s)),
+        Value::Number(n) => number_lengths(n),
+        Value::Array(items) => listed(items.iter().map(text_lengths)),
+        Value::Object(map) => listed(map.iter().map(|(name, value)| {
+            let name = quoted_len(name);
+            let value = text_lengths(value);
+            // `:` compact, `: ` printed.
+            TextLengths {
+                compact: name + 1 + value.compact,
+                printed: name + 2 + value.printed,
+            }
+        })),
+    }
+}
+
+/// The lengths of an array or object whose elements (members) have
+/// `lengths`: in brackets, separated by `,` compact and `, ` printed.
+fn listed(lengths: impl Iterator<Item = TextLengths>) -> TextLengths {
+    let mut total = TextLengths::both(2);
+    for (i, element) in lengths.enumerate() {
+        let separator = usize::from(i > 0);
+        total.compact += separator + element.compact;
+        total.printed += 2 * separator + element.printed;
+    }
+    total
+}
+
+/// The length of `s` as a JSON string, quoted and escaped as serde_json
+/// and PostgreSQL both escape it.
+fn quoted_len(s: &str) -> usize {
+    let escaped: usize = s
+        .bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | 0x08 | 0x0C | b'\n' | b'\r' | b'\t' => 2,
+            0x00..=0x1F => 6,
+            _ => 1,
+        })
+        .sum();
+    escaped + 2
+}
+
+/// The lengths of the number `n`: serde_json's text of it, and what
+/// `numeric` prints for it once [`stored`]. An integer prints as written.
+/// A double, as its digits before the point (at least `0`), then a point
+/// and its decimals when it has any: one for a double [`stored`] writes
+/// with a zero fraction; else as many as serde_json's text has once its
+/// exponent moved the point. A minus sign unless it is zero.
+fn number_lengths(n: &serde_json::Number) -> TextLengths {
+    use std::fmt::Write as _;
+    let mut text = NumberText::default();
+    write!(text, "{n}").expect("serde_json writes a number in at most 24 bytes");
+    let compact = text.as_str().len();
+    let Some(double) = n.as_f64().filter(|_| n.is_f64()) else {
+        return TextLengths::both(compact);
+    };
+    let parts = NumberParts::of(text.as_str());
+    let leading_zeros = parts
+        .whole
+        .bytes()
+        .chain(parts.fraction.bytes())
+        .take_while(|&b| b == b'0')
+        .count();
+    let zero = leading_zeros == parts.whole.len() + parts.fraction.len();
+    // serde_json's exponent is within a double's, so the point is too.
+    let point = parts.point(leading_zeros as i64).unwrap_or(0);
+    let integer = if zero { 1 } else { point.max(1) as usize };
+    let decimals = if written_with_fraction(double) {
+        1
+    } else {
+        let exponent: i64 = parts.exponent.parse().unwrap_or(0);
+        (parts.fraction.len() as i64 - exponent).max(0) as usize
+    };
+    let printed = usize::from(parts.negative && !zero)
+        + integer
+        + if decimals > 0 { 1 + decimals } else { 0 };
+    TextLengths { compact, printed }
+}
+
+/// The parts of a JSON number's text: `-12.50e-3` is negative, whole
+/// `12`, fraction `50`, exponent `-3`. Without a fraction, the fraction is
+/// empty; without an exponent, the exponent is `0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NumberParts<'a> {
+    /// Whether the text starts with `-`.
+    pub negative: bool,
+    /// The digits before the point.
+    pub whole: &'a str,
+    /// The digits after the point.
+    pub fraction: &'a str,
+    /// Digits, after a sign or not.
+    pub exponent: &'a str,
+}
+
+impl<'a> NumberParts<'a> {
+    /// The parts of `text`, which JSON's grammar spells.
+    pub fn of(text: &'a str) -> NumberParts<'a> {
+        let (negative, unsigned) = match text.strip_prefix('-') {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
+        let (mantissa, exponent) = unsigned.split_once(['e', 'E']).unwrap_or((unsigned, "0"));
+        let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        NumberParts {
+            negative,
+            whole,
+            fraction,
+            exponent,
+        }
+    }
+
+    /// Where the point goes once the digits of the whole and the fraction
+    /// lose their `leading_zeros`: the value is 0.(the digits left) x
+    /// 10^point. `None` for an exponent, or a point, beyond an `i64`.
+    pub fn point(&self, leading_zeros: i64) -> Option<i64> {
+        self.exponent
+            .parse::<i64>()
+            .ok()?
+            .checked_add(self.whole.len() as i64 - leading_zeros)
+    }
+}
+
+/// serde_json's text of a number (its `Display`, what it writes), on the
+/// stack: a double's shortest round-trip decimal takes at most 24 bytes
+/// (`-2.2250738585072014e-308`), an integer at most 20. Longer text does
+/// not fit, and the write fails.
+#[derive(Default)]
+pub struct NumberText {
+    bytes: [u8; 32],
+    len: usize,
+}
+
+impl NumberText {
+    /// The text written so far.
+    pub fn as_str(&self) -> &str {
+        // Only whole `&str`s are copied in.
+        std::str::from_utf8(&self.bytes[..self.len]).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Write for NumberText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        let room = self.bytes.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+        room.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
 }
 
 /// The most JSON text, in bytes, pgonce sends PostgreSQL in one statement
@@ -299,6 +495,30 @@ mod tests {
             ),
         ] {
             assert_eq!(stored(&value).0.get(), text);
+        }
+    }
+
+    /// What PostgreSQL prints for a few values, as checked against it
+    /// on thousands more (`pgonce-incidents`' `api.rs`
+    /// `the_lengths_counted_are_what_serde_json_writes_and_postgresql_prints`).
+    #[test]
+    fn the_printed_length_is_what_jsonb_prints() {
+        for (value, printed) in [
+            (serde_json::json!(1e308), "1".len() + 308),
+            (serde_json::json!(5e-324), "0.".len() + 323 + 1),
+            (serde_json::json!(-1.5e-7), "-0.00000015".len()),
+            (serde_json::json!(1e16), "10000000000000000.0".len()),
+            (serde_json::json!(-0.0), "0.0".len()),
+            (serde_json::json!(-12), "-12".len()),
+            (serde_json::json!(0.25), "0.25".len()),
+            (
+                serde_json::json!({"a": [1, "x\n\u{1}\u{e9}"], "b": {}, "c": null}),
+                r#"{"a": [1, "x\n\u0001é"], "b": {}, "c": null}"#.len(),
+            ),
+        ] {
+            let lengths = text_lengths(&value);
+            assert_eq!(lengths.printed, printed, "{value}");
+            assert_eq!(lengths.compact, value.to_string().len(), "{value}");
         }
     }
 

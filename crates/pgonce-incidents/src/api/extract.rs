@@ -12,8 +12,8 @@ use subtle::ConstantTimeEq;
 
 use super::error::MALFORMED_PREFIX;
 use super::{ApiError, ApiState};
-use crate::model::NumberParts;
 use crate::store;
+use pgonce::json::{NumberParts, NumberText};
 
 /// The organization whose API key (`Authorization: Bearer pgo_...`) made the
 /// request. Every organization-scoped handler takes one, and passes its id
@@ -205,33 +205,6 @@ fn check_number(text: &str) -> Result<(), ApiError> {
         Err(ApiError::invalid(format!(
             "the number {text} cannot be kept exactly: it would read back as {number}"
         )))
-    }
-}
-
-/// serde_json's text of a number (its `Display`, what it writes), on the
-/// stack: a double's shortest round-trip decimal takes at most 24 bytes
-/// (`-2.2250738585072014e-308`). Longer text does not fit, and the write
-/// fails.
-#[derive(Default)]
-struct NumberText {
-    bytes: [u8; 32],
-    len: usize,
-}
-
-impl NumberText {
-    fn as_str(&self) -> &str {
-        // Only whole `&str`s are copied in.
-        std::str::from_utf8(&self.bytes[..self.len]).unwrap_or_default()
-    }
-}
-
-impl std::fmt::Write for NumberText {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        let end = self.len + s.len();
-        let room = self.bytes.get_mut(self.len..end).ok_or(std::fmt::Error)?;
-        room.copy_from_slice(s.as_bytes());
-        self.len = end;
-        Ok(())
     }
 }
 
