@@ -35,7 +35,8 @@ pub const NO_NUL_PATTERN: &str = r"^[^\u0000]*$";
 /// The schema of entity and observation attributes, for the OpenAPI
 /// document: what [`check_attributes`] takes, a JSON object whose keys and
 /// strings, at any depth, hold no NUL, nested at most
-/// [`MAX_ATTRIBUTES_NESTING`] deep (which JSON Schema cannot state but in
+/// [`MAX_ATTRIBUTES_NESTING`] deep and printing in at most
+/// [`max_printed_attributes`] bytes (which JSON Schema cannot state but in
 /// words).
 pub struct AttributesSchema;
 
@@ -51,7 +52,11 @@ impl JsonSchema for AttributesSchema {
             "propertyNames": {"pattern": NO_NUL_PATTERN},
             "additionalProperties": value,
             "description": format!(
-                "arrays and objects nest at most {MAX_ATTRIBUTES_NESTING} deep, this object included"
+                "arrays and objects nest at most {MAX_ATTRIBUTES_NESTING} deep, this object \
+                 included; printed as PostgreSQL prints it back (each number in full, without \
+                 an exponent: 1e308 as 309 digits), the object takes at most \
+                 {PRINTED_ATTRIBUTES_ALLOWANCE} bytes, or {PRINTED_ATTRIBUTES_PER_COMPACT_BYTE} \
+                 times its compact JSON text, whichever is more"
             ),
         })
     }
@@ -185,15 +190,58 @@ fn nesting(value: &Value) -> usize {
     }
 }
 
+/// The most bytes an entity's or observation's attributes may print as
+/// ([`max_printed_attributes`]) whatever their compact JSON: 64 KiB, the
+/// default `api.body_limit`. About 200 numbers of `1e308` print in it.
+pub const PRINTED_ATTRIBUTES_ALLOWANCE: usize = 64 * 1024;
+
+/// How many bytes attributes may print as for each byte of their compact
+/// JSON, past [`PRINTED_ATTRIBUTES_ALLOWANCE`] ([`max_printed_attributes`]).
+pub const PRINTED_ATTRIBUTES_PER_COMPACT_BYTE: usize = 2;
+
+/// The most bytes attributes whose compact JSON text (serde_json's, about
+/// the least a client sends for them) takes `compact` bytes may print as,
+/// as PostgreSQL prints them ([`pgonce::json::TextLengths::printed`]):
+/// [`PRINTED_ATTRIBUTES_ALLOWANCE`] or [`PRINTED_ATTRIBUTES_PER_COMPACT_BYTE`]
+/// times `compact`, whichever is more.
+///
+/// Every read of an entity (its answer, the entity listing, the
+/// pipeline's record of an observation) receives its attributes from the
+/// database as `jsonb` prints them, and parses them. `jsonb` keeps a
+/// number as a `numeric`, a few bytes stored, printed in full: `1e308`,
+/// sent in 5 bytes, is read back as 309 digits. Unbounded, a body at the
+/// largest `api.body_limit` ([`crate::api::MAX_BODY_LIMIT`], 16 MiB) full
+/// of them was read back as about 870 MB, on every read. Why this bound:
+/// - a bound on the printed size alone would have to take what the
+///   largest honest body prints (16 MiB of strings prints as 16 MiB and
+///   more), so it would let a body at the default limit print 256 times
+///   its size;
+/// - a cap on each number's printed digits would refuse honest numbers
+///   (`6.62607015e-34` prints as 44 characters) and still let a body of
+///   numbers just under the cap print several times its size;
+/// - JSON prints in at most 1.5 times its compact text (a space after
+///   each `,` and `:`, strings escaped alike) but for numbers written
+///   with an exponent, which print longer: twice refuses only attributes
+///   made mostly of numbers far from 1 (`1e308`, `1e-20`), and only when
+///   they print past the allowance, under which any attributes, whatever
+///   their numbers, are taken. So a read receives at most 64 KiB, or
+///   twice what the attributes take as compact JSON.
+pub fn max_printed_attributes(compact: usize) -> usize {
+    PRINTED_ATTRIBUTES_ALLOWANCE.max(PRINTED_ATTRIBUTES_PER_COMPACT_BYTE.saturating_mul(compact))
+}
+
 /// Checks an entity's attributes: a JSON object that `jsonb` can hold and
 /// pgonce can read back (no NUL in a key or string:
 /// [`pgonce::json::check_storable`]), nested at most
 /// [`MAX_ATTRIBUTES_NESTING`] deep, so that every answer holding them can
-/// be read back, and whose numbers read back equal from `jsonb`
-/// ([`number_round_trips`]). Refused here as invalid input, so the API
+/// be read back, whose numbers read back equal from `jsonb`
+/// ([`number_round_trips`]), and which print, as PostgreSQL prints them,
+/// in at most [`max_printed_attributes`] bytes, so that no read receives
+/// far more than was sent. Refused here as invalid input, so the API
 /// answers 422 and the pipeline counts the message as malformed, instead
-/// of a database error on every delivery, a row no read can decode, or
-/// an entity listing a client cannot read.
+/// of a database error on every delivery, a row no read can decode, an
+/// entity listing a client cannot read, or one every read of which is
+/// many times the size it was sent.
 pub fn check_attributes(attributes: &Value) -> Result<()> {
     if !attributes.is_object() {
         return Err(Error::invalid("attributes", "must be a JSON object"));
@@ -218,6 +266,20 @@ pub fn check_attributes(attributes: &Value) -> Result<()> {
         return Err(Error::invalid(
             "attributes",
             "hold a number the database cannot store exactly",
+        ));
+    }
+    let lengths = pgonce::json::text_lengths(attributes);
+    let most = max_printed_attributes(lengths.compact);
+    if lengths.printed > most {
+        return Err(Error::invalid(
+            "attributes",
+            format!(
+                "would be read back as {} bytes, as PostgreSQL prints them (each number in \
+                 full, without an exponent: 1e308 as 309 digits), past the {most} they may \
+                 take: {PRINTED_ATTRIBUTES_ALLOWANCE}, or {PRINTED_ATTRIBUTES_PER_COMPACT_BYTE} \
+                 times their {} bytes of compact JSON, whichever is more",
+                lengths.printed, lengths.compact
+            ),
         ));
     }
     Ok(())
@@ -851,6 +913,28 @@ pub(crate) mod tests {
         }
     }
 
+    /// `{"x": [1e308, ...]}` prints as 311 bytes a number and 7 more, its
+    /// compact JSON in 6 and 7: 210 of them print within
+    /// PRINTED_ATTRIBUTES_ALLOWANCE, 211 past it (and past twice their
+    /// compact JSON). Strings past the allowance, printing about as sent,
+    /// are taken.
+    #[test]
+    fn attributes_print_within_the_allowance_or_twice_their_compact_json() {
+        let of = |count: usize| json!({ "x": vec![1e308; count] });
+        assert_eq!(pgonce::json::text_lengths(&of(210)).printed, 210 * 311 + 7);
+        assert!(check_attributes(&of(210)).is_ok());
+        let Err(Error::Invalid { why, .. }) = check_attributes(&of(211)) else {
+            panic!("211 of 1e308 are taken");
+        };
+        assert!(
+            why.starts_with("would be read back as 65628 bytes, as PostgreSQL prints them"),
+            "{why}"
+        );
+        let strings = json!({ "x": vec!["abcdef"; 100_000] });
+        assert!(pgonce::json::text_lengths(&strings).printed > PRINTED_ATTRIBUTES_ALLOWANCE);
+        assert!(check_attributes(&strings).is_ok());
+    }
+
     #[test]
     fn rules_compare_numeric_attributes_only() {
         let rule = Rule {
@@ -880,6 +964,15 @@ pub(crate) mod tests {
                 "{body:?}"
             );
         }
+        // Attributes that would print past their bound: the pipeline counts
+        // such a message as malformed, as any other refused here.
+        let huge = vec!["1e308"; 1000].join(",");
+        let body =
+            format!(r#"{{"organization_id": 1, "entity": "a", "attributes": {{"x": [{huge}]}}}}"#);
+        assert!(
+            matches!(Observation::parse(&body), Err(Error::Invalid { .. })),
+            "1000 of 1e308"
+        );
         let ok = Observation::parse(
             r#"{"organization_id": 1, "entity": "db-1", "attributes": {"cpu": 3}}"#,
         )

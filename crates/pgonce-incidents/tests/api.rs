@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use pgonce::{PgQueue, Queue, ReceiveRequest};
 use pgonce_incidents::api::{ApiConfig, ApiState, openapi, router};
-use pgonce_incidents::model::Observation;
+use pgonce_incidents::model::{Observation, PRINTED_ATTRIBUTES_ALLOWANCE};
 use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::{Service, ServiceConfig};
 use pgonce_testkit::{Interleaving, ScratchDatabase};
@@ -1675,7 +1675,10 @@ fn entity_body_full_of(number: &str, size: usize) -> (String, usize) {
 
 /// The largest body the limit allows, full of the numbers whose check
 /// cost most (`1e308` and `5e-324`, which `jsonb` prints as 309 and 326
-/// characters), is answered as any body is: stored and read back equal.
+/// characters), is answered as any body is: refused, as it would print
+/// past the attributes' bound
+/// (`attributes_that_would_read_back_far_larger_than_sent_are_refused`),
+/// while as many as print within it are stored and read back equal.
 /// Full of numbers that cannot be kept (an integer past 64 bits, a
 /// decimal with more digits than a double holds), it is refused with a
 /// 422 that names the number, and nothing is stored. A byte more is 413.
@@ -1703,7 +1706,10 @@ async fn a_body_at_the_limit_full_of_the_costliest_numbers_is_answered() {
         0
     );
     for (number, value) in [("1e308", 1e308), ("5e-324", 5e-324)] {
-        let (body, count) = entity_body_full_of(number, limit);
+        let (body, _) = entity_body_full_of(number, limit);
+        assert_invalid(&post(body).await, number);
+        // About 170 of them, which print in 56 KiB.
+        let (body, count) = entity_body_full_of(number, 1200);
         let a = post(body).await;
         assert_eq!(a.status, StatusCode::OK, "{number}: {}", a.body);
         let expected = json!({"x": vec![value; count]});
@@ -1718,6 +1724,90 @@ async fn a_body_at_the_limit_full_of_the_costliest_numbers_is_answered() {
         (a.status, a.code()),
         (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")
     );
+}
+
+/// Attributes that PostgreSQL would print far longer than they were sent
+/// are refused. `jsonb` keeps a number as a `numeric`, stored in a few
+/// bytes, and prints it in full, without an exponent: `1e308` as 309
+/// digits, `5e-324` as 326 characters. A body at the default limit full of
+/// them was stored, and every read of the entity (its answer, the entity
+/// listing) then received over 50 times the body from the database and
+/// parsed each long number. Now, as an entity and as an observation, such
+/// attributes are 422, naming the bound, with nothing stored or queued.
+#[tokio::test]
+async fn attributes_that_would_read_back_far_larger_than_sent_are_refused() {
+    let api = setup().await;
+    let (org, key) = api.organization("acme").await;
+    let limit = ApiConfig::default().body_limit;
+    for number in ["1e308", "5e-324", "-1e300"] {
+        let (body, _) = entity_body_full_of(number, limit);
+        let a = api
+            .send(Method::POST, "/v1/entities", Some(&key), Body::from(body))
+            .await;
+        let printed = api
+            .count(
+                "SELECT coalesce(max(octet_length(attributes::text)), 0)::bigint FROM incidents.entities",
+            )
+            .await;
+        assert!(
+            printed <= 2 * limit as i64,
+            "a {limit}-byte body full of {number} reads back from the database as {printed} bytes"
+        );
+        assert_invalid(&a, number);
+        let message = a.body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("as PostgreSQL prints them"), "{message}");
+        let head = r#"{"x": ["#;
+        let attributes = format!(
+            "{head}{}]}}",
+            vec![number; limit / (number.len() + 1) - 20].join(",")
+        );
+        for (uri, a) in api.send_attributes(org, &key, &attributes).await {
+            assert_invalid(&a, format!("{uri} {number}"));
+        }
+    }
+    assert_eq!(
+        api.count("SELECT count(*) FROM incidents.entities").await,
+        0
+    );
+    assert_eq!(api.queue.stats().await.unwrap().depth, 0, "nothing queued");
+}
+
+/// Large attributes that print about as long as they were sent are taken
+/// past [`PRINTED_ATTRIBUTES_ALLOWANCE`]: a 1 MiB body (the limit raised
+/// to it) of short strings, or of doubles that print in fewer than twice
+/// their characters (`1.5e-7` as `0.00000015`), is stored and reads back
+/// equal, while one of `1e-7`, printed as `0.0000001`, more than twice
+/// as long with its separator, is refused.
+#[tokio::test]
+async fn large_attributes_that_print_about_as_sent_are_taken() {
+    let config = ApiConfig {
+        admin_token: Some(ADMIN.into()),
+        body_limit: 1 << 20,
+        ..ApiConfig::default()
+    };
+    let api = api_with(config, false).await;
+    let (_, key) = api.organization("acme").await;
+    for (number, value) in [(r#""abcdef""#, json!("abcdef")), ("1.5e-7", json!(1.5e-7))] {
+        let (body, count) = entity_body_full_of(number, 1 << 20);
+        let a = api
+            .send(Method::POST, "/v1/entities", Some(&key), Body::from(body))
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{number}: {}", a.body["error"]);
+        let expected = json!({"x": vec![value; count]});
+        assert_eq!(a.body["attributes"], expected, "{number}");
+        let printed = api
+            .count("SELECT octet_length(attributes::text)::bigint FROM incidents.entities")
+            .await;
+        assert!(
+            printed > PRINTED_ATTRIBUTES_ALLOWANCE as i64,
+            "{number}: {printed}"
+        );
+    }
+    let (body, _) = entity_body_full_of("1e-7", 1 << 20);
+    let a = api
+        .send(Method::POST, "/v1/entities", Some(&key), Body::from(body))
+        .await;
+    assert_invalid(&a, "1e-7");
 }
 
 /// Policies and organizations are listed a page at a time, by id, as
@@ -2265,6 +2355,11 @@ async fn the_document_states_the_validations_limits() {
         );
     }
     assert_eq!(schemas["Attributes"]["type"], "object");
+    let description = schemas["Attributes"]["description"].as_str().unwrap();
+    assert!(
+        description.contains(&format!("at most {PRINTED_ATTRIBUTES_ALLOWANCE} bytes")),
+        "{description}"
+    );
     assert_eq!(schemas["NewKey"]["properties"]["name"]["maxLength"], 200);
     assert_eq!(
         schemas["Settings"]["properties"]["rollout_percent"]["maximum"],

@@ -590,6 +590,38 @@ async fn extreme_doubles_go_through_the_pipeline_and_read_back_equal() {
     assert_eq!(tallies.incidents, 1, "x >= f64::MAX opens the incident");
 }
 
+/// An observation whose attributes would print far longer than they were
+/// sent (`1e308` as 309 digits, past their bound) is malformed: its
+/// delivery fails, counted as malformed, left to be dead-lettered, with
+/// no entity recorded; an observation whose few such numbers print within
+/// the bound is recorded as any other.
+#[tokio::test]
+async fn an_observation_that_would_read_back_far_larger_is_malformed() {
+    let acme = acme_with_policy("cpu", &cpu_over_50()).await;
+    let pool = acme.pool.clone();
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    let handler = instant_handler(&acme.service);
+    send(&queue, acme.org, "e", json!({ "x": vec![1e308; 1000] })).await;
+    let delivery = receive_one(&queue).await;
+    let e = handler.process(&delivery).await.unwrap_err();
+    assert!(matches!(e, pgonce_incidents::Error::Invalid { .. }), "{e}");
+    assert_eq!(handler.counters().snapshot().malformed, 1);
+    assert!(matches!(
+        store::find_entity(&pool, acme.org, "e").await,
+        Err(pgonce_incidents::Error::NotFound { .. })
+    ));
+    queue.delete(&delivery.receipt).await.unwrap();
+    let few = json!({ "x": vec![1e308; 100] });
+    send(&queue, acme.org, "e", few.clone()).await;
+    let delivery = receive_one(&queue).await;
+    handler.process(&delivery).await.unwrap();
+    let entity = store::find_entity(&pool, acme.org, "e").await.unwrap();
+    assert_eq!(entity.attributes, few);
+    assert_eq!(handler.counters().snapshot().malformed, 1);
+}
+
 /// A negative zero is zero through the pipeline: an observation's `-0.0`
 /// is queued as taken and recorded as the `0.0` `jsonb` keeps (a `numeric`
 /// has no signed zero), which the entity reads back; a rule value of
