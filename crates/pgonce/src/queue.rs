@@ -29,7 +29,8 @@
 //!
 //! Receipts are opaque to callers. The PostgreSQL queue's read
 //! `<queue>:<id>:<generation>`: each message has a generation that every
-//! receive, dead-letter move and redrive bumps, and a delete or visibility
+//! receive, dead-letter move and redrive bumps (and the give-back of a
+//! receive nobody waited for: "Cancel safety" below), and a delete or visibility
 //! change acts only when the queue, the id and the generation all match
 //! (a purge deletes the rows, and ids are never reused). Amazon SQS issues
 //! an opaque handle per delivery too, which `SqsQueue` wraps with its
@@ -56,12 +57,26 @@
 //! ended. (A wake it would have sent parked receivers after its statement
 //! may be lost: they find the message at their next poll.) A send the
 //! caller did not see happen may be sent again: with a deduplication id,
-//! within the queue's window, the queue keeps one copy. A dropped receive
-//! may have delivered messages nobody sees: they are invisible until their
-//! visibility timeout runs out and then delivered again, at least once as
-//! the contract allows, and each such delivery counts toward the message's
-//! `max_receive_count` (in a FIFO queue, the message's group waits behind
-//! it meanwhile). [`Queue::receive_or_stop`] stops a receive without that.
+//! within the queue's window, the queue keeps one copy.
+//!
+//! A receive dropped while it is parked (a long poll waiting for messages
+//! to arrive) has delivered nothing. One dropped once a receive statement
+//! was sent, which the server runs regardless, delivers to nobody: its
+//! statements run on one pooled connection in a task of their own, which
+//! gives such deliveries back before that connection serves anyone else.
+//! Each message still in that delivery is receivable again at once (a
+//! FIFO group goes on), its receive not counted toward
+//! `max_receive_count`, and the receipt nobody saw is stale; counted in
+//! `pgonce_queue_deliveries_given_back_total`. Best effort still: a
+//! receive dropped after the task handed its answer over and before the
+//! caller's future was polled again to take it, a give-back that fails
+//! (logged), and a statement the server committed whose answer never came
+//! back (the connection lost during its commit) leave those messages
+//! invisible until their visibility timeout runs out, then delivered
+//! again, at least once as the contract allows, that delivery counted
+//! toward `max_receive_count` (in a FIFO queue, the message's group waits
+//! behind it meanwhile). [`Queue::receive_or_stop`] stops a receive
+//! without relying on any of this, on every backend.
 //! [`PgQueue::send_in`] and [`PgQueue::send_batch_in`] run in the caller's
 //! transaction: dropped, the message may or may not be written there; roll
 //! the transaction back.
@@ -404,8 +419,10 @@ pub struct QueueStats {
 /// A value names one queue. Every method is cancel-safe in the sense that a
 /// dropped call either happened or did not; a dropped receive may have
 /// delivered messages nobody will see, which come back after their
-/// visibility timeout. To stop a receive without that loss, tell it to
-/// stop instead of dropping it: [`Queue::receive_or_stop`].
+/// visibility timeout (the PostgreSQL queue gives such deliveries back at
+/// once, but for a window: module docs, "Cancel safety"). To stop a
+/// receive without that loss, tell it to stop instead of dropping it:
+/// [`Queue::receive_or_stop`].
 pub trait Queue: Send + Sync {
     /// The queue's name.
     fn name(&self) -> &str;

@@ -1227,6 +1227,130 @@ async fn statement_timeout_ends_a_receives_wait_with_a_typed_error() {
     );
 }
 
+/// A receive given up while its statement waits (for the messages' table,
+/// which another transaction holds locked), on a standard and on a FIFO
+/// queue. The statement was sent, so the server ran it once the holder was
+/// gone: its messages were delivered to nobody, invisible for their whole
+/// visibility timeout (an hour here), and the lost delivery counted toward
+/// `max_receive_count` (in the FIFO queue, the group waited behind its
+/// head all that time). They must be given back before the connection
+/// serves anyone else: receivable at once, the lost delivery not counted.
+#[tokio::test]
+async fn a_receive_dropped_while_it_waits_gives_its_messages_back() {
+    let hour = Duration::from_secs(3600);
+    for (name, attributes, sent, receivable) in [
+        (
+            "given-back",
+            QueueAttributes::default(),
+            vec![SendMessage::new("m1"), SendMessage::new("m2")],
+            vec!["m1", "m2"],
+        ),
+        (
+            "given-back.fifo",
+            QueueAttributes::fifo(),
+            vec![
+                SendMessage::new("m1").group("g"),
+                SendMessage::new("m2").group("g"),
+                SendMessage::new("n1").group("h"),
+            ],
+            vec!["m1", "n1"],
+        ),
+    ] {
+        let (db, setup) = database_with_queue(name, attributes.visibility_timeout(hour)).await;
+        let q = PgQueue::open(&setup, name, fast_poll()).await.unwrap();
+        let race = Interleaving::new(db.options()).await.unwrap();
+        let a = race.session("A").await.unwrap();
+        let b = race.session("B").await.unwrap();
+        let qb = PgQueue::open(b.pool(), name, fast_poll()).await.unwrap();
+        // Prepared on B's connection while the queue is empty: the step
+        // below is then the statement's own round trip, not its Parse.
+        assert!(
+            race.step(
+                &b,
+                "receive (nothing yet)",
+                qb.receive(ReceiveRequest::up_to(10))
+            )
+            .await
+            .unwrap()
+            .unwrap()
+            .is_empty()
+        );
+        q.send_batch(sent).await.unwrap();
+        let mut tx_a = a.pool().begin().await.unwrap();
+        race.step(
+            &a,
+            "lock the messages' table",
+            sqlx::query("LOCK TABLE pgonce.queue_message IN EXCLUSIVE MODE").execute(&mut *tx_a),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let waiting = race
+            .step_blocks(&b, "receive", async move {
+                qb.receive(ReceiveRequest::up_to(10)).await
+            })
+            .await
+            .unwrap();
+        support::give_up_then_end(&race, waiting, (&a, tx_a.rollback()), &b).await;
+
+        let got = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+        assert_eq!(
+            bodies(&got),
+            receivable,
+            "{name}: the given-up receive's messages are receivable at once"
+        );
+        for message in &got {
+            assert_eq!(
+                message.receive_count, 1,
+                "{name}: the delivery nobody saw is not counted: {message:?}"
+            );
+        }
+    }
+}
+
+/// The give-back of a receive nobody waited for
+/// (`receive_given_back.sql`), for a delivery the message has left: m was
+/// delivered with no visibility, and delivered again since. The late
+/// give-back touches nothing: m stays hidden with its new receiver, whose
+/// receipt still deletes it.
+#[tokio::test]
+async fn a_give_back_leaves_a_message_delivered_again_since() {
+    let (_db, setup) = database_with_queue("fenced", QueueAttributes::default()).await;
+    let q = PgQueue::open(&setup, "fenced", fast_poll()).await.unwrap();
+    q.send(SendMessage::new("m")).await.unwrap();
+    let first = q
+        .receive(ReceiveRequest::up_to(1).visibility(Duration::ZERO))
+        .await
+        .unwrap();
+    let again = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&again), ["m"]);
+    // The receipt reads `<queue>:<id>:<generation>`.
+    let parts: Vec<i64> = first[0]
+        .receipt
+        .0
+        .split(':')
+        .skip(1)
+        .map(|part| part.parse().unwrap())
+        .collect();
+    let given_back: Vec<i64> =
+        sqlx::query_scalar(include_str!("../src/queue/sql/receive_given_back.sql"))
+            .bind("fenced")
+            .bind(vec![parts[0]])
+            .bind(vec![parts[1]])
+            .fetch_all(&setup)
+            .await
+            .unwrap();
+    assert!(given_back.is_empty(), "{given_back:?}");
+    assert!(
+        q.receive(ReceiveRequest::up_to(1))
+            .await
+            .unwrap()
+            .is_empty(),
+        "m stays with its second receiver"
+    );
+    q.delete(&again[0].receipt).await.unwrap();
+}
+
 /// A run of heads a receive does not deliver costs it a few statements,
 /// not one each: 200 heads due to move, their dead-letter groups held by a
 /// sender, ahead of b. A receive of one looks twice as far at each

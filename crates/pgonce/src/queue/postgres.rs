@@ -1003,6 +1003,12 @@ impl PgQueue {
     /// statement commits on its own, so if a later one fails after earlier
     /// ones delivered, those leases are taken: they are returned and the
     /// failure logged.
+    ///
+    /// The statements run on one pooled connection, in a task of their own
+    /// ([`transaction::answered_or_given_back`]): a receive dropped by its
+    /// caller once a statement was sent (which the server runs regardless)
+    /// gives what it delivered back ([`Self::give_back`]) before that
+    /// connection serves anyone else.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
         Ok(self.receive_looking(request).await?.received)
     }
@@ -1010,45 +1016,54 @@ impl PgQueue {
     /// [`Self::receive_once`], with what a long poll needs to know to wait
     /// ([`Look`]).
     async fn receive_looking(&self, request: &ReceiveRequest) -> Result<Look> {
+        let (looking, giving_back) = (self.clone(), self.clone());
+        let request = *request;
+        let look = transaction::answered_or_given_back(
+            &self.inner.pool,
+            move |conn| Box::pin(async move { looking.look_on(conn, &request).await }),
+            move |conn, look| Box::pin(async move { giving_back.give_back(conn, &look).await }),
+        )
+        .await?;
+        // Once the look's connection is back in the pool: the wake takes
+        // one, and the look's own, held meanwhile, could be the pool's
+        // last.
+        self.wake_dead_letter_queues(&look.dead_letter_queues).await;
+        Ok(look)
+    }
+
+    /// One look of a receive ([`Self::receive_looking`]), its statements
+    /// run on `conn`.
+    async fn look_on(&self, conn: &mut PgConnection, request: &ReceiveRequest) -> Result<Look> {
         let max = request.max_messages;
-        let mut received = Vec::new();
-        let mut passed_over = Vec::new();
-        let mut next_visible = None;
+        let mut found = Look::default();
         let mut look = max;
         let mut looked_further = 0;
         let mut undelivered = self
-            .receive_statement(
-                request,
-                look,
-                Statement::First,
-                &mut passed_over,
-                &mut received,
-                &mut next_visible,
-            )
+            .receive_statement(conn, request, look, Statement::First, &mut found)
             .await?;
-        while undelivered && received.len() < max && looked_further < MAX_BATCH {
+        while undelivered && found.received.len() < max && looked_further < MAX_BATCH {
             look = (look * 2).min(MAX_BATCH - looked_further);
             looked_further += look;
-            let room = max - received.len();
+            let room = max - found.received.len();
             match self
                 .receive_statement(
+                    conn,
                     request,
                     look,
                     Statement::FollowUp { room },
-                    &mut passed_over,
-                    &mut received,
-                    &mut next_visible,
+                    &mut found,
                 )
                 .await
             {
                 Ok(more) => undelivered = more,
-                Err(e) if received.is_empty() => return Err(e),
+                Err(e) if found.received.is_empty() => return Err(e),
                 Err(e) => {
-                    tracing::warn!(queue = %self.inner.name, error = %e, delivered = received.len(), "a receive's follow-up statement failed; returning what it delivered");
+                    tracing::warn!(queue = %self.inner.name, error = %e, delivered = found.received.len(), "a receive's follow-up statement failed; returning what it delivered");
                     break;
                 }
             }
         }
+        let received = &mut found.received;
         if !received.is_empty() {
             // SQL order is not guaranteed through UNION ALL; FIFO callers
             // rely on id order, so restore it.
@@ -1061,23 +1076,21 @@ impl PgQueue {
             metrics::counter!("pgonce_queue_empty_receives_total", "queue" => self.inner.name.clone())
                 .increment(1);
         }
-        let more = undelivered && received.len() < max && looked_further >= MAX_BATCH;
-        Ok(Look {
-            received,
-            more,
-            next_visible,
-        })
+        found.more = undelivered && found.received.len() < max && looked_further >= MAX_BATCH;
+        Ok(found)
     }
 
-    /// One receive statement: looks at up to `look` messages other than
-    /// `passed_over` and delivers at most `look`, or `room` for a
-    /// follow-up; appends its deliveries to
-    /// `received`, and the ids it delivered or held back to `passed_over`;
-    /// when it delivered nothing and a message of the queue becomes visible
-    /// later, sets `next_visible` to when (by this process's clock, no
-    /// earlier than the server's time). True when it picked messages it
-    /// did not deliver (held back, moved or expired, or left undecided by
-    /// the lean first statement), so that looking further may find more.
+    /// One receive statement, on `conn`: looks at up to `look` messages
+    /// other than `found.passed_over` and delivers at most `look`, or
+    /// `room` for a follow-up; appends its deliveries to `found.received`,
+    /// the ids it delivered or held back to `found.passed_over`, and the
+    /// dead-letter queues it moved messages to to
+    /// `found.dead_letter_queues`; when it delivered nothing and a message
+    /// of the queue becomes visible later, sets `found.next_visible` to
+    /// when (by this process's clock, no earlier than the server's time).
+    /// True when it picked messages it did not deliver (held back, moved
+    /// or expired, or left undecided by the lean first statement), so that
+    /// looking further may find more.
     ///
     /// A follow-up always runs the full statement, even when it looks at
     /// no more messages than it may deliver (a receive of the largest
@@ -1087,13 +1100,19 @@ impl PgQueue {
     /// receive would end without deciding them, at every attempt.
     async fn receive_statement(
         &self,
+        conn: &mut PgConnection,
         request: &ReceiveRequest,
         look: usize,
         statement: Statement,
-        passed_over: &mut Vec<i64>,
-        received: &mut Vec<Received>,
-        next_visible: &mut Option<Instant>,
+        found: &mut Look,
     ) -> Result<bool> {
+        let Look {
+            received,
+            passed_over,
+            next_visible,
+            dead_letter_queues,
+            ..
+        } = found;
         let sql = match (self.inner.fifo, statement) {
             (false, Statement::First) => RECEIVE_STANDARD_LEAN,
             (true, Statement::First) => RECEIVE_FIFO,
@@ -1108,10 +1127,9 @@ impl PgQueue {
         if let Statement::FollowUp { room } = statement {
             query = query.bind(room as i64);
         }
-        // The connection first: a wait for the pool is no part of the
-        // delivery, and counted in it would end the worker's heartbeat that
-        // much early.
-        let mut conn = self.inner.pool.acquire().await?;
+        // The connection is held already: a wait for the pool is no part
+        // of the delivery, and counted in it would end the worker's
+        // heartbeat that much early.
         // Its deliveries' visibility is counted from the statement's start
         // (`now()`, in its own transaction), after this: their stated end
         // is never past the real one. Taken here, not at the receive's
@@ -1130,12 +1148,10 @@ impl PgQueue {
                 return Err(e.into());
             }
         };
-        drop(conn);
         // The server counted the wait from its `now()`, before the rows came
         // back: a wake counted from here is never early.
         let answered_at = Instant::now();
         let (mut dead, mut expired, mut skipped, mut unseen) = (0u64, 0u64, 0u64, 0u64);
-        let mut dead_letter_queues: Vec<String> = Vec::new();
         let mut undecided = 0u64;
         let mut held = Vec::new();
         let mut no_queue = false;
@@ -1194,7 +1210,6 @@ impl PgQueue {
                 .increment(dead);
             dead_letter_queues.sort_unstable();
             dead_letter_queues.dedup();
-            self.wake_dead_letter_queues(&dead_letter_queues).await;
         }
         if expired > 0 {
             metrics::counter!("pgonce_queue_expired_total", "queue" => name.clone())
@@ -1223,8 +1238,53 @@ impl PgQueue {
         Ok(undelivered)
     }
 
-    /// After a receive moved messages to the dead-letter queues `queues`
-    /// (committed: each receive statement is its own transaction): they
+    /// Gives back, on `conn`, what `look` delivered for a caller that
+    /// stopped waiting for it (receive_given_back.sql): each message still
+    /// in that delivery is receivable at once, its receive not counted,
+    /// and the parked receivers are woken for it, as a hand-back to zero
+    /// wakes them. Counted in `pgonce_queue_deliveries_given_back_total`. A
+    /// failure is logged: those messages wait out their visibility
+    /// timeout, as they did before there was a give-back.
+    async fn give_back(&self, conn: &mut PgConnection, look: &Look) {
+        let deliveries: Vec<ReceiptParts<'_>> = look
+            .received
+            .iter()
+            .filter_map(|r| self.receipt_parts(&r.receipt))
+            .collect();
+        if deliveries.is_empty() {
+            return;
+        }
+        let ids: Vec<i64> = deliveries.iter().map(|d| d.id).collect();
+        let generations: Vec<i64> = deliveries.iter().map(|d| d.generation).collect();
+        let back: sqlx::Result<Vec<i64>> =
+            sqlx::query_scalar(include_str!("sql/receive_given_back.sql"))
+                .bind(&self.inner.name)
+                .bind(&ids)
+                .bind(&generations)
+                .fetch_all(&mut *conn)
+                .await;
+        let name = &self.inner.name;
+        match back {
+            Ok(back) if back.is_empty() => {}
+            Ok(back) => {
+                metrics::counter!("pgonce_queue_deliveries_given_back_total", "queue" => name.clone())
+                    .increment(back.len() as u64);
+                tracing::debug!(queue = %name, ids = ?back, "deliveries given back: their receiver stopped waiting");
+                self.sent();
+            }
+            Err(e) => tracing::warn!(
+                queue = %name,
+                ?ids,
+                error = %e,
+                "deliveries made for a receiver that stopped waiting not given back: \
+                 the messages wait out their visibility timeout"
+            ),
+        }
+    }
+
+    /// After a receive's look moved messages to the dead-letter queues
+    /// `queues` (committed: each receive statement is its own
+    /// transaction), once its connection is back in the pool: they
     /// are receivable there now, so the receivers parked on them are woken,
     /// as a send would wake them. The queues are those the statement moved
     /// to (receive_act.sql), not the queue's row read again: the row's
@@ -1232,7 +1292,7 @@ impl PgQueue {
     /// dead-letter queue or to none, and the messages wait in the one they
     /// went to.
     async fn wake_dead_letter_queues(&self, queues: &[String]) {
-        if self.inner.options.notify {
+        if self.inner.options.notify && !queues.is_empty() {
             self.notify_queues(queues.iter().map(String::as_str)).await;
         }
     }
@@ -1562,6 +1622,7 @@ impl Queue for PgQueue {
                 received,
                 more,
                 next_visible,
+                ..
             } = self.receive_looking(&request).await?;
             pass_on.0 = None;
             let now = Instant::now();
@@ -1887,6 +1948,7 @@ struct ReceiveRow {
 }
 
 /// What one look of a receive (its statements) found.
+#[derive(Default)]
 struct Look {
     received: Vec<Received>,
     /// It stopped at its budget with messages it did not deliver still
@@ -1895,6 +1957,13 @@ struct Look {
     /// It delivered nothing, and a message of the queue becomes visible at
     /// this time: a long poll wakes then to look again.
     next_visible: Option<Instant>,
+    /// The ids its statements delivered or held back: each later
+    /// statement of the look passes over them.
+    passed_over: Vec<i64>,
+    /// The dead-letter queues its statements moved messages to (each
+    /// statement committed its moves): their receivers are woken once the
+    /// look is done.
+    dead_letter_queues: Vec<String>,
 }
 
 /// A queue's row, as much of it as a handle needs (`open_queue.sql`).
