@@ -73,8 +73,10 @@ use crate::store;
 
 /// The largest [`ApiConfig::body_limit`]: 16 MiB. A body is read whole into
 /// memory before it is parsed, so the limit is what one request may hold
-/// there; the largest body a route keeps is an observation, which the queue
-/// bounds at [`pgonce::queue::MAX_BODY_BYTES`] (256 KiB), far below it.
+/// there. What a route keeps of it: an observation is queued whole, which
+/// the queue bounds at [`pgonce::queue::MAX_BODY_BYTES`] (256 KiB); an
+/// entity keeps its attributes, up to the body limit, read back in at most
+/// [`crate::model::max_printed_attributes`] bytes.
 pub const MAX_BODY_LIMIT: usize = 16 * 1024 * 1024;
 
 /// Settings of the API.
