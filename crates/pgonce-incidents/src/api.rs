@@ -363,10 +363,7 @@ fn check_optional_name(what: &'static str, s: &str) -> ApiResult<()> {
 /// [`store::api_key_prefix`] returns (anything else names no key).
 pub const KEY_PREFIX_PATTERN: &str = "^[0-9a-f]{12}$";
 
-/// The request header that names a request for its retries.
-pub const IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
-
-/// What [`idempotency_header`] takes, for the OpenAPI document: visible
+/// What the API takes as an `Idempotency-Key`, for the OpenAPI document: visible
 /// ASCII and inner spaces, no leading or trailing space (HTTP trims them).
 pub const IDEMPOTENCY_KEY_PATTERN: &str = "^[!-~]([ -~]*[!-~])?$";
 

@@ -33,7 +33,9 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::service::{NOTIFY_JOB_KIND, Service};
 
-/// The header carrying the idempotency key of a notification.
+/// The header that names a request for its retries: it carries a
+/// notification's idempotency key, and the API reads it on declarations
+/// and observations.
 pub const IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
 
 /// The payload of a notification job ([`NOTIFY_JOB_KIND`]), as JSON

@@ -68,7 +68,7 @@ impl KeyHeader {
         if let Some(max) = self.max_length {
             schema["maxLength"] = json!(max);
         }
-        json!({"name": super::IDEMPOTENCY_HEADER, "in": "header", "required": false,
+        json!({"name": crate::notifier::IDEMPOTENCY_HEADER, "in": "header", "required": false,
                "description": self.description, "schema": schema})
     }
 }
