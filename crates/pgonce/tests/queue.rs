@@ -1351,6 +1351,219 @@ async fn a_give_back_leaves_a_message_delivered_again_since() {
     q.delete(&again[0].receipt).await.unwrap();
 }
 
+/// A give-back (receive_given_back.sql) held at its start: its snapshot
+/// taken, no row touched yet. A statement trigger on the messages' table
+/// makes that statement alone (known by its text) wait for an advisory
+/// lock that session T holds. B's receive was dropped while it waited for
+/// A's lock on the messages' table and delivered `receive` to nobody, with
+/// no visibility: its messages are receivable again at once, while its
+/// give-back waits for T.
+struct GiveBackHeld {
+    race: Interleaving,
+    b: pgonce_testkit::Session,
+    t: pgonce_testkit::Session,
+}
+
+impl GiveBackHeld {
+    async fn start(db: &pgonce_testkit::ScratchDatabase, setup: &PgPool, name: &str) -> Self {
+        sqlx::raw_sql(
+            "CREATE FUNCTION hold_give_back() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF current_query() LIKE '-- Deliveries a receive made for a caller%' THEN
+                     PERFORM pg_advisory_xact_lock(4242);
+                 END IF;
+                 RETURN NULL;
+             END $$;
+             CREATE TRIGGER hold_give_back BEFORE UPDATE ON pgonce.queue_message
+             FOR EACH STATEMENT EXECUTE FUNCTION hold_give_back();",
+        )
+        .execute(setup)
+        .await
+        .unwrap();
+        let race = Interleaving::new(db.options()).await.unwrap();
+        let a = race.session("A").await.unwrap();
+        let b = race.session("B").await.unwrap();
+        let t = race.session("T").await.unwrap();
+        let qb = PgQueue::open(b.pool(), name, fast_poll()).await.unwrap();
+        race.try_step(
+            &t,
+            "hold give-backs",
+            sqlx::query("SELECT pg_advisory_lock(4242)").execute(t.pool()),
+        )
+        .await
+        .unwrap();
+        let mut tx_a = a.pool().begin().await.unwrap();
+        race.try_step(
+            &a,
+            "lock the messages' table",
+            sqlx::query("LOCK TABLE pgonce.queue_message IN EXCLUSIVE MODE").execute(&mut *tx_a),
+        )
+        .await
+        .unwrap();
+        let waiting = race
+            .step_blocks(&b, "receive, no visibility", async move {
+                qb.receive(ReceiveRequest::up_to(10).visibility(Duration::ZERO))
+                    .await
+            })
+            .await
+            .unwrap();
+        assert_eq!(waiting.blocked_by(), ["A"]);
+        waiting.cancel();
+        race.try_step(&a, "end", tx_a.rollback()).await.unwrap();
+        assert_eq!(
+            race.wait_until_blocked(&b, "give back").await.unwrap(),
+            ["T"]
+        );
+        GiveBackHeld { race, b, t }
+    }
+
+    /// Lets the give-back run, and waits until B's connection is free
+    /// again: the give-back is over.
+    async fn release(self) {
+        let GiveBackHeld { race, b, t } = self;
+        race.try_step(
+            &t,
+            "let give-backs run",
+            sqlx::query("SELECT pg_advisory_unlock(4242)").execute(t.pool()),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            race.step(&b, "next use", support::leftovers(b.pool()))
+                .await
+                .unwrap(),
+            support::Leftovers::NONE
+        );
+    }
+}
+
+/// A give-back that finds its message moved on since its snapshot: B's
+/// dropped receive delivered m with no visibility (its first receive, of
+/// one allowed); while the give-back waited, another receive moved m to
+/// the dead-letter queue and a redrive brought it back, with a fresh
+/// dead-letter count (receive_base = receive_count = 1). The give-back
+/// re-checks the row it waited for and leaves m alone: m's next receive
+/// is its second, counted. A give-back that judged its rows by its
+/// snapshot (or without their generation) would take the redriven m's
+/// count below its base (0, base 1): that receive would come back as m's
+/// first (`receive_count` 1), a receive the dead-letter rule never counts.
+#[tokio::test]
+async fn a_held_give_back_leaves_a_message_moved_and_redriven_meanwhile() {
+    let db = fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    let dlq = PgQueue::create(
+        &setup,
+        "late-dlq",
+        QueueAttributes::default(),
+        PgQueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let q = PgQueue::create(
+        &setup,
+        "late",
+        QueueAttributes::default()
+            .visibility_timeout(Duration::from_secs(3600))
+            .dead_letter("late-dlq", 1),
+        fast_poll(),
+    )
+    .await
+    .unwrap();
+    q.send(SendMessage::new("m")).await.unwrap();
+    let held = GiveBackHeld::start(&db, &setup, "late").await;
+    assert!(
+        q.receive(ReceiveRequest::up_to(1))
+            .await
+            .unwrap()
+            .is_empty(),
+        "m, received once, moves"
+    );
+    assert_eq!(dlq.redrive().await.unwrap(), 1);
+    held.release().await;
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&got), ["m"]);
+    assert_eq!(got[0].receive_count, 2, "{:?}", got[0]);
+    q.delete(&got[0].receipt).await.unwrap();
+}
+
+/// A give-back of two FIFO heads, one of them delivered again since: B's
+/// dropped receive delivered m1 (group g, m2 behind it) and n1 (group h)
+/// with no visibility, and while its give-back waited another receive
+/// took one of them, x, for an hour. The give-back returns the other one
+/// alone, uncounted, and leaves x with its receiver: x's group stays in
+/// flight (x is not delivered twice at once, and m2 never passes m1), and
+/// x's receipt still deletes it.
+#[tokio::test]
+async fn a_held_give_back_returns_only_the_fifo_heads_it_still_holds() {
+    let (db, setup) = database_with_queue(
+        "late.fifo",
+        QueueAttributes::fifo().visibility_timeout(Duration::from_secs(3600)),
+    )
+    .await;
+    let q = PgQueue::open(&setup, "late.fifo", fast_poll())
+        .await
+        .unwrap();
+    q.send_batch(vec![
+        SendMessage::new("m1").group("g"),
+        SendMessage::new("m2").group("g"),
+        SendMessage::new("n1").group("h"),
+    ])
+    .await
+    .unwrap();
+    let held = GiveBackHeld::start(&db, &setup, "late.fifo").await;
+    let taken = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(taken.len(), 1);
+    let other = if taken[0].body == "m1" { "n1" } else { "m1" };
+    held.release().await;
+    let given_back = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(
+        bodies(&given_back),
+        [other],
+        "{} is in flight with its second receiver",
+        taken[0].body
+    );
+    assert_eq!(given_back[0].receive_count, 1, "{:?}", given_back[0]);
+    q.delete(&taken[0].receipt).await.unwrap();
+    q.delete(&given_back[0].receipt).await.unwrap();
+    let after = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&after), ["m2"]);
+}
+
+/// A give-back that fails: B's backend ended (pg_terminate_backend) while
+/// its give-back waited. Nothing of it is done: m keeps the delivery
+/// nobody saw, counted (no visibility: it is receivable at once, its next
+/// receive its second), and B's pool, whose one connection died under the
+/// give-back, serves its next statement on a fresh one, with nothing left
+/// open.
+#[tokio::test]
+async fn a_give_back_whose_connection_dies_leaves_the_delivery_as_it_was() {
+    let (db, setup) = database_with_queue("cut", QueueAttributes::default()).await;
+    let q = PgQueue::open(&setup, "cut", fast_poll()).await.unwrap();
+    q.send(SendMessage::new("m")).await.unwrap();
+    let held = GiveBackHeld::start(&db, &setup, "cut").await;
+    let ended: Vec<bool> = held
+        .race
+        .try_step(
+            &held.t,
+            "end the give-back's backend",
+            sqlx::query_scalar(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks
+                 WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted
+                   AND database = (SELECT oid FROM pg_database
+                                   WHERE datname = current_database())",
+            )
+            .fetch_all(held.t.pool()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ended, [true]);
+    held.release().await;
+    let got = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    assert_eq!(bodies(&got), ["m"]);
+    assert_eq!(got[0].receive_count, 2, "{:?}", got[0]);
+}
+
 /// A run of heads a receive does not deliver costs it a few statements,
 /// not one each: 200 heads due to move, their dead-letter groups held by a
 /// sender, ahead of b. A receive of one looks twice as far at each
