@@ -653,3 +653,66 @@ async fn a_statement_bound_on_another_clients_prepared_statement_is_a_pooler_pro
     drop((first, second));
     pool.close().await;
 }
+
+/// A receive through the pooler dropped while its statement waits (for the
+/// messages' table, which a direct connection holds locked): the server ran
+/// it once the holder was gone, and the give-back that followed, on
+/// whatever server connection the pooler gave it, returned both messages
+/// uncounted before the client's one connection served the next receive.
+#[tokio::test]
+async fn a_receive_dropped_through_the_pooler_gives_its_messages_back() {
+    use pgonce::Queue;
+    let (db, pool) = setup(1).await;
+    let q = PgQueue::create(
+        &pool,
+        "given-back",
+        QueueAttributes::default().visibility_timeout(Duration::from_secs(3600)),
+        PgQueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    q.send_batch(vec![
+        pgonce::SendMessage::new("m1"),
+        pgonce::SendMessage::new("m2"),
+    ])
+    .await
+    .unwrap();
+    let direct = db.pool(2).await.unwrap();
+    let mut holder = direct.begin().await.unwrap();
+    sqlx::query("LOCK TABLE pgonce.queue_message IN EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    let receive = {
+        let q = q.clone();
+        tokio::spawn(async move { q.receive(pgonce::ReceiveRequest::up_to(10)).await })
+    };
+    // Seen waiting for the holder (pg_blocking_pids) before it is dropped.
+    loop {
+        let waiting: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE $1 = ANY (pg_blocking_pids(pid)))",
+        )
+        .bind(holder_pid)
+        .fetch_one(&direct)
+        .await
+        .unwrap();
+        assert!(!receive.is_finished(), "the receive did not wait");
+        if waiting {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    receive.abort();
+    assert!(receive.await.unwrap_err().is_cancelled());
+    holder.rollback().await.unwrap();
+    let got = q.receive(pgonce::ReceiveRequest::up_to(10)).await.unwrap();
+    let bodies: Vec<&str> = got.iter().map(|m| m.body.as_str()).collect();
+    assert_eq!(bodies, ["m1", "m2"], "receivable at once");
+    for message in &got {
+        assert_eq!(message.receive_count, 1, "{message:?}");
+    }
+}
