@@ -1355,9 +1355,9 @@ async fn a_give_back_leaves_a_message_delivered_again_since() {
 /// taken, no row touched yet. A statement trigger on the messages' table
 /// makes that statement alone (known by its text) wait for an advisory
 /// lock that session T holds. B's receive was dropped while it waited for
-/// A's lock on the messages' table and delivered `receive` to nobody, with
-/// no visibility: its messages are receivable again at once, while its
-/// give-back waits for T.
+/// A's lock on the messages' table and delivered to nobody, for
+/// `visibility` (with none, its messages are receivable again at once),
+/// while its give-back waits for T.
 struct GiveBackHeld {
     race: Interleaving,
     b: pgonce_testkit::Session,
@@ -1365,7 +1365,12 @@ struct GiveBackHeld {
 }
 
 impl GiveBackHeld {
-    async fn start(db: &pgonce_testkit::ScratchDatabase, setup: &PgPool, name: &str) -> Self {
+    async fn start(
+        db: &pgonce_testkit::ScratchDatabase,
+        setup: &PgPool,
+        name: &str,
+        visibility: Duration,
+    ) -> Self {
         sqlx::raw_sql(
             "CREATE FUNCTION hold_give_back() RETURNS trigger LANGUAGE plpgsql AS $$
              BEGIN
@@ -1401,8 +1406,8 @@ impl GiveBackHeld {
         .await
         .unwrap();
         let waiting = race
-            .step_blocks(&b, "receive, no visibility", async move {
-                qb.receive(ReceiveRequest::up_to(10).visibility(Duration::ZERO))
+            .step_blocks(&b, "receive", async move {
+                qb.receive(ReceiveRequest::up_to(10).visibility(visibility))
                     .await
             })
             .await
@@ -1471,7 +1476,7 @@ async fn a_held_give_back_leaves_a_message_moved_and_redriven_meanwhile() {
     .await
     .unwrap();
     q.send(SendMessage::new("m")).await.unwrap();
-    let held = GiveBackHeld::start(&db, &setup, "late").await;
+    let held = GiveBackHeld::start(&db, &setup, "late", Duration::ZERO).await;
     assert!(
         q.receive(ReceiveRequest::up_to(1))
             .await
@@ -1511,7 +1516,7 @@ async fn a_held_give_back_returns_only_the_fifo_heads_it_still_holds() {
     ])
     .await
     .unwrap();
-    let held = GiveBackHeld::start(&db, &setup, "late.fifo").await;
+    let held = GiveBackHeld::start(&db, &setup, "late.fifo", Duration::ZERO).await;
     let taken = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
     assert_eq!(taken.len(), 1);
     let other = if taken[0].body == "m1" { "n1" } else { "m1" };
@@ -1530,6 +1535,38 @@ async fn a_held_give_back_returns_only_the_fifo_heads_it_still_holds() {
     assert_eq!(bodies(&after), ["m2"]);
 }
 
+/// A give-back wakes the receivers parked on its queue, as a send does:
+/// P's long poll, re-polling once an hour, looked while the delivery
+/// nobody saw hid m for an hour, and parked. Once the give-back ran, P
+/// received m, as its first receive, woken for it, not at its poll.
+#[tokio::test]
+async fn a_give_back_wakes_a_long_poll_parked_behind_its_delivery() {
+    let (db, setup) = database_with_queue("woken", QueueAttributes::default()).await;
+    let hourly = PgQueueOptions {
+        poll_interval: Duration::from_secs(3600),
+        ..PgQueueOptions::default()
+    };
+    let q = PgQueue::open(&setup, "woken", hourly).await.unwrap();
+    q.send(SendMessage::new("m")).await.unwrap();
+    let hour = Duration::from_secs(3600);
+    let held = GiveBackHeld::start(&db, &setup, "woken", hour).await;
+    let parked = {
+        let q = q.clone();
+        tokio::spawn(async move { q.receive(ReceiveRequest::up_to(1).wait(hour)).await })
+    };
+    while q.parked_receivers() == 0 {
+        tokio::task::yield_now().await;
+    }
+    held.release().await;
+    let got = tokio::time::timeout(Duration::from_secs(60), parked)
+        .await
+        .expect("not woken by the give-back: it waits for its poll")
+        .unwrap()
+        .unwrap();
+    assert_eq!(bodies(&got), ["m"]);
+    assert_eq!(got[0].receive_count, 1, "{:?}", got[0]);
+}
+
 /// A give-back that fails: B's backend ended (pg_terminate_backend) while
 /// its give-back waited. Nothing of it is done: m keeps the delivery
 /// nobody saw, counted (no visibility: it is receivable at once, its next
@@ -1541,7 +1578,7 @@ async fn a_give_back_whose_connection_dies_leaves_the_delivery_as_it_was() {
     let (db, setup) = database_with_queue("cut", QueueAttributes::default()).await;
     let q = PgQueue::open(&setup, "cut", fast_poll()).await.unwrap();
     q.send(SendMessage::new("m")).await.unwrap();
-    let held = GiveBackHeld::start(&db, &setup, "cut").await;
+    let held = GiveBackHeld::start(&db, &setup, "cut", Duration::ZERO).await;
     let ended: Vec<bool> = held
         .race
         .try_step(
