@@ -1567,6 +1567,72 @@ async fn a_give_back_wakes_a_long_poll_parked_behind_its_delivery() {
     assert_eq!(got[0].receive_count, 1, "{:?}", got[0]);
 }
 
+/// A receive dropped while its statement waits, whose statement then moved
+/// a message to the dead-letter queue (received once already, of one
+/// allowed) and delivered nothing: the receivers parked on the dead-letter
+/// queue are woken for it, as a receive that returned wakes them, though
+/// nobody took the receive's answer. P's long poll there re-polls once an
+/// hour.
+#[tokio::test]
+async fn a_receive_dropped_while_it_waits_wakes_the_queue_it_moved_to() {
+    let db = fresh_database().await;
+    let setup = db.pool(2).await.unwrap();
+    pgonce::migrate(&setup).await.unwrap();
+    let hourly = PgQueueOptions {
+        poll_interval: Duration::from_secs(3600),
+        ..PgQueueOptions::default()
+    };
+    let dlq = PgQueue::create(
+        &setup,
+        "moved-dlq",
+        QueueAttributes::default(),
+        hourly.clone(),
+    )
+    .await
+    .unwrap();
+    let q = PgQueue::create(
+        &setup,
+        "moved",
+        QueueAttributes::default().dead_letter("moved-dlq", 1),
+        hourly,
+    )
+    .await
+    .unwrap();
+    q.send(SendMessage::new("m")).await.unwrap();
+    let once = q.receive(ReceiveRequest::up_to(1)).await.unwrap();
+    q.change_visibility(&once[0].receipt, Duration::ZERO)
+        .await
+        .unwrap();
+    let hour = Duration::from_secs(3600);
+    let parked = {
+        let dlq = dlq.clone();
+        tokio::spawn(async move { dlq.receive(ReceiveRequest::up_to(1).wait(hour)).await })
+    };
+    while dlq.parked_receivers() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let support::HolderAndWaiter { race, a, b, tx_a } = support::a_holding(
+        db.options(),
+        "lock the messages' table",
+        "LOCK TABLE pgonce.queue_message IN EXCLUSIVE MODE",
+    )
+    .await;
+    let qb = PgQueue::open(b.pool(), "moved", fast_poll()).await.unwrap();
+    let waiting = race
+        .step_blocks(&b, "receive", async move {
+            qb.receive(ReceiveRequest::up_to(1)).await
+        })
+        .await
+        .unwrap();
+    support::give_up_then_end(&race, waiting, (&a, tx_a.rollback()), &b).await;
+    let got = tokio::time::timeout(Duration::from_secs(60), parked)
+        .await
+        .expect("not woken by the move: it waits for its poll")
+        .unwrap()
+        .unwrap();
+    assert_eq!(bodies(&got), ["m"]);
+}
+
 /// A give-back that fails: B's backend ended (pg_terminate_backend) while
 /// its give-back waited. Nothing of it is done: m keeps the delivery
 /// nobody saw, counted (no visibility: it is receivable at once, its next

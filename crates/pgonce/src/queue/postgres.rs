@@ -1021,7 +1021,21 @@ impl PgQueue {
         let look = transaction::answered_or_given_back(
             &self.inner.pool,
             move |conn| Box::pin(async move { looking.look_on(conn, &request).await }),
-            move |conn, look| Box::pin(async move { giving_back.give_back(conn, &look).await }),
+            move |conn, look| {
+                Box::pin(async move {
+                    giving_back.give_back(conn, &look).await;
+                    // The moves committed all the same: their queues'
+                    // receivers are woken, in a task of its own, which
+                    // takes a connection once this one is back in the pool.
+                    if !look.dead_letter_queues.is_empty() {
+                        tokio::spawn(async move {
+                            giving_back
+                                .wake_dead_letter_queues(&look.dead_letter_queues)
+                                .await;
+                        });
+                    }
+                })
+            },
         )
         .await?;
         // Once the look's connection is back in the pool: the wake takes
