@@ -72,10 +72,10 @@
 //! statement was sent the server runs it whether or not anyone reads its
 //! answer, so what a dropped call leaves is:
 //!
-//! * [`acquire`]: nothing. It runs in a task of its own on one pooled
-//!   connection, and not at all if its caller is gone by the time a
-//!   connection is free; a hold taken for a caller that is gone is given
-//!   back (as [`release`] would) before that connection serves anyone
+//! * [`acquire`]: nothing. It runs on one pooled connection, and not at
+//!   all if its caller is gone by the time a connection is free; a drop
+//!   once its statement was sent hands it to a task of its own, and a
+//!   hold taken for a caller that is gone is given back (as [`release`] would) before that connection serves anyone
 //!   else, and the connection goes back to the pool outside any
 //!   transaction, its row locks gone. Only when that release fails too
 //!   (the connection or the server died, the runtime shut down) is the key
@@ -306,8 +306,8 @@ pub async fn acquire(
         ));
     }
     let (scope, key, fingerprint) = (scope.to_owned(), key.to_owned(), fingerprint.to_owned());
-    // On one connection, in a task of its own: a hold taken for a caller
-    // who stopped waiting (its future dropped once the upsert was sent,
+    // On one connection, handed to a task if dropped: a hold taken for a
+    // caller who stopped waiting (its future dropped once the upsert was sent,
     // which the server runs regardless) is given back at once, before the
     // connection serves anyone else. Left, it would turn every retry of
     // the request away as in progress until it ran out.

@@ -126,21 +126,21 @@
 //! transaction of its own, so what it writes is all there or absent, never
 //! half; but a dropped caller does not learn which:
 //!
-//! * [`claim`] on a pool: nothing. It runs in a task of its own, on one
-//!   pooled connection (not at all if its caller is gone by the time a
-//!   connection is free); dropped once its statement was sent (while it
-//!   waits for a transaction holding the job's row, say), the server still
-//!   claims the job, and the task gives that lease back (the job pending
+//! * [`claim`] on a pool: nothing. It runs on one pooled connection (not
+//!   at all if its caller is gone by the time a connection is free);
+//!   dropped once its statement was sent (while it waits for a transaction
+//!   holding the job's row, say), the server still claims the job, so the
+//!   drop hands the claim to a task of its own, which finishes it and gives
+//!   that lease back (the job pending
 //!   again, runnable at once, no attempt counted) before the connection
 //!   serves anyone else. Only when that fails too (the connection or the
 //!   server died, the runtime shut down) is the job left `processing` under
 //!   a lease nobody has: its message hears [`Error::JobBusy`] until the
 //!   lease runs out, and the [`Reaper`], or a delivery taking the lease
 //!   over, counts it as a failed attempt, as for a worker that died.
-//! * [`claim_batch`] on a pool: nothing, the same way. Its transaction
-//!   runs in a task of its own: dropped before its COMMIT was sent it
-//!   rolls back; dropped after, the task gives every lease of the batch
-//!   back. On a bare connection, see [`ClaimBatchOn`].
+//! * [`claim_batch`] on a pool: nothing, the same way. A drop hands its
+//!   transaction to a task of its own, which commits it and gives every
+//!   lease of the batch back. On a bare connection, see [`ClaimBatchOn`].
 //! * [`complete`], [`complete_many`], [`fail`], [`transition`]: written or
 //!   not. Written, the job moved on, and the same call again gets
 //!   [`Error::LeaseLost`] ([`Error::AlreadyHandled`] from [`transition`]):
@@ -520,8 +520,8 @@ fn lease_secs(lease_for: Duration) -> Result<f64> {
 ///
 /// `db` is a pool (`&pool`) or a connection (`&mut *tx` for a transaction
 /// of the caller's, `&mut conn` for a bare one): see [`ClaimBatchOn`]. On
-/// a pool the claim is cancel safe: it runs in a task of its own, and a
-/// lease it took for a caller that stopped waiting is given back, the job
+/// a pool the claim is cancel safe: a lease it took for a caller that
+/// stopped waiting is given back, by a task the drop hands the claim to, the job
 /// pending again, before its connection serves anyone else (module docs,
 /// "Cancel safety").
 pub async fn claim<'c>(
@@ -667,9 +667,9 @@ pub struct ClaimedJob {
 /// (`&pool`) or a connection (`&mut *tx` for a transaction of the
 /// caller's, `&mut conn` for a bare one).
 ///
-/// On a pool, [`claim`] and [`claim_batch`] run in a task of their own,
-/// which gives the leases they took back if the caller stopped waiting for
-/// them; on a connection they run there.
+/// On a pool, [`claim`] and [`claim_batch`] give the leases they took
+/// back if the caller stopped waiting for them; on a connection they run
+/// there, and the caller's transaction is theirs to roll back.
 ///
 /// On a pool, or a connection outside a transaction, [`claim_batch`] runs in a
 /// READ COMMITTED transaction of its own, whatever the database's default
@@ -743,13 +743,13 @@ pub async fn claim_batch<'c>(
     let rows = match db.into().0 {
         ClaimBatchTarget::Pool(pool) => {
             let kind = kind.to_owned();
-            // In a task of its own, on one connection, so that a batch
-            // committed for a caller who stopped waiting (dropped while its
-            // COMMIT was on its way) is given back at once, its jobs
-            // pending again, rather than held by nobody until their leases
-            // run out. That connection comes fresh from the pool, outside
-            // any transaction, and the task is not dropped midway, so
-            // sqlx's BEGIN on it is safe here.
+            // On one connection, so that a batch committed for a caller
+            // who stopped waiting (dropped while its COMMIT was on its way)
+            // is given back at once, its jobs pending again, rather than
+            // held by nobody until their leases run out. That connection
+            // comes fresh from the pool, outside any transaction, and the
+            // work is never dropped midway (a dropped caller hands it to a
+            // task that finishes it), so sqlx's BEGIN on it is safe here.
             crate::transaction::answered_or_given_back(
                 pool,
                 move |conn| {

@@ -61,16 +61,16 @@
 //!
 //! A receive dropped while it is parked (a long poll waiting for messages
 //! to arrive) has delivered nothing. One dropped once a receive statement
-//! was sent, which the server runs regardless, delivers to nobody: its
-//! statements run on one pooled connection in a task of their own, which
-//! gives such deliveries back before that connection serves anyone else.
+//! was sent, which the server runs regardless, would deliver to nobody:
+//! its statements run on one pooled connection, and the drop hands them to
+//! a task of their own, which finishes them and gives such deliveries back
+//! before that connection serves anyone else.
 //! Each message still in that delivery is receivable again at once (a
 //! FIFO group goes on), its receive not counted toward
 //! `max_receive_count`, and the receipt nobody saw is stale; counted in
 //! `pgonce_queue_deliveries_given_back_total`. Best effort still: a
-//! receive dropped after the task handed its answer over and before the
-//! caller's future was polled again to take it, a give-back that fails
-//! (logged), and a statement the server committed whose answer never came
+//! give-back that fails (logged), one cut short by a runtime shutting
+//! down, and a statement the server committed whose answer never came
 //! back (the connection lost during its commit) leave those messages
 //! invisible until their visibility timeout runs out, then delivered
 //! again, at least once as the contract allows, that delivery counted

@@ -24,8 +24,14 @@
 //! ```
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, ready};
 
 use futures::future::BoxFuture;
+use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Row, Transaction};
 
 /// A transaction isolation level of PostgreSQL, as a BEGIN states it.
@@ -228,58 +234,129 @@ pub(crate) async fn begin_detached(
     }
 }
 
-/// Runs `work` on one connection of `pool`, in a task of its own, and
-/// returns what it returns; not at all if the caller stopped waiting
-/// before a connection was free. If the caller stops waiting later (its
-/// future dropped, which may happen after `work`'s statements were sent
-/// and the server runs them anyway), `give_back` undoes what `work` took
-/// for it, on the same connection, before that connection serves anyone
-/// else. For
-/// calls that take something the caller alone can let go of (an
-/// idempotency key's hold, a job's lease), which a dropped caller would
-/// leave taken, by nobody, until it runs out.
+/// Runs `work` on one connection of `pool` and returns what it returns;
+/// not at all if the caller stopped waiting before a connection was free.
+/// If the caller stops waiting later (its future dropped, which may happen
+/// after `work`'s statements were sent and the server runs them anyway),
+/// `give_back` undoes what `work` took for it, on the same connection,
+/// before that connection serves anyone else. For calls that take
+/// something the caller alone can let go of (an idempotency key's hold, a
+/// job's lease, a queue's deliveries), which a dropped caller would leave
+/// taken, by nobody, until it runs out.
 ///
-/// Hand-written around a task and a oneshot channel: nothing in sqlx or
-/// tokio runs a clean-up on the output of a future whose caller is gone.
-pub(crate) async fn answered_or_given_back<T: Send + 'static>(
+/// `work` is polled inline, in the caller's task, as any future is: a
+/// task per call would cost two scheduling hops (the spawn, and the wake
+/// by the task's answer), which on a busy runtime outweigh the statements
+/// themselves. Only a call dropped while `work` runs pays for a task: the
+/// drop moves the unfinished future, which owns its connection, into one
+/// ([`FinishedOrHandedOff`]), which polls it to its answer and gives that
+/// back.
+///
+/// Hand-written: nothing in sqlx or tokio runs a clean-up on the output of
+/// a future whose caller is gone.
+pub(crate) async fn answered_or_given_back<T, G>(
     pool: &PgPool,
     work: impl for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, crate::Result<T>> + Send + 'static,
-    give_back: impl for<'c> FnOnce(&'c mut PgConnection, T) -> BoxFuture<'c, ()> + Send + 'static,
-) -> crate::Result<T> {
-    let (answer_to, answered) = tokio::sync::oneshot::channel();
+    give_back: G,
+) -> crate::Result<T>
+where
+    T: Send + 'static,
+    G: for<'c> FnOnce(&'c mut PgConnection, T) -> BoxFuture<'c, ()> + Send + 'static,
+{
     let pool = pool.clone();
-    // In the caller's span, so that what `work` logs says whose call it was.
-    let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
-        let mut conn = match pool.acquire().await {
-            Ok(conn) => conn,
-            // Nothing taken; nobody to tell if the caller is gone.
-            Err(e) => {
-                let _ = answer_to.send(Err(e.into()));
-                return;
-            }
+    let working = Arc::new(AtomicBool::new(false));
+    let run = {
+        let working = Arc::clone(&working);
+        Box::pin(async move {
+            let mut conn = pool.acquire().await?;
+            working.store(true, Ordering::Release);
+            let taken = work(&mut conn).await?;
+            Ok(Answered { taken, conn })
+        })
+    };
+    let answered = FinishedOrHandedOff {
+        run: Some(run),
+        working,
+        polling: false,
+        give_back: Some(Box::new(give_back)),
+        span: tracing::Span::current(),
+    }
+    .await?;
+    // The connection goes back to the pool here, its work done.
+    Ok(answered.taken)
+}
+
+/// What [`answered_or_given_back`]'s work took, and the connection it
+/// took it on, still held, so that a give-back runs on it before anyone
+/// else's statement does.
+struct Answered<T> {
+    taken: T,
+    conn: PoolConnection<Postgres>,
+}
+
+/// The future of a call of [`answered_or_given_back`], polled by its
+/// caller. Dropped before it finished, it hands the unfinished work over
+/// to a task of its own, which finishes it and gives back what it took.
+struct FinishedOrHandedOff<T: Send + 'static> {
+    /// Acquires a connection, then runs the work on it; `None` once it
+    /// answered.
+    run: Option<BoxFuture<'static, crate::Result<Answered<T>>>>,
+    /// Set once `run` holds a connection and its work began: dropped
+    /// before, nothing was taken and the acquire is simply abandoned.
+    working: Arc<AtomicBool>,
+    /// True while `run` is being polled: still true in `drop` only when
+    /// that poll panicked, and a panicked future is never polled again.
+    polling: bool,
+    give_back: Option<GiveBack<T>>,
+    /// The caller's span, so that what a handed-off call logs says whose
+    /// call it was.
+    span: tracing::Span,
+}
+
+/// Undoes what a call's work took, on the connection it took it on.
+type GiveBack<T> = Box<dyn for<'c> FnOnce(&'c mut PgConnection, T) -> BoxFuture<'c, ()> + Send>;
+
+// Nothing is pinned in place: `run` is boxed.
+impl<T: Send + 'static> Unpin for FinishedOrHandedOff<T> {}
+
+impl<T: Send + 'static> Future for FinishedOrHandedOff<T> {
+    type Output = crate::Result<Answered<T>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let run = this.run.as_mut().expect("polled after it answered");
+        this.polling = true;
+        let answer = run.as_mut().poll(cx);
+        this.polling = false;
+        let answer = ready!(answer);
+        this.run = None;
+        Poll::Ready(answer)
+    }
+}
+
+impl<T: Send + 'static> Drop for FinishedOrHandedOff<T> {
+    fn drop(&mut self) {
+        let (Some(run), Some(give_back)) = (self.run.take(), self.give_back.take()) else {
+            return;
         };
-        // Given up while it waited for the connection (an exhausted pool):
-        // nobody would use what `work` took, so it is not run at all.
-        if answer_to.is_closed() {
+        // Interrupted mid-poll by a panic, or dropped before a statement
+        // of the work was sent: nothing to finish.
+        if self.polling || !self.working.load(Ordering::Acquire) {
             return;
         }
-        if let Err(Ok(taken)) = answer_to.send(work(&mut conn).await) {
-            give_back(&mut conn, taken).await;
-        }
-    }));
-    match answered.await {
-        Ok(answer) => answer,
-        // The task ended without an answer: it panicked (the panic is
-        // carried on), or it was cancelled, which only a runtime shutting
-        // down does to it (reported as sqlx reports a connection task it
-        // lost; `into_panic` would itself panic on a cancellation).
-        Err(_) => match task.await {
-            Err(join) => match join.try_into_panic() {
-                Ok(panic) => std::panic::resume_unwind(panic),
-                Err(_cancelled) => Err(sqlx::Error::WorkerCrashed.into()),
-            },
-            Ok(()) => unreachable!("the task answers before it returns"),
-        },
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Dropped outside a runtime, which only a runtime shutting
+            // down does: the connection is dropped mid-work and closed, so
+            // what it took stays taken until it runs out.
+            tracing::warn!("a call dropped outside a runtime could not give back what it took");
+            return;
+        };
+        let finish = async move {
+            if let Ok(Answered { taken, mut conn }) = run.await {
+                give_back(&mut conn, taken).await;
+            }
+        };
+        runtime.spawn(tracing::Instrument::instrument(finish, self.span.clone()));
     }
 }
 

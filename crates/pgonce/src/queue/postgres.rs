@@ -1004,11 +1004,12 @@ impl PgQueue {
     /// ones delivered, those leases are taken: they are returned and the
     /// failure logged.
     ///
-    /// The statements run on one pooled connection, in a task of their own
+    /// The statements run on one pooled connection
     /// ([`transaction::answered_or_given_back`]): a receive dropped by its
     /// caller once a statement was sent (which the server runs regardless)
-    /// gives what it delivered back ([`Self::give_back`]) before that
-    /// connection serves anyone else.
+    /// hands its look to a task, which finishes it and gives what it
+    /// delivered back ([`Self::give_back`]) before that connection serves
+    /// anyone else.
     async fn receive_once(&self, request: &ReceiveRequest) -> Result<Vec<Received>> {
         Ok(self.receive_looking(request).await?.received)
     }
@@ -1024,24 +1025,13 @@ impl PgQueue {
             move |conn, look| {
                 Box::pin(async move {
                     giving_back.give_back(conn, &look).await;
-                    // The moves committed all the same: their queues'
-                    // receivers are woken, in a task of its own, which
-                    // takes a connection once this one is back in the pool.
-                    if !look.dead_letter_queues.is_empty() {
-                        tokio::spawn(async move {
-                            giving_back
-                                .wake_dead_letter_queues(&look.dead_letter_queues)
-                                .await;
-                        });
-                    }
+                    // The moves committed all the same.
+                    giving_back.wake_dead_letter_queues(look.dead_letter_queues);
                 })
             },
         )
         .await?;
-        // Once the look's connection is back in the pool: the wake takes
-        // one, and the look's own, held meanwhile, could be the pool's
-        // last.
-        self.wake_dead_letter_queues(&look.dead_letter_queues).await;
+        self.wake_dead_letter_queues(look.dead_letter_queues.clone());
         Ok(look)
     }
 
@@ -1305,9 +1295,21 @@ impl PgQueue {
     /// redrive policy may have changed since the commit, to another
     /// dead-letter queue or to none, and the messages wait in the one they
     /// went to.
-    async fn wake_dead_letter_queues(&self, queues: &[String]) {
+    ///
+    /// From a task of its own, which takes a connection once the look's is
+    /// back in the pool (held meanwhile, the look's could be the pool's
+    /// last), and which a receive dropped after its look answered does not
+    /// stop: awaited by the receive, such a drop would lose what the look
+    /// delivered. Moves are rare (a message past its receive count), so
+    /// is the task.
+    fn wake_dead_letter_queues(&self, queues: Vec<String>) {
         if self.inner.options.notify && !queues.is_empty() {
-            self.notify_queues(queues.iter().map(String::as_str)).await;
+            let waking = self.clone();
+            tokio::spawn(async move {
+                waking
+                    .notify_queues(queues.iter().map(String::as_str))
+                    .await
+            });
         }
     }
 
