@@ -12,7 +12,7 @@
 //! Every number a value holds reads back as the same [`Value`] when the
 //! value is written with [`stored`] (below).
 
-use serde::Serialize as _;
+use serde::Serialize;
 use serde_json::Value;
 use serde_json::value::RawValue;
 use sqlx::types::Json;
@@ -59,35 +59,54 @@ pub fn check_storable(what: &'static str, value: &Value) -> Result<()> {
 /// that fits PostgreSQL's 1 GB message would no longer. A double with a
 /// fraction keeps it in the numeric anyway (an exponent below zero becomes
 /// digits after the point), and an integer is written as one.
-/// Hand-written, as a serde_json formatter: sqlx's `Json` serializes with
-/// serde_json's default, and no crate stores JSON in `jsonb` number for
-/// number.
+/// Hand-written, as a [`Serialize`] of the value that writes such doubles
+/// as raw JSON text: sqlx's `Json` serializes with serde_json's default,
+/// and no crate stores JSON in `jsonb` number for number. Not a serde_json
+/// formatter, which would do the same: the `Box<RawValue>` bound needs
+/// the text checked once more by `RawValue::from_string`, a second full
+/// parse of every stored value (half the time of a large append), where
+/// `to_raw_value` takes serde_json's own text as it is.
 pub fn stored(value: &Value) -> Json<Box<RawValue>> {
-    struct WholeDoublesWithFraction;
-    impl serde_json::ser::Formatter for WholeDoublesWithFraction {
-        fn write_f64<W: ?Sized + std::io::Write>(
-            &mut self,
-            writer: &mut W,
-            value: f64,
-        ) -> std::io::Result<()> {
-            // Only finite doubles reach here: serde_json writes the others
-            // as `null` before asking the formatter.
-            if written_with_fraction(value) {
-                write!(writer, "{value}.0")
-            } else {
-                serde_json::ser::CompactFormatter.write_f64(writer, value)
+    /// `Value`'s own serialization, but for a double
+    /// [`written_with_fraction`]: its text, `{value}.0`.
+    struct WholeDoublesWithFraction<'a>(&'a Value);
+    impl Serialize for WholeDoublesWithFraction<'_> {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::{SerializeMap, SerializeSeq};
+            match self.0 {
+                Value::Number(n) => match n.as_f64() {
+                    Some(double) if n.is_f64() && written_with_fraction(double) => {
+                        // A few bytes, checked as JSON once: an integer
+                        // and a point, as every finite whole double
+                        // prints in Rust.
+                        RawValue::from_string(format!("{double}.0"))
+                            .expect("a whole double and `.0` are a JSON number")
+                            .serialize(serializer)
+                    }
+                    _ => n.serialize(serializer),
+                },
+                Value::Array(items) => {
+                    let mut seq = serializer.serialize_seq(Some(items.len()))?;
+                    for item in items {
+                        seq.serialize_element(&WholeDoublesWithFraction(item))?;
+                    }
+                    seq.end()
+                }
+                Value::Object(map) => {
+                    let mut out = serializer.serialize_map(Some(map.len()))?;
+                    for (key, item) in map {
+                        out.serialize_entry(key, &WholeDoublesWithFraction(item))?;
+                    }
+                    out.end()
+                }
+                scalar => scalar.serialize(serializer),
             }
         }
     }
-    let mut text = Vec::new();
-    value
-        .serialize(&mut serde_json::Serializer::with_formatter(
-            &mut text,
-            WholeDoublesWithFraction,
-        ))
-        .expect("a Value serializes");
-    let text = String::from_utf8(text).expect("serde_json writes UTF-8");
-    Json(RawValue::from_string(text).expect("serde_json writes JSON"))
+    Json(
+        serde_json::value::to_raw_value(&WholeDoublesWithFraction(value))
+            .expect("a Value serializes"),
+    )
 }
 
 /// Whether [`stored`] writes the finite double `value` in plain digits
@@ -496,6 +515,25 @@ mod tests {
         ] {
             assert_eq!(stored(&value).0.get(), text);
         }
+    }
+
+    /// The text [`stored`] writes, which nothing parses before it is sent,
+    /// is JSON that reads back equal, keys in their order, strings
+    /// escaped.
+    #[test]
+    fn what_is_stored_reads_back_equal() {
+        let value = serde_json::json!({
+            "z": "quote \" backslash \\ control \u{1} tab \t é 😀",
+            "a": [1, -1, 1.5, 1e16, -0.0, null, true, {"k": [[], {}]}],
+            "": u64::MAX,
+        });
+        let text = stored(&value).0.get().to_owned();
+        let back: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, value);
+        assert_eq!(
+            text,
+            r#"{"z":"quote \" backslash \\ control \u0001 tab \t é 😀","a":[1,-1,1.5,10000000000000000.0,-0.0,null,true,{"k":[[],{}]}],"":18446744073709551615}"#
+        );
     }
 
     /// What PostgreSQL prints for a few values, as checked against it
