@@ -3692,6 +3692,63 @@ async fn a_receive_failing_after_it_locked_a_message_wakes_the_receivers_it_turn
     );
 }
 
+/// A receive whose follow-up statement fails after an earlier one moved
+/// messages to the dead-letter queue wakes the receivers parked there:
+/// each statement commits on its own, so the moves stand. It used to
+/// return the error without the wake, and they waited for their poll
+/// interval (an hour here: [`woken`] fails it after a minute).
+///
+/// Three messages past their receive count, in this order; a receive of
+/// one looks at the first (its lean first statement decides no move),
+/// then at two, which it moves, then further, at the third, whose move a
+/// trigger fails.
+#[tokio::test]
+async fn a_receive_failing_after_it_moved_messages_wakes_the_dead_letter_queue() {
+    let pool = pool().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.fail_move() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+             IF NEW.body = 'fails' AND NEW.queue IS DISTINCT FROM OLD.queue THEN \
+                 RAISE EXCEPTION 'this move fails'; \
+             END IF; \
+             RETURN NEW; \
+         END $$; \
+         CREATE TRIGGER fail_move BEFORE UPDATE ON pgonce.queue_message \
+         FOR EACH ROW EXECUTE FUNCTION public.fail_move();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let dlq = PgQueue::create(&pool, "s-dlq", QueueAttributes::default(), no_poll())
+        .await
+        .unwrap();
+    let q = PgQueue::create(
+        &pool,
+        "s",
+        QueueAttributes::default().dead_letter("s-dlq", 1),
+        no_poll(),
+    )
+    .await
+    .unwrap();
+    for body in ["m1", "m2", "fails"] {
+        q.send(SendMessage::new(body)).await.unwrap();
+    }
+    let first = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+    assert_eq!(bodies(&first), ["m1", "m2", "fails"]);
+    for received in &first {
+        q.change_visibility(&received.receipt, Duration::ZERO)
+            .await
+            .unwrap();
+    }
+    let receiver = parked_receiver(&dlq).await;
+    let failed = q.receive(ReceiveRequest::up_to(1)).await;
+    assert!(failed.is_err(), "the trigger failed it: {failed:?}");
+    assert_eq!(
+        woken(receiver, "the moves before the failure").await,
+        ["m1", "m2"]
+    );
+}
+
 /// A FIFO group's head whose lease runs out during a long poll is
 /// delivered again then, before the messages of its group behind it.
 #[tokio::test]

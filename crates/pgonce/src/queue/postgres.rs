@@ -1002,7 +1002,8 @@ impl PgQueue {
     /// looked at again at the next poll after its sender commits. Each
     /// statement commits on its own, so if a later one fails after earlier
     /// ones delivered, those leases are taken: they are returned and the
-    /// failure logged.
+    /// failure logged. The dead-letter queues earlier statements moved
+    /// messages to are woken, whether the receive returns or fails.
     ///
     /// The statements run on one pooled connection
     /// ([`transaction::answered_or_given_back`]): a receive dropped by its
@@ -1060,7 +1061,12 @@ impl PgQueue {
                 .await
             {
                 Ok(more) => undelivered = more,
-                Err(e) if found.received.is_empty() => return Err(e),
+                Err(e) if found.received.is_empty() => {
+                    // The earlier statements' moves committed all the
+                    // same: the messages wait in those queues now.
+                    self.wake_dead_letter_queues(std::mem::take(&mut found.dead_letter_queues));
+                    return Err(e);
+                }
                 Err(e) => {
                     tracing::warn!(queue = %self.inner.name, error = %e, delivered = found.received.len(), "a receive's follow-up statement failed; returning what it delivered");
                     break;
