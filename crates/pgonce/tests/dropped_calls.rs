@@ -131,27 +131,33 @@ struct StoredMessage {
 
 /// A receive dropped at random: each message sent is either delivered to
 /// the caller (counted once, invisible) or receivable now, its receive
-/// uncounted; none is lost.
-#[tokio::test]
-async fn a_receive_dropped_anywhere_leaves_each_message_delivered_or_receivable() {
+/// uncounted; none is lost. On a FIFO queue, the messages are sent in two
+/// groups, and a give-back must hand back the heads it took.
+async fn a_receive_dropped_anywhere_leaves_each_message_delivered_or_receivable(fifo: bool) {
     let (_db, pool) = fresh_migrated_database(4, pgonce::migrate).await;
-    let q = PgQueue::create(
-        &pool,
-        "q",
-        QueueAttributes::default(),
-        PgQueueOptions::default(),
-    )
-    .await
-    .unwrap();
+    let (name, attributes, call) = if fifo {
+        ("q.fifo", QueueAttributes::fifo(), "FIFO receive")
+    } else {
+        ("q", QueueAttributes::default(), "receive")
+    };
+    let q = PgQueue::create(&pool, name, attributes, PgQueueOptions::default())
+        .await
+        .unwrap();
     let logged = LogLines::default();
     let _logging = logged.capture();
-    let mut rng = seeded("receive");
+    let mut rng = seeded(call);
     let mut tally = Tally::default();
     for round in 0..rounds() {
         let n = rng.random_range(1..=4);
         let sent: BTreeSet<String> = (0..n).map(|i| format!("r{round}-m{i}")).collect();
-        for body in &sent {
-            q.send(SendMessage::new(body.clone())).await.unwrap();
+        for (i, body) in sent.iter().enumerate() {
+            let message = SendMessage::new(body.clone());
+            let message = if fifo {
+                message.group(format!("g{}", i % 2))
+            } else {
+                message
+            };
+            q.send(message).await.unwrap();
         }
         let request = ReceiveRequest::up_to(rng.random_range(1..=n));
         let delivered: BTreeSet<String> =
@@ -162,8 +168,9 @@ async fn a_receive_dropped_anywhere_leaves_each_message_delivered_or_receivable(
         idle(&pool).await;
         let rows: Vec<StoredMessage> = sqlx::query_as(
             "SELECT body, receive_count, visible_at <= now() AS visible \
-             FROM pgonce.queue_message WHERE queue = 'q' ORDER BY id",
+             FROM pgonce.queue_message WHERE queue = $1 ORDER BY id",
         )
+        .bind(name)
         .fetch_all(&pool)
         .await
         .unwrap();
@@ -183,12 +190,39 @@ async fn a_receive_dropped_anywhere_leaves_each_message_delivered_or_receivable(
                 delivered.contains(&m.body)
             );
         }
-        sqlx::query("DELETE FROM pgonce.queue_message WHERE queue = 'q'")
+        if fifo {
+            // Each group the caller got none of goes on from its first
+            // message, its head: a give-back hands the heads it took back.
+            let group_of = |body: &String| sent.iter().position(|b| b == body).unwrap() % 2;
+            let busy: BTreeSet<usize> = delivered.iter().map(group_of).collect();
+            let heads: BTreeSet<&String> = (0..2)
+                .filter(|g| !busy.contains(g))
+                .filter_map(|g| sent.iter().find(|b| group_of(b) == g))
+                .collect();
+            let next = q.receive(ReceiveRequest::up_to(10)).await.unwrap();
+            let next: BTreeSet<&String> = next.iter().map(|m| &m.body).collect();
+            assert_eq!(
+                next, heads,
+                "round {round}: the groups the caller left go on"
+            );
+        }
+        sqlx::query("DELETE FROM pgonce.queue_message WHERE queue = $1")
+            .bind(name)
             .execute(&pool)
             .await
             .unwrap();
     }
-    tally.assert_some_given_back(&logged, "receive", "deliveries given back");
+    tally.assert_some_given_back(&logged, call, "deliveries given back");
+}
+
+#[tokio::test]
+async fn a_standard_receive_dropped_anywhere_leaves_each_message_delivered_or_receivable() {
+    a_receive_dropped_anywhere_leaves_each_message_delivered_or_receivable(false).await;
+}
+
+#[tokio::test]
+async fn a_fifo_receive_dropped_anywhere_leaves_each_message_delivered_or_receivable() {
+    a_receive_dropped_anywhere_leaves_each_message_delivered_or_receivable(true).await;
 }
 
 /// A job claim batch dropped at random: each job is either claimed for
