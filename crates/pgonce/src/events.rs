@@ -165,8 +165,8 @@
 //! [`EventStore::append`] and [`EventStore::decide`] run one statement on
 //! the pool (its own transaction), or, where that statement cannot serve
 //! (another strategy, another default isolation), a transaction begun
-//! from a task of its own (BEGIN and the locks in one round trip), which
-//! rolls it back if nobody waits for it any more; [`EventStore::begin_append`]
+//! with BEGIN and the locks in one round trip, handed to a task of its own
+//! if the caller stops waiting, which rolls it back once begun; [`EventStore::begin_append`]
 //! always the latter. A call dropped at any await, its lock wait included,
 //! leaves no transaction open and no lock held, and its connection goes
 //! back to the pool clean once the wait has ended. A dropped append's

@@ -390,10 +390,11 @@ impl Guard {
     /// `lock_timeout` (the connection is then back in the pool outside any
     /// transaction).
     ///
-    /// Cancel safety: the BEGIN-and-lock round trip runs in a task of its
-    /// own. If this future is dropped while it waits, the task still waits
-    /// for the lock, then rolls back and returns the connection to the pool,
-    /// so no connection ever goes back to the pool inside a transaction.
+    /// Cancel safety: if this future is dropped while it waits, it hands
+    /// the BEGIN-and-lock round trip to a task of its own, which still
+    /// waits for the lock, then rolls back and returns the connection to
+    /// the pool, so no connection ever goes back to the pool inside a
+    /// transaction.
     /// (A dropped wait in [`GuardedTransaction::check`] behaves the same way:
     /// the connection is returned once the lock statement has finished.)
     pub async fn begin_for<'p>(

@@ -108,9 +108,9 @@ impl From<crate::guard::Isolation> for IsolationLevel {
 /// rolls back before its connection is reused (sqlx's [`Transaction`]).
 ///
 /// Cancel safe: a caller dropped while the BEGIN is on its way leaves no
-/// transaction open on the pooled connection. The BEGIN's round trip runs
-/// in a task of its own, which drops (rolls back) the transaction if
-/// nobody waits for it any more.
+/// transaction open on the pooled connection. The drop hands the BEGIN's
+/// round trip to a task of its own, which drops (rolls back) the
+/// transaction once it is begun.
 ///
 /// Errors are sqlx's: only the pool (no connection) or the server (BEGIN
 /// refused) can fail here.
@@ -211,27 +211,28 @@ async fn in_transaction_block(conn: &mut PgConnection) -> sqlx::Result<bool> {
 /// pool begins here: [`begin`], and the guard's and the event store's
 /// `begin_locked` statements.
 ///
-/// Cancel safety: the round trip runs in a task of its own. sqlx counts a
-/// transaction as open only once its BEGIN statement has returned: a
-/// future dropped after the BEGIN was sent and before its answer was read
-/// (however short that window, and for as long as a lock in the same
-/// statement is waited for) would let the connection go back to the pool
-/// inside the transaction, locks held, with sqlx believing it idle. Every
-/// later statement on it would then join that transaction and never
-/// commit, while its caller saw success. The task instead receives the
-/// transaction and, if nobody waits for it any more, drops it, which rolls
-/// it back before the connection is reused.
+/// Cancel safety: sqlx counts a transaction as open only once its BEGIN
+/// statement has returned: a future dropped after the BEGIN was sent and
+/// before its answer was read (however short that window, and for as long
+/// as a lock in the same statement is waited for) would let the connection
+/// go back to the pool inside the transaction, locks held, with sqlx
+/// believing it idle. Every later statement on it would then join that
+/// transaction and never commit, while its caller saw success. So a caller
+/// that stops waiting hands the round trip to a task
+/// ([`FinishedOrHandedOff`]), which reads its answer and drops the
+/// transaction, rolling it back before the connection is reused.
 pub(crate) async fn begin_detached(
     pool: &PgPool,
     sql: String,
 ) -> sqlx::Result<Transaction<'static, Postgres>> {
     let pool = pool.clone();
-    let task = tokio::spawn(async move { pool.begin_with(sqlx::AssertSqlSafe(sql)).await });
-    match task.await {
-        Ok(begun) => begun,
-        // The task only panics if sqlx does; carry the panic on.
-        Err(join) => std::panic::resume_unwind(join.into_panic()),
-    }
+    FinishedOrHandedOff::new(
+        Box::pin(async move { pool.begin_with(sqlx::AssertSqlSafe(sql)).await }),
+        None,
+        // Dropped unanswered: rolled back.
+        Box::new(|begun| Box::pin(async move { drop(begun) })),
+    )
+    .await
 }
 
 /// Runs `work` on one connection of `pool` and returns what it returns;
@@ -243,14 +244,6 @@ pub(crate) async fn begin_detached(
 /// something the caller alone can let go of (an idempotency key's hold, a
 /// job's lease, a queue's deliveries), which a dropped caller would leave
 /// taken, by nobody, until it runs out.
-///
-/// `work` is polled inline, in the caller's task, as any future is: a
-/// task per call would cost two scheduling hops (the spawn, and the wake
-/// by the task's answer), which on a busy runtime outweigh the statements
-/// themselves. Only a call dropped while `work` runs pays for a task: the
-/// drop moves the unfinished future, which owns its connection, into one
-/// ([`FinishedOrHandedOff`]), which polls it to its answer and gives that
-/// back.
 ///
 /// Hand-written: nothing in sqlx or tokio runs a clean-up on the output of
 /// a future whose caller is gone.
@@ -274,13 +267,17 @@ where
             Ok(Answered { taken, conn })
         })
     };
-    let answered = FinishedOrHandedOff {
-        run: Some(run),
-        working,
-        polling: false,
-        give_back: Some(Box::new(give_back)),
-        span: tracing::Span::current(),
-    }
+    let answered = FinishedOrHandedOff::new(
+        run,
+        Some(working),
+        Box::new(|answer: crate::Result<Answered<T>>| {
+            Box::pin(async move {
+                if let Ok(Answered { taken, mut conn }) = answer {
+                    give_back(&mut conn, taken).await;
+                }
+            })
+        }),
+    )
     .await?;
     // The connection goes back to the pool here, its work done.
     Ok(answered.taken)
@@ -294,35 +291,58 @@ struct Answered<T> {
     conn: PoolConnection<Postgres>,
 }
 
-/// The future of a call of [`answered_or_given_back`], polled by its
-/// caller. Dropped before it finished, it hands the unfinished work over
-/// to a task of its own, which finishes it and gives back what it took.
+/// A call's future, polled by its caller in the caller's own task, which
+/// a dropped caller hands over to a task of its own: that task polls it to
+/// its answer and passes the answer to `abandoned` (which gives back what
+/// the call took, or rolls back what it began).
+///
+/// Polled inline because a task per call would cost two scheduling hops
+/// (the spawn, and the wake by the task's answer), which on a busy runtime
+/// outweigh the statements themselves: a queue receive's median latency
+/// was three times as long in `pgonce bench queue`. Only a dropped call
+/// pays for a task.
 struct FinishedOrHandedOff<T: Send + 'static> {
-    /// Acquires a connection, then runs the work on it; `None` once it
-    /// answered.
-    run: Option<BoxFuture<'static, crate::Result<Answered<T>>>>,
-    /// Set once `run` holds a connection and its work began: dropped
-    /// before, nothing was taken and the acquire is simply abandoned.
-    working: Arc<AtomicBool>,
+    /// The call; `None` once it answered.
+    run: Option<BoxFuture<'static, T>>,
+    /// When given, set once the call took something (it holds a connection
+    /// and its work began): dropped before, nothing was taken, and the
+    /// call is simply abandoned where it is (an acquire from the pool).
+    started: Option<Arc<AtomicBool>>,
     /// True while `run` is being polled: still true in `drop` only when
     /// that poll panicked, and a panicked future is never polled again.
     polling: bool,
-    give_back: Option<GiveBack<T>>,
+    abandoned: Option<Abandoned<T>>,
     /// The caller's span, so that what a handed-off call logs says whose
     /// call it was.
     span: tracing::Span,
 }
 
-/// Undoes what a call's work took, on the connection it took it on.
-type GiveBack<T> = Box<dyn for<'c> FnOnce(&'c mut PgConnection, T) -> BoxFuture<'c, ()> + Send>;
+/// What a handed-off call's answer is given to.
+type Abandoned<T> = Box<dyn FnOnce(T) -> BoxFuture<'static, ()> + Send>;
+
+impl<T: Send + 'static> FinishedOrHandedOff<T> {
+    fn new(
+        run: BoxFuture<'static, T>,
+        started: Option<Arc<AtomicBool>>,
+        abandoned: Abandoned<T>,
+    ) -> Self {
+        FinishedOrHandedOff {
+            run: Some(run),
+            started,
+            polling: false,
+            abandoned: Some(abandoned),
+            span: tracing::Span::current(),
+        }
+    }
+}
 
 // Nothing is pinned in place: `run` is boxed.
 impl<T: Send + 'static> Unpin for FinishedOrHandedOff<T> {}
 
 impl<T: Send + 'static> Future for FinishedOrHandedOff<T> {
-    type Output = crate::Result<Answered<T>>;
+    type Output = T;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         let this = &mut *self;
         let run = this.run.as_mut().expect("polled after it answered");
         this.polling = true;
@@ -336,26 +356,26 @@ impl<T: Send + 'static> Future for FinishedOrHandedOff<T> {
 
 impl<T: Send + 'static> Drop for FinishedOrHandedOff<T> {
     fn drop(&mut self) {
-        let (Some(run), Some(give_back)) = (self.run.take(), self.give_back.take()) else {
+        let (Some(run), Some(abandoned)) = (self.run.take(), self.abandoned.take()) else {
             return;
         };
-        // Interrupted mid-poll by a panic, or dropped before a statement
-        // of the work was sent: nothing to finish.
-        if self.polling || !self.working.load(Ordering::Acquire) {
+        let started = self
+            .started
+            .as_ref()
+            .is_none_or(|started| started.load(Ordering::Acquire));
+        // Interrupted mid-poll by a panic, or dropped before it took
+        // anything: nothing to finish.
+        if self.polling || !started {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // Dropped outside a runtime, which only a runtime shutting
-            // down does: the connection is dropped mid-work and closed, so
+            // down does: the connection is dropped mid-call and closed, so
             // what it took stays taken until it runs out.
             tracing::warn!("a call dropped outside a runtime could not give back what it took");
             return;
         };
-        let finish = async move {
-            if let Ok(Answered { taken, mut conn }) = run.await {
-                give_back(&mut conn, taken).await;
-            }
-        };
+        let finish = async move { abandoned(run.await).await };
         runtime.spawn(tracing::Instrument::instrument(finish, self.span.clone()));
     }
 }
