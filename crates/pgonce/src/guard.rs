@@ -414,7 +414,7 @@ impl Guard {
                     .map_or(0, crate::lock::lock_timeout_millis)
                     .to_string(),
             );
-        let tx = match crate::transaction::begin_detached(pool, sql).await {
+        let tx = match crate::transaction::begin_cancel_safe(pool, sql).await {
             Ok(tx) => tx,
             Err(e) if sqlstate_of(&e).as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE) => {
                 return Err(Error::LockTimeout {

@@ -118,7 +118,7 @@ pub async fn begin(
     pool: &PgPool,
     level: IsolationLevel,
 ) -> sqlx::Result<Transaction<'static, Postgres>> {
-    begin_detached(pool, level.begin().to_owned()).await
+    begin_cancel_safe(pool, level.begin().to_owned()).await
 }
 
 /// [`begin`], read-only: PostgreSQL refuses every write in it (SQLSTATE
@@ -127,7 +127,7 @@ pub async fn begin_read_only(
     pool: &PgPool,
     level: IsolationLevel,
 ) -> sqlx::Result<Transaction<'static, Postgres>> {
-    begin_detached(pool, level.begin_read_only().to_owned()).await
+    begin_cancel_safe(pool, level.begin_read_only().to_owned()).await
 }
 
 /// Runs `work` in a READ COMMITTED transaction of its own on a connection
@@ -221,7 +221,7 @@ async fn in_transaction_block(conn: &mut PgConnection) -> sqlx::Result<bool> {
 /// that stops waiting hands the round trip to a task
 /// ([`FinishedOrHandedOff`]), which reads its answer and drops the
 /// transaction, rolling it back before the connection is reused.
-pub(crate) async fn begin_detached(
+pub(crate) async fn begin_cancel_safe(
     pool: &PgPool,
     sql: String,
 ) -> sqlx::Result<Transaction<'static, Postgres>> {

@@ -507,7 +507,7 @@ pub(crate) enum Isolation {
 /// trip (begin_locked.sql). With `assign_xid` the transaction id is
 /// assigned too, before any position is drawn. If a lock fails, the error is
 /// returned and the session is left idle (no transaction open).
-/// Cancel safe ([`crate::transaction::begin_detached`]).
+/// Cancel safe ([`crate::transaction::begin_cancel_safe`]).
 pub(crate) async fn begin_locked(
     pool: &PgPool,
     isolation: Isolation,
@@ -533,7 +533,7 @@ pub(crate) async fn begin_locked(
             },
         );
     // Trusted parts only: our SQL and integer literals.
-    Ok(crate::transaction::begin_detached(pool, sql).await?)
+    Ok(crate::transaction::begin_cancel_safe(pool, sql).await?)
 }
 
 /// Inserts `events` (validated, keys taken) without a condition and returns
