@@ -1023,16 +1023,9 @@ impl PgQueue {
         let look = transaction::answered_or_given_back(
             &self.inner.pool,
             move |conn| Box::pin(async move { looking.look_on(conn, &request).await }),
-            move |conn, look| {
-                Box::pin(async move {
-                    giving_back.give_back(conn, &look).await;
-                    // The moves committed all the same.
-                    giving_back.wake_dead_letter_queues(look.dead_letter_queues);
-                })
-            },
+            move |conn, look| Box::pin(async move { giving_back.give_back(conn, &look).await }),
         )
         .await?;
-        self.wake_dead_letter_queues(look.dead_letter_queues.clone());
         Ok(look)
     }
 
@@ -1046,6 +1039,7 @@ impl PgQueue {
         let mut undelivered = self
             .receive_statement(conn, request, look, Statement::First, &mut found)
             .await?;
+        let mut failed = None;
         while undelivered && found.received.len() < max && looked_further < MAX_BATCH {
             look = (look * 2).min(MAX_BATCH - looked_further);
             looked_further += look;
@@ -1062,16 +1056,21 @@ impl PgQueue {
             {
                 Ok(more) => undelivered = more,
                 Err(e) if found.received.is_empty() => {
-                    // The earlier statements' moves committed all the
-                    // same: the messages wait in those queues now.
-                    self.wake_dead_letter_queues(std::mem::take(&mut found.dead_letter_queues));
-                    return Err(e);
+                    failed = Some(e);
+                    break;
                 }
                 Err(e) => {
                     tracing::warn!(queue = %self.inner.name, error = %e, delivered = found.received.len(), "a receive's follow-up statement failed; returning what it delivered");
                     break;
                 }
             }
+        }
+        // Each statement committed its moves: those messages wait in the
+        // dead-letter queues now, whatever comes of the look (it fails,
+        // or its caller is gone and it is given back).
+        self.wake_dead_letter_queues(std::mem::take(&mut found.dead_letter_queues));
+        if let Some(e) = failed {
+            return Err(e);
         }
         let received = &mut found.received;
         if !received.is_empty() {
@@ -1302,12 +1301,11 @@ impl PgQueue {
     /// dead-letter queue or to none, and the messages wait in the one they
     /// went to.
     ///
-    /// From a task of its own, which takes a connection once the look's is
-    /// back in the pool (held meanwhile, the look's could be the pool's
-    /// last), and which a receive dropped after its look answered does not
-    /// stop: awaited by the receive, such a drop would lose what the look
-    /// delivered. Moves are rare (a message past its receive count), so
-    /// is the task.
+    /// From a task of its own, which takes a connection of its own (the
+    /// look's, still held, could be the pool's last), and which a receive
+    /// dropped after its look answered does not stop: awaited by the
+    /// receive, such a drop would lose what the look delivered. Moves are
+    /// rare (a message past its receive count), so is the task.
     fn wake_dead_letter_queues(&self, queues: Vec<String>) {
         if self.inner.options.notify && !queues.is_empty() {
             let waking = self.clone();
@@ -1984,7 +1982,7 @@ struct Look {
     passed_over: Vec<i64>,
     /// The dead-letter queues its statements moved messages to (each
     /// statement committed its moves): their receivers are woken once the
-    /// look is done.
+    /// look's statements are done, which empties it.
     dead_letter_queues: Vec<String>,
 }
 
