@@ -2465,12 +2465,17 @@ async fn a_listener_that_cannot_reconnect_logs_a_line_a_minute_and_counts_each_f
             let _ = sub.next().await;
         }
     });
-    while logged.starting(tracing::Level::WARN, FAILED).len()
-        + logged.starting(tracing::Level::DEBUG, FAILED).len()
-        < 30
-    {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let failures_logged = || {
+        logged.starting(tracing::Level::WARN, FAILED).len()
+            + logged.starting(tracing::Level::DEBUG, FAILED).len()
+    };
+    until("thirty failed reconnects logged", || async {
+        (failures_logged() >= 30).then_some(()).ok_or_else(|| {
+            let counted = metric.load(std::sync::atomic::Ordering::SeqCst);
+            format!("{} logged, {counted} counted", failures_logged())
+        })
+    })
+    .await;
     let lasted = started.elapsed();
 
     let failed = metric.load(std::sync::atomic::Ordering::SeqCst);
@@ -2490,19 +2495,104 @@ async fn a_listener_that_cannot_reconnect_logs_a_line_a_minute_and_counts_each_f
         .execute(&pool)
         .await
         .unwrap();
-    while listening_as(&pool, "pgonce_refused_listener").await == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until("the listener LISTENing again", || async {
+        match listening_as(&pool, "pgonce_refused_listener").await {
+            0 => Err("no session of its role LISTENs"),
+            _ => Ok(()),
+        }
+    })
+    .await;
     s.append(&[booked("after the reconnect")], None)
         .await
         .unwrap();
     const BACK: &str = "subscription listener reconnected after ";
-    while logged.starting(tracing::Level::INFO, BACK).is_empty() {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until("the recovery logged", || async {
+        match logged.starting(tracing::Level::INFO, BACK).len() {
+            0 => Err("no line yet"),
+            _ => Ok(()),
+        }
+    })
+    .await;
     polling.abort();
     let back = logged.starting(tracing::Level::INFO, BACK);
     assert_eq!(back.len(), 1, "the recovery once: {back:?}");
+}
+
+/// A listener whose reconnect takes longer than the poll interval still
+/// gets its connection back: the wait that times out to poll leaves the
+/// reconnect where it is, and the next wait goes on with it. Driven with a
+/// proxy that answers each new connection 300 ms late, ahead of a 20 ms
+/// poll interval. (Each timeout dropped the reconnect, the next wait
+/// started another, and none ever finished: the subscription polled
+/// without a listener for good, and a loaded machine, where a login takes
+/// longer than a short interval, did the same.)
+#[tokio::test]
+async fn a_reconnect_slower_than_the_poll_interval_gets_its_listener_back() {
+    let (db, pool) = db().await;
+    let proxy = ListenHoldingProxy::start_answering_late(&db, Duration::from_millis(300)).await;
+    let s = store(&pool, AppendStrategy::AdvisoryLocks);
+    let mut sub = s
+        .subscribe(SubscriptionConfig {
+            poll_interval: Duration::from_millis(20),
+            listen: pgonce::Listen::Direct(Box::new(proxy.options.clone())),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let first = listening_pids(&pool).await;
+    assert_eq!(first.len(), 1, "{first:?}");
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(first[0])
+        .execute(&pool)
+        .await
+        .unwrap();
+    let polling = tokio::spawn(async move {
+        loop {
+            let _ = sub.next().await;
+        }
+    });
+
+    until("a new listener LISTENing", || async {
+        let now = listening_pids(&pool).await;
+        match now.iter().any(|pid| !first.contains(pid)) {
+            true => Ok(()),
+            false => Err(format!("LISTENing: {now:?}, the first was {first:?}")),
+        }
+    })
+    .await;
+    polling.abort();
+}
+
+/// The backend pids of this database's sessions LISTENing.
+async fn listening_pids(pool: &PgPool) -> Vec<i32> {
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%' ORDER BY pid",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Checks `done` every 10 ms until it is `Ok`. A wait for what never comes
+/// fails after two minutes, far past any busy machine's delay, with what
+/// was seen last, instead of holding its test binary until it is killed.
+async fn until<E: std::fmt::Debug, F: std::future::Future<Output = Result<(), E>>>(
+    what: &str,
+    mut done: impl FnMut() -> F,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let seen = match done().await {
+            Ok(()) => return,
+            Err(seen) => seen,
+        };
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited two minutes for {what}; seen last: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// A subscription of `s` polling every `poll_interval` whose listener
@@ -2607,7 +2697,7 @@ async fn the_read_above_an_append_locks_the_conditional_index_not_the_table() {
 }
 
 /// A TCP proxy in front of the test server that forwards every connection
-/// and, once armed, holds back the server's replies on the first
+/// (its first bytes after a set delay, if any) and, once armed, holds back the server's replies on the first
 /// connection whose client sends a LISTEN, until released: a LISTEN that
 /// the server has run but whose answer the client has not read.
 struct ListenHoldingProxy {
@@ -2618,6 +2708,11 @@ struct ListenHoldingProxy {
 
 impl ListenHoldingProxy {
     async fn start(db: &ScratchDatabase) -> ListenHoldingProxy {
+        Self::start_answering_late(db, Duration::ZERO).await
+    }
+
+    /// The proxy, forwarding each new connection's first bytes `late`.
+    async fn start_answering_late(db: &ScratchDatabase, late: Duration) -> ListenHoldingProxy {
         let options = db.options();
         let server = (options.get_host().to_string(), options.get_port());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -2627,10 +2722,13 @@ impl ListenHoldingProxy {
         let (armed_, release_) = (armed.clone(), release.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let server = tokio::net::TcpStream::connect(server.clone())
-                    .await
-                    .unwrap();
-                tokio::spawn(relay(client, server, armed_.clone(), release_.subscribe()));
+                let (server, armed, release) =
+                    (server.clone(), armed_.clone(), release_.subscribe());
+                tokio::spawn(async move {
+                    tokio::time::sleep(late).await;
+                    let server = tokio::net::TcpStream::connect(server).await.unwrap();
+                    relay(client, server, armed, release).await
+                });
             }
         });
         ListenHoldingProxy {

@@ -73,10 +73,12 @@
 //! dropped with it (the next poll that sees the gap takes a new id, which
 //! is only later, so still a bound).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgNotification};
 
 use super::NOTIFY_CHANNEL;
 use super::model::{Query, StoredEvent};
@@ -223,7 +225,7 @@ pub struct Subscription {
     filter: Filter,
     horizon: i64,
     gap: Option<Gap>,
-    listener: Option<PgListener>,
+    listener: Option<Receiving>,
     /// The listener's failed reconnects going on, if any (logged as
     /// [`crate::service`] tells of failed passes).
     failing: Failures,
@@ -243,7 +245,7 @@ impl Subscription {
             gap: None,
             pool,
             config,
-            listener,
+            listener: listener.map(receive),
             failing: Failures::default(),
             hook: None,
         })
@@ -378,30 +380,39 @@ impl Subscription {
                 self.config.poll_interval
             };
             match &mut self.listener {
-                Some(l) if !counters.waiting_on_gap => {
+                Some(receiving) if !counters.waiting_on_gap => {
                     // A notification, the timeout, or a listener that lost
                     // its connection and LISTENs again on a new one
                     // (`Ok(None)`: what was notified meanwhile is lost):
                     // each time, look again. A listener that cannot get a
                     // new connection fails at once on every attempt; then
                     // wait out the interval as for a notification, or each
-                    // poll would follow the last without a pause.
+                    // poll would follow the last without a pause. The
+                    // timeout leaves the receive where it is (see
+                    // `Receiving`).
                     let until = tokio::time::Instant::now() + wait;
-                    match tokio::time::timeout(wait, l.try_recv()).await {
-                        Ok(Err(e)) => {
+                    let Ok((listener, received)) =
+                        tokio::time::timeout(wait, receiving.as_mut()).await
+                    else {
+                        continue;
+                    };
+                    // Finished: never polled again; the next receive
+                    // takes its place before any other await.
+                    *receiving = receive(listener);
+                    match received {
+                        Err(e) => {
                             failed_reconnect(&mut self.failing, &e);
                             tokio::time::sleep_until(until).await;
                         }
                         // A notification or a reconnect: it has a connection
                         // again. (A timeout tells nothing of it.)
-                        Ok(Ok(_)) => {
+                        Ok(_) => {
                             if let Some(run) = self.failing.succeeded() {
                                 tracing::info!(failed = run.count, since = %run.since,
                                     "subscription listener reconnected after {} failed reconnects since {}",
                                     run.count, run.since);
                             }
                         }
-                        Err(_) => {}
                     }
                 }
                 _ => tokio::time::sleep(wait).await,
@@ -426,6 +437,29 @@ impl Subscription {
             }
         }
     }
+}
+
+/// The listener's wait for its next notification, kept across polls.
+///
+/// After a lost connection, that wait is also where the listener connects
+/// again and LISTENs (`try_recv`). [`Subscription::next`] waits at most a
+/// poll interval for it, then polls: were the receive dropped at each
+/// timeout, a reconnect slower than the interval (a busy server, a
+/// distant one, TLS) would start over every time and never finish, and
+/// the subscription would poll without a listener for good. Kept, it goes
+/// on where it stopped at the next wait. A notification that comes while
+/// a poll runs is read at the next wait, which then ends at once: one poll
+/// more, nothing missed. The future owns the listener and hands it back
+/// with what it received.
+type Receiving =
+    Pin<Box<dyn Future<Output = (PgListener, Result<Option<PgNotification>, sqlx::Error>)> + Send>>;
+
+/// The next receive of `listener` (not started until polled).
+fn receive(mut listener: PgListener) -> Receiving {
+    Box::pin(async move {
+        let received = listener.try_recv().await;
+        (listener, received)
+    })
 }
 
 /// Counts a listener's failed reconnect in
