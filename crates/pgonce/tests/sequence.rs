@@ -438,6 +438,73 @@ async fn select_for_update_lets_the_first_declarations_of_a_scope_collide_and_th
     assert_eq!(committed(&pool).await["acme"], [1], "no duplicate stored");
 }
 
+/// Under select-for-update two declarers waiting for the same scope queue
+/// one behind the other, whatever plan each one's lock query gets: the
+/// scope's rows are locked in number order. Driven with a scope whose rows
+/// lie in the heap in another order than their numbers (2 before 1), one
+/// waiter planned as a sequential scan and the other as an index scan.
+/// (Each locked in its plan's order: A waited at row 2, B at row 1, and
+/// once the holder ended each locked its first row and waited for the
+/// other's: a deadlock, one of them aborted. The plan changes with the
+/// statistics, as when autovacuum first analyzes the table.)
+#[tokio::test]
+async fn select_for_update_waiters_queue_whatever_their_plans_never_deadlock() {
+    let (pool, db) = setup(4).await;
+    let seq = sequence(Strategy::SelectForUpdate);
+    sqlx::query("INSERT INTO incidents (org, number) VALUES ('acme', 2), ('acme', 1)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let race = Interleaving::new(db.options()).await.unwrap();
+    let a = race.session("A").await.unwrap();
+    let b = race.session("B").await.unwrap();
+    let c = race.session("C").await.unwrap();
+    for (session, plan) in [
+        (
+            &a,
+            "SET enable_indexscan = off; SET enable_bitmapscan = off",
+        ),
+        (&b, "SET enable_seqscan = off; SET enable_bitmapscan = off"),
+    ] {
+        sqlx::raw_sql(plan).execute(session.pool()).await.unwrap();
+    }
+    let rc = IsolationLevel::ReadCommitted;
+    let mut tx_c = race
+        .try_step(&c, "BEGIN", pgonce::begin(c.pool(), rc))
+        .await
+        .unwrap();
+    let taken = race
+        .try_step(&c, "next(acme)", seq.next(&mut tx_c, &"acme"))
+        .await
+        .unwrap();
+    assert_eq!(taken.number, 3);
+    insert_incident(&mut tx_c, "acme", 3).await.unwrap();
+
+    let take = |session: &Session| {
+        let (seq, pool) = (seq.clone(), session.pool().clone());
+        async move {
+            let mut tx = pgonce::begin(&pool, rc).await?;
+            let number = seq.next(&mut tx, &"acme").await?.number;
+            insert_incident(&mut tx, "acme", number).await?;
+            Ok::<_, pgonce::Error>((number, tx))
+        }
+    };
+    let a_waits = race.step_blocks(&a, "take(acme)", take(&a)).await.unwrap();
+    assert_eq!(a_waits.blocked_by(), ["C"]);
+    let b_waits = race.step_blocks(&b, "take(acme)", take(&b)).await.unwrap();
+    assert_eq!(b_waits.blocked_by(), ["A"], "B queues behind A");
+
+    race.try_step(&c, "COMMIT", tx_c.commit()).await.unwrap();
+    let (number, tx_a) = a_waits.resume().await.unwrap().unwrap();
+    assert_eq!(number, 4);
+    race.try_step(&a, "COMMIT", tx_a.commit()).await.unwrap();
+    let (number, tx_b) = b_waits.resume().await.unwrap().unwrap();
+    assert_eq!(number, 5);
+    tx_b.commit().await.unwrap();
+    assert_eq!(committed(&pool).await["acme"], [1, 2, 3, 4, 5]);
+}
+
 #[tokio::test]
 async fn the_declarations_other_work_commits_atomically_with_its_number() {
     let (pool, _db) = setup(4).await;

@@ -10,7 +10,9 @@
 //!
 //! * the advisory lock and the counter row serialize one scope, the table
 //!   lock every scope; a second waiter queues behind the first (PostgreSQL's
-//!   lock queues and a locked row's waiters are first come, first served);
+//!   lock queues and a locked row's waiters are first come, first served,
+//!   and select-for-update locks a scope's rows in number order, so every
+//!   taker waits at the same first row);
 //! * `SELECT ... FOR UPDATE` locks only the scope's committed rows: in an
 //!   empty scope nothing, so a second taker computes the same number and
 //!   its INSERT waits on the first's uncommitted index entry, then fails
