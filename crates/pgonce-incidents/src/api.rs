@@ -174,6 +174,8 @@ struct Inner {
     /// The `/readyz` probes answered 503 one after the other, if any
     /// ([`NotReady::log`]). A std mutex: held for no await.
     not_ready: std::sync::Mutex<pgonce::service::Failures>,
+    /// The `/readyz` probe's statement under way, if any.
+    probing: Probing,
 }
 
 impl ApiState {
@@ -210,6 +212,7 @@ impl ApiState {
                 stopping: watch::Sender::new(false),
                 under_way: RequestsUnderWay::default(),
                 not_ready: std::sync::Mutex::default(),
+                probing: Probing::default(),
             }),
         })
     }
@@ -924,7 +927,7 @@ pub const READY_WITHIN: Duration = Duration::from_millis(800);
 /// process refuses a newer schema at start only; a migration the previous
 /// build cannot run beside (the CHANGELOG names it) needs the old
 /// processes stopped first.
-#[derive(sqlx::FromRow)]
+#[derive(Debug, Clone, Copy, sqlx::FromRow)]
 struct Writability {
     /// `pg_is_in_recovery()`: a standby (or a server still recovering),
     /// which refuses every write.
@@ -992,15 +995,81 @@ impl NotReady {
     }
 }
 
-async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
-    let probe = sqlx::query_as::<_, Writability>(
+/// How long `/readyz`'s statement may run on a connection it has, before
+/// it is given up: a connection that does not answer (a network that drops
+/// its packets) would otherwise keep the probe under way, which later
+/// probes wait for, for good.
+const PROBE_STATEMENT_AT_MOST: Duration = Duration::from_secs(30);
+
+/// What `/readyz`'s statement answered: the database's writability, or
+/// why there is none.
+type Probed = Result<Writability, String>;
+
+/// `/readyz`'s statement, run in a task of its own, one at a time.
+///
+/// A probe waits [`READY_WITHIN`] for the answer, and getting it may take
+/// longer: on a pool with no idle connection (none opened yet, or all
+/// closed with a server that restarted or idled out) the statement opens
+/// one first, over a distant network, TLS, a slow login or a loaded
+/// machine. Run in the probe's own future, that connect was dropped with
+/// it and the next probe began another: when opening one took longer than
+/// the bound, no probe ever answered 200, and a process that nothing else
+/// kept connected (an API-only `serve`, taken out of the load balancer's
+/// rotation) stayed unready for good. In a task, the connect goes on past
+/// the probe that began it, as long as the pool's acquire timeout allows,
+/// and the connection goes to the pool, where the next probe finds it. A
+/// probe that comes while one is under way waits for that one's answer,
+/// so the probes hold one connection of the pool at most.
+#[derive(Default)]
+struct Probing(std::sync::Mutex<Option<watch::Receiver<Option<Probed>>>>);
+
+impl Probing {
+    /// The answer of the probe under way on `pool`, or of one started now.
+    /// A std mutex: held for no await.
+    fn answer(&self, pool: &sqlx::PgPool) -> watch::Receiver<Option<Probed>> {
+        let mut under_way = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        // Under way: not answered yet, and its task still there to answer.
+        if let Some(answer) = under_way
+            .as_ref()
+            .filter(|a| a.borrow().is_none() && a.has_changed().is_ok())
+        {
+            return answer.clone();
+        }
+        let (answered, answer) = watch::channel(None);
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            answered.send_replace(Some(probe(&pool).await));
+        });
+        *under_way = Some(answer.clone());
+        answer
+    }
+}
+
+/// Reads the database's writability on a connection of `pool`: one
+/// statement that writes nothing.
+async fn probe(pool: &sqlx::PgPool) -> Probed {
+    let mut conn = pool.acquire().await.map_err(|e| e.to_string())?;
+    let statement = sqlx::query_as::<_, Writability>(
         "SELECT pg_is_in_recovery() AS in_recovery, \
                 current_setting('transaction_read_only')::boolean AS read_only",
     )
-    .fetch_one(state.service().pool());
-    let writability = tokio::time::timeout(READY_WITHIN, probe)
-        .await
-        .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+    .fetch_one(&mut *conn);
+    match tokio::time::timeout(PROBE_STATEMENT_AT_MOST, statement).await {
+        Ok(answer) => answer.map_err(|e| e.to_string()),
+        Err(_) => Err(format!(
+            "no answer within {PROBE_STATEMENT_AT_MOST:?} on an open connection"
+        )),
+    }
+}
+
+async fn readyz(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
+    let mut probed = state.inner.probing.answer(state.service().pool());
+    let writability =
+        match tokio::time::timeout(READY_WITHIN, probed.wait_for(Option::is_some)).await {
+            Ok(Ok(answer)) => answer.clone().expect("waited for an answer"),
+            Ok(Err(_)) => Err("the probe's task ended without an answer".to_owned()),
+            Err(_) => Err(format!("no answer within {READY_WITHIN:?}")),
+        }
         .map_err(|e| NotReady::NoAnswer.log(&state, &e))?;
     // Every write would answer 503 `unavailable` (SQLSTATE 25006): not a
     // server to send traffic to until it takes writes again.

@@ -148,6 +148,16 @@ async fn declare(router: &axum::Router, key: &str) -> (StatusCode, Value) {
     )
 }
 
+/// A fresh database migrated for the service, a pool of 4 on it, and its
+/// observations queue.
+async fn migrated_with_queue() -> (ScratchDatabase, sqlx::PgPool, PgQueue) {
+    let (db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
+    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
+        .await
+        .unwrap();
+    (db, pool, queue)
+}
+
 /// The API of a service on `pool`, its observations sent to `queue`.
 fn api_on(pool: sqlx::PgPool, queue: &PgQueue) -> axum::Router {
     let service = Service::new(pool, ServiceConfig::default()).unwrap();
@@ -250,10 +260,7 @@ async fn a_database_that_refuses_writes_for_now_is_unavailable() {
 /// the database counted.
 #[tokio::test]
 async fn a_database_that_refuses_writes_is_not_ready() {
-    let (db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
-    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
-        .await
-        .unwrap();
+    let (db, pool, queue) = migrated_with_queue().await;
     let api = |service_pool: sqlx::PgPool| api_on(service_pool, &queue);
     let within = Duration::from_secs(60);
 
@@ -276,10 +283,7 @@ async fn a_database_that_refuses_writes_is_not_ready() {
 /// migrated. A process refuses a newer schema at start only.
 #[tokio::test]
 async fn a_database_a_newer_build_migrated_while_running_stays_ready() {
-    let (_db, pool) = pgonce_testkit::fresh_migrated_database(4, pgonce_incidents::migrate).await;
-    let queue = observations_queue(&pool, Duration::from_secs(30), 5)
-        .await
-        .unwrap();
+    let (_db, pool, queue) = migrated_with_queue().await;
     let api = api_on(pool.clone(), &queue);
     let within = Duration::from_secs(60);
     let (status, body) = get(&api, "/readyz", within).await;
@@ -423,4 +427,88 @@ async fn a_database_down_for_ten_minutes_logs_a_not_ready_line_a_minute() {
     assert!(first.error.is_some(), "with its error: {first:?}");
     let still = logged.starting(tracing::Level::WARN, "still not ready");
     assert!(!still.is_empty(), "a line a minute while it goes on");
+}
+
+/// A probe whose connection takes longer to open than `READY_WITHIN` (a
+/// distant server, TLS, a slow login, a loaded machine) answers 503, and
+/// the connection it began opening still reaches the pool, where the next
+/// probe finds it. Driven with a proxy that holds each new connection
+/// until the test lets it through: the first probe's past its bound, and
+/// none after it. Each probe dropped the connection it was opening when
+/// its bound ran out and the next began another: when opening one took
+/// longer than the bound, no probe ever answered 200, and a process that
+/// nothing else kept connected (an API-only `serve`, which the load
+/// balancer took out of its rotation) stayed unready for good.
+#[tokio::test]
+async fn a_connection_slower_to_open_than_a_probe_waits_serves_the_next_probe() {
+    let (db, _pool, queue) = migrated_with_queue().await;
+    let proxy = ConnectHoldingProxy::start(&db).await;
+    // No connection yet, and a connect bounded by the pool far past the
+    // probes' own bound.
+    let probing = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(120))
+        .connect_lazy_with(proxy.options.clone());
+    let router = api_on(probing.clone(), &queue);
+
+    let (status, body) = get(&router, "/readyz", Duration::from_secs(60)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    proxy.let_first_through.send_replace(true);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while probing.num_idle() == 0 && !*proxy.first_ended.borrow() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited two minutes for the first connection to open or end"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        probing.num_idle(),
+        1,
+        "the connection the first probe began was dropped with it"
+    );
+
+    let (status, body) = get(&router, "/readyz", Duration::from_secs(60)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}
+
+/// A TCP proxy in front of the test server that holds every new connection
+/// (forwards nothing) until let through; only the first one can be, and
+/// `first_ended` is raised once it has ended (its client closed it).
+struct ConnectHoldingProxy {
+    options: sqlx::postgres::PgConnectOptions,
+    let_first_through: tokio::sync::watch::Sender<bool>,
+    first_ended: tokio::sync::watch::Receiver<bool>,
+}
+
+impl ConnectHoldingProxy {
+    async fn start(db: &ScratchDatabase) -> ConnectHoldingProxy {
+        let options = db.options();
+        let server = (options.get_host().to_string(), options.get_port());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (let_first_through, mut let_through) = tokio::sync::watch::channel(false);
+        let (ended, first_ended) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            let Ok((mut client, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let _ = let_through.wait_for(|through| *through).await;
+                let mut server = tokio::net::TcpStream::connect(server).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                ended.send_replace(true);
+            });
+            // Every later connection is held for good.
+            let mut held = Vec::new();
+            while let Ok((client, _)) = listener.accept().await {
+                held.push(client);
+            }
+        });
+        ConnectHoldingProxy {
+            options: options.host("127.0.0.1").port(port),
+            let_first_through,
+            first_ended,
+        }
+    }
 }
