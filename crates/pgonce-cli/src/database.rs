@@ -9,9 +9,10 @@ use anyhow::Context;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};
 
-/// How long the first connection may take before the command gives up
-/// with an error naming the address: a wrong host or a closed port is a
-/// configuration error, and an operator should hear of it at once.
+/// How long the first connection may take at least before the command
+/// gives up with an error naming the address: a wrong host or a closed
+/// port is a configuration error, and an operator should hear of it at
+/// once. Longer when `database.acquire_timeout` is: see [`Database::open`].
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The database `url` names, checked reachable.
@@ -22,18 +23,24 @@ pub struct Database {
 
 impl Database {
     /// Parses `url` and opens (and closes) one connection within
-    /// [`CONNECT_TIMEOUT`], so that a bad URL or an unreachable server fails
-    /// with one line that names the address.
-    pub async fn open(url: &str) -> anyhow::Result<Database> {
+    /// [`CONNECT_TIMEOUT`] or `acquire_timeout` (the pool's bound on
+    /// opening one), whichever is longer, so that a bad URL or an
+    /// unreachable server fails with one line that names the address. Not
+    /// within less than the pool's bound: a server that takes longer than
+    /// 5 s to let a session in (a distant one, TLS, a slow login), for
+    /// which the operator gave the pool longer, gave up at every start,
+    /// and a command restarted by a service manager never got a connection.
+    pub async fn open(url: &str, acquire_timeout: Duration) -> anyhow::Result<Database> {
         let options = PgConnectOptions::from_str(url)
             .context("the database URL is not a valid PostgreSQL URL")?;
         let database = Database { options };
         let address = database.address();
-        let connection = tokio::time::timeout(CONNECT_TIMEOUT, database.options.connect())
+        let within = CONNECT_TIMEOUT.max(acquire_timeout);
+        let connection = tokio::time::timeout(within, database.options.connect())
             .await
             .map_err(|_| {
                 anyhow::anyhow!(
-                    "cannot connect to PostgreSQL at {address}: no answer within {CONNECT_TIMEOUT:?}"
+                    "cannot connect to PostgreSQL at {address}: no answer within {within:?}"
                 )
             })?
             .map_err(|e| {

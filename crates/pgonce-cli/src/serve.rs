@@ -140,7 +140,9 @@ where
     F: AsyncFnOnce(&PgPool) -> Result<(), sqlx::migrate::MigrateError>,
 {
     let (key, direct) = config.direct_database().context("no database.url")?;
-    let migrating = Database::open(direct).await.context(key)?;
+    let migrating = Database::open(direct, config.database.acquire_timeout)
+        .await
+        .context(key)?;
     let pool = migrating
         .pool(1, config.database.acquire_timeout)
         .await
@@ -158,7 +160,9 @@ where
 async fn connect(config: &Config) -> anyhow::Result<PgPool> {
     let url = config.database.url.as_deref().context("no database.url")?;
     migrate_with(config, pgonce_incidents::migrate).await?;
-    let database = Database::open(url).await.context(URL_KEY)?;
+    let database = Database::open(url, config.database.acquire_timeout)
+        .await
+        .context(URL_KEY)?;
     database
         .pool(
             config.database.max_connections,
@@ -585,7 +589,9 @@ pub async fn rollout(args: &RolloutArgs, database_url: Option<&str>) -> anyhow::
     config.database.max_connections = 2;
     let Some(percent) = args.percent else {
         let url = config.database.url.as_deref().context("no database.url")?;
-        let database = Database::open(url).await.context(URL_KEY)?;
+        let database = Database::open(url, config.database.acquire_timeout)
+            .await
+            .context(URL_KEY)?;
         let pool = database
             .pool(1, config.database.acquire_timeout)
             .await

@@ -34,6 +34,61 @@ fn migrate_against_a_closed_port_fails_fast_with_one_line_naming_the_address() {
     assert!(lines[0].contains("127.0.0.1:1/x"), "{stderr}");
 }
 
+/// A database slower to connect to than the first connection's 5 s
+/// bound (a distant server, TLS, a slow login, a loaded machine) is
+/// migrated when `database.acquire_timeout` allows for it: the first
+/// connection is waited for as long as the pool's are. Driven through a
+/// proxy that answers each new connection 6 s late. The check gave up at
+/// 5 s whatever the acquire timeout said: the command exited 1, and each
+/// start a service manager made gave up the same way, so none ever got a
+/// connection.
+#[test]
+fn a_database_slower_to_connect_to_than_five_seconds_is_reached_within_the_acquire_timeout() {
+    let (rt, db, url) = fresh_database_url();
+    let late = answering_late(&rt, &db, &url, Duration::from_secs(6));
+    let out = pgonce()
+        .env("DATABASE_URL", late)
+        .env("PGONCE_DATABASE__ACQUIRE_TIMEOUT", "60s")
+        .arg("migrate")
+        .timeout(Duration::from_secs(120))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("migrations applied"), "{stderr}");
+}
+
+/// `url` with its host and port replaced by those of a TCP proxy (on `rt`)
+/// in front of `db`'s server that forwards each new connection `late`.
+fn answering_late(
+    rt: &tokio::runtime::Runtime,
+    db: &pgonce_testkit::ScratchDatabase,
+    url: &str,
+    late: Duration,
+) -> String {
+    let options = db.options();
+    let server = (options.get_host().to_string(), options.get_port());
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    rt.spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let server = server.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(late).await;
+                let mut server = tokio::net::TcpStream::connect(server).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+            });
+        }
+    });
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let (authority, path) = rest.split_once('/').unwrap();
+    let user = authority.rsplit_once('@').map_or("", |(user, _)| user);
+    let at = if user.is_empty() { "" } else { "@" };
+    format!("{scheme}://{user}{at}127.0.0.1:{port}/{path}")
+}
+
 /// `worker` and `serve` started with the database down do not wait for it:
 /// they exit 1 at once with one line naming its address (a service
 /// manager restarts them), their address, bound first, released on exit.
