@@ -131,8 +131,13 @@ pub async fn begin_read_only(
 }
 
 /// Runs `work` in a READ COMMITTED transaction of its own on a connection
-/// of `pool` ([`begin`]) and commits it; on an error the transaction rolls
-/// back. For the library's own passes (the reaper, the re-driver, the
+/// of `pool` ([`begin`]) and commits it; on an error the transaction is
+/// rolled back before the error is returned. Not left to the drop: sqlx
+/// then only queues the ROLLBACK, sent once the pool tests the connection
+/// in a task of its own, and until then the rows `work` locked stay
+/// locked. A loop's next pass, run at once on another connection, skipped
+/// them (`SKIP LOCKED`) and found nothing to do: a pass that succeeded in
+/// the middle of a run of failures. For the library's own passes (the reaper, the re-driver, the
 /// cleaners), whose `FOR UPDATE SKIP LOCKED` then re-check is correct at
 /// READ COMMITTED: run alone on the pool, their statements would be
 /// transactions at the database's default level, and under a stricter one
@@ -144,9 +149,18 @@ pub(crate) async fn read_committed<T, E: From<sqlx::Error>>(
     work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
 ) -> Result<T, E> {
     let mut tx = begin(pool, IsolationLevel::ReadCommitted).await?;
-    let out = work(&mut tx).await?;
-    tx.commit().await?;
-    Ok(out)
+    match work(&mut tx).await {
+        Ok(out) => {
+            tx.commit().await?;
+            Ok(out)
+        }
+        Err(e) => {
+            // Its own failure is not the caller's: the error is `work`'s,
+            // and a connection that cannot roll back is closed by the pool.
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
 }
 
 /// Runs `work` on `conn`: in the transaction open on it if there is one

@@ -2540,6 +2540,47 @@ async fn a_hand_on_that_keeps_failing_is_logged_a_line_a_minute_and_counted() {
     );
 }
 
+/// A pass whose hand-on failed has rolled its batch back by the time the
+/// next pass runs, which hands the same jobs on again. Driven with a pool
+/// that holds every connection given back to it (in `after_release`, the
+/// step before sqlx tests the connection and so sends a ROLLBACK it only
+/// queued) until the test lets them go. (The failed batch's transaction was
+/// left to its drop: it held the jobs' rows until the pool tested its
+/// connection, and the next passes, on other connections, skipped them and
+/// succeeded with nothing, ending the run of failures in the log in the
+/// middle of it. Seen on a loaded machine as a second "pass failed" line at
+/// warn.)
+#[tokio::test]
+async fn a_pass_after_a_failed_hand_on_finds_its_jobs_unlocked() {
+    let (db, pool) = setup().await;
+    let job = failed_and_due(&pool).await;
+    let (let_go, held) = tokio::sync::watch::channel(false);
+    let holding = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .after_release(move |_, _| {
+            let mut held = held.clone();
+            Box::pin(async move {
+                let _ = held.wait_for(|go| *go).await;
+                Ok(true)
+            })
+        })
+        .connect_with(db.options())
+        .await
+        .unwrap();
+    let (stop, mut handed, task) = run_handing_on_to_the_test(quick_redriver(&holding));
+
+    let call = next_hand_on(&mut handed).await;
+    assert_eq!(call.ids, [job]);
+    call.reply.send(Err("queue down".into())).unwrap();
+    let call = next_hand_on(&mut handed).await;
+    assert_eq!(call.ids, [job], "the next pass hands the same job on");
+    call.reply.send(Ok(())).unwrap();
+
+    let_go.send_replace(true);
+    stop_loop(stop, task).await;
+    assert_eq!(status(&pool, job).await, JobStatus::Pending);
+}
+
 /// A hand-on that never returns (a publish waiting on a peer that does
 /// not answer) stopped the re-driver's loop for good, the batch's rows
 /// locked and its jobs failed with no message. It is given up at
