@@ -192,9 +192,9 @@ pub enum Strategy {
     /// the usual first attempt at narrowing the table lock to one scope.
     /// The rows are locked in number order, so two takers of a scope queue
     /// at its lowest row whatever their plans (in plan order they could
-    /// deadlock). Locks nothing in an empty scope, so the first declarations of a scope
-    /// can compute the same number; the unique index rejects the losers with
-    /// [`Error::NumberTaken`]. A baseline.
+    /// deadlock). Locks nothing in an empty scope, so the first
+    /// declarations of a scope can compute the same number; the unique
+    /// index rejects the losers with [`Error::NumberTaken`]. A baseline.
     SelectForUpdate,
 }
 

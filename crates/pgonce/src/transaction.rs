@@ -131,19 +131,20 @@ pub async fn begin_read_only(
 }
 
 /// Runs `work` in a READ COMMITTED transaction of its own on a connection
-/// of `pool` ([`begin`]) and commits it; on an error the transaction is
-/// rolled back before the error is returned. Not left to the drop: sqlx
-/// then only queues the ROLLBACK, sent once the pool tests the connection
-/// in a task of its own, and until then the rows `work` locked stay
-/// locked. A loop's next pass, run at once on another connection, skipped
-/// them (`SKIP LOCKED`) and found nothing to do: a pass that succeeded in
-/// the middle of a run of failures. For the library's own passes (the reaper, the re-driver, the
-/// cleaners), whose `FOR UPDATE SKIP LOCKED` then re-check is correct at
-/// READ COMMITTED: run alone on the pool, their statements would be
-/// transactions at the database's default level, and under a stricter one
-/// a row changed by a writer that committed after the statement's snapshot
-/// would be a serialization failure (40001) instead of a row skipped or
-/// re-checked.
+/// of `pool` ([`begin`]) and commits it. For the library's own passes (the
+/// reaper, the re-driver, the cleaners), whose `FOR UPDATE SKIP LOCKED`
+/// then re-check is correct at READ COMMITTED: run alone on the pool,
+/// their statements would be transactions at the database's default level,
+/// and under a stricter one a row changed by a writer that committed after
+/// the statement's snapshot would be a serialization failure (40001)
+/// instead of a row skipped or re-checked.
+///
+/// On an error the transaction is rolled back before the error is
+/// returned, not left to its drop: sqlx then only queues the ROLLBACK,
+/// sent when the pool tests the connection in a task of its own, and until
+/// then the rows `work` locked stay locked. A loop's next pass, run at once
+/// on another connection, would skip them and find nothing to do: a pass
+/// that succeeds in the middle of a run of failures.
 pub(crate) async fn read_committed<T, E: From<sqlx::Error>>(
     pool: &PgPool,
     work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
