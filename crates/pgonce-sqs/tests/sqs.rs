@@ -254,9 +254,14 @@ async fn assert_unavailable<T: std::fmt::Debug>(
     at_least: Duration,
 ) {
     let started = Instant::now();
-    let err = tokio::time::timeout(timeout + Duration::from_millis(500), call)
+    // Twice the timeout: room for a loaded machine's scheduling, and still
+    // short of a timeout applied to each of the default three attempts
+    // (three times it, plus the backoff between them).
+    let err = tokio::time::timeout(timeout * 2, call)
         .await
-        .unwrap_or_else(|_| panic!("{what}: still running past its operation timeout {timeout:?}"))
+        .unwrap_or_else(|_| {
+            panic!("{what}: still running at twice its operation timeout {timeout:?}")
+        })
         .unwrap_err();
     let took = started.elapsed();
     assert!(

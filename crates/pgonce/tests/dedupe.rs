@@ -1037,7 +1037,7 @@ async fn waits_on_gate<T>(
     gate: &pgonce_testkit::Session,
     acquiring: &tokio::task::JoinHandle<T>,
 ) -> bool {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
         if acquiring.is_finished() {
             return false;
