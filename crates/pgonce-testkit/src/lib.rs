@@ -16,6 +16,9 @@
 //! * [`logs`]: what a test's subject logs, kept for the test to count.
 //! * [`webhook`]: a loopback webhook receiver that deduplicates by
 //!   idempotency key and fails or answers late on purpose.
+//! * [`proxy`]: a TCP proxy in front of a server that forwards new
+//!   connections late or only when the test lets them through, and holds
+//!   back the server's answer to a chosen message.
 
 #![warn(missing_docs)]
 
@@ -24,6 +27,7 @@ pub mod interleave;
 pub mod logs;
 pub mod moto;
 pub mod pooler;
+pub mod proxy;
 pub mod server;
 pub mod webhook;
 
@@ -33,6 +37,7 @@ pub use interleave::{
 };
 pub use moto::{Moto, MotoError};
 pub use pooler::{Pooler, PoolerSetup};
+pub use proxy::{FaultProxy, Forwarded, HeldAnswer, HeldConnection, NewConnections};
 pub use server::{
     SchemaCatalog, ScratchDatabase, Server, ServerError, fresh_database,
     fresh_database_behind_pooler, fresh_migrated_database, fresh_migrated_database_behind_pooler,
