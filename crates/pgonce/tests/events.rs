@@ -14,7 +14,9 @@ use pgonce::events::{
     PollOutcome, PollPoint, Query, QueryItem, ReadOptions, StoredEvent, Subscription,
     SubscriptionConfig,
 };
-use pgonce_testkit::{Interleaving, ScratchDatabase, fresh_migrated_database};
+use pgonce_testkit::{
+    FaultProxy, Interleaving, NewConnections, ScratchDatabase, fresh_migrated_database,
+};
 use rand::Rng;
 use serde_json::json;
 use sqlx::PgPool;
@@ -2529,12 +2531,13 @@ async fn a_listener_that_cannot_reconnect_logs_a_line_a_minute_and_counts_each_f
 #[tokio::test]
 async fn a_reconnect_slower_than_the_poll_interval_gets_its_listener_back() {
     let (db, pool) = db().await;
-    let proxy = ListenHoldingProxy::start_answering_late(&db, Duration::from_millis(300)).await;
+    let late = NewConnections::ForwardLate(Duration::from_millis(300));
+    let proxy = FaultProxy::start(db.options(), late).await.unwrap();
     let s = store(&pool, AppendStrategy::AdvisoryLocks);
     let mut sub = s
         .subscribe(SubscriptionConfig {
             poll_interval: Duration::from_millis(20),
-            listen: pgonce::Listen::Direct(Box::new(proxy.options.clone())),
+            listen: pgonce::Listen::Direct(Box::new(proxy.options())),
             ..Default::default()
         })
         .await
@@ -2696,97 +2699,6 @@ async fn the_read_above_an_append_locks_the_conditional_index_not_the_table() {
     pending.commit().await.unwrap();
 }
 
-/// A TCP proxy in front of the test server that forwards every connection
-/// (its first bytes after a set delay, if any) and, once armed, holds back the server's replies on the first
-/// connection whose client sends a LISTEN, until released: a LISTEN that
-/// the server has run but whose answer the client has not read.
-struct ListenHoldingProxy {
-    options: sqlx::postgres::PgConnectOptions,
-    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    release: tokio::sync::watch::Sender<bool>,
-}
-
-impl ListenHoldingProxy {
-    async fn start(db: &ScratchDatabase) -> ListenHoldingProxy {
-        Self::start_answering_late(db, Duration::ZERO).await
-    }
-
-    /// The proxy, forwarding each new connection's first bytes `late`.
-    async fn start_answering_late(db: &ScratchDatabase, late: Duration) -> ListenHoldingProxy {
-        let options = db.options();
-        let server = (options.get_host().to_string(), options.get_port());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let release = tokio::sync::watch::channel(false).0;
-        let (armed_, release_) = (armed.clone(), release.clone());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let (server, armed, release) =
-                    (server.clone(), armed_.clone(), release_.subscribe());
-                tokio::spawn(async move {
-                    tokio::time::sleep(late).await;
-                    let server = tokio::net::TcpStream::connect(server).await.unwrap();
-                    relay(client, server, armed, release).await
-                });
-            }
-        });
-        ListenHoldingProxy {
-            options: options.host("127.0.0.1").port(port),
-            armed,
-            release,
-        }
-    }
-}
-
-/// Relays one connection both ways; see [`ListenHoldingProxy`].
-async fn relay(
-    client: tokio::net::TcpStream,
-    server: tokio::net::TcpStream,
-    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    mut release: tokio::sync::watch::Receiver<bool>,
-) {
-    use std::sync::atomic::Ordering;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let (hold, mut held) = tokio::sync::watch::channel(false);
-    let upstream = async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = client_read.read(&mut buf).await.unwrap_or(0);
-            if n == 0 {
-                let _ = server_write.shutdown().await;
-                return;
-            }
-            let listen = buf[..n].windows(6).any(|w| w == b"LISTEN");
-            if listen && armed.swap(false, Ordering::SeqCst) {
-                hold.send_replace(true);
-            }
-            if server_write.write_all(&buf[..n]).await.is_err() {
-                return;
-            }
-        }
-    };
-    let downstream = async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = server_read.read(&mut buf).await.unwrap_or(0);
-            if *held.borrow_and_update() {
-                release.wait_for(|released| *released).await.unwrap();
-            }
-            if n == 0 {
-                let _ = client_write.shutdown().await;
-                return;
-            }
-            if client_write.write_all(&buf[..n]).await.is_err() {
-                return;
-            }
-        }
-    };
-    tokio::join!(upstream, downstream);
-}
-
 /// `Subscription::next` waits for a notification with a timeout, and the
 /// listener's reconnect after a lost connection runs inside that wait. A
 /// timeout that fires while the new connection's LISTEN has run on the
@@ -2800,10 +2712,12 @@ async fn relay(
 #[tokio::test]
 async fn a_reconnect_cut_short_by_the_wait_leaves_no_listening_connection_in_the_pool() {
     let (db, plain) = db().await;
-    let proxy = ListenHoldingProxy::start(&db).await;
+    let proxy = FaultProxy::start(db.options(), NewConnections::Forward)
+        .await
+        .unwrap();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
-        .connect_with(proxy.options.clone())
+        .connect_with(proxy.options())
         .await
         .unwrap();
     let s = store(&pool, AppendStrategy::AdvisoryLocks);
@@ -2855,7 +2769,9 @@ async fn a_reconnect_cut_short_by_the_wait_leaves_no_listening_connection_in_the
         tokio::task::yield_now().await;
     };
 
-    proxy.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    // What the server answers the next LISTEN on a connection through
+    // the proxy is held back.
+    let held = proxy.hold_answer_to(|sent| sent.windows(6).any(|w| w == b"LISTEN"));
     stopping.store(true, std::sync::atomic::Ordering::SeqCst);
     sqlx::query("SELECT pg_terminate_backend($1)")
         .bind(listener_pid)
@@ -2865,7 +2781,7 @@ async fn a_reconnect_cut_short_by_the_wait_leaves_no_listening_connection_in_the
     // The listener reconnects and its LISTEN's answer is held back; the
     // wait times out and the subscription polls again.
     while !polls.recv().await.unwrap() {}
-    proxy.release.send_replace(true);
+    held.release();
 
     let mut conn = pool.acquire().await.unwrap();
     let channels: Vec<String> = sqlx::query_scalar("SELECT pg_listening_channels()")

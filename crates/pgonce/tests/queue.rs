@@ -15,7 +15,9 @@ use pgonce::{
     Error, PgQueue, PgQueueOptions, Queue, QueueAttributes, Receipt, ReceiveRequest, Received,
     SendMessage, Sent,
 };
-use pgonce_testkit::{Interleaving, fresh_database, fresh_migrated_database};
+use pgonce_testkit::{
+    FaultProxy, Interleaving, NewConnections, fresh_database, fresh_migrated_database,
+};
 use sqlx::{PgPool, Postgres, Transaction};
 
 /// The FIFO receive statement, as `PgQueue::receive` runs it: $1 queue,
@@ -5122,92 +5124,35 @@ async fn received_before_the_wait(
 #[tokio::test]
 async fn a_listener_that_reconnected_wakes_the_parked_receivers_for_what_it_missed() {
     let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
-    let mut proxy = Proxy::start(&db).await;
-    let q = proxy.listening_queue(&plain).await;
+    let mut proxy = FaultProxy::start(db.options(), NewConnections::HandOver)
+        .await
+        .unwrap();
+    let q = listening_through(&proxy, &plain).await;
     let wait = Duration::from_secs(30);
     let receiver = spawn_receive(&q, wait);
-    proxy.next().await.forward();
+    proxy.next_connection().await.forward();
     parked_and_listening(&q, &plain).await;
 
     terminate_listener(&plain).await;
     // The listener saw its connection die and is reconnecting: held back
     // while a message is sent.
-    let reconnect = proxy.next().await;
+    let reconnect = proxy.next_connection().await;
     let sent = send_unannounced(&plain).await;
     reconnect.forward();
 
     received_before_the_wait(receiver, &sent, wait).await;
 }
 
-/// A TCP proxy in front of the test server that hands every connection
-/// made through it to the test, to forward or to refuse: lets a test see
-/// each reconnect a listener tries, fail one, and hold the next back for
-/// as long as it needs.
-struct Proxy {
-    options: sqlx::postgres::PgConnectOptions,
-    attempts: tokio::sync::mpsc::UnboundedReceiver<Attempt>,
-}
-
-/// One connection made through a [`Proxy`], not yet forwarded.
-struct Attempt {
-    client: tokio::net::TcpStream,
-    server: (String, u16),
-}
-
-impl Proxy {
-    async fn start(db: &pgonce_testkit::ScratchDatabase) -> Proxy {
-        let options = db.options();
-        let server = (options.get_host().to_string(), options.get_port());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (tx, attempts) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let server = server.clone();
-                if tx.send(Attempt { client, server }).is_err() {
-                    return;
-                }
-            }
-        });
-        Proxy {
-            options: options.host("127.0.0.1").port(port),
-            attempts,
-        }
-    }
-
-    /// Creates queue `q` on `pool`, its listener connecting through the
-    /// proxy; re-polls once a minute ([`slow_poll`]).
-    async fn listening_queue(&self, pool: &PgPool) -> PgQueue {
-        let options = PgQueueOptions {
-            listen: pgonce::Listen::Direct(Box::new(self.options.clone())),
-            ..slow_poll()
-        };
-        PgQueue::create(pool, "q", QueueAttributes::default(), options)
-            .await
-            .unwrap()
-    }
-
-    /// The next connection made through the proxy.
-    async fn next(&mut self) -> Attempt {
-        self.attempts.recv().await.unwrap()
-    }
-}
-
-impl Attempt {
-    /// Relays the connection to the server from now on.
-    fn forward(self) {
-        let Attempt { mut client, server } = self;
-        tokio::spawn(async move {
-            let mut server = tokio::net::TcpStream::connect(server).await.unwrap();
-            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-        });
-    }
-
-    /// Closes the connection before a byte went through: the client's
-    /// connect fails at once (not as refused, which its pool would retry).
-    fn refuse(self) {
-        drop(self.client);
-    }
+/// Creates queue `q` on `pool`, its listener connecting through `proxy`;
+/// re-polls once a minute ([`slow_poll`]).
+async fn listening_through(proxy: &FaultProxy, pool: &PgPool) -> PgQueue {
+    let options = PgQueueOptions {
+        listen: pgonce::Listen::Direct(Box::new(proxy.options())),
+        ..slow_poll()
+    };
+    PgQueue::create(pool, "q", QueueAttributes::default(), options)
+        .await
+        .unwrap()
 }
 
 /// The listener of a long poll loses its connection and cannot get a new
@@ -5223,17 +5168,19 @@ impl Attempt {
 async fn a_listener_back_after_a_failed_reconnect_wakes_the_parked_receivers() {
     let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
     let (gated, gate) = Gate::pool(&db).await;
-    let mut proxy = Proxy::start(&db).await;
-    let q = proxy.listening_queue(&gated).await;
+    let mut proxy = FaultProxy::start(db.options(), NewConnections::HandOver)
+        .await
+        .unwrap();
+    let q = listening_through(&proxy, &gated).await;
     let wait = Duration::from_secs(20);
     let receiver = spawn_receive(&q, wait);
-    proxy.next().await.forward();
+    proxy.next_connection().await.forward();
     parked_and_listening(&q, &plain).await;
 
     gate.open.send_replace(false);
     terminate_listener(&plain).await;
     // The listener's reconnect fails, and the receiver is woken.
-    proxy.next().await.refuse();
+    proxy.next_connection().await.refuse();
     gate.arrived.notified().await;
     assert_eq!(q.parked_receivers(), 0);
     gate.open.send_replace(true);
@@ -5243,7 +5190,7 @@ async fn a_listener_back_after_a_failed_reconnect_wakes_the_parked_receivers() {
     }
 
     // The listener's next try, held back while a message is sent.
-    let retry = proxy.next().await;
+    let retry = proxy.next_connection().await;
     let sent = send_unannounced(&plain).await;
     retry.forward();
 
@@ -7228,21 +7175,23 @@ async fn a_queue_listener_that_cannot_listen_again_logs_a_line_a_minute_and_coun
 #[tokio::test]
 async fn a_queue_listener_listening_again_says_after_how_many_failed_tries() {
     let (db, plain) = fresh_migrated_database(4, pgonce::migrate).await;
-    let mut proxy = Proxy::start(&db).await;
-    let q = proxy.listening_queue(&plain).await;
+    let mut proxy = FaultProxy::start(db.options(), NewConnections::HandOver)
+        .await
+        .unwrap();
+    let q = listening_through(&proxy, &plain).await;
     let logged = pgonce_testkit::logs::LogLines::default();
     let _logging = logged.capture();
     let receiver = spawn_receive(&q, Duration::from_secs(20));
-    proxy.next().await.forward();
+    proxy.next_connection().await.forward();
     parked_and_listening(&q, &plain).await;
 
     terminate_listener(&plain).await;
     // The old listener's own reconnect (its error ends it), then three
     // tries of new ones.
     for _ in 0..4 {
-        proxy.next().await.refuse();
+        proxy.next_connection().await.refuse();
     }
-    proxy.next().await.forward();
+    proxy.next_connection().await.forward();
     let back = loop {
         let back = logged.starting(tracing::Level::INFO, "queue listener listening again");
         if !back.is_empty() {
