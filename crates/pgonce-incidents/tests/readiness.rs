@@ -11,7 +11,7 @@ use pgonce::PgQueue;
 use pgonce_incidents::api::{ApiConfig, ApiState, router};
 use pgonce_incidents::runtime::observations_queue;
 use pgonce_incidents::{Service, ServiceConfig};
-use pgonce_testkit::{Cluster, ScratchDatabase};
+use pgonce_testkit::{Cluster, FaultProxy, NewConnections, ScratchDatabase};
 use serde_json::Value;
 use sqlx::Connection;
 use sqlx::postgres::PgPoolOptions;
@@ -442,20 +442,27 @@ async fn a_database_down_for_ten_minutes_logs_a_not_ready_line_a_minute() {
 #[tokio::test]
 async fn a_connection_slower_to_open_than_a_probe_waits_serves_the_next_probe() {
     let (db, _pool, queue) = migrated_with_queue().await;
-    let proxy = ConnectHoldingProxy::start(&db).await;
+    let mut proxy = FaultProxy::start(db.options(), NewConnections::HandOver)
+        .await
+        .unwrap();
     // No connection yet, and a connect bounded by the pool far past the
     // probes' own bound.
     let probing = PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_secs(120))
-        .connect_lazy_with(proxy.options.clone());
+        .connect_lazy_with(proxy.options());
     let router = api_on(probing.clone(), &queue);
 
     let (status, body) = get(&router, "/readyz", Duration::from_secs(60)).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
-    proxy.let_first_through.send_replace(true);
+    // The connection the first probe began, let through; every later one
+    // stays held.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    while probing.num_idle() == 0 && !*proxy.first_ended.borrow() {
+    let first = tokio::time::timeout_at(deadline, proxy.next_connection())
+        .await
+        .expect("waited two minutes for the first probe's connection")
+        .forward();
+    while probing.num_idle() == 0 && !first.has_ended() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "waited two minutes for the first connection to open or end"
@@ -470,45 +477,4 @@ async fn a_connection_slower_to_open_than_a_probe_waits_serves_the_next_probe() 
 
     let (status, body) = get(&router, "/readyz", Duration::from_secs(60)).await;
     assert_eq!(status, StatusCode::OK, "{body}");
-}
-
-/// A TCP proxy in front of the test server that holds every new connection
-/// (forwards nothing) until let through; only the first one can be, and
-/// `first_ended` is raised once it has ended (its client closed it).
-struct ConnectHoldingProxy {
-    options: sqlx::postgres::PgConnectOptions,
-    let_first_through: tokio::sync::watch::Sender<bool>,
-    first_ended: tokio::sync::watch::Receiver<bool>,
-}
-
-impl ConnectHoldingProxy {
-    async fn start(db: &ScratchDatabase) -> ConnectHoldingProxy {
-        let options = db.options();
-        let server = (options.get_host().to_string(), options.get_port());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (let_first_through, mut let_through) = tokio::sync::watch::channel(false);
-        let (ended, first_ended) = tokio::sync::watch::channel(false);
-        tokio::spawn(async move {
-            let Ok((mut client, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let _ = let_through.wait_for(|through| *through).await;
-                let mut server = tokio::net::TcpStream::connect(server).await.unwrap();
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                ended.send_replace(true);
-            });
-            // Every later connection is held for good.
-            let mut held = Vec::new();
-            while let Ok((client, _)) = listener.accept().await {
-                held.push(client);
-            }
-        });
-        ConnectHoldingProxy {
-            options: options.host("127.0.0.1").port(port),
-            let_first_through,
-            first_ended,
-        }
-    }
 }
