@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use assert_cmd::Command;
+use pgonce_testkit::{FaultProxy, NewConnections};
 
 mod common;
 
@@ -45,9 +46,10 @@ fn migrate_against_a_closed_port_fails_fast_with_one_line_naming_the_address() {
 #[test]
 fn a_database_slower_to_connect_to_than_five_seconds_is_reached_within_the_acquire_timeout() {
     let (rt, db, url) = fresh_database_url();
-    let late = answering_late(&rt, &db, &url, Duration::from_secs(6));
+    let late = NewConnections::ForwardLate(Duration::from_secs(6));
+    let proxy = rt.block_on(FaultProxy::start(db.options(), late)).unwrap();
     let out = pgonce()
-        .env("DATABASE_URL", late)
+        .env("DATABASE_URL", url_through(&url, &proxy))
         .env("PGONCE_DATABASE__ACQUIRE_TIMEOUT", "60s")
         .arg("migrate")
         .timeout(Duration::from_secs(120))
@@ -58,35 +60,13 @@ fn a_database_slower_to_connect_to_than_five_seconds_is_reached_within_the_acqui
     assert!(stderr.contains("migrations applied"), "{stderr}");
 }
 
-/// `url` with its host and port replaced by those of a TCP proxy (on `rt`)
-/// in front of `db`'s server that forwards each new connection `late`.
-fn answering_late(
-    rt: &tokio::runtime::Runtime,
-    db: &pgonce_testkit::ScratchDatabase,
-    url: &str,
-    late: Duration,
-) -> String {
-    let options = db.options();
-    let server = (options.get_host().to_string(), options.get_port());
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let port = listener.local_addr().unwrap().port();
-    rt.spawn(async move {
-        while let Ok((mut client, _)) = listener.accept().await {
-            let server = server.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(late).await;
-                let mut server = tokio::net::TcpStream::connect(server).await.unwrap();
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-            });
-        }
-    });
+/// `url` with its host and port replaced by `proxy`'s.
+fn url_through(url: &str, proxy: &FaultProxy) -> String {
     let (scheme, rest) = url.split_once("://").unwrap();
     let (authority, path) = rest.split_once('/').unwrap();
     let user = authority.rsplit_once('@').map_or("", |(user, _)| user);
     let at = if user.is_empty() { "" } else { "@" };
-    format!("{scheme}://{user}{at}127.0.0.1:{port}/{path}")
+    format!("{scheme}://{user}{at}{}/{path}", proxy.address())
 }
 
 /// `worker` and `serve` started with the database down do not wait for it:
