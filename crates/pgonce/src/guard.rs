@@ -19,7 +19,8 @@
 //!
 //! Every writer that changes the guarded set **must go through a guard with
 //! the same lock key** (or take that key with [`crate::lock`] in its own
-//! transaction). Then, for one key, the re-read, compare and write of
+//! transaction; under SERIALIZABLE, reading the set before changing it:
+//! see below). Then, for one key, the re-read, compare and write of
 //! different callers never overlap, and a write happens only if the set is
 //! the one the decision saw: two decisions made on the same state cannot
 //! both write. The comparison is deliberately conservative: any change in the
@@ -42,15 +43,23 @@
 //! first statement) is refused by the check with [`Error::WrongIsolation`],
 //! told by the lock statement itself, before any re-read.
 //!
-//! SERIALIZABLE takes its snapshot at the lock statement too, so there the
-//! re-read may also be stale; it is correct only because PostgreSQL aborts
-//! one of two SERIALIZABLE transactions whose reads and writes conflict,
-//! and that detection sees SERIALIZABLE transactions only. With
-//! [`Isolation::Serializable`], every writer of the guarded set must run
-//! SERIALIZABLE as well: a READ COMMITTED writer holding the same key (a
-//! guard configured differently, or [`crate::lock`] in a READ COMMITTED
-//! transaction) commits unseen, and the stale re-read lets a duplicate
-//! through. Under READ COMMITTED, the default, the lock alone suffices.
+//! SERIALIZABLE takes its snapshot at the lock statement too, before the
+//! wait, so there the re-read may be stale: it misses what the writers it
+//! waited for committed. It is correct only because PostgreSQL aborts a
+//! SERIALIZABLE transaction whose conflicts with others could close a
+//! cycle: its stale re-read missed another's write (one conflict), and
+//! that other read the set this one writes (the second). That detection
+//! sees SERIALIZABLE transactions only, and only what they read. With
+//! [`Isolation::Serializable`], every writer of the guarded set must
+//! therefore run SERIALIZABLE as well, and read the set before changing
+//! it, in the same transaction, as a guard's check does. A READ COMMITTED
+//! writer holding the same key (a guard configured differently, or
+//! [`crate::lock`] in a READ COMMITTED transaction) commits unseen; a
+//! SERIALIZABLE one that changes the set without reading it (an insert
+//! under [`crate::lock`]) conflicts one way only, and PostgreSQL orders the
+//! waiting guarded write before it. Either way the stale re-read passes
+//! and a duplicate goes through. Under READ COMMITTED, the default, the
+//! lock alone suffices, whether the other writers read the set or not.
 //!
 //! # How long the lock is waited for
 //!
@@ -235,8 +244,9 @@ pub enum Isolation {
     #[default]
     ReadCommitted,
     /// Correct only if every writer of the guarded set runs SERIALIZABLE
-    /// too (see the module docs); PostgreSQL may abort with
-    /// [`Error::SerializationFailure`], which the caller retries.
+    /// too and reads the set before changing it (see the module docs);
+    /// PostgreSQL may abort with [`Error::SerializationFailure`], which the
+    /// caller retries.
     Serializable,
 }
 
