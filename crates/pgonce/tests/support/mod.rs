@@ -122,6 +122,63 @@ pub fn check_model<Op: std::fmt::Debug + Clone, T: std::fmt::Debug + Copy>(
     tally
 }
 
+/// A model's run against PostgreSQL, one operation at a time: what
+/// [`steps_until_divergence`] drives.
+// Its futures are awaited on the test's one runtime, never spawned: no
+// `Send` bound is needed.
+#[allow(async_fn_in_trait)]
+pub trait StepByStep {
+    type Op: std::fmt::Debug;
+    type Tally;
+    /// Applies `op` to the model and to the database; the first
+    /// divergence.
+    async fn step(&mut self, op: &Self::Op, tally: &mut Self::Tally) -> Result<(), String>;
+    /// Compares the database with the model.
+    async fn compare(&self) -> Result<(), String>;
+}
+
+/// Applies `ops` in turn, comparing the database with the model after
+/// each; the first divergence, named by `label` and its step.
+pub async fn steps_until_divergence<R: StepByStep>(
+    run: &mut R,
+    label: &str,
+    ops: &[R::Op],
+    tally: &mut R::Tally,
+) -> Result<(), String> {
+    for (i, op) in ops.iter().enumerate() {
+        let at = format!("{label}, step {i} {op:?}");
+        run.step(op, tally)
+            .await
+            .map_err(|e| format!("{at}: {e}"))?;
+        run.compare()
+            .await
+            .map_err(|e| format!("after {at}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Ends what a model's connection left when its run stopped: its open
+/// transaction `tx`, or its step still `waiting`, ends with its backend
+/// `pid` (terminated from `checker`) before the next run, for a dropped
+/// transaction's ROLLBACK waits for the connection's next use.
+pub async fn end_with_backend<T>(
+    checker: &sqlx::PgPool,
+    pid: i32,
+    tx: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+    waiting: Option<pgonce_testkit::Blocked<T>>,
+) {
+    if tx.is_some() || waiting.is_some() {
+        let _ = sqlx::query("SELECT pg_terminate_backend($1, 10000)")
+            .bind(pid)
+            .execute(checker)
+            .await;
+    }
+    drop(tx);
+    if let Some(waiting) = waiting {
+        let _ = waiting.resume().await;
+    }
+}
+
 /// A metrics recorder that hands each counter's registration to `F` (which
 /// returns the counter to record into) and ignores gauges, histograms and
 /// descriptions: a test installs it with
