@@ -440,6 +440,102 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
+    /// BEGIN in idle session `s`.
+    async fn begin(&mut self, s: usize) -> Result<(), String> {
+        let c = &mut self.conns[s];
+        let (tx, pid) = support::begin_noting_pid(&self.race, &c.session).await?;
+        c.pid = pid;
+        c.tx = Some(tx);
+        self.model.sessions[s] = State::Open(Tx::default());
+        Ok(())
+    }
+
+    /// A take's number against the model's; counts a number handed out
+    /// before (and rolled back since) handed out again.
+    fn took(
+        &mut self,
+        scope: u8,
+        want: i64,
+        got: pgonce::Result<i64>,
+        tally: &mut Tally,
+    ) -> Result<(), String> {
+        match got {
+            Ok(n) if n == want => {
+                let most = self.handed_out.entry(scope).or_default();
+                if n <= *most {
+                    tally.reused += 1;
+                }
+                *most = (*most).max(n);
+                Ok(())
+            }
+            got => Err(format!("took {got:?}, model {want}")),
+        }
+    }
+
+    /// The waiting session `s` waits for sessions the model names.
+    fn blocked_as_modelled(&self, s: usize, by: &[String]) -> Result<(), String> {
+        let want: BTreeSet<&str> = self.model.waits_for(s).iter().map(|&o| NAMES[o]).collect();
+        if by.is_empty() || !by.iter().all(|b| want.contains(b.as_str())) {
+            return Err(format!(
+                "{} waits for {by:?}, the model for {want:?}",
+                NAMES[s]
+            ));
+        }
+        Ok(())
+    }
+
+    /// The waiters a transaction's end released, against the model.
+    async fn released(
+        &mut self,
+        released: Vec<(usize, Outcome)>,
+        tally: &mut Tally,
+    ) -> Result<(), String> {
+        // A waiter released twice over (waits again, then is released by
+        // a rollback the first release caused) ends as the last says.
+        let mut last: BTreeMap<usize, Outcome> = BTreeMap::new();
+        let mut order = Vec::new();
+        for (w, outcome) in released {
+            if last.insert(w, outcome).is_none() {
+                order.push(w);
+            }
+        }
+        for w in order {
+            let outcome = last[&w];
+            if outcome == Outcome::Waits {
+                let by = self
+                    .race
+                    .wait_until_blocked(&self.conns[w].session, "waits again")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                self.blocked_as_modelled(w, &by)?;
+                continue;
+            }
+            let waiting = self.conns[w].waiting.take().unwrap();
+            let (tx, got) = waiting.resume().await.map_err(|e| e.to_string())?;
+            self.conns[w].tx = tx;
+            match outcome {
+                Outcome::Takes(n) => {
+                    let scope = self.model.tx(w).unwrap().taken.last().unwrap().0;
+                    self.took(scope, n, got, tally)
+                        .map_err(|e| format!("{} released: {e}", NAMES[w]))?;
+                }
+                Outcome::Taken => {
+                    if !matches!(got, Err(Error::NumberTaken { .. })) {
+                        return Err(format!("{} released: {got:?}, model NumberTaken", NAMES[w]));
+                    }
+                    tally.number_taken += 1;
+                }
+                Outcome::Waits => unreachable!(),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl support::StepByStep for Run<'_> {
+    type Op = Op;
+    type Tally = Tally;
+
     async fn step(&mut self, op: &Op, tally: &mut Tally) -> Result<(), String> {
         match *op {
             Op::Begin(s) => {
@@ -560,97 +656,6 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// BEGIN in idle session `s`.
-    async fn begin(&mut self, s: usize) -> Result<(), String> {
-        let c = &mut self.conns[s];
-        let (tx, pid) = support::begin_noting_pid(&self.race, &c.session).await?;
-        c.pid = pid;
-        c.tx = Some(tx);
-        self.model.sessions[s] = State::Open(Tx::default());
-        Ok(())
-    }
-
-    /// A take's number against the model's; counts a number handed out
-    /// before (and rolled back since) handed out again.
-    fn took(
-        &mut self,
-        scope: u8,
-        want: i64,
-        got: pgonce::Result<i64>,
-        tally: &mut Tally,
-    ) -> Result<(), String> {
-        match got {
-            Ok(n) if n == want => {
-                let most = self.handed_out.entry(scope).or_default();
-                if n <= *most {
-                    tally.reused += 1;
-                }
-                *most = (*most).max(n);
-                Ok(())
-            }
-            got => Err(format!("took {got:?}, model {want}")),
-        }
-    }
-
-    /// The waiting session `s` waits for sessions the model names.
-    fn blocked_as_modelled(&self, s: usize, by: &[String]) -> Result<(), String> {
-        let want: BTreeSet<&str> = self.model.waits_for(s).iter().map(|&o| NAMES[o]).collect();
-        if by.is_empty() || !by.iter().all(|b| want.contains(b.as_str())) {
-            return Err(format!(
-                "{} waits for {by:?}, the model for {want:?}",
-                NAMES[s]
-            ));
-        }
-        Ok(())
-    }
-
-    /// The waiters a transaction's end released, against the model.
-    async fn released(
-        &mut self,
-        released: Vec<(usize, Outcome)>,
-        tally: &mut Tally,
-    ) -> Result<(), String> {
-        // A waiter released twice over (waits again, then is released by
-        // a rollback the first release caused) ends as the last says.
-        let mut last: BTreeMap<usize, Outcome> = BTreeMap::new();
-        let mut order = Vec::new();
-        for (w, outcome) in released {
-            if last.insert(w, outcome).is_none() {
-                order.push(w);
-            }
-        }
-        for w in order {
-            let outcome = last[&w];
-            if outcome == Outcome::Waits {
-                let by = self
-                    .race
-                    .wait_until_blocked(&self.conns[w].session, "waits again")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                self.blocked_as_modelled(w, &by)?;
-                continue;
-            }
-            let waiting = self.conns[w].waiting.take().unwrap();
-            let (tx, got) = waiting.resume().await.map_err(|e| e.to_string())?;
-            self.conns[w].tx = tx;
-            match outcome {
-                Outcome::Takes(n) => {
-                    let scope = self.model.tx(w).unwrap().taken.last().unwrap().0;
-                    self.took(scope, n, got, tally)
-                        .map_err(|e| format!("{} released: {e}", NAMES[w]))?;
-                }
-                Outcome::Taken => {
-                    if !matches!(got, Err(Error::NumberTaken { .. })) {
-                        return Err(format!("{} released: {got:?}, model NumberTaken", NAMES[w]));
-                    }
-                    tally.number_taken += 1;
-                }
-                Outcome::Waits => unreachable!(),
-            }
-        }
-        Ok(())
-    }
-
     /// The committed numbers of every scope are the model's, and 1..n.
     async fn compare(&self) -> Result<(), String> {
         #[derive(sqlx::FromRow)]
@@ -722,31 +727,10 @@ async fn run(
         model: Model::new(strategy),
         handed_out: BTreeMap::new(),
     };
-    let mut outcome = Ok(());
-    for (i, op) in ops.iter().enumerate() {
-        let at = format!("{strategy}, step {i} {op:?}");
-        if let Err(e) = run.step(op, tally).await {
-            outcome = Err(format!("{at}: {e}"));
-            break;
-        }
-        if let Err(e) = run.compare().await {
-            outcome = Err(format!("after {at}: {e}"));
-            break;
-        }
-    }
-    // The open transactions end with their backends, before the next run:
-    // a dropped transaction's ROLLBACK waits for the connection's next use.
+    let outcome =
+        support::steps_until_divergence(&mut run, &strategy.to_string(), ops, tally).await;
     for c in &mut run.conns {
-        if c.tx.is_some() || c.waiting.is_some() {
-            let _ = sqlx::query("SELECT pg_terminate_backend($1, 10000)")
-                .bind(c.pid)
-                .execute(checker)
-                .await;
-        }
-        drop(c.tx.take());
-        if let Some(waiting) = c.waiting.take() {
-            let _ = waiting.resume().await;
-        }
+        support::end_with_backend(checker, c.pid, c.tx.take(), c.waiting.take()).await;
     }
     outcome.map_err(|e| format!("{e}\nmodel: {:?}", run.model))
 }
