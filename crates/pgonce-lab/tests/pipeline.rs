@@ -306,12 +306,21 @@ async fn the_demo_reports_a_pending_notification_as_unfinished_with_its_state() 
 /// nothing else to move. The demo reported it FAILED, as it reports a
 /// broken invariant, malformed messages still to be dead-lettered counted
 /// as a violation too.
+///
+/// The visibility timeout is as long as the failures' and the receive
+/// limit far above what the run can reach, whatever the machine's load:
+/// with the quick run's 300 ms, a worker slowed past it by a busy machine
+/// failed a malformed message on a receipt already stale, so the failure's
+/// 30 s never applied, the message came back every 300 ms and reached the
+/// dead-letter queue within the run.
 #[tokio::test]
 async fn a_run_that_stalls_with_every_invariant_intact_could_not_finish() {
     let db = fresh_database().await;
     let pool = db.pool(30).await.unwrap();
     let mut config = IncidentRunConfig::quick();
     config.observations = 60;
+    config.visibility = Duration::from_secs(30);
+    config.max_receive_count = 1000;
     config.runtime.worker.failure_visibility = Some(Duration::from_secs(30));
     config.runtime.evaluator.failure_rate = 0.0;
     config.drain_deadline = Duration::from_secs(2);
