@@ -19,6 +19,8 @@
 //! * [`proxy`]: a TCP proxy in front of a server that forwards new
 //!   connections late or only when the test lets them through, and holds
 //!   back the server's answer to a chosen message.
+//! * [`wait`]: polling for a state a test awaits, bounded by [`FAILSAFE`]
+//!   so that a state that never comes fails the test instead of hanging it.
 
 #![warn(missing_docs)]
 
@@ -29,6 +31,7 @@ pub mod moto;
 pub mod pooler;
 pub mod proxy;
 pub mod server;
+pub mod wait;
 pub mod webhook;
 
 pub use cluster::{Cluster, ClusterError, ShutdownMode};
@@ -43,4 +46,5 @@ pub use server::{
     fresh_database_behind_pooler, fresh_migrated_database, fresh_migrated_database_behind_pooler,
     own_migrated_cluster, schema_catalog, shared_for_tests, shared_pooler_for_tests,
 };
+pub use wait::{FAILSAFE, wait_until, wait_until_every};
 pub use webhook::{ReceiverFaults, ReceiverStats, WebhookError, WebhookReceiver};
