@@ -16,7 +16,7 @@ use pgonce::{
     SendMessage, Sent,
 };
 use pgonce_testkit::{
-    FaultProxy, Interleaving, NewConnections, fresh_database, fresh_migrated_database,
+    FaultProxy, Interleaving, NewConnections, fresh_database, fresh_migrated_database, wait_until,
 };
 use sqlx::{PgPool, Postgres, Transaction};
 
@@ -1556,9 +1556,7 @@ async fn a_give_back_wakes_a_long_poll_parked_behind_its_delivery() {
         let q = q.clone();
         tokio::spawn(async move { q.receive(ReceiveRequest::up_to(1).wait(hour)).await })
     };
-    while q.parked_receivers() == 0 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("a receive parked", || async { q.parked_receivers() > 0 }).await;
     held.release().await;
     let got = tokio::time::timeout(Duration::from_secs(60), parked)
         .await
@@ -1610,9 +1608,7 @@ async fn a_receive_dropped_while_it_waits_wakes_the_queue_it_moved_to() {
         let dlq = dlq.clone();
         tokio::spawn(async move { dlq.receive(ReceiveRequest::up_to(1).wait(hour)).await })
     };
-    while dlq.parked_receivers() == 0 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("a receive parked", || async { dlq.parked_receivers() > 0 }).await;
     let support::HolderAndWaiter { race, a, b, tx_a } = support::a_holding(
         db.options(),
         "lock the messages' table",
@@ -2351,9 +2347,7 @@ async fn a_long_poll_wakes_on_send_not_on_its_timer() {
 /// goes once the receive is parked.
 async fn long_poll_wakes_on_send(q: &PgQueue) {
     let parked = async {
-        while q.parked_receivers() == 0 {
-            tokio::task::yield_now().await;
-        }
+        wait_until("a receive parked", || async { q.parked_receivers() > 0 }).await;
     };
     conformance_long_poll_wakes_on_send(q, parked).await;
 }
@@ -2415,9 +2409,10 @@ async fn parked_family(
             })
         })
         .collect();
-    while q.parked_receivers() < receivers {
-        tokio::task::yield_now().await;
-    }
+    wait_until("every receive parked", || async {
+        q.parked_receivers() >= receivers
+    })
+    .await;
     (q, waiting)
 }
 
@@ -2463,9 +2458,7 @@ async fn one_send_wakes_one_parked_receiver_not_the_family() {
         got = done.unwrap();
         waiting = rest;
     }
-    while q.parked_receivers() < 3 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("3 receives parked", || async { q.parked_receivers() >= 3 }).await;
     let looked = empty.load(Ordering::SeqCst) - looked_before;
     assert!(looked <= 1, "{looked} parked receivers looked in vain");
     for receiver in waiting {
@@ -2889,21 +2882,18 @@ async fn a_woken_receiver_that_does_not_look_passes_the_wake_on(lost: Lost) {
     // One after the other: a notification wakes the oldest waiter
     // (`Notify::notify_one`), so the first.
     let first = receive(q.clone());
-    while q.parked_receivers() < 1 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("a receive parked", || async { q.parked_receivers() > 0 }).await;
     let second = receive(q.clone());
-    while q.parked_receivers() < 2 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("2 receives parked", || async { q.parked_receivers() >= 2 }).await;
     let held = small.acquire().await.unwrap();
     let sender = PgQueue::open(&pool, "q", PgQueueOptions::default())
         .await
         .unwrap();
     sender.send(SendMessage::new("one")).await.unwrap();
-    while q.parked_receivers() > 1 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("all but one parked receive woken", || async {
+        q.parked_receivers() <= 1
+    })
+    .await;
     lose(first, lost).await;
     drop(held);
     let got = tokio::time::timeout(Duration::from_secs(60), second)
@@ -2946,9 +2936,7 @@ async fn a_shutdown_during_a_long_poll_leaves_later_messages_receivable() {
     let pool = pool().await;
     let q = queue(&pool, "q", QueueAttributes::default()).await;
     let parked = async {
-        while q.parked_receivers() == 0 {
-            tokio::task::yield_now().await;
-        }
+        wait_until("a receive parked", || async { q.parked_receivers() > 0 }).await;
     };
     conformance_shutdown_during_a_long_poll(&q, parked).await;
 }
@@ -3228,9 +3216,7 @@ async fn a_delayed_send_reaches_a_parked_receiver_when_the_woken_one_stops() {
                 .unwrap()
             })
         };
-        while q.parked_receivers() == 0 {
-            tokio::task::yield_now().await;
-        }
+        wait_until("a receive parked", || async { q.parked_receivers() > 0 }).await;
         let second = parked_receiver(&q).await;
         let looked = empty.load(Ordering::SeqCst);
         q.send(SendMessage::new("delayed").delay(unit))
@@ -3542,9 +3528,10 @@ async fn a_receiver_whose_wait_ends_at_its_look_leaves_the_next_time_to_the_fami
             .await
             .unwrap();
         // The notification woke one of them: R1, the oldest waiter.
-        while q.parked_receivers() > 1 {
-            tokio::task::yield_now().await;
-        }
+        wait_until("all but one parked receive woken", || async {
+            q.parked_receivers() <= 1
+        })
+        .await;
         tokio::time::sleep_until(r1_wait_over.into()).await;
         drop(held);
         if !delivered(r1, "the end of its wait").await.is_empty() {
@@ -3600,9 +3587,10 @@ async fn a_receiver_the_timer_woke_that_does_not_look_passes_the_wake_on(lost: L
         };
         let (second, held) = setup.await.inspect_err(|_| first.abort())?;
         // The timer woke one of them: the first, the oldest waiter.
-        while q.parked_receivers() > 1 {
-            tokio::task::yield_now().await;
-        }
+        wait_until("all but one parked receive woken", || async {
+            q.parked_receivers() <= 1
+        })
+        .await;
         lose(first, lost).await;
         drop(held);
         assert_eq!(
@@ -5067,9 +5055,10 @@ fn spawn_receive(
 
 /// Until a receive of `q` is parked and its listener LISTENing.
 async fn parked_and_listening(q: &PgQueue, plain: &PgPool) {
-    while q.parked_receivers() == 0 || listeners(plain).await.is_empty() {
-        tokio::task::yield_now().await;
-    }
+    wait_until("a receive parked and its listener LISTENing", || async {
+        q.parked_receivers() > 0 && !listeners(plain).await.is_empty()
+    })
+    .await;
 }
 
 /// Terminates the backend of the one queue listener.
@@ -5185,9 +5174,7 @@ async fn a_listener_back_after_a_failed_reconnect_wakes_the_parked_receivers() {
     assert_eq!(q.parked_receivers(), 0);
     gate.open.send_replace(true);
     // It looked, found nothing, and parked again.
-    while q.parked_receivers() == 0 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("a receive parked", || async { q.parked_receivers() > 0 }).await;
 
     // The listener's next try, held back while a message is sent.
     let retry = proxy.next_connection().await;
@@ -6634,9 +6621,7 @@ async fn a_receive_of_a_queue_deleted_by_hand_is_queue_not_found() {
         let q = q.clone();
         tokio::spawn(async move { q.receive(ReceiveRequest::up_to(10).wait(LONG_POLL)).await })
     };
-    while q.parked_receivers() == 0 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("a receive parked", || async { q.parked_receivers() > 0 }).await;
     sqlx::query("DELETE FROM pgonce.queue WHERE name = 'q'")
         .execute(&pool)
         .await
