@@ -12,15 +12,12 @@ use pgonce::{
     Handler, HandlerError, PgQueue, PgQueueOptions, Queue, QueueAttributes, ReceiveRequest,
     Received, SendMessage, Worker, WorkerConfig,
 };
-use pgonce_testkit::fresh_migrated_database;
 use pgonce_testkit::logs::LogLines;
+use pgonce_testkit::{FAILSAFE, fresh_migrated_database};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 
 mod support;
-
-/// Generous: only reached when what a test waits for never happens.
-const FAILSAFE: Duration = Duration::from_secs(20);
 
 async fn queue(pool: &PgPool, name: &str) -> PgQueue {
     PgQueue::create(
