@@ -15,7 +15,7 @@ use pgonce::{
 };
 use pgonce_testkit::{
     Pooler, PoolerSetup, ScratchDatabase, fresh_database, fresh_database_behind_pooler,
-    fresh_migrated_database_behind_pooler, shared_for_tests,
+    fresh_migrated_database_behind_pooler, shared_for_tests, wait_until,
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
@@ -321,9 +321,10 @@ async fn queue_conformance_through_the_pooler(listen: impl Fn(&ScratchDatabase) 
     conformance_shutdown(&queue("shutdown", QueueAttributes::default()).await).await;
     let long_poll = queue("long-poll", QueueAttributes::default()).await;
     let parked = async {
-        while long_poll.parked_receivers() == 0 {
-            tokio::task::yield_now().await;
-        }
+        wait_until("a receive parked", || async {
+            long_poll.parked_receivers() > 0
+        })
+        .await;
     };
     conformance_shutdown_during_a_long_poll(&long_poll, parked).await;
     let poison_dlq = queue("poison-dlq", QueueAttributes::default()).await;
@@ -360,9 +361,7 @@ async fn a_long_poll_through_the_pooler_wakes_on_send_over_a_direct_listener() {
         .await
         .unwrap();
     let parked = async {
-        while q.parked_receivers() == 0 {
-            tokio::task::yield_now().await;
-        }
+        wait_until("a receive parked", || async { q.parked_receivers() > 0 }).await;
     };
     conformance_long_poll_wakes_on_send(&q, parked).await;
 }
@@ -597,9 +596,7 @@ async fn a_dead_letter_move_through_the_pooler_wakes_the_dead_letter_queue() {
             dlq.receive(request).await.unwrap()
         })
     };
-    while dlq.parked_receivers() == 0 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("a receive parked", || async { dlq.parked_receivers() > 0 }).await;
     let again = q.receive(pgonce::ReceiveRequest::up_to(1)).await.unwrap();
     assert!(again.is_empty(), "moved, not delivered");
     let got = tokio::time::timeout(Duration::from_secs(60), receiver)
