@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use pgonce::queue::conformance::*;
 use pgonce::{Error, Queue, QueueAttributes, Receipt, ReceiveRequest, SendMessage};
 use pgonce_sqs::{SqsClient, SqsConfig, SqsQueue};
+use pgonce_testkit::wait_until;
 use support::Moto;
 
 /// A fresh moto with one queue; keep the `Moto` alive for the test.
@@ -157,11 +158,9 @@ async fn a_long_poll_wakes_on_send_not_on_its_timer() {
     // Our receive call is under way (the request may not have reached moto
     // yet; then the send comes first and the receive finds the message at
     // once, which passes as well).
-    let parked = async {
-        while q.receives_in_flight() == 0 {
-            tokio::task::yield_now().await;
-        }
-    };
+    let parked = wait_until("a receive in flight", || async {
+        q.receives_in_flight() > 0
+    });
     conformance_long_poll_wakes_on_send(&q, parked).await;
 }
 
@@ -176,11 +175,9 @@ async fn graceful_shutdown() {
 #[tokio::test]
 async fn a_shutdown_during_a_long_poll_leaves_later_messages_receivable() {
     let (_moto, q) = started("q", QueueAttributes::default()).await;
-    let receiving = async {
-        while q.receives_in_flight() == 0 {
-            tokio::task::yield_now().await;
-        }
-    };
+    let receiving = wait_until("a receive in flight", || async {
+        q.receives_in_flight() > 0
+    });
     conformance_shutdown_during_a_long_poll(&q, receiving).await;
 }
 
@@ -1103,9 +1100,10 @@ async fn a_stop_ends_a_long_receive_after_the_poll_under_way() {
         let (raise, raised) = tokio::sync::oneshot::channel::<()>();
         let q = q.clone();
         let driver = async move {
-            while q.receive_requests() < polls {
-                tokio::task::yield_now().await;
-            }
+            wait_until("the receive's request begun", || async {
+                q.receive_requests() >= polls
+            })
+            .await;
             // (The default `receive_or_stop` drops its stop at once.)
             let _ = raise.send(());
             if send {
@@ -1426,9 +1424,10 @@ async fn calls_on_a_queue_deleted_after_the_open_name_it() {
                 .await
         })
     };
-    while q.receives_in_flight() == 0 {
-        tokio::task::yield_now().await;
-    }
+    wait_until("a receive in flight", || async {
+        q.receives_in_flight() > 0
+    })
+    .await;
     sqs.sdk()
         .delete_queue()
         .queue_url(q.url())

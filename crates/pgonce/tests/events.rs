@@ -15,7 +15,7 @@ use pgonce::events::{
     SubscriptionConfig,
 };
 use pgonce_testkit::{
-    FaultProxy, Interleaving, NewConnections, ScratchDatabase, fresh_migrated_database,
+    FAILSAFE, FaultProxy, Interleaving, NewConnections, ScratchDatabase, fresh_migrated_database,
 };
 use rand::Rng;
 use serde_json::json;
@@ -1212,21 +1212,31 @@ async fn assert_every_committed_event_once_in_order(pool: &PgPool, seen: &[i64])
     committed.len()
 }
 
-/// The subscription wakes on NOTIFY: `next` returns soon after an append
-/// even with a long poll interval; after an unconditional append, a
+/// The subscription wakes on NOTIFY: `next`, waiting after a poll that
+/// found nothing, returns after an append though its poll interval is the
+/// longest there is (12 h), so nothing but the notification can have woken
+/// it, however slow the machine; after an unconditional append, a
 /// conditional one of one event (its own insert, migration 0180) and a
-/// conditional one of two.
+/// conditional one of two. Each append waits until the waiting `next` has
+/// polled.
 #[tokio::test]
 async fn next_is_woken_by_notify() {
     let (_db, pool) = db().await;
     let s = store(&pool, AppendStrategy::AdvisoryLocks);
     let mut sub = s
         .subscribe(SubscriptionConfig {
-            poll_interval: Duration::from_secs(30),
+            poll_interval: pgonce::queue::MAX_WAIT,
             ..Default::default()
         })
         .await
         .unwrap();
+    let (polled, mut polls) = tokio::sync::mpsc::unbounded_channel();
+    sub.set_poll_hook(Some(Box::new(move |point, _| {
+        if point == PollPoint::BeforeCommit {
+            let _ = polled.send(());
+        }
+        Box::pin(async {})
+    })));
     let (on_y, on_z) = (
         AppendCondition::new(tag_query("y"), None),
         AppendCondition::new(tag_query("z"), None),
@@ -1237,15 +1247,19 @@ async fn next_is_woken_by_notify() {
         (vec![booked("z"), booked("z")], Some(&on_z), vec![3, 4]),
     ];
     for (events, condition, expected) in appends {
+        // The poll that found the last append's events, told already.
+        while polls.try_recv().is_ok() {}
         let waiter = tokio::spawn(async move {
             let next = sub.next().await;
             (sub, next)
         });
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        s.append(&events, condition).await.unwrap();
-        let (back, next) = tokio::time::timeout(Duration::from_secs(10), waiter)
+        tokio::time::timeout(FAILSAFE, polls.recv())
             .await
-            .expect("woken long before the 30 s poll")
+            .expect("waited two minutes for next to poll");
+        s.append(&events, condition).await.unwrap();
+        let (back, next) = tokio::time::timeout(FAILSAFE, waiter)
+            .await
+            .expect("woken by the notification, not by the 12 h poll")
             .unwrap();
         assert_eq!(positions(&next.unwrap()), expected);
         sub = back;
@@ -2755,19 +2769,23 @@ async fn a_reconnect_cut_short_by_the_wait_leaves_no_listening_connection_in_the
         }
     });
     polls.recv().await.unwrap();
-    let listener_pid = loop {
-        let pid: Option<i32> = sqlx::query_scalar(
-            "SELECT pid FROM pg_stat_activity \
-             WHERE datname = current_database() AND query LIKE 'LISTEN%' AND state = 'idle'",
-        )
-        .fetch_optional(&plain)
-        .await
-        .unwrap();
-        if let Some(pid) = pid {
-            break pid;
+    let listener_pid = tokio::time::timeout(FAILSAFE, async {
+        loop {
+            let pid: Option<i32> = sqlx::query_scalar(
+                "SELECT pid FROM pg_stat_activity \
+                 WHERE datname = current_database() AND query LIKE 'LISTEN%' AND state = 'idle'",
+            )
+            .fetch_optional(&plain)
+            .await
+            .unwrap();
+            if let Some(pid) = pid {
+                break pid;
+            }
+            tokio::task::yield_now().await;
         }
-        tokio::task::yield_now().await;
-    };
+    })
+    .await
+    .expect("waited two minutes for the listener LISTENing");
 
     // What the server answers the next LISTEN on a connection through
     // the proxy is held back.

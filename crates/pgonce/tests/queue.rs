@@ -16,7 +16,8 @@ use pgonce::{
     SendMessage, Sent,
 };
 use pgonce_testkit::{
-    FaultProxy, Interleaving, NewConnections, fresh_database, fresh_migrated_database, wait_until,
+    FAILSAFE, FaultProxy, Interleaving, NewConnections, fresh_database, fresh_migrated_database,
+    wait_until,
 };
 use sqlx::{PgPool, Postgres, Transaction};
 
@@ -2573,10 +2574,15 @@ async fn spawned_until_parked(
             q.receive(request).await.unwrap()
         })
     };
+    let deadline = tokio::time::Instant::now() + FAILSAFE;
     while q.parked_receivers() == parked_before {
         if receiver.is_finished() {
             return Err(receiver.await);
         }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited two minutes for a receiver to park or end"
+        );
         tokio::task::yield_now().await;
     }
     Ok(receiver)
