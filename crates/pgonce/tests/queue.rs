@@ -3228,6 +3228,7 @@ async fn a_delayed_send_reaches_a_parked_receiver_when_the_woken_one_stops() {
         q.send(SendMessage::new("delayed").delay(unit))
             .await
             .unwrap();
+        let deadline = tokio::time::Instant::now() + FAILSAFE;
         while empty.load(Ordering::SeqCst) == looked || q.parked_receivers() < 2 {
             // R1 looked once the delay had run out, and took the message;
             // or, having looked before, it parked again so late that the
@@ -3239,6 +3240,10 @@ async fn a_delayed_send_reaches_a_parked_receiver_when_the_woken_one_stops() {
                     "a receiver took the message before R1 parked again",
                 ));
             }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "waited two minutes for R1 to look again and both to park, or one to end"
+            );
             tokio::task::yield_now().await;
         }
         assert_eq!(
@@ -3573,6 +3578,7 @@ async fn a_receiver_the_timer_woke_that_does_not_look_passes_the_wake_on(lost: L
                 q.receive(request).await.map(|r| r.len())
             })
         };
+        let deadline = tokio::time::Instant::now() + FAILSAFE;
         while q.parked_receivers() < 1 {
             if first.is_finished() {
                 assert_eq!(first.await.unwrap().unwrap(), 1, "it took the message");
@@ -3580,6 +3586,10 @@ async fn a_receiver_the_timer_woke_that_does_not_look_passes_the_wake_on(lost: L
                     "the first receiver took the message before it parked",
                 ));
             }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "waited two minutes for the first receiver to park or end"
+            );
             tokio::task::yield_now().await;
         }
         let setup = async {
