@@ -2621,8 +2621,9 @@ fn values_of_every_kind() -> impl proptest::strategy::Strategy<Value = Value> {
 }
 
 /// The lengths `pgonce::json::text_lengths` counts, which bound what
-/// attributes may print as, are the lengths of serde_json's compact text
-/// and of PostgreSQL's text (`jsonb::text`) of the value once stored, on
+/// attributes may print as and what a statement may send, are the lengths
+/// of serde_json's compact text, of the text pgonce stores, and of
+/// PostgreSQL's text (`jsonb::text`) of the value once stored, on
 /// 4000 values drawn by proptest: doubles and integers of every size,
 /// and objects holding strings with every escape.
 #[tokio::test]
@@ -2650,7 +2651,8 @@ async fn the_lengths_counted_are_what_serde_json_writes_and_postgresql_prints() 
     for ((value, stored), printed) in values.iter().zip(&stored).zip(printed) {
         let counted = pgonce::json::text_lengths(value);
         let compact = value.to_string().len();
-        if (counted.compact, counted.printed) != (compact, printed as usize) {
+        let lengths = (counted.compact, counted.printed, counted.stored);
+        if lengths != (compact, printed as usize, stored.len()) {
             wrong.push(format!(
                 "{stored}: counted {counted:?}, written {compact}, printed {printed}"
             ));

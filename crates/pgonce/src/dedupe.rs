@@ -467,15 +467,16 @@ fn taken(scope: &str, key: &str, row: HeldRow) -> Acquired {
 /// Run it again: its fresh snapshot sees the hold.
 pub async fn finish<'c>(db: impl PgExecutor<'c>, hold: &KeyHold, response: &Value) -> Result<()> {
     crate::json::check_storable("idempotency response", response)?;
-    // As text: a replay is this text, parsed (see key_finish.sql).
-    let text = response.to_string();
-    // The hold's scope and key travel beside it (a hold's fields are
-    // public: their length is whatever the caller put there).
+    // The hold's scope and key travel beside the text (a hold's fields
+    // are public: their length is whatever the caller put there). Counted
+    // before the text is written.
     crate::json::check_sendable_beside(
         "idempotency response",
-        text.len(),
+        crate::json::text_lengths(response).compact,
         hold.scope.len() + hold.key.len(),
     )?;
+    // As text: a replay is this text, parsed (see key_finish.sql).
+    let text = response.to_string();
     let done: Option<i32> = sqlx::query_scalar(include_str!("dedupe/sql/key_finish.sql"))
         .bind(&hold.scope)
         .bind(&hold.key)

@@ -890,13 +890,16 @@ pub async fn complete_many<'c>(
     }
     let ids: Vec<i64> = done.iter().map(|(l, _)| l.job_id).collect();
     let tokens: Vec<Uuid> = done.iter().map(|(l, _)| l.token).collect();
-    let results: Vec<_> = done.iter().map(|(_, r)| crate::json::stored(r)).collect();
-    // One statement carries them all, with what goes with each.
+    // One statement carries them all, with what goes with each: counted
+    // before their text is written.
     crate::json::check_sendable_beside(
         "job results",
-        results.iter().map(|r| r.0.get().len()).sum(),
+        done.iter()
+            .map(|(_, r)| crate::json::text_lengths(r).stored)
+            .sum(),
         done.len() * COMPLETE_MANY_BYTES_PER_LEASE,
     )?;
+    let results: Vec<_> = done.iter().map(|(_, r)| crate::json::stored(r)).collect();
     let claimed_in: Vec<i64> = done.iter().map(|(l, _)| l.claimed_in).collect();
     let completed: Vec<CompletedRow> = sqlx::query_as(include_str!("job/sql/complete_many.sql"))
         .bind(&ids)

@@ -76,10 +76,8 @@ pub fn stored(value: &Value) -> Json<Box<RawValue>> {
             match self.0 {
                 Value::Number(n) => match n.as_f64() {
                     Some(double) if n.is_f64() && written_with_fraction(double) => {
-                        // A few bytes, checked as JSON once: an integer
-                        // and a point, as every finite whole double
-                        // prints in Rust.
-                        RawValue::from_string(format!("{double}.0"))
+                        // A few bytes, checked as JSON once.
+                        RawValue::from_string(with_fraction(double).as_str().to_owned())
                             .expect("a whole double and `.0` are a JSON number")
                             .serialize(serializer)
                     }
@@ -117,6 +115,16 @@ fn written_with_fraction(value: f64) -> bool {
     value.fract() == 0.0 && (i64::MIN as f64..u64::MAX as f64).contains(&value)
 }
 
+/// The text [`stored`] writes for a double [`written_with_fraction`]: its
+/// digits, as every finite whole double prints in Rust (at most 20 and a
+/// sign in that range), and `.0`.
+fn with_fraction(double: f64) -> NumberText {
+    use std::fmt::Write as _;
+    let mut text = NumberText::default();
+    write!(text, "{double}.0").expect("a whole double below 2^64 and `.0` take 23 bytes at most");
+    text
+}
+
 /// The lengths, in bytes, of a JSON value's text ([`text_lengths`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -136,13 +144,20 @@ pub struct TextLengths {
     /// Strings are escaped alike by both (`\"`, `\\`, `\n` and the
     /// other C0 controls, the rest as they are).
     pub printed: usize,
+    /// The text [`stored`] writes, what pgonce sends for the value: the
+    /// compact text, but for a whole double written with a zero fraction
+    /// (`10000000000000000.0` for serde_json's `1e16`). A statement is
+    /// refused for this length before its text is written
+    /// ([`check_sendable`]).
+    pub stored: usize,
 }
 
 impl TextLengths {
-    fn both(len: usize) -> TextLengths {
+    fn all(len: usize) -> TextLengths {
         TextLengths {
             compact: len,
             printed: len,
+            stored: len,
         }
     }
 }
@@ -155,18 +170,19 @@ impl TextLengths {
 /// [`check_storable`]), as serde_json parses.
 pub fn text_lengths(value: &Value) -> TextLengths {
     match value {
-        Value::Null | Value::Bool(true) => TextLengths::both(4),
-        Value::Bool(false) => TextLengths::both(5),
-        Value::String(s) => TextLengths::both(quoted_len(s)),
+        Value::Null | Value::Bool(true) => TextLengths::all(4),
+        Value::Bool(false) => TextLengths::all(5),
+        Value::String(s) => TextLengths::all(quoted_len(s)),
         Value::Number(n) => number_lengths(n),
         Value::Array(items) => listed(items.iter().map(text_lengths)),
         Value::Object(map) => listed(map.iter().map(|(name, value)| {
             let name = quoted_len(name);
             let value = text_lengths(value);
-            // `:` compact, `: ` printed.
+            // `:` compact and stored, `: ` printed.
             TextLengths {
                 compact: name + 1 + value.compact,
                 printed: name + 2 + value.printed,
+                stored: name + 1 + value.stored,
             }
         })),
     }
@@ -175,11 +191,12 @@ pub fn text_lengths(value: &Value) -> TextLengths {
 /// The lengths of an array or object whose elements (members) have
 /// `lengths`: in brackets, separated by `,` compact and `, ` printed.
 fn listed(lengths: impl Iterator<Item = TextLengths>) -> TextLengths {
-    let mut total = TextLengths::both(2);
+    let mut total = TextLengths::all(2);
     for (i, element) in lengths.enumerate() {
         let separator = usize::from(i > 0);
         total.compact += separator + element.compact;
         total.printed += 2 * separator + element.printed;
+        total.stored += separator + element.stored;
     }
     total
 }
@@ -210,7 +227,7 @@ fn number_lengths(n: &serde_json::Number) -> TextLengths {
     write!(text, "{n}").expect("serde_json writes a number in at most 24 bytes");
     let compact = text.as_str().len();
     let Some(double) = n.as_f64().filter(|_| n.is_f64()) else {
-        return TextLengths::both(compact);
+        return TextLengths::all(compact);
     };
     let parts = NumberParts::of(text.as_str());
     let leading_zeros = parts
@@ -232,7 +249,16 @@ fn number_lengths(n: &serde_json::Number) -> TextLengths {
     let printed = usize::from(parts.negative && !zero)
         + integer
         + if decimals > 0 { 1 + decimals } else { 0 };
-    TextLengths { compact, printed }
+    let stored = if written_with_fraction(double) {
+        with_fraction(double).as_str().len()
+    } else {
+        compact
+    };
+    TextLengths {
+        compact,
+        printed,
+        stored,
+    }
 }
 
 /// The parts of a JSON number's text: `-12.50e-3` is negative, whole
@@ -351,11 +377,13 @@ pub(crate) fn check_sendable_beside(what: &'static str, bytes: usize, beside: us
 }
 
 /// [`stored`], refused with [`Error::Invalid`] naming `what` when its text
-/// alone is too long to send ([`check_sendable`]).
+/// alone is too long to send ([`check_sendable`]). Counted before it is
+/// written ([`TextLengths::stored`]): a value refused for its size costs a
+/// walk of it, not a GiB of text. Call it on a value [`check_storable`]
+/// passed, as [`text_lengths`] requires.
 pub(crate) fn stored_sendable(what: &'static str, value: &Value) -> Result<Json<Box<RawValue>>> {
-    let json = stored(value);
-    check_sendable(what, json.0.get().len())?;
-    Ok(json)
+    check_sendable(what, text_lengths(value).stored)?;
+    Ok(stored(value))
 }
 
 /// SQLSTATE `program_limit_exceeded`: PostgreSQL's error for a value past
@@ -514,6 +542,7 @@ mod tests {
             ),
         ] {
             assert_eq!(stored(&value).0.get(), text);
+            assert_eq!(text_lengths(&value).stored, text.len(), "{value}");
         }
     }
 
@@ -557,6 +586,7 @@ mod tests {
             let lengths = text_lengths(&value);
             assert_eq!(lengths.printed, printed, "{value}");
             assert_eq!(lengths.compact, value.to_string().len(), "{value}");
+            assert_eq!(lengths.stored, stored(&value).0.get().len(), "{value}");
         }
     }
 

@@ -398,15 +398,17 @@ async fn append_one_statement(
         // The commonest append: one event, on the commonest condition, its
         // fields as parameters (migration 0180).
         (Some(tags), [event]) => {
-            let data = crate::json::stored(&event.data);
-            let metadata = crate::json::stored(&event.metadata);
-            // The event's tags and the condition's travel beside them,
-            // as many as given (duplicates included).
+            // The event's tags and the condition's travel beside its
+            // data and metadata, as many as given (duplicates included).
+            // Counted before the text is written.
             crate::json::check_sendable_beside(
                 "event",
-                data.0.get().len() + metadata.0.get().len(),
+                crate::json::text_lengths(&event.data).stored
+                    + crate::json::text_lengths(&event.metadata).stored,
                 text_array_bytes(&event.tags) + text_array_bytes(tags),
             )?;
+            let data = crate::json::stored(&event.data);
+            let metadata = crate::json::stored(&event.metadata);
             sqlx::query_as(include_str!("sql/append_one_tag_item.sql"))
                 .bind(&event.event_type)
                 .bind(&event.tags)
@@ -481,7 +483,8 @@ struct CheckedInsert {
 /// The events as one JSON array, written so that their numbers read back
 /// as they were given ([`crate::json::stored`]); [`Error::Invalid`] when
 /// its text, with the `beside` bytes of the condition sent in the same
-/// statement, is too long to send ([`crate::json::check_sendable_beside`]).
+/// statement, is too long to send ([`crate::json::check_sendable_beside`]),
+/// counted before the text is written.
 fn events_json(
     events: &[Event],
     beside: usize,
@@ -490,9 +493,9 @@ fn events_json(
         what: "event",
         why: e.to_string(),
     })?;
-    let json = crate::json::stored(&value);
-    crate::json::check_sendable_beside("event", json.0.get().len(), beside)?;
-    Ok(json)
+    let text = crate::json::text_lengths(&value).stored;
+    crate::json::check_sendable_beside("event", text, beside)?;
+    Ok(crate::json::stored(&value))
 }
 
 /// The isolation level [`begin_locked`] opens.
