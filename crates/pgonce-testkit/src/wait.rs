@@ -17,7 +17,8 @@ use std::time::Duration;
 pub const FAILSAFE: Duration = Duration::from_secs(120);
 
 /// Polls `check` until it returns true, yielding to the runtime between
-/// polls; panics with "waited two minutes for {what}" past [`FAILSAFE`].
+/// polls; panics with "waited 120s for {what}" past [`FAILSAFE`] (the
+/// message prints the bound).
 ///
 /// `what` names the state awaited, as the panic message reads it.
 pub async fn wait_until<F, Fut>(what: &str, check: F)
@@ -53,7 +54,7 @@ where
         }
     };
     if tokio::time::timeout(FAILSAFE, polls).await.is_err() {
-        panic!("waited two minutes for {what}");
+        panic!("waited {FAILSAFE:?} for {what}");
     }
 }
 
@@ -84,7 +85,10 @@ mod tests {
     async fn a_check_that_never_holds_panics_naming_what_it_waited_for() {
         let message =
             panic_past_failsafe(wait_until("a state that never comes", || async { false })).await;
-        assert_eq!(message, "waited two minutes for a state that never comes");
+        assert_eq!(
+            message,
+            format!("waited {FAILSAFE:?} for a state that never comes")
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -95,7 +99,10 @@ mod tests {
             || async { false },
         ))
         .await;
-        assert_eq!(message, "waited two minutes for a row that never shows");
+        assert_eq!(
+            message,
+            format!("waited {FAILSAFE:?} for a row that never shows")
+        );
     }
 
     #[tokio::test(start_paused = true)]
