@@ -146,9 +146,9 @@ pub struct TextLengths {
     pub printed: usize,
     /// The text [`stored`] writes, what pgonce sends for the value: the
     /// compact text, but for a whole double written with a zero fraction
-    /// (`10000000000000000.0` for serde_json's `1e16`). A statement is
-    /// refused for this length before its text is written
-    /// ([`check_sendable`]).
+    /// (`10000000000000000.0` for serde_json's `1e16`). A statement whose
+    /// values' stored text passes [`MAX_SENT_JSON_BYTES`] is refused for
+    /// this length, before the text is written.
     pub stored: usize,
 }
 
@@ -223,13 +223,23 @@ fn quoted_len(s: &str) -> usize {
 /// exponent moved the point. A minus sign unless it is zero.
 fn number_lengths(n: &serde_json::Number) -> TextLengths {
     use std::fmt::Write as _;
-    let mut text = NumberText::default();
-    write!(text, "{n}").expect("serde_json writes a number in at most 24 bytes");
-    let compact = text.as_str().len();
+    let mut on_stack = NumberText::default();
+    // At most 24 bytes, unless a crate in the build turns on serde_json's
+    // `arbitrary_precision`, which keeps a number's text as it was parsed,
+    // however long: then the text is counted from the heap (every append
+    // and enqueue counts its values, and must not panic on one).
+    let on_heap;
+    let text = if write!(on_stack, "{n}").is_ok() {
+        on_stack.as_str()
+    } else {
+        on_heap = n.to_string();
+        on_heap.as_str()
+    };
+    let compact = text.len();
     let Some(double) = n.as_f64().filter(|_| n.is_f64()) else {
         return TextLengths::all(compact);
     };
-    let parts = NumberParts::of(text.as_str());
+    let parts = NumberParts::of(text);
     let leading_zeros = parts
         .whole
         .bytes()
