@@ -600,6 +600,18 @@ mod tests {
         }
     }
 
+    /// Text of exactly [`MAX_SENT_JSON_BYTES`] is sent, one byte more is
+    /// refused, with or without bytes sent beside it.
+    #[test]
+    fn the_sendable_limit_is_inclusive() {
+        let max = MAX_SENT_JSON_BYTES;
+        assert!(check_sendable("value", max).is_ok());
+        assert!(check_sendable("value", max + 1).is_err());
+        assert!(check_sendable_beside("value", max - 10, 10).is_ok());
+        assert!(check_sendable_beside("value", max - 10, 11).is_err());
+        assert!(check_sendable_beside("value", usize::MAX, usize::MAX).is_err());
+    }
+
     #[test]
     fn a_nul_anywhere_is_refused() {
         for bad in [
