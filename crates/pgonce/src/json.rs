@@ -201,6 +201,12 @@ fn listed(lengths: impl Iterator<Item = TextLengths>) -> TextLengths {
     total
 }
 
+/// The length of a JSON array of `strings` as serde_json writes it
+/// (`["a","b"]`), counted without writing it.
+pub(crate) fn string_array_len(strings: &[String]) -> usize {
+    2 + strings.len().saturating_sub(1) + strings.iter().map(|s| quoted_len(s)).sum::<usize>()
+}
+
 /// The length of `s` as a JSON string, quoted and escaped as serde_json
 /// and PostgreSQL both escape it.
 fn quoted_len(s: &str) -> usize {

@@ -683,7 +683,10 @@ async fn an_append_counts_the_tags_and_condition_it_sends_beside_its_events() {
 /// A query whose tags alone pass what PostgreSQL takes in one message
 /// (1 GiB): a read sent them and the server dropped the connection
 /// (`Connection reset by peer`). Refused as bad input now, as a query is
-/// built and as a read checks one built by hand.
+/// built and as a read checks one built by hand. So is one whose tags fit
+/// as text arrays but not as the JSON text a condition sends them in
+/// (200 MiB of control characters, six bytes each in JSON), counted
+/// without writing that text.
 #[tokio::test]
 async fn a_query_past_one_message_is_refused() {
     let (_db, pool) = db().await;
@@ -694,7 +697,11 @@ async fn a_query_past_one_message_is_refused() {
         .read(&by_hand, ReadOptions::default())
         .await
         .map(drop);
-    for (path, outcome) in [("read", read), ("built", built)] {
+    drop(by_hand);
+    let controls = "\u{1}".repeat(200 << 20);
+    let as_json = Query::item(Vec::<String>::new(), [controls.as_str()]).map(drop);
+    drop(controls);
+    for (path, outcome) in [("read", read), ("built", built), ("as JSON", as_json)] {
         assert!(
             matches!(&outcome, Err(Error::Invalid { what: "query", why }) if why.contains("1 GiB")),
             "{path}: {:?}",

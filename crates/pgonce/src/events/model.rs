@@ -258,9 +258,9 @@ impl Query {
         }
         // A read, a decision or a subscription sends the items in one
         // statement, as text arrays or as JSON text: past PostgreSQL's
-        // 1 GiB message the server dropped the connection. The arrays are
-        // counted first, so a query already past the limit as arrays is
-        // refused without writing its JSON.
+        // 1 GiB message the server dropped the connection. Both are
+        // counted, neither written; the JSON text (a walk of every byte)
+        // only when the arrays are within the limit.
         let arrays: usize = items
             .iter()
             .map(|i| text_array_bytes(&i.types) + text_array_bytes(&i.tags))
@@ -268,8 +268,7 @@ impl Query {
         let sent = if arrays > crate::json::MAX_SENT_JSON_BYTES {
             arrays
         } else {
-            let json = serde_json::to_string(items).expect("strings serialize");
-            arrays.max(json.len())
+            arrays.max(items_json_len(items))
         };
         if sent > crate::json::MAX_SENT_JSON_BYTES {
             return Err(Error::invalid(
@@ -283,6 +282,22 @@ impl Query {
         }
         Ok(())
     }
+}
+
+/// The length of `items`' JSON text (`serde_json::to_string(items)`:
+/// `[{"types":[..],"tags":[..]},..]`), counted without writing it.
+fn items_json_len(items: &[QueryItem]) -> usize {
+    let each: usize = items
+        .iter()
+        .map(|i| {
+            r#"{"types":"#.len()
+                + crate::json::string_array_len(&i.types)
+                + r#","tags":"#.len()
+                + crate::json::string_array_len(&i.tags)
+                + "}".len()
+        })
+        .sum();
+    2 + items.len().saturating_sub(1) + each
 }
 
 /// The condition of an append: fail if an event matching `fail_if_events_match`
@@ -353,4 +368,30 @@ pub struct Appended {
     pub positions: Vec<i64>,
     /// Serialization failures retried before it went through (SSI only).
     pub retries: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The items' JSON text is counted as serde_json writes it: no item,
+    /// one, several, empty lists, and names with every escape.
+    #[test]
+    fn the_items_json_length_is_what_serde_json_writes() {
+        let escapes = "quote \" backslash \\ control \u{1} tab \t é 😀 \u{2028} \u{7f}";
+        let cases = [
+            vec![],
+            vec![QueryItem::new().tags(["t"])],
+            vec![QueryItem::new().types(["A", "B"]).tags(["t1", "t2"])],
+            vec![
+                QueryItem::new().types([escapes]),
+                QueryItem::new().tags([escapes, ""]),
+                QueryItem::new(),
+            ],
+        ];
+        for items in cases {
+            let written = serde_json::to_string(&items).unwrap();
+            assert_eq!(items_json_len(&items), written.len(), "{written}");
+        }
+    }
 }
